@@ -1,0 +1,60 @@
+"""Which KV pages each sequence holds: prefix-cache matching and allocation on admission, one more
+page as decode crosses a page boundary, registration of prefilled pages, release. Engine thread
+only; plain Python (the page allocator and prefix cache do the counting)."""
+from __future__ import annotations
+
+from engine.kv_cache import PageAllocator, pages_needed
+from engine.prefix_cache import PrefixCache
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.prefix = PrefixCache(self.allocator, page_size) if enable_prefix_cache else None
+
+    def admit(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Give `seq` pages for all its tokens (reusing cached ones) and set where prefill starts;
+        False, holding nothing, unless `reserve` pages stay free afterwards."""
+        tokens = seq.tokens
+        matched = self.prefix.match(tokens) if self.prefix else []
+        need = pages_needed(len(tokens), self.page_size) - len(matched)
+        fresh = self._allocate(need, reserve)
+        if fresh is None:
+            self.allocator.free_many(matched)
+            return False
+        seq.pages = matched + fresh
+        seq.matched_pages = len(matched)
+        seq.num_computed = len(matched) * self.page_size
+        seq.prefill_target = len(tokens) - 1  # the last token is fed to the first decode step
+        return True
+
+    def grow(self, seq: Sequence) -> bool:
+        """Pages covering the position `seq` feeds next; False when none is left to take."""
+        while len(seq.pages) < pages_needed(seq.num_tokens, self.page_size):
+            page = self._allocate(1)
+            if page is None:
+                return False
+            seq.pages += page
+        return True
+
+    def register(self, seq: Sequence) -> bool:
+        """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
+        if self.prefix is None or seq.prefill_target < self.page_size:
+            return False
+        self.prefix.insert(seq.tokens[:seq.prefill_target], seq.pages)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's references; cached pages stay with the cache until evicted."""
+        self.allocator.free_many(seq.pages)
+        seq.pages = []
+
+    def _allocate(self, n: int, reserve: int = 0) -> list[int] | None:
+        shortfall = n + reserve - self.allocator.num_free
+        if shortfall > 0 and self.prefix is not None:
+            self.prefix.evict(shortfall)
+        if self.allocator.num_free < n + reserve:
+            return None
+        return self.allocator.allocate(n)

@@ -1,0 +1,333 @@
+"""The output side, on its own thread: detokenization, stop strings, per-request metrics and the
+thread -> asyncio bridge. The engine thread only enqueues one list of `Emit` records per step.
+
+Backpressure: a slow consumer never blocks the engine or this thread. Deltas a consumer has not
+taken yet are merged into one pending Delta (text concatenated, ids appended), so what waits per
+request is bounded by its text, not by the number of steps, and at most one wake-up per stream
+is queued on its event loop at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+from engine.request import FinishReason, Request, TokenLogprob
+from models.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    text: str                            # complete UTF-8; never any part of a matched stop string
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token when requested
+    finish_reason: FinishReason | None   # set on the last Delta
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason
+    prompt_tokens: int
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Emitted once per finished request to the scheduler's listeners."""
+
+    request_id: str
+    input_length: int
+    output_length: int
+    queue_time_s: float          # first admission - arrival (whole wait if never admitted)
+    ttft_s: float | None         # first token delivered - arrival
+    tpot_s: list[float]          # per-output-token latencies after the first (step to step)
+    finish_reason: FinishReason
+
+
+class RequestStream:
+    """Async iterator of Deltas for one request, plus a blocking `result()` for sync callers."""
+
+    def __init__(self, request: Request, cancel: Callable[[str], None]) -> None:
+        self.request_id = request.request_id
+        self.prompt_tokens = len(request.prompt_ids)
+        self._cancel = cancel
+        self._want_logprobs = request.params.logprobs is not None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None  # bound on the first __anext__
+        self._wake = asyncio.Event()
+        self._wake_queued = False
+        # Not yet taken by the consumer: merged, built into one Delta when taken.
+        self._pending: tuple[list[str], list[int], list[TokenLogprob]] | None = None
+        self._ended = False  # the consumer has taken the final Delta
+        # The whole completion, for result(); bounded by the text like the pending Delta.
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._finish: FinishReason | None = None
+        self._error: str | None = None
+
+    def cancel(self) -> None:
+        self._cancel(self.request_id)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is not loop:
+                if self._loop is not None and not self._loop.is_closed():
+                    raise RuntimeError(f"stream {self.request_id} is bound to another event loop")
+                self._loop, self._wake, self._wake_queued = loop, asyncio.Event(), False
+        while True:
+            self._wake.clear()  # before looking, so a wake-up after the look is not lost
+            with self._lock:
+                delta = self._take()
+                if delta is None and self._ended:
+                    raise StopAsyncIteration
+            if delta is not None:
+                return delta
+            await self._wake.wait()
+
+    def _take(self) -> Delta | None:
+        if self._pending is None:
+            return None
+        text, ids, logprobs = self._pending
+        self._pending = None
+        final = self._done.is_set()
+        self._ended = final
+        return Delta(text="".join(text), token_ids=ids,
+                     logprobs=logprobs if self._want_logprobs else None,
+                     finish_reason=self._finish if final else None,
+                     error=self._error if final else None)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request finishes; not from the event loop (it would stall it)."""
+        if not self._done.is_set() and _in_event_loop():
+            raise RuntimeError("RequestStream.result() blocks; iterate the stream with "
+                               "`async for` inside an event loop")
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        with self._lock:
+            return Completion(request_id=self.request_id, text="".join(self._text),
+                              token_ids=list(self._ids),
+                              logprobs=list(self._logprobs) if self._want_logprobs else None,
+                              finish_reason=self._finish, prompt_tokens=self.prompt_tokens,
+                              error=self._error)
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def _push(self, text: str, ids: list[int], logprobs: list[TokenLogprob],
+              finish: FinishReason | None, error: str | None = None) -> None:
+        """Output thread: add one delta, merging it into the one the consumer has not taken."""
+        with self._lock:
+            self._text.append(text)
+            self._ids.extend(ids)
+            self._logprobs.extend(logprobs)
+            self._finish, self._error = finish, error
+            if self._pending is None:
+                self._pending = ([], [], [])
+            self._pending[0].append(text)
+            self._pending[1].extend(ids)
+            self._pending[2].extend(logprobs)
+            if finish is not None:
+                self._done.set()  # under the lock: _take sees the final state with its text
+            loop = self._loop if not self._wake_queued else None
+            self._wake_queued = self._wake_queued or loop is not None
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._on_wake)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _on_wake(self) -> None:
+        with self._lock:
+            self._wake_queued = False
+        self._wake.set()
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class Tracker:
+    """Output-thread state of one request: detokenizer, held-back text, timings."""
+
+    def __init__(self, request: Request, stream: RequestStream, tokenizer) -> None:
+        self.request = request
+        self.stream = stream
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = request.params.stop
+        self.held = ""          # text that might be the start of a stop string
+        self.done = False
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None  # delivered to the stream
+        self.last_step_at = 0.0                   # when the engine produced the latest token
+        self.tpot: list[float] = []
+        self.num_tokens = 0
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Text safe to emit after `piece`; True when a stop string matched (text cut before it)."""
+        buf = self.held + piece
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return buf[:cut], True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), hold, -1):
+                if buf.endswith(stop[:k]):
+                    hold = k
+                    break
+        self.held = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold], False
+
+    def timings(self, count: int, produced_at: float, now: float) -> None:
+        if count == 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.tpot.extend([0.0] * (count - 1))
+        else:
+            # Engine time, so a busy output thread does not distort the decode latency.
+            self.tpot.extend([(produced_at - self.last_step_at) / count] * count)
+        self.last_step_at = produced_at
+        self.num_tokens += count
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Emit:
+    """What the engine thread reports for one request in one step."""
+
+    tracker: Tracker
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
+    finish_reason: FinishReason | None = None  # STOP here means the last id is an EOS/stop token
+    error: str | None = None
+    admitted_at: float | None = None
+
+
+_CLOSE = object()
+
+
+class OutputProcessor:
+    """Owns the output thread. `release(request_id)` asks the scheduler to drop a request that a
+    stop string finished; `on_finish` receives each request's metrics (on this thread)."""
+
+    def __init__(self, tokenizer, release: Callable[[str], None],
+                 on_finish: Callable[[RequestMetrics], None]) -> None:
+        self._tokenizer = tokenizer
+        self._release = release
+        self._on_finish = on_finish
+        self._queue: queue.Queue = queue.Queue()  # unbounded: the engine must never block here
+        self._thread = threading.Thread(target=self._run, name="slipstream-output", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def open(self, request: Request, cancel: Callable[[str], None]) -> Tracker:
+        return Tracker(request, RequestStream(request, cancel), self._tokenizer)
+
+    def put(self, records: list[Emit]) -> None:
+        if records:
+            self._queue.put((time.monotonic(), records))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver everything queued so far, then stop the thread."""
+        self._queue.put(_CLOSE)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSE:
+                return
+            produced_at, records = item
+            now = time.monotonic()
+            for record in records:
+                try:
+                    self._handle(record, produced_at, now)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the rest
+                    log.exception("output processing failed for %s",
+                                  record.tracker.request.request_id)
+                    self._finish(record.tracker, [], [], FinishReason.ERROR, now,
+                                 error=f"output processing failed: {exc!r}")
+                    self._release(record.tracker.request.request_id)
+
+    def _handle(self, rec: Emit, produced_at: float, now: float) -> None:
+        tr = rec.tracker
+        if tr.done:
+            return  # finished here by a stop string; the engine had not dropped it yet
+        if rec.admitted_at is not None and tr.admitted_at is None:
+            tr.admitted_at = rec.admitted_at
+        text: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        finish, stopped = rec.finish_reason, False
+        for i, token in enumerate(rec.token_ids):
+            ids.append(token)
+            if rec.logprobs is not None and rec.logprobs[i] is not None:
+                logprobs.append(rec.logprobs[i])
+            if finish is FinishReason.STOP and i == len(rec.token_ids) - 1:
+                break  # EOS / stop token: counted as generated, never shown as text
+            piece, stopped = tr.feed(tr.detok.add(token))
+            text.append(piece)
+            if stopped:
+                finish = FinishReason.STOP
+                break
+        if finish is not None and not stopped:
+            # The stream ends: what the detokenizer or the stop check held back is text now.
+            piece, stopped = tr.feed(tr.detok.flush())
+            text.append(piece if stopped else piece + tr.held)
+            finish = FinishReason.STOP if stopped else finish
+            tr.held = ""
+        tr.timings(len(ids), produced_at, now)
+        if finish is not None:
+            self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
+            if stopped and rec.finish_reason is None:
+                self._release(tr.request.request_id)
+        elif ids:
+            tr.stream._push("".join(text), ids, logprobs, None)
+
+    def _finish(self, tr: Tracker, text: list[str], ids: list[int], finish: FinishReason,
+                now: float, logprobs: Sequence[TokenLogprob] = (), error: str | None = None
+                ) -> None:
+        if tr.done:
+            return
+        tr.done = True
+        if finish is FinishReason.ERROR and error is None:
+            error = "request failed"
+        tr.stream._push("".join(text), ids, list(logprobs), finish, error)
+        req = tr.request
+        waited_until = tr.admitted_at if tr.admitted_at is not None else now
+        metrics = RequestMetrics(
+            request_id=req.request_id, input_length=len(req.prompt_ids),
+            output_length=tr.num_tokens, queue_time_s=max(0.0, waited_until - req.arrival_time),
+            ttft_s=None if tr.first_token_at is None else tr.first_token_at - req.arrival_time,
+            tpot_s=list(tr.tpot), finish_reason=finish)
+        try:
+            self._on_finish(metrics)
+        except Exception:  # noqa: BLE001 - a broken listener must not stop the output thread
+            log.exception("metrics listener failed for %s", req.request_id)

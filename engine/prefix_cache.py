@@ -1,0 +1,178 @@
+"""Prefix cache: reuse the KV pages of full prompt pages already computed, keyed by chained hashes.
+Plain Python + numpy; it only moves references between the cache and sequences, never KV data.
+
+How the scheduler uses it (every call on the engine thread):
+  1. Admission: `pages = cache.match(prompt)` (references for the request), then
+     `allocator.allocate(rest)`; on None call `cache.evict(shortfall)` and retry once; if still
+     None, `allocator.free_many(pages)` and leave the request waiting (or preempt).
+     Prefill starts at `len(pages) * page_size`.
+  2. After the prompt's prefill has written every page: `cache.insert(prompt, seq_pages)`.
+  3. On finish, cancel or preempt: `allocator.free_many(seq_pages)`; cached pages survive
+     with the cache's own reference until evicted.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from engine.kv_cache import PageAllocator
+
+_DIGEST_BYTES = 16
+
+
+def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | None = None
+                  ) -> list[bytes]:
+    """Digest of each full page, chained so that page i's digest covers tokens [0, (i+1)*page_size).
+
+    blake2b over the parent digest and the page's int32 tokens: stable across processes,
+    unlike Python's `hash`.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    num_pages = len(token_ids) // page_size
+    if max_pages is not None:
+        num_pages = min(num_pages, max_pages)
+    tokens = np.asarray(token_ids[:num_pages * page_size], dtype=np.int32)
+    digests: list[bytes] = []
+    parent = b""
+    for i in range(num_pages):
+        h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)
+        h.update(tokens[i * page_size:(i + 1) * page_size].tobytes())
+        parent = h.digest()
+        digests.append(parent)
+    return digests
+
+
+class PrefixCache:
+    """Maps chained page digests to KV pages, holding one allocator reference per cached page.
+
+    Eviction frees least recently used pages that only the cache references. Within one
+    sequence a page is touched after its successors, so the tail of a prefix goes before
+    its head (a page whose parent was evicted can never be matched).
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 max_cached_pages: int | None = None) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_cached_pages is not None and max_cached_pages < 0:
+            raise ValueError(f"max_cached_pages must be >= 0 or None, got {max_cached_pages}")
+        self._allocator = allocator
+        self._page_size = page_size
+        self._max_cached = max_cached_pages
+        self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest first
+        self._digest_of: dict[int, bytes] = {}
+        self._queries = 0
+        self._hits = 0
+        self._hit_tokens = 0
+
+    def match(self, token_ids: Sequence[int]) -> list[int]:
+        """Pages of the longest cached full-page prefix, one new reference each for the caller.
+
+        At least one token is always left uncached-by-match: the last prompt token must be fed
+        to the decode step that samples the first output token.
+        """
+        self._queries += 1
+        cap = max(len(token_ids) - 1, 0) // self._page_size
+        pages: list[int] = []
+        digests = chain_digests(token_ids, self._page_size, max_pages=cap)
+        for digest in digests:
+            page = self._lru.get(digest)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._allocator.incref(page)
+        self._touch(digests[:len(pages)])
+        if pages:
+            self._hits += 1
+            self._hit_tokens += len(pages) * self._page_size
+        return pages
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Cache the full pages of a sequence whose KV is written; page_ids[i] holds page i."""
+        digests = chain_digests(token_ids, self._page_size)
+        if len(page_ids) < len(digests):
+            raise ValueError(f"{len(token_ids)} tokens fill {len(digests)} pages of "
+                             f"{self._page_size} but only {len(page_ids)} page ids were given")
+        page_ids = list(page_ids[:len(digests)])
+        if len(set(page_ids)) != len(page_ids):
+            raise ValueError(f"page ids {page_ids} repeat a page; each holds a different page "
+                             "of tokens")
+        for digest, page in zip(digests, page_ids):
+            cached_digest = self._digest_of.get(page)
+            if cached_digest is not None and cached_digest != digest:
+                raise ValueError(f"page {page} is cached with other tokens; a page written "
+                                 "since it was matched or inserted must not be re-inserted")
+        # Touch first so making room for this chain's new pages evicts other chains' pages first.
+        self._touch([d for d in digests if d in self._lru])
+        for digest, page in zip(digests, page_ids):
+            if digest in self._lru:
+                continue
+            if not self._make_room():
+                break  # full of referenced pages; the pages after this one would be unreachable
+            self._allocator.incref(page)
+            self._lru[digest] = page
+            self._digest_of[page] = digest
+        self._touch([d for d in digests if d in self._lru])
+
+    def evict(self, n: int) -> int:
+        """Free up to `n` pages only the cache references, oldest first; how many were freed."""
+        if n < 0:
+            raise ValueError(f"cannot evict a negative number of pages ({n})")
+        victims = []
+        for digest, page in self._lru.items():
+            if len(victims) == n:
+                break
+            if self._allocator.refcount(page) == 1:
+                victims.append(digest)
+        for digest in victims:
+            page = self._lru.pop(digest)
+            del self._digest_of[page]
+            self._allocator.decref(page)
+        return len(victims)
+
+    def clear(self) -> None:
+        """Drop every cache reference; pages still used by sequences stay theirs."""
+        pages = list(self._lru.values())
+        self._lru.clear()
+        self._digest_of.clear()
+        self._allocator.free_many(pages)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached pages nobody else references: what `evict` could free right now."""
+        return sum(1 for page in self._lru.values() if self._allocator.refcount(page) == 1)
+
+    @property
+    def queries(self) -> int:
+        return self._queries
+
+    @property
+    def hits(self) -> int:
+        """`match` calls that reused at least one page."""
+        return self._hits
+
+    @property
+    def hit_tokens(self) -> int:
+        return self._hit_tokens
+
+    def _touch(self, digests: Sequence[bytes]) -> None:
+        # Deepest page first, so the head of the prefix ends most recently used.
+        for digest in reversed(digests):
+            self._lru.move_to_end(digest)
+
+    def _make_room(self) -> bool:
+        if self._max_cached is None:
+            return True
+        excess = len(self._lru) - self._max_cached + 1
+        if excess > 0:
+            self.evict(excess)
+        return len(self._lru) < self._max_cached

@@ -1,0 +1,82 @@
+"""Engine-side state of one request while the scheduler owns it: tokens, slot, pages, progress.
+Touched only on the engine thread (after submit hands it over); no JAX, no output concerns."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+from engine.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from engine.output import Tracker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)  # identity: the waiting list removes by `is`
+class Sequence:
+    """One request as the scheduler tracks it, across admissions and preemptions."""
+
+    request: Request
+    tracker: "Tracker"                # the output side's handle (stream, detokenizer)
+    order: int                        # submit order: FCFS tie-break within a priority
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    preempted: bool = False           # back in the queue after a preemption: goes first
+    # Set on admission, cleared on preemption or finish.
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    admit_seq: int = -1               # admission order: the newest running one is preempted
+    matched_pages: int = 0            # of `pages`, how many came from the prefix cache
+    num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or prefilled)
+    prefill_target: int = 0           # all tokens but the last: that one is fed to decode
+    inserted: bool = False            # bound to its slot with engine.insert
+    admitted_once: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.request.prompt_ids[-1]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt plus what was generated so far: what a (re-)admission has to recompute."""
+        return [*self.request.prompt_ids, *self.output_ids]
+
+    def queue_key(self) -> tuple[int, int, int]:
+        # Preempted sequences go before everything else: they already hold delivered tokens,
+        # and letting new arrivals overtake them could starve them.
+        return (0 if self.preempted else 1, self.request.priority, self.order)
+
+    def first_page(self, page_size: int) -> tuple[int, ...]:
+        """The tokens of its first cacheable page (() if none): what n > 1 siblings share."""
+        if self.num_tokens <= page_size:
+            return ()
+        prompt = self.request.prompt_ids
+        return tuple(prompt[:page_size] if len(prompt) >= page_size
+                     else self.tokens[:page_size])
+
+    def check_finish(self, token_id: int, eos_token_ids: frozenset[int],
+                     max_seq_len: int) -> FinishReason | None:
+        """Why generation ends after `token_id` was appended, or None to go on."""
+        params = self.request.params
+        if (not params.ignore_eos and token_id in eos_token_ids) \
+                or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= max_seq_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,189 @@
+"""Tokenizer (HF `tokenizers`, from tokenizer.json or rebuilt from GGUF vocab + merges), chat
+templates rendered in a sandboxed jinja2 environment, and a UTF-8 safe incremental detokenizer."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template rejected the conversation or is broken."""
+
+
+# The GPT-2 split pattern; llama.cpp "pre" types that match it (digits first split individually).
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str | None):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    split = lambda pattern: pre_tokenizers.Split(Regex(pattern), behavior="isolated")  # noqa: E731
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([split(_LLAMA3_PATTERN), byte_level])
+    if pre == "qwen2":
+        return pre_tokenizers.Sequence([split(_QWEN2_PATTERN), byte_level])
+    if pre in (None, "default", "gpt2", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; "
+                     "supported: smollm, starcoder, llama-bpe, qwen2, gpt2")
+
+
+class Tokenizer:
+    """Text <-> ids plus the model's special tokens and chat template."""
+
+    def __init__(self, hf: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
+                 add_bos: bool, chat_template: str | None, extra_eos_ids: Sequence[int] = ()) -> None:
+        self._hf = hf
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = hf.token_to_id(bos_token) if bos_token else None
+        self.add_bos = add_bos and self.bos_token_id is not None
+        eos = {hf.token_to_id(eos_token)} if eos_token and hf.token_to_id(eos_token) is not None else set()
+        self.eos_token_ids = frozenset(eos | set(extra_eos_ids))
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._hf.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use the completions endpoint")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    # ---- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "Tokenizer":
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tok_file):
+            raise ValueError(f"{path}: no tokenizer.json")
+        hf = HFTokenizer.from_file(tok_file)
+        cfg: dict = {}
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_file):
+            with open(jinja_file) as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+        def token_str(value: Any) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
+        gen_eos: list[int] = []
+        gen_file = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_file):
+            with open(gen_file) as f:
+                eos = json.load(f).get("eos_token_id")
+            gen_eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        bos = token_str(cfg.get("bos_token"))
+        return cls(hf, bos_token=bos, eos_token=token_str(cfg.get("eos_token")),
+                   add_bos=bool(cfg.get("add_bos_token", False)) and bos is not None,
+                   chat_template=template, extra_eos_ids=gen_eos)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE)")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        hf.decoder = decoders.ByteLevel()
+        # llama.cpp token types: 3 = control (special), 4 = user-defined (added, not special)
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                               for t, ty in zip(tokens, types) if ty == 3])
+        hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                       for t, ty in zip(tokens, types) if ty == 4])
+
+        def tok(key: str) -> str | None:
+            idx = meta.get(key)
+            return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+        return cls(hf, bos_token=tok("tokenizer.ggml.bos_token_id"), eos_token=tok("tokenizer.ggml.eos_token_id"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"))
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not parse: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of ids into text deltas without ever emitting half a UTF-8 character.
+
+    Decodes a short window of recent ids so merges that depend on neighbours (leading spaces,
+    multi-token characters) come out as a whole-sequence decode would.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window whose text was already emitted
+        self._read = 0    # end of that window
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text):]

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random Llama-family checkpoints built with transformers, and the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: int = 0) -> str:
+    """Save a tiny random HF model of the given family (GQA: 4 heads over 2 KV heads) to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "llama3":
+        cfg = transformers.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
+        model = transformers.MistralForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random init leaves biases at zero; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(family)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from models.registry import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)

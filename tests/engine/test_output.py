@@ -1,0 +1,218 @@
+"""Output side without an engine: UTF-8 safe incremental text, stop strings across token
+boundaries, coalescing for slow consumers, the asyncio bridge and per-request metrics."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from engine.output import Emit, OutputProcessor, RequestMetrics
+from engine.request import FinishReason, Request, SamplingParams, TokenLogprob
+
+
+class ByteTokenizer:
+    eos_token_ids = frozenset()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class WordTokenizer:
+    """Tokens are whole strings, so one token can hold several characters of a stop string."""
+
+    WORDS = ["hello", " wor", "ld", "!", " STOP", "here"]
+    eos_token_ids = frozenset()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def processor(tokenizer=None):
+    released: list[str] = []
+    finished: list[RequestMetrics] = []
+    out = OutputProcessor(tokenizer or ByteTokenizer(), released.append, finished.append)
+    out.start()
+    try:
+        yield out, released, finished
+    finally:
+        out.close(timeout=5)
+
+
+def open_stream(out: OutputProcessor, stop: tuple[str, ...] = (), logprobs: int | None = None):
+    request = Request(prompt_ids=[1, 2, 3],
+                      params=SamplingParams(max_tokens=100, stop=stop, logprobs=logprobs))
+    cancelled: list[str] = []
+    return out.open(request, cancelled.append), cancelled
+
+
+def feed(out: OutputProcessor, tracker, ids: list[int], finish: FinishReason | None = None) -> None:
+    """One record per token, like one decode step each; `finish` rides on the last one."""
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        out.put([Emit(tracker, (token,), finish_reason=finish if last else None)])
+
+
+async def collect(stream):
+    return [d async for d in stream]
+
+
+def stream_deltas(out, tracker, ids, finish=FinishReason.LENGTH):
+    async def run():
+        feed(out, tracker, ids, finish)
+        return await asyncio.wait_for(collect(tracker.stream), 5)
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("text", ["héllo", "price: 5€", "smile 😀 ok", "中文字"])
+def test_multibyte_characters_never_come_out_broken(text):
+    with processor() as (out, _, _):
+        tracker, _ = open_stream(out)
+        deltas = stream_deltas(out, tracker, utf8(text))
+    assert "".join(d.text for d in deltas) == text
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == utf8(text)
+
+
+def test_text_held_for_an_unfinished_character_is_flushed_at_the_end():
+    with processor() as (out, _, _):
+        tracker, _ = open_stream(out)
+        feed(out, tracker, utf8("ok") + [0xE2, 0x82], FinishReason.LENGTH)  # half a "€"
+        done = tracker.stream.result(timeout=5)
+    assert done.text.startswith("ok") and done.text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("text, stop, want", [
+    ("abcdefg", ("cde",), "ab"),             # spans three tokens
+    ("abcdefg", ("xyz", "bc"), "a"),         # the earliest match wins
+    ("ab cdé! more", ("é!",), "ab cd"),      # spans a two-byte character and the next token
+    ("aaab", ("aab",), "a"),                 # overlapping partial matches
+])
+def test_stop_strings_across_token_boundaries_never_leak(text, stop, want):
+    with processor() as (out, released, finished):
+        tracker, _ = open_stream(out, stop=stop)
+        deltas = stream_deltas(out, tracker, utf8(text), finish=None)
+        assert released == [tracker.request.request_id]  # the scheduler is told to drop it
+    assert "".join(d.text for d in deltas) == want
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert finished[0].finish_reason is FinishReason.STOP
+
+
+def test_stop_string_inside_and_across_multi_character_tokens():
+    with processor(WordTokenizer()) as (out, released, _):
+        tracker, _ = open_stream(out, stop=("o w",))
+        deltas = stream_deltas(out, tracker, [0, 1, 2], finish=None)
+        assert "".join(d.text for d in deltas) == "hell"
+        other, _ = open_stream(out, stop=(" ST",))
+        done = stream_deltas(out, other, [0, 3, 4, 5], finish=None)
+        assert "".join(d.text for d in done) == "hello!"
+        assert [t for d in done for t in d.token_ids] == [0, 3, 4]  # through the matching token
+        assert len(released) == 2
+
+
+def test_possible_stop_prefix_is_held_then_released():
+    with processor() as (out, released, _):
+        tracker, _ = open_stream(out, stop=("cx",))
+
+        async def run():
+            feed(out, tracker, utf8("abc"))
+            stream, ids, text = tracker.stream, [], ""
+            while len(ids) < 3:
+                delta = await stream.__anext__()
+                ids, text = ids + delta.token_ids, text + delta.text
+            assert text == "ab"  # "c" could start "cx": held back
+            feed(out, tracker, utf8("cd"), FinishReason.LENGTH)
+            return text + "".join([d.text async for d in stream])
+
+        assert asyncio.run(asyncio.wait_for(run(), 5)) == "abccd"
+        assert released == []  # the engine finished it: nothing to release
+        tail, _ = open_stream(out, stop=("xyz",))
+        feed(out, tail, utf8("abxy"), FinishReason.LENGTH)
+        assert tail.stream.result(timeout=5).text == "abxy"  # held "xy" is text once it ends
+
+
+def test_engine_stop_token_is_counted_but_not_shown():
+    with processor() as (out, released, _):
+        tracker, _ = open_stream(out)
+        feed(out, tracker, utf8("hi") + [0], FinishReason.STOP)
+        done = tracker.stream.result(timeout=5)
+    assert (done.text, done.token_ids) == ("hi", [104, 105, 0])
+    assert done.finish_reason is FinishReason.STOP
+    assert released == []
+
+
+def test_slow_consumer_gets_one_merged_delta():
+    with processor() as (out, _, _):
+        tracker, _ = open_stream(out, logprobs=0)
+        text = "the quick brown fox jumps over the lazy dog"
+        for token in utf8(text):
+            out.put([Emit(tracker, (token,), (TokenLogprob(token, -0.5),))])
+        out.put([Emit(tracker, finish_reason=FinishReason.LENGTH)])
+        tracker.stream.result(timeout=5)  # everything produced before anyone reads
+        deltas = asyncio.run(collect(tracker.stream))
+    assert len(deltas) == 1
+    assert deltas[0].text == text and deltas[0].finish_reason is FinishReason.LENGTH
+    assert [lp.token_id for lp in deltas[0].logprobs] == utf8(text)
+
+
+def test_error_record_ends_the_stream_with_the_message():
+    with processor() as (out, _, finished):
+        tracker, _ = open_stream(out)
+        feed(out, tracker, utf8("ab"))
+        out.put([Emit(tracker, finish_reason=FinishReason.ERROR, error="engine failed: boom")])
+        deltas = asyncio.run(asyncio.wait_for(collect(tracker.stream), 5))
+        out.put([Emit(tracker, (99,))])  # late records for a finished request are ignored
+        done = tracker.stream.result(timeout=5)
+    assert deltas[-1].error == "engine failed: boom"
+    assert deltas[-1].finish_reason is FinishReason.ERROR
+    assert done.text == "ab" and done.token_ids == utf8("ab")
+    assert [m.finish_reason for m in finished] == [FinishReason.ERROR]
+
+
+def test_result_times_out_and_cancel_reaches_the_scheduler():
+    with processor() as (out, _, _):
+        tracker, cancelled = open_stream(out)
+        with pytest.raises(TimeoutError):
+            tracker.stream.result(timeout=0.05)
+        tracker.stream.cancel()
+        assert cancelled == [tracker.request.request_id]
+        out.put([Emit(tracker, finish_reason=FinishReason.CANCELLED)])
+        assert tracker.stream.result(timeout=5).finish_reason is FinishReason.CANCELLED
+
+
+def test_a_closed_event_loop_does_not_break_the_output_thread():
+    with processor() as (out, _, _):
+        async def make():
+            return open_stream(out)[0]  # bound to this loop, which closes right after
+
+        tracker = asyncio.run(make())
+        feed(out, tracker, utf8("ok"), FinishReason.LENGTH)
+        assert tracker.stream.result(timeout=5).text == "ok"
+        assert "".join(d.text for d in asyncio.run(collect(tracker.stream))) == "ok"  # rebinds
+        other, _ = open_stream(out)
+        feed(out, other, utf8("fine"), FinishReason.LENGTH)
+        assert other.stream.result(timeout=5).text == "fine"
+
+
+def test_broken_listener_does_not_stop_output():
+    calls = []
+
+    def bad(metrics):
+        calls.append(metrics)
+        raise RuntimeError("listener bug")
+
+    out = OutputProcessor(ByteTokenizer(), lambda rid: None, bad)
+    out.start()
+    try:
+        for text in ("one", "two"):
+            tracker, _ = open_stream(out)
+            feed(out, tracker, utf8(text), FinishReason.LENGTH)
+            assert tracker.stream.result(timeout=5).text == text
+    finally:
+        out.close(timeout=5)
+    assert [m.output_length for m in calls] == [3, 3]

@@ -1,0 +1,330 @@
+"""Prefix cache: chained-hash matching, LRU eviction of unreferenced pages, and refcount
+bookkeeping with the allocator under random admit/insert/finish/evict sequences."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from engine.kv_cache import PageAllocator, pages_needed
+from engine.prefix_cache import PrefixCache, chain_digests
+
+PS = 4  # page size for the hand-written tests
+
+
+def _prefill(alloc: PageAllocator, cache: PrefixCache, tokens: list[int]) -> list[int]:
+    """What the scheduler does for one prompt: match, allocate the rest, insert once written."""
+    pages = cache.match(tokens)
+    rest = alloc.allocate(pages_needed(len(tokens), PS) - len(pages))
+    assert rest is not None
+    pages += rest
+    cache.insert(tokens, pages)
+    return pages
+
+
+def test_same_three_page_prefix_matches_three_pages():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    prefix = list(range(100, 100 + 3 * PS))
+    first = _prefill(alloc, cache, prefix + [1, 2])
+    matched = cache.match(prefix + [7, 8, 9])
+    assert matched == first[:3]
+    assert [alloc.refcount(p) for p in matched] == [3, 3, 3]  # first seq, cache, second seq
+    assert (cache.queries, cache.hits, cache.hit_tokens) == (2, 1, 3 * PS)
+
+
+def test_differing_token_in_page_2_matches_two_pages():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(3 * PS + 1))
+    first = _prefill(alloc, cache, tokens)
+    other = list(tokens)
+    other[2 * PS + 1] = 999
+    assert cache.match(other) == first[:2]
+
+
+def test_match_leaves_at_least_one_token_to_compute():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(3 * PS))
+    first = _prefill(alloc, cache, tokens)
+    assert cache.num_cached == 3
+    assert cache.match(tokens) == first[:2]  # all 3 pages cached, but the last token must run
+    assert cache.match(tokens[:PS]) == []
+    assert cache.match([]) == []
+    assert (cache.queries, cache.hits) == (4, 1)
+
+
+def test_equal_page_under_a_different_parent_does_not_match():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    a, b, c = [1] * PS, [2] * PS, [3] * PS
+    _prefill(alloc, cache, a + b + c + [0])
+    assert cache.match(c + b + [0]) == []        # page 1 equals, page 0 differs
+    assert len(cache.match(a + b + [0])) == 2
+    assert chain_digests(a + b, PS)[1] != chain_digests(c + b, PS)[1]
+
+
+def test_page_whose_parent_was_evicted_is_not_matched():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    a, b = [1] * PS, [2] * PS
+    first = _prefill(alloc, cache, a + [0])
+    # Admitted before `first` was inserted, so it computed page `a` again into its own page.
+    second = alloc.allocate(3)
+    cache.insert(a + b + [0], second)
+    assert cache.num_cached == 2              # a -> first[0] (kept), a+b -> second[1]
+    alloc.free_many(first)
+    assert cache.evict(1) == 1                # only first[0] is unreferenced
+    assert alloc.refcount(first[0]) == 0
+    assert cache.match(a + b + [0]) == []     # second[1] is cached but its parent is gone
+
+
+def test_digests_are_stable_across_calls_and_input_types():
+    tokens = list(range(2 * PS + 1))
+    digests = chain_digests(tokens, PS)
+    assert len(digests) == 2
+    assert chain_digests(tuple(tokens), PS) == digests
+    assert chain_digests(tokens[:PS], PS) == digests[:1]
+
+
+def test_insert_twice_does_not_take_a_second_reference():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(2 * PS))
+    pages = _prefill(alloc, cache, tokens)
+    cache.insert(tokens, pages)
+    # A second sequence that computed the same prefix into its own pages: nothing new cached.
+    dup = alloc.allocate(2)
+    cache.insert(tokens, dup)
+    assert cache.num_cached == 2
+    assert [alloc.refcount(p) for p in pages] == [2, 2]
+    assert [alloc.refcount(p) for p in dup] == [1, 1]
+    alloc.free_many(dup)
+    assert alloc.num_free == alloc.num_total - 2
+
+
+def test_insert_rejects_missing_or_repeated_page_ids():
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, PS)
+    pages = alloc.allocate(2)
+    with pytest.raises(ValueError, match="only 1 page ids"):
+        cache.insert(list(range(2 * PS)), pages[:1])
+    with pytest.raises(ValueError, match="repeat"):
+        cache.insert(list(range(2 * PS)), [pages[0], pages[0]])
+    assert cache.num_cached == 0
+
+
+def test_finished_sequence_pages_stay_cached_and_are_reused():
+    alloc = PageAllocator(8)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(2 * PS + 2))
+    pages = _prefill(alloc, cache, tokens)
+    alloc.free_many(pages)
+    assert alloc.num_used == 2  # the two full pages, held by the cache; the partial one is free
+    assert cache.match(tokens) == pages[:2]
+
+
+def test_evict_frees_least_recently_used_first():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    old = _prefill(alloc, cache, [1] * PS + [0])
+    mid = _prefill(alloc, cache, [2] * PS + [0])
+    new = _prefill(alloc, cache, [3] * PS + [0])
+    for pages in (old, mid, new):
+        alloc.free_many(pages)
+    alloc.free_many(cache.match([1] * PS + [0]))  # touching "old" makes "mid" the oldest
+    assert cache.evict(1) == 1
+    assert alloc.refcount(mid[0]) == 0 and alloc.refcount(new[0]) == 1
+    assert cache.evict(1) == 1
+    assert alloc.refcount(new[0]) == 0 and alloc.refcount(old[0]) == 1
+    assert cache.match([2] * PS + [0]) == []
+
+
+def test_evict_takes_the_tail_of_a_prefix_before_its_head():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(3 * PS + 1))
+    pages = _prefill(alloc, cache, tokens)
+    alloc.free_many(pages)
+    assert cache.evict(1) == 1
+    assert alloc.refcount(pages[2]) == 0
+    assert cache.match(tokens) == pages[:2]  # the head is still usable
+
+
+def test_referenced_pages_are_never_evicted():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    running = _prefill(alloc, cache, [5] * (2 * PS) + [0])      # still running: referenced
+    done = _prefill(alloc, cache, [6] * PS + [0])
+    alloc.free_many(done)
+    assert cache.num_evictable == 1
+    assert cache.evict(10) == 1
+    assert alloc.refcount(done[0]) == 0
+    assert [alloc.refcount(p) for p in running[:2]] == [2, 2]
+    assert cache.evict(10) == 0
+    assert cache.num_cached == 2
+
+
+def test_max_cached_pages_evicts_lru_unreferenced_on_insert():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS, max_cached_pages=2)
+    first = _prefill(alloc, cache, [1] * (2 * PS) + [0])
+    alloc.free_many(first)
+    second = _prefill(alloc, cache, [2] * PS + [0])
+    assert cache.num_cached == 2
+    assert alloc.refcount(first[1]) == 0   # the tail of the older prefix made room
+    assert cache.match([2] * PS + [0]) == second[:1]
+
+
+def test_max_cached_pages_is_a_hard_bound_when_all_are_referenced():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS, max_cached_pages=1)
+    pages = _prefill(alloc, cache, list(range(3 * PS)))
+    assert cache.num_cached == 1
+    assert [alloc.refcount(p) for p in pages] == [2, 1, 1]
+
+
+def test_clear_returns_every_page_once_sequences_finish():
+    alloc = PageAllocator(16)
+    cache = PrefixCache(alloc, PS)
+    a = _prefill(alloc, cache, list(range(2 * PS + 1)))
+    b_matched = cache.match(list(range(2 * PS)) + [42, 43])
+    cache.clear()
+    assert cache.num_cached == 0
+    assert alloc.num_used == len(a)  # b's matched pages are a's: still referenced by both
+    alloc.free_many(a)
+    alloc.free_many(b_matched)
+    assert alloc.num_free == alloc.num_total
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Sequences over a 2-token alphabet (so prefixes collide often) admitted the way the
+    scheduler does it, against a model of which pages each sequence holds and what they contain."""
+
+    NUM_PAGES = 11
+    PAGE = 2
+
+    @initialize(max_cached=st.none() | st.integers(0, 8))
+    def setup(self, max_cached):
+        self.alloc = PageAllocator(self.NUM_PAGES)
+        self.cache = PrefixCache(self.alloc, self.PAGE, max_cached_pages=max_cached)
+        self.max_cached = max_cached
+        self.seqs: list[tuple[list[int], list[int]]] = []  # (tokens, pages) of running sequences
+        self.content: dict[int, tuple[int, ...]] = {}      # page -> tokens [0, end of page)
+        self.cached: set[int] = set()                       # pages the cache references
+        self.queries = 0
+
+    def held(self) -> collections.Counter:
+        return collections.Counter(p for _, pages in self.seqs for p in pages)
+
+    def sync(self, *, may_add: bool, may_drop_held: bool) -> None:
+        """Derive the cache's pages from refcounts, checking each change is one it may make."""
+        held = self.held()
+        for page in range(1, self.NUM_PAGES):
+            extra = self.alloc.refcount(page) - held[page]
+            assert extra in (0, 1), f"page {page}: refcount {extra} beyond its holders"
+            if extra == 1 and page not in self.cached:
+                assert may_add, f"page {page} became cached outside insert"
+                assert len(self.content[page]) % self.PAGE == 0, "a partial page was cached"
+                self.cached.add(page)
+            elif extra == 0 and page in self.cached:
+                assert may_drop_held or held[page] == 0, f"referenced page {page} was evicted"
+                self.cached.discard(page)
+        assert self.cache.num_cached == len(self.cached)
+
+    @precondition(lambda self: len(self.seqs) < 4)
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9))
+    def admit(self, tokens):
+        matched = self.cache.match(tokens)
+        self.queries += 1
+        for i, page in enumerate(matched):
+            assert self.content[page] == tuple(tokens[:(i + 1) * self.PAGE])
+        cap = (len(tokens) - 1) // self.PAGE
+        assert len(matched) <= cap
+        if len(matched) < cap:
+            nxt = tuple(tokens[:(len(matched) + 1) * self.PAGE])
+            assert all(self.content[p] != nxt for p in self.cached), "match stopped short"
+        need = pages_needed(len(tokens), self.PAGE) - len(matched)
+        held_before = self.held()
+        new = self.alloc.allocate(need)
+        if new is None:
+            shortfall = need - self.alloc.num_free
+            freed = self.cache.evict(shortfall)
+            assert freed <= shortfall
+            self.seqs.append((tokens, matched))  # matched refs are held while we retry
+            self.sync(may_add=False, may_drop_held=False)
+            self.seqs.pop()
+            new = self.alloc.allocate(need)
+            assert (new is not None) == (freed == shortfall)
+        if new is None:
+            self.alloc.free_many(matched)
+            self.sync(may_add=False, may_drop_held=False)
+            return
+        for page in new:
+            assert held_before[page] == 0 and page not in self.cached, f"page {page} owned twice"
+        pages = matched + new
+        for i in range(len(matched), len(pages)):
+            self.content[pages[i]] = tuple(tokens[:(i + 1) * self.PAGE])  # "prefill" writes KV
+        self.seqs.append((tokens, pages))
+        self.sync(may_add=False, may_drop_held=False)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def insert(self, data):
+        tokens, pages = data.draw(st.sampled_from(self.seqs))
+        before = set(self.cached)
+        self.cache.insert(tokens, pages)
+        self.sync(may_add=True, may_drop_held=False)
+        for page in self.cached - before:
+            assert page in pages[:len(tokens) // self.PAGE]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        i = data.draw(st.integers(0, len(self.seqs) - 1))
+        _, pages = self.seqs.pop(i)
+        self.alloc.free_many(pages)
+        self.sync(may_add=False, may_drop_held=False)
+
+    @rule(n=st.integers(0, 12))
+    def evict(self, n):
+        held = self.held()
+        evictable = sum(1 for p in self.cached if held[p] == 0)
+        assert self.cache.num_evictable == evictable
+        assert self.cache.evict(n) == min(n, evictable)
+        self.sync(may_add=False, may_drop_held=False)
+
+    @rule()
+    def clear(self):
+        self.cache.clear()
+        self.sync(may_add=False, may_drop_held=True)
+        assert not self.cached
+
+    @invariant()
+    def bounded_and_counted(self):
+        if self.max_cached is not None:
+            assert self.cache.num_cached <= self.max_cached
+        assert self.cache.queries == self.queries
+
+    @invariant()
+    def free_pages_are_exactly_the_unreferenced_ones(self):
+        referenced = set(self.held()) | self.cached
+        free = self.alloc.allocate(self.alloc.num_free)
+        assert 0 not in free
+        assert set(free) == set(range(1, self.NUM_PAGES)) - referenced
+        self.alloc.free_many(free)
+
+    def teardown(self):
+        for _, pages in self.seqs:
+            self.alloc.free_many(pages)
+        self.cache.clear()
+        assert self.alloc.num_free == self.alloc.num_total
+        assert all(self.alloc.refcount(p) == 0 for p in range(self.NUM_PAGES))
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)

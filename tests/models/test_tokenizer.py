@@ -1,0 +1,78 @@
+"""Tokenizer, chat template and incremental detokenizer against transformers on the default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from models.registry import load_tokenizer
+from models.tokenizer import ChatTemplateError, IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world!",
+    "  leading spaces, trailing   \n\n\ttabs\t and runs      of spaces ",
+    "emoji 😀🎉👩‍👩‍👧 ünïcödé 中文 日本語 한국어 العربية",
+    "def f(x):\n    return x**2 + 12345678  # comment\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "numbers 3.14159 and 1,000,000 and 2026-11-29",
+    "",
+    "\u200b zero width and \u00a0 nbsp",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(default_model_path):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
+                                       gguf_file=os.path.basename(default_model_path))
+    return load_tokenizer(default_model_path), hf
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_equal_transformers(tokenizers, text):
+    ours, hf = tokenizers
+    assert ours.encode(text) == hf(text)["input_ids"]
+    assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+
+
+def test_special_tokens_and_eos(tokenizers):
+    ours, _ = tokenizers
+    assert ours.encode("<|im_end|>") == [2]
+    assert 2 in ours.eos_token_ids
+
+
+def test_chat_template_equals_transformers(tokenizers):
+    ours, hf = tokenizers
+    conversations = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3? 🙂"}],
+    ]
+    for messages in conversations:
+        for gen in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=gen) == hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen)
+
+
+def test_chat_template_sandbox_blocks_attribute_escape():
+    from tokenizers import Tokenizer as HF, models
+
+    from models.tokenizer import Tokenizer
+
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    tok = Tokenizer(HF(models.BPE()), bos_token=None, eos_token=None, add_bos=False, chat_template=evil)
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_incremental_detokenizer_never_splits_utf8(tokenizers):
+    ours, _ = tokenizers
+    text = "Ünïcödé 😀 and 中文 with emoji 🎉👩‍👩‍👧 done."
+    ids = ours.encode(text)
+    detok = IncrementalDetokenizer(ours)
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert any(p == "" for p in pieces)  # some multi-token characters were held back
