@@ -96,21 +96,22 @@ def _read_kv(cache: dict, i: jax.Array, token_slots: jax.Array, dtype) -> tuple[
 
 
 def forward_paged(params: dict, cfg: ModelConfig, cache: dict, tokens: jax.Array,
-                  positions: jax.Array, block_tables: jax.Array, last_index: jax.Array,
+                  positions: jax.Array, write_slots: jax.Array, block_tables: jax.Array,
+                  last_index: jax.Array,
                   *, page_size: int, dtype=jnp.float32) -> tuple[jax.Array, dict]:
     """One step over a paged KV cache; returns logits of each row's `last_index` token and the cache.
 
-    tokens, positions: int32 [B,T] (T = 1 for decode, a chunk for prefill); each row's tokens sit
-    at consecutive positions and their K/V go to the slots the row's block table names.
+    tokens, positions: int32 [B,T] (T = 1 for decode, a chunk for prefill).
+    write_slots: int32 [B,T]: flat cache slot (page * page_size + offset) for each token's K/V;
+    padding tokens write to slot 0 of the reserved page 0.
     block_tables: int32 [B,P]: the pages of each row's sequence, in order (P*page_size >= last
-    position + 1). Rows of padding use page 0 and position 0: they read and write only page 0.
+    position + 1); entries past the sequence are page 0.
     Every key at a position <= the query's position is attended, so earlier chunks, prefix-cache
     pages and the current chunk are all seen; page 0's garbage is never at a valid position.
     """
     b, t = tokens.shape
     p = block_tables.shape[1]
-    page_of = jnp.take_along_axis(block_tables, positions // page_size, axis=1)   # [B,T]
-    write_slots = (page_of * page_size + positions % page_size).reshape(-1)         # [B*T]
+    write_slots = write_slots.reshape(-1)                                           # [B*T]
     read_slots = (block_tables[:, :, None] * page_size
                   + jnp.arange(page_size, dtype=jnp.int32)).reshape(b, p * page_size)  # [B,S]
     k_pos = jnp.arange(p * page_size, dtype=jnp.int32)[None, None, :]

@@ -52,3 +52,48 @@ def default_model_path() -> str:
     from models.registry import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
+
+
+def pytest_configure(config):
+    # One persistent XLA cache for the whole run (and later runs): engines built by different
+    # tests compile the same buckets, and the cache turns those repeats into loads.
+    from engine.runner import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get(
+        "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
+
+
+TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, prefill_lengths=(8, 32))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama_dir):
+    from models.loader import load_hf_dir
+
+    return load_hf_dir(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model):
+    """A precompiled engine over the tiny model, shared by tests that leave it clean (all slots free)."""
+    from engine.runner import EngineConfig, JaxEngine
+
+    cfg, params = tiny_model
+    return JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE))
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from models.loader import load_gguf
+
+    return load_gguf(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model):
+    """The default model in a small engine; only the shapes used get compiled."""
+    from engine.runner import EngineConfig, JaxEngine
+
+    cfg, params = default_model
+    return JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
+                                               prefill_lengths=(32, 64)), precompile=False)

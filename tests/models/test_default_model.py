@@ -1,38 +1,18 @@
-"""The embedded default model (SmolLM2-135M-Instruct GGUF): our loader + forward vs transformers."""
+"""The embedded default model (SmolLM2-135M-Instruct GGUF): our loader + paged engine vs transformers."""
 from __future__ import annotations
 
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 
-from models.llama import forward_dense
-from models.loader import load_gguf
+from engine.api import DecodeRow, PrefillChunk, SlotState
+from engine.request import SamplingParams
 from models.registry import load_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n"]
-
-
-def greedy_dense(params, cfg, ids: list[int], new_tokens: int, width: int = 96) -> list[int]:
-    """Greedy decoding by recomputing a fixed-width padded window (one compile, no cache)."""
-    step = jax.jit(lambda p, t, v: forward_dense(p, cfg, t, v))
-    ids = list(ids)
-    out = []
-    for _ in range(new_tokens):
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :len(ids)] = ids
-        valid = np.arange(width)[None] < len(ids)
-        logits = step(params, jnp.asarray(tokens), jnp.asarray(valid))
-        row = np.array(logits[0, len(ids) - 1])
-        row[list(cfg.eos_token_ids)] = -np.inf  # as transformers' min_new_tokens does
-        nxt = int(row.argmax())
-        out.append(nxt)
-        ids.append(nxt)
-    return out
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +24,32 @@ def hf_model(default_model_path):
                                                 dtype=torch.float32).eval()
 
 
-def test_greedy_tokens_equal_transformers(default_model_path, hf_model):
-    cfg, params = load_gguf(default_model_path)
+def engine_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts decoded together in one batch, not stopping at EOS."""
+    pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(prompts))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for slot, prompt in enumerate(prompts):
+        engine.prefill(PrefillChunk(prompt[:-1], 0, pages[slot]))
+        engine.insert(slot, SlotState(prompt, [], greedy))
+    last = [p[-1] for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    for step in range(NEW_TOKENS):
+        rows = [DecodeRow(s, last[s], len(prompts[s]) - 1 + step, pages[s]) for s in range(len(prompts))]
+        for s, sampled in enumerate(engine.generate(rows)):
+            outs[s].append(sampled.token_id)
+            last[s] = sampled.token_id
+    for slot in range(len(prompts)):
+        engine.free(slot)
+    return outs
+
+
+def test_greedy_tokens_equal_transformers(default_model_path, default_engine, hf_model):
     tok = load_tokenizer(default_model_path)
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        ours = greedy_dense(params, cfg, ids, 32)
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                    min_new_tokens=32, pad_token_id=2)[0, len(ids):].tolist()
-        assert ours == ref, prompt
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ours = engine_greedy(default_engine, prompts)
+    for prompt, text, out in zip(prompts, PROMPTS, ours):
+        ids = list(prompt)
+        with torch.no_grad():  # plain greedy, not stopping at EOS (as ignore_eos does)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out == ids[len(prompt):], text
