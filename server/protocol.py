@@ -1,0 +1,186 @@
+"""OpenAI wire shapes for /v1/completions and /v1/chat/completions: requests, responses, stream chunks.
+Pure pydantic, no FastAPI. Requests ignore unknown fields; only OpenAI-specific ranges live here, the
+rest is left to SamplingParams so that HTTP and gRPC reject the same values the same way."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields both endpoints share. `None` means "not given", so the service can pick defaults."""
+
+    model: str | None = None  # optional like vLLM/llama.cpp; when given it must name the served model
+    max_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM names). top_k=-1 is vLLM's spelling of "off".
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
+    # client relying on them gets a 400 instead of a silently different answer.
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # 0..20 alternatives per token
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Parts stay plain dicts (not a {type: "text"} model) so that an image part yields "unsupported" (400 from
+    # the service, naming the message) instead of a pydantic union error.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the streaming chunk shape (same `object`, one choice delta per chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """Carries only what changed: role in a choice's first chunk, then content; {} when finishing."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "slipstream"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

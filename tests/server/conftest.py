@@ -1,0 +1,147 @@
+"""A live Slipstream HTTP server over MockEngine on a random local port, plus a byte-level tokenizer.
+
+With ByteTokenizer and MockEngine every output is hand-computable: the prompt "abc" continues
+"def...", and the chat template below ends in ">" so a chat reply starts "?@AB...".
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+import jinja2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.mock_engine import MockEngine
+from engine.scheduler import Scheduler, SchedulerConfig
+from server.app import SlipstreamServer, create_app, make_server
+from server.service import Service, ServiceConfig
+
+MODEL = "mock-model"
+BOS, EOS = 256, 257
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+class ByteTokenizer:
+    """ids 0..255 are UTF-8 bytes; 256 is BOS and 257 EOS."""
+
+    vocab_size = 258
+    eos_token_ids = frozenset({EOS})
+
+    def __init__(self) -> None:
+        self._template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + list(text.encode())
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        out, raw = [], bytearray()
+        for i in ids:
+            if i < 256:
+                raw.append(i)
+                continue
+            out.append(raw.decode(errors="replace"))
+            raw.clear()
+            if not skip_special_tokens:
+                out.append("<s>" if i == BOS else "</s>")
+        out.append(raw.decode(errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+@dataclasses.dataclass
+class LiveServer:
+    url: str
+    engine: MockEngine
+    scheduler: Scheduler
+    service: Service
+    server: SlipstreamServer
+    thread: threading.Thread
+    api_key: str | None
+
+    def client(self, api_key: str | None = None) -> openai.OpenAI:
+        # max_retries=0: the client would otherwise retry 429/503 itself and hide them.
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused",
+                             max_retries=0, timeout=10)
+
+    def http(self, **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=10, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample from /metrics, keyed by (name, sorted labels)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics()[(name, tuple(sorted(labels.items())))]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        if self.thread.is_alive():
+            raise RuntimeError("test server did not shut down within 15 s")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+               max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
+               **engine_kwargs: Any) -> LiveServer:
+    engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
+                     "max_seq_len": 128, "max_slots": 4, "num_pages": 128, **engine_kwargs}
+    engine = MockEngine(**engine_kwargs)
+    tokenizer = ByteTokenizer()
+    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=max_queue))
+    if start:
+        scheduler.start()
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, log_level="warning", shutdown_timeout_s=shutdown_timeout_s,
+                         started_at=time.monotonic(), exit_on_engine_failure=exit_on_engine_failure)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    if not wait_for(lambda: server.started, timeout=10):
+        raise RuntimeError("test server did not start within 10 s")
+    return LiveServer(f"http://127.0.0.1:{port}", engine, scheduler, service, server, thread, api_key)
+
+
+@pytest.fixture
+def make_live() -> Iterator[Callable[..., LiveServer]]:
+    """Servers with custom settings (engine kwargs go to MockEngine), stopped after the test."""
+    servers: list[LiveServer] = []
+
+    def make(**kwargs: Any) -> LiveServer:
+        servers.append(start_live(**kwargs))
+        return servers[-1]
+
+    yield make
+    for live in servers:
+        live.stop()  # the server's shutdown also shuts the scheduler down
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    """One default server shared by a module's tests (they must not depend on its counters)."""
+    server = start_live()
+    yield server
+    server.stop()

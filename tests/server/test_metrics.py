@@ -1,0 +1,78 @@
+"""/metrics: JetStream names for autoscaling plus slipstream_* values that match what was served."""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL, wait_for
+
+JETSTREAM = ["jetstream_prefill_backlog_size", "jetstream_slots_used_percentage", "jetstream_time_to_first_token",
+             "jetstream_time_per_output_token", "jetstream_request_success_count", "jetstream_request_input_length",
+             "jetstream_request_output_length", "jetstream_queue_duration", "jetstream_server_startup_latency"]
+SLIPSTREAM = ["slipstream_kv_pages_used", "slipstream_kv_pages_total", "slipstream_prefix_cache_queries",
+              "slipstream_prefix_cache_hits", "slipstream_preemptions", "slipstream_rejections",
+              "slipstream_cancellations", "slipstream_compiles", "slipstream_generated_tokens",
+              "slipstream_prompt_tokens", "slipstream_requests_running", "slipstream_requests_waiting",
+              "slipstream_request_errors"]
+
+
+def test_every_metric_is_exported_with_prometheus_content_type(make_live) -> None:
+    live = make_live()
+    response = httpx.get(f"{live.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    names = {family.name for family in text_string_to_metric_families(response.text)}
+    assert set(JETSTREAM + SLIPSTREAM) <= names, set(JETSTREAM + SLIPSTREAM) - names
+
+
+def test_values_follow_the_requests_served(make_live) -> None:
+    live = make_live(num_pages=64)
+    client = live.client()
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=5)          # 4 prompt tokens
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=3, n=2)     # 2 x (4 + 3)
+    # Histograms are fed from the output thread after the response: wait for all three.
+    assert wait_for(lambda: live.metric("jetstream_request_output_length_count") == 3)
+    m = live.metrics()
+
+    def value(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted(labels.items())))]
+
+    assert value("jetstream_request_success_count_total") == 3
+    assert value("slipstream_generated_tokens_total") == 5 + 3 + 3
+    assert value("slipstream_prompt_tokens_total") == 4 * 3
+    assert value("jetstream_request_input_length_sum") == 12
+    assert value("jetstream_request_output_length_sum") == 11
+    assert value("jetstream_time_to_first_token_count") == 3
+    assert value("jetstream_time_per_output_token_count") == (5 - 1) + 2 * (3 - 1)
+    assert value("jetstream_queue_duration_count") == 3
+    assert value("slipstream_kv_pages_total") == 63  # page 0 is padding
+    assert value("slipstream_compiles_total") == 0
+    assert value("slipstream_requests_running") == 0 and value("jetstream_prefill_backlog_size") == 0
+    assert value("slipstream_rejections_total", reason="overloaded") == 0
+    assert value("jetstream_server_startup_latency") >= 0
+    # The n=2 siblings share the prompt's pages through the prefix cache.
+    assert value("slipstream_prefix_cache_queries_total") >= 1
+
+
+def test_slot_and_backlog_gauges_while_busy(make_live) -> None:
+    live = make_live(max_slots=2, step_sleep_s=0.01)
+    with live.http() as a, live.http() as b, live.http() as c:
+        body = {"prompt": "a", "max_tokens": 120, "stream": True}
+        streams = [h.send(h.build_request("POST", "/v1/completions", json=body), stream=True) for h in (a, b, c)]
+        assert wait_for(lambda: live.scheduler.stats().waiting == 1 and live.scheduler.stats().slots_used == 2)
+        assert live.metric("jetstream_slots_used_percentage") == 1.0
+        assert live.metric("jetstream_prefill_backlog_size") == 1
+        assert live.metric("slipstream_requests_waiting") == 1
+        assert live.metric("slipstream_requests_running") == 2
+        assert live.metric("slipstream_kv_pages_used") >= 2
+        for s in streams:
+            s.close()
+    assert wait_for(lambda: live.metric("slipstream_requests_running") == 0, timeout=1.0)
+    assert live.metric("slipstream_cancellations_total") == 3
+
+
+def test_each_app_has_its_own_registry(make_live) -> None:
+    first, second = make_live(), make_live()
+    first.client().completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert first.metric("slipstream_generated_tokens_total") == 2
+    assert second.metric("slipstream_generated_tokens_total") == 0

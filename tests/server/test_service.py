@@ -1,0 +1,116 @@
+"""Service without HTTP: n-expansion and seeds, all-or-nothing submission, cancellation when the consumer leaves."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.mock_engine import MockEngine
+from engine.scheduler import Overloaded, Scheduler
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.service import Service, ServiceConfig, ServiceError
+from tests.server.conftest import EOS, MODEL, ByteTokenizer, wait_for
+
+
+class RecordingScheduler:
+    """Passes submissions to a real scheduler, refusing the k-th one as a full queue would."""
+
+    def __init__(self, inner: Scheduler, refuse_at: int | None = None) -> None:
+        self.inner, self.refuse_at, self.requests = inner, refuse_at, []
+
+    def submit(self, request):
+        if len(self.requests) == self.refuse_at:
+            raise Overloaded("queue full", retry_after_s=2.5)
+        self.requests.append(request)
+        return self.inner.submit(request)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+ENGINE_ARGS = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}), "step_sleep_s": 0.005}
+
+
+@pytest.fixture
+def scheduler():
+    sched = Scheduler(MockEngine(**ENGINE_ARGS), ByteTokenizer())
+    sched.start()
+    yield sched
+    sched.shutdown(timeout=2)
+
+
+def _service(scheduler, **kwargs) -> Service:
+    # The engine is only asked for max_seq_len and compile_count here.
+    return Service(scheduler, MockEngine(**ENGINE_ARGS), ByteTokenizer(), ServiceConfig(model_name=MODEL, **kwargs))
+
+
+def test_n_expands_into_requests_with_consecutive_seeds(scheduler) -> None:
+    recorder = RecordingScheduler(scheduler)
+    service = _service(recorder)
+
+    async def run():
+        gen = service.submit(service.prepare_completion(CompletionRequest(prompt="abc", n=3, seed=41, max_tokens=2)))
+        return gen, await gen.collect()
+
+    gen, choices = asyncio.run(run())
+    assert [r.params.seed for r in recorder.requests] == [41, 42, 43]
+    assert all(r.params.n == 1 for r in recorder.requests)
+    assert [r.request_id for r in recorder.requests] == [f"{gen.id}-{i}" for i in range(3)]
+    assert [c.text for c in choices] == ["de"] * 3
+    assert (gen.prompt_tokens, gen.completion_tokens) == (4, 6)
+
+
+def test_a_refused_sub_request_cancels_the_admitted_ones(scheduler) -> None:
+    service = _service(RecordingScheduler(scheduler, refuse_at=2))
+    prepared = service.prepare_completion(CompletionRequest(prompt="abc", n=4, max_tokens=50))
+
+    async def run():
+        with pytest.raises(ServiceError) as info:
+            service.submit(prepared)
+        return info.value
+
+    error = asyncio.run(run())
+    assert error.status == 429 and error.retry_after_s == 2.5
+    assert wait_for(lambda: scheduler.stats().running == 0 and scheduler.stats().waiting == 0, timeout=1.0)
+    assert scheduler.stats().cancellations == 2
+
+
+def test_leaving_the_stream_early_cancels_every_choice(scheduler) -> None:
+    service = _service(scheduler)
+
+    async def run():
+        gen = service.submit(service.prepare_completion(CompletionRequest(prompt="a", n=2, max_tokens=100)))
+        deltas = gen.deltas()
+        first = await deltas.__anext__()
+        await deltas.aclose()  # what a disconnecting client amounts to
+        return first
+
+    assert asyncio.run(run()).text
+    assert wait_for(lambda: scheduler.stats().slots_used == 0, timeout=1.0)
+    assert scheduler.stats().cancellations == 2
+
+
+def test_draining_refuses_new_work_and_unready(scheduler) -> None:
+    service = _service(scheduler)
+    assert service.ready
+    service.begin_drain()
+    assert not service.ready
+    with pytest.raises(ServiceError) as info:
+        service.submit(service.prepare_completion(CompletionRequest(prompt="a")))
+    assert (info.value.status, info.value.code) == (503, "shutting_down")
+
+
+def test_max_choices_limits_prompts_times_n(scheduler) -> None:
+    service = _service(scheduler, max_choices=4)
+    with pytest.raises(ServiceError) as info:
+        service.submit(service.prepare_completion(CompletionRequest(prompt=["a", "b", "c"], n=2)))
+    assert info.value.status == 400 and info.value.param == "n" and "4" in info.value.message
+
+
+def test_chat_template_renders_text_parts_without_bos(scheduler) -> None:
+    service = _service(scheduler)
+    prepared = service.prepare_chat(ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
+        max_tokens=1))
+    assert prepared.prompts == [list(b"<user>hi\n<assistant>")]
+    assert prepared.prompt_param == "messages"
