@@ -1,0 +1,178 @@
+"""`slipstream serve` and `slipstream generate`. Logs and progress bars go to stderr; `generate`
+writes only the generated text to stdout. Every serve flag can also come from SLIPSTREAM_<FLAG>."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+import time
+
+from models.registry import DEFAULT_MODEL
+
+log = logging.getLogger("slipstream")
+
+
+def parse_bytes(text: str) -> int:
+    """'1GiB', '512MiB', '2G', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB or 2GiB)")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit else 1
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+def _env(name: str, default):
+    return os.environ.get(f"SLIPSTREAM_{name.upper().replace('-', '_')}", default)
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("model", DEFAULT_MODEL),
+                   help=f"preset name or path to an HF directory / .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-slots", type=int, default=int(_env("max-slots", 32)))
+    p.add_argument("--max-seq-len", type=int, default=int(_env("max-seq-len", 2048)))
+    p.add_argument("--page-size", type=int, default=int(_env("page-size", 16)))
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(_env("kv-cache-memory", "1GiB")))
+    p.add_argument("--prefill-chunks", default=_env("prefill-chunks", "16,32,64,128,256"),
+                   help="comma-separated prefill chunk buckets")
+    p.add_argument("--quantize", default=_env("quantize", "none"), choices=["none", "w8a16", "w8a8"])
+    p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
+    p.add_argument("--compile-cache", default=_env("compile-cache", os.path.expanduser("~/.cache/slipstream/jax")),
+                   help="JAX persistent compilation cache directory ('' to disable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="LLM inference server on JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and gRPC)")
+    _engine_flags(serve)
+    serve.add_argument("--host", default=_env("host", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
+    serve.add_argument("--max-queue", type=int, default=int(_env("max-queue", 256)))
+    serve.add_argument("--prefill-token-budget", type=int, default=int(_env("prefill-token-budget", 256)))
+    serve.add_argument("--no-prefix-cache", action="store_true", default=bool(_env("no-prefix-cache", "")))
+    serve.add_argument("--api-key", default=_env("api-key", None))
+    serve.add_argument("--served-model-name", default=_env("served-model-name", None))
+    serve.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown-timeout", 30)))
+    serve.add_argument("--log-level", default=_env("log-level", "info"))
+
+    gen = sub.add_parser("generate", help="greedy continuation of one prompt, printed to stdout")
+    _engine_flags(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    return parser
+
+
+def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
+    """Load, optionally quantize, and compile: (engine, tokenizer, model_path)."""
+    from engine.runner import EngineConfig, JaxEngine, enable_compilation_cache
+    from models.loader import load_model
+    from models.registry import load_tokenizer, resolve_model
+
+    enable_compilation_cache(args.compile_cache)
+    progress = sys.stderr.isatty()
+    path = resolve_model(args.model)
+    config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
+                          max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
+                          prefill_lengths=tuple(int(x) for x in args.prefill_chunks.split(",")),
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    start = time.perf_counter()
+    model_cfg, params = load_model(path, dtype="float32", progress=progress)
+    tokenizer = load_tokenizer(path)
+    log.info("loaded %s in %.1fs", path, time.perf_counter() - start)
+    if args.quantize != "none":
+        from quantization import quantize
+
+        params = quantize(params, args.quantize, progress=progress)
+    engine = JaxEngine(model_cfg, params, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
+                       progress=progress)
+    log.info("compiled %d buckets in %.1fs (%d KV pages of %d tokens)",
+             len(engine.buckets.decode_shapes()) + len(engine.buckets.prefill_shapes()),
+             engine.compile_seconds, engine.num_pages, engine.page_size)
+    return engine, tokenizer, path
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.request import Request, SamplingParams
+    from engine.scheduler import Scheduler
+
+    engine, tokenizer, _ = build_engine(args, max_slots=1)
+    prompt = args.prompt
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt, add_special_tokens=not args.chat)
+    scheduler = Scheduler(engine, tokenizer)
+    scheduler.start()
+    try:
+        start = time.perf_counter()
+        stream = scheduler.submit(Request(ids, SamplingParams(temperature=0.0, max_tokens=args.max_tokens)))
+        completion = stream.result()
+        elapsed = time.perf_counter() - start
+        if completion.error:
+            print(f"slipstream: error: {completion.error}", file=sys.stderr)
+            return 1
+        sys.stdout.write(completion.text + "\n")
+        pieces = len(completion.token_ids)
+        log.info("%d tokens in %.2fs (%.1f tok/s)", pieces, elapsed, pieces / max(elapsed, 1e-9))
+    finally:
+        scheduler.shutdown(timeout=5)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.scheduler import Scheduler, SchedulerConfig
+    from server.app import create_app, make_server
+    from server.service import Service, ServiceConfig
+
+    started = time.monotonic()
+    engine, tokenizer, path = build_engine(args)
+    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(
+        max_queue=args.max_queue, prefill_token_budget=args.prefill_token_budget,
+        enable_prefix_cache=not args.no_prefix_cache))
+    name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
+        os.path.normpath(path)))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=name))
+    app = create_app(service, api_key=args.api_key)
+    scheduler.start()
+    server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
+                         log_level=args.log_level, started_at=started)
+    if args.grpc_port:
+        from server.grpc_service import attach_grpc
+
+        attach_grpc(server, service, host=args.host, port=args.grpc_port, api_key=args.api_key)
+    print(f"slipstream: ready on http://{args.host}:{args.port} (model {name}, "
+          f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)
+
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a drained shutdown is a clean exit
+    def clean_exit(signum, frame):
+        sys.exit(1 if server.engine_failed else 0)
+
+    signal.signal(signal.SIGTERM, clean_exit)
+    signal.signal(signal.SIGINT, clean_exit)
+    server.run()
+    return 1 if server.engine_failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("jax").setLevel(logging.WARNING)  # "no TPU found" notices on CPU hosts
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_serve(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"slipstream: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
