@@ -19,7 +19,7 @@ def _embed(params: dict, tokens: jax.Array, dtype) -> jax.Array:
 
 def _lm_head(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     h = layers.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_embeddings:
+    if "lm_head" not in params:  # tied; quantization may add an int8 copy as lm_head
         return jnp.einsum("...d,vd->...v", h, params["embed"].astype(h.dtype),
                           preferred_element_type=jnp.float32)
     return layers.linear(h, params["lm_head"]).astype(jnp.float32)

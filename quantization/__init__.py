@@ -1,0 +1,16 @@
+"""int8 weights and int8 KV: an offline params transform plus the matching runtime ops."""
+
+from quantization.kv import dequantize_kv, quantize_kv
+from quantization.ops import linear
+from quantization.weights import MODES, QuantizedWeight, quantize, quantize_weight, weight_bytes
+
+__all__ = [
+    "MODES",
+    "QuantizedWeight",
+    "dequantize_kv",
+    "linear",
+    "quantize",
+    "quantize_kv",
+    "quantize_weight",
+    "weight_bytes",
+]

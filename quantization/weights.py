@@ -1,0 +1,123 @@
+"""Offline int8 weight quantization: the QuantizedWeight pytree and the params transform.
+
+Runs once at load time; the matching runtime matmul lives in quantization/ops.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+MODES: tuple[str, ...] = ("none", "w8a16", "w8a8")
+QUANTIZED_MODES: tuple[str, ...] = ("w8a16", "w8a8")
+# The linear weights inside params["layers"]; norms, biases and the embedding gather stay float.
+LAYER_WEIGHTS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+INT8_MAX = 127.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """Per-output-channel symmetric int8 weight: w ~= q * scale.
+
+    q: int8[..., in, out]; scale: f32[..., out]; mode: "w8a16" or "w8a8" (static, not a leaf).
+    Leading axes (the stacked layer axis L) are sliced away by lax.scan like any other leaf.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    mode: str = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        # Only the static field is checked: JAX rebuilds this node with placeholder leaves
+        # (tracers, None, axis specs) during transformations, so leaf checks live in
+        # quantize_weight and ops.linear.
+        if self.mode not in QUANTIZED_MODES:
+            raise ValueError(
+                f"QuantizedWeight mode must be one of {QUANTIZED_MODES}, got {self.mode!r}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape of the float weight this stands for ([..., in, out])."""
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The float weight q * scale (materialized; for tests and debugging, not the hot path)."""
+        return (self.q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
+
+
+def _check_mode(mode: str, allowed: tuple[str, ...]) -> None:
+    if mode not in allowed:
+        raise ValueError(f"unknown quantization mode {mode!r}; allowed modes: {', '.join(allowed)}")
+
+
+@jax.jit
+def _quantize_arrays(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    w32 = w.astype(jnp.float32)  # [..., in, out]
+    amax = jnp.max(jnp.abs(w32), axis=-2)  # [..., out]
+    scale = amax / INT8_MAX  # [..., out]
+    # An all-zero column keeps scale 0 (so it dequantizes to exact zeros) but must not divide by 0.
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(w32 / safe[..., None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def quantize_weight(w: jax.Array, mode: str) -> QuantizedWeight:
+    """Quantize a float weight [..., in, out] to int8 with one symmetric scale per output column."""
+    _check_mode(mode, QUANTIZED_MODES)
+    if w.ndim < 2:
+        raise ValueError(f"expected a weight of shape [..., in, out], got shape {tuple(w.shape)}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"expected a floating-point weight, got dtype {w.dtype}")
+    q, scale = _quantize_arrays(w)
+    return QuantizedWeight(q=q, scale=scale, mode=mode)
+
+
+def quantize(
+    params: dict[str, Any], mode: str, *, include_embeddings: bool = False, progress: bool = False
+) -> dict[str, Any]:
+    """Return a copy of `params` with every linear weight replaced by a QuantizedWeight.
+
+    Quantizes params["layers"][LAYER_WEIGHTS] and, with include_embeddings, params["lm_head"]
+    (never params["embed"], which is a gather). mode "none" returns `params` unchanged.
+    """
+    _check_mode(mode, MODES)
+    if mode == "none":
+        return params
+    layers = params.get("layers")
+    if not isinstance(layers, dict):
+        raise ValueError("params has no 'layers' dict; expected the stacked llama params pytree")
+    missing = [name for name in LAYER_WEIGHTS if name not in layers]
+    if missing:
+        raise ValueError(f"params['layers'] is missing linear weights {missing}")
+    targets: list[tuple[str, ...]] = [("layers", name) for name in LAYER_WEIGHTS]
+    if include_embeddings and "lm_head" in params:
+        targets.append(("lm_head",))
+
+    out = dict(params)
+    out["layers"] = dict(layers)
+    for path in tqdm(targets, desc=f"quantize {mode}", file=sys.stderr, disable=not progress):
+        parent = out["layers"] if path[0] == "layers" else out
+        if isinstance(parent[path[-1]], QuantizedWeight):
+            raise ValueError(f"params[{'/'.join(path)}] is already quantized")
+        parent[path[-1]] = quantize_weight(parent[path[-1]], mode)
+    return out
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes held by all leaves of a params pytree (int8 q and f32 scales count as stored)."""
+    return sum(
+        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree_util.tree_leaves(params)
+    )
