@@ -26,6 +26,7 @@ from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_need
 from engine.request import TokenLogprob
 from engine.sampling import SampleResult, SamplingArrays, prompt_mask_row, sample, update_counts
 from models.config import ModelConfig
+from quantization import MODES, QuantizedWeight, quantize
 from models.llama import forward_paged, init_kv_cache
 
 
@@ -39,6 +40,7 @@ class EngineConfig:
     prefill_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
+    quantize: str = "none"                  # none, w8a16 or w8a8 (int8 weights incl. the LM head)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"prefill_lengths must be positive, got {self.prefill_lengths}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.quantize not in MODES:
+            raise ValueError(f"quantize must be one of {', '.join(MODES)}, got {self.quantize!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
 
@@ -59,6 +63,21 @@ class EngineConfig:
             # XLA:CPU runs bf16 matmuls several times slower than f32; accelerators want bf16
             return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         return jnp.dtype(self.dtype)
+
+
+def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, progress: bool = False) -> dict:
+    """Quantize (from the float weights) and cast the remaining float leaves to the activation dtype."""
+    if mode != "none":
+        if "lm_head" not in params:  # tied: an int8 copy for the LM head, the float table stays for lookups
+            params = {**params, "lm_head": params["embed"].T}
+        params = quantize(params, mode, include_embeddings=True, progress=progress)
+
+    def cast(x):
+        if isinstance(x, QuantizedWeight) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -80,8 +99,7 @@ class JaxEngine:
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
         kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
-        self.params = jax.tree.map(lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                   params)
+        self.params = prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress)
         self.max_slots = config.max_slots
         self.page_size = config.page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)

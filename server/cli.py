@@ -82,15 +82,11 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
                           prefill_lengths=tuple(int(x) for x in args.prefill_chunks.split(",")),
-                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
     start = time.perf_counter()
     model_cfg, params = load_model(path, dtype="float32", progress=progress)
     tokenizer = load_tokenizer(path)
     log.info("loaded %s in %.1fs", path, time.perf_counter() - start)
-    if args.quantize != "none":
-        from quantization import quantize
-
-        params = quantize(params, args.quantize, progress=progress)
     engine = JaxEngine(model_cfg, params, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
                        progress=progress)
     log.info("compiled %d buckets in %.1fs (%d KV pages of %d tokens)",
