@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.request import TokenLogprob
 from server.errors import RequestGate, error_body, install_error_handlers
+from server.grpc_service import GrpcServer, start_grpc_server
 from server.metrics import Metrics
 from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
@@ -36,6 +37,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     app = FastAPI(title="Slipstream", docs_url=None, redoc_url=None)
     app.state.service = service
+    app.state.api_key = api_key  # the gRPC front end checks the same key
     app.state.metrics = metrics = Metrics(service.scheduler, lambda: service.engine.compile_count)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)
     install_error_handlers(app)
@@ -284,9 +286,12 @@ class SlipstreamServer(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, *, shutdown_timeout_s: float,
-                 started_at: float | None, exit_on_engine_failure: bool) -> None:
+                 started_at: float | None, exit_on_engine_failure: bool, grpc_port: int = 0) -> None:
         super().__init__(config)
         self._service: Service = app.state.service
+        self._api_key: str | None = app.state.api_key
+        self._grpc_port = grpc_port
+        self.grpc: GrpcServer | None = None
         self._metrics: Metrics = app.state.metrics
         self._shutdown_timeout_s = shutdown_timeout_s
         self._started_at = started_at
@@ -295,6 +300,10 @@ class SlipstreamServer(uvicorn.Server):
         self.engine_failed = False
 
     async def startup(self, sockets: list | None = None) -> None:
+        if self._grpc_port:
+            # before HTTP, so a busy gRPC port fails the start before any traffic is accepted
+            self.grpc = await start_grpc_server(self._service, host=self.config.host, port=self._grpc_port,
+                                                api_key=self._api_key)
         await super().startup(sockets=sockets)
         if self._started_at is not None:
             self._metrics.set_startup_latency(time.monotonic() - self._started_at)
@@ -313,14 +322,19 @@ class SlipstreamServer(uvicorn.Server):
     async def shutdown(self, sockets: list | None = None) -> None:
         self._service.begin_drain()
         drain = asyncio.ensure_future(asyncio.to_thread(self._service.scheduler.shutdown, self._shutdown_timeout_s))
+        # gRPC refuses new RPCs at once; running ones get the same deadline as HTTP streams
+        grpc_stop = asyncio.ensure_future(self.grpc.stop(self._shutdown_timeout_s + 5.0)) if self.grpc else None
         try:
             await super().shutdown(sockets=sockets)
         finally:
             await drain
+            if grpc_stop is not None:
+                await grpc_stop
 
 
 def make_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = 30.0, log_level: str = "info",
-                started_at: float | None = None, exit_on_engine_failure: bool = True) -> SlipstreamServer:
+                started_at: float | None = None, exit_on_engine_failure: bool = True,
+                grpc_port: int = 0) -> SlipstreamServer:
     """`started_at`: a time.monotonic() stamp from process start, exported as startup latency.
     `shutdown_timeout_s`: how long in-flight requests may run after SIGTERM before they fail."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
@@ -328,7 +342,7 @@ def make_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float
                             # this margin only covers writing those last events out
                             timeout_graceful_shutdown=shutdown_timeout_s + 5.0)
     return SlipstreamServer(config, app, shutdown_timeout_s=shutdown_timeout_s, started_at=started_at,
-                            exit_on_engine_failure=exit_on_engine_failure)
+                            exit_on_engine_failure=exit_on_engine_failure, grpc_port=grpc_port)
 
 
 async def serve_async(app: FastAPI, host: str, port: int, **kwargs: Any) -> int:

@@ -138,12 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(service, api_key=args.api_key)
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
-                         log_level=args.log_level, started_at=started)
-    if args.grpc_port:
-        from server.grpc_service import attach_grpc
-
-        attach_grpc(server, service, host=args.host, port=args.grpc_port, api_key=args.api_key)
-    print(f"slipstream: ready on http://{args.host}:{args.port} (model {name}, "
+                         log_level=args.log_level, started_at=started, grpc_port=args.grpc_port)
+    grpc_note = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
+    print(f"slipstream: ready on http://{args.host}:{args.port}{grpc_note} (model {name}, "
           f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)
 
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a drained shutdown is a clean exit

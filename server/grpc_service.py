@@ -1,0 +1,202 @@
+"""JetStream-compatible gRPC front end (Orchestrator.Decode / HealthCheck) on grpc.aio.
+
+It only translates between protobuf and `server.service`, as the HTTP routes do, so validation,
+limits, API keys and metrics are the same on both; it runs on the caller's event loop (uvicorn's).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
+from server.proto import jetstream_pb2 as pb
+from server.proto import jetstream_pb2_grpc as pb_grpc
+from server.service import ChoiceDelta, Generation, Prepared, Service, ServiceError, check_api_key
+
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+# SamplingParams names a rejected field in its message; these are the request fields to blame.
+_PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
+                **{f: f"sampling.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                                "presence_penalty", "frequency_penalty", "repetition_penalty")}}
+_OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty")
+_END = object()  # the pump's end-of-stream marker
+
+
+def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for a ServiceError or a scheduler refusal."""
+    if isinstance(exc, ServiceError):
+        return _STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, PromptTooLong):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}: {exc}"
+
+
+def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequence[int]) -> Prepared:
+    """Validate and tokenize a DecodeRequest (CPU only, thread-safe, like Service.prepare_completion).
+
+    Without `sampling` the request decodes greedily, as JetStream engines do by default.
+    """
+    if request.lora_adapter_id:
+        raise ServiceError(400, "LoRA adapters are not supported by this server; leave lora_adapter_id empty",
+                           param="lora_adapter_id", code="unsupported")
+    kind = request.WhichOneof("content")
+    if kind == "text_content":
+        prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
+    elif kind == "token_content":
+        prompt_param = "token_content"
+        prompt = service.encode(list(request.token_content.token_ids), param="token_content.token_ids")
+        if not request.has_bos:
+            prompt = [*bos_prefix, *prompt]
+    else:
+        raise ServiceError(400, "the request has no prompt: set text_content or token_content", param="content",
+                           code="invalid_value")
+    if request.max_tokens < 0:
+        raise ServiceError(400, f"max_tokens must be >= 0 (0: the server's default of "
+                           f"{service.config.default_max_tokens}), got {request.max_tokens}",
+                           param="max_tokens", code="invalid_value")
+    s = request.sampling
+    optional = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
+    params = service.sampling_params(
+        param_names=_PARAM_NAMES, max_tokens=request.max_tokens or service.config.default_max_tokens,
+        n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
+        stop=tuple(s.stop), ignore_eos=s.ignore_eos, **optional)
+    return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param)
+
+
+class OrchestratorServicer(pb_grpc.OrchestratorServicer):
+    """Decode streams one StreamContent per batch of new output (one engine step, or several merged
+    when the client reads slowly), with one Sample per sample in index order. The RPC ending, by
+    completion, error or client cancellation, cancels whatever is still running in the engine."""
+
+    def __init__(self, service: Service, *, api_key: str | None = None) -> None:
+        self._service = service
+        self._api_key = api_key
+        # What the tokenizer puts before any text (BOS, or nothing): prepended to token prompts
+        # that say has_bos=false, as JetStream does.
+        self._bos_prefix = tuple(service.tokenizer.encode("", add_special_tokens=True))
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:
+        # No API key needed, like HTTP /ready: probes and load balancers cannot send one.
+        return pb.HealthCheckResponse(is_live=self._service.ready)
+
+    async def Decode(self, request: pb.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        try:
+            check_api_key(self._api_key, _bearer(context.invocation_metadata()))
+            prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
+            gen = self._service.submit(prepared)
+        except ServiceError as exc:
+            await _abort(context, exc)
+            return
+        context.add_done_callback(lambda _: gen.cancel())
+        queue: asyncio.Queue[ChoiceDelta | Exception | object] = asyncio.Queue(maxsize=gen.num_choices)
+        pump = asyncio.ensure_future(_pump(gen, queue))
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                deltas = [item for item in batch if isinstance(item, ChoiceDelta)]
+                if any(d.text or d.token_ids for d in deltas):
+                    yield _stream_content(deltas, gen.num_choices)
+                errors = [item for item in batch if isinstance(item, Exception)]
+                if errors:
+                    await _abort(context, errors[0])
+                    return
+                if _END in batch:
+                    return
+        finally:
+            pump.cancel()
+            gen.cancel()
+
+
+async def _pump(gen: Generation, queue: asyncio.Queue) -> None:
+    """Move the Generation's deltas into `queue`, so Decode can take all that is ready at once."""
+    try:
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for delta in deltas:
+                await queue.put(delta)
+    except Exception as exc:  # handed to Decode, which turns it into the RPC's status
+        await queue.put(exc)
+    else:
+        await queue.put(_END)
+
+
+def _stream_content(deltas: list[ChoiceDelta], num_samples: int) -> pb.DecodeResponse:
+    texts: list[list[str]] = [[] for _ in range(num_samples)]
+    ids: list[list[int]] = [[] for _ in range(num_samples)]
+    for d in deltas:
+        texts[d.index].append(d.text)
+        ids[d.index].extend(d.token_ids)
+    Sample = pb.DecodeResponse.StreamContent.Sample
+    samples = [Sample(text="".join(t), token_ids=i) for t, i in zip(texts, ids)]
+    return pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=samples))
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the RPC with exc's status (raises grpc's AbortError)."""
+    code, message = status_for(exc)
+    trailers: tuple[tuple[str, str], ...] = ()
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:
+        # The hint HTTP sends as Retry-After: whole seconds, rounded up so no one retries too early.
+        trailers = (("retry-after", str(max(1, math.ceil(retry_after_s)))),)
+    await context.abort(code, message, trailing_metadata=trailers)
+
+
+def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+# ---- server --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpcServer:
+    """A started grpc.aio server and the port it is bound to (useful when asked for port 0)."""
+
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace: float | None) -> None:
+        """Refuse new RPCs now; let running ones finish for `grace` seconds, then cancel them."""
+        await self.server.stop(grace)
+
+
+async def start_grpc_server(service: Service, *, host: str, port: int, api_key: str | None = None) -> GrpcServer:
+    """Start serving Orchestrator on host:port (0: any free port) on the running event loop."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"gRPC port must be in [0, 65535], got {port}")
+    # SO_REUSEPORT (grpc's default on Linux) would let a second server share a busy port silently.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(service, api_key=api_key), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen for gRPC on {address} ({exc}); is the port in use? "
+                      "Choose another --grpc-port, or 0 to turn gRPC off") from exc
+    await server.start()
+    return GrpcServer(server, bound)

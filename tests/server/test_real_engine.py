@@ -1,0 +1,111 @@
+"""End to end with the real JAX engine: a tiny random model with SmolLM2's vocabulary, the real
+tokenizer and chat template, the official openai client, and a raw SSE stream."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.runner import EngineConfig, JaxEngine
+from engine.scheduler import Scheduler, SchedulerConfig
+from models.loader import load_hf_dir
+from models.registry import load_tokenizer
+from server.app import create_app, make_server
+from server.service import Service, ServiceConfig
+from tests.conftest import build_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory, default_model_path):
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("tiny-smol-vocab"))
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    cfg, params = load_hf_dir(path)
+    tokenizer = load_tokenizer(default_model_path)
+    engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
+                                                 prefill_lengths=(16, 64)), eos_token_ids=tuple(tokenizer.eos_token_ids))
+    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="tiny"))
+    app = create_app(service, api_key=None)
+    scheduler.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, log_level="warning", shutdown_timeout_s=5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", scheduler
+    server.should_exit = True
+    thread.join(timeout=15)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completion_stream_equals_non_stream(real_server):
+    url, _ = real_server
+    c = client(url)
+    full = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage.prompt_tokens == 4
+    assert full.usage.completion_tokens == (12 if full.choices[0].finish_reason == "length" else
+                                            full.usage.completion_tokens)
+    pieces = [chunk.choices[0].text for chunk in c.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True) if chunk.choices]
+    assert "".join(pieces) == full.choices[0].text
+
+
+def test_chat_n2_seeded_and_logprobs(real_server):
+    url, _ = real_server
+    c = client(url)
+    resp = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there 🙂"}],
+                                     max_tokens=8, n=2, temperature=1.0, seed=42, logprobs=True, top_logprobs=2)
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
+        assert len(choice.logprobs.content) >= 1
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    again = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi there 🙂"}],
+                                      max_tokens=8, n=2, temperature=1.0, seed=42)
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in resp.choices]
+
+
+def test_raw_sse_framing(real_server):
+    url, _ = real_server
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_disconnect_mid_stream_frees_the_slot(real_server):
+    url, scheduler = real_server
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert scheduler.stats().slots_used == 1
+    deadline = time.monotonic() + 1.0
+    while scheduler.stats().slots_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats().slots_used == 0
+    assert scheduler.stats().cancellations >= 1
