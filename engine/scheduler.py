@@ -181,8 +181,8 @@ class Scheduler:
     def shutdown(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         with self._cv:
-            if self._state == "new":
-                self._state = "stopped"
+            if self._state == "new" or not self._thread.is_alive() and self._state == "stopped":
+                self._state = "stopped"  # never started, or already shut down: nothing to join
                 return
             if self._state == "running":
                 self._state = "closing"

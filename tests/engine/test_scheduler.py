@@ -502,3 +502,15 @@ def test_mock_engine_rejects_decode_over_wrong_pages():
         engine.generate([DecodeRow(slot=0, token_id=6, position=5, page_ids=[2, 1])])
     right = engine.generate([DecodeRow(slot=0, token_id=6, position=5, page_ids=[1, 2])])
     assert right[0].token_id == 7
+
+
+def test_shutdown_is_idempotent_started_or_not():
+    never_started = Scheduler(MockEngine(), ByteTokenizer())
+    never_started.shutdown(timeout=1)
+    never_started.shutdown(timeout=1)
+    started = Scheduler(MockEngine(), ByteTokenizer())
+    started.start()
+    started.shutdown(timeout=1)
+    started.shutdown(timeout=1)
+    with pytest.raises(EngineUnavailable):
+        started.submit(req([1, 2, 3]))
