@@ -27,7 +27,7 @@ from engine.request import TokenLogprob
 from engine.sampling import SampleResult, SamplingArrays, prompt_mask_row, sample, update_counts
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
-from models.llama import forward_paged, init_kv_cache
+from models.llama import forward_paged, init_kv_cache, split_layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +99,8 @@ class JaxEngine:
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
         kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
-        self.params = prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress)
+        # per-layer weight buffers: the jitted steps then never copy weights out of a stack
+        self.params = split_layers(prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress))
         self.max_slots = config.max_slots
         self.page_size = config.page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
