@@ -4,7 +4,9 @@ while long prompts prefill, with and without chunked prefill. Measures only; cha
 
 Run from the repo root (full size takes tens of minutes on a small CPU host):
     .venv/bin/python -m benchmarks.serving_bench [--quick] [--requests 256] [--slots 32,64]
-        [--out results.json]
+        [--skip-offline | --skip-ttft] [--out results.json]
+On a shared host, compare "in-run overhead" (measured inside the same iterations) before the
+baseline ratio, whose before/after brackets show how far the host's load drifted.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -288,6 +291,7 @@ def ttft_trial(engine: JaxEngine, tokenizer, *, budget: int | None, n_long: int,
             if time.monotonic() > deadline:
                 raise TimeoutError("no prefill started within 300 s")
             time.sleep(0.0005)
+        # counted at dispatch (JAX runs prefill asynchronously): a lower bound on work left
         behind = n_long * (long_len - 1) - scheduler.stats().prefilled_tokens
         short = Request(_prompts(rng, 1, short_len, engine.vocab_size)[0], _greedy(short_out))
         short_result = scheduler.submit(short).result()
@@ -308,15 +312,28 @@ def ttft_trial(engine: JaxEngine, tokenizer, *, budget: int | None, n_long: int,
             "burst_s": burst_s}
 
 
-def ttft_run(engine: JaxEngine, tokenizer, *, budget: int | None, repeats: int,
-             rng: np.random.Generator, **kw) -> dict:
-    trials = [ttft_trial(engine, tokenizer, budget=budget, rng=rng, **kw) for _ in range(repeats)]
-    short = [t["short_ttft_s"] for t in trials]
-    return {"prefill_token_budget": budget, "repeats": repeats, "trials": trials,
-            "short_ttft_p50_s": _pct(short, 50), "short_ttft_p90_s": _pct(short, 90),
-            "short_ttft_max_s": max(short),
-            "long_ttft_p50_s": _pct([t["long_ttft_p50_s"] for t in trials], 50),
-            "burst_s_median": _pct([t["burst_s"] for t in trials], 50)}
+def ttft_runs(engine: JaxEngine, tokenizer, *, budgets: Sequence[int | None], repeats: int,
+              rng: np.random.Generator, **kw) -> list[dict]:
+    """`repeats` trials per budget, the budgets taking turns: a shared host's load drifts over
+    minutes, and back-to-back blocks per budget would turn that drift into a difference."""
+    trials: dict[int | None, list[dict]] = {b: [] for b in budgets}
+    for rep in range(repeats):
+        for budget in budgets:
+            t = ttft_trial(engine, tokenizer, budget=budget, rng=rng, **kw)
+            t["load_avg_1m"] = os.getloadavg()[0]
+            trials[budget].append(t)
+            _log(f"ttft budget={budget} trial {rep + 1}/{repeats}: short {t['short_ttft_s']:.2f}s, "
+                 f"burst {t['burst_s']:.1f}s")
+    out = []
+    for budget, ts in trials.items():
+        short = [t["short_ttft_s"] for t in ts]
+        out.append({"prefill_token_budget": budget, "repeats": repeats, "trials": ts,
+                    "short_ttft_p50_s": _pct(short, 50), "short_ttft_p90_s": _pct(short, 90),
+                    "short_ttft_max_s": max(short),
+                    "short_queue_p50_s": _pct([t["short_queue_s"] for t in ts], 50),
+                    "long_ttft_p50_s": _pct([t["long_ttft_p50_s"] for t in ts], 50),
+                    "burst_s_median": _pct([t["burst_s"] for t in ts], 50)})
+    return out
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -334,7 +351,7 @@ def _budget(v: str) -> int | None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset name or path")
-    p.add_argument("--quick", action="store_true", help="a small smoke run (overrides the sizes)")
+    p.add_argument("--quick", action="store_true", help="small default sizes: a smoke run of a few minutes")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--slots", default="32,64", help="comma-separated max_slots for part 1")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -360,10 +377,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", default=os.path.expanduser("~/.cache/slipstream/jax"))
     p.add_argument("--out", help="write all results as JSON here")
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)  # defaults only: flags given with --quick still win
     args = p.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
     args.slot_list = [int(s) for s in str(args.slots).split(",") if s]
     args.budgets = [_budget(b) for b in args.ttft_budgets.split(",") if b]
     if not args.skip_ttft and args.ttft_slots <= args.long_count:
@@ -387,6 +403,19 @@ def _num_pages(args: argparse.Namespace) -> int:
     return 1 + widest * (per_seq + 1)  # + 1: the scheduler keeps a page of headroom per sequence
 
 
+def _provenance() -> dict:
+    """Which code produced the numbers: the commit plus uncommitted changes to the engine side."""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "dirty": git("status", "--porcelain", "--", "engine", "models", "quantization").splitlines()}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     enable_compilation_cache(args.compile_cache)
@@ -399,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     num_pages = _num_pages(args)
     env = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
            "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "python": platform.python_version(),
-           "model": os.path.basename(path), "num_pages": num_pages}
+           "model": os.path.basename(path), "num_pages": num_pages, "git": _provenance()}
     _log(f"env {env}")
     results: dict = {"args": {k: v for k, v in vars(args).items()}, "env": env,
                      "offline": [], "ttft": []}
@@ -438,12 +467,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        / run["decode_iter_s_p10"])
             results["offline"].append(run)
         if not args.skip_ttft and slots == args.ttft_slots:
-            for budget in args.budgets:
-                r = ttft_run(engine, tokenizer, budget=budget, repeats=args.repeats, rng=rng,
-                             n_long=args.long_count, long_len=args.long_len, long_out=args.long_out,
-                             short_len=args.short_len, short_out=args.short_out)
-                _log(f"ttft budget={budget}: short p50 {r['short_ttft_p50_s']:.3f}s")
-                results["ttft"].append(r)
+            results["ttft"] = ttft_runs(
+                engine, tokenizer, budgets=args.budgets, repeats=args.repeats, rng=rng,
+                n_long=args.long_count, long_len=args.long_len, long_out=args.long_out,
+                short_len=args.short_len, short_out=args.short_out)
         del engine
         gc.collect()
     env["load_avg_end"] = os.getloadavg()
@@ -501,11 +528,11 @@ def report(results: dict) -> None:
         print(f"\n### TTFT of a short request ({a['short_len']} prompt, {a['short_out']} out) "
               f"arriving while {a['long_count']} x {a['long_len']}-token prompts prefill "
               f"(max_slots {a['ttft_slots']}, {a['repeats']} repeats)\n")
-        print(_table(["prefill budget", "short TTFT p50 s", "p90 s", "max s",
-                      "prompt tokens ahead (median)", "long TTFT p50 s", "burst done s (median)"],
+        print(_table(["prefill budget", "short TTFT p50 s", "p90 s", "max s", "short queue p50 s",
+                      "prompt tokens queued at arrival (median)", "long TTFT p50 s", "burst done s (median)"],
                      [["whole prompts" if r["prefill_token_budget"] is None
                        else r["prefill_token_budget"], r["short_ttft_p50_s"],
-                       r["short_ttft_p90_s"], r["short_ttft_max_s"],
+                       r["short_ttft_p90_s"], r["short_ttft_max_s"], r["short_queue_p50_s"],
                        _pct([t["prompt_tokens_left_at_arrival"] for t in r["trials"]], 50),
                        r["long_ttft_p50_s"], r["burst_s_median"]] for r in results["ttft"]]))
     env = results["env"]

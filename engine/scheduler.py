@@ -338,9 +338,11 @@ class Scheduler:
 
     def _prefill(self) -> None:
         budget = self._config.prefill_token_budget or math.inf
-        for seq in self._running:
-            if seq.inserted:
-                continue
+        pending = [seq for seq in self._running if not seq.inserted]
+        # The oldest prompt always advances (no starvation); the rest go shortest-remaining first,
+        # so a short request does not wait behind every long prompt admitted before it.
+        order = pending[:1] + sorted(pending[1:], key=lambda s: s.prefill_target - s.num_computed)
+        for seq in order:
             tokens = seq.tokens
             while seq.num_computed < seq.prefill_target and budget > 0:
                 start = seq.num_computed

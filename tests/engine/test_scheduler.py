@@ -514,3 +514,21 @@ def test_shutdown_is_idempotent_started_or_not():
     started.shutdown(timeout=1)
     with pytest.raises(EngineUnavailable):
         started.submit(req([1, 2, 3]))
+
+
+def test_short_prompt_is_prefilled_before_long_ones_admitted_earlier():
+    engine = MockEngine(max_slots=4, page_size=4, num_pages=128, max_prefill_chunk=8)
+    sched = Scheduler(engine, ByteTokenizer(), SchedulerConfig(prefill_token_budget=8))
+    finished: list[str] = []
+    sched.add_listener(lambda m: finished.append(m.request_id))
+    longs = [req([65 + i] * 64, max_tokens=1) for i in range(3)]
+    short = req([70, 71, 72], max_tokens=1)
+    sched.start()
+    try:
+        for r in longs + [short]:
+            sched.submit(r)
+        wait_for(lambda: len(finished) == 4)
+        # the oldest prompt keeps advancing, but the short one no longer waits for all of them
+        assert finished.index(short.request_id) < finished.index(longs[2].request_id)
+    finally:
+        sched.shutdown(timeout=5)
