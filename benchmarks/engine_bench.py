@@ -29,6 +29,7 @@ from engine.request import SamplingParams
 from engine.runner import EngineConfig, JaxEngine, enable_compilation_cache
 from engine.sampling import SamplingArrays
 from models.config import ModelConfig
+from models.layers import linear
 from models.llama import forward_paged
 from models.loader import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
@@ -92,8 +93,6 @@ def matmul_roofline(params: dict, cfg: ModelConfig) -> Callable[[jax.Array], jax
     """A jitted function doing only the decode step's matmuls (q, k, v, o, gate, up, down for every
     layer, then the LM head) on the engine's own weights, each layer's weights a separate input so
     no slicing is counted. The few adds between them only keep XLA from dropping a matmul."""
-    from models.layers import linear
-
     layers = params["layers"]
     if not isinstance(layers, (list, tuple)):  # stacked: one buffer per layer, sliced once here
         layers = jax.block_until_ready([jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)])
@@ -152,38 +151,55 @@ def decode_rows(setup: DecodeSetup, batch: int, step: int) -> list[DecodeRow]:
     return [DecodeRow(s, 100 + s, position, setup.pages[s]) for s in range(batch)]
 
 
+def decode_bucket(setup: DecodeSetup, batch: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(batch, pages) bucket of every timed step: the longest row ends at context + warmup + steps."""
+    engine = setup.engine
+    return (engine.buckets.decode_batch(batch),
+            engine.buckets.pages(pages_needed(setup.context + args.warmup + args.steps, engine.page_size)))
+
+
+def model_step(setup: DecodeSetup, batch: int, args: argparse.Namespace) -> Callable[[], jax.Array]:
+    """The model program alone, doing what generate() does: forward_paged at the same bucket
+    shapes, block tables and advancing positions, on the engine's params and cache (donated and
+    put back, as the engine does)."""
+    engine, cfg = setup.engine, setup.engine.model_cfg
+    ps = engine.page_size
+    b, p = decode_bucket(setup, batch, args)
+    tokens = np.zeros((b, 1), np.int32)
+    tokens[:batch, 0] = 100 + np.arange(batch)
+    table = np.zeros((b, p), np.int32)
+    for i in range(batch):
+        n = min(p, len(setup.pages[i]))
+        table[i, :n] = setup.pages[i][:n]
+    model_fn = jax.jit(functools.partial(forward_paged, cfg=cfg, page_size=ps, dtype=engine.dtype),
+                       donate_argnames=("cache",))
+    step = [0]
+
+    def model():
+        positions, write = np.zeros((b, 1), np.int32), np.zeros((b, 1), np.int32)
+        for i, row in enumerate(decode_rows(setup, batch, step[0])):
+            positions[i, 0] = row.position
+            write[i, 0] = row.page_ids[row.position // ps] * ps + row.position % ps
+        step[0] += 1
+        logits, engine.cache = model_fn(engine.params, cache=engine.cache, tokens=tokens, positions=positions,
+                                        write_slots=write, block_tables=table, last_index=np.zeros(b, np.int32))
+        return logits
+
+    return model
+
+
 def measure_decode(setup: DecodeSetup, roofline: Callable, batch: int, args: argparse.Namespace) -> dict:
     """Per batch: the engine's full step (generate: host prep, decode, sampling, host fetch), the
     model program alone, the sampling program alone and the matmul-only roofline, interleaved."""
     engine, cfg = setup.engine, setup.engine.model_cfg
-    ps = engine.page_size
+    b, p = decode_bucket(setup, batch, args)
     step = [0]
 
     def generate():
         engine.generate(decode_rows(setup, batch, step[0]))
         step[0] += 1
 
-    # the model alone: forward_paged at the bucket shapes generate() uses, on the engine's cache
-    b = engine.buckets.decode_batch(batch)
-    p = engine.buckets.pages(pages_needed(setup.context + args.warmup + args.steps, ps))
-    tokens, positions, write = (np.zeros(b, np.int32) for _ in range(3))
-    table = np.zeros((b, p), np.int32)
-    for i in range(batch):
-        pos = setup.context - 1
-        tokens[i], positions[i] = 100 + i, pos
-        write[i] = setup.pages[i][pos // ps] * ps + pos % ps
-        n = min(p, pages_needed(pos + 1, ps))
-        table[i, :n] = setup.pages[i][:n]
-    model_fn = jax.jit(functools.partial(forward_paged, cfg=cfg, page_size=ps, dtype=engine.dtype),
-                       donate_argnames=("cache",))
-
-    def model():
-        logits, engine.cache = model_fn(engine.params, cache=engine.cache, tokens=tokens[:, None],
-                                        positions=positions[:, None], write_slots=write[:, None],
-                                        block_tables=table, last_index=np.zeros(b, np.int32))
-        return logits
-
-    # the sampling program alone, as the runner compiles it, with greedy settings
+    # the sampling program alone, as the runner compiles it (its private step body), greedy
     sample_fn = jax.jit(JaxEngine._sample_step, donate_argnums=(1,))
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((b, engine.vocab_size), np.float32))
     state = [(jnp.zeros((b + 1, engine.vocab_size), jnp.int32), jnp.zeros((b + 1, engine.vocab_size), bool))]
@@ -195,7 +211,7 @@ def measure_decode(setup: DecodeSetup, roofline: Callable, batch: int, args: arg
         return jax.device_get(result)
 
     x = jnp.ones((b, cfg.hidden_size), engine.dtype)
-    times = _interleaved({"step": generate, "model": model, "sample": sample,
+    times = _interleaved({"step": generate, "model": model_step(setup, batch, args), "sample": sample,
                           "roofline": lambda: roofline(x)}, args.steps, args.warmup)
     ms = {name: _ms(t) for name, t in times.items()}
     return {"slots": batch, "bucket": [b, p], **{f"{k}_ms": v for k, v in ms.items()},
@@ -222,6 +238,30 @@ def measure_prefill(setup: DecodeSetup, lengths: list[int], reps: int) -> list[d
         times = _interleaved({"prefill": run}, reps, warmup=1)["prefill"]
         out.append({"tokens": n, "ms": _ms(times), "tok_s": n / statistics.median(times)})
     return out
+
+
+def profile_ops(fn: Callable[[], object], reps: int, top: int) -> list[tuple[str, float, int]]:
+    """XLA ops by total time per call, from a profiler trace: (name, ms per call, calls per step).
+    Ops on the two host threads overlap, so the sum exceeds the step's wall time."""
+    import collections
+    import glob
+    import gzip
+
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(fn())
+        with gzip.open(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    host = ("$", "Thunk", "Pjit", "PjRt", "Allocate", "Handle", "Parse", "Execute", "Await")
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and not any(k in e["name"] for k in host):
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+    return [(name, us / reps / 1e3, count[name] // reps) for name, us in total.most_common(top)]
 
 
 # ---- compile time (in child processes, so the warm run starts with nothing in memory) ----------
@@ -272,6 +312,10 @@ def markdown(report: dict) -> str:
     if report["prefill"]:
         lines += ["", "| prefill chunk | ms | tok/s |", "|---:|---:|---:|"]
         lines += [f"| {p['tokens']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in report["prefill"]]
+    if report.get("profile"):
+        lines += ["", f"decode program at {report['profile_slots']} slots, slowest XLA ops (ms per step, "
+                      "overlapping on the host threads):", "", "| op | calls | ms |", "|---|---:|---:|"]
+        lines += [f"| {p['op']} | {p['calls']} | {p['ms']:.1f} |" for p in report["profile"]]
     if report.get("compile"):
         c = report["compile"]
         lines += ["", f"compile all buckets (max_slots {report['compile_config']['max_slots']}, max_seq_len "
@@ -298,6 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-compile", action="store_true", help="skip the cold/warm compile measurement")
     ap.add_argument("--compile-slots", type=int, default=32)
     ap.add_argument("--compile-max-seq-len", type=int, default=2048)
+    ap.add_argument("--profile-slots", type=int, default=0,
+                    help="also list the decode program's slowest XLA ops at this many slots")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--compile-worker", metavar="CACHE_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -324,6 +370,10 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.slots:
         decode.append(measure_decode(setup, roofline, batch, args))
         print(f"decode {batch}: {decode[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
+    profile = None
+    if args.profile_slots:
+        profile = [{"op": name, "ms": ms, "calls": calls}
+                   for name, ms, calls in profile_ops(model_step(setup, args.profile_slots, args), 5, 25)]
     copy_s, read_s = copy_seconds(args.copy_mb << 20, reps=10)
     wbytes = weight_bytes_read_per_token(engine.params)
     batch1 = next((d["step_ms"] for d in decode if d["slots"] == 1), float("nan"))
@@ -337,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_result = None if args.skip_compile else measure_compile(args)
     report = {"model": args.model, "dtype": args.dtype, "context": args.context, "page_size": args.page_size,
               "steps": args.steps, "decode": decode, "reference": reference, "prefill": prefill,
+              "profile": profile, "profile_slots": args.profile_slots,
               "compile": compile_result,
               "compile_config": {"max_slots": args.compile_slots, "max_seq_len": args.compile_max_seq_len},
               "loadavg_start": loadavg_start, "loadavg_end": round(os.getloadavg()[0], 1),

@@ -99,8 +99,9 @@ class JaxEngine:
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
         kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
-        # per-layer weight buffers: the jitted steps then never copy weights out of a stack
-        self.params = split_layers(prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress))
+        self.params = prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress)
+        if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
+            self.params = split_layers(self.params)
         self.max_slots = config.max_slots
         self.page_size = config.page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)

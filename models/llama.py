@@ -143,6 +143,7 @@ def _linears(ws: tuple, x: jax.Array) -> tuple[jax.Array, ...]:
     # jitted so that the switch branches (one per layer) share one trace: lowering time
     return tuple(layers.linear(x, w) for w in ws)
 
+
 # Bytes of K, V and scores per block of cached keys: small enough to stay in L2 between the gather
 # and the two matmuls that read it (bigger blocks re-read from DRAM, smaller ones pay loop overhead).
 _BLOCK_BYTES = 4 << 20
@@ -219,16 +220,19 @@ def forward_paged(params: dict, cfg: ModelConfig, cache: dict, tokens: jax.Array
         # scan over a stack copies every weight out of it each step (XLA:CPU cannot matmul a
         # dynamic slice), ~2x the weight reads at batch 1. Small leaves (norms, biases) are stacked.
         per_layer = params["layers"]
-        small = jax.tree.map(lambda *a: jnp.stack(a), *[{k: w for k, w in lp.items() if k not in _MATMULS}
+        small = jax.tree.map(lambda *a: jnp.stack(a), *[{name: w for name, w in lp.items() if name not in _MATMULS}
                                                         for lp in per_layer])
 
         def layer(x, xs):
             lp, i, layer_rows = xs
 
             def matmul(a, names):
-                # 2-D in and out: a branch is then only its matmuls, with no per-branch reshape kernels
-                outs = jax.lax.switch(i, [functools.partial(_linears, tuple(lw[n] for n in names))
-                                          for lw in per_layer], a.reshape(-1, a.shape[-1]))
+                # Rows flattened, one row as a vector: XLA:CPU wraps a [1,D] matvec inside a branch
+                # in relayout copies (and a 2-row matmul runs ~30% slower at batch 1).
+                flat = a.reshape(-1, a.shape[-1])
+                flat = flat[0] if flat.shape[0] == 1 else flat
+                outs = jax.lax.switch(i, [functools.partial(_linears, tuple(lw[name] for name in names))
+                                          for lw in per_layer], flat)
                 return tuple(o.reshape(*a.shape[:-1], o.shape[-1]) for o in outs)
 
             return layer_body(x, lp, layer_rows, matmul)

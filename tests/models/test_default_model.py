@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.request import SamplingParams
 from models.registry import load_tokenizer
+from tests.engine.test_runner import _generate as drive_engine
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n"]
@@ -28,19 +28,7 @@ def engine_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
     """All prompts decoded together in one batch, not stopping at EOS."""
     pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(prompts))]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for slot, prompt in enumerate(prompts):
-        engine.prefill(PrefillChunk(prompt[:-1], 0, pages[slot]))
-        engine.insert(slot, SlotState(prompt, [], greedy))
-    last = [p[-1] for p in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
-    for step in range(NEW_TOKENS):
-        rows = [DecodeRow(s, last[s], len(prompts[s]) - 1 + step, pages[s]) for s in range(len(prompts))]
-        for s, sampled in enumerate(engine.generate(rows)):
-            outs[s].append(sampled.token_id)
-            last[s] = sampled.token_id
-    for slot in range(len(prompts)):
-        engine.free(slot)
-    return outs
+    return drive_engine(engine, prompts, [greedy] * len(prompts), pages, NEW_TOKENS)
 
 
 def test_greedy_tokens_equal_transformers(default_model_path, default_engine, hf_model):
