@@ -127,7 +127,8 @@ def build_engine(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> De
     longest = args.context + args.warmup + args.steps + 1
     pages_per_seq = pages_needed(longest, args.page_size)
     config = EngineConfig(max_slots=max_slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-                          num_pages=max_slots * pages_per_seq + 1, dtype=args.dtype)
+                          num_pages=max_slots * pages_per_seq + 1, dtype=args.dtype,
+                          kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
     engine = JaxEngine(cfg, params, config, precompile=False)
     pages = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(max_slots)]
     return DecodeSetup(engine, pages, args.context)
@@ -296,7 +297,8 @@ def measure_compile(args: argparse.Namespace) -> dict:
 
 def markdown(report: dict) -> str:
     ref = report["reference"]
-    lines = [f"{report['model']} {report['dtype']}, context {report['context']}, page {report['page_size']}, "
+    lines = [f"{report['model']} {report['dtype']} (weights {report.get('quantize', 'none')}, KV "
+             f"{report.get('kv_cache_dtype', 'auto')}), context {report['context']}, page {report['page_size']}, "
              f"{report['steps']} steps (median ms); load avg {report['loadavg_start']} -> {report['loadavg_end']}",
              "", "| slots | bucket (B,P) | step ms | tok/s | model ms | sample ms | host ms | "
                  "matmul roofline ms | step/roofline | model/roofline |",
@@ -330,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--quantize", default="none", choices=["none", "w8a16", "w8a8"])
     ap.add_argument("--slots", type=ints, default=[1, 8, 32, 64])
     ap.add_argument("--context", type=int, default=384, help="prompt tokens per slot before decoding")
     ap.add_argument("--page-size", type=int, default=16)
@@ -385,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     prefill = measure_prefill(setup, args.prefill_lengths, args.prefill_reps)
     del setup, engine
     compile_result = None if args.skip_compile else measure_compile(args)
-    report = {"model": args.model, "dtype": args.dtype, "context": args.context, "page_size": args.page_size,
+    report = {"model": args.model, "dtype": args.dtype, "quantize": args.quantize,
+              "kv_cache_dtype": args.kv_cache_dtype, "context": args.context, "page_size": args.page_size,
               "steps": args.steps, "decode": decode, "reference": reference, "prefill": prefill,
               "profile": profile, "profile_slots": args.profile_slots,
               "compile": compile_result,

@@ -24,7 +24,8 @@ from engine.api import DecodeRow, PrefillChunk, Sampled, SlotState
 from engine.buckets import Buckets
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from engine.request import TokenLogprob
-from engine.sampling import SampleResult, SamplingArrays, prompt_mask_row, sample, update_counts
+from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, penalties_active, prompt_mask_row,
+                             sample_penalized, update_counts)
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
 from models.llama import forward_paged, init_kv_cache, split_layers
@@ -147,10 +148,20 @@ class JaxEngine:
     @staticmethod
     def _sample_step(logits, state, slot_ids, active, sarrays):
         # compiled per batch bucket only (not per page bucket): sampling is costly to compile
+        # A batch without penalties neither reads nor updates the [B, V] counts (12 MB of gather
+        # and scatter at 32 rows): a row's penalties are fixed for its life and insert() rebuilds
+        # its counts, so rows that never use them need not keep them.
         counts, pmask = state
-        rows_counts = counts[slot_ids]                                      # [B,V]
-        result = sample(logits, sarrays, rows_counts, pmask[slot_ids])
-        counts = counts.at[slot_ids].set(update_counts(rows_counts, result.token, active))
+        logits = logits.astype(jnp.float32)
+
+        def penalized():
+            rows_counts = counts[slot_ids]                                  # [B,V]
+            result = sample_penalized(logits, apply_penalties(logits, sarrays, rows_counts, pmask[slot_ids]),
+                                      sarrays)
+            return result, counts.at[slot_ids].set(update_counts(rows_counts, result.token, active))
+
+        result, counts = jax.lax.cond(penalties_active(sarrays), penalized,
+                                      lambda: (sample_penalized(logits, logits, sarrays), counts))
         return result, (counts, pmask)
 
     def _prefill_step(self, params, cache, tokens, positions, write_slots, block_tables):

@@ -117,10 +117,14 @@ def attention_start(q_rows: jax.Array) -> AttentionState:
 
 
 def attention_block(state: AttentionState, q_rows: jax.Array, k: jax.Array, v: jax.Array,
-                    mask: jax.Array) -> AttentionState:
+                    mask: jax.Array, k_scale: jax.Array | None = None,
+                    v_scale: jax.Array | None = None) -> AttentionState:
     """Fold one block of keys into an online softmax (as flash attention does).
 
     q_rows [B,KV,G*T,hd]; k, v [B,KV,S,hd]; mask bool [B,S,T] (key s visible to query t).
+    k_scale, v_scale [B,KV,S] (int8 KV): k and v are the unscaled int8 values; a per-key scale
+    factors out of both dots, so it multiplies the scores and the probabilities instead of
+    every element of K and V (a dequantized copy of K/V cost more than the attention itself).
     A block whose keys are all masked for a row adds nothing to it, provided an earlier block
     gave that row a real key (the step's own token does).
     """
@@ -131,6 +135,8 @@ def attention_block(state: AttentionState, q_rows: jax.Array, k: jax.Array, v: j
     # head's [S,hd] rows once; the q-major form ran ~3x slower.
     scores = jnp.einsum("bksh,bkmh->bksm", k, q_rows.astype(k.dtype),
                         preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
+    if k_scale is not None:
+        scores = scores * k_scale[..., None]
     visible = mask[:, None, :, None, :]                                              # [B,1,S,1,T]
     scores = jnp.where(visible, scores.reshape(b, kvh, s_len, rows // t, t), -1e30)
     m_new = jnp.maximum(m, jnp.max(scores, axis=2).reshape(b, kvh, rows))
@@ -139,7 +145,8 @@ def attention_block(state: AttentionState, q_rows: jax.Array, k: jax.Array, v: j
     correction = jnp.exp(m - m_new)
     # The barrier keeps probs materialised as [M,S]: folded into the matmul as a transposed left
     # operand, XLA:CPU leaves its fast path for V.
-    probs_t = jax.lax.optimization_barrier(jnp.swapaxes(probs, 2, 3).astype(v.dtype))  # [B,KV,M,S]
+    weights = probs if v_scale is None else probs * v_scale[..., None]
+    probs_t = jax.lax.optimization_barrier(jnp.swapaxes(weights, 2, 3).astype(v.dtype))  # [B,KV,M,S]
     out = jnp.einsum("bkms,bksh->bkmh", probs_t, v, preferred_element_type=jnp.float32)
     return acc * correction[..., None] + out, m_new, l * correction + jnp.sum(probs, axis=2)
 

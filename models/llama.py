@@ -118,8 +118,10 @@ def _write_kv(cache: dict, slots: jax.Array, k: jax.Array, v: jax.Array) -> dict
     return out
 
 
-def _read_kv(cache: dict, rows: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Gather pages by row id (layer * KV + head) * num_pages + page, rows [B,KV,P] -> K, V [B,KV,S,hd]."""
+def _read_kv(cache: dict, rows: jax.Array, dtype) -> tuple[jax.Array, ...]:
+    """Gather pages by row id (layer * KV + head) * num_pages + page, rows [B,KV,P] -> K, V [B,KV,S,hd]
+    in dtype, then K's and V's scales [B,KV,S] (None unless the cache is int8: K and V are then the
+    unscaled int8 values, for attention_block to scale its scores and probabilities)."""
     b, kvh, p = rows.shape
 
     def gather(buf: jax.Array) -> jax.Array:
@@ -127,12 +129,10 @@ def _read_kv(cache: dict, rows: jax.Array, dtype) -> tuple[jax.Array, jax.Array]
         flat = buf.reshape(n_layers * kvh * num_pages, -1)          # one contiguous page per row
         return flat[rows].reshape(b, kvh, p * page_size, *buf.shape[4:])
 
-    k, v = gather(cache["k"]), gather(cache["v"])
+    k, v = gather(cache["k"]).astype(dtype), gather(cache["v"]).astype(dtype)
     if "k_scale" in cache:
-        from quantization.kv import dequantize_kv
-
-        return dequantize_kv(k, gather(cache["k_scale"]), dtype), dequantize_kv(v, gather(cache["v_scale"]), dtype)
-    return k.astype(dtype), v.astype(dtype)
+        return k, v, gather(cache["k_scale"]), gather(cache["v_scale"])
+    return k, v, None, None
 
 
 _MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -196,8 +196,9 @@ def forward_paged(params: dict, cfg: ModelConfig, cache: dict, tokens: jax.Array
         k_pos = i * block_keys + jnp.arange(block_keys, dtype=jnp.int32)            # [S]
         mask = _window_mask(k_pos[None, :, None] < start[:, None, None], positions[:, None, :],
                             k_pos[None, :, None], cfg)                              # [B,S,T]
-        k, v = _read_kv(cache, jax.lax.dynamic_slice_in_dim(layer_rows, i * per_block, per_block, 2), dtype)
-        return layers.attention_block(state, q_rows, k, v, mask)
+        k, v, k_scale, v_scale = _read_kv(
+            cache, jax.lax.dynamic_slice_in_dim(layer_rows, i * per_block, per_block, 2), dtype)
+        return layers.attention_block(state, q_rows, k, v, mask, k_scale, v_scale)
 
     def attention(q, k, v, layer_rows):
         q_rows = layers.attention_rows(q, kvh)                                      # [B,KV,G*T,hd]

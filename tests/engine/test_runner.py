@@ -122,6 +122,29 @@ def test_engine_greedy_batch_equals_reference(tiny_engine, tiny_model):
         assert out == _dense_greedy(cfg, params, prompt, 12)
 
 
+def test_penalties_count_the_generated_tokens_across_steps(tiny_engine, tiny_model):
+    """A greedy row with a frequency/presence penalty follows the host-side OpenAI formula over
+    its own earlier tokens, step after step, whether it shares the batch with a penalty-free row
+    or runs alone (batches without penalties skip the count bookkeeping)."""
+    cfg, params = tiny_model
+    rng = np.random.default_rng(12)
+    prompt = list(rng.integers(3, 256, 7))
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=10)
+    ids, expected = list(prompt), []
+    for _ in range(10):
+        logits = dense_last_logits(cfg, params, ids).astype(np.float64)
+        counts = np.bincount(expected, minlength=logits.shape[0])[:logits.shape[0]]
+        ids.append(int(np.argmax(logits - 1.5 * counts - 0.5 * (counts > 0))))
+        expected.append(ids[-1])
+    assert expected != _dense_greedy(cfg, params, prompt, 10)  # the penalty matters here
+    other = list(rng.integers(3, 256, 5))
+    plain = SamplingParams(temperature=0.0, max_tokens=10)
+    mixed = _generate(tiny_engine, [other, prompt], [plain, penalized], [[1, 2, 3, 4], [5, 6, 7, 8]], 10)
+    assert mixed[1] == expected
+    assert mixed[0] == _dense_greedy(cfg, params, other, 10)
+    assert _generate(tiny_engine, [prompt], [penalized], [[9, 10, 11, 12]], 10)[0] == expected
+
+
 def test_seeded_sampling_is_independent_of_batch(tiny_engine):
     rng = np.random.default_rng(4)
     prompt = list(rng.integers(3, 256, 9))

@@ -178,8 +178,9 @@ def test_logprobs_are_the_raw_model_distribution():
     rng = np.random.default_rng(10)
     logits = rng.normal(size=(6, 100)) * 3
     counts = rng.integers(0, 2, size=(6, 100)).astype(np.int32)
-    params = [SamplingParams(temperature=t, repetition_penalty=1.5, presence_penalty=1.0)
-              for t in (0.0, 0.5, 1.0, 1.0, 2.0, 0.0)]
+    params = [SamplingParams(temperature=t, repetition_penalty=1.5, presence_penalty=1.0,
+                             logprobs=None if i == 5 else MAX_TOP_LOGPROBS)
+              for i, t in enumerate((0.0, 0.5, 1.0, 1.0, 2.0, 0.0))]
     out = run(logits, params, seeds=list(range(6)), counts=counts)
     log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(out.logprob, log_softmax[np.arange(6), out.token],
@@ -283,7 +284,7 @@ def test_full_vocab_smoke_without_a_sort():
     rng = np.random.default_rng(17)
     vocab = 49152
     logits = rng.normal(size=(4, vocab)).astype(np.float32) * 2
-    params = [SamplingParams(temperature=0.0),
+    params = [SamplingParams(temperature=0.0, logprobs=0),
               SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
               SamplingParams(temperature=1.0, top_p=0.9),  # nucleus past 128 tokens: bisection
               SamplingParams(temperature=1.0, min_p=0.05)]
