@@ -351,6 +351,8 @@ def _budget(v: str) -> int | None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="preset name or path")
+    p.add_argument("--quantize", default="none", choices=["none", "w8a16", "w8a8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--quick", action="store_true", help="small default sizes: a smoke run of a few minutes")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--slots", default="32,64", help="comma-separated max_slots for part 1")
@@ -442,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         t0 = time.perf_counter()
         engine = JaxEngine(model_cfg, params, EngineConfig(
             max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-            num_pages=num_pages), progress=True)
+            num_pages=num_pages, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype), progress=True)
         _log(f"engine max_slots={slots}: built in {time.perf_counter() - t0:.1f}s "
              f"(compile {engine.compile_seconds:.1f}s)")
         if not args.skip_offline and slots in args.slot_list:
@@ -485,7 +487,8 @@ def report(results: dict) -> None:
     if results["offline"]:
         a = results["args"]
         print(f"\n### Offline throughput ({a['requests']} requests, prompt {a['prompt_len']}, "
-              f"output {a['output_len']}, greedy, ignore_eos, prefill budget {a['offline_budget']})\n")
+              f"output {a['output_len']}, greedy, ignore_eos, prefill budget {a['offline_budget']}, "
+              f"weights {a['quantize']}, KV {a['kv_cache_dtype']})\n")
         print(_table(
             ["slots", "wall s", "wall tok/s", "prefill s", "tok/s minus prefill",
              "decode phase tok/s", "engine decode-only tok/s (before/after)",
