@@ -2,7 +2,8 @@
 
 Everything runs through the paged engine path: params as JaxEngine prepares them (quantized at
 load), the engine's KV layout (int8 pages with per-token-head scales), `forward_paged` and
-`JaxEngine.generate`. Run from the repo root (a few minutes on 2 CPU cores):
+`JaxEngine.generate`. int8 weights are smoothed (SmoothQuant) with statistics from the shipped
+calibration text, never from the eval text. Run from the repo root (a few minutes on 2 CPU cores):
     .venv/bin/python -m benchmarks.perplexity [--window 512 --stride 256] [--out ppl.json]
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
+from engine.runner import EngineConfig, JaxEngine, prepare_params
+from models.calibration import calibration_text
 from models.config import ModelConfig
 from models.llama import forward_paged, init_kv_cache
 from quantization import weight_bytes
@@ -92,15 +94,26 @@ def load_default_model() -> tuple[ModelConfig, dict, object]:
 
 def build_engine(cfg: ModelConfig, params: dict, mode: Mode, *, dtype: str, max_slots: int,
                  num_pages: int | None = None, kv_cache_memory: int | None = None,
-                 max_seq_len: int = 2048, prefill_lengths: tuple[int, ...] = (16, 32, 64)) -> JaxEngine:
-    """An engine in `mode` that compiles only the shapes it is asked to run."""
+                 max_seq_len: int = 2048, prefill_lengths: tuple[int, ...] = (16, 32, 64),
+                 calibration_tokens: list[int] | None = None) -> JaxEngine:
+    """An engine in `mode` that compiles only the shapes it is asked to run; int8 weights are
+    smoothed with `calibration_tokens` (see calibration_tokens()) before the engine gets them."""
     extra = {"num_pages": num_pages} if num_pages is not None else {}
     if kv_cache_memory is not None:
         extra["kv_cache_memory"] = kv_cache_memory
     config = EngineConfig(max_slots=max_slots, page_size=PAGE_SIZE, max_seq_len=max_seq_len,
                           prefill_lengths=prefill_lengths, dtype=dtype, quantize=mode.quantize,
                           kv_cache_dtype=mode.kv_cache_dtype, **extra)
+    if mode.quantize != "none" and calibration_tokens is not None:
+        # JaxEngine takes no calibration tokens (yet); params prepared here pass through its own call.
+        params = prepare_params(params, cfg, mode.quantize, config.activation_dtype(),
+                                calibration_tokens=calibration_tokens)
     return JaxEngine(cfg, params, config, precompile=False)
+
+
+def calibration_tokens(tok) -> list[int]:
+    """The shipped calibration text (models/calibration.py), never the eval text, as token ids."""
+    return tok.encode(calibration_text())
 
 
 def kv_bytes_per_token(engine: JaxEngine) -> float:
@@ -239,11 +252,12 @@ def run(modes: list[Mode], *, window: int, stride: int, dtype: str) -> list[dict
     with open(EVAL_TEXT, encoding="utf-8") as f:
         text_ids = tok.encode(f.read())
     prompt_ids = [tok.encode(p) for p in PROMPTS]
+    cal_ids = calibration_tokens(tok)
     results, ref_tokens, ref_top1 = [], None, None
     for mode in modes:
         start = time.perf_counter()
         engine = build_engine(cfg, params, mode, dtype=dtype, max_slots=32,
-                              num_pages=1 + PAGES_PER_PROMPT * len(PROMPTS))
+                              num_pages=1 + PAGES_PER_PROMPT * len(PROMPTS), calibration_tokens=cal_ids)
         row = {"mode": mode.name, "quantize": mode.quantize, "kv_cache_dtype": mode.kv_cache_dtype,
                "weight_bytes": weight_bytes(engine.params), "kv_bytes_per_token": kv_bytes_per_token(engine)}
         row.update(perplexity(engine, text_ids, window=window, stride=stride))

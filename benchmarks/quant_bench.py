@@ -18,7 +18,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.perplexity import PAGE_SIZE, Mode, build_engine, kv_bytes_per_token, load_default_model
+from benchmarks.perplexity import (PAGE_SIZE, Mode, build_engine, calibration_tokens, kv_bytes_per_token,
+                                   load_default_model)
 from engine.api import DecodeRow, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -79,13 +80,13 @@ class DecodeLoop:
 
 
 def decode_bench(cfg: ModelConfig, params: dict, modes: list[BenchMode], slot_counts: list[int],
-                 steps: int, rounds: int) -> list[dict]:
+                 steps: int, rounds: int, cal_ids: list[int] | None = None) -> list[dict]:
     max_slots = max(slot_counts)
     engines = {}
     for m in modes:
         engines[m.name] = build_engine(cfg, params, m.mode, dtype=m.dtype, max_slots=max_slots,
                                        num_pages=1 + max_slots * pages_needed(CONTEXT, PAGE_SIZE),
-                                       max_seq_len=2 * CONTEXT, prefill_lengths=(16,))
+                                       max_seq_len=2 * CONTEXT, prefill_lengths=(16,), calibration_tokens=cal_ids)
     results = []
     for slots in slot_counts:
         loops = {}
@@ -189,10 +190,11 @@ def main() -> None:
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
     slot_counts = [int(s) for s in args.slots.split(",")]
-    cfg, params, _ = load_default_model()
+    cfg, params, tok = load_default_model()
     budget = args.kv_budget_mib * 2**20
     budget_rows = kv_budget(cfg, params, budget, args.seq_len)
-    decode = decode_bench(cfg, params, [all_modes[n] for n in names], slot_counts, args.steps, args.rounds)
+    decode = decode_bench(cfg, params, [all_modes[n] for n in names], slot_counts, args.steps, args.rounds,
+                          calibration_tokens(tok))
     summary = print_tables(decode, budget_rows, budget=budget, seq_len=args.seq_len)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

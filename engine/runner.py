@@ -66,9 +66,30 @@ class EngineConfig:
         return jnp.dtype(self.dtype)
 
 
-def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, progress: bool = False) -> dict:
-    """Quantize (from the float weights) and cast the remaining float leaves to the activation dtype."""
-    if mode != "none":
+def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, progress: bool = False,
+                   calibration_tokens: Sequence[int] | None = None) -> dict:
+    """Quantize (from the float weights) and cast the remaining float leaves to the activation dtype.
+
+    calibration_tokens (the model's tokenization of models.calibration.calibration_text()) lets the
+    int8 modes fold SmoothQuant factors into the float weights first; without them they round the
+    weights as they are, with a warning. Params already quantized in `mode` (by an earlier call
+    with tokens, e.g. before building a JaxEngine) are only cast.
+    """
+    stacked = params.get("layers")
+    wq = stacked.get("wq") if isinstance(stacked, dict) else None
+    if isinstance(wq, QuantizedWeight):
+        if wq.mode != mode:
+            raise ValueError(f"params are already quantized as {wq.mode}; cannot prepare them for {mode!r}")
+    elif mode != "none":
+        if calibration_tokens is not None:
+            from models.calibration import smooth_for_mode  # load time only
+
+            params = smooth_for_mode(params, model_cfg, mode, calibration_tokens)
+        else:
+            import warnings
+
+            warnings.warn(f"{mode} without calibration_tokens: activation outliers are not smoothed "
+                          "(expect a larger accuracy loss; see models/calibration.py)", stacklevel=2)
         if "lm_head" not in params:  # tied: an int8 copy for the LM head, the float table stays for lookups
             params = {**params, "lm_head": params["embed"].T}
         params = quantize(params, mode, include_embeddings=True, progress=progress)

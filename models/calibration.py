@@ -1,0 +1,81 @@
+"""Calibration pass for int8 weights: per-channel statistics of every linear's input on a short
+shipped text, and the smoothing they drive. The pass is a pure function of (params, cfg, tokens)
+built from models/layers.py; the params math lives in quantization/, which never imports this.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import layers
+from models.config import ModelConfig
+from quantization.smoothing import INPUTS, MODE_ALPHA, smooth
+
+_INPUT_OF = {names[0]: name for name, names in INPUTS}
+
+
+def calibration_text() -> str:
+    """The shipped calibration text (varied English prose, a little code and chat; not eval data)."""
+    return importlib.resources.files("quantization").joinpath("data/calibration.txt").read_text("utf-8")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "gram"))
+def activation_stats(params: dict, cfg: ModelConfig, tokens: jax.Array, *, gram: bool = False) -> dict:
+    """Statistics of each linear's input over tokens int32 [B,T] (every token valid, causal).
+
+    Returns {name: max |x| per channel} for the names in INPUTS, each [L, channels], and "final"
+    [D] (the LM head's input, after the final norm). With gram, also {name + "_gram": sum over
+    tokens of x x^T} ([L, C, C]; "final_gram" [D, D]), what error-compensating rounding needs.
+    params["layers"] must be stacked [L, ...] leaves of float weights.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = jnp.broadcast_to(positions[:, None, :] <= positions[:, :, None], (b, t, t))    # [B,T,T]
+    if cfg.sliding_window is not None:
+        mask = mask & (positions[:, None, :] > positions[:, :, None] - cfg.sliding_window)
+    inv_freq = jnp.asarray(layers.rope_inv_freq(cfg))
+
+    def stats(x: jax.Array, name: str) -> dict:
+        x = x.astype(jnp.float32).reshape(-1, x.shape[-1])                              # [B*T,C]
+        out = {name: jnp.max(jnp.abs(x), axis=0)}                                        # [C]
+        if gram:
+            out[name + "_gram"] = jnp.einsum("ni,nj->ij", x, x)                          # [C,C]
+        return out
+
+    def layer(x, lp):
+        seen: dict = {}
+        plain = layers.layer_matmul(lp)
+
+        def matmul(a, names):  # the forward's own matmuls, recording what each group reads
+            seen.update(stats(a, _INPUT_OF[names[0]]))
+            return plain(a, names)
+
+        h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = layers.qkv(h, lp, cfg, positions, inv_freq, matmul=matmul)
+        x = x + matmul(layers.attend(q, k, v, mask), ("wo",))[0]
+        x = x + layers.swiglu(layers.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp, matmul=matmul)
+        return x, seen
+
+    x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.float32)                   # [B,T,D]
+    x, per_layer = jax.lax.scan(layer, x, params["layers"])
+    final = stats(layers.rms_norm(x, params["final_norm"], cfg.rms_norm_eps), "final")
+    return {**per_layer, **final}
+
+
+def smooth_for_mode(params: dict, cfg: ModelConfig, mode: str, tokens) -> dict:
+    """params with the smoothing factors for int8 `mode` folded in, calibrated on `tokens` ([T] ids,
+    e.g. the model's tokenization of calibration_text()). Still float: quantize afterwards."""
+    if mode not in MODE_ALPHA:
+        raise ValueError(f"no smoothing for mode {mode!r}; int8 modes: {', '.join(MODE_ALPHA)}")
+    ids = np.asarray(tokens, np.int64).reshape(-1)
+    if ids.size < 2 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"calibration needs >= 2 token ids in [0, {cfg.vocab_size}); got {ids.size} ids"
+                         + (f" in [{ids.min()}, {ids.max()}]" if ids.size else ""))
+    stats = activation_stats(params, cfg, jnp.asarray(ids, jnp.int32)[None])
+    smoothed, _ = smooth(params, stats, alpha=MODE_ALPHA[mode], num_heads=cfg.num_heads,
+                         num_kv_heads=cfg.num_kv_heads)
+    return smoothed
