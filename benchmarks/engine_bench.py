@@ -129,7 +129,13 @@ def build_engine(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> De
     config = EngineConfig(max_slots=max_slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
                           num_pages=max_slots * pages_per_seq + 1, dtype=args.dtype,
                           kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
-    engine = JaxEngine(cfg, params, config, precompile=False)
+    calibration = None
+    if args.quantize != "none":  # as `slipstream serve` does: smoothed on the shipped calibration text
+        from models.calibration import calibration_text
+        from models.registry import load_tokenizer
+
+        calibration = load_tokenizer(resolve_model(args.model)).encode(calibration_text())
+    engine = JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration)
     pages = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(max_slots)]
     return DecodeSetup(engine, pages, args.context)
 

@@ -421,6 +421,7 @@ def _provenance() -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     enable_compilation_cache(args.compile_cache)
+    from models.calibration import calibration_text
     from models.loader import load_model
     from models.registry import load_tokenizer, resolve_model
 
@@ -442,9 +443,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     for slots in engines_needed:
         t0 = time.perf_counter()
+        calibration = tokenizer.encode(calibration_text()) if args.quantize != "none" else None
         engine = JaxEngine(model_cfg, params, EngineConfig(
             max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-            num_pages=num_pages, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype), progress=True)
+            num_pages=num_pages, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype), progress=True,
+            calibration_tokens=calibration)
         _log(f"engine max_slots={slots}: built in {time.perf_counter() - t0:.1f}s "
              f"(compile {engine.compile_seconds:.1f}s)")
         if not args.skip_offline and slots in args.slot_list:

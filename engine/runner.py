@@ -116,12 +116,16 @@ class JaxEngine:
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 
     def __init__(self, model_cfg: ModelConfig, params: dict, config: EngineConfig = EngineConfig(), *,
-                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True) -> None:
+                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True,
+                 calibration_tokens: Sequence[int] | None = None) -> None:
+        """calibration_tokens: the model's tokenization of models.calibration.calibration_text(),
+        for the int8 weight modes (see prepare_params); ignored without quantization."""
         compile_count.install()
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
         kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
-        self.params = prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress)
+        self.params = prepare_params(params, model_cfg, config.quantize, self.dtype, progress=progress,
+                                     calibration_tokens=calibration_tokens)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
             self.params = split_layers(self.params)
         self.max_slots = config.max_slots

@@ -87,8 +87,13 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     model_cfg, params = load_model(path, dtype="float32", progress=progress)
     tokenizer = load_tokenizer(path)
     log.info("loaded %s in %.1fs", path, time.perf_counter() - start)
+    calibration = None
+    if config.quantize != "none":  # int8 weights are smoothed on the shipped calibration text
+        from models.calibration import calibration_text
+
+        calibration = tokenizer.encode(calibration_text())
     engine = JaxEngine(model_cfg, params, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
-                       progress=progress)
+                       progress=progress, calibration_tokens=calibration)
     log.info("compiled %d buckets in %.1fs (%d KV pages of %d tokens)",
              len(engine.buckets.decode_shapes()) + len(engine.buckets.prefill_shapes()),
              engine.compile_seconds, engine.num_pages, engine.page_size)

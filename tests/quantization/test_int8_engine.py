@@ -2,6 +2,8 @@
 the weights shrink, and the same KV memory budget holds several times the pages."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -116,3 +118,24 @@ def test_int8_kv_holds_more_pages_in_the_same_memory(tiny_model):
     ratio = int8.num_pages / f32.num_pages
     assert ratio >= 1.8
     assert ratio == pytest.approx(expected, rel=0.02)
+
+
+def test_engine_smooths_int8_weights_with_calibration_tokens_and_warns_without(tiny_model):
+    """`slipstream serve --quantize` hands the engine the calibration text's tokens: the norms it
+    runs then carry the folded SmoothQuant factors; without tokens the user is warned."""
+    cfg, params = tiny_model
+    tokens = list(np.random.default_rng(3).integers(3, cfg.vocab_size, 64))
+    with pytest.warns(UserWarning, match="not smoothed"):
+        plain = JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "quantize": "w8a8"}), precompile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        smoothed = JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "quantize": "w8a8"}),
+                             precompile=False, calibration_tokens=tokens)
+    def norm(engine):  # per-layer list on CPU (split_layers), stacked elsewhere
+        layers = engine.params["layers"]
+        if isinstance(layers, dict):
+            return np.asarray(layers["attn_norm"])
+        return np.stack([np.asarray(lp["attn_norm"]) for lp in layers])
+
+    np.testing.assert_allclose(norm(plain), np.asarray(params["layers"]["attn_norm"]), rtol=1e-6)
+    assert np.max(np.abs(norm(smoothed) - norm(plain))) > 1e-3
