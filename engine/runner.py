@@ -81,10 +81,11 @@ def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, pr
         if wq.mode != mode:
             raise ValueError(f"params are already quantized as {wq.mode}; cannot prepare them for {mode!r}")
     elif mode != "none":
+        keep_a16: dict = {}
         if calibration_tokens is not None:
-            from models.calibration import smooth_for_mode  # load time only
+            from models.calibration import calibrate  # load time only
 
-            params = smooth_for_mode(params, model_cfg, mode, calibration_tokens)
+            params, keep_a16 = calibrate(params, model_cfg, mode, calibration_tokens)
         else:
             import warnings
 
@@ -92,7 +93,7 @@ def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, pr
                           "(expect a larger accuracy loss; see models/calibration.py)", stacklevel=2)
         if "lm_head" not in params:  # tied: an int8 copy for the LM head, the float table stays for lookups
             params = {**params, "lm_head": params["embed"].T}
-        params = quantize(params, mode, include_embeddings=True, progress=progress)
+        params = quantize(params, mode, include_embeddings=True, progress=progress, keep_a16=keep_a16)
 
     def cast(x):
         if isinstance(x, QuantizedWeight) or not jnp.issubdtype(x.dtype, jnp.floating):

@@ -13,9 +13,14 @@ import numpy as np
 
 from models import layers
 from models.config import ModelConfig
-from quantization.smoothing import INPUTS, MODE_ALPHA, smooth
+from quantization.smoothing import INPUTS, MODE_ALPHA, search_alpha, smooth
 
 _INPUT_OF = {names[0]: name for name, names in INPUTS}
+# Calibration rows the w8a8 alpha search rounds through each layer (its cost is linear in them).
+SEARCH_ROWS = 256
+# w8a8 keeps this share of the layers' w_down at w8a16 (at least one): 3 of SmolLM2-135M's 30, 1.4%
+# of its 211 linears.
+KEEP_A16_SHARE = 0.1
 
 
 def calibration_text() -> str:
@@ -23,8 +28,9 @@ def calibration_text() -> str:
     return importlib.resources.files("quantization").joinpath("data/calibration.txt").read_text("utf-8")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "gram"))
-def activation_stats(params: dict, cfg: ModelConfig, tokens: jax.Array, *, gram: bool = False) -> dict:
+@functools.partial(jax.jit, static_argnames=("cfg", "gram", "samples"))
+def activation_stats(params: dict, cfg: ModelConfig, tokens: jax.Array, *, gram: bool = False,
+                     samples: int = 0) -> dict:
     """Statistics of each linear's input over tokens int32 [B,T] (every token valid, causal).
 
     Returns {name: max |x| per channel} for the names in INPUTS, each [L, channels], and "final"
@@ -44,6 +50,8 @@ def activation_stats(params: dict, cfg: ModelConfig, tokens: jax.Array, *, gram:
         out = {name: jnp.max(jnp.abs(x), axis=0)}                                        # [C]
         if gram:
             out[name + "_gram"] = jnp.einsum("ni,nj->ij", x, x)                          # [C,C]
+        if samples:
+            out[name + "_x"] = x[jnp.linspace(0, x.shape[0] - 1, samples).astype(jnp.int32)]  # [S,C]
         return out
 
     def layer(x, lp):
@@ -69,13 +77,38 @@ def activation_stats(params: dict, cfg: ModelConfig, tokens: jax.Array, *, gram:
 def smooth_for_mode(params: dict, cfg: ModelConfig, mode: str, tokens) -> dict:
     """params with the smoothing factors for int8 `mode` folded in, calibrated on `tokens` ([T] ids,
     e.g. the model's tokenization of calibration_text()). Still float: quantize afterwards."""
+    return calibrate(params, cfg, mode, tokens)[0]
+
+
+def outlier_layers(mlp_hidden_max: np.ndarray, count: int) -> np.ndarray:
+    """bool [L]: the `count` layers whose MLP hidden state has the largest max / median channel
+    maximum, the w_down inputs int8 rows cannot hold even after smoothing."""
+    m = np.asarray(mlp_hidden_max, np.float64)                                           # [L, F]
+    ratio = m.max(-1) / np.maximum(np.median(m, -1), 1e-12)
+    keep = np.zeros(m.shape[0], bool)
+    keep[np.argsort(-ratio)[:count]] = True
+    return keep
+
+
+def calibrate(params: dict, cfg: ModelConfig, mode: str, tokens) -> tuple[dict, dict]:
+    """(smoothed params as smooth_for_mode returns them, keep_a16 for quantization.quantize:
+    the w8a8 layer weights left at w8a16)."""
     if mode not in MODE_ALPHA:
         raise ValueError(f"no smoothing for mode {mode!r}; int8 modes: {', '.join(MODE_ALPHA)}")
     ids = np.asarray(tokens, np.int64).reshape(-1)
     if ids.size < 2 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ValueError(f"calibration needs >= 2 token ids in [0, {cfg.vocab_size}); got {ids.size} ids"
                          + (f" in [{ids.min()}, {ids.max()}]" if ids.size else ""))
-    stats = activation_stats(params, cfg, jnp.asarray(ids, jnp.int32)[None])
-    smoothed, _ = smooth(params, stats, alpha=MODE_ALPHA[mode], num_heads=cfg.num_heads,
-                         num_kv_heads=cfg.num_kv_heads)
-    return smoothed
+    # w8a8 picks each layer's migration strength by its own rounding error on a sample of rows
+    samples = min(SEARCH_ROWS, ids.size) if mode == "w8a8" else 0
+    stats = activation_stats(params, cfg, jnp.asarray(ids, jnp.int32)[None], samples=samples)
+    alpha = MODE_ALPHA[mode]
+    if samples:
+        alpha = search_alpha(params["layers"], stats, {name: stats[name + "_x"] for name, _ in INPUTS},
+                             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+    smoothed, _ = smooth(params, stats, alpha=alpha, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads)
+    keep = {}
+    if mode == "w8a8":
+        keep["w_down"] = outlier_layers(jax.device_get(stats["mlp_hidden"]),
+                                        max(1, round(KEEP_A16_SHARE * cfg.num_layers)))
+    return smoothed, keep

@@ -44,8 +44,10 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
     if w.mode == "w8a16":
         y = _w8a16(x2, w.q, w.scale)
-    else:
+    elif w.keep_a16 is None:
         y = _w8a8(x2, w.q, w.scale)
+    else:  # a per-layer choice, traced under the layer scan / switch
+        y = jax.lax.cond(w.keep_a16, _w8a16, _w8a8, x2, w.q, w.scale)
     return y.reshape(*lead, w.shape[1]).astype(x.dtype)
 
 

@@ -6,11 +6,15 @@ unchanged and the forward code does not know. Needs per-channel max |x| from a c
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from quantization.weights import INT8_MAX
 
 # Each input group: (name, the weights that read it). Names match models/calibration.py's stats.
 INPUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -29,11 +33,17 @@ MODE_ALPHA: dict[str, dict[str, float]] = {
     "w8a16": {"attn_in": 0.4, "attn_out": 0.4, "mlp_in": 0.4, "mlp_hidden": 0.4},
 }
 _MIN_SCALE = 1e-5
+# Candidates for search_alpha; 0 (no migration) lets a layer without outliers opt out.
+ALPHA_GRID: tuple[float, ...] = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+Alpha = float | Mapping[str, float | np.ndarray | jax.Array]
 
 
-def _factors(act_max: jax.Array, weight_max: jax.Array, alpha: float) -> jax.Array:
-    """s = max|x|^alpha / max|w|^(1 - alpha) per channel; 1 where a channel never fires."""
+def _factors(act_max: jax.Array, weight_max: jax.Array, alpha) -> jax.Array:
+    """s = max|x|^alpha / max|w|^(1 - alpha) per channel; 1 where a channel never fires.
+
+    act_max, weight_max [L, ...channels]; alpha a float or one per layer [L]."""
     a = act_max.astype(jnp.float32)
+    alpha = jnp.asarray(alpha, jnp.float32).reshape((-1,) + (1,) * (a.ndim - 1))  # [L or 1, 1...]
     w = jnp.maximum(weight_max.astype(jnp.float32), _MIN_SCALE)
     s = a**alpha / w ** (1.0 - alpha)
     return jnp.where(a > 0, jnp.maximum(s, _MIN_SCALE), 1.0)
@@ -44,21 +54,28 @@ def _row_max(ws: list[jax.Array]) -> jax.Array:
     return jnp.max(jnp.stack([jnp.max(jnp.abs(w), axis=-1) for w in ws]), axis=0)
 
 
-def smoothing_factors(layers: dict, act_max: dict, alpha: float | Mapping[str, float], *, num_heads: int,
+def smoothing_factors(layers: dict, act_max: dict, alpha: Alpha, *, num_heads: int,
                       num_kv_heads: int) -> dict[str, jax.Array]:
     """Per-channel factors {group: s [L, channels]} for stacked float layers and calibration maxima.
+
+    alpha: one value, or per group a value or one per layer ([L], as search_alpha returns).
 
     attn_out's factor is shared by the query heads of one KV group (it is folded into V, which
     they all read): channel d of head h uses KV head h // (num_heads // num_kv_heads)'s factor.
     """
     alphas = alpha if isinstance(alpha, Mapping) else {name: alpha for name, _ in INPUTS}
-    bad = {name: a for name, a in alphas.items() if not 0.0 <= a <= 1.0}
+    bad = {name: a for name, a in alphas.items() if not np.all((np.asarray(a) >= 0.0) & (np.asarray(a) <= 1.0))}
     if bad or set(alphas) != {name for name, _ in INPUTS}:
         raise ValueError(f"smoothing alpha needs a value in [0, 1] for each of {[n for n, _ in INPUTS]}, "
                          f"got {dict(alphas)}")
     missing = [name for name, _ in INPUTS if name not in act_max]
     if missing:
         raise ValueError(f"calibration statistics lack {missing}; run models.calibration.activation_stats")
+    return _group_factors(layers, act_max, alphas, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def _group_factors(layers: dict, act_max: dict, alphas: Mapping, *, num_heads: int,
+                   num_kv_heads: int) -> dict[str, jax.Array]:
     out = {name: _factors(act_max[name], _row_max([layers[w] for w in ws]), alphas[name])
            for name, ws in INPUTS if name != "attn_out"}
     n_layers, width = act_max["attn_out"].shape
@@ -72,7 +89,7 @@ def smoothing_factors(layers: dict, act_max: dict, alpha: float | Mapping[str, f
     return out
 
 
-def smooth(params: dict[str, Any], act_max: dict, *, alpha: float | Mapping[str, float] = DEFAULT_ALPHA, num_heads: int,
+def smooth(params: dict[str, Any], act_max: dict, *, alpha: Alpha = DEFAULT_ALPHA, num_heads: int,
            num_kv_heads: int) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """(params with x / s, diag(s) W folded into every layer, the factors s per input group).
 
@@ -103,3 +120,37 @@ def smooth(params: dict[str, Any], act_max: dict, *, alpha: float | Mapping[str,
     out["w_up"] = out["w_up"] / s["mlp_hidden"][:, None, :]
     out["w_down"] = rows(layers["w_down"], s["mlp_hidden"])
     return {**params, "layers": out}, s
+
+
+def _fake_w8a8(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [L, N, C] @ w [L, C, O] as quantization/ops.py's w8a8 rounds it (per-row x, per-column w)."""
+    def rnd(v, axis):
+        scale = jnp.max(jnp.abs(v), axis=axis, keepdims=True) / INT8_MAX
+        scale = jnp.where(scale > 0, scale, 1.0)
+        return jnp.clip(jnp.round(v / scale), -INT8_MAX, INT8_MAX) * scale
+    return jnp.einsum("lnc,lco->lno", rnd(x, -1), rnd(w, -2))
+
+
+@functools.partial(jax.jit, static_argnames=("grid", "num_heads", "num_kv_heads"))
+def search_alpha(layers: dict, act_max: dict, inputs: dict, *, grid: tuple[float, ...] = ALPHA_GRID,
+                 num_heads: int, num_kv_heads: int) -> dict[str, jax.Array]:
+    """Per layer and input group, the alpha in `grid` whose w8a8 output is closest to float:
+    argmin over alpha of || Q(x / s) @ Q(diag(s) W) - x @ W ||^2 on calibration inputs.
+
+    inputs: {group: x [L, N, C]}, a sample of the calibration rows each group reads. Returns
+    {group: alpha [L]} for smoothing_factors. Each group is judged alone: the column scalings the
+    other groups fold into V and up leave per-column int8 rounding unchanged.
+    """
+    weights = {name: jnp.concatenate([layers[w].astype(jnp.float32) for w in ws], axis=-1)
+               for name, ws in INPUTS}                                                    # [L, C, O]
+    ref = {name: jnp.einsum("lnc,lco->lno", inputs[name], weights[name]) for name, _ in INPUTS}
+
+    def errors(alpha: jax.Array) -> dict[str, jax.Array]:  # {group: [L]}
+        s = _group_factors(layers, act_max, {name: alpha for name, _ in INPUTS},
+                              num_heads=num_heads, num_kv_heads=num_kv_heads)
+        return {name: jnp.sum((_fake_w8a8(inputs[name] / s[name][:, None, :], weights[name] * s[name][:, :, None])
+                               - ref[name]) ** 2, axis=(1, 2)) for name, _ in INPUTS}
+
+    grid_arr = jnp.asarray(grid, jnp.float32)
+    errs = jax.lax.map(errors, grid_arr)                                               # {group: [A, L]}
+    return {name: grid_arr[jnp.argmin(e, axis=0)] for name, e in errs.items()}

@@ -27,12 +27,16 @@ class QuantizedWeight:
     """Per-output-channel symmetric int8 weight: w ~= q * scale.
 
     q: int8[..., in, out]; scale: f32[..., out]; mode: "w8a16" or "w8a8" (static, not a leaf).
+    keep_a16: None, or (w8a8 only) bool[...] per leading index: True keeps that layer's activations
+    float (w8a16), for the few layers whose activation outliers int8 rows cannot hold. A leaf, not
+    static, so stacked layers may differ and lax.scan / split_layers slice it like q.
     Leading axes (the stacked layer axis L) are sliced away by lax.scan like any other leaf.
     """
 
     q: jax.Array
     scale: jax.Array
     mode: str = dataclasses.field(metadata=dict(static=True))
+    keep_a16: jax.Array | None = None
 
     def __post_init__(self) -> None:
         # Only the static field is checked: JAX rebuilds this node with placeholder leaves
@@ -73,24 +77,33 @@ def _quantize_arrays(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def quantize_weight(w: jax.Array, mode: str) -> QuantizedWeight:
-    """Quantize a float weight [..., in, out] to int8 with one symmetric scale per output column."""
+def quantize_weight(w: jax.Array, mode: str, keep_a16=None) -> QuantizedWeight:
+    """Quantize a float weight [..., in, out] to int8 with one symmetric scale per output column
+    (keep_a16: see QuantizedWeight; bool [...] over w's leading axes)."""
     _check_mode(mode, QUANTIZED_MODES)
     if w.ndim < 2:
         raise ValueError(f"expected a weight of shape [..., in, out], got shape {tuple(w.shape)}")
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"expected a floating-point weight, got dtype {w.dtype}")
+    if keep_a16 is not None:
+        keep_a16 = np.asarray(keep_a16, bool)
+        if mode != "w8a8" or keep_a16.shape != tuple(w.shape[:-2]):
+            raise ValueError(f"keep_a16 needs mode w8a8 and shape {tuple(w.shape[:-2])} (the weight's leading "
+                             f"axes); got mode {mode!r}, shape {keep_a16.shape}")
+        keep_a16 = jnp.asarray(keep_a16)
     q, scale = _quantize_arrays(w)
-    return QuantizedWeight(q=q, scale=scale, mode=mode)
+    return QuantizedWeight(q=q, scale=scale, mode=mode, keep_a16=keep_a16)
 
 
 def quantize(
-    params: dict[str, Any], mode: str, *, include_embeddings: bool = False, progress: bool = False
+    params: dict[str, Any], mode: str, *, include_embeddings: bool = False, progress: bool = False,
+    keep_a16: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return a copy of `params` with every linear weight replaced by a QuantizedWeight.
 
     Quantizes params["layers"][LAYER_WEIGHTS] and, with include_embeddings, params["lm_head"]
     (never params["embed"], which is a gather). mode "none" returns `params` unchanged.
+    keep_a16 (w8a8): {layer weight name: bool [L]}, the layers of that weight kept at w8a16.
     """
     _check_mode(mode, MODES)
     if mode == "none":
@@ -101,6 +114,9 @@ def quantize(
     missing = [name for name in LAYER_WEIGHTS if name not in layers]
     if missing:
         raise ValueError(f"params['layers'] is missing linear weights {missing}")
+    unknown = set(keep_a16 or {}) - set(LAYER_WEIGHTS)
+    if unknown:
+        raise ValueError(f"keep_a16 names {sorted(unknown)}; layer weights are {LAYER_WEIGHTS}")
     targets: list[tuple[str, ...]] = [("layers", name) for name in LAYER_WEIGHTS]
     if include_embeddings and "lm_head" in params:
         targets.append(("lm_head",))
@@ -111,7 +127,8 @@ def quantize(
         parent = out["layers"] if path[0] == "layers" else out
         if isinstance(parent[path[-1]], QuantizedWeight):
             raise ValueError(f"params[{'/'.join(path)}] is already quantized")
-        parent[path[-1]] = quantize_weight(parent[path[-1]], mode)
+        keep = (keep_a16 or {}).get(path[-1]) if path[0] == "layers" else None
+        parent[path[-1]] = quantize_weight(parent[path[-1]], mode, keep)
     return out
 
 
