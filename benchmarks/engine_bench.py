@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.profiling import profile_ops
 from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -245,30 +246,6 @@ def measure_prefill(setup: DecodeSetup, lengths: list[int], reps: int) -> list[d
         times = _interleaved({"prefill": run}, reps, warmup=1)["prefill"]
         out.append({"tokens": n, "ms": _ms(times), "tok_s": n / statistics.median(times)})
     return out
-
-
-def profile_ops(fn: Callable[[], object], reps: int, top: int) -> list[tuple[str, float, int]]:
-    """XLA ops by total time per call, from a profiler trace: (name, ms per call, calls per step).
-    Ops on the two host threads overlap, so the sum exceeds the step's wall time."""
-    import collections
-    import glob
-    import gzip
-
-    jax.block_until_ready(fn())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(reps):
-                jax.block_until_ready(fn())
-        with gzip.open(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]) as f:
-            events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    host = ("$", "Thunk", "Pjit", "PjRt", "Allocate", "Handle", "Parse", "Execute", "Await")
-    total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and not any(k in e["name"] for k in host):
-            total[e["name"]] += e["dur"]
-            count[e["name"]] += 1
-    return [(name, us / reps / 1e3, count[name] // reps) for name, us in total.most_common(top)]
 
 
 # ---- compile time (in child processes, so the warm run starts with nothing in memory) ----------

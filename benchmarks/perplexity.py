@@ -24,7 +24,7 @@ import numpy as np
 from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine, prepare_params
+from engine.runner import EngineConfig, JaxEngine
 from models.calibration import calibration_text
 from models.config import ModelConfig
 from models.llama import forward_paged, init_kv_cache
@@ -97,18 +97,14 @@ def build_engine(cfg: ModelConfig, params: dict, mode: Mode, *, dtype: str, max_
                  max_seq_len: int = 2048, prefill_lengths: tuple[int, ...] = (16, 32, 64),
                  calibration_tokens: list[int] | None = None) -> JaxEngine:
     """An engine in `mode` that compiles only the shapes it is asked to run; int8 weights are
-    smoothed with `calibration_tokens` (see calibration_tokens()) before the engine gets them."""
+    smoothed with `calibration_tokens` (see calibration_tokens())."""
     extra = {"num_pages": num_pages} if num_pages is not None else {}
     if kv_cache_memory is not None:
         extra["kv_cache_memory"] = kv_cache_memory
     config = EngineConfig(max_slots=max_slots, page_size=PAGE_SIZE, max_seq_len=max_seq_len,
                           prefill_lengths=prefill_lengths, dtype=dtype, quantize=mode.quantize,
                           kv_cache_dtype=mode.kv_cache_dtype, **extra)
-    if mode.quantize != "none" and calibration_tokens is not None:
-        # JaxEngine takes no calibration tokens (yet); params prepared here pass through its own call.
-        params = prepare_params(params, cfg, mode.quantize, config.activation_dtype(),
-                                calibration_tokens=calibration_tokens)
-    return JaxEngine(cfg, params, config, precompile=False)
+    return JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration_tokens)
 
 
 def calibration_tokens(tok) -> list[int]:

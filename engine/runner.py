@@ -72,15 +72,9 @@ def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, pr
 
     calibration_tokens (the model's tokenization of models.calibration.calibration_text()) lets the
     int8 modes fold SmoothQuant factors into the float weights first; without them they round the
-    weights as they are, with a warning. Params already quantized in `mode` (by an earlier call
-    with tokens, e.g. before building a JaxEngine) are only cast.
+    weights as they are, with a warning.
     """
-    stacked = params.get("layers")
-    wq = stacked.get("wq") if isinstance(stacked, dict) else None
-    if isinstance(wq, QuantizedWeight):
-        if wq.mode != mode:
-            raise ValueError(f"params are already quantized as {wq.mode}; cannot prepare them for {mode!r}")
-    elif mode != "none":
+    if mode != "none":
         keep_a16: dict = {}
         if calibration_tokens is not None:
             from models.calibration import calibrate  # load time only
