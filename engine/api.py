@@ -1,8 +1,10 @@
-"""The narrow contract between the scheduler and a backend (after JetStream's first engine API).
+"""The narrow contract between the scheduler and a backend: one ragged step.
 
-The scheduler owns page bookkeeping and passes page ids in; the engine owns device arrays.
-Sampling happens only in `generate`: a prompt's last token is fed to the decode step that
-produces the first generated token, so `prefill` writes KV and returns nothing.
+The scheduler owns page bookkeeping and passes page ids in; the engine owns device arrays. A step
+is a flat batch of sequences, each feeding some tokens: a decode feeds one (its last sampled
+token), a prefill chunk feeds many. Every sequence whose chunk reaches the end of its known tokens
+gets one sample. Sampling settings are bound to a slot with `insert` before the sequence's first
+step and forgotten with `free`.
 """
 from __future__ import annotations
 
@@ -13,17 +15,8 @@ from engine.request import SamplingParams, TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens [start_pos, start_pos + len(token_ids)) of one sequence, to be written to its pages."""
-
-    token_ids: Sequence[int]
-    start_pos: int
-    page_ids: Sequence[int]  # the sequence's pages, covering at least start_pos + len(token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
 class SlotState:
-    """What `insert` binds to a decode slot: the history the penalties see and the sampling settings."""
+    """What `insert` binds to a sampling slot: the history the penalties see and the settings."""
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # non-empty when a preempted sequence resumes
@@ -31,13 +24,29 @@ class SlotState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeRow:
-    """One occupied slot in a decode step: feed `token_id` at `position`, sample the next token."""
+class StepSeq:
+    """One sequence in a step: feed `token_ids` at positions start_pos.., attending over the pages."""
 
-    slot: int
-    token_id: int
-    position: int
-    page_ids: Sequence[int]  # covering at least position + 1
+    slot: int                  # its sampling slot (bound by insert)
+    token_ids: Sequence[int]   # 1 for a decode, a chunk for a prefill
+    start_pos: int             # positions [0, start_pos) are already in its pages
+    page_ids: Sequence[int]    # covering at least start_pos + len(token_ids)
+    sample: bool               # the chunk ends at its last known token: sample the next one
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One engine step: decodes first, then prefill chunks, at most max_num_batched_tokens tokens."""
+
+    seqs: Sequence[StepSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +59,15 @@ class Engine(Protocol):
     max_slots: int
     page_size: int
     max_seq_len: int
-    num_pages: int             # including the reserved padding page 0
-    max_prefill_chunk: int     # largest prefill bucket
+    num_pages: int               # including the reserved padding page 0
+    max_num_batched_tokens: int  # tokens per step (the largest step bucket)
     eos_token_ids: frozenset[int]
 
-    def prefill(self, chunk: PrefillChunk) -> None:
-        """Write the chunk's K/V into its pages, attending over the pages already written."""
-
     def insert(self, slot: int, state: SlotState) -> None:
-        """Bind a prefilled sequence to a decode slot (bookkeeping, no KV copy)."""
+        """Bind a sequence's sampling settings and penalty history to a slot (no KV work)."""
 
-    def generate(self, rows: Sequence[DecodeRow]) -> list[Sampled]:
-        """One decode step over the given slots; returns one sample per row, in order."""
+    def step(self, batch: StepBatch) -> list[Sampled]:
+        """Run every sequence's tokens in one program; one sample per `sample` sequence, in order."""
 
     def free(self, slot: int) -> None:
         """Forget the slot's sampling state; its pages are the scheduler's to release."""

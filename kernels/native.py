@@ -1,0 +1,55 @@
+"""Loads the native CPU kernels (extension modules built from kernels/csrc) and registers their XLA
+FFI targets. Which path each kernel takes is logged once and exposed through kernel_paths(), so a
+failed build or an explicit SLIPSTREAM_KERNELS=reference is never silent."""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_paths: dict[str, str] = {}       # kernel -> "native" | "reference", once asked for
+_registered: dict[str, bool] = {}  # extension module -> loaded and registered
+
+
+def reference_forced() -> bool:
+    return os.environ.get("SLIPSTREAM_KERNELS", "auto").lower() == "reference"
+
+
+def load(kernel: str, module: str) -> bool:
+    """True when `kernel` runs natively on CPU: the extension kernels._<module> imports and its FFI
+    targets (module.targets(): name -> PyCapsule) are registered with XLA for the CPU platform."""
+    if kernel in _paths:
+        return _paths[kernel] == "native"
+    ok = False
+    if reference_forced():
+        log.warning("kernel %s: pure-JAX reference (SLIPSTREAM_KERNELS=reference)", kernel)
+    else:
+        ok = _register(module)
+        if ok:
+            log.info("kernel %s: native CPU (kernels._%s)", kernel, module)
+    _paths[kernel] = "native" if ok else "reference"
+    return ok
+
+
+def _register(module: str) -> bool:
+    if module not in _registered:
+        try:
+            ext = importlib.import_module(f"kernels._{module}")
+            for name, capsule in ext.targets().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            _registered[module] = True
+        except (ImportError, AttributeError, OSError) as exc:
+            log.error("native CPU kernel module kernels._%s is unavailable (%s): the pure-JAX reference "
+                      "runs instead, several times slower on CPU. Rebuild with `pip install -e .`.",
+                      module, exc)
+            _registered[module] = False
+    return _registered[module]
+
+
+def kernel_paths() -> dict[str, str]:
+    """kernel name -> "native" or "reference", for every kernel asked for so far (logs, /metrics)."""
+    return dict(_paths)

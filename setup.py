@@ -1,0 +1,22 @@
+"""Builds the native CPU kernels (kernels/csrc/*.cc, one extension module each) against the XLA FFI
+headers that jaxlib ships. The build is optional: a failure is reported here and again, loudly, at
+run time (kernels.native logs which path each kernel takes), and the pure-JAX references run."""
+import glob
+import os
+
+from setuptools import Extension, setup
+
+
+def _extensions() -> list[Extension]:
+    import jax.ffi  # build-system.requires pins jax/jaxlib to the runtime's version
+
+    flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
+    if os.environ.get("SLIPSTREAM_KERNELS_DEBUG"):
+        flags = ["-O0", "-g", "-std=c++17"]
+    return [Extension(f"kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
+                      include_dirs=[jax.ffi.include_dir()], extra_compile_args=flags,
+                      language="c++", optional=True)
+            for src in sorted(glob.glob("kernels/csrc/*.cc"))]
+
+
+setup(ext_modules=_extensions())
