@@ -29,6 +29,7 @@ from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, pena
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
 from models.llama import forward_paged, init_kv_cache, split_layers
+from engine.params import prepare_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,37 +65,6 @@ class EngineConfig:
             # XLA:CPU runs bf16 matmuls several times slower than f32; accelerators want bf16
             return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
         return jnp.dtype(self.dtype)
-
-
-def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, progress: bool = False,
-                   calibration_tokens: Sequence[int] | None = None) -> dict:
-    """Quantize (from the float weights) and cast the remaining float leaves to the activation dtype.
-
-    calibration_tokens (the model's tokenization of models.calibration.calibration_text()) lets the
-    int8 modes fold SmoothQuant factors into the float weights first; without them they round the
-    weights as they are, with a warning.
-    """
-    if mode != "none":
-        keep_a16: dict = {}
-        if calibration_tokens is not None:
-            from models.calibration import calibrate  # load time only
-
-            params, keep_a16 = calibrate(params, model_cfg, mode, calibration_tokens)
-        else:
-            import warnings
-
-            warnings.warn(f"{mode} without calibration_tokens: activation outliers are not smoothed "
-                          "(expect a larger accuracy loss; see models/calibration.py)", stacklevel=2)
-        if "lm_head" not in params:  # tied: an int8 copy for the LM head, the float table stays for lookups
-            params = {**params, "lm_head": params["embed"].T}
-        params = quantize(params, mode, include_embeddings=True, progress=progress, keep_a16=keep_a16)
-
-    def cast(x):
-        if isinstance(x, QuantizedWeight) or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return x.astype(dtype)
-
-    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def enable_compilation_cache(path: str | None) -> None:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.runner import prepare_params
+from engine.params import prepare_params
 from models.calibration import activation_stats, smooth_for_mode
 from models.llama import forward_dense
 from quantization import QuantizedWeight, quantize
