@@ -27,7 +27,8 @@ from benchmarks.profiling import profile_ops
 from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine, enable_compilation_cache
+from engine.compile_count import enable_compilation_cache
+from engine.runner import EngineConfig, JaxEngine
 from engine.sampling import SamplingArrays
 from models.config import ModelConfig
 from models.layers import linear

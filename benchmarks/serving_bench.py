@@ -28,7 +28,8 @@ import numpy as np
 from engine.api import DecodeRow, PrefillChunk, SlotState
 from engine.kv_cache import pages_needed
 from engine.request import FinishReason, Request, SamplingParams
-from engine.runner import EngineConfig, JaxEngine, enable_compilation_cache
+from engine.compile_count import enable_compilation_cache
+from engine.runner import EngineConfig, JaxEngine
 from engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig
 
 

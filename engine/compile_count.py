@@ -4,6 +4,7 @@ Exported as a metric and asserted in tests: it must stay flat once the buckets a
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -32,3 +33,13 @@ def install() -> None:
 def compiles() -> int:
     install()
     return _count
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache, so a restart loads executables instead of compiling."""
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -67,16 +67,6 @@ class EngineConfig:
         return jnp.dtype(self.dtype)
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache, so a restart loads executables instead of compiling."""
-    if not path:
-        return
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 class JaxEngine:
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     """Load, optionally quantize, and compile: (engine, tokenizer, model_path)."""
-    from engine.runner import EngineConfig, JaxEngine, enable_compilation_cache
+    from engine.compile_count import enable_compilation_cache
+from engine.runner import EngineConfig, JaxEngine
     from models.loader import load_model
     from models.registry import load_tokenizer, resolve_model
 

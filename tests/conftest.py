@@ -57,7 +57,7 @@ def default_model_path() -> str:
 def pytest_configure(config):
     # One persistent XLA cache for the whole run (and later runs): engines built by different
     # tests compile the same buckets, and the cache turns those repeats into loads.
-    from engine.runner import enable_compilation_cache
+    from engine.compile_count import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get(
         "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
