@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     """Load, optionally quantize, and compile: (engine, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
-from engine.runner import EngineConfig, JaxEngine
+    from engine.runner import EngineConfig, JaxEngine
     from models.loader import load_model
     from models.registry import load_tokenizer, resolve_model
 
