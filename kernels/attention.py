@@ -1,0 +1,143 @@
+"""Ragged paged attention: the one attention op of a step (decodes and prefill chunks of many sequences).
+
+Interface after tpu-inference's ragged paged attention, so a Pallas TPU/GPU kernel plugs in later:
+the step's new K/V are written into the pages, then every query token attends over its own
+sequence's keys up to its position. The pure-JAX reference below runs on GPU/TPU and is the test
+oracle; on CPU a native kernel (kernels/csrc/ragged_paged_attention.cc) runs when it is built.
+
+Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads):
+  q [T, H, hd]; k_new, v_new [T, KV, hd]
+  kv_cache {"k", "v": [L, KV, num_pages, page_size, hd]} (f32, bf16 or int8), and for int8
+           {"k_scale", "v_scale": [L, KV, num_pages, page_size]} f32 (per token and head)
+  layer int32 scalar; kv_lens [S]: each sequence's KV length after the step;
+  page_indices [S, P]; cu_q_lens [S + 1]: sequence s's tokens are q[cu_q_lens[s]:cu_q_lens[s + 1]];
+  num_seqs: int32 [1] (or scalar): rows past it are padding; so are tokens from cu_q_lens[num_seqs].
+  Token t of sequence s sits at position kv_lens[s] - (cu_q_lens[s + 1] - t).
+Padding tokens write nothing and get zeros. Page 0 is a dummy page for padded page-table entries.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels import native
+
+KVCache = dict[str, jax.Array]
+
+# Keys per block of the reference's online softmax (a multiple of the page size is used).
+_BLOCK_KEYS = 128
+
+
+def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: KVCache,
+                           layer: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                           cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
+                           sliding_window: int | None = None) -> tuple[jax.Array, KVCache]:
+    """Write the new tokens' K/V into their pages, then attend; returns (out [T, H, hd], kv_cache)."""
+    args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if not native.load("ragged_paged_attention", "ragged_paged_attention"):
+        return ragged_paged_attention_reference(*args, **kwargs)
+    from kernels import attention_native
+
+    return jax.lax.platform_dependent(
+        *args, cpu=lambda *a: attention_native.ragged_paged_attention_cpu(*a, **kwargs),
+        default=lambda *a: ragged_paged_attention_reference(*a, **kwargs))
+
+
+def token_layout(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per flat token: its sequence row, its position, and whether it is a real token (not padding)."""
+    n = jnp.reshape(num_seqs, ())
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    valid = t < cu_q_lens[n]
+    # a row's tokens end at cu_q_lens[s + 1]: the row of t is the number of rows ending at or before it
+    seq = jnp.sum((t[:, None] >= cu_q_lens[None, 1:]) & (jnp.arange(cu_q_lens.shape[0] - 1) < n)[None],
+                  axis=1, dtype=jnp.int32)
+    seq = jnp.where(valid, seq, 0)
+    pos = kv_lens[seq] - (cu_q_lens[seq + 1] - t)
+    return seq, jnp.where(valid, pos, 0), valid
+
+
+def write_kv(kv_cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
+             slots: jax.Array) -> KVCache:
+    """Scatter the new tokens' K/V [T, KV, hd] of one layer at flat slots [T] (page * page_size + offset;
+    out of range, e.g. -1, writes nothing); int8 caches store the quantized values and their scales."""
+    _, kvh, num_pages, page_size = kv_cache["k"].shape[:4]
+
+    def put(buf: jax.Array, new: jax.Array) -> jax.Array:
+        flat = buf.reshape(buf.shape[0], kvh, num_pages * page_size, *buf.shape[4:])
+        # advanced indices split by a slice: the indexed view is [T, KV, ...], like `new`
+        return flat.at[layer, :, slots].set(new.astype(buf.dtype), mode="drop").reshape(buf.shape)
+
+    out = dict(kv_cache)
+    if "k_scale" in kv_cache:
+        (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
+        out["k"], out["v"] = put(kv_cache["k"], kq), put(kv_cache["v"], vq)
+        out["k_scale"], out["v_scale"] = put(kv_cache["k_scale"], ks), put(kv_cache["v_scale"], vs)
+    else:
+        out["k"], out["v"] = put(kv_cache["k"], k_new), put(kv_cache["v"], v_new)
+    return out
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-(token, head) symmetric int8 over head_dim: (int8 [..., KV, hd], f32 scale [..., KV]).
+    The native kernel rounds the same way (round half to even, clip to +-127)."""
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.clip(jnp.round(x32 / safe[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens,
+                                     num_seqs, *, sm_scale: float, sliding_window: int | None = None):
+    """Pure JAX: each token gathers its own sequence's pages, a block of keys at a time, into an
+    online softmax; the loop runs up to the longest position in the batch only."""
+    t_len, h, hd = q.shape
+    _, kvh, num_pages, page_size = kv_cache["k"].shape[:4]
+    g = h // kvh
+    seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
+    page = jnp.take_along_axis(page_indices[seq], (pos // page_size)[:, None], axis=1)[:, 0]
+    slots = jnp.where(valid, page * page_size + pos % page_size, num_pages * page_size)  # padding: dropped
+    kv_cache = write_kv(kv_cache, layer, k_new, v_new, slots)
+
+    pages_per_block = max(1, _BLOCK_KEYS // page_size)
+    block_keys = pages_per_block * page_size
+    n_pages = page_indices.shape[1]
+    padded = -(-n_pages // pages_per_block) * pages_per_block
+    tables = jnp.pad(page_indices, ((0, 0), (0, padded - n_pages)))[seq]     # [T, P'] page 0 past the end
+    n_blocks = (jnp.max(jnp.where(valid, pos, 0)) + block_keys) // block_keys
+    int8 = "k_scale" in kv_cache
+    qg = q.astype(jnp.float32).reshape(t_len, kvh, g, hd) * sm_scale        # [T,KV,G,hd]
+
+    def gather(name: str, pages: jax.Array) -> jax.Array:
+        buf = jax.lax.dynamic_index_in_dim(kv_cache[name], layer, 0, keepdims=False)  # [KV,NP,ps,...]
+        blocks = buf[:, pages]                                               # [KV,T,nb,ps,...]
+        blocks = blocks.reshape(kvh, t_len, block_keys, *buf.shape[3:])
+        return jnp.swapaxes(blocks, 0, 1)                                    # [T,KV,BK,...]
+
+    def body(i, state):
+        acc, m, l = state
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_block, pages_per_block, 1)
+        k = gather("k", pages).astype(jnp.float32)                           # [T,KV,BK,hd]
+        v = gather("v", pages).astype(jnp.float32)
+        s = jnp.einsum("tkgh,tksh->tkgs", qg, k)                             # [T,KV,G,BK]
+        if int8:
+            s = s * gather("k_scale", pages)[:, :, None, :]
+        k_pos = i * block_keys + jnp.arange(block_keys, dtype=jnp.int32)
+        visible = (k_pos[None, :] <= pos[:, None]) & valid[:, None]          # [T,BK]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > pos[:, None] - sliding_window
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])                                   # 0 where not visible
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        pv = p * gather("v_scale", pages)[:, :, None, :] if int8 else p
+        acc = acc * corr[..., None] + jnp.einsum("tkgs,tksh->tkgh", pv, v)
+        return acc, m_new, l * corr + jnp.sum(p, axis=-1)
+
+    init = (jnp.zeros((t_len, kvh, g, hd), jnp.float32), jnp.full((t_len, kvh, g), -jnp.inf, jnp.float32),
+            jnp.zeros((t_len, kvh, g), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = jnp.where(valid[:, None, None, None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(t_len, h, hd).astype(q.dtype), kv_cache
