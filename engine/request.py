@@ -5,11 +5,47 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import math
 import time
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1            # token counts, top_k and ids travel as int32 arrays
+MAX_SEED = 2**63 - 1
+MAX_N = 16
+MAX_STOP = 8
+MAX_STOP_CHARS = 1024            # the stop matcher scans every stop string per token
+MAX_TEMPERATURE = 100.0          # far past any useful value; float32 holds it exactly
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided by it: keep it a normal float32
 _ids = itertools.count()
+
+
+class InvalidParam(ValueError):
+    """A request field is out of its documented range: the client's error, naming the field.
+
+    The front ends map it to 400 / INVALID_ARGUMENT with `field` as the parameter to blame.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _check_int(field: str, value: object, low: int, high: int, note: str = "") -> None:
+    # bool is an int subclass; True as a token count is a client bug, not 1
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidParam(field, f"{field} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidParam(field, f"{field} must be in [{low}, {high}]{note}, got {value}")
+
+
+def _check_float(field: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidParam(field, f"{field} must be a number, got {value!r}")
+    # NaN fails both comparisons, so it is rejected with the range
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise InvalidParam(field, f"{field} must be in {bracket}{low:g}, {high:g}], got {value!r}")
 
 
 class FinishReason(str, enum.Enum):
@@ -39,35 +75,34 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        def bad(field: str, rule: str, value: object) -> ValueError:
-            return ValueError(f"{field} must be {rule}, got {value!r}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", ">= 1", self.max_tokens)
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", ">= 0", self.temperature)
-        if not (0 < self.top_p <= 1):
-            raise bad("top_p", "in (0, 1]", self.top_p)
-        if self.top_k < 0:
-            raise bad("top_k", ">= 0 (0 disables it)", self.top_k)
-        if not (0 <= self.min_p <= 1):
-            raise bad("min_p", "in [0, 1]", self.min_p)
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
-        if not (-2 <= self.presence_penalty <= 2):
-            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
-        if not (-2 <= self.frequency_penalty <= 2):
-            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise bad("seed", "in [0, 2**63)", self.seed)
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise bad("logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", self.logprobs)
-        if not isinstance(self.n, int) or not (1 <= self.n <= 16):
-            raise bad("n", "in [1, 16]", self.n)
-        if any(not s for s in self.stop):
-            raise bad("stop", "non-empty strings", self.stop)
-        if len(self.stop) > 8:
-            raise bad("stop", "at most 8 strings", len(self.stop))
+        # Every range below is documented in the README and fits the int32/float32 arrays the
+        # sampler builds: an out-of-range value must fail here, as the caller's error, never on
+        # the engine thread (where it would fail every request in flight).
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, MAX_INT32, note=" (0 disables it)")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        _check_int("n", self.n, 1, MAX_N)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParam("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidParam("stop", f"stop must be non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP:
+            raise InvalidParam("stop", f"stop must be at most {MAX_STOP} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidParam("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters each")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise InvalidParam("stop_token_ids", "stop_token_ids must be a tuple of token ids")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, MAX_INT32)
 
     @property
     def greedy(self) -> bool:

@@ -3,9 +3,17 @@ Pure pydantic, no FastAPI. Requests ignore unknown fields; only OpenAI-specific 
 rest is left to SamplingParams so that HTTP and gRPC reject the same values the same way."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_STOP, MAX_TOP_LOGPROBS,
+                            REPETITION_PENALTY_RANGE)
+
+# Every numeric field has its documented range here (README, "Request fields"), so an out-of-range
+# value is a 400 naming the field before anything is tokenized or reaches the engine.
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
 
 
 class _Request(BaseModel):
@@ -20,21 +28,21 @@ class _SamplingRequest(_Request):
     """Fields both endpoints share. `None` means "not given", so the service can pick defaults."""
 
     model: str | None = None  # optional like vLLM/llama.cpp; when given it must name the served model
-    max_tokens: int | None = None
+    max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extensions (vLLM names). top_k=-1 is vLLM's spelling of "off".
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
     # client relying on them gets a 400 instead of a silently different answer.
@@ -42,11 +50,11 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # 0..20 alternatives per token
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 class ChatMessage(_Request):
@@ -59,9 +67,9 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs=true
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 

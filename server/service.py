@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import re
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
 import jinja2
 
 from engine.api import Engine
-from engine.request import FinishReason, Request, SamplingParams, TokenLogprob
+from engine.request import FinishReason, InvalidParam, Request, SamplingParams, TokenLogprob
 from engine.output import Delta
 from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong, RequestStream, Scheduler
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -85,9 +84,6 @@ class Choice:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str
-
-
-_FIELD = re.compile(r"^(\w+) must be")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,11 +246,9 @@ class Service:
         """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""
         try:
             return SamplingParams(**fields)
-        except ValueError as exc:
-            match = _FIELD.match(str(exc))
-            field = match.group(1) if match else None
-            param = (param_names or {}).get(field, field) if field else None
-            message = str(exc) if param == field else str(exc).replace(field, param, 1)
+        except InvalidParam as exc:
+            param = (param_names or {}).get(exc.field, exc.field)
+            message = exc.message if param == exc.field else exc.message.replace(exc.field, param, 1)
             raise ServiceError(400, message, param=param, code="invalid_value") from exc
 
     # ---- submission -------------------------------------------------------------------------

@@ -5,8 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                            REPETITION_PENALTY_RANGE, InvalidParam, SamplingParams)
 from engine.sampling import (SamplingArrays, apply_penalties, prompt_mask_row, sample,
                              update_counts)
 
@@ -306,3 +309,53 @@ def test_full_vocab_smoke_without_a_sort():
     lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     np.testing.assert_allclose(np.asarray(out.logprob), logits[np.arange(4), tokens] - lse,
                                rtol=1e-4, atol=1e-4)
+
+
+# ---- ranges: nothing out of range reaches numpy (issue 12: top_k=2**31 killed the engine) -----
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2**31), ("top_k", -1), ("max_tokens", 2**31), ("max_tokens", 0),
+    ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", 1e39),
+    ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", 1e-300),
+    ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")),
+    ("frequency_penalty", 2.5), ("seed", 2**63), ("logprobs", MAX_TOP_LOGPROBS + 1),
+    ("n", 0), ("stop_token_ids", (2**31,)), ("max_tokens", True), ("top_k", 5.0),
+    ("stop", ("x" * 1025,)), ("ignore_eos", "yes"),
+])
+def test_params_outside_their_range_are_rejected_naming_the_field(field, value):
+    with pytest.raises(InvalidParam) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+_FLOAT = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+    [0.0, -0.0, 1.0, 1e-45, 1e-300, 3.5e38, 2.0, -2.0, MAX_TEMPERATURE, *REPETITION_PENALTY_RANGE])
+_INT = st.integers() | st.sampled_from([0, 1, -1, MAX_INT32, MAX_INT32 + 1, 2**63, -(2**63)])
+_FIELDS = st.fixed_dictionaries({}, optional={
+    "max_tokens": _INT, "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "min_p": _FLOAT,
+    "repetition_penalty": _FLOAT, "presence_penalty": _FLOAT, "frequency_penalty": _FLOAT,
+    "seed": _INT | st.none(), "logprobs": _INT | st.none(), "n": _INT,
+    "stop_token_ids": st.lists(_INT, max_size=3).map(tuple),
+})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fields=_FIELDS, step=st.integers(0, MAX_INT32))
+def test_any_accepted_params_build_sampling_arrays_and_sample_in_vocab(fields, step):
+    """Every SamplingParams the constructor accepts goes through the engine's sampling-state
+    build and the sampler without an error, holding its values (no int32 wrap, no float32 inf)."""
+    try:
+        params = SamplingParams(**fields)
+    except InvalidParam:
+        return
+    seed = params.seed if params.seed is not None else 0
+    arrays = SamplingArrays.from_params([params], [seed], [step], 2)
+    assert int(arrays.top_k[0]) == params.top_k
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        value = getattr(arrays, name)[0]
+        assert np.isfinite(value) and value == np.float32(getattr(params, name)), name
+    assert float(arrays.repetition_penalty[0]) > 0
+    out = run(np.linspace(-3, 3, V)[None], [params], seeds=[seed], steps=[step])
+    assert 0 <= int(out.token[0]) < V

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -35,6 +37,29 @@ def test_bad_value_is_400_naming_the_field(live: LiveServer, field: str, value: 
     assert err["param"] == field
     assert field in err["message"]
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2**31), ("max_tokens", 2**31), ("seed", 2**63), ("repetition_penalty", 1e-300),
+    ("min_p", 1.5), ("frequency_penalty", -2.5), ("n", 17), ("best_of", 0),
+])
+def test_values_numpy_cannot_hold_are_400_and_the_stream_in_flight_finishes(make_live, field: str,
+                                                                           value: Any) -> None:
+    # issue 12: top_k=2**31 passed validation, overflowed np.int32 on the engine thread and
+    # failed the engine, every stream in flight and the process.
+    live = make_live(step_sleep_s=0.005)
+    with live.http() as http, http.stream("POST", "/v1/completions",
+                                          json={"prompt": "a", "max_tokens": 20, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        err = _error(http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, field: value}), 400)
+        assert err["param"] == field
+        events = [first, *(line for line in lines if line.startswith("data: "))]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1])
+    assert text == "".join(chr(ord("b") + i) for i in range(20))
+    assert httpx.get(f"{live.url}/ready").status_code == 200
+    assert live.client().completions.create(model=MODEL, prompt="abc", max_tokens=2).choices[0].text == "de"
 
 
 def test_bad_value_through_the_openai_client(live: LiveServer) -> None:
