@@ -1,5 +1,5 @@
-"""Which KV pages each sequence holds: prefix-cache matching and allocation on admission, one more
-page as decode crosses a page boundary, registration of prefilled pages, release. Engine thread
+"""Which KV pages each sequence holds: prefix-cache matching and allocation on admission, more pages
+as a step's tokens cross page boundaries, registration of prefilled pages, release. Engine thread
 only; plain Python (the page allocator and prefix cache do the counting)."""
 from __future__ import annotations
 
@@ -15,10 +15,15 @@ class BlockManager:
         self.prefix = PrefixCache(self.allocator, page_size) if enable_prefix_cache else None
 
     def admit(self, seq: Sequence, reserve: int = 0) -> bool:
-        """Give `seq` pages for all its tokens (reusing cached ones) and set where prefill starts;
-        False, holding nothing, unless `reserve` pages stay free afterwards."""
+        """Give `seq` pages for all its tokens (reusing cached ones) and set where its prefill
+        starts; False, holding nothing, unless `reserve` pages stay free afterwards."""
         tokens = seq.tokens
         matched = self.prefix.match(tokens) if self.prefix else []
+        # At least the last known token is computed: its logits give the next token.
+        keep = (len(tokens) - 1) // self.page_size
+        if len(matched) > keep:
+            self.allocator.free_many(matched[keep:])
+            matched = matched[:keep]
         need = pages_needed(len(tokens), self.page_size) - len(matched)
         fresh = self._allocate(need, reserve)
         if fresh is None:
@@ -27,12 +32,12 @@ class BlockManager:
         seq.pages = matched + fresh
         seq.matched_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
-        seq.prefill_target = len(tokens) - 1  # the last token is fed to the first decode step
+        seq.prefill_end = len(tokens)
         return True
 
-    def grow(self, seq: Sequence) -> bool:
-        """Pages covering the position `seq` feeds next; False when none is left to take."""
-        while len(seq.pages) < pages_needed(seq.num_tokens, self.page_size):
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages covering `num_tokens` positions of `seq`; False when none is left to take."""
+        while len(seq.pages) < pages_needed(num_tokens, self.page_size):
             page = self._allocate(1)
             if page is None:
                 return False
@@ -41,15 +46,20 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> bool:
         """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
-        if self.prefix is None or seq.prefill_target < self.page_size:
+        if self.prefix is None or seq.prefill_end < self.page_size:
             return False
-        self.prefix.insert(seq.tokens[:seq.prefill_target], seq.pages)
+        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages)
         return True
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached pages stay with the cache until evicted."""
         self.allocator.free_many(seq.pages)
         seq.pages = []
+
+    @property
+    def num_cached_idle(self) -> int:
+        """Prefix-cache pages no sequence holds: evictable, counted apart from the pages in use."""
+        return self.prefix.num_evictable if self.prefix is not None else 0
 
     def _allocate(self, n: int, reserve: int = 0) -> list[int] | None:
         shortfall = n + reserve - self.allocator.num_free

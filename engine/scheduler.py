@@ -1,25 +1,22 @@
-"""Continuous batching on one engine thread: admission (priority, then FCFS) with prefix-cache
-matching, chunked prefill under a token budget, one decode step over every ready slot, and
-preemption by recompute when KV pages run out. Plain Python: no JAX here."""
+"""Continuous batching on one engine thread: a thin loop that takes cancellations, asks the planner
+(engine/schedule.py) what the next ragged step runs, binds admitted sequences to their slots, runs
+the step and hands the sampled tokens to the output side. Plain Python: no JAX here."""
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-import heapq
 import itertools
 import logging
-import math
 import threading
 import time
 from typing import Callable
 
-from engine.api import DecodeRow, Engine, PrefillChunk, SlotState
+from engine.api import Engine, SlotState
 from engine.block_manager import BlockManager
-from engine.kv_cache import pages_needed
 from engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
 from engine.request import FinishReason, Request
-from engine.sequence import Sequence, Status
+from engine.schedule import Plan, StepPlanner
+from engine.sequence import Sequence
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -50,16 +47,16 @@ class EngineUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_queue: int = 256                    # waiting requests beyond this -> Overloaded
-    prefill_token_budget: int | None = 256  # prompt tokens per iteration; None/0 = whole prompts
+    max_queue: int = 256                        # waiting requests beyond this -> Overloaded
+    max_num_batched_tokens: int | None = None   # tokens per step; None = the engine's largest step
     enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if self.prefill_token_budget is not None and self.prefill_token_budget < 0:
-            raise ValueError("prefill_token_budget must be >= 1, or 0/None for whole prompts; "
-                             f"got {self.prefill_token_budget}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
+                             f"largest step; got {self.max_num_batched_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +65,8 @@ class SchedulerStats:
     running: int
     slots_used: int
     max_slots: int
-    pages_used: int
+    pages_used: int              # held by running requests (0 when idle)
+    pages_cached: int            # prefix-cache pages no running request holds (evictable)
     pages_total: int
     prefix_queries: int
     prefix_hits: int
@@ -85,6 +83,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, engine: Engine, tokenizer, config: SchedulerConfig = SchedulerConfig()
                  ) -> None:
+        largest = engine.max_num_batched_tokens
+        budget = config.max_num_batched_tokens or largest
+        if budget > largest:
+            raise ValueError(f"max_num_batched_tokens={budget} exceeds the engine's largest step "
+                             f"of {largest} tokens; lower it or build the engine with a larger one")
         self._engine = engine
         self._config = config
         self._page_size = engine.page_size
@@ -92,22 +95,19 @@ class Scheduler:
         self._output = OutputProcessor(tokenizer, self._release, self._on_finish)
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._listeners: list[Callable[[RequestMetrics], None]] = []
-        # Guarded by _cv: shared with submitters, cancel() and the output thread.
+        # Guarded by _cv: shared with submitters, cancel(), stats() and the output thread. The
+        # engine thread holds it for host bookkeeping only, never across an engine call.
         self._cv = threading.Condition()
+        self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget)
         self._state = "new"  # -> running -> closing -> stopped
         self._failed: str | None = None
         self._force_stop = False
         self._live: dict[str, Sequence] = {}
-        self._waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self._drops: dict[str, bool] = {}   # request id -> counts as a cancellation
         self._order = itertools.count()
         # Engine thread only.
-        self._running: list[Sequence] = []  # in admission order
-        self._free_slots = list(range(engine.max_slots))
-        self._admits = itertools.count()
-        self._epoch = 0                     # bumped whenever admission might newly succeed
-        self._blocked_epoch = -1
         self._records: list[Emit] = []      # this iteration's output, sent once at its end
+        self._unbind: list[int] = []        # slots of sequences that left, for engine.free
         # Counters, from the engine, submit and output threads.
         self._stats_lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -128,6 +128,11 @@ class Scheduler:
     def ready(self) -> bool:
         return self._state == "running" and self._failed is None and self._thread.is_alive()
 
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Tokens per step: the config's budget, or the engine's largest step."""
+        return self._planner.token_budget
+
     def submit(self, request: Request) -> RequestStream:
         if not request.prompt_ids:
             raise ValueError("prompt must contain at least one token")
@@ -139,14 +144,15 @@ class Scheduler:
                 raise EngineUnavailable(f"scheduler is {self._state}, not accepting requests")
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
-            if len(self._waiting) >= self._config.max_queue:
+            waiting = len(self._planner.waiting)
+            if waiting >= self._config.max_queue:
                 self._count(self._rejections, "overloaded")
-                raise Overloaded(f"{len(self._waiting)} requests are waiting (max_queue="
+                raise Overloaded(f"{waiting} requests are waiting (max_queue="
                                  f"{self._config.max_queue}); retry later")
             tracker = self._output.open(request, self.cancel)
             seq = Sequence(request, tracker, next(self._order))
             self._live[request.request_id] = seq
-            self._enqueue(seq)
+            self._planner.enqueue(seq)
             self._count(self._counts, "prompt_tokens", len(request.prompt_ids))
             self._cv.notify_all()
         return tracker.stream
@@ -156,16 +162,18 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            waiting = len(self._waiting)
+            planner = self._planner
+            waiting, running = len(planner.waiting), len(planner.running)
+            slots_used = planner.max_slots - len(planner.free_slots)
+            pages_used, pages_cached = planner.pages_used, planner.pages_cached
         with self._stats_lock:
             counts = dict(self._counts)
             rejections, finished = dict(self._rejections), dict(self._finished)
-        prefix, allocator = self._blocks.prefix, self._blocks.allocator
+        prefix = self._blocks.prefix
         return SchedulerStats(
-            waiting=waiting, running=len(self._running),
-            slots_used=self._engine.max_slots - len(self._free_slots),
-            max_slots=self._engine.max_slots, pages_used=allocator.num_used,
-            pages_total=allocator.num_total,
+            waiting=waiting, running=running, slots_used=slots_used,
+            max_slots=self._engine.max_slots, pages_used=pages_used, pages_cached=pages_cached,
+            pages_total=self._blocks.allocator.num_total,
             prefix_queries=prefix.queries if prefix else 0,
             prefix_hits=prefix.hits if prefix else 0,
             prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
@@ -256,17 +264,18 @@ class Scheduler:
 
     def _loop(self) -> None:
         try:
-            while self._step():
+            while self._iteration():
                 pass
         except Exception as exc:  # noqa: BLE001 - any engine error must reach every waiter
             log.exception("engine thread failed")
             self._output.put(self._records)  # e.g. cancellations already taken off the books
             self._fail_all(f"engine failed: {exc!r}", failed=True)
 
-    def _step(self) -> bool:
+    def _iteration(self) -> bool:
         records = self._records = []  # kept on self: a failure mid-step still delivers them
+        planner = self._planner
         with self._cv:
-            while not (self._waiting or self._running or self._drops or self._force_stop
+            while not (planner.waiting or planner.running or self._drops or self._force_stop
                        or (self._state != "running" and not self._live)):
                 self._cv.wait()  # idle: no spinning, woken by submit/cancel/shutdown
             if self._force_stop:
@@ -275,12 +284,25 @@ class Scheduler:
             if self._state != "running" and not self._live:
                 return False  # closing and drained
             drops, self._drops = self._drops, {}
-        for request_id, counted in drops.items():
-            self._drop(request_id, counted, records)
+            for request_id, counted in drops.items():
+                self._drop(request_id, counted, records)
+            admitted = self._admit(records)
+        self._unbind_slots()
+        failed = [(seq, error) for seq in admitted if (error := self._insert(seq)) is not None]
         with self._cv:
-            self._admit(records)
-        self._prefill()
-        self._decode(records)
+            for seq, error in failed:
+                self._retire(seq)
+                records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
+            plan = planner.plan()
+            self._unbind.extend(plan.freed_slots)
+        if plan.preempted:
+            self._count(self._counts, "preemptions", len(plan.preempted))
+        self._unbind_slots()
+        if plan.chunks:
+            sampled = self._engine.step(plan.batch())
+            with self._cv:
+                self._apply(plan, sampled, records)
+            self._unbind_slots()
         self._output.put(records)
         return True
 
@@ -293,87 +315,42 @@ class Scheduler:
         if counted:
             self._count(self._counts, "cancellations")
 
-    def _admit(self, records: list[Emit]) -> None:
-        if self._running and self._blocked_epoch == self._epoch:
-            return  # nothing changed since the queue head last failed to get pages
-        # First pages of prompts whose new pages are still being prefilled: n > 1 siblings (or
-        # requests sharing a system prompt) wait for them to reach the prefix cache instead of
-        # computing them again.
-        prefilling = {self._new_head(r) for r in self._running if not r.inserted}
-        i = 0
-        while i < len(self._waiting) and self._free_slots:
-            seq = self._waiting[i]
-            head = seq.first_page(self._page_size) if self._blocks.prefix is not None else ()
-            if head and head in prefilling:
-                i += 1
-                continue
-            # One page of headroom per running sequence, so admitting does not immediately
-            # force a preemption (and a wasted prefill) at the next page boundary.
-            if not self._blocks.admit(seq, reserve=len(self._running)):
-                if self._running:
-                    self._blocked_epoch = self._epoch
-                    return  # FCFS: later requests do not jump a head that waits for pages
-                need = pages_needed(seq.num_tokens, self._page_size)
-                self._retire(seq)
-                records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=(
-                    f"request needs {need} KV pages but only {self._blocks.allocator.num_total} "
-                    "exist; raise the KV cache budget")))
-                continue
-            del self._waiting[i]
-            seq.status = Status.RUNNING
-            seq.slot = heapq.heappop(self._free_slots)
-            seq.admit_seq = next(self._admits)
-            self._running.append(seq)
-            prefilling.add(self._new_head(seq))
+    def _admit(self, records: list[Emit]) -> list[Sequence]:
+        admission = self._planner.admit()
+        for seq, error in admission.rejected:
+            self._forget(seq)
+            records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
+        for seq in admission.admitted:
             if not seq.admitted_once:
                 seq.admitted_once = True
                 records.append(Emit(seq.tracker, admitted_at=time.monotonic()))
+        return admission.admitted
 
-    def _new_head(self, seq: Sequence) -> tuple[int, ...]:
-        """Its first page if its prefill will add full pages to the prefix cache, else ()."""
-        full_pages = seq.prefill_target // self._page_size
-        if self._blocks.prefix is None or full_pages <= seq.matched_pages:
-            return ()
-        return seq.first_page(self._page_size)
+    def _insert(self, seq: Sequence) -> str | None:
+        """Bind its sampling state to its slot; an error message if that failed. One request's
+        bad settings must fail that request only, not the engine and everyone else."""
+        state = SlotState(prompt_ids=tuple(seq.request.prompt_ids),
+                          output_ids=tuple(seq.output_ids), params=seq.request.params)
+        try:
+            self._engine.insert(seq.slot, state)
+        except Exception:  # noqa: BLE001 - per-request failure; the cause goes to the log
+            log.exception("request %s: engine.insert failed; failing this request only",
+                          seq.request_id)
+            return ("the engine could not apply this request's sampling settings; "
+                    "the server log has the cause")
+        seq.inserted = True
+        return None
 
-    def _prefill(self) -> None:
-        budget = self._config.prefill_token_budget or math.inf
-        pending = [seq for seq in self._running if not seq.inserted]
-        # The oldest prompt always advances (no starvation); the rest go shortest-remaining first,
-        # so a short request does not wait behind every long prompt admitted before it.
-        order = pending[:1] + sorted(pending[1:], key=lambda s: s.prefill_target - s.num_computed)
-        for seq in order:
-            tokens = seq.tokens
-            while seq.num_computed < seq.prefill_target and budget > 0:
-                start = seq.num_computed
-                n = int(min(seq.prefill_target - start, budget, self._engine.max_prefill_chunk))
-                self._engine.prefill(PrefillChunk(tuple(tokens[start:start + n]), start,
-                                                  tuple(seq.pages)))
-                seq.num_computed += n
-                budget -= n
-                self._count(self._counts, "prefilled_tokens", n)
-            if seq.num_computed < seq.prefill_target:
-                continue
-            if self._blocks.register(seq):
-                with self._cv:
-                    self._epoch += 1  # siblings waiting for these pages may go now
-            self._engine.insert(seq.slot, SlotState(prompt_ids=tuple(seq.request.prompt_ids),
-                                                    output_ids=tuple(seq.output_ids),
-                                                    params=seq.request.params))
-            seq.inserted = True
-
-    def _decode(self, records: list[Emit]) -> None:
-        batch = [seq for seq in list(self._running)  # oldest first: they get pages first
-                 if seq.inserted and seq.status is Status.RUNNING and self._grow(seq)]
-        if not batch:
-            return
-        rows = [DecodeRow(seq.slot, seq.last_token, seq.num_tokens - 1, tuple(seq.pages))
-                for seq in batch]
-        sampled = self._engine.generate(rows)
-        if len(sampled) != len(rows):
-            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(rows)} rows")
-        self._count(self._counts, "generated_tokens", len(rows))
-        for seq, s in zip(batch, sampled):
+    def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> None:
+        """The step ran: advance progress, append the sampled tokens, finish what is done."""
+        seqs = plan.sampled
+        if len(sampled) != len(seqs):
+            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(seqs)} "
+                               "sampling sequences")
+        self._planner.advance(plan)
+        self._count(self._counts, "prefilled_tokens", plan.prefill_tokens)
+        self._count(self._counts, "generated_tokens", len(seqs))
+        for seq, s in zip(seqs, sampled):
             seq.output_ids.append(s.token_id)
             finish = seq.check_finish(s.token_id, self._engine.eos_token_ids,
                                       self._engine.max_seq_len)
@@ -383,52 +360,22 @@ class Scheduler:
             if finish is not None:
                 self._retire(seq)
 
-    def _grow(self, seq: Sequence) -> bool:
-        """Give `seq` pages for its next position, preempting the newest sequences if needed;
-        False when `seq` itself had to go."""
-        while not self._blocks.grow(seq):
-            victim = max(self._running, key=lambda s: s.admit_seq)
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute later: drop slot and pages, keep the output, requeue at the front."""
-        self._free(seq)
-        seq.preempted = True
-        self._count(self._counts, "preemptions")
-        with self._cv:
-            self._enqueue(seq)
-
-    def _enqueue(self, seq: Sequence) -> None:
-        seq.status = Status.WAITING
-        bisect.insort(self._waiting, seq, key=Sequence.queue_key)
-        self._epoch += 1
-
-    def _free(self, seq: Sequence) -> None:
-        """Give back the slot and the page references of a running sequence."""
-        if seq.status is not Status.RUNNING:
-            return
-        if seq.inserted:
-            self._engine.free(seq.slot)
-        self._blocks.release(seq)
-        heapq.heappush(self._free_slots, seq.slot)
-        self._running.remove(seq)
-        seq.slot, seq.inserted, seq.num_computed = None, False, 0
-        with self._cv:  # submit bumps it too
-            self._epoch += 1
-
     def _retire(self, seq: Sequence) -> None:
-        self._free(seq)
-        with self._cv:
-            if seq.status is Status.WAITING:
-                self._waiting.remove(seq)
-                self._epoch += 1  # it may have been the head that could not get pages
-            seq.status = Status.FINISHED
-            del self._live[seq.request_id]
-            if not self._live:
-                self._cv.notify_all()  # shutdown() waits for the drain
+        """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""
+        slot = self._planner.finish(seq)
+        if slot is not None:
+            self._unbind.append(slot)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._live[seq.request_id]
+        if not self._live:
+            self._cv.notify_all()  # shutdown() waits for the drain
+
+    def _unbind_slots(self) -> None:
+        slots, self._unbind = self._unbind, []
+        for slot in slots:
+            self._engine.free(slot)
 
     def _fail_all(self, message: str, *, failed: bool) -> None:
         with self._cv:
@@ -436,9 +383,9 @@ class Scheduler:
                 self._failed = message
             seqs = list(self._live.values())
             self._live.clear()
-            self._waiting.clear()
+            self._planner.waiting.clear()
+            self._planner.running.clear()
             self._drops.clear()
             self._cv.notify_all()
-        self._running.clear()
         self._output.put([Emit(s.tracker, finish_reason=FinishReason.ERROR, error=message)
                           for s in seqs])

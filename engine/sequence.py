@@ -33,8 +33,8 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     admit_seq: int = -1               # admission order: the newest running one is preempted
     matched_pages: int = 0            # of `pages`, how many came from the prefix cache
-    num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or prefilled)
-    prefill_target: int = 0           # all tokens but the last: that one is fed to decode
+    num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or computed)
+    prefill_end: int = 0              # tokens known at admission: computing them is its prefill
     inserted: bool = False            # bound to its slot with engine.insert
     admitted_once: bool = False
 
@@ -47,13 +47,27 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
     @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.request.prompt_ids[-1]
+    def remaining(self) -> int:
+        """Known tokens whose KV is not computed yet: 1 for a decode (its last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_end
 
     @property
     def tokens(self) -> list[int]:
         """Prompt plus what was generated so far: what a (re-)admission has to recompute."""
         return [*self.request.prompt_ids, *self.output_ids]
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """tokens[start:end] without copying the whole history (a decode needs one token)."""
+        prompt = self.request.prompt_ids
+        if start >= len(prompt):
+            return tuple(self.output_ids[start - len(prompt):end - len(prompt)])
+        if end <= len(prompt):
+            return tuple(prompt[start:end])
+        return (*prompt[start:], *self.output_ids[:end - len(prompt)])
 
     def queue_key(self) -> tuple[int, int, int]:
         # Preempted sequences go before everything else: they already hold delivered tokens,

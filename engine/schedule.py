@@ -1,0 +1,231 @@
+"""The scheduling decision for one engine step, as plain host state in and a plain batch description
+out: admission with prefix-cache matching, page growth with preemption, and the token budget split
+(every decode first, then prefill chunks). No engine calls, no threads, no JAX; not thread-safe
+(the scheduler guards it with its lock)."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import itertools
+
+from engine.api import StepBatch, StepSeq
+from engine.block_manager import BlockManager
+from engine.kv_cache import pages_needed
+from engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, start + length) of one sequence, fed in this step."""
+
+    seq: Sequence
+    start: int
+    length: int
+    sample: bool  # the chunk reaches the sequence's last known token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def step_seq(self) -> StepSeq:
+        seq = self.seq
+        return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.end),
+                       start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One step: decodes first (oldest admitted first), then prefill chunks."""
+
+    chunks: list[Chunk]
+    preempted: list[Sequence]  # back in the waiting queue, their slots and pages released
+    freed_slots: list[int]     # engine slots the preempted sequences were bound to
+
+    def batch(self) -> StepBatch:
+        return StepBatch(tuple(c.step_seq() for c in self.chunks))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get one token each from the step, in batch order."""
+        return [c.seq for c in self.chunks if c.sample]
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens the step computes that were known at admission (prompt, or a preempted
+        sequence's recompute), as opposed to decodes of freshly sampled tokens."""
+        return sum(max(0, min(c.end, c.seq.prefill_end) - c.start) for c in self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    admitted: list[Sequence]            # now running, with a slot and pages; to insert
+    rejected: list[tuple[Sequence, str]]  # can never fit in the KV cache: fail with this error
+
+
+class StepPlanner:
+    """Waiting and running sequences, free slots and pages; decides what each step runs."""
+
+    def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.blocks = blocks
+        self.token_budget = token_budget
+        self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
+        self.running: list[Sequence] = []  # in admission order
+        self.free_slots = list(range(max_slots))
+        self.max_slots = max_slots
+        self._admits = itertools.count()
+        self._epoch = 0                    # bumped whenever admission might newly succeed
+        self._blocked_epoch = -1
+
+    @property
+    def page_size(self) -> int:
+        return self.blocks.page_size
+
+    def enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.queue_key)
+        self._epoch += 1
+
+    def admit(self) -> Admission:
+        """Move waiting sequences to running while slots and pages allow (priority, then FCFS)."""
+        admitted: list[Sequence] = []
+        rejected: list[tuple[Sequence, str]] = []
+        if self.running and self._blocked_epoch == self._epoch:
+            return Admission(admitted, rejected)  # nothing changed since the head last waited
+        # First pages of prompts whose new pages are still being prefilled: n > 1 siblings (or
+        # requests sharing a system prompt) wait for them to reach the prefix cache instead of
+        # computing them again.
+        prefilling = {self._new_head(r) for r in self.running if r.prefilling}
+        i = 0
+        while i < len(self.waiting) and self.free_slots:
+            seq = self.waiting[i]
+            head = seq.first_page(self.page_size) if self.blocks.prefix is not None else ()
+            if head and head in prefilling:
+                i += 1
+                continue
+            # One page of headroom per running sequence, so admitting does not immediately
+            # force a preemption (and a wasted prefill) at the next page boundary.
+            if not self.blocks.admit(seq, reserve=len(self.running)):
+                if self.running:
+                    self._blocked_epoch = self._epoch
+                    break  # FCFS: later requests do not jump a head that waits for pages
+                need = pages_needed(seq.num_tokens, self.page_size)
+                del self.waiting[i]
+                seq.status = Status.FINISHED
+                rejected.append((seq, f"request needs {need} KV pages but only "
+                                      f"{self.blocks.allocator.num_total} exist; raise the KV "
+                                      "cache budget"))
+                continue
+            del self.waiting[i]
+            seq.status = Status.RUNNING
+            seq.slot = heapq.heappop(self.free_slots)
+            seq.admit_seq = next(self._admits)
+            self.running.append(seq)
+            admitted.append(seq)
+            prefilling.add(self._new_head(seq))
+        return Admission(admitted, rejected)
+
+    def plan(self) -> Plan:
+        """This step's chunks within the token budget; grows pages, preempting the newest
+        admitted sequences when they run out."""
+        chunks: list[Chunk] = []
+        preempted: list[Sequence] = []
+        freed: list[int] = []
+
+        def left() -> int:
+            return self.token_budget - sum(c.length for c in chunks)
+
+        def grow(seq: Sequence, num_tokens: int) -> bool:
+            while not self.blocks.grow(seq, num_tokens):
+                victim = max(self.running, key=lambda s: s.admit_seq)
+                chunks[:] = [c for c in chunks if c.seq is not victim]
+                preempted.append(victim)
+                slot = self.preempt(victim)
+                if slot is not None:
+                    freed.append(slot)
+                if victim is seq:
+                    return False
+            return True
+
+        # Decodes: one token each, oldest first (they get pages first).
+        for seq in [s for s in self.running if s.remaining == 1]:
+            if left() == 0:
+                break
+            if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
+                chunks.append(Chunk(seq, seq.num_computed, 1, sample=True))
+        # The oldest prompt always advances (no starvation); the rest go shortest-remaining first,
+        # so a short request does not wait behind every long prompt admitted before it.
+        pending = [s for s in self.running if s.remaining > 1]
+        for seq in pending[:1] + sorted(pending[1:], key=lambda s: s.remaining):
+            n = min(seq.remaining, left())
+            if n == 0:
+                break
+            if seq.status is Status.RUNNING and grow(seq, seq.num_computed + n):
+                chunks.append(Chunk(seq, seq.num_computed, n, sample=n == seq.remaining))
+        return Plan(chunks, preempted, freed)
+
+    def advance(self, plan: Plan) -> bool:
+        """The step ran: its tokens' KV is written. Registers finished prefills with the prefix
+        cache; True when that may let waiting siblings in."""
+        registered = False
+        for c in plan.chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.num_computed = c.end
+            if c.start < seq.prefill_end <= c.end and self.blocks.register(seq):
+                registered = True
+        if registered:
+            self._epoch += 1
+        return registered
+
+    def preempt(self, seq: Sequence) -> int | None:
+        """Recompute later: drop slot and pages, keep the output, requeue at the front. Returns
+        the engine slot to free, if it was bound."""
+        slot = self.release(seq)
+        seq.preempted = True
+        self.enqueue(seq)
+        return slot
+
+    def finish(self, seq: Sequence) -> int | None:
+        """It leaves (done, cancelled, failed), running or waiting; the engine slot to free."""
+        slot = self.release(seq)
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            self._epoch += 1  # it may have been the head that could not get pages
+        seq.status = Status.FINISHED
+        return slot
+
+    def release(self, seq: Sequence) -> int | None:
+        """Give back the slot and page references of a running sequence (no-op otherwise); the
+        slot, if engine.insert had bound it."""
+        if seq.status is not Status.RUNNING:
+            return None
+        slot = seq.slot if seq.inserted else None
+        self.blocks.release(seq)
+        heapq.heappush(self.free_slots, seq.slot)
+        self.running.remove(seq)
+        seq.slot, seq.inserted, seq.num_computed = None, False, 0
+        self._epoch += 1
+        return slot
+
+    @property
+    def pages_cached(self) -> int:
+        return self.blocks.num_cached_idle
+
+    @property
+    def pages_used(self) -> int:
+        """Pages held by running sequences (a cached page they hold counts here, not as cached)."""
+        return self.blocks.allocator.num_used - self.blocks.num_cached_idle
+
+    def _new_head(self, seq: Sequence) -> tuple[int, ...]:
+        """Its first page if its prefill will add full pages to the prefix cache, else ()."""
+        if self.blocks.prefix is None or seq.prefill_end // self.page_size <= seq.matched_pages:
+            return ()
+        return seq.first_page(self.page_size)
