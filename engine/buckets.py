@@ -14,44 +14,32 @@ def pow2_at_least(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    decode_batches: tuple[int, ...]   # 1, 2, 4, ... max_slots
-    page_counts: tuple[int, ...]      # pages read per sequence: 1, 2, 4, ... max_pages_per_seq
-    prefill_lengths: tuple[int, ...]  # chunk lengths
-    page_size: int
+    """A step's flat token count is padded up a power-of-two ladder ending at the token budget; its
+    sampled rows are padded to min(tokens, max_slots), so each token bucket has one sampling shape.
+    Page tables are always [max_slots, max_pages_per_seq]: attention reads up to each sequence's
+    length only, so context length needs no bucket."""
+
+    token_counts: tuple[int, ...]     # 1, 2, 4, ... max_num_batched_tokens
+    max_slots: int
 
     @classmethod
-    def build(cls, *, max_slots: int, max_pages_per_seq: int, prefill_lengths: tuple[int, ...],
-              page_size: int) -> "Buckets":
-        def ladder(limit: int) -> tuple[int, ...]:
-            steps = [1 << i for i in range(limit.bit_length()) if (1 << i) < limit]
-            return tuple(steps + [limit])
+    def build(cls, *, max_num_batched_tokens: int, max_slots: int) -> "Buckets":
+        if max_num_batched_tokens < 1 or max_slots < 1:
+            raise ValueError("max_num_batched_tokens and max_slots must be >= 1")
+        limit = max_num_batched_tokens
+        steps = [1 << i for i in range(limit.bit_length()) if (1 << i) < limit]
+        return cls(tuple(steps + [limit]), max_slots)
 
-        return cls(ladder(max_slots), ladder(max_pages_per_seq), tuple(sorted(prefill_lengths)), page_size)
-
-    @staticmethod
-    def _pick(options: tuple[int, ...], n: int, what: str) -> int:
-        for option in options:
+    def tokens(self, n: int) -> int:
+        for option in self.token_counts:
             if option >= n:
                 return option
-        raise ShapeOutsideBuckets(f"{what} {n} exceeds the largest compiled bucket {options[-1]}")
+        raise ShapeOutsideBuckets(f"step of {n} tokens exceeds the largest compiled bucket "
+                                  f"{self.token_counts[-1]} (max_num_batched_tokens)")
 
-    def decode_batch(self, rows: int) -> int:
-        return self._pick(self.decode_batches, rows, "decode batch")
+    def sample_rows(self, tokens: int) -> int:
+        return min(tokens, self.max_slots)
 
-    def pages(self, n: int) -> int:
-        return self._pick(self.page_counts, n, "pages per sequence")
-
-    def prefill_length(self, n: int) -> int:
-        return self._pick(self.prefill_lengths, n, "prefill chunk length")
-
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        return [(b, p) for b in self.decode_batches for p in self.page_counts]
-
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        # a chunk in bucket T holds more tokens than the bucket below, so it spans at least that many pages
-        shapes = []
-        for i, t in enumerate(self.prefill_lengths):
-            smaller = self.prefill_lengths[i - 1] if i else 0
-            min_pages = -(-(smaller + 1) // self.page_size)
-            shapes += [(t, p) for p in self.page_counts if p >= min_pages]
-        return shapes
+    @property
+    def sample_row_counts(self) -> tuple[int, ...]:
+        return tuple(sorted({self.sample_rows(t) for t in self.token_counts}))

@@ -1,7 +1,8 @@
-"""The JAX engine: owns the device arrays (KV pages, penalty state) and runs jitted prefill/decode.
+"""The JAX engine: owns the device arrays (KV pages, penalty state) and runs the jitted ragged step.
 
-Every (batch, pages) and (chunk, pages) bucket is compiled ahead of time; the KV pages and the
-penalty state are donated, so steps update them in place. Implements engine/api.py's Engine.
+One model program per token bucket (a power-of-two ladder up to max_num_batched_tokens) and one
+sampling program per sample-row bucket, all compiled ahead of time; the KV pages and the penalty
+state are donated, so steps update them in place. Implements engine/api.py's Engine.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine import compile_count
-from engine.api import DecodeRow, PrefillChunk, Sampled, SlotState
+from engine.api import Sampled, SlotState, StepBatch
 from engine.buckets import Buckets
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from engine.request import TokenLogprob
@@ -28,7 +29,7 @@ from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, pena
                              sample_penalized, update_counts)
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
-from models.llama import forward_paged, init_kv_cache, split_layers
+from models.llama import forward_step, init_kv_cache, split_layers
 from engine.params import prepare_params
 
 
@@ -39,7 +40,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     kv_cache_memory: int = 1 << 30          # bytes for K/V pages; decides num_pages
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
-    prefill_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    max_num_batched_tokens: int = 256       # tokens per step: decodes plus prefill chunks
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
     quantize: str = "none"                  # none, w8a16 or w8a8 (int8 weights incl. the LM head)
@@ -51,8 +52,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if not self.prefill_lengths or min(self.prefill_lengths) < 1:
-            raise ValueError(f"prefill_lengths must be positive, got {self.prefill_lengths}")
+        if self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
+                             f"({self.max_slots}): every running sequence decodes in each step")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.quantize not in MODES:
@@ -92,11 +94,10 @@ class JaxEngine:
             dtype_bytes=kv_dtype.itemsize, scale_bytes=4 if kv_dtype == jnp.int8 else 0)
         self.num_pages = config.num_pages or num_pages_for_budget(
             config.kv_cache_memory, page_size=self.page_size, bytes_per_token=self.bytes_per_token)
-        self.max_prefill_chunk = max(config.prefill_lengths)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
-        self.buckets = Buckets.build(max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
-                                     prefill_lengths=config.prefill_lengths, page_size=self.page_size)
+        self.buckets = Buckets.build(max_num_batched_tokens=self.max_num_batched_tokens, max_slots=self.max_slots)
 
         self.cache = init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype)
         # penalty state per slot; row max_slots is a scratch row that padding rows read and write
@@ -106,12 +107,10 @@ class JaxEngine:
         self._slot_steps = np.zeros(self.max_slots + 1, np.int32)
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
 
-        self._decode_jit = jax.jit(self._decode_step, donate_argnums=(1,))
+        self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
         self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
-        self._prefill_jit = jax.jit(self._prefill_step, donate_argnums=(1,))
         self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
-        self._decode_exe: dict[tuple[int, int], jax.stages.Compiled] = {}
-        self._prefill_exe: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._model_exe: dict[int, jax.stages.Compiled] = {}
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         if precompile:
@@ -119,15 +118,13 @@ class JaxEngine:
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
-    def _decode_step(self, params, cache, tokens, positions, write_slots, block_tables):
-        logits, cache = forward_paged(params, self.model_cfg, cache, tokens[:, None], positions[:, None],
-                                      write_slots[:, None], block_tables, jnp.zeros_like(tokens),
-                                      page_size=self.page_size, dtype=self.dtype)
-        return logits, cache
+    def _model_step(self, params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
+                    sample_index):
+        return forward_step(params, self.model_cfg, cache, tokens, positions, kv_lens, page_indices, cu_q_lens,
+                            num_seqs, sample_index, dtype=self.dtype)
 
     @staticmethod
     def _sample_step(logits, state, slot_ids, active, sarrays):
-        # compiled per batch bucket only (not per page bucket): sampling is costly to compile
         # A batch without penalties neither reads nor updates the [B, V] counts (12 MB of gather
         # and scatter at 32 rows): a row's penalties are fixed for its life and insert() rebuilds
         # its counts, so rows that never use them need not keep them.
@@ -144,45 +141,39 @@ class JaxEngine:
                                       lambda: (sample_penalized(logits, logits, sarrays), counts))
         return result, (counts, pmask)
 
-    def _prefill_step(self, params, cache, tokens, positions, write_slots, block_tables):
-        _, cache = forward_paged(params, self.model_cfg, cache, tokens, positions, write_slots,
-                                 block_tables, jnp.zeros(tokens.shape[:1], jnp.int32),
-                                 page_size=self.page_size, dtype=self.dtype)
-        return cache
-
     @staticmethod
     def _set_row(counts, pmask, slot, counts_row, mask_row):
         return counts.at[slot].set(counts_row), pmask.at[slot].set(mask_row)
 
     # ---- ahead-of-time compilation ----------------------------------------------------------
 
-    def _decode_args(self, b: int, p: int):
+    def _model_args(self, t: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return (self.params, self.cache, i32(b), i32(b), i32(b), i32(b, p))
+        s = self.max_slots
+        return (self.params, self.cache, i32(t), i32(t), i32(s), i32(s, self.max_pages_per_seq), i32(s + 1),
+                i32(1), i32(self.buckets.sample_rows(t)))
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
         return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32), (self.output_counts, self.prompt_mask),
                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays)
 
-    def _prefill_args(self, t: int, p: int):
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return (self.params, self.cache, i32(1, t), i32(1, t), i32(1, t), i32(1, p))
+    @property
+    def num_programs(self) -> int:
+        return len(self.buckets.token_counts) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
         """Compile every bucket now (or load it from the persistent cache), on all host cores."""
         start = time.perf_counter()
         jobs = [(self._sample_exe, b, self._sample_jit.lower(*self._sample_args(b)))
-                for b in self.buckets.decode_batches]
-        jobs += [(self._decode_exe, s, self._decode_jit.lower(*self._decode_args(*s)))
-                 for s in self.buckets.decode_shapes()]
-        jobs += [(self._prefill_exe, s, self._prefill_jit.lower(*self._prefill_args(*s)))
-                 for s in self.buckets.prefill_shapes()]
+                for b in self.buckets.sample_row_counts]
+        jobs += [(self._model_exe, t, self._model_jit.lower(*self._model_args(t)))
+                 for t in reversed(self.buckets.token_counts)]  # the slowest first
         # XLA compiles release the GIL, so a thread per core overlaps them
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(lowered.compile): (table, shape) for table, shape, lowered in jobs}
             for future in tqdm(as_completed(futures), total=len(futures), desc="compiling buckets",
-                               unit="bucket", file=sys.stderr, disable=not progress, leave=False):
+                               unit="program", file=sys.stderr, disable=not progress, leave=False):
                 table, shape = futures[future]
                 table[shape] = future.result()
         # the row setter is tiny: compile it now too so steady state never compiles
@@ -191,11 +182,10 @@ class JaxEngine:
             np.zeros(self.vocab_size, np.int32), np.zeros(self.vocab_size, bool))
         self.compile_seconds = time.perf_counter() - start
 
-    def _exe(self, table: dict, shape, jitted, args_fn):
+    def _exe(self, table: dict, shape: int, jitted, args_fn):
         exe = table.get(shape)
         if exe is None:  # only when precompile=False (tests of a single shape)
-            args = args_fn(*shape) if isinstance(shape, tuple) else args_fn(shape)
-            exe = table[shape] = jitted.lower(*args).compile()
+            exe = table[shape] = jitted.lower(*args_fn(shape)).compile()
         return exe
 
     @property
@@ -203,34 +193,6 @@ class JaxEngine:
         return compile_count.compiles()
 
     # ---- Engine protocol --------------------------------------------------------------------
-
-    def _block_table(self, page_lists: Sequence[Sequence[int]], batch: int, pages: int) -> np.ndarray:
-        table = np.zeros((batch, pages), np.int32)
-        for i, ids in enumerate(page_lists):
-            n = min(len(ids), pages)
-            table[i, :n] = ids[:n]
-        return table
-
-    def prefill(self, chunk: PrefillChunk) -> None:
-        n = len(chunk.token_ids)
-        end = chunk.start_pos + n
-        if n == 0:
-            return
-        if end > self.max_seq_len:
-            raise ValueError(f"prefill past max_seq_len ({end} > {self.max_seq_len})")
-        t = self.buckets.prefill_length(n)
-        p = self.buckets.pages(pages_needed(end, self.page_size))
-        pages = np.asarray(chunk.page_ids, np.int32)
-        tokens = np.zeros((1, t), np.int32)
-        positions = np.zeros((1, t), np.int32)
-        slots = np.zeros((1, t), np.int32)
-        pos = np.arange(chunk.start_pos, end, dtype=np.int32)
-        tokens[0, :n] = chunk.token_ids
-        positions[0, :n] = pos
-        slots[0, :n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-        table = self._block_table([chunk.page_ids], 1, p)
-        exe = self._exe(self._prefill_exe, (t, p), self._prefill_jit, self._prefill_args)
-        self.cache = exe(self.params, self.cache, tokens, positions, slots, table)
 
     def insert(self, slot: int, state: SlotState) -> None:
         if not 0 <= slot < self.max_slots:
@@ -250,35 +212,74 @@ class JaxEngine:
     def free(self, slot: int) -> None:
         self._slot_logprobs[slot] = -1
 
-    def generate(self, rows: Sequence[DecodeRow]) -> list[Sampled]:
-        n = len(rows)
+    def step_inputs(self, batch: StepBatch) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
+        """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)."""
+        seqs = batch.seqs
+        if not 0 < len(seqs) <= self.max_slots:
+            raise ValueError(f"a step holds 1..{self.max_slots} sequences, got {len(seqs)}")
+        t = self.buckets.tokens(batch.num_tokens)
+        s = self.max_slots
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        kv_lens = np.zeros(s, np.int32)
+        pages = np.zeros((s, self.max_pages_per_seq), np.int32)
+        cu = np.zeros(s + 1, np.int32)
+        sample_index = np.zeros(self.buckets.sample_rows(t), np.int32)
+        sample_slots: list[int] = []
+        at = 0
+        for i, seq in enumerate(seqs):
+            n, end = len(seq.token_ids), seq.end_pos
+            if n == 0 or end > self.max_seq_len:
+                raise ValueError(f"sequence in slot {seq.slot}: {n} tokens ending at {end} "
+                                 f"(need 1.., up to max_seq_len {self.max_seq_len})")
+            if len(seq.page_ids) < pages_needed(end, self.page_size):
+                raise ValueError(f"sequence in slot {seq.slot}: {len(seq.page_ids)} pages do not cover "
+                                 f"{end} tokens")
+            tokens[at:at + n] = seq.token_ids
+            positions[at:at + n] = np.arange(seq.start_pos, end)
+            kv_lens[i] = end
+            k = min(len(seq.page_ids), self.max_pages_per_seq)
+            pages[i, :k] = seq.page_ids[:k]
+            at += n
+            cu[i + 1] = at
+            if seq.sample:
+                sample_index[len(sample_slots)] = at - 1
+                sample_slots.append(seq.slot)
+        cu[len(seqs) + 1:] = at
+        num_seqs = np.asarray([len(seqs)], np.int32)
+        return t, (tokens, positions, kv_lens, pages, cu, num_seqs, sample_index), sample_slots
+
+    def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
+        t, inputs, sample_slots = self.step_inputs(batch)
+        model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
+        logits, self.cache = model(self.params, self.cache, *inputs)
+        return t, logits, sample_slots
+
+    def model_logits(self, batch: StepBatch) -> np.ndarray:
+        """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
+        `sample` sequences, in order (tests and the perplexity tool)."""
+        _, logits, sample_slots = self._run_model(batch)
+        return np.asarray(logits[:len(sample_slots)])
+
+    def step(self, batch: StepBatch) -> list[Sampled]:
+        t, logits, sample_slots = self._run_model(batch)
+        n = len(sample_slots)
         if n == 0:
             return []
-        b = self.buckets.decode_batch(n)
-        p = self.buckets.pages(max(pages_needed(r.position + 1, self.page_size) for r in rows))
+        b = self.buckets.sample_rows(t)
         slot_ids = np.full(b, self.max_slots, np.int32)
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        write = np.zeros(b, np.int32)
-        for i, r in enumerate(rows):
-            if r.position >= self.max_seq_len:
-                raise ValueError(f"decode past max_seq_len ({r.position} >= {self.max_seq_len})")
-            slot_ids[i], tokens[i], positions[i] = r.slot, r.token_id, r.position
-            write[i] = r.page_ids[r.position // self.page_size] * self.page_size + r.position % self.page_size
-        table = self._block_table([r.page_ids for r in rows], b, p)
+        slot_ids[:n] = sample_slots
         active = np.arange(b) < n
         sarrays = jax.tree.map(lambda x: x[slot_ids], self._slot_sampling)
         sarrays = dataclasses.replace(sarrays, step=self._slot_steps[slot_ids])
-        decode = self._exe(self._decode_exe, (b, p), self._decode_jit, self._decode_args)
-        logits, self.cache = decode(self.params, self.cache, tokens, positions, write, table)
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
         result, (self.output_counts, self.prompt_mask) = sampler(
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays)
         self._slot_steps[slot_ids[:n]] += 1
         host: SampleResult = jax.device_get(result)  # the step's one device -> host copy
         out = []
-        for i, r in enumerate(rows):
-            k = int(self._slot_logprobs[r.slot])
+        for i, slot in enumerate(sample_slots):
+            k = int(self._slot_logprobs[slot])
             lp = None
             if k >= 0:
                 top = tuple((int(host.top_ids[i, j]), float(host.top_logprobs[i, j])) for j in range(k))

@@ -63,7 +63,7 @@ def pytest_configure(config):
         "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
 
 
-TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, prefill_lengths=(8, 32))
+TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="session")
@@ -96,4 +96,4 @@ def default_engine(default_model):
 
     cfg, params = default_model
     return JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
-                                               prefill_lengths=(32, 64)), precompile=False)
+                                               max_num_batched_tokens=64), precompile=False)

@@ -1,20 +1,17 @@
-"""The JAX engine: paged attention equals the dense reference, chunked prefill equals one-shot,
-buckets never recompile, and sampling settings behave per request."""
+"""The JAX engine: ragged steps (decodes and prefill chunks of many sequences in one program) equal
+the dense reference, buckets never recompile, and sampling settings behave per request."""
 from __future__ import annotations
 
 import functools
 import random
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.api import DecodeRow, PrefillChunk, SlotState
+from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import SamplingParams
-from models.llama import forward_dense, forward_paged, init_kv_cache
-
-PS = 4  # small pages so short sequences cross many page boundaries
+from models.llama import forward_dense
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,7 +19,7 @@ def _dense_fn(cfg):
     return jax.jit(lambda params, tokens, valid: forward_dense(params, cfg, tokens, valid))
 
 
-def dense_last_logits(cfg, params, seq, width=64):
+def dense_last_logits(cfg, params, seq, width=128):
     """Reference logits of the last token, from a fixed-width padded batch (one compile)."""
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :len(seq)] = seq
@@ -30,75 +27,90 @@ def dense_last_logits(cfg, params, seq, width=64):
     return np.asarray(_dense_fn(cfg)(params, tokens, valid))[0, len(seq) - 1]
 
 
-def _slots(pages, positions):
-    return np.asarray([pages[p // PS] * PS + p % PS for p in positions], np.int32)
+def _pages(engine, first: int, n: int) -> list[int]:
+    return list(range(first, first + n))
 
 
-@functools.lru_cache(maxsize=None)
-def _paged_fn(cfg):
-    return jax.jit(functools.partial(forward_paged, cfg=cfg, page_size=PS), donate_argnames=("cache",))
+class _Seq:
+    def __init__(self, slot, tokens, pages, computed=0):
+        self.slot, self.tokens, self.pages, self.computed = slot, list(tokens), pages, computed
 
 
-def _run_paged(cfg, params, cache, tokens, positions, slots, tables, last):
-    return _paged_fn(cfg)(params, cache=cache, tokens=jnp.asarray(tokens), positions=jnp.asarray(positions),
-                          write_slots=jnp.asarray(slots), block_tables=jnp.asarray(tables),
-                          last_index=jnp.asarray(last))
+def _mixed_step(engine, seqs, budget, rnd):
+    """Decodes first, then prefill chunks of random lengths in the rest of the budget."""
+    decodes = [s for s in seqs if len(s.tokens) - s.computed == 1]
+    prefills = [s for s in seqs if len(s.tokens) - s.computed > 1]
+    parts, left = [], budget - len(decodes)
+    for s in decodes + prefills:
+        remaining = len(s.tokens) - s.computed
+        n = 1 if remaining == 1 else min(remaining, left, rnd.randint(1, remaining))
+        if n <= 0:
+            continue
+        if remaining > 1:
+            left -= n
+        parts.append((s, StepSeq(s.slot, s.tokens[s.computed:s.computed + n], s.computed, s.pages,
+                                 sample=s.computed + n == len(s.tokens))))
+    return parts
 
 
-def test_paged_decode_matches_dense_at_every_step(tiny_model):
+def test_mixed_ragged_steps_match_dense_at_every_step(tiny_engine, tiny_model):
+    """Several decodes plus prefill chunks of different lengths in one step, one sequence starting
+    after pages another one wrote (a prefix-cache hit), padded rows and tokens: every sampled row's
+    logits equal the dense reference within 1e-4, at every step."""
     cfg, params = tiny_model
-    rng = np.random.default_rng(1)
-    lengths = [5, 13, 22]                      # cross page boundaries at different offsets
-    steps, max_pages = 7, 8
-    free = list(rng.permutation(np.arange(1, 40)))  # scattered, non-contiguous pages
-    pages = [[int(free.pop()) for _ in range(max_pages)] for _ in lengths]
-    seqs = [list(rng.integers(3, 256, n)) for n in lengths]
-    cache = init_kv_cache(cfg, 40, PS, jnp.float32)
-    for i, seq in enumerate(seqs):  # prefill all but the last token, one sequence at a time
-        n = len(seq) - 1
-        cache = _run_paged(cfg, params, cache, [seq[:n]], [list(range(n))], [_slots(pages[i], range(n))],
-                           [pages[i]], [n - 1])[1]
-    for _ in range(steps):
-        tokens = [[s[-1]] for s in seqs]
-        pos = [[len(s) - 1] for s in seqs]
-        slots = [_slots(pages[i], pos[i]) for i in range(3)]
-        logits, cache = _run_paged(cfg, params, cache, tokens, pos, slots, pages, [0, 0, 0])
-        for i, seq in enumerate(seqs):
-            ref = dense_last_logits(cfg, params, seq)
-            np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=1e-4, rtol=0)
-            seq.append(int(ref.argmax()))
+    engine, ps = tiny_engine, tiny_engine.page_size
+    rng, rnd = np.random.default_rng(1), random.Random(1)
+    a = _Seq(0, rng.integers(3, 256, 21), _pages(engine, 1, 11))
+    b = _Seq(1, rng.integers(3, 256, 5), _pages(engine, 12, 11))
+    c = _Seq(2, rng.integers(3, 256, 40), _pages(engine, 23, 11))
+    seqs = [a, b, c]
+    shared = None
+    for step in range(24):
+        if step == 4:  # a's first two pages now hold its prompt: d reuses them, computing after them
+            assert a.computed >= 2 * ps
+            shared = _Seq(3, list(a.tokens[:2 * ps]) + list(rng.integers(3, 256, 6)),
+                          a.pages[:2] + _pages(engine, 34, 9), computed=2 * ps)
+            seqs.append(shared)
+        parts = _mixed_step(engine, seqs, engine.max_num_batched_tokens, rnd)
+        batch = StepBatch([p for _, p in parts])
+        logits = engine.model_logits(batch)
+        i = 0
+        for s, part in parts:
+            s.computed += len(part.token_ids)
+            if part.sample:
+                ref = dense_last_logits(cfg, params, s.tokens)
+                np.testing.assert_allclose(logits[i], ref, atol=1e-4, rtol=0)
+                s.tokens.append(int(ref.argmax()))
+                i += 1
+        assert i == len(logits)
+    assert shared is not None and min(len(s.tokens) - s.computed for s in seqs) == 1
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 8, 17])
-def test_chunked_prefill_equals_one_shot(tiny_model, chunk):
-    cfg, params = tiny_model
-    seq = list(np.random.default_rng(2).integers(3, 256, 30))
-    pages = [7, 3, 11, 2, 9, 5, 14, 1]
-    cache = init_kv_cache(cfg, 16, PS, jnp.float32)
-    logits = None
-    for start in range(0, len(seq), chunk):
-        part = seq[start:start + chunk]
-        pos = list(range(start, start + len(part)))
-        logits, cache = _run_paged(cfg, params, cache, [part], [pos], [_slots(pages, pos)], [pages],
-                                   [len(part) - 1])
-    ref = dense_last_logits(cfg, params, seq)
-    np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)
-
-
-def _generate(engine, prompts, params_list, pages_list, new_tokens):
-    """Drive the engine directly: prefill all, insert, then decode all slots together."""
-    for slot, (prompt, params, pages) in enumerate(zip(prompts, params_list, pages_list)):
-        for start in range(0, len(prompt) - 1, engine.max_prefill_chunk):
-            part = prompt[start:min(start + engine.max_prefill_chunk, len(prompt) - 1)]
-            engine.prefill(PrefillChunk(part, start, pages))
-        engine.insert(slot, SlotState(prompt, [], params))
+def _generate(engine, prompts, params_list, pages_list, new_tokens, chunk=None):
+    """Drive the engine directly: each step decodes every prompt that finished prefill and adds
+    the next prefill chunks within the budget."""
+    chunk = chunk or engine.max_num_batched_tokens
+    seqs = [_Seq(slot, prompt, pages) for slot, (prompt, pages) in enumerate(zip(prompts, pages_list))]
+    for s, params in zip(seqs, params_list):
+        engine.insert(s.slot, SlotState(list(s.tokens), [], params))
     outs = [[] for _ in prompts]
-    last = [p[-1] for p in prompts]
-    for step in range(new_tokens):
-        rows = [DecodeRow(s, last[s], len(prompts[s]) - 1 + step, pages_list[s]) for s in range(len(prompts))]
-        for s, sampled in enumerate(engine.generate(rows)):
-            outs[s].append(sampled.token_id)
-            last[s] = sampled.token_id
+    while any(len(o) < new_tokens for o in outs):
+        parts, left = [], engine.max_num_batched_tokens
+        for s in sorted(seqs, key=lambda s: len(s.tokens) - s.computed > 1):
+            remaining = len(s.tokens) - s.computed
+            n = min(remaining, left, chunk)
+            if n <= 0 or len(outs[s.slot]) >= new_tokens:
+                continue
+            left -= n
+            parts.append((s, StepSeq(s.slot, s.tokens[s.computed:s.computed + n], s.computed, s.pages,
+                                     sample=s.computed + n == len(s.tokens))))
+        sampled = iter(engine.step(StepBatch([p for _, p in parts])))
+        for s, part in parts:
+            s.computed += len(part.token_ids)
+            if part.sample:
+                token = next(sampled).token_id
+                s.tokens.append(token)
+                outs[s.slot].append(token)
     for slot in range(len(prompts)):
         engine.free(slot)
     return outs
@@ -111,13 +123,14 @@ def _dense_greedy(cfg, params, prompt, n):
     return ids[len(prompt):]
 
 
-def test_engine_greedy_batch_equals_reference(tiny_engine, tiny_model):
+@pytest.mark.parametrize("chunk", [3, 17, None])
+def test_engine_greedy_batch_equals_reference(tiny_engine, tiny_model, chunk):
     cfg, params = tiny_model
     rng = np.random.default_rng(3)
-    prompts = [list(rng.integers(3, 256, n)) for n in (3, 11, 40)]   # 40 > one prefill chunk
-    pages = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24]]
+    prompts = [list(rng.integers(3, 256, n)) for n in (3, 11, 40)]   # 40 > the step budget
+    pages = [_pages(tiny_engine, 1 + 8 * i, 8) for i in range(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
-    outs = _generate(tiny_engine, prompts, [greedy] * 3, pages, 12)
+    outs = _generate(tiny_engine, prompts, [greedy] * 3, pages, 12, chunk)
     for prompt, out in zip(prompts, outs):
         assert out == _dense_greedy(cfg, params, prompt, 12)
 
@@ -164,40 +177,58 @@ def test_logprobs_are_returned_when_asked(tiny_engine):
     prompt = [5, 6, 7, 8]
     tiny_engine.insert(0, SlotState(prompt, [], SamplingParams(temperature=0.0, logprobs=3)))
     tiny_engine.insert(1, SlotState(prompt, [], SamplingParams(temperature=0.0)))
-    tiny_engine.prefill(PrefillChunk(prompt[:-1], 0, [1]))
-    a, b = tiny_engine.generate([DecodeRow(0, 8, 3, [1]), DecodeRow(1, 8, 3, [1])])
+    a, b = tiny_engine.step(StepBatch([StepSeq(0, prompt, 0, [1], True), StepSeq(1, prompt, 0, [2], True)]))
     tiny_engine.free(0)
     tiny_engine.free(1)
-    assert b.logprob is None
+    assert b.logprob is None and a.token_id == b.token_id
     assert a.logprob is not None and len(a.logprob.top) == 3
     assert a.logprob.top[0][0] == a.token_id  # greedy picks the best token
     assert a.logprob.logprob == pytest.approx(a.logprob.top[0][1])
     assert a.logprob.top[0][1] >= a.logprob.top[1][1] >= a.logprob.top[2][1]
 
 
+def test_only_chunks_that_reach_the_end_sample(tiny_engine):
+    tiny_engine.insert(0, SlotState([5] * 12, [], SamplingParams(temperature=0.0)))
+    tiny_engine.insert(1, SlotState([6] * 3, [], SamplingParams(temperature=0.0)))
+    out = tiny_engine.step(StepBatch([StepSeq(0, [5] * 7, 0, [1, 2], False), StepSeq(1, [6] * 3, 0, [3], True)]))
+    assert len(out) == 1
+    assert tiny_engine.step(StepBatch([StepSeq(0, [5] * 7, 0, [1, 2], False)])) == []
+    for slot in (0, 1):
+        tiny_engine.free(slot)
+
+
+def test_bad_steps_are_refused_before_the_device(tiny_engine):
+    with pytest.raises(ValueError, match="pages do not cover"):
+        tiny_engine.step(StepBatch([StepSeq(0, [1] * 9, 0, [1], True)]))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        tiny_engine.step(StepBatch([StepSeq(0, [1] * 33, 0, list(range(1, 6)), True)]))
+
+
 def test_no_recompiles_across_randomized_workload(tiny_engine):
+    """Every token bucket and sampling bucket, in random mixes, after start-up compiled them all."""
     engine = tiny_engine
     rnd = random.Random(5)
     before = engine.compile_count
     max_pages = engine.max_pages_per_seq
-    for step in range(120):
-        occupancy = rnd.randint(1, engine.max_slots)
-        rows = []
-        for slot in range(occupancy):
+    seen = set()
+    for _ in range(60):
+        seqs, budget = [], engine.max_num_batched_tokens
+        for slot in range(rnd.randint(1, engine.max_slots)):
             params = SamplingParams(temperature=rnd.choice([0.0, 0.5, 1.3]), top_k=rnd.choice([0, 5, 50]),
                                     top_p=rnd.choice([1.0, 0.8]), min_p=rnd.choice([0.0, 0.1]),
                                     presence_penalty=rnd.choice([0.0, 1.0]),
                                     repetition_penalty=rnd.choice([1.0, 1.2]), seed=rnd.randint(0, 99),
                                     logprobs=rnd.choice([None, 2]))
             engine.insert(slot, SlotState([3, 4, 5], [6] * rnd.randint(0, 3), params))
-            length = rnd.randint(1, engine.max_seq_len - 1)
-            pages = list(range(1, max_pages + 1))
-            rows.append(DecodeRow(slot, rnd.randint(0, 255), length, pages))
-        engine.generate(rows)
-        if step % 10 == 0:
-            n = rnd.randint(1, 32)
+            n = rnd.choice([1, 1, rnd.randint(1, max(1, budget - (engine.max_slots - slot)))])
             start = rnd.randint(0, engine.max_seq_len - n)
-            engine.prefill(PrefillChunk([7] * n, start, list(range(1, max_pages + 1))))
+            budget -= n
+            seqs.append(StepSeq(slot, [rnd.randint(0, 255)] * n, start, list(range(1, max_pages + 1)),
+                                rnd.random() < 0.7))
+        engine.step(StepBatch(seqs))
+        seen.add(engine.buckets.tokens(StepBatch(seqs).num_tokens))
     for slot in range(engine.max_slots):
         engine.free(slot)
     assert engine.compile_count == before
+    assert len(seen) >= 4
+    assert engine.num_programs == len(engine.buckets.token_counts) + len(engine.buckets.sample_row_counts)
