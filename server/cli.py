@@ -37,8 +37,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=int(_env("max-seq-len", 2048)))
     p.add_argument("--page-size", type=int, default=int(_env("page-size", 16)))
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(_env("kv-cache-memory", "1GiB")))
-    p.add_argument("--prefill-chunks", default=_env("prefill-chunks", "16,32,64,128,256"),
-                   help="comma-separated prefill chunk buckets")
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max-num-batched-tokens", 256)),
+                   help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "
+                        "power-of-two ladder up to it")
     p.add_argument("--quantize", default=_env("quantize", "none"), choices=["none", "w8a16", "w8a8"])
     p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
     p.add_argument("--compile-cache", default=_env("compile-cache", os.path.expanduser("~/.cache/slipstream/jax")),
@@ -55,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=int(_env("port", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
     serve.add_argument("--max-queue", type=int, default=int(_env("max-queue", 256)))
-    serve.add_argument("--prefill-token-budget", type=int, default=int(_env("prefill-token-budget", 256)))
     serve.add_argument("--no-prefix-cache", action="store_true", default=bool(_env("no-prefix-cache", "")))
     serve.add_argument("--api-key", default=_env("api-key", None))
     serve.add_argument("--served-model-name", default=_env("served-model-name", None))
@@ -82,7 +82,7 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     path = resolve_model(args.model)
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
-                          prefill_lengths=tuple(int(x) for x in args.prefill_chunks.split(",")),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
     start = time.perf_counter()
     model_cfg, params = load_model(path, dtype="float32", progress=progress)
@@ -95,9 +95,9 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
         calibration = tokenizer.encode(calibration_text())
     engine = JaxEngine(model_cfg, params, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
                        progress=progress, calibration_tokens=calibration)
-    log.info("compiled %d buckets in %.1fs (%d KV pages of %d tokens)",
-             len(engine.buckets.decode_shapes()) + len(engine.buckets.prefill_shapes()),
-             engine.compile_seconds, engine.num_pages, engine.page_size)
+    log.info("compiled %d programs in %.1fs (%d KV pages of %d tokens; steps of up to %d tokens)",
+             engine.num_programs, engine.compile_seconds, engine.num_pages, engine.page_size,
+             engine.max_num_batched_tokens)
     return engine, tokenizer, path
 
 
@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     engine, tokenizer, path = build_engine(args)
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(
-        max_queue=args.max_queue, prefill_token_budget=args.prefill_token_budget,
+        max_queue=args.max_queue,
         enable_prefix_cache=not args.no_prefix_cache))
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(path)))
