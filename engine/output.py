@@ -269,12 +269,14 @@ class OutputProcessor:
             for record in records:
                 try:
                     self._handle(record, produced_at, now)
-                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the rest
+                except Exception:  # noqa: BLE001 - one bad request must not stop the rest
+                    # The traceback stays in the log; the client learns only that its request failed.
                     log.exception("output processing failed for %s",
                                   record.tracker.request.request_id)
+                    if not record.tracker.done:
+                        self._release(record.tracker.request.request_id)
                     self._finish(record.tracker, [], [], FinishReason.ERROR, now,
-                                 error=f"output processing failed: {exc!r}")
-                    self._release(record.tracker.request.request_id)
+                                 error="output processing failed")
 
     def _handle(self, rec: Emit, produced_at: float, now: float) -> None:
         tr = rec.tracker
@@ -305,9 +307,10 @@ class OutputProcessor:
             tr.held = ""
         tr.timings(len(ids), produced_at, now)
         if finish is not None:
-            self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
             if stopped and rec.finish_reason is None:
+                # Before the stream ends: whoever sees the end may count on the slot being released.
                 self._release(tr.request.request_id)
+            self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
         elif ids:
             tr.stream._push("".join(text), ids, logprobs, None)
 
@@ -319,7 +322,6 @@ class OutputProcessor:
         tr.done = True
         if finish is FinishReason.ERROR and error is None:
             error = "request failed"
-        tr.stream._push("".join(text), ids, list(logprobs), finish, error)
         req = tr.request
         waited_until = tr.admitted_at if tr.admitted_at is not None else now
         metrics = RequestMetrics(
@@ -328,6 +330,8 @@ class OutputProcessor:
             ttft_s=None if tr.first_token_at is None else tr.first_token_at - req.arrival_time,
             tpot_s=list(tr.tpot), finish_reason=finish)
         try:
+            # Before the final push, so a client that saw its request end also sees it counted.
             self._on_finish(metrics)
         except Exception:  # noqa: BLE001 - a broken listener must not stop the output thread
             log.exception("metrics listener failed for %s", req.request_id)
+        tr.stream._push("".join(text), ids, list(logprobs), finish, error)

@@ -49,7 +49,10 @@ class _StatsCollector(Collector):
 
         yield gauge("slipstream_requests_running", "Requests admitted (prefilling or decoding).", s.running)
         yield gauge("slipstream_requests_waiting", "Requests waiting for a slot.", s.waiting)
-        yield gauge("slipstream_kv_pages_used", "KV cache pages in use.", s.pages_used)
+        yield gauge("slipstream_kv_pages_used", "KV cache pages held by running requests (0 when idle).",
+                    s.pages_used)
+        yield gauge("slipstream_kv_pages_cached", "Prefix-cache pages no running request holds (reusable, "
+                    "evictable).", s.pages_cached)
         yield gauge("slipstream_kv_pages_total", "KV cache pages available to requests.", s.pages_total)
         yield counter("slipstream_prefix_cache_queries", "Prefix cache lookups.", s.prefix_queries)
         yield counter("slipstream_prefix_cache_hits", "Prefix cache lookups that reused pages.", s.prefix_hits)

@@ -216,3 +216,41 @@ def test_broken_listener_does_not_stop_output():
     finally:
         out.close(timeout=5)
     assert [m.output_length for m in calls] == [3, 3]
+
+
+def test_release_and_metrics_come_before_the_stream_ends():
+    """issue 12's flaky test: the release callback and the request's metrics ran after the final
+    delta was pushed, so whoever saw the stream end could read them before they happened."""
+    seen: list[tuple[str, bool]] = []
+    holder: list = []
+    out = OutputProcessor(ByteTokenizer(), lambda rid: seen.append(("release", holder[0].stream.finished)),
+                          lambda m: seen.append(("metrics", holder[0].stream.finished)))
+    out.start()
+    try:
+        tracker, _ = open_stream(out, stop=("c",))
+        holder.append(tracker)
+        feed(out, tracker, utf8("abcd"))
+        assert tracker.stream.result(timeout=5).text == "ab"
+    finally:
+        out.close(timeout=5)
+    assert seen == [("release", False), ("metrics", False)]
+
+
+def test_a_failing_detokenizer_fails_only_its_request_without_leaking_the_exception():
+    class Exploding(ByteTokenizer):
+        def decode(self, ids, skip_special_tokens: bool = True) -> str:
+            if 0xFF in ids:
+                raise RuntimeError("secret internal detail")
+            return super().decode(ids, skip_special_tokens)
+
+    with processor(Exploding()) as (out, released, finished):
+        bad, _ = open_stream(out)
+        good, _ = open_stream(out)
+        feed(out, bad, [0x61, 0xFF, 0x62], FinishReason.LENGTH)
+        feed(out, good, utf8("fine"), FinishReason.LENGTH)
+        failed, ok = bad.stream.result(timeout=5), good.stream.result(timeout=5)
+        assert released == [bad.request.request_id]  # its slot goes back to the scheduler
+    assert failed.finish_reason is FinishReason.ERROR
+    assert "secret" not in failed.error and "RuntimeError" not in failed.error
+    assert (ok.text, ok.finish_reason) == ("fine", FinishReason.LENGTH)
+    assert sorted(m.finish_reason.value for m in finished) == ["error", "length"]
