@@ -1,0 +1,820 @@
+// Ragged paged attention on CPU as an XLA FFI custom call: the contract is kernels/attention.py's
+// docstring (kernels/attention_native.py makes the call). One call is one layer of one step.
+//
+//  1. Write. The new tokens' K/V go into their pages on the calling thread (int8: quantized per token
+//     and head exactly like kernels.attention.quantize_kv). A step writes at most T x KV rows, little
+//     next to what it reads. Padding tokens (t >= cu_q_lens[num_seqs]) write nothing.
+//  2. Attend. A query row is one (token, query head) of a sequence and KV head. Work items are
+//     (sequence, KV head, block of <= 8 rows, KV range) and are claimed from an atomic counter by the
+//     calling thread and N-1 helpers scheduled on XLA's intra-op pool. So the G query heads of a KV
+//     head, and the tokens of a prefill chunk, share every K/V load. An item reads its sequence's pages
+//     where they lie, up to 16 keys of one page at a time (a chunk), with an online softmax. When
+//     there are few items (few sequences), long KV ranges are split; split items leave partial
+//     softmax states (max, sum, accumulator) that the caller combines once all items are done.
+//
+// Cache layout (per layer): k, v [KV, num_pages, page_size, hd] f32, bf16 or int8; int8 scales
+// k_scale, v_scale [KV, num_pages, page_size] f32. A chunk of keys is n <= 16 consecutive rows of one
+// page. bf16 and int8 chunks are first widened to f32 in a small buffer (int8 with its per-key scale
+// folded in) that every row of the item then reads from L1.
+//
+// Instruction sets: each chunk step (scores, exp, probabilities x V, widening) has a portable loop
+// and AVX2 / AVX-512 versions beside it, chosen once at run time from the CPU's features
+// (__builtin_cpu_supports); nothing is compiled with -march. Other architectures use the portable
+// loops.
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define RPA_X86 1
+#define RPA_AVX2 __attribute__((target("avx2,fma")))
+#define RPA_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 8;        // query rows per work item
+constexpr int kChunk = 16;         // keys per online-softmax step
+constexpr int kMaxHeadDim = 512;
+constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// Chunk steps. s and p are [kMaxRows][kChunk]; q and acc are [rows][hd]; k and v are [n][hd] f32.
+// ---------------------------------------------------------------------------------------------
+struct ChunkSteps {
+  const char* name;
+  // s[r][j] = q[r] . k[j] for j < n
+  void (*scores)(const float* q, int rows, int hd, const float* k, int n, float* s);
+  // p[r][j] = exp(s[r][j] - m[r]) for all kChunk lanes, exactly 0 where s is -inf
+  void (*exp_rows)(float* s, int rows, const float* m);
+  // acc[r] += sum_j p[r][j] v[j] for j < n
+  void (*pv)(const float* p, int rows, int hd, const float* v, int n, float* acc);
+  // dst[j] = float(src[j]) (* scale[j]) for j < n rows of hd values
+  void (*widen_i8)(const int8_t* src, const float* scale, int n, int hd, float* dst);
+  void (*widen_bf16)(const uint16_t* src, int n, int hd, float* dst);
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, like XLA's convert
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fff + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+
+// ---- portable ----
+void scores_portable(const float* q, int rows, int hd, const float* k, int n, float* s) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < n; ++j) {
+      float d = 0.f;
+      for (int x = 0; x < hd; ++x) d += q[r * hd + x] * k[j * hd + x];
+      s[r * kChunk + j] = d;
+    }
+}
+
+void exp_rows_portable(float* s, int rows, const float* m) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < kChunk; ++j) s[r * kChunk + j] = std::exp(s[r * kChunk + j] - m[r]);
+}
+
+void pv_portable(const float* p, int rows, int hd, const float* v, int n, float* acc) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < n; ++j) {
+      const float pj = p[r * kChunk + j];
+      for (int x = 0; x < hd; ++x) acc[r * hd + x] += pj * v[j * hd + x];
+    }
+}
+
+void widen_i8_portable(const int8_t* src, const float* scale, int n, int hd, float* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int x = 0; x < hd; ++x) dst[j * hd + x] = float(src[j * hd + x]) * scale[j];
+}
+
+void widen_bf16_portable(const uint16_t* src, int n, int hd, float* dst) {
+  for (int j = 0; j < n * hd; ++j) dst[j] = bf16_to_f32(src[j]);
+}
+
+constexpr ChunkSteps kPortable = {"portable", scores_portable, exp_rows_portable, pv_portable,
+                                  widen_i8_portable, widen_bf16_portable};
+
+#if defined(RPA_X86)
+// ---- AVX2 + FMA: 8 lanes; needs hd % 8 == 0 ----
+RPA_AVX2 inline __m256 hsum8x8(const __m256* a) {  // lane i = sum of a[i]'s lanes
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+RPA_AVX2 inline float hsum8(__m256 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+RPA_AVX2 void scores_avx2(const float* q, int rows, int hd, const float* k, int n, float* s) {
+  for (int r = 0; r < rows; ++r) {
+    const float* qr = q + r * hd;
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {  // 8 keys at once, reduced together
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int x = 0; x < hd; x += 8) {
+        const __m256 qx = _mm256_loadu_ps(qr + x);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + (j + i) * hd + x), a[i]);
+      }
+      _mm256_storeu_ps(s + r * kChunk + j, hsum8x8(a));
+    }
+    for (; j < n; ++j) {
+      __m256 a = _mm256_setzero_ps();
+      for (int x = 0; x < hd; x += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + x), _mm256_loadu_ps(k + j * hd + x), a);
+      s[r * kChunk + j] = hsum8(a);
+    }
+  }
+}
+
+RPA_AVX2 inline __m256 exp_avx2(__m256 x) {  // x <= 0; 0 below -87.3 (and for -inf)
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+RPA_AVX2 void exp_rows_avx2(float* s, int rows, const float* m) {
+  for (int r = 0; r < rows; ++r) {
+    const __m256 mr = _mm256_set1_ps(m[r]);
+    for (int j = 0; j < kChunk; j += 8)
+      _mm256_storeu_ps(s + r * kChunk + j, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + r * kChunk + j), mr)));
+  }
+}
+
+RPA_AVX2 void pv_avx2(const float* p, int rows, int hd, const float* v, int n, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const float* pr = p + r * kChunk;
+    float* ar = acc + r * hd;
+    int x = 0;
+    for (; x + 16 <= hd; x += 16) {  // two column blocks x two key phases: 4 independent chains
+      __m256 a0 = _mm256_loadu_ps(ar + x), a1 = _mm256_loadu_ps(ar + x + 8);
+      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+      int j = 0;
+      for (; j + 2 <= n; j += 2) {
+        const __m256 p0 = _mm256_set1_ps(pr[j]), p1 = _mm256_set1_ps(pr[j + 1]);
+        a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x), a0);
+        a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x + 8), a1);
+        b0 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + (j + 1) * hd + x), b0);
+        b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + (j + 1) * hd + x + 8), b1);
+      }
+      if (j < n) {
+        const __m256 p0 = _mm256_set1_ps(pr[j]);
+        a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x), a0);
+        a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x + 8), a1);
+      }
+      _mm256_storeu_ps(ar + x, _mm256_add_ps(a0, b0));
+      _mm256_storeu_ps(ar + x + 8, _mm256_add_ps(a1, b1));
+    }
+    for (; x < hd; x += 8) {
+      __m256 a = _mm256_loadu_ps(ar + x);
+      for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(pr[j]), _mm256_loadu_ps(v + j * hd + x), a);
+      _mm256_storeu_ps(ar + x, a);
+    }
+  }
+}
+
+// The widening loops are the portable ones, vectorized by the compiler for the target.
+RPA_AVX2 void widen_i8_avx2(const int8_t* src, const float* scale, int n, int hd, float* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int x = 0; x < hd; ++x) dst[j * hd + x] = float(src[j * hd + x]) * scale[j];
+}
+
+RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
+  for (int j = 0; j < n * hd; ++j) {
+    const uint32_t u = uint32_t(src[j]) << 16;
+    std::memcpy(dst + j, &u, 4);
+  }
+}
+
+constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, exp_rows_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2};
+
+// ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
+RPA_AVX512 void scores_avx512(const float* q, int rows, int hd, const float* k, int n, float* s) {
+  for (int r = 0; r < rows; ++r) {
+    const float* qr = q + r * hd;
+    if (n == kChunk) {  // 16 keys at once: one accumulator each, reduced together
+      __m512 a[kChunk];
+      for (int i = 0; i < kChunk; ++i) a[i] = _mm512_setzero_ps();
+      for (int x = 0; x < hd; x += 16) {
+        const __m512 qx = _mm512_loadu_ps(qr + x);
+        for (int i = 0; i < kChunk; ++i) a[i] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(k + i * hd + x), a[i]);
+      }
+      __m256 h[kChunk];  // fold 512 -> 256 bits, then two 8 x 8 transposing reductions
+      for (int i = 0; i < kChunk; ++i)
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+      _mm256_storeu_ps(s + r * kChunk, hsum8x8(h));
+      _mm256_storeu_ps(s + r * kChunk + 8, hsum8x8(h + 8));
+      continue;
+    }
+    for (int j = 0; j < n; ++j) {
+      __m512 a = _mm512_setzero_ps();
+      for (int x = 0; x < hd; x += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x), _mm512_loadu_ps(k + j * hd + x), a);
+      s[r * kChunk + j] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+RPA_AVX512 inline __m512 exp_avx512(__m512 x) {  // x <= 0; 0 below -87.3 (and for -inf)
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+RPA_AVX512 void exp_rows_avx512(float* s, int rows, const float* m) {
+  for (int r = 0; r < rows; ++r)
+    _mm512_storeu_ps(s + r * kChunk, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk), _mm512_set1_ps(m[r]))));
+}
+
+RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, const float* v, int n, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const float* pr = p + r * kChunk;
+    float* ar = acc + r * hd;
+    int x = 0;
+    for (; x + 32 <= hd; x += 32) {  // two column blocks x two key phases: 4 independent chains
+      __m512 a0 = _mm512_loadu_ps(ar + x), a1 = _mm512_loadu_ps(ar + x + 16);
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      int j = 0;
+      for (; j + 2 <= n; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(pr[j]), p1 = _mm512_set1_ps(pr[j + 1]);
+        a0 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x), a0);
+        a1 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x + 16), a1);
+        b0 = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (j + 1) * hd + x), b0);
+        b1 = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (j + 1) * hd + x + 16), b1);
+      }
+      if (j < n) {
+        const __m512 p0 = _mm512_set1_ps(pr[j]);
+        a0 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x), a0);
+        a1 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x + 16), a1);
+      }
+      _mm512_storeu_ps(ar + x, _mm512_add_ps(a0, b0));
+      _mm512_storeu_ps(ar + x + 16, _mm512_add_ps(a1, b1));
+    }
+    for (; x < hd; x += 16) {
+      __m512 a = _mm512_loadu_ps(ar + x);
+      for (int j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(v + j * hd + x), a);
+      _mm512_storeu_ps(ar + x, a);
+    }
+  }
+}
+
+RPA_AVX512 void widen_i8_avx512(const int8_t* src, const float* scale, int n, int hd, float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const __m512 sj = _mm512_set1_ps(scale[j]);
+    for (int x = 0; x < hd; x += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * hd + x));
+      _mm512_storeu_ps(dst + j * hd + x, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sj));
+    }
+  }
+}
+
+RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst) {
+  for (int i = 0; i < n * hd; i += 16) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+}
+
+constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, exp_rows_avx512, pv_avx512, widen_i8_avx512,
+                                widen_bf16_avx512};
+#endif  // RPA_X86
+
+// The best instruction set of this CPU; tests may force a lower one (force_isa).
+std::atomic<int> g_forced{-1};  // -1: best; else 0 portable, 1 avx2, 2 avx512
+
+int best_isa() {
+#if defined(RPA_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+  return 0;
+}
+
+const ChunkSteps& steps_for(int hd) {
+  static const int best = best_isa();
+  const int forced = g_forced.load(std::memory_order_relaxed);
+  const int isa = forced >= 0 ? std::min(forced, best) : best;
+#if defined(RPA_X86)
+  if (isa >= 2 && hd % 16 == 0) return kAvx512;
+  if (isa >= 1 && hd % 8 == 0) return kAvx2;
+#endif
+  (void)isa;
+  (void)hd;
+  return kPortable;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The problem and its work items.
+// ---------------------------------------------------------------------------------------------
+enum class KvType { kF32, kBF16, kI8 };
+
+struct Problem {
+  int T, H, KV, G, hd, num_pages, ps, P, S, num_seqs;
+  float sm_scale;
+  int window;  // 0: none
+  KvType type;
+  const float* q;  // [T, H, hd]
+  float* out;      // [T, H, hd]
+  void* k;         // this layer's [KV, num_pages, ps, hd]
+  void* v;
+  float* k_scale;  // this layer's [KV, num_pages, ps] (int8 only)
+  float* v_scale;
+  const int32_t* kv_lens;
+  const int32_t* page_indices;  // [S, P]
+  const int32_t* cu;            // [S + 1]
+
+  int q_begin(int s) const { return std::clamp(cu[s], 0, T); }
+  int q_end(int s) const { return std::clamp(cu[s + 1], q_begin(s), T); }
+  int kv_len(int s) const { return std::clamp(kv_lens[s], 0, P * ps); }
+  int page(int s, int key) const { return std::clamp(page_indices[int64_t(s) * P + key / ps], 0, num_pages - 1); }
+  int64_t row_offset(int kh, int page, int off) const {  // element offset of a (page, slot) row
+    return (int64_t(kh) * num_pages + page) * ps + off;
+  }
+};
+
+struct Item {
+  int seq, kh, row_begin, row_end;  // rows r = token * G + g within the sequence
+  int key_lo, key_hi;
+  int partial;                      // -1: writes the output; else its slot in the partials
+};
+
+struct Group {  // the split items of one (sequence, KV head, row block): partials [first, first + n)
+  int seq, kh, row_begin, row_end, first, n;
+};
+
+struct Partials {  // per slot: m[kMaxRows], l[kMaxRows], acc[kMaxRows][hd]
+  int hd;
+  std::vector<float> data;
+  float* m(int slot) { return data.data() + int64_t(slot) * stride(); }
+  float* l(int slot) { return m(slot) + kMaxRows; }
+  float* acc(int slot) { return m(slot) + 2 * kMaxRows; }
+  int64_t stride() const { return 2 * kMaxRows + int64_t(kMaxRows) * hd; }
+};
+
+// Position of a sequence's row (the key it sees last) and the first key it sees.
+inline int row_pos(const Problem& p, int s, int row) {
+  return p.kv_lens[s] - (p.q_end(s) - p.q_begin(s) - row / p.G);
+}
+inline int row_lo(const Problem& p, int pos) { return p.window > 0 ? std::max(0, pos - p.window + 1) : 0; }
+
+void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
+  const int hd = p.hd;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int q0 = p.q_begin(s), q1 = p.q_end(s);
+    for (int t = q0; t < q1; ++t) {
+      const int pos = p.kv_lens[s] - (q1 - t);
+      if (pos < 0 || pos >= p.P * p.ps) continue;
+      const int slot = pos / p.ps;
+      const int page = p.page_indices[int64_t(s) * p.P + slot];
+      if (page < 0 || page >= p.num_pages) continue;  // like the reference's dropped scatter
+      for (int kh = 0; kh < p.KV; ++kh) {
+        const int64_t row = p.row_offset(kh, page, pos % p.ps);
+        for (int which = 0; which < 2; ++which) {
+          const float* x = (which ? v_new : k_new) + (int64_t(t) * p.KV + kh) * hd;
+          void* buf = which ? p.v : p.k;
+          switch (p.type) {
+            case KvType::kF32:
+              std::memcpy(static_cast<float*>(buf) + row * hd, x, hd * sizeof(float));
+              break;
+            case KvType::kBF16:
+              for (int i = 0; i < hd; ++i) static_cast<uint16_t*>(buf)[row * hd + i] = f32_to_bf16(x[i]);
+              break;
+            case KvType::kI8: {  // kernels.attention.quantize_kv: scale = max|x| / 127, round half even
+              float amax = 0.f;
+              for (int i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
+              const float scale = amax / 127.0f;
+              const float safe = scale > 0.f ? scale : 1.f;
+              int8_t* dst = static_cast<int8_t*>(buf) + row * hd;
+              for (int i = 0; i < hd; ++i)
+                dst[i] = int8_t(std::clamp(std::nearbyint(x[i] / safe), -127.f, 127.f));
+              (which ? p.v_scale : p.k_scale)[row] = scale;
+              break;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// One work item: its rows' online softmax over keys [key_lo, key_hi) of its sequence's pages.
+void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& partials) {
+  const int hd = p.hd, s = it.seq, rows = it.row_end - it.row_begin;
+  alignas(64) float q[kMaxRows * kMaxHeadDim];
+  alignas(64) float acc[kMaxRows * kMaxHeadDim];
+  alignas(64) float kbuf[kChunk * kMaxHeadDim];
+  alignas(64) float vbuf[kChunk * kMaxHeadDim];
+  alignas(64) float sc[kMaxRows * kChunk];
+  float m[kMaxRows], l[kMaxRows], m_use[kMaxRows];
+  int pos[kMaxRows], lo[kMaxRows];
+  int min_pos = std::numeric_limits<int>::max(), max_lo = 0;
+  for (int r = 0; r < rows; ++r) {
+    const int row = it.row_begin + r;
+    const int t = p.q_begin(s) + row / p.G, h = it.kh * p.G + row % p.G;
+    const float* qr = p.q + (int64_t(t) * p.H + h) * hd;
+    for (int x = 0; x < hd; ++x) q[r * hd + x] = qr[x] * p.sm_scale;
+    pos[r] = row_pos(p, s, row);
+    lo[r] = row_lo(p, pos[r]);
+    min_pos = std::min(min_pos, pos[r]);
+    max_lo = std::max(max_lo, lo[r]);
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * hd, 0.f);
+
+  for (int key = it.key_lo; key < it.key_hi;) {
+    const int off = key % p.ps;
+    const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
+    const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
+    const float *kc, *vc;
+    switch (p.type) {
+      case KvType::kF32:
+        kc = static_cast<const float*>(p.k) + row0 * hd;
+        vc = static_cast<const float*>(p.v) + row0 * hd;
+        break;
+      case KvType::kBF16:
+        isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
+        isa.widen_bf16(static_cast<const uint16_t*>(p.v) + row0 * hd, n, hd, vbuf);
+        kc = kbuf, vc = vbuf;
+        break;
+      default:
+        isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, p.k_scale + row0, n, hd, kbuf);
+        isa.widen_i8(static_cast<const int8_t*>(p.v) + row0 * hd, p.v_scale + row0, n, hd, vbuf);
+        kc = kbuf, vc = vbuf;
+    }
+    isa.scores(q, rows, hd, kc, n, sc);
+    const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
+    for (int r = 0; r < rows; ++r) {
+      float* sr = sc + r * kChunk;
+      if (edge)
+        for (int j = 0; j < kChunk; ++j)
+          if (j >= n || key + j > pos[r] || key + j < lo[r]) sr[j] = kNegInf;
+      float mx = sr[0];
+      for (int j = 1; j < kChunk; ++j) mx = std::max(mx, sr[j]);
+      const float m_new = std::max(m[r], mx);
+      m_use[r] = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
+      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+      if (corr != 1.f) {
+        for (int x = 0; x < hd; ++x) acc[r * hd + x] *= corr;
+        l[r] *= corr;
+      }
+      m[r] = m_new;
+    }
+    isa.exp_rows(sc, rows, m_use);
+    for (int r = 0; r < rows; ++r) {
+      float sum = 0.f;
+      for (int j = 0; j < kChunk; ++j) sum += sc[r * kChunk + j];
+      l[r] += sum;
+    }
+    isa.pv(sc, rows, hd, vc, n, acc);
+    key += n;
+  }
+
+  if (it.partial >= 0) {
+    std::copy(m, m + rows, partials.m(it.partial));
+    std::copy(l, l + rows, partials.l(it.partial));
+    std::copy(acc, acc + rows * hd, partials.acc(it.partial));
+    return;
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int row = it.row_begin + r;
+    const int t = p.q_begin(s) + row / p.G, h = it.kh * p.G + row % p.G;
+    float* o = p.out + (int64_t(t) * p.H + h) * hd;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int x = 0; x < hd; ++x) o[x] = acc[r * hd + x] * inv;
+  }
+}
+
+void combine(const Problem& p, const Group& g, Partials& partials) {
+  const int hd = p.hd;
+  for (int r = 0; r < g.row_end - g.row_begin; ++r) {
+    float mx = kNegInf;
+    for (int i = 0; i < g.n; ++i) mx = std::max(mx, partials.m(g.first + i)[r]);
+    const int row = g.row_begin + r;
+    const int t = p.q_begin(g.seq) + row / p.G, h = g.kh * p.G + row % p.G;
+    float* o = p.out + (int64_t(t) * p.H + h) * hd;
+    std::fill(o, o + hd, 0.f);
+    if (mx == kNegInf) continue;
+    float l = 0.f;
+    for (int i = 0; i < g.n; ++i) {
+      const int slot = g.first + i;
+      const float mi = partials.m(slot)[r];
+      if (mi == kNegInf) continue;
+      const float w = std::exp(mi - mx);
+      l += w * partials.l(slot)[r];
+      const float* a = partials.acc(slot) + r * hd;
+      for (int x = 0; x < hd; ++x) o[x] += w * a[x];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int x = 0; x < hd; ++x) o[x] *= inv;
+  }
+}
+
+// Items: (sequence, KV head, row block), each split into KV ranges of >= kMinSplitKeys keys when there
+// are fewer than 4 items per thread.
+void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<Group>& groups) {
+  std::vector<Item> base;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int rows = (p.q_end(s) - p.q_begin(s)) * p.G;
+    for (int kh = 0; kh < p.KV; ++kh)
+      for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int r1 = std::min(rows, r0 + kMaxRows);
+        const int hi = std::min(row_pos(p, s, r1 - 1) + 1, p.kv_len(s));
+        const int lo = row_lo(p, row_pos(p, s, r0));
+        base.push_back({s, kh, r0, r1, lo, std::max(lo, hi), -1});
+      }
+  }
+  const int64_t want = 4 * int64_t(threads);
+  const int64_t per_item = base.empty() ? 1 : (want + int64_t(base.size()) - 1) / int64_t(base.size());
+  int slots = 0;
+  for (const Item& b : base) {
+    const int len = b.key_hi - b.key_lo;
+    const int n = int(std::max<int64_t>(1, std::min<int64_t>(per_item, len / kMinSplitKeys)));
+    if (n == 1) {
+      items.push_back(b);
+      continue;
+    }
+    groups.push_back({b.seq, b.kh, b.row_begin, b.row_end, slots, n});
+    const int step = ((len + n - 1) / n + kChunk - 1) / kChunk * kChunk;
+    for (int i = 0; i < n; ++i) {
+      Item part = b;
+      part.key_lo = std::min(b.key_hi, b.key_lo + i * step);
+      part.key_hi = std::min(b.key_hi, b.key_lo + (i + 1) * step);
+      part.partial = slots++;
+      items.push_back(part);
+    }
+  }
+}
+
+// Runs fn(0..n-1) on the calling thread and up to threads-1 pool helpers, all claiming indices from
+// one atomic counter, and returns when every index is done. Helpers that start late find nothing
+// left and touch nothing but the shared counters, which they co-own.
+template <class F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto work = [c, n, f = &fn] {
+    for (int64_t i; (i = c->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      (*f)(i);
+      c->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+               ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_in, ffi::AnyBuffer v_in,
+               const ffi::AnyBuffer* ks_in, const ffi::AnyBuffer* vs_in, ffi::Buffer<ffi::S32> layer,
+               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+               int32_t sliding_window, ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::AnyBuffer k_out,
+               ffi::AnyBuffer v_out, ffi::AnyBuffer* ks_out, ffi::AnyBuffer* vs_out) {
+  const auto qd = q.dimensions(), kd = k_in.dimensions(), pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q [T,H,hd], k [L,KV,pages,ps,hd], "
+                                       "page_indices [S,P] expected");
+  Problem p{};
+  p.T = int(qd[0]), p.H = int(qd[1]), p.hd = int(qd[2]);
+  const int L = int(kd[0]);
+  p.KV = int(kd[1]), p.num_pages = int(kd[2]), p.ps = int(kd[3]);
+  p.S = int(pd[0]), p.P = int(pd[1]);
+  if (kd[4] != p.hd || p.KV <= 0 || p.H % p.KV != 0 || p.hd > kMaxHeadDim || p.num_pages <= 0 || p.ps <= 0)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: head_dim must match and be <= 512, H a "
+                                       "multiple of KV heads");
+  if (kv_lens.element_count() < size_t(p.S) || cu_q_lens.element_count() < size_t(p.S) + 1)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: kv_lens [S] and cu_q_lens [S+1] expected");
+  p.G = p.H / p.KV;
+  p.num_seqs = std::clamp(num_seqs.typed_data()[0], 0, p.S);
+  p.sm_scale = sm_scale;
+  p.window = std::max(0, int(sliding_window));
+  const auto dtype = k_in.element_type();
+  p.type = dtype == ffi::DataType::F32 ? KvType::kF32 : dtype == ffi::DataType::BF16 ? KvType::kBF16 : KvType::kI8;
+  if ((p.type == KvType::kI8) != (ks_in != nullptr) || (dtype != ffi::DataType::F32 &&
+      dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("ragged_paged_attention: KV cache must be f32, bf16, or int8 with scales");
+
+  // The cache outputs alias the inputs; should XLA ever hand distinct buffers, start from a copy.
+  const ffi::AnyBuffer* ins[] = {&k_in, &v_in, ks_in, vs_in};
+  ffi::AnyBuffer* outs[] = {&k_out, &v_out, ks_out, vs_out};
+  for (int i = 0; i < 4; ++i)
+    if (ins[i] && outs[i]->untyped_data() != ins[i]->untyped_data())
+      std::memcpy(outs[i]->untyped_data(), ins[i]->untyped_data(), ins[i]->size_bytes());
+
+  const int l = std::clamp(layer.typed_data()[0], 0, L - 1);
+  const int64_t plane = int64_t(p.KV) * p.num_pages * p.ps;  // rows per layer
+  const size_t width = ffi::ByteWidth(dtype);
+  p.k = static_cast<char*>(k_out.untyped_data()) + l * plane * p.hd * width;
+  p.v = static_cast<char*>(v_out.untyped_data()) + l * plane * p.hd * width;
+  if (ks_out) {
+    p.k_scale = static_cast<float*>(ks_out->untyped_data()) + l * plane;
+    p.v_scale = static_cast<float*>(vs_out->untyped_data()) + l * plane;
+  }
+  p.q = q.typed_data();
+  p.out = out->typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.page_indices = page_indices.typed_data();
+  p.cu = cu_q_lens.typed_data();
+
+  write_new_kv(p, k_new.typed_data(), v_new.typed_data());
+
+  // Padding tokens get zeros; every real token's rows are written by an item or a combine.
+  const int valid_end = p.num_seqs > 0 ? p.q_end(p.num_seqs - 1) : 0;
+  std::fill(p.out + int64_t(valid_end) * p.H * p.hd, p.out + int64_t(p.T) * p.H * p.hd, 0.f);
+
+  const int threads = int(std::max<int64_t>(1, pool.num_threads()));
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  plan(p, threads, items, groups);
+  Partials partials{p.hd, {}};
+  int slots = 0;
+  for (const Group& g : groups) slots += g.n;
+  partials.data.resize(size_t(slots) * partials.stride());
+  const ChunkSteps& isa = steps_for(p.hd);
+  parallel_for(pool, int64_t(items.size()), [&](int64_t i) { attend(p, items[i], isa, partials); });
+  for (const Group& g : groups) combine(p, g, partials);
+  return ffi::Error::Success();
+}
+
+ffi::Error run_float(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                     ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> layer,
+                     ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                     ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                     int32_t sliding_window, ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::AnyBuffer> k_out,
+                     ffi::Result<ffi::AnyBuffer> v_out) {
+  return run(pool, q, k_new, v_new, k, v, nullptr, nullptr, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+             sm_scale, sliding_window, out, *k_out, *v_out, nullptr, nullptr);
+}
+
+ffi::Error run_int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                    ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_scale,
+                    ffi::AnyBuffer v_scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                    ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                    ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                    ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::AnyBuffer> k_out,
+                    ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> ks_out,
+                    ffi::Result<ffi::AnyBuffer> vs_out) {
+  if (k_scale.element_type() != ffi::DataType::F32 || v_scale.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: int8 KV scales must be f32");
+  return run(pool, q, k_new, v_new, k, v, &k_scale, &v_scale, layer, kv_lens, page_indices, cu_q_lens,
+             num_seqs, sm_scale, sliding_window, out, *k_out, *v_out, &*ks_out, &*vs_out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionFloat, run_float,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new [T, KV, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::AnyBuffer>()         // k [L, KV, pages, ps, hd] f32 | bf16
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")  // 0: none
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // out [T, H, hd]
+                                  .Ret<ffi::AnyBuffer>()            // k (aliases the k operand)
+                                  .Ret<ffi::AnyBuffer>());          // v
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionInt8, run_int8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::AnyBuffer>()         // k int8
+                                  .Arg<ffi::AnyBuffer>()         // v int8
+                                  .Arg<ffi::AnyBuffer>()         // k_scale [L, KV, pages, ps] f32
+                                  .Arg<ffi::AnyBuffer>()         // v_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// ---------------------------------------------------------------------------------------------
+// Python module: targets() for kernels.native, isa() for logs, force_isa() for tests.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+PyObject* targets(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  const std::pair<const char*, XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)> handlers[] = {
+      {"slipstream_ragged_paged_attention", RaggedPagedAttentionFloat},
+      {"slipstream_ragged_paged_attention_int8", RaggedPagedAttentionInt8}};
+  for (const auto& [name, fn] : handlers) {
+    PyObject* cap = PyCapsule_New(reinterpret_cast<void*>(fn), nullptr, nullptr);
+    if (!cap || PyDict_SetItemString(d, name, cap) < 0) {
+      Py_XDECREF(cap);
+      Py_DECREF(d);
+      return nullptr;
+    }
+    Py_DECREF(cap);
+  }
+  return d;
+}
+
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+
+PyObject* isa(PyObject*, PyObject*) {
+  const int forced = g_forced.load();
+  return PyUnicode_FromString(kIsaNames[forced >= 0 ? std::min(forced, best_isa()) : best_isa()]);
+}
+
+PyObject* force_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  int value = -1;
+  for (int i = 0; i < 3; ++i)
+    if (std::string(name) == kIsaNames[i]) value = i;
+  if (value < 0 && std::string(name) != "best") {
+    PyErr_SetString(PyExc_ValueError, "force_isa: one of 'portable', 'avx2', 'avx512', 'best'");
+    return nullptr;
+  }
+  g_forced.store(value);
+  return isa(nullptr, nullptr);
+}
+
+PyMethodDef kMethods[] = {
+    {"targets", targets, METH_NOARGS, "XLA FFI target name -> handler capsule"},
+    {"isa", isa, METH_NOARGS, "instruction set the kernel uses on this CPU (head_dim % 16 for avx512, % 8 for avx2)"},
+    {"force_isa", force_isa, METH_O, "use at most this instruction set ('best' undoes it); returns isa()"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ragged_paged_attention",
+                       "Ragged paged attention, native CPU kernel (XLA FFI)", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__ragged_paged_attention() { return PyModule_Create(&kModule); }
