@@ -153,7 +153,8 @@ class StepPlanner:
                     return False
             return True
 
-        # Decodes: one token each, oldest first (they get pages first).
+        # Decodes: one token left to feed (the last sampled one, or the last token of a prompt
+        # whose other tokens were cached); one each, oldest first (they get pages first).
         for seq in [s for s in self.running if s.remaining == 1]:
             if left() == 0:
                 break
