@@ -1,0 +1,525 @@
+// Group-wise int8 matmul (llama.cpp's Q8_0 layout) as an XLA FFI custom call on CPU.
+//
+//   y[m, n] = sum_g  f32(sum_{k in g} xq[m, k] * w[n, k]) * (xs[m, g] * ws[n, g])
+//
+// w: int8 weights with one f32 scale ws per 32 input channels per output column, prepacked at
+// load (kernels/q8_matmul.py, pack()) as
+//   packed  u8  [Np/16][Kp/4][16][4]   w + 128, so 16 columns x 4 inputs fill one 64-byte vector
+//   scales  f32 [Np/16][Kp/32][16]
+// (Np, Kp: N and K rounded up to 16 and 32; padding is zero weight, zero scale).
+// x is quantized here, per row and group of 32, as llama.cpp's quantize_row_q8_0 does:
+// xs = max|x| / 127, xq = round-to-nearest-even(x / xs) in [-127, 127].
+//
+// vpdpbusd multiplies unsigned by signed bytes. The weights are the unsigned side (w + 128), the
+// activations the signed side, so the shift costs 128 * sum_{k in g} xq[m, k] per row and group:
+// the int32 accumulator starts at minus that, and no per-column correction has to be read.
+//
+// Work split: items are (block of up to 64 rows, chunk of 64 columns), row-block major, claimed
+// from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op pool
+// (a helper that starts late finds no work and returns). The first item to touch a row block
+// quantizes its rows; others wait for that (it is running, so the wait is short). Within an item
+// the weight panel of C tiles (C*16 columns x Kp) stays in L2 while R-row micro blocks stream past.
+//
+// Instruction sets, chosen at run time: AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define Q8_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kGroup = 32;      // inputs per scale (Q8_0 block)
+constexpr int kTile = 16;       // columns per packed tile
+constexpr int kRowBlock = 64;   // rows per work item
+constexpr int kChunkTiles = 4;  // tiles (of 16 columns) per work item
+
+enum class Isa { kPortable, kAvx2, kAvx512Vnni };
+
+Isa DetectIsa() {
+#if defined(Q8_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return Isa::kAvx512Vnni;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
+const Isa kBestIsa = DetectIsa();
+std::atomic<Isa> g_isa{kBestIsa};  // lowered only by set_isa(), to test every path on one machine
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+// Quantized activations: one row per m, Kp bytes, plus per group its scale and the accumulator's
+// starting value -128 * sum(xq).
+struct Acts {
+  int kp = 0, groups = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> bias;
+};
+
+// Shapes of one call. Tiles of 16 columns; tile t's weights start at w + t * tile_bytes.
+struct Problem {
+  const float* x;
+  int m, k;  // x is [m, k]
+  const uint8_t* w;
+  const float* ws;
+  int n, kp, groups, tiles;
+  float* y;  // [m, n]
+  size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
+  size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
+};
+
+// ---- activation quantization (portable; a small share of the work) ----------------------------
+
+void QuantizeRow(const float* x, int k, Acts& a, int row) {
+  int8_t* q = a.q.data() + static_cast<size_t>(row) * a.kp;
+  for (int g = 0; g < a.groups; ++g) {
+    const int lo = g * kGroup, hi = std::min(lo + kGroup, k);
+    float amax = 0.f;
+    for (int i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = lo; i < lo + kGroup; ++i) {
+      float v = i < hi ? std::nearbyint(x[i] * id) : 0.f;  // default rounding: nearest even
+      v = std::min(127.f, std::max(-127.f, v));
+      q[i] = static_cast<int8_t>(v);
+      sum += q[i];
+    }
+    a.scale[static_cast<size_t>(row) * a.groups + g] = d;
+    a.bias[static_cast<size_t>(row) * a.groups + g] = -128 * sum;
+  }
+}
+
+// ---- micro kernels: R rows x C tiles over all of K --------------------------------------------
+// Each writes y[row0 + r, n0 + 16 c + j] for columns below p.n.
+
+template <int R, int C>
+void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
+  float f[R][C][kTile] = {};
+  for (int g = 0; g < p.groups; ++g) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = a.q.data() + static_cast<size_t>(row0 + r) * p.kp + g * kGroup;
+      const float xs = a.scale[static_cast<size_t>(row0 + r) * p.groups + g];
+      const int32_t bias = a.bias[static_cast<size_t>(row0 + r) * p.groups + g];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* w = p.w + (tile0 + c) * p.tile_bytes() + static_cast<size_t>(g) * kGroup * kTile;
+        const float* ws = p.ws + (tile0 + c) * p.tile_scales() + g * kTile;
+        int32_t acc[kTile];
+        for (int j = 0; j < kTile; ++j) acc[j] = bias;
+        for (int k4 = 0; k4 < kGroup / 4; ++k4)
+          for (int j = 0; j < kTile; ++j)
+            for (int i = 0; i < 4; ++i) acc[j] += int32_t(w[(k4 * kTile + j) * 4 + i]) * xq[k4 * 4 + i];
+        for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (ws[j] * xs);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int n0 = (tile0 + c) * kTile;
+      for (int j = 0; j < kTile && n0 + j < p.n; ++j) p.y[static_cast<size_t>(row0 + r) * p.n + n0 + j] = f[r][c][j];
+    }
+}
+
+#if defined(Q8_X86)
+
+template <int R, int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
+  __m512 f[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
+  const uint8_t* w = p.w + tile0 * p.tile_bytes();
+  const float* ws = p.ws + tile0 * p.tile_scales();
+  const int8_t* xq = a.q.data() + static_cast<size_t>(row0) * p.kp;
+  const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
+  const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
+  for (int g = 0; g < p.groups; ++g) {
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(xb[r * p.groups + g]);
+      for (int c = 0; c < C; ++c) acc[r][c] = b;
+    }
+    for (int k4 = 0; k4 < kGroup / 4; ++k4) {
+      __m512i wv[C];
+      const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + static_cast<size_t>(r) * p.kp + g * kGroup + k4 * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 sc = _mm512_loadu_ps(ws + c * p.tile_scales() + g * kTile);
+      for (int r = 0; r < R; ++r) {
+        const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[r * p.groups + g]));
+        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), s, f[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int n0 = (tile0 + c) * kTile;
+    const int valid = std::min(kTile, p.n - n0);
+    const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, f[r][c]);
+  }
+}
+
+// AVX2 has no vpdpbusd: maddubs(|w|, sign(x, w)) gives exact int16 pair sums (|w| <= 128, |x| <= 127),
+// and madd with ones widens them to the same int32 lanes (column j, 4 inputs). Weights are
+// unshifted (xor 0x80), so the accumulator starts at 0. Each 16-column tile is two 8-lane halves.
+template <int R, int C>
+__attribute__((target("avx2,fma")))
+void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
+  constexpr int V = 2 * C;
+  __m256 f[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) f[r][v] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* w = p.w + tile0 * p.tile_bytes();
+  const float* ws = p.ws + tile0 * p.tile_scales();
+  for (int g = 0; g < p.groups; ++g) {
+    __m256i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int k4 = 0; k4 < kGroup / 4; ++k4) {
+      __m256i wsgn[V], wabs[V];
+      const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
+      for (int v = 0; v < V; ++v) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (v / 2) * p.tile_bytes() + off + (v % 2) * 32));
+        wsgn[v] = _mm256_xor_si256(raw, flip);
+        wabs[v] = _mm256_abs_epi8(wsgn[v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, a.q.data() + static_cast<size_t>(row0 + r) * p.kp + g * kGroup + k4 * 4, 4);
+        const __m256i xv = _mm256_set1_epi32(x4);
+        for (int v = 0; v < V; ++v) {
+          const __m256i pairs = _mm256_maddubs_epi16(wabs[v], _mm256_sign_epi8(xv, wsgn[v]));
+          acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m256 sc = _mm256_loadu_ps(ws + (v / 2) * p.tile_scales() + g * kTile + (v % 2) * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(a.scale[static_cast<size_t>(row0 + r) * p.groups + g]));
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]), s, f[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int n0 = (tile0 + v / 2) * kTile + (v % 2) * 8;
+    for (int r = 0; r < R; ++r) {
+      float* out = p.y + static_cast<size_t>(row0 + r) * p.n + n0;
+      if (n0 + 8 <= p.n) {
+        _mm256_storeu_ps(out, f[r][v]);
+      } else if (n0 < p.n) {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, f[r][v]);
+        std::memcpy(out, tmp, sizeof(float) * (p.n - n0));
+      }
+    }
+  }
+}
+
+#endif  // Q8_X86
+
+// ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
+
+using TileFn = void (*)(const Problem&, const Acts&, int, int);
+
+template <int R, int C>
+TileFn Pick(Isa isa) {
+#if defined(Q8_X86)
+  if (isa == Isa::kAvx512Vnni) return &TileAvx512<R, C>;
+  if (isa == Isa::kAvx2) return &TileAvx2<R, C>;
+#endif
+  return &TilePortable<R, C>;
+}
+
+// Register budget: AVX-512 holds R*C int + R*C float accumulators in 32 zmm; AVX2 2*R*C each in 16 ymm.
+constexpr int kMaxRows = 4;
+constexpr int kMaxTiles = 4;
+
+TileFn PickTile(Isa isa, int rows, int tiles) {
+  static const TileFn table[3][kMaxRows][kMaxTiles] = {
+#define Q8_ROW(I, R) {Pick<R, 1>(I), Pick<R, 2>(I), Pick<R, 3>(I), Pick<R, 4>(I)}
+#define Q8_ISA(I) {Q8_ROW(I, 1), Q8_ROW(I, 2), Q8_ROW(I, 3), Q8_ROW(I, 4)}
+      Q8_ISA(Isa::kPortable), Q8_ISA(Isa::kAvx2), Q8_ISA(Isa::kAvx512Vnni)
+#undef Q8_ISA
+#undef Q8_ROW
+  };
+  return table[static_cast<int>(isa)][rows - 1][tiles - 1];
+}
+
+// Micro-block shape per ISA: (rows, tiles). One row streams 4 tiles (more loads in flight);
+// several rows reuse each weight vector from a register.
+void MicroShape(Isa isa, int rows_left, int* r, int* c) {
+  if (rows_left == 1) {
+    *r = 1;
+    *c = 4;
+  } else if (isa == Isa::kAvx2) {
+    *r = std::min(rows_left, 2);
+    *c = 1;
+  } else {
+    *r = std::min(rows_left, 4);
+    *c = 2;
+  }
+}
+
+// ---- the work queue ------------------------------------------------------------------------------
+
+struct Job {
+  Problem p;
+  Isa isa;
+  Acts acts;
+  int row_blocks, chunks, items;
+  std::unique_ptr<std::atomic<int>[]> row_state;  // 0 not quantized, 1 in progress, 2 ready
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void EnsureRows(int rb) {
+    std::atomic<int>& state = row_state[rb];
+    int expected = 0;
+    if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+      const int lo = rb * kRowBlock, hi = std::min(lo + kRowBlock, p.m);
+      for (int row = lo; row < hi; ++row) QuantizeRow(p.x + static_cast<size_t>(row) * p.k, p.k, acts, row);
+      state.store(2, std::memory_order_release);
+      return;
+    }
+    while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+  }
+
+  void RunItem(int item) {
+    const int rb = item / chunks, chunk = item % chunks;
+    EnsureRows(rb);
+    const int row_lo = rb * kRowBlock, row_hi = std::min(row_lo + kRowBlock, p.m);
+    const int tile_lo = chunk * kChunkTiles, tile_hi = std::min(tile_lo + kChunkTiles, p.tiles);
+    int r, c;
+    for (int t = tile_lo; t < tile_hi; t += c) {
+      MicroShape(isa, row_hi - row_lo, &r, &c);
+      c = std::min(c, tile_hi - t);
+      for (int row = row_lo; row < row_hi; row += r) {
+        const int rows = std::min(r, row_hi - row);
+        PickTile(isa, rows, c)(p, acts, row, t);
+      }
+    }
+  }
+
+  // Claims items until none are left; returns how many this thread ran.
+  void Work() {
+    int ran = 0;
+    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) RunItem(item);
+    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
+  }
+};
+
+ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("q8_matmul: x [M,K], packed [Np/16, Kp*16], scales [Np/16, Kp/2], y [M,N]");
+  auto job = std::make_shared<Job>();
+  Problem& p = job->p;
+  p.m = static_cast<int>(xd[0]);
+  p.k = static_cast<int>(xd[1]);
+  p.tiles = static_cast<int>(wd[0]);
+  p.kp = static_cast<int>(wd[1] / kTile);
+  p.groups = p.kp / kGroup;
+  p.n = static_cast<int>(yd[1]);
+  if (yd[0] != xd[0] || wd[1] % (kTile * kGroup) || sd[0] != wd[0] || sd[1] != int64_t(p.groups) * kTile ||
+      p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile)
+    return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, x and y shapes disagree");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.w = packed.typed_data();
+  p.ws = scales.typed_data();
+  p.y = y->typed_data();
+  job->isa = g_isa.load(std::memory_order_relaxed);
+  Acts& a = job->acts;
+  a.kp = p.kp;
+  a.groups = p.groups;
+  a.q.resize(static_cast<size_t>(p.m) * p.kp);
+  a.scale.resize(static_cast<size_t>(p.m) * p.groups);
+  a.bias.resize(static_cast<size_t>(p.m) * p.groups);
+  job->row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  job->chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
+  job->items = job->row_blocks * job->chunks;
+  job->row_state.reset(new std::atomic<int>[job->row_blocks]);
+  for (int i = 0; i < job->row_blocks; ++i) job->row_state[i].store(0);
+
+  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items) - 1);
+  for (int i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
+  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// Reads `data` once with the threads and vector width the matmul uses: the bandwidth the one-row
+// path is judged against (benchmarks/int8_matmul_bench.py). Output: one checksum lane per chunk.
+constexpr size_t kProbeChunk = 1 << 16;
+
+#if defined(Q8_X86)
+__attribute__((target("avx512f")))
+uint64_t ReadChunkAvx512(const uint8_t* d, size_t n) {
+  __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  size_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(d + i));
+    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(d + i + 64));
+    acc2 = _mm512_xor_si512(acc2, _mm512_loadu_si512(d + i + 128));
+    acc3 = _mm512_xor_si512(acc3, _mm512_loadu_si512(d + i + 192));
+  }
+  acc0 = _mm512_xor_si512(_mm512_xor_si512(acc0, acc1), _mm512_xor_si512(acc2, acc3));
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, acc0);
+  uint64_t s = 0;
+  for (uint64_t v : lanes) s ^= v;
+  for (; i < n; ++i) s ^= d[i];
+  return s;
+}
+#endif
+
+uint64_t ReadChunk(const uint8_t* d, size_t n) {
+#if defined(Q8_X86)
+  if (kBestIsa == Isa::kAvx512Vnni) return ReadChunkAvx512(d, n);
+#endif
+  uint64_t s = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, d + i, 8);
+    s ^= v;
+  }
+  for (; i < n; ++i) s ^= d[i];
+  return s;
+}
+
+struct ProbeJob {
+  const uint8_t* data;
+  size_t bytes;
+  uint32_t* out;
+  int items;
+  std::atomic<int> next{0}, done{0};
+  void Work() {
+    int ran = 0;
+    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) {
+      const size_t lo = item * kProbeChunk, n = std::min(kProbeChunk, bytes - lo);
+      const uint64_t s = ReadChunk(data + lo, n);
+      out[item] = static_cast<uint32_t>(s ^ (s >> 32));
+    }
+    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
+  }
+};
+
+ffi::Error ReadProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data, ffi::ResultBuffer<ffi::U32> out) {
+  auto job = std::make_shared<ProbeJob>();
+  job->data = data.typed_data();
+  job->bytes = data.size_bytes();
+  job->items = static_cast<int>((job->bytes + kProbeChunk - 1) / kProbeChunk);
+  if (out->element_count() != static_cast<size_t>(job->items))
+    return ffi::Error::InvalidArgument("read probe: the output needs one lane per 64 KiB chunk");
+  job->out = out->typed_data();
+  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items) - 1);
+  for (int i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [Np/16, Kp/32*16]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamReadProbe, ReadProbeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>());
+
+// ---- Python module: targets() -> {name: capsule}, isa() -> the path chosen on this CPU ----------
+
+static PyObject* Targets(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  const std::pair<const char*, void*> entries[] = {
+      {"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)},
+      {"slipstream_read_probe", reinterpret_cast<void*>(SlipstreamReadProbe)},
+  };
+  for (const auto& [name, fn] : entries) {
+    PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);
+    if (!capsule || PyDict_SetItemString(dict, name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return dict;
+}
+
+static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }
+
+// set_isa(name): use `name` ("avx512_vnni", "avx2" or "portable") if this CPU has it; returns the
+// previous choice. For tests of the slower paths on a machine that has the faster one.
+static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni}) {
+    if (std::strcmp(name, IsaName(isa)) != 0) continue;
+    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
+      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, IsaName(kBestIsa));
+      return nullptr;
+    }
+    return PyUnicode_FromString(IsaName(g_isa.exchange(isa)));
+  }
+  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
+  return nullptr;
+}
+
+static PyMethodDef kMethods[] = {
+    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
+    {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
+    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_q8_matmul",
+                              "Group-wise int8 (Q8_0) matmul for XLA:CPU through the FFI.", -1, kMethods};
+
+PyMODINIT_FUNC PyInit__q8_matmul() { return PyModule_Create(&kModule); }

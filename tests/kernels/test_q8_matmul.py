@@ -1,0 +1,174 @@
+"""The Q8_0 matmul kernel equals its pure-JAX reference and an independent numpy oracle, on every
+instruction-set path this CPU has, for odd sizes, up to 512 rows and the LM head's shape."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import native
+from kernels import q8_matmul as q8
+
+NATIVE = native.load("q8_matmul", "q8_matmul")
+if NATIVE:
+    import kernels._q8_matmul as ext
+
+
+def _isas() -> list[str]:
+    if not NATIVE:
+        return []
+    out = []
+    for isa in ("avx512_vnni", "avx2", "portable"):
+        try:
+            prev = ext.set_isa(isa)
+        except ValueError:
+            continue
+        ext.set_isa(prev)
+        out.append(isa)
+    return out
+
+
+ISAS = _isas()
+needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._q8_matmul is not built")
+
+
+def random_weight(rng, k, n, *, scale=1e-2):
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)  # -128 too: GGUF Q8_0 files may hold it
+    d = (rng.random((n, -(-k // q8.GROUP))) * scale).astype(np.float32)
+    return q, d
+
+
+def oracle(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """float64 numpy: per 32-group llama.cpp activation rounding, exact integer dots, scales."""
+    m, k = x.shape
+    kp = -(-k // q8.GROUP) * q8.GROUP
+    xg = np.pad(x, ((0, 0), (0, kp - k))).reshape(m, -1, q8.GROUP).astype(np.float32)
+    xs = (np.abs(xg).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(xs > 0, np.float32(1) / np.where(xs > 0, xs, 1), 0).astype(np.float32)
+    xq = np.clip(np.round(xg * inv[..., None]), -127, 127).astype(np.int64)  # numpy rounds half to even
+    qg = np.pad(q, ((0, 0), (0, kp - k))).reshape(q.shape[0], -1, q8.GROUP).astype(np.int64)
+    dots = np.einsum("mgk,ngk->mng", xq, qg)  # exact
+    return np.einsum("mng,mg,ng->mn", dots.astype(np.float64), xs.astype(np.float64), d.astype(np.float64))
+
+
+def run_kernel(x, packed, scales, n, isa=None):
+    prev = ext.set_isa(isa) if isa else None
+    try:
+        return np.asarray(jax.jit(lambda x, p, s: q8.q8_matmul(x, p, s, n=n))(x, packed, scales))
+    finally:
+        if prev:
+            ext.set_isa(prev)
+
+
+def run_reference(x, packed, scales, n):
+    return np.asarray(jax.jit(lambda x, p, s: q8.reference(x, p, s, n=n))(x, packed, scales))
+
+
+def assert_close(got, want, x, q, d):
+    # f32 accumulation over groups: bound the error by the size of the terms, not of the sum
+    m, k = x.shape
+    bound = np.abs(x).max(initial=0) * np.abs(q).max(initial=0) * d.max(initial=0) * k
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * bound + 1e-30)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 512), k=st.integers(1, 200), n=st.integers(1, 90), seed=st.integers(0, 2**31 - 1),
+       isa=st.sampled_from(ISAS or ["portable"]))
+def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa):
+    rng = np.random.default_rng(seed)
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
+    x[rng.random((m, k)) < 0.1] = 0.0  # all-zero groups: scale 0, no NaN
+    got = run_kernel(x, packed, scales, n, isa)
+    want = oracle(x, q, d)
+    assert got.shape == (m, n)
+    assert_close(got, want, x, q, d)
+    assert_close(run_reference(x, packed, scales, n), want, x, q, d)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_integer_inputs_are_exact(isa):
+    # Groups whose max is 127 quantize exactly (scale 1), unit weight scales: y is an exact integer dot.
+    rng = np.random.default_rng(1)
+    m, k, n = 37, 96, 50
+    x = rng.integers(-127, 128, (m, k)).astype(np.float32)
+    x[:, ::32] = 127.0
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    packed, scales = q8.pack(q, np.ones((n, k // 32), np.float32))
+    want = x.astype(np.int64) @ q.T.astype(np.int64)
+    np.testing.assert_array_equal(run_kernel(x, packed, scales, n, isa), want.astype(np.float32))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_lm_head_shape(isa, m):
+    rng = np.random.default_rng(m)
+    k, n = 576, 49152
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    assert_close(run_kernel(x, packed, scales, n, isa), oracle(x, q, d), x, q, d)
+
+
+@needs_native
+def test_prefill_sized_batch_matches_reference():
+    rng = np.random.default_rng(7)
+    m, k, n = 512, 1536, 576
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    assert_close(run_kernel(x, packed, scales, n), run_reference(x, packed, scales, n), x, q, d)
+
+
+@needs_native
+def test_leading_axes_vector_and_bfloat16_inputs():
+    rng = np.random.default_rng(3)
+    q, d = random_weight(rng, 64, 40)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    y = np.asarray(q8.q8_matmul(jnp.asarray(x), packed, scales, n=40))
+    assert y.shape == (2, 3, 40)
+    assert_close(y.reshape(6, 40), oracle(x.reshape(6, 64), q, d), x.reshape(6, 64), q, d)
+    v = np.asarray(q8.q8_matmul(jnp.asarray(x[0, 0]), packed, scales, n=40))  # one row as a vector
+    np.testing.assert_array_equal(v, y[0, 0])
+    xb = jnp.asarray(x, jnp.bfloat16)
+    assert q8.q8_matmul(xb, packed, scales, n=40).dtype == jnp.float32
+
+
+def test_pack_round_trips():
+    rng = np.random.default_rng(4)
+    q, d = random_weight(rng, 70, 21)
+    packed, scales = q8.pack(q, d)
+    uq, ud = q8.unpack(jnp.asarray(packed), jnp.asarray(scales))
+    np.testing.assert_array_equal(np.asarray(uq)[:21, :70], q)
+    np.testing.assert_array_equal(np.asarray(uq)[:21, 70:], 0)
+    np.testing.assert_array_equal(np.asarray(ud)[:21], d)
+    np.testing.assert_array_equal(np.asarray(ud)[21:], 0)
+
+
+def test_mismatched_weight_shape_is_rejected():
+    q, d = random_weight(np.random.default_rng(5), 64, 32)
+    packed, scales = q8.pack(q, d)
+    with pytest.raises(ValueError, match="do not hold"):
+        q8.q8_matmul(jnp.zeros((2, 96)), packed, scales, n=32)
+
+
+def test_reference_forced_by_environment():
+    code = ("import jax.numpy as jnp, numpy as np; from kernels import q8_matmul as q8, kernel_paths; "
+            "p, s = q8.pack(np.ones((16, 32), np.int8), np.ones((16, 1), np.float32)); "
+            "print(float(q8.q8_matmul(jnp.ones((1, 32)), p, s, n=16)[0, 0]), kernel_paths()['q8_matmul'])")
+    env = {**os.environ, "SLIPSTREAM_KERNELS": "reference", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.split() == ["32.0", "reference"]
