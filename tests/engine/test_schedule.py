@@ -239,8 +239,8 @@ def test_pages_used_counts_running_requests_and_cached_pages_apart():
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompts=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.booleans()),
-                        min_size=1, max_size=10),
+@given(prompts=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.booleans(),
+                                  st.none() | st.integers(0, 30)), min_size=1, max_size=10),
        budget=st.integers(1, 20), num_pages=st.integers(8, 24), prefix=st.booleans(),
        max_slots=st.integers(1, 4))
 def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_pages, prefix,
@@ -249,15 +249,28 @@ def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_p
     engine = MockEngine(max_slots=max_slots, num_pages=num_pages, max_num_batched_tokens=budget)
     d = Driver(p, engine)
     shared = list(range(40, 52))
-    seqs = []
-    for length, max_tokens, share in prompts:
+    seqs, cancel_at = [], {}
+    for length, max_tokens, share, cancel in prompts:
         prompt = (shared if share else []) + [60 + i for i in range(length)]
         if len(prompt) + max_tokens <= (num_pages - 1) * 4:  # what submit's length check allows
             seqs.append(seq(prompt, max_tokens=max_tokens))
+            if cancel is not None:
+                cancel_at[seqs[-1]] = cancel
     d.submit(*seqs)
-    d.run(max_steps=5000)
+    for n in range(5000):
+        for s in [s for s, at in cancel_at.items() if at == n and s.status is not Status.FINISHED]:
+            slot = p.finish(s)  # cancelled while waiting or running
+            if slot is not None:
+                engine.free(slot)
+        if not (p.waiting or p.running):
+            break
+        d.step()
     for s in seqs:
-        assert s.output_ids == chain(s.request.prompt_ids, s.request.params.max_tokens)
+        want = chain(s.request.prompt_ids, s.request.params.max_tokens)
+        if s in cancel_at:
+            assert s.output_ids == want[:len(s.output_ids)]
+        else:
+            assert s.output_ids == want
     assert engine.occupied_slots == [] and sorted(p.free_slots) == list(range(max_slots))
     assert p.pages_used == 0
     allocator = p.blocks.allocator
