@@ -28,7 +28,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None  # one per token when requested
     finish_reason: FinishReason | None   # set on the last Delta
-    error: str | None = None
+    error: str | None = None             # for the log only: may hold engine internals
+    index: int = 0                       # the choice within its API request (set by the server)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,14 +125,3 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """Tokens produced for one request in one engine step (usually one token)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None

@@ -1,6 +1,7 @@
-"""FastAPI app: OpenAI /v1 routes (JSON and SSE), health/ready/metrics, and serve() with graceful shutdown.
+"""FastAPI app: OpenAI /v1 routes (JSON and SSE), health/ready/metrics, and the server with its drain.
 
-Routes only translate between HTTP and `server.service`; engine logic stays out of here.
+Routes only translate between HTTP and the service (request preparation and response shapes live
+in server/openai_api.py); engine logic stays out of here.
 """
 from __future__ import annotations
 
@@ -13,86 +14,131 @@ from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from engine.request import TokenLogprob
-from server.errors import RequestGate, error_body, install_error_handlers
+from engine.output import Delta
+from server.errors import ServiceError, service_error
+from server.gate import RequestGate, error_body, head_timeout_protocol, install_error_handlers
 from server.grpc_service import GrpcServer, start_grpc_server
 from server.metrics import Metrics
-from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                             ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
-                             CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, ModelCard,
-                             ModelList, TopLogprob, Usage)
-from server.service import Choice, ChoiceDelta, Generation, Service, ServiceError
+from server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
+from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                             ErrorResponse, ModelCard, ModelList)
+from server.service import Generation, Service
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20) -> FastAPI:
+def _error(description: str, **extra: Any) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description, **extra}
+
+
+# What the /v1 routes really answer besides 200 (the OpenAPI document lists these, and no 422).
+_V1_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error("Invalid request: `error.param` names the field; `error.code` is invalid_value, invalid_json, "
+                "unsupported or context_length_exceeded."),
+    401: _error("Missing or wrong API key (when the server has one): send 'Authorization: Bearer <key>'."),
+    404: _error("The `model` field names a model this server does not serve."),
+    408: _error("The request body did not arrive within the body read timeout."),
+    413: _error("The request body exceeds the size limit."),
+    429: _error("The waiting queue is full; retry after the Retry-After header's seconds.",
+                headers={"Retry-After": {"description": "Seconds to wait before retrying (whole, rounded up).",
+                                         "schema": {"type": "integer"}}}),
+    503: _error("Not ready, shutting down, or the engine failed; retry on another replica."),
+}
+
+
+def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of "
+                  "chunks in the same shape, ending with `data: [DONE]`.",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_V1_ERRORS}
+
+
+def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20,
+               body_timeout_s: float = 30.0) -> FastAPI:
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     app = FastAPI(title="Slipstream", docs_url=None, redoc_url=None)
     app.state.service = service
     app.state.api_key = api_key  # the gRPC front end checks the same key
     app.state.metrics = metrics = Metrics(service.scheduler, lambda: service.engine.compile_count)
-    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     install_error_handlers(app)
     created = int(time.time())
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "The process is alive."}})
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={200: {"description": "Serving."},
+                                  503: {"description": "Not ready: compiling, draining or the engine failed."}})
     async def ready() -> JSONResponse:
         ok = service.ready
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format.",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_text() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def card() -> ModelCard:
         return ModelCard(id=service.model_name, created=created, max_model_len=service.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses={401: _V1_ERRORS[401]})
     async def models() -> dict[str, Any]:
         return ModelList(data=[card()]).model_dump()
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={k: _V1_ERRORS[k] for k in (401, 404)})
     async def model(model: str) -> dict[str, Any]:
         service.check_model(model)
         return card().model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(service.prepare_completion, body))
-        fmt = _CompletionFormat(service, gen, body)
+        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body))
+        fmt = CompletionFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(service.prepare_chat, body))
-        fmt = _ChatFormat(service, gen, body)
+        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body))
+        fmt = ChatFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            # FastAPI adds a 422 to every route with a body; validation errors are 400s here.
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
 # ---- non-streaming: collect, but stop the engine if the client leaves ---------------------------
 
 
-async def _collect_unless_disconnected(request: Request, gen: Generation) -> list[Choice]:
+async def _collect_unless_disconnected(request: Request, gen: Generation) -> list[Delta]:
     collect = asyncio.ensure_future(gen.collect())
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -136,7 +182,7 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _event_stream(gen: Generation, fmt: "_CompletionFormat | _ChatFormat", include_usage: bool) -> _EventStream:
+def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> _EventStream:
     async def events() -> AsyncIterator[bytes]:
         try:
             for chunk in fmt.opening_chunks():
@@ -148,9 +194,9 @@ def _event_stream(gen: Generation, fmt: "_CompletionFormat | _ChatFormat", inclu
                         yield _sse(chunk, include_usage)
             if include_usage:
                 yield _sse(fmt.usage_chunk(), include_usage)
-        except ServiceError as exc:
-            # Headers are gone already; OpenAI clients raise on a data event carrying "error".
-            yield b"data: " + json.dumps(error_body(exc), separators=(",", ":")).encode() + b"\n\n"
+        except Exception as exc:  # noqa: BLE001 - headers are gone: the error becomes the last event
+            # OpenAI clients raise on a data event carrying "error".
+            yield b"data: " + json.dumps(error_body(service_error(exc)), separators=(",", ":")).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return _EventStream(events(), gen.cancel)
@@ -170,116 +216,13 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-# ---- OpenAI response shapes ----------------------------------------------------------------------
-
-
-class _CompletionFormat:
-    def __init__(self, service: Service, gen: Generation, body: CompletionRequest) -> None:
-        self.service, self.gen, self.model = service, gen, body.model or service.model_name
-        self.created = int(time.time())
-        self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
-
-    def usage(self) -> Usage:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-    def logprobs(self, index: int, lps: list[TokenLogprob] | None) -> CompletionLogprobs | None:
-        if lps is None:
-            return None
-        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for lp in lps:
-            token = self.service.token_text(lp.token_id)
-            top: dict[str, float] = {}
-            for token_id, logprob in lp.top:
-                top.setdefault(self.service.token_text(token_id), logprob)
-            top.setdefault(token, lp.logprob)  # OpenAI always includes the sampled token
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(self.offsets[index])
-            self.offsets[index] += len(token)
-        return out
-
-    def response(self, choices: list[Choice]) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
-            choices=[CompletionChoice(index=c.index, text=c.text, logprobs=self.logprobs(c.index, c.logprobs),
-                                      finish_reason=c.finish_reason) for c in choices])
-
-    def opening_chunks(self) -> list[BaseModel]:
-        return []
-
-    def chunk(self, d: ChoiceDelta) -> CompletionResponse | None:
-        if not d.text and not d.logprobs and d.finish_reason is None:
-            return None
-        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self.logprobs(d.index, d.logprobs),
-                                  finish_reason=d.finish_reason)
-        return self._chunk([choice])
-
-    def usage_chunk(self) -> CompletionResponse:
-        return self._chunk([], usage=self.usage())
-
-    def _chunk(self, choices: list, usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.gen.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-class _ChatFormat:
-    def __init__(self, service: Service, gen: Generation, body: ChatCompletionRequest) -> None:
-        self.service, self.gen, self.model = service, gen, body.model or service.model_name
-        self.created = int(time.time())
-        self.top_logprobs = body.top_logprobs or 0
-
-    def usage(self) -> Usage:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-    def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
-        if lps is None:
-            return None
-
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            text = self.service.token_text(token_id)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-
-        content = []
-        for lp in lps:
-            chosen = top(lp.token_id, lp.logprob)
-            content.append(ChatTokenLogprob(**chosen.model_dump(),
-                                            top_logprobs=[top(t, l) for t, l in lp.top[:self.top_logprobs]]))
-        return ChatLogprobs(content=content)
-
-    def response(self, choices: list[Choice]) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                logprobs=self.logprobs(c.logprobs), finish_reason=c.finish_reason) for c in choices])
-
-    def opening_chunks(self) -> list[ChatCompletionChunk]:
-        # OpenAI opens every choice with the role and empty content.
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""),
-                                             logprobs=None, finish_reason=None)])
-                for i in range(self.gen.num_choices)]
-
-    def chunk(self, d: ChoiceDelta) -> ChatCompletionChunk | None:
-        if not d.text and not d.logprobs and d.finish_reason is None:
-            return None
-        delta = ChatDelta(content=d.text) if d.text else ChatDelta()
-        return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
-                                            finish_reason=d.finish_reason)])
-
-    def usage_chunk(self) -> ChatCompletionChunk:
-        return self._chunk([], usage=self.usage())
-
-    def _chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.gen.id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
 # ---- serving -------------------------------------------------------------------------------------
 
 
 class SlipstreamServer(uvicorn.Server):
-    """uvicorn with Slipstream's shutdown order: stop admitting (/ready 503, new requests 503), let
-    in-flight requests finish until the deadline (scheduler.shutdown), then close connections.
+    """uvicorn with a drain Kubernetes can follow. On SIGTERM: stop admitting (/ready and new
+    requests answer 503) while the listener stays open; let in-flight requests finish until the
+    deadline (scheduler.shutdown); only then close the listener and the connections.
 
     If the engine thread dies after having been ready, the server shuts itself down and sets
     `engine_failed`, so the process can exit non-zero and be restarted instead of idling unready.
@@ -298,12 +241,14 @@ class SlipstreamServer(uvicorn.Server):
         self._exit_on_engine_failure = exit_on_engine_failure
         self._was_ready = False
         self.engine_failed = False
+        self.drain_seconds: float | None = None  # how long the last drain took, listener open
 
     async def startup(self, sockets: list | None = None) -> None:
         if self._grpc_port:
             # before HTTP, so a busy gRPC port fails the start before any traffic is accepted
             self.grpc = await start_grpc_server(self._service, host=self.config.host, port=self._grpc_port,
-                                                api_key=self._api_key)
+                                                api_key=self._api_key,
+                                                max_message_bytes=self._service.config.max_prompt_bytes + 4096)
         await super().startup(sockets=sockets)
         if self._started_at is not None:
             self._metrics.set_startup_latency(time.monotonic() - self._started_at)
@@ -321,41 +266,38 @@ class SlipstreamServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self._service.begin_drain()
-        drain = asyncio.ensure_future(asyncio.to_thread(self._service.scheduler.shutdown, self._shutdown_timeout_s))
+        started = time.monotonic()
         # gRPC refuses new RPCs at once; running ones get the same deadline as HTTP streams
         grpc_stop = asyncio.ensure_future(self.grpc.stop(self._shutdown_timeout_s + 5.0)) if self.grpc else None
         try:
+            if not self.engine_failed:
+                log.info("draining: /ready answers 503; waiting up to %.0f s for in-flight requests",
+                         self._shutdown_timeout_s)
+            # The listener stays open meanwhile, so probes see 503 instead of a refused connection.
+            await asyncio.to_thread(self._service.scheduler.shutdown, self._shutdown_timeout_s)
+            self.drain_seconds = time.monotonic() - started
+            log.info("drained in %.2f s; closing the listener", self.drain_seconds)
             await super().shutdown(sockets=sockets)
         finally:
-            await drain
             if grpc_stop is not None:
                 await grpc_stop
 
 
 def make_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = 30.0, log_level: str = "info",
-                started_at: float | None = None, exit_on_engine_failure: bool = True,
-                grpc_port: int = 0) -> SlipstreamServer:
+                started_at: float | None = None, exit_on_engine_failure: bool = True, grpc_port: int = 0,
+                header_timeout_s: float = 10.0, keep_alive_s: float = 5.0,
+                max_connections: int | None = 1024) -> SlipstreamServer:
     """`started_at`: a time.monotonic() stamp from process start, exported as startup latency.
-    `shutdown_timeout_s`: how long in-flight requests may run after SIGTERM before they fail."""
+    `shutdown_timeout_s`: how long in-flight requests may run after SIGTERM before they fail.
+    `header_timeout_s`: deadline for each request head (slowloris); `keep_alive_s`: idle time
+    between requests on a connection; `max_connections`: connections beyond it get 503."""
+    if max_connections is not None and max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                            http=head_timeout_protocol(header_timeout_s), timeout_keep_alive=keep_alive_s,
+                            limit_concurrency=max_connections,
                             # past the scheduler's deadline its streams have ended with an error, so
                             # this margin only covers writing those last events out
                             timeout_graceful_shutdown=shutdown_timeout_s + 5.0)
     return SlipstreamServer(config, app, shutdown_timeout_s=shutdown_timeout_s, started_at=started_at,
                             exit_on_engine_failure=exit_on_engine_failure, grpc_port=grpc_port)
-
-
-async def serve_async(app: FastAPI, host: str, port: int, **kwargs: Any) -> int:
-    """Serve until SIGINT/SIGTERM or an engine failure; returns the process exit code (0, or 1 when
-    the engine failed). For running beside the gRPC server in one event loop."""
-    server = make_server(app, host, port, **kwargs)
-    await server.serve()
-    return 1 if server.engine_failed else 0
-
-
-def serve(app: FastAPI, host: str, port: int, **kwargs: Any) -> int:
-    """Blocking serve_async(); see make_server for the keyword arguments. Note that uvicorn re-raises
-    a caught SIGTERM/SIGINT after the graceful shutdown, so on a signal this may not return."""
-    server = make_server(app, host, port, **kwargs)
-    server.run()
-    return 1 if server.engine_failed else 0

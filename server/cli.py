@@ -59,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-cache", action="store_true", default=bool(_env("no-prefix-cache", "")))
     serve.add_argument("--api-key", default=_env("api-key", None))
     serve.add_argument("--served-model-name", default=_env("served-model-name", None))
-    serve.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown-timeout", 30)))
+    serve.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown-timeout", 30)),
+                       help="seconds in-flight requests may run after SIGTERM (/ready answers 503 meanwhile)")
+    serve.add_argument("--header-timeout", type=float, default=float(_env("header-timeout", 10)),
+                       help="seconds a client has to send each request's headers")
+    serve.add_argument("--body-timeout", type=float, default=float(_env("body-timeout", 30)),
+                       help="seconds a client has to send a request body (408 after)")
+    serve.add_argument("--max-body-size", type=parse_bytes, default=parse_bytes(_env("max-body-size", "1MiB")),
+                       help="largest request body (413 above); also bounds a gRPC prompt")
+    serve.add_argument("--max-connections", type=int, default=int(_env("max-connections", 1024)),
+                       help="open HTTP connections; requests beyond get 503")
     serve.add_argument("--log-level", default=_env("log-level", "info"))
 
     gen = sub.add_parser("generate", help="greedy continuation of one prompt, printed to stdout")
@@ -140,11 +149,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_prefix_cache=not args.no_prefix_cache))
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(path)))
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=name))
-    app = create_app(service, api_key=args.api_key)
+    service = Service(scheduler, engine, tokenizer,
+                      ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size))
+    app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
+                     body_timeout_s=args.body_timeout)
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
-                         log_level=args.log_level, started_at=started, grpc_port=args.grpc_port)
+                         log_level=args.log_level, started_at=started, grpc_port=args.grpc_port,
+                         header_timeout_s=args.header_timeout, max_connections=args.max_connections)
     grpc_note = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
     print(f"slipstream: ready on http://{args.host}:{args.port}{grpc_note} (model {name}, "
           f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)

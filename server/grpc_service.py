@@ -8,25 +8,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 from typing import AsyncIterator, Sequence
 
 import grpc
 
-from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
+from engine.output import Delta
+from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, retry_after, service_error
 from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
-from server.service import ChoiceDelta, Generation, Prepared, Service, ServiceError, check_api_key
+from server.service import Generation, Prepared, Service
 
-_STATUS_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
-
-# SamplingParams names a rejected field in its message; these are the request fields to blame.
+# SamplingParams names a rejected field; these are the request fields to blame.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
                 **{f: f"sampling.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                                 "presence_penalty", "frequency_penalty", "repetition_penalty")}}
@@ -35,21 +27,8 @@ _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "fr
 _END = object()  # the pump's end-of-stream marker
 
 
-def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message for a ServiceError or a scheduler refusal."""
-    if isinstance(exc, ServiceError):
-        return _STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
-    if isinstance(exc, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, EngineUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, PromptTooLong):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal server error: {type(exc).__name__}: {exc}"
-
-
 def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequence[int]) -> Prepared:
-    """Validate and tokenize a DecodeRequest (CPU only, thread-safe, like Service.prepare_completion).
+    """Validate, then tokenize a DecodeRequest (CPU only, thread-safe, like prepare_completion).
 
     Without `sampling` the request decodes greedily, as JetStream engines do by default.
     """
@@ -57,26 +36,30 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
         raise ServiceError(400, "LoRA adapters are not supported by this server; leave lora_adapter_id empty",
                            param="lora_adapter_id", code="unsupported")
     kind = request.WhichOneof("content")
-    if kind == "text_content":
-        prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
-    elif kind == "token_content":
-        prompt_param = "token_content"
-        prompt = service.encode(list(request.token_content.token_ids), param="token_content.token_ids")
-        if not request.has_bos:
-            prompt = [*bos_prefix, *prompt]
-    else:
+    if kind is None:
         raise ServiceError(400, "the request has no prompt: set text_content or token_content", param="content",
                            code="invalid_value")
     if request.max_tokens < 0:
         raise ServiceError(400, f"max_tokens must be >= 0 (0: the server's default of "
                            f"{service.config.default_max_tokens}), got {request.max_tokens}",
                            param="max_tokens", code="invalid_value")
+    if request.num_samples < 0:
+        raise ServiceError(400, f"num_samples must be >= 0 (0: one), got {request.num_samples}",
+                           param="num_samples", code="invalid_value")
+    # Cheap checks before the tokenizer runs: the sampling fields, then the prompt's size (encode).
     s = request.sampling
     optional = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     params = service.sampling_params(
         param_names=_PARAM_NAMES, max_tokens=request.max_tokens or service.config.default_max_tokens,
         n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
         stop=tuple(s.stop), ignore_eos=s.ignore_eos, **optional)
+    if kind == "text_content":
+        prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
+    else:
+        prompt_param = "token_content"
+        prompt = service.encode(list(request.token_content.token_ids), param="token_content.token_ids")
+        if not request.has_bos:
+            prompt = [*bos_prefix, *prompt]
     return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param)
 
 
@@ -103,23 +86,23 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             check_api_key(self._api_key, _bearer(context.invocation_metadata()))
             prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
             gen = self._service.submit(prepared)
-        except ServiceError as exc:
-            await _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, internals logged
+            await _abort(context, service_error(exc))
             return
         context.add_done_callback(lambda _: gen.cancel())
-        queue: asyncio.Queue[ChoiceDelta | Exception | object] = asyncio.Queue(maxsize=gen.num_choices)
+        queue: asyncio.Queue[Delta | Exception | object] = asyncio.Queue(maxsize=gen.num_choices)
         pump = asyncio.ensure_future(_pump(gen, queue))
         try:
             while True:
                 batch = [await queue.get()]
                 while not queue.empty():
                     batch.append(queue.get_nowait())
-                deltas = [item for item in batch if isinstance(item, ChoiceDelta)]
+                deltas = [item for item in batch if isinstance(item, Delta)]
                 if any(d.text or d.token_ids for d in deltas):
                     yield _stream_content(deltas, gen.num_choices)
                 errors = [item for item in batch if isinstance(item, Exception)]
                 if errors:
-                    await _abort(context, errors[0])
+                    await _abort(context, service_error(errors[0]))
                     return
                 if _END in batch:
                     return
@@ -140,7 +123,7 @@ async def _pump(gen: Generation, queue: asyncio.Queue) -> None:
         await queue.put(_END)
 
 
-def _stream_content(deltas: list[ChoiceDelta], num_samples: int) -> pb.DecodeResponse:
+def _stream_content(deltas: list[Delta], num_samples: int) -> pb.DecodeResponse:
     texts: list[list[str]] = [[] for _ in range(num_samples)]
     ids: list[list[int]] = [[] for _ in range(num_samples)]
     for d in deltas:
@@ -151,22 +134,18 @@ def _stream_content(deltas: list[ChoiceDelta], num_samples: int) -> pb.DecodeRes
     return pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=samples))
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """End the RPC with exc's status (raises grpc's AbortError)."""
-    code, message = status_for(exc)
+async def _abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+    """End the RPC with err's status (raises grpc's AbortError)."""
     trailers: tuple[tuple[str, str], ...] = ()
-    retry_after_s = getattr(exc, "retry_after_s", None)
-    if retry_after_s is not None:
-        # The hint HTTP sends as Retry-After: whole seconds, rounded up so no one retries too early.
-        trailers = (("retry-after", str(max(1, math.ceil(retry_after_s)))),)
-    await context.abort(code, message, trailing_metadata=trailers)
+    if err.retry_after_s is not None:
+        trailers = (("retry-after", retry_after(err.retry_after_s)),)  # the hint HTTP sends as Retry-After
+    await context.abort(grpc_code(err), err.message, trailing_metadata=trailers)
 
 
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return bearer_token(value)
     return None
 
 
@@ -185,12 +164,15 @@ class GrpcServer:
         await self.server.stop(grace)
 
 
-async def start_grpc_server(service: Service, *, host: str, port: int, api_key: str | None = None) -> GrpcServer:
-    """Start serving Orchestrator on host:port (0: any free port) on the running event loop."""
+async def start_grpc_server(service: Service, *, host: str, port: int, api_key: str | None = None,
+                            max_message_bytes: int = 4 << 20) -> GrpcServer:
+    """Start serving Orchestrator on host:port (0: any free port) on the running event loop.
+    `max_message_bytes` bounds a request as HTTP's body limit does (grpc answers RESOURCE_EXHAUSTED)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"gRPC port must be in [0, 65535], got {port}")
     # SO_REUSEPORT (grpc's default on Linux) would let a second server share a busy port silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(service, api_key=api_key), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -1,23 +1,37 @@
 """OpenAI wire shapes for /v1/completions and /v1/chat/completions: requests, responses, stream chunks.
-Pure pydantic, no FastAPI. Requests ignore unknown fields; only OpenAI-specific ranges live here, the
-rest is left to SamplingParams so that HTTP and gRPC reject the same values the same way."""
+Pure pydantic, no FastAPI. Requests ignore unknown fields but are strict about types (`"stream": "yes"`
+and `"max_tokens": "10"` are 400s, as on OpenAI). Every numeric field has its documented range here
+(README, "Request fields"), so an out-of-range value is a 400 naming the field before anything is
+tokenized or reaches the engine; SamplingParams checks the same ranges for gRPC."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
+                      model_serializer)
 
-from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_STOP, MAX_TOP_LOGPROBS,
+from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS,
                             REPETITION_PENALTY_RANGE)
 
-# Every numeric field has its documented range here (README, "Request fields"), so an out-of-range
-# value is a 400 naming the field before anything is tokenized or reaches the engine.
+
+def valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or UTF-8 encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text must be valid Unicode: lone surrogate {text[exc.start]!r} at index "
+                         f"{exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -27,18 +41,18 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     """Fields both endpoints share. `None` means "not given", so the service can pick defaults."""
 
-    model: str | None = None  # optional like vLLM/llama.cpp; when given it must name the served model
+    model: Text | None = None  # optional like vLLM/llama.cpp; when given it must name the served model
     max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # Extensions (vLLM names). top_k=-1 is vLLM's spelling of "off".
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -50,10 +64,10 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
@@ -61,8 +75,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Parts stay plain dicts (not a {type: "text"} model) so that an image part yields "unsupported" (400 from
     # the service, naming the message) instead of a pydantic union error.
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):

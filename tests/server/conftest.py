@@ -103,7 +103,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval: floa
 
 def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
-               **engine_kwargs: Any) -> LiveServer:
+               body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
+               service_config: dict[str, Any] | None = None, **engine_kwargs: Any) -> LiveServer:
     engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
                      "max_seq_len": 128, "max_slots": 4, "num_pages": 128, **engine_kwargs}
     engine = MockEngine(**engine_kwargs)
@@ -111,13 +112,14 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=max_queue))
     if start:
         scheduler.start()
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = make_server(app, "127.0.0.1", port, log_level="warning", shutdown_timeout_s=shutdown_timeout_s,
-                         started_at=time.monotonic(), exit_on_engine_failure=exit_on_engine_failure)
+                         started_at=time.monotonic(), exit_on_engine_failure=exit_on_engine_failure,
+                         header_timeout_s=header_timeout_s, max_connections=max_connections)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     if not wait_for(lambda: server.started, timeout=10):

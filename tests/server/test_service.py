@@ -8,7 +8,9 @@ import pytest
 from engine.mock_engine import MockEngine
 from engine.scheduler import Overloaded, Scheduler
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.service import Service, ServiceConfig, ServiceError
+from server.errors import ServiceError
+from server.openai_api import prepare_chat, prepare_completion
+from server.service import Service, ServiceConfig
 from tests.server.conftest import EOS, MODEL, ByteTokenizer, wait_for
 
 
@@ -49,7 +51,7 @@ def test_n_expands_into_requests_with_consecutive_seeds(scheduler) -> None:
     service = _service(recorder)
 
     async def run():
-        gen = service.submit(service.prepare_completion(CompletionRequest(prompt="abc", n=3, seed=41, max_tokens=2)))
+        gen = service.submit(prepare_completion(service, CompletionRequest(prompt="abc", n=3, seed=41, max_tokens=2)))
         return gen, await gen.collect()
 
     gen, choices = asyncio.run(run())
@@ -62,7 +64,7 @@ def test_n_expands_into_requests_with_consecutive_seeds(scheduler) -> None:
 
 def test_a_refused_sub_request_cancels_the_admitted_ones(scheduler) -> None:
     service = _service(RecordingScheduler(scheduler, refuse_at=2))
-    prepared = service.prepare_completion(CompletionRequest(prompt="abc", n=4, max_tokens=50))
+    prepared = prepare_completion(service, CompletionRequest(prompt="abc", n=4, max_tokens=50))
 
     async def run():
         with pytest.raises(ServiceError) as info:
@@ -79,7 +81,7 @@ def test_leaving_the_stream_early_cancels_every_choice(scheduler) -> None:
     service = _service(scheduler)
 
     async def run():
-        gen = service.submit(service.prepare_completion(CompletionRequest(prompt="a", n=2, max_tokens=100)))
+        gen = service.submit(prepare_completion(service, CompletionRequest(prompt="a", n=2, max_tokens=100)))
         deltas = gen.deltas()
         first = await deltas.__anext__()
         await deltas.aclose()  # what a disconnecting client amounts to
@@ -96,20 +98,20 @@ def test_draining_refuses_new_work_and_unready(scheduler) -> None:
     service.begin_drain()
     assert not service.ready
     with pytest.raises(ServiceError) as info:
-        service.submit(service.prepare_completion(CompletionRequest(prompt="a")))
+        service.submit(prepare_completion(service, CompletionRequest(prompt="a")))
     assert (info.value.status, info.value.code) == (503, "shutting_down")
 
 
 def test_max_choices_limits_prompts_times_n(scheduler) -> None:
     service = _service(scheduler, max_choices=4)
     with pytest.raises(ServiceError) as info:
-        service.submit(service.prepare_completion(CompletionRequest(prompt=["a", "b", "c"], n=2)))
+        service.submit(prepare_completion(service, CompletionRequest(prompt=["a", "b", "c"], n=2)))
     assert info.value.status == 400 and info.value.param == "n" and "4" in info.value.message
 
 
 def test_chat_template_renders_text_parts_without_bos(scheduler) -> None:
     service = _service(scheduler)
-    prepared = service.prepare_chat(ChatCompletionRequest(
+    prepared = prepare_chat(service, ChatCompletionRequest(
         messages=[{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}],
         max_tokens=1))
     assert prepared.prompts == [list(b"<user>hi\n<assistant>")]

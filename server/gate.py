@@ -1,0 +1,202 @@
+"""The HTTP edge, before and around the routes: RequestGate (API key 401, body size 413, body read
+timeout 408), a uvicorn protocol with a request-head read timeout (slowloris), and the handlers
+that answer every error in OpenAI's shape {"error": {message, type, param, code}}."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.errors import ServiceError, bearer_token, check_api_key, retry_after, service_error
+from server.protocol import ErrorDetail, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+def error_body(exc: ServiceError) -> dict[str, Any]:
+    detail = ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_response(exc: ServiceError) -> JSONResponse:
+    headers = {} if exc.retry_after_s is None else {"Retry-After": retry_after(exc.retry_after_s)}
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+
+def validation_error(exc: RequestValidationError) -> ServiceError:
+    """The first offending field as `param`; the message lists up to three problems."""
+    problems: list[str] = []
+    param = None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return ServiceError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}",
+                                code="invalid_json")
+        if not loc:
+            return ServiceError(400, "request body must be a JSON object sent with Content-Type: application/json",
+                                code="invalid_value")
+        # A union field (prompt, stop, content) reports once per branch; the branch name is noise.
+        field = ".".join(p for p in loc if not _is_type_tag(p))
+        param = param or field
+        text = f"{field}: {err['msg']}"
+        if text not in problems:
+            problems.append(text)
+    return ServiceError(400, "; ".join(problems[:3]) or "invalid request", param=param, code="invalid_value")
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|constrained-.*)$")
+
+
+def _is_type_tag(part: str) -> bool:
+    return bool(_TYPE_TAG.match(part))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = error_response(ServiceError(exc.status_code, str(exc.detail), code=None))
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # service_error logs the traceback; the client gets no exception text.
+        return error_response(service_error(exc))
+
+
+class RequestGate:
+    """ASGI middleware on /v1/*: API key, then the body (size limit and read deadline), before
+    FastAPI parses anything.
+
+    Pure ASGI (not BaseHTTPMiddleware) so `receive` keeps reporting the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            check_api_key(self.api_key, bearer_token(headers.get("authorization")))
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                try:
+                    async with asyncio.timeout(self.body_timeout_s):
+                        body = await self._read_body(headers, receive)
+                except TimeoutError:
+                    raise ServiceError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                       code="request_timeout") from None
+                if body is None:
+                    return  # the client left while sending
+                receive = _replay(body, receive)
+        except ServiceError as exc:
+            response = error_response(exc)
+            if exc.status in (408, 413):
+                response.headers["Connection"] = "close"  # the rest of the body is not worth reading
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _read_body(self, headers: Headers, receive: Receive) -> bytes | None:
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:  # chunked uploads have no Content-Length to check up front
+                raise self._too_large(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self, size: int) -> ServiceError:
+        return ServiceError(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                            code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        # After the body, fall through to the server: that is where http.disconnect arrives.
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+def head_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request head (request line + headers).
+
+    uvicorn has none: its keep-alive timer stops at the first byte, so a client trickling a
+    header byte at a time (slowloris) holds the connection forever. The clock starts when the
+    connection opens or the previous response ends, and stops when a whole head has arrived.
+    """
+    if not header_timeout_s > 0:
+        raise ValueError(f"header timeout must be > 0 seconds, got {header_timeout_s}")
+
+    class HeadTimeoutH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a whole request head arrived
+                self._disarm_head_timer()
+
+        def on_response_complete(self) -> None:
+            # Armed before super(), which may start a pipelined request (and so disarm it).
+            self._arm_head_timer()
+            super().on_response_complete()
+
+        def _arm_head_timer(self) -> None:
+            self._disarm_head_timer()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                log.info("closing a connection whose request head took over %.1f s", header_timeout_s)
+                self.transport.close()
+
+    return HeadTimeoutH11Protocol

@@ -1,0 +1,219 @@
+"""OpenAI requests in, OpenAI responses out: turns a CompletionRequest / ChatCompletionRequest into a
+`Prepared` (cheap checks first, then tokenization), and Deltas into response bodies and stream
+chunks. The HTTP routes call these; the transport-neutral service knows nothing of OpenAI."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine.output import Delta
+from engine.request import SamplingParams, TokenLogprob
+from server.errors import ServiceError
+from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                             ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
+                             ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse, TopLogprob, Usage, valid_unicode)
+from server.service import Generation, Prepared, Service
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
+    """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
+    service.check_model(req.model)
+    _reject_unsupported(req.echo, "echo", req.suffix, "suffix", req.logit_bias, "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
+    raw = req.prompt
+    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    if not items:
+        raise ServiceError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    # Everything that costs no tokenization first: 200,000 tiny prompts must not be tokenized to learn
+    # that they exceed max_choices.
+    service.check_choices(len(items), req.n)
+    max_tokens = req.max_tokens if req.max_tokens is not None else service.config.default_max_tokens
+    params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs)
+    prompts = [service.encode(item) for item in items]
+    return Prepared(prompts=prompts, params=params, id_prefix="cmpl")
+
+
+def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
+    """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
+    service.check_model(req.model)
+    _reject_unsupported(req.tools, "tools", req.logit_bias, "logit_bias")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ServiceError(400, "only response_format {'type': 'text'} is supported", param="response_format",
+                           code="unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
+    service.check_choices(1, req.n, "messages")
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+             "logprobs": "top_logprobs"}
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # Validate the sampling fields before the template and the tokenizer run.
+    params = _params(service, req, max_tokens=explicit or 1, logprobs=logprobs, param_names=names)
+    prompt = service.render_chat(messages)
+    if explicit is None:
+        # The rest of the context; a prompt that fills it is reported by the service's length check.
+        params = dataclasses.replace(params, max_tokens=max(1, service.max_model_len - len(prompt)))
+    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages")
+
+
+def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
+            logprobs: int | None, param_names: dict[str, str] | None = None) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    optional = {"temperature": req.temperature, "top_p": req.top_p, "min_p": req.min_p,
+                "repetition_penalty": req.repetition_penalty,
+                "top_k": 0 if req.top_k == -1 else req.top_k}  # -1 is vLLM's "off"
+    return service.sampling_params(
+        param_names=param_names, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed, logprobs=logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
+        **{k: v for k, v in optional.items() if v is not None})
+
+
+def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    param = f"messages.{index}.content"
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
+                               param=param, code="unsupported")
+        try:
+            texts.append(valid_unicode(part["text"]))
+        except ValueError as exc:
+            raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
+    return "".join(texts)
+
+
+def _reject_unsupported(*pairs: Any) -> None:
+    for value, name in zip(pairs[::2], pairs[1::2]):
+        if value:
+            raise ServiceError(400, f"{name} is not supported by this server", param=name, code="unsupported")
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def _reason(d: Delta) -> str | None:
+    return None if d.finish_reason is None else d.finish_reason.value
+
+
+class CompletionFormat:
+    """/v1/completions bodies and chunks for one Generation."""
+
+    def __init__(self, service: Service, gen: Generation, body: CompletionRequest) -> None:
+        self.service, self.gen, self.model = service, gen, body.model or service.model_name
+        self.created = int(time.time())
+        self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
+
+    def usage(self) -> Usage:
+        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def logprobs(self, index: int, lps: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        if lps is None:
+            return None
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in lps:
+            token = self.service.token_text(lp.token_id)
+            top: dict[str, float] = {}
+            for token_id, logprob in lp.top:
+                top.setdefault(self.service.token_text(token_id), logprob)
+            top.setdefault(token, lp.logprob)  # OpenAI always includes the sampled token
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return out
+
+    def response(self, choices: list[Delta]) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
+            choices=[CompletionChoice(index=c.index, text=c.text, logprobs=self.logprobs(c.index, c.logprobs),
+                                      finish_reason=_reason(c)) for c in choices])
+
+    def opening_chunks(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, d: Delta) -> CompletionResponse | None:
+        if not d.text and not d.logprobs and d.finish_reason is None:
+            return None
+        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self.logprobs(d.index, d.logprobs),
+                                  finish_reason=_reason(d))
+        return self._chunk([choice])
+
+    def usage_chunk(self) -> CompletionResponse:
+        return self._chunk([], usage=self.usage())
+
+    def _chunk(self, choices: list, usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.gen.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+class ChatFormat:
+    """/v1/chat/completions bodies and chunks for one Generation."""
+
+    def __init__(self, service: Service, gen: Generation, body: ChatCompletionRequest) -> None:
+        self.service, self.gen, self.model = service, gen, body.model or service.model_name
+        self.created = int(time.time())
+        self.top_logprobs = body.top_logprobs or 0
+
+    def usage(self) -> Usage:
+        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+    def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if lps is None:
+            return None
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = self.service.token_text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = []
+        for lp in lps:
+            chosen = top(lp.token_id, lp.logprob)
+            content.append(ChatTokenLogprob(**chosen.model_dump(),
+                                            top_logprobs=[top(t, l) for t, l in lp.top[:self.top_logprobs]]))
+        return ChatLogprobs(content=content)
+
+    def response(self, choices: list[Delta]) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
+            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                logprobs=self.logprobs(c.logprobs), finish_reason=_reason(c) or "stop")
+                     for c in choices])
+
+    def opening_chunks(self) -> list[ChatCompletionChunk]:
+        # OpenAI opens every choice with the role and empty content.
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""),
+                                             logprobs=None, finish_reason=None)])
+                for i in range(self.gen.num_choices)]
+
+    def chunk(self, d: Delta) -> ChatCompletionChunk | None:
+        if not d.text and not d.logprobs and d.finish_reason is None:
+            return None
+        delta = ChatDelta(content=d.text) if d.text else ChatDelta()
+        return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
+                                            finish_reason=_reason(d))])
+
+    def usage_chunk(self) -> ChatCompletionChunk:
+        return self._chunk([], usage=self.usage())
+
+    def _chunk(self, choices: list, usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.gen.id, created=self.created, model=self.model, choices=choices, usage=usage)
