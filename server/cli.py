@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
+
+    # Listed for --help only: main() hands `bench ...` to benchmarks/bench before parsing, so serving
+    # never imports the benchmark code and its flags are defined in one place.
+    sub.add_parser("bench", add_help=False,
+                   help="load-test a running OpenAI-compatible server (vllm bench serve's flags; bench --help)")
     return parser
 
 
@@ -172,6 +177,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from benchmarks.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -1,0 +1,132 @@
+"""Benchmark prompts: random (token-exact lengths), ShareGPT (filtered as vLLM does) and shared-prefix.
+
+Lengths are counted with the model's tokenizer, without special tokens, as `vllm bench serve` does.
+A random prompt is made of random tokens whose decoded text re-encodes to exactly the length asked.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int            # tokens, without special tokens
+    expected_output_len: int   # max_tokens sent with the request
+
+
+class PromptMaker:
+    """Random text of an exact token count, optionally after a fixed prefix text."""
+
+    def __init__(self, tokenizer: TextTokenizer, rng: np.random.Generator, max_tries: int = 30) -> None:
+        self.tok = tokenizer
+        self.rng = rng
+        self.max_tries = max_tries
+        self.pool = self._clean_token_pool()
+
+    def _clean_token_pool(self) -> np.ndarray:
+        # Only ids that decode to printable text and encode back to themselves: prompts then contain
+        # no control tokens, no half UTF-8 characters, and converge to the target length in a step or two.
+        keep = []
+        for i in range(self.tok.vocab_size):
+            text = self.tok.decode([i], skip_special_tokens=True)
+            if not text or "\ufffd" in text or not text.isprintable():
+                continue
+            if self.tok.encode(text, add_special_tokens=False) == [i]:
+                keep.append(i)
+        if len(keep) < 100:
+            raise ValueError(f"the tokenizer has only {len(keep)} plain-text tokens; cannot make random prompts")
+        return np.asarray(keep, dtype=np.int64)
+
+    def random_ids(self, n: int) -> list[int]:
+        return self.rng.choice(self.pool, size=n).tolist()
+
+    def text(self, n: int, prefix: str = "") -> str:
+        """A text T with len(encode(prefix + T)) == len(encode(prefix)) + n, the prefix's tokens unchanged."""
+        if n <= 0:
+            return ""
+        prefix_ids = self.tok.encode(prefix, add_special_tokens=False) if prefix else []
+        ids = self.random_ids(n)
+        for _ in range(self.max_tries):
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            full = self.tok.encode(prefix + text, add_special_tokens=False)
+            if full[:len(prefix_ids)] != prefix_ids:  # the join merged across the prefix: draw again
+                ids = self.random_ids(n)
+                continue
+            got = full[len(prefix_ids):]
+            if len(got) == n:
+                return text
+            ids = got[:n] if len(got) > n else got + self.random_ids(n - len(got))
+        raise ValueError(f"could not make a prompt of exactly {n} tokens in {self.max_tries} tries")
+
+
+def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int, minimum: int) -> list[int]:
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    low, high = max(minimum, int(mean * (1 - ratio))), max(minimum, int(mean * (1 + ratio)))
+    return rng.integers(low, high + 1, size=n).tolist()
+
+
+def random_dataset(tok: TextTokenizer, *, num_prompts: int, input_len: int, output_len: int,
+                   range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> list[SampleRequest]:
+    """vLLM's `random`: input/output lengths uniform in [len*(1-r), len*(1+r)], an optional shared prefix."""
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tok, rng)
+    prefix = maker.text(prefix_len)
+    ins = _lengths(rng, input_len, range_ratio, num_prompts, minimum=1)
+    outs = _lengths(rng, output_len, range_ratio, num_prompts, minimum=1)
+    return [SampleRequest(prefix + maker.text(n, prefix), prefix_len + n, m) for n, m in zip(ins, outs)]
+
+
+def prefix_dataset(tok: TextTokenizer, *, num_prompts: int, prefix_len: int, suffix_len: int,
+                   num_prefixes: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """vLLM's `prefix_repetition`: num_prefixes shared prefixes, each followed by random suffixes, shuffled."""
+    if num_prefixes < 1 or num_prompts < num_prefixes:
+        raise ValueError(f"--prefix-repetition-num-prefixes must be in [1, --num-prompts], got {num_prefixes}")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tok, rng)
+    out = []
+    for p in range(num_prefixes):
+        prefix = maker.text(prefix_len)
+        count = num_prompts // num_prefixes + (1 if p < num_prompts % num_prefixes else 0)
+        out += [SampleRequest(prefix + maker.text(suffix_len, prefix), prefix_len + suffix_len, output_len)
+                for _ in range(count)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def sharegpt_dataset(tok: TextTokenizer, path: str, *, num_prompts: int, output_len: int | None = None,
+                     seed: int = 0) -> list[SampleRequest]:
+    """First human turn as the prompt, the reply's length as max_tokens (or a fixed --sharegpt-output-len);
+    pairs shorter than 4 tokens, prompts over 1024 tokens or pairs over 2048 tokens are dropped (vLLM)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    convs = [d["conversations"] for d in data if len(d.get("conversations", [])) >= 2]
+    random.Random(seed).shuffle(convs)
+    out: list[SampleRequest] = []
+    for conv in convs:
+        if len(out) == num_prompts:
+            break
+        prompt, reply = conv[0]["value"], conv[1]["value"]
+        prompt_len = len(tok.encode(prompt, add_special_tokens=False))
+        out_len = output_len if output_len is not None else len(tok.encode(reply, add_special_tokens=False))
+        too_short = prompt_len < 4 or (output_len is None and out_len < 4)
+        if too_short or prompt_len > 1024 or prompt_len + out_len > 2048:
+            continue
+        out.append(SampleRequest(prompt, prompt_len, out_len))
+    if len(out) < num_prompts:
+        raise ValueError(f"{path}: only {len(out)} conversations pass the length filter, {num_prompts} asked")
+    return out

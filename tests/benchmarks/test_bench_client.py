@@ -1,0 +1,194 @@
+"""`slipstream bench` against a fake server that streams on a fixed schedule: every metric must come out
+as the schedule's arithmetic says, within a few percent."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.bench import run as bench
+from tests.benchmarks.fake_server import FakeServer, Schedule
+
+REL = 0.04   # "within a few percent": means, medians, totals and throughputs
+TAIL = 0.10  # p90/p99 of 84 ITL gaps: a client wake-up delayed ~10 ms on a loaded 2-core host stretches one gap
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return bench.load_tokenizer(default_model_path)
+
+
+@pytest.fixture(autouse=True)
+def shared_tokenizer(tokenizer, monkeypatch):
+    monkeypatch.setattr(bench, "load_tokenizer", lambda name: tokenizer)  # loading the GGUF takes seconds
+
+
+@pytest.fixture(scope="module")
+def fake(default_model_path):
+    server = FakeServer(default_model_path)
+    yield server
+    server.close()
+
+
+def parse(server: FakeServer, tokenizer_path: str, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--base-url", server.base_url, "--tokenizer", tokenizer_path, "--disable-tqdm",
+                              "--temperature", "0", "--metric-percentiles", "50,90,99", *flags])
+
+
+def run_bench(server: FakeServer, tokenizer_path: str, *flags: str) -> dict:
+    return asyncio.run(bench.benchmark(parse(server, tokenizer_path, *flags)))
+
+
+def near(value: float, expected: float, rel: float = REL) -> bool:
+    return abs(value - expected) <= rel * expected
+
+
+def stats_of(values) -> dict[str, float]:
+    v = np.asarray(values) * 1000
+    return {"mean": v.mean(), "median": np.median(v), "p50": np.percentile(v, 50),
+            "p90": np.percentile(v, 90), "p99": np.percentile(v, 99)}
+
+
+@pytest.mark.parametrize("endpoint,usage_style", [("/v1/completions", "separate"), ("/v1/completions", "last"),
+                                                  ("/v1/chat/completions", "separate")])
+def test_every_metric_matches_the_schedule(fake, default_model_path, endpoint, usage_style):
+    ttft, itl, n_out, n_in, conc, n_req = 0.4, 0.1, 8, 64, 4, 12
+    fake.configure(Schedule(ttft_s=ttft, itl_s=itl, usage_style=usage_style))
+    r = run_bench(fake, default_model_path, "--endpoint", endpoint, "--num-prompts", str(n_req),
+                  "--random-input-len", str(n_in), "--random-output-len", str(n_out),
+                  "--max-concurrency", str(conc), "--ignore-eos")
+    stats = fake.stats()
+    assert r["completed"] == n_req and r["failed"] == 0
+    assert stats.peak_active == conc
+    assert r["total_input_tokens"] == n_req * n_in and r["total_output_tokens"] == n_req * n_out
+    assert all(b["ignore_eos"] and b["temperature"] == 0 for b in stats.bodies)
+
+    # What the server really did: when each request left the client, when each token chunk left the server.
+    sent = [stats.sent[rid] for rid in r["request_ids"]]
+    starts = r["start_times"]
+    truth = {"ttft": [s[0] - t0 for s, t0 in zip(sent, starts)],
+             "e2el": [s[-1] - t0 for s, t0 in zip(sent, starts)],
+             "tpot": [(s[-1] - s[0]) / (n_out - 1) for s in sent],
+             "itl": [b - a for s in sent for a, b in zip(s, s[1:])]}
+    for metric, values in truth.items():
+        expected = stats_of(values)
+        for stat in ("mean", "median", "p50", "p90", "p99"):
+            rel = TAIL if (metric == "itl" and stat in ("p90", "p99")) else REL
+            assert near(r[f"{stat}_{metric}_ms"], expected[stat], rel), (metric, stat, r[f"{stat}_{metric}_ms"],
+                                                                          expected[stat])
+    duration = max(s[-1] for s in sent) - min(starts)
+    assert near(r["duration"], duration, 0.02)
+    assert near(r["request_throughput"], n_req / duration)
+    assert near(r["output_throughput"], n_req * n_out / duration)
+    assert near(r["input_throughput"], n_req * n_in / duration)
+    assert near(r["total_token_throughput"], n_req * (n_in + n_out) / duration)
+
+    # ... and that was the schedule, give or take the host's scheduling delays
+    e2el = ttft + (n_out - 1) * itl
+    for metric, value in (("ttft", ttft), ("tpot", itl), ("itl", itl), ("e2el", e2el)):
+        assert near(r[f"median_{metric}_ms"], value * 1000, 0.1), (metric, r[f"median_{metric}_ms"])
+    assert near(r["request_throughput"], conc / e2el, 0.1)  # n_req / conc waves, each e2el long
+
+
+def test_prompt_and_output_lengths_are_token_exact(fake, default_model_path, tokenizer):
+    from benchmarks.bench.datasets import random_dataset
+
+    fake.configure(Schedule(ttft_s=0.005, itl_s=0.001))
+    r = run_bench(fake, default_model_path, "--num-prompts", "24", "--random-input-len", "200",
+                  "--random-output-len", "20", "--random-range-ratio", "0.5", "--seed", "3")
+    stats = fake.stats()
+    assert r["completed"] == 24
+    # the server tokenized each prompt itself; the dataset asked for these lengths
+    asked = [req.prompt_len for req in random_dataset(tokenizer, num_prompts=24, input_len=200, output_len=20,
+                                                       range_ratio=0.5, seed=3)]
+    assert sorted(stats.prompt_tokens) == sorted(asked) == sorted(r["input_lens"])
+    assert all(100 <= n <= 300 for n in asked) and len(set(asked)) > 10
+    assert all(10 <= n <= 30 for n in stats.max_tokens) and len(set(stats.max_tokens)) > 5
+    assert sorted(r["output_lens"]) == sorted(stats.max_tokens)
+
+
+def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
+    from benchmarks.bench.datasets import prefix_dataset, random_dataset
+
+    def count(text):
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    reqs = random_dataset(tokenizer, num_prompts=40, input_len=300, output_len=10, range_ratio=0.9, seed=7)
+    assert all(count(r.prompt) == r.prompt_len for r in reqs) and len({r.prompt_len for r in reqs}) > 20
+    shared = random_dataset(tokenizer, num_prompts=5, input_len=50, output_len=10, prefix_len=100, seed=1)
+    prefix_ids = tokenizer.encode(shared[0].prompt, add_special_tokens=False)[:100]
+    for r in shared:
+        ids = tokenizer.encode(r.prompt, add_special_tokens=False)
+        assert len(ids) == r.prompt_len == 150 and ids[:100] == prefix_ids
+    groups = prefix_dataset(tokenizer, num_prompts=12, prefix_len=64, suffix_len=32, num_prefixes=3,
+                            output_len=8, seed=2)
+    assert len({tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:64]) for r in groups}) == 3
+    assert all(count(r.prompt) == r.prompt_len == 96 for r in groups)
+
+
+def test_sharegpt_is_filtered_as_vllm_does(tokenizer, tmp_path):
+    from benchmarks.bench.datasets import sharegpt_dataset
+
+    words = lambda k: " ".join(["word"] * k)  # noqa: E731 ("word word ..." is k tokens or so)
+    convs = [{"conversations": [{"from": "human", "value": words(20)}, {"from": "gpt", "value": words(30)}]},
+             {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": words(30)}]},  # short prompt
+             {"conversations": [{"from": "human", "value": words(1500)}, {"from": "gpt", "value": "ok"}]},  # long
+             {"conversations": [{"from": "human", "value": words(40)}]},  # no reply
+             {"conversations": [{"from": "human", "value": words(10)}, {"from": "gpt", "value": words(8)}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    reqs = sharegpt_dataset(tokenizer, str(path), num_prompts=2)
+    assert sorted((r.prompt_len, r.expected_output_len) for r in reqs) == sorted(
+        (len(tokenizer.encode(words(a), add_special_tokens=False)), len(tokenizer.encode(words(b), add_special_tokens=False)))
+        for a, b in ((20, 30), (10, 8)))
+    with pytest.raises(ValueError, match="only 2 conversations"):
+        sharegpt_dataset(tokenizer, str(path), num_prompts=3)
+
+
+def test_poisson_arrivals_set_the_duration(fake, default_model_path):
+    ttft, itl, n_out, rate, n_req = 0.1, 0.02, 6, 10.0, 20
+    fake.configure(Schedule(ttft_s=ttft, itl_s=itl))
+    r = run_bench(fake, default_model_path, "--num-prompts", str(n_req), "--random-input-len", "16",
+                  "--random-output-len", str(n_out), "--request-rate", str(rate), "--seed", "5")
+    # the arrival times are scaled so the last request leaves at n/rate; it then takes one e2el
+    duration = n_req / rate + ttft + (n_out - 1) * itl
+    assert near(r["duration"], duration)
+    assert near(r["request_throughput"], n_req / duration)
+    assert fake.stats().peak_active < n_req  # spread out, not all at once
+
+
+def test_failures_are_counted_with_their_reason_and_goodput_follows_the_slos(fake, default_model_path):
+    ttft, itl = 0.1, 0.02
+    fake.configure(Schedule(ttft_s=ttft, itl_s=itl, fail_every=4))
+    r = run_bench(fake, default_model_path, "--num-prompts", "12", "--random-input-len", "16",
+                  "--random-output-len", "4", "--max-concurrency", "6", "--goodput", "ttft:150", "tpot:30")
+    assert r["completed"] == 9 and r["failed"] == 3
+    assert r["failure_reasons"] == {"HTTP 503: overloaded": 3}
+    assert near(r["request_goodput"], r["request_throughput"])  # every completed request met both SLOs
+    fake.configure(Schedule(ttft_s=ttft, itl_s=itl))
+    r = run_bench(fake, default_model_path, "--num-prompts", "6", "--random-input-len", "16",
+                  "--random-output-len", "4", "--goodput", "ttft:50")
+    assert r["request_goodput"] == 0.0 and r["request_throughput"] > 0
+
+
+def test_saved_json_uses_vllm_keys(fake, default_model_path, tmp_path):
+    fake.configure(Schedule(ttft_s=0.02, itl_s=0.005))
+    args = parse(fake, default_model_path, "--num-prompts", "4", "--random-input-len", "16",
+                 "--random-output-len", "4", "--max-concurrency", "2", "--save-result",
+                 "--result-dir", str(tmp_path), "--num-warmups", "2")
+    assert bench.run(args) == 0
+    assert fake.stats().received == 6  # 2 warm-ups, then 4 measured
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("openai-infqps-concurrency2-fake-model-")
+    saved = json.loads(path.read_text())
+    for key in ("output_throughput", "request_throughput", "total_token_throughput", "median_ttft_ms",
+                "mean_tpot_ms", "p99_itl_ms", "p90_e2el_ms", "completed", "failed", "duration",
+                "max_concurrency", "model_id", "num_prompts"):
+        assert key in saved, key
+    assert saved["model_id"] == "fake-model" and saved["completed"] == 4 and saved["num_prompts"] == 4
+    assert "ttfts" not in saved  # per-request lists only with --save-detailed, as in vLLM
