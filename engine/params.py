@@ -16,10 +16,20 @@ def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, pr
     """Quantize (from the float weights) and cast the remaining float leaves to the activation dtype.
 
     calibration_tokens (the model's tokenization of models.calibration.calibration_text()) lets the
-    int8 modes fold SmoothQuant factors into the float weights first; without them they round the
-    weights as they are, with a warning.
+    per-channel int8 modes (w8a16, w8a8) fold SmoothQuant factors into the float weights first; without
+    them they round the weights as they are, with a warning.
+    q8_0 (group-wise int8) needs no calibration; weights the loader already built in q8_0
+    (models.loader with quantize="q8_0") are kept as they are, so their floats never exist.
     """
-    if mode != "none":
+    if mode == "q8_0":
+        if "lm_head" not in params:  # tied: int8 rows straight from the embedding table ([vocab, hidden])
+            import numpy as np
+
+            from quantization.groupwise import pack_one, quantize_rows
+
+            params = {**params, "lm_head": pack_one(*quantize_rows(np.asarray(params["embed"], np.float32)))}
+        params = quantize(params, mode, include_embeddings=True, progress=progress)
+    elif mode != "none":
         keep_a16: dict = {}
         if calibration_tokens is not None:
             from models.calibration import calibrate  # load time only

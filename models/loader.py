@@ -2,6 +2,8 @@
 
 Both produce (ModelConfig, params) with the pytree layout of models/llama.py: weights [in, out],
 layers stacked on a leading axis. Errors name the file, the tensor and the expected shape.
+With quantize="q8_0" the linear weights (and the LM head) are built as group-wise int8 one tensor at
+a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0 blocks convert without requantizing.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ class ModelLoadError(ValueError):
 
 
 # our name -> (HF suffix under model.layers.{i}., GGUF suffix under blk.{i}., transpose)
+_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A GGUF tensor handed over as group-wise int8 rows: (q int8 [out, in], d f32 [out, in/32]).
+Q8Rows = tuple
+
 _LAYER_TENSORS = {
     "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight", False),
@@ -48,14 +54,28 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.ndarray | None],
+def _q8_rows(arr) -> Q8Rows:
+    """A checkpoint linear [out, in], float or already Q8 rows -> Q8 rows."""
+    from quantization.groupwise import quantize_rows
+
+    return arr if isinstance(arr, tuple) else quantize_rows(arr)
+
+
+def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.ndarray | Q8Rows | None],
               names: Callable[[str, int], str], top: dict[str, str], source: str,
-              dtype, progress: bool) -> dict:
-    """Build the stacked params pytree, fetching each tensor by checkpoint name with a shape check."""
+              dtype, progress: bool, quantize: str = "none") -> dict:
+    """Build the stacked params pytree, fetching each tensor by checkpoint name with a shape check.
+    `get` may return Q8 rows (only when quantize == "q8_0" asks for them)."""
     import jax.numpy as jnp
 
+    from kernels.q8_matmul import pack
+    from quantization.groupwise import dequantize_rows, pack_one, stack_packed
+
+    if quantize not in ("none", "q8_0"):
+        raise ValueError(f"the loader quantizes to q8_0 only (got {quantize!r}); other modes are a params "
+                         "transform after loading (engine/params.py)")
     shapes = expected_shapes(cfg)
-    per_layer: dict[str, list[np.ndarray]] = {k: [] for k in shapes}
+    per_layer: dict[str, list] = {k: [] for k in shapes}
     bar = tqdm(total=cfg.num_layers * len(shapes) + 3, desc=f"loading {os.path.basename(source)}",
                unit="tensor", file=sys.stderr, disable=not progress, leave=False)
     for i in range(cfg.num_layers):
@@ -63,20 +83,41 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             arr = get(names(key, i), key, shape)
             if arr is None:
                 raise ModelLoadError(f"{source}: missing tensor {names(key, i)} (expected shape {shape})")
-            per_layer[key].append(arr.T if _LAYER_TENSORS[key][2] else arr)
+            if quantize == "q8_0" and key in _LINEARS:
+                per_layer[key].append(pack(*_q8_rows(arr)))  # packed now: the unpacked rows go at once
+            else:
+                per_layer[key].append(arr.T if _LAYER_TENSORS[key][2] else arr)
             bar.update()
-    params: dict = {"layers": {k: jnp.asarray(np.stack(v), dtype) for k, v in per_layer.items()}}
+    params: dict = {"layers": {}}
+    for k in list(per_layer):  # pop: each layer's host copies go as soon as its stack exists
+        v = per_layer.pop(k)
+        if quantize == "q8_0" and k in _LINEARS:
+            n_out, n_in = shapes[k]
+            params["layers"][k] = stack_packed(v, n_in, n_out)
+        else:
+            params["layers"][k] = jnp.asarray(np.stack(v), dtype)
+        del v
     for key, shape in (("embed", (cfg.vocab_size, cfg.hidden_size)), ("final_norm", (cfg.hidden_size,))):
         arr = get(top[key], key, shape)
         if arr is None:
             raise ModelLoadError(f"{source}: missing tensor {top[key]} (expected shape {shape})")
+        if isinstance(arr, tuple):  # a Q8_0 embedding: the int8 rows are the tied LM head as they are
+            if cfg.tie_embeddings:
+                params["lm_head"] = pack_one(*arr)
+            arr = dequantize_rows(*arr)
+        elif key == "embed" and quantize == "q8_0" and cfg.tie_embeddings:
+            params["lm_head"] = pack_one(*_q8_rows(arr))
         params[key] = jnp.asarray(arr, dtype)
+        del arr
         bar.update()
     if not cfg.tie_embeddings:
         arr = get(top["lm_head"], "lm_head", (cfg.vocab_size, cfg.hidden_size))
         if arr is None:
             raise ModelLoadError(f"{source}: missing tensor {top['lm_head']} (the model does not tie embeddings)")
-        params["lm_head"] = jnp.asarray(arr.T, dtype)
+        if quantize == "q8_0":
+            params["lm_head"] = pack_one(*_q8_rows(arr))
+        else:
+            params["lm_head"] = jnp.asarray(arr.T, dtype)
     bar.update()
     bar.close()
     return params
@@ -119,7 +160,8 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, str, np.ndarray]]
             raise ModelLoadError(f"{file}: cannot read safetensors file ({e})") from None
 
 
-def load_hf_dir(path: str, *, dtype="float32", progress: bool = False) -> tuple[ModelConfig, dict]:
+def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
+                quantize: str = "none") -> tuple[ModelConfig, dict]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model directory)")
@@ -138,7 +180,7 @@ def load_hf_dir(path: str, *, dtype="float32", progress: bool = False) -> tuple[
         return f"model.layers.{i}.{_LAYER_TENSORS[key][0]}"
 
     top = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    return cfg, _assemble(cfg, get, names, top, path, dtype, progress)
+    return cfg, _assemble(cfg, get, names, top, path, dtype, progress, quantize)
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
@@ -172,7 +214,22 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def load_gguf(path: str, *, dtype="float32", progress: bool = False) -> tuple[ModelConfig, dict]:
+def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
+    """A Q8_0 or Q4_0 tensor as Q8 rows without rounding anything; None for other types."""
+    import gguf
+
+    from quantization.groupwise import from_q4_0_blocks, from_q8_0_blocks
+
+    decode = {gguf.GGMLQuantizationType.Q8_0: from_q8_0_blocks,
+              gguf.GGMLQuantizationType.Q4_0: from_q4_0_blocks}.get(t.tensor_type)
+    if decode is None or len(shape) != 2:
+        return None
+    q, d = decode(np.asarray(t.data).reshape(shape[0], -1), shape[1])
+    return q, d
+
+
+def load_gguf(path: str, *, dtype="float32", progress: bool = False,
+              quantize: str = "none") -> tuple[ModelConfig, dict]:
     import gguf
 
     reader = read_gguf(path)
@@ -188,6 +245,15 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False) -> tuple[Mo
         logical = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         if logical != tuple(shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {tuple(shape)}")
+        if quantize == "q8_0" and key in (*_LINEARS, "embed", "lm_head"):
+            rows = _gguf_q8_rows(t, shape)
+            if rows is not None:
+                if not (np.isfinite(rows[1]).all()):
+                    raise ModelLoadError(f"{path}: tensor {name} has NaN or infinite block scales (corrupt file?)")
+                if permute and key in ("wq", "wk"):
+                    heads = cfg.num_heads if key == "wq" else cfg.num_kv_heads
+                    rows = (_unpermute_rope(rows[0], heads), _unpermute_rope(rows[1], heads))
+                return rows
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         except (ValueError, NotImplementedError, TypeError) as e:
@@ -206,13 +272,14 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False) -> tuple[Mo
         return f"blk.{i}.{_LAYER_TENSORS[key][1]}"
 
     top = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
-    return cfg, _assemble(cfg, get, names, top, path, dtype, progress)
+    return cfg, _assemble(cfg, get, names, top, path, dtype, progress, quantize)
 
 
-def load_model(path: str, *, dtype="float32", progress: bool = False) -> tuple[ModelConfig, dict]:
-    """Load an HF directory or a .gguf file."""
+def load_model(path: str, *, dtype="float32", progress: bool = False,
+               quantize: str = "none") -> tuple[ModelConfig, dict]:
+    """Load an HF directory or a .gguf file (quantize="q8_0": linear weights as group-wise int8)."""
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype=dtype, progress=progress)
+        return load_hf_dir(path, dtype=dtype, progress=progress, quantize=quantize)
     if path.endswith(".gguf") or os.path.isfile(path):
-        return load_gguf(path, dtype=dtype, progress=progress)
+        return load_gguf(path, dtype=dtype, progress=progress, quantize=quantize)
     raise ModelLoadError(f"{path}: not a directory or a .gguf file")

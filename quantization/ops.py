@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.q8_matmul import q8_matmul
 from quantization.weights import INT8_MAX, QuantizedWeight
 
 # XLA:CPU does not fuse an int8->float convert into a matrix-matrix dot: it writes the whole
@@ -27,7 +28,8 @@ W8A8_MIN_ROWS = 8
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
-    """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (int32 for w8a8)."""
+    """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (int32 for w8a8 and,
+    per group of 32 inputs, for q8_0: kernels.q8_matmul, native on CPU)."""
     if w.ndim != 2:
         raise ValueError(
             f"linear expects a 2-D weight [in, out], got shape {tuple(w.shape)}; "
@@ -42,7 +44,9 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
         return y.astype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if w.mode == "w8a16":
+    if w.mode == "q8_0":
+        y = q8_matmul(x2, w.q, w.scale, n=w.shape[1])
+    elif w.mode == "w8a16":
         y = _w8a16(x2, w.q, w.scale)
     elif w.keep_a16 is None:
         y = _w8a8(x2, w.q, w.scale)

@@ -1,0 +1,108 @@
+"""Group-wise int8 weights, mode "q8_0" (llama.cpp's Q8_0): int8 with one f32 scale per 32 input
+channels per output column, packed once at load for kernels.q8_matmul.
+
+Load time only, in numpy, one layer at a time so no second float copy of the model exists. GGUF
+Q8_0 and Q4_0 blocks convert exactly (no requantization); other GGUF types are decoded by the
+`gguf` package one tensor at a time and rounded to Q8_0.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kernels import q8_matmul
+
+GROUP = q8_matmul.GROUP
+INT8_MAX = 127.0
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float rows w [N, K] (one output column per row, GGUF's order) -> (q int8 [N, K], d f32 [N, G]):
+    per 32 inputs d = max|w| / 127 and q = round(w / d), as llama.cpp's quantize_row_q8_0 (with an
+    f32 rather than f16 scale). An all-zero group gets d = 0."""
+    n, k = w.shape
+    kp = -(-k // GROUP) * GROUP
+    wg = np.zeros((n, kp), np.float32)
+    wg[:, :k] = w
+    wg = wg.reshape(n, kp // GROUP, GROUP)
+    d = (np.abs(wg).max(axis=-1) / np.float32(INT8_MAX)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.round(wg * inv[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q.reshape(n, kp)[:, :k], d
+
+
+def dequantize_rows(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """(q int8 [N, K], d [N, G]) -> f32 [N, K], with no temporary as large as the result."""
+    n, k = q.shape
+    if k % GROUP:
+        return (q.astype(np.float32) * np.repeat(d, GROUP, axis=1)[:, :k]).astype(np.float32)
+    out = np.empty((n, k), np.float32)
+    np.multiply(q.reshape(n, k // GROUP, GROUP), d[..., None].astype(np.float32),
+                out=out.reshape(n, k // GROUP, GROUP))
+    return out
+
+
+def from_q8_0_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 rows (u8 [N, K/32*34]: per block an f16 scale then 32 int8) -> (q [N, K], d [N, K/32])."""
+    blocks = raw.reshape(raw.shape[0], k // GROUP, 34)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], k)
+    return q, d
+
+
+def from_q4_0_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_0 rows (per block an f16 scale, then 16 bytes: element j in the low nibble of byte j,
+    element j+16 in the high one, both offset by 8) -> the same values in Q8_0, exactly."""
+    blocks = raw.reshape(raw.shape[0], k // GROUP, 18)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:]
+    q = np.concatenate([(qs & 0x0F), (qs >> 4)], axis=-1).astype(np.int8) - np.int8(8)
+    return q.reshape(raw.shape[0], k), d
+
+
+def stack_packed(layers: list[tuple[np.ndarray, np.ndarray]], k: int, n: int):
+    """Per-layer kernels.q8_matmul.pack outputs -> one QuantizedWeight [L, K, N]; empties `layers`
+    as it goes, so at most one extra host copy of this weight exists at a time."""
+    import jax.numpy as jnp
+
+    from quantization.weights import QuantizedWeight
+
+    packed = np.empty((len(layers), *layers[0][0].shape), np.uint8)
+    scales = np.empty((len(layers), *layers[0][1].shape), np.float32)
+    for i in range(len(layers)):
+        packed[i], scales[i] = layers[i]
+        layers[i] = None
+    layers.clear()
+    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode="q8_0", logical=(k, n))
+
+
+def pack_layers(rows: Sequence[tuple[np.ndarray, np.ndarray]]):
+    """Per-layer (q [N, K], d [N, G]) -> one QuantizedWeight [L, K, N] (leading layer axis), packed."""
+    n, k = rows[0][0].shape
+    return stack_packed([q8_matmul.pack(q, d) for q, d in rows], k, n)
+
+
+def pack_one(q: np.ndarray, d: np.ndarray):
+    """(q [N, K], d [N, G]) -> a QuantizedWeight of logical shape [K, N]."""
+    import jax.numpy as jnp
+
+    from quantization.weights import QuantizedWeight
+
+    packed, scales = q8_matmul.pack(q, d)
+    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode="q8_0",
+                           logical=(q.shape[1], q.shape[0]))
+
+
+def quantize_weight(w) -> object:
+    """A float weight [..., in, out] (array) -> QuantizedWeight "q8_0", one leading index at a time."""
+    w = np.asarray(w)
+    lead = w.shape[:-2]
+    if not lead:
+        return pack_one(*quantize_rows(np.asarray(w, np.float32).T))
+    flat = w.reshape(-1, *w.shape[-2:])
+    qw = pack_layers([quantize_rows(np.asarray(flat[i], np.float32).T) for i in range(flat.shape[0])])
+    if len(lead) == 1:
+        return qw
+    return type(qw)(q=qw.q.reshape(*lead, *qw.q.shape[1:]), scale=qw.scale.reshape(*lead, *qw.scale.shape[1:]),
+                    mode="q8_0", logical=qw.logical)

@@ -1,0 +1,106 @@
+"""Group-wise int8 (q8_0): rounding bounds, exact GGUF block conversion, the QuantizedWeight form,
+quantization.ops.linear through the kernel, and the loader's q8_0 path on tiny and default models."""
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import quants
+
+from quantization import groupwise, ops
+from quantization.weights import QuantizedWeight, quantize, quantize_weight
+from tests.quantization.test_quant_weights import tiny_params
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (7, 70), (3, 1)])
+def test_rows_round_to_within_half_a_step_of_their_group(shape):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(1e-3, 10, (shape[0], 1))
+    w[0, : min(32, shape[1])] = 0.0  # an all-zero group
+    q, d = groupwise.quantize_rows(w)
+    assert q.dtype == np.int8 and q.shape == shape and d.shape == (shape[0], -(-shape[1] // 32))
+    assert np.abs(q).max() <= 127 and d[0, 0] == 0.0
+    step = np.repeat(d, 32, axis=1)[:, : shape[1]]
+    assert np.all(np.abs(groupwise.dequantize_rows(q, d) - w) <= step / 2 * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_convert_exactly(kind):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 96)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = quants.quantize(w, qtype)
+    decode = groupwise.from_q8_0_blocks if kind == "Q8_0" else groupwise.from_q4_0_blocks
+    q, d = decode(raw, 96)
+    np.testing.assert_array_equal(groupwise.dequantize_rows(q, d), quants.dequantize(raw, qtype))
+
+
+def test_quantized_weight_shape_dequantize_and_scan_slicing():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((3, 70, 21)).astype(np.float32)
+    qw = quantize_weight(jnp.asarray(w), "q8_0")
+    assert qw.mode == "q8_0" and qw.shape == (3, 70, 21) and qw.ndim == 3
+    deq = np.asarray(qw.dequantize())
+    assert deq.shape == w.shape
+    assert np.abs(deq - w).max() <= np.abs(w).max() / 127
+    # lax.scan slices the layer axis off the leaves; the logical shape follows
+    _, shapes = jax.lax.scan(lambda c, layer: (c, layer.dequantize().sum(0)), 0.0, qw)
+    np.testing.assert_allclose(np.asarray(shapes), deq.sum(1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("lead", [(), (4,), (2, 3)])
+def test_linear_q8_0_tracks_the_float_matmul(lead):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 40)).astype(np.float32) / np.sqrt(96)
+    x = rng.standard_normal((*lead, 96)).astype(np.float32)
+    qw = quantize_weight(jnp.asarray(w), "q8_0")
+    y = np.asarray(jax.jit(ops.linear)(jnp.asarray(x), qw))
+    want = x @ w
+    assert y.shape == (*lead, 40)
+    # both sides rounded to 8 bits per 32 values: ~1% of the output's scale
+    assert np.abs(y - want).max() < 0.03 * np.abs(want).max()
+
+
+def test_quantize_params_keeps_q8_0_weights_and_quantizes_the_rest():
+    params = tiny_params()
+    pre = quantize_weight(params["layers"]["wq"], "q8_0")
+    params["layers"]["wq"] = pre
+    out = quantize(params, "q8_0", include_embeddings=True)
+    assert out["layers"]["wq"] is pre
+    for name in ("wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert isinstance(out["layers"][name], QuantizedWeight) and out["layers"][name].mode == "q8_0"
+    assert out["lm_head"].shape == params["lm_head"].shape
+    assert out["embed"] is params["embed"]  # a gather, never quantized
+
+
+def test_hf_loader_builds_q8_0_weights_that_track_float(tmp_path):
+    from models.llama import forward_dense
+    from models.loader import load_hf_dir
+    from tests.conftest import build_tiny_hf
+
+    path = build_tiny_hf(str(tmp_path / "tiny"), tie=True)
+    cfg, float_params = load_hf_dir(path)
+    _, q_params = load_hf_dir(path, quantize="q8_0")
+    assert all(isinstance(q_params["layers"][k], QuantizedWeight) for k in ("wq", "w_down"))
+    assert q_params["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)  # tied: int8 rows of the embedding
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    ref = np.asarray(forward_dense(float_params, cfg, tokens))
+    got = np.asarray(forward_dense(q_params, cfg, tokens))
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
+    from models.loader import load_gguf, read_gguf
+    from models.registry import DEFAULT_MODEL, resolve_model
+
+    path = resolve_model(DEFAULT_MODEL)
+    cfg, params = load_gguf(path, quantize="q8_0")
+    raw = next(t for t in read_gguf(path).tensors if t.name == "token_embd.weight")
+    assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"].dequantize()), embed.T)
+    np.testing.assert_array_equal(np.asarray(params["embed"]), embed)
+    assert params["layers"]["w_up"].shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
