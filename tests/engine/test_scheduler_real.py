@@ -46,7 +46,7 @@ def test_randomized_workload_completes_with_alone_outputs(tiny_engine, tiny_mode
     cfg, params = tiny_model
     rnd = random.Random(7)
     engine = _SmallBudget(tiny_engine, num_pages=22)  # 21 usable pages of 8 tokens for 4 slots
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(max_queue=256, prefill_token_budget=24))
+    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(max_queue=256, max_num_batched_tokens=24))
     scheduler.start()
     shared = [[rnd.randrange(3, 256) for _ in range(rnd.choice([8, 16, 24]))] for _ in range(4)]
     requests, cancel_ids = [], set()
@@ -80,7 +80,7 @@ def test_randomized_workload_completes_with_alone_outputs(tiny_engine, tiny_mode
         assert stats.slots_used == 0 and stats.running == 0 and stats.waiting == 0
         blocks = scheduler._blocks
         # every page is free or held only by the prefix cache (refcount 1: the cache's own reference)
-        assert stats.pages_used == blocks.prefix.num_cached
+        assert stats.pages_used == 0 and stats.pages_cached == blocks.prefix.num_cached
         blocks.prefix.clear()
         assert blocks.allocator.num_free == blocks.allocator.num_total
     finally:
