@@ -49,14 +49,21 @@ _V1_ERRORS: dict[int | str, dict[str, Any]] = {
     429: _error("The waiting queue is full; retry after the Retry-After header's seconds.",
                 headers={"Retry-After": {"description": "Seconds to wait before retrying (whole, rounded up).",
                                          "schema": {"type": "integer"}}}),
+    500: _error("An unexpected server error; the details are in the server's log, not in the response."),
     503: _error("Not ready, shutting down, or the engine failed; retry on another replica."),
 }
+
+
+# One server-sent event (the schema applies per event, as OpenAPI 3.2's itemSchema does).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "A chunk as JSON (the response's shape, one choice delta per chunk; a body "
+    "with `error` if the request fails mid-stream), or `[DONE]` last."}}}
 
 
 def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of "
                   "chunks in the same shape, ending with `data: [DONE]`.",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_V1_ERRORS}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_V1_ERRORS}
 
 
 def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20,

@@ -9,7 +9,11 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer, wait_for
+from server.errors import ServiceError
+from server.openai_api import prepare_chat, prepare_completion
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.service import Service, ServiceConfig
+from tests.server.conftest import MODEL, ByteTokenizer, LiveServer, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -189,3 +193,85 @@ def test_not_started_is_503(make_live) -> None:
         live.client().completions.create(model=MODEL, prompt="abc", max_tokens=1)
     assert info.value.status_code == 503
     assert info.value.body["code"] == "engine_unavailable"
+
+
+# ---- issue 12: lone surrogates, strict types, cheap checks first, no internals -------------------
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "a\udfffb"]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content"),
+])
+def test_lone_surrogates_are_400_and_the_connection_stays_usable(live: LiveServer, path: str, body: dict,
+                                                                  param: str) -> None:
+    # json.dumps writes "\ud800" as an escape, as a client's JSON encoder would.
+    raw = json.dumps(body).encode()
+    with live.http() as http:
+        err = _error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        assert err["param"].startswith(param)
+        assert "surrogate" in err["message"] or "unicode" in err["message"].lower()
+        # Same keep-alive connection: a 500 used to reset it.
+        assert http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).json()["choices"][0]["text"] == "de"
+
+
+@pytest.mark.parametrize("field, value", [("stream", "yes"), ("max_tokens", "10"), ("n", 2.0), ("echo", 1),
+                                          ("logprobs", True)])
+def test_strings_and_floats_are_not_coerced(live: LiveServer, field: str, value: Any) -> None:
+    # OpenAI rejects these too; accepting "yes" as true would hide client bugs.
+    with live.http() as http:
+        assert _error(http.post("/v1/completions", json={"prompt": "abc", field: value}), 400)["param"] == field
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.encoded += 1
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(live: LiveServer) -> None:
+    tokenizer = CountingTokenizer()
+    service = Service(live.scheduler, live.engine, tokenizer, ServiceConfig(model_name=MODEL))
+    with pytest.raises(ServiceError) as info:
+        prepare_completion(service, CompletionRequest(prompt=["a"] * 200_000))
+    assert (info.value.status, info.value.param) == (400, "prompt")  # not `n`
+    with pytest.raises(ServiceError) as info:
+        prepare_completion(service, CompletionRequest(prompt=["a"] * 40, n=2))
+    assert info.value.param == "n"
+    with pytest.raises(ServiceError) as info:
+        prepare_completion(service, CompletionRequest(prompt="abc", top_p=0.5, presence_penalty=2, n=16,
+                                                      best_of=3))
+    assert info.value.param == "best_of"
+    with pytest.raises(ServiceError):
+        prepare_chat(service, ChatCompletionRequest(messages=CHAT, top_logprobs=3))
+    assert tokenizer.encoded == 0
+
+
+def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenizing(live: LiveServer) -> None:
+    tokenizer = CountingTokenizer()
+    service = Service(live.scheduler, live.engine, tokenizer, ServiceConfig(model_name=MODEL, max_prompt_bytes=1000))
+    with pytest.raises(ServiceError) as info:
+        prepare_completion(service, CompletionRequest(prompt="a" * 1001))
+    assert (info.value.param, info.value.code) == ("prompt", "context_length_exceeded")
+    assert tokenizer.encoded == 0
+
+
+def test_unexpected_errors_are_500_without_exception_text(make_live) -> None:
+    live = make_live()
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError("secret internal detail")
+
+    live.service.tokenizer.encode = broken  # type: ignore[method-assign]
+    with live.http() as http:
+        err = _error(http.post("/v1/completions", json={"prompt": "abc"}), 500)
+    assert err["code"] == "internal_error" and err["type"] == "server_error"
+    assert "secret" not in err["message"] and "RuntimeError" not in err["message"]
+    assert httpx.get(f"{live.url}/ready").status_code == 200

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -168,3 +170,90 @@ def test_shutdown_deadline_ends_long_streams_with_an_error(make_live) -> None:
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
     live.thread.join(timeout=10)
     assert not live.thread.is_alive()
+
+
+# ---- issue 12: drain with the listener open, read timeouts, connection limit ---------------------
+
+
+def test_drain_answers_503_on_ready_while_the_listener_stays_open(make_live) -> None:
+    live = make_live(step_sleep_s=0.01, shutdown_timeout_s=5)
+    with live.http() as http, http.stream("POST", "/v1/completions",
+                                          json={"prompt": "a", "max_tokens": 60, "stream": True}) as stream:
+        events = _Events(stream)
+        text = events.first()["choices"][0]["text"]
+        live.server.should_exit = True  # what SIGTERM does
+        assert wait_for(lambda: live.service.draining)
+        # Kubernetes reads /ready during the drain: it must get 503, not a refused connection.
+        ready = httpx.get(f"{live.url}/ready")
+        assert ready.status_code == 503
+        refused = httpx.post(f"{live.url}/v1/completions", json={"prompt": "abc", "max_tokens": 1})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        events = events.rest()
+    text += "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert len(text) == 60 and events[-1] == "[DONE]"
+    live.thread.join(timeout=10)
+    assert not live.thread.is_alive() and live.server.drain_seconds is not None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{live.url}/health")
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_headers_are_dropped_after_the_header_timeout(make_live) -> None:
+    live = make_live(header_timeout_s=0.5)
+    socks = [_connect(live.url) for _ in range(20)]
+    for sock in socks:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and never the rest
+    start = time.monotonic()
+    assert all(_closed_by_server(s, within_s=3.0) for s in socks)  # slowloris held them for good
+    assert time.monotonic() - start < 3.0
+    # A keep-alive connection that trickles its second request's head is dropped too.
+    sock = _connect(live.url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"200 OK" in sock.recv(4096)
+    sock.sendall(b"GET /health HTTP/1.1\r\n")
+    assert _closed_by_server(sock, within_s=3.0)
+    for s in [*socks, sock]:
+        s.close()
+    # A normal client is unaffected.
+    assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def test_a_body_that_stops_arriving_is_408(make_live) -> None:
+    live = make_live(body_timeout_s=0.5)
+    sock = _connect(live.url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    sock.settimeout(5)
+    start = time.monotonic()
+    response = sock.recv(4096)
+    assert response.startswith(b"HTTP/1.1 408") and b"request_timeout" in response
+    assert time.monotonic() - start < 3.0
+    sock.close()
+
+
+def test_connections_past_the_limit_get_503(make_live) -> None:
+    live = make_live(max_connections=3)
+    idle = [_connect(live.url) for _ in range(3)]
+    time.sleep(0.2)
+    assert httpx.get(f"{live.url}/health").status_code == 503
+    for s in idle:
+        s.close()
+    assert wait_for(lambda: httpx.get(f"{live.url}/health").status_code == 200)
