@@ -1,8 +1,11 @@
-"""Engine speed on the default model: decode step vs a matmul-only roofline, prefill, compile time.
+"""Engine speed on the default model, one ragged step at a time: decode steps against a matmul-only
+roofline and the KV read floor, the attention op alone, prefill chunks, and mixed steps (decodes
+plus a prefill chunk in one program) against the same work run as separate steps.
 
 Drives JaxEngine through its Engine protocol. Every ratio compares numbers measured in the same run,
 interleaved, because the host is shared. Run from the repo root:
-    .venv/bin/python -m benchmarks.engine_bench [--slots 1,8,32,64] [--skip-compile] [--out bench.json]
+    .venv/bin/python -m benchmarks.engine_bench [--slots 1,8,32] [--context 384] [--quantize q8_0]
+        [--kv-cache-dtype int8] [--out bench.json]
 """
 from __future__ import annotations
 
@@ -13,9 +16,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -23,16 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.profiling import profile_ops
-from engine.api import DecodeRow, PrefillChunk, SlotState
+from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
-from engine.compile_count import enable_compilation_cache
 from engine.runner import EngineConfig, JaxEngine
-from engine.sampling import SamplingArrays
 from models.config import ModelConfig
 from models.layers import linear
-from models.llama import forward_paged
+from kernels.attention import ragged_paged_attention
 from models.loader import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
 
@@ -115,290 +113,223 @@ def matmul_roofline(params: dict, cfg: ModelConfig) -> Callable[[jax.Array], jax
     return functools.partial(run, layers, head)
 
 
-# ---- decode -------------------------------------------------------------------------------------
+# ---- setup --------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class DecodeSetup:
+class Setup:
     engine: JaxEngine
-    pages: list[list[int]]
+    pages: list[list[int]]     # slot -> its pages (slot max_slots - 1 is the prefill scratch sequence)
     context: int
+    step: int = 0              # decode steps taken: positions advance from context
 
 
-def build_engine(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> DecodeSetup:
-    max_slots = max(args.slots)
-    longest = args.context + args.warmup + args.steps + 1
-    pages_per_seq = pages_needed(longest, args.page_size)
-    config = EngineConfig(max_slots=max_slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-                          num_pages=max_slots * pages_per_seq + 1, dtype=args.dtype,
-                          kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def build(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> Setup:
+    slots = max(args.slots) + 1                      # + one for prefill chunks
+    longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths))
+    per_seq = pages_needed(longest, args.page_size)
+    config = EngineConfig(max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
+                          num_pages=slots * per_seq + 1, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens)
     calibration = None
-    if args.quantize != "none":  # as `slipstream serve` does: smoothed on the shipped calibration text
+    if args.quantize in ("w8a16", "w8a8"):  # as `slipstream serve` does: smoothed on the calibration text
         from models.calibration import calibration_text
         from models.registry import load_tokenizer
 
         calibration = load_tokenizer(resolve_model(args.model)).encode(calibration_text())
-    engine = JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration)
-    pages = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(max_slots)]
-    return DecodeSetup(engine, pages, args.context)
+    start = time.perf_counter()
+    engine = JaxEngine(cfg, params, config, calibration_tokens=calibration)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
+    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots)]
+    return Setup(engine, pages, args.context)
 
 
-def prefill_prompts(setup: DecodeSetup, seed: int) -> None:
-    """A distinct random prompt of `context` tokens per slot, prefilled as the scheduler would
-    (all but the last token; the decode step feeds that one)."""
+def fill(setup: Setup, seed: int) -> None:
+    """A distinct random prompt of `context` tokens in every decode slot, prefilled in budget-sized
+    chunks (no sampling), then bound for greedy decoding."""
     engine, rng = setup.engine, np.random.default_rng(seed)
-    chunk = engine.max_prefill_chunk
+    chunk = engine.max_num_batched_tokens
     for slot, pages in enumerate(setup.pages):
+        engine.insert(slot, SlotState([1], [], GREEDY))
         prompt = [int(t) for t in rng.integers(3, engine.vocab_size, setup.context)]
-        for start in range(0, setup.context - 1, chunk):
-            engine.prefill(PrefillChunk(prompt[start:min(start + chunk, setup.context - 1)], start, pages))
-        engine.insert(slot, SlotState(prompt, [], GREEDY))
+        for start in range(0, setup.context, chunk):
+            part = prompt[start:start + chunk]
+            engine.model_logits(StepBatch([StepSeq(slot, part, start, pages, False)]))
     jax.block_until_ready(engine.cache)
 
 
-def decode_rows(setup: DecodeSetup, batch: int, step: int) -> list[DecodeRow]:
-    position = setup.context - 1 + step
-    return [DecodeRow(s, 100 + s, position, setup.pages[s]) for s in range(batch)]
+def decodes(setup: Setup, batch: int) -> list[StepSeq]:
+    position = setup.context + setup.step
+    return [StepSeq(s, [100 + s], position, setup.pages[s], True) for s in range(batch)]
 
 
-def decode_bucket(setup: DecodeSetup, batch: int, args: argparse.Namespace) -> tuple[int, int]:
-    """(batch, pages) bucket of every timed step: the longest row ends at context + warmup + steps."""
+# ---- measurements -------------------------------------------------------------------------------
+
+def attention_only(setup: Setup, batch: int) -> Callable[[], jax.Array]:
+    """The step's attention op alone, once per layer, on the engine's cache: what the model calls."""
+    engine, cfg = setup.engine, setup.engine.model_cfg
+    t = engine.buckets.tokens(batch)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((t, cfg.num_heads, cfg.head_dim), np.float32)).astype(engine.dtype)
+    kv = jnp.asarray(rng.standard_normal((t, cfg.num_kv_heads, cfg.head_dim), np.float32)).astype(engine.dtype)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def run(cache, kv_lens, pages, cu, n):
+        def layer(carry, i):
+            out, cache = ragged_paged_attention(q, kv, kv, carry[1], i, kv_lens, pages, cu, n,
+                                                sm_scale=cfg.head_dim ** -0.5)
+            return (carry[0] + out[0, 0, 0], cache), None
+
+        (acc, cache), _ = jax.lax.scan(layer, (jnp.zeros((), q.dtype), cache),
+                                       jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        return acc, cache
+
+    def call():
+        _, inputs, _ = engine.step_inputs(StepBatch(decodes(setup, batch)))
+        _, _, kv_lens, pages, cu, n, _ = inputs
+        acc, engine.cache = run(engine.cache, kv_lens, pages, cu, n)
+        return acc
+
+    return call
+
+
+def kv_read_bytes(setup: Setup, batch: int) -> int:
     engine = setup.engine
-    return (engine.buckets.decode_batch(batch),
-            engine.buckets.pages(pages_needed(setup.context + args.warmup + args.steps, engine.page_size)))
+    return batch * (setup.context + 1) * engine.bytes_per_token
 
 
-def model_step(setup: DecodeSetup, batch: int, args: argparse.Namespace) -> Callable[[], jax.Array]:
-    """The model program alone, doing what generate() does: forward_paged at the same bucket
-    shapes, block tables and advancing positions, on the engine's params and cache (donated and
-    put back, as the engine does)."""
+def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float, args) -> dict:
     engine, cfg = setup.engine, setup.engine.model_cfg
-    ps = engine.page_size
-    b, p = decode_bucket(setup, batch, args)
-    tokens = np.zeros((b, 1), np.int32)
-    tokens[:batch, 0] = 100 + np.arange(batch)
-    table = np.zeros((b, p), np.int32)
-    for i in range(batch):
-        n = min(p, len(setup.pages[i]))
-        table[i, :n] = setup.pages[i][:n]
-    model_fn = jax.jit(functools.partial(forward_paged, cfg=cfg, page_size=ps, dtype=engine.dtype),
-                       donate_argnames=("cache",))
-    step = [0]
 
-    def model():
-        positions, write = np.zeros((b, 1), np.int32), np.zeros((b, 1), np.int32)
-        for i, row in enumerate(decode_rows(setup, batch, step[0])):
-            positions[i, 0] = row.position
-            write[i, 0] = row.page_ids[row.position // ps] * ps + row.position % ps
-        step[0] += 1
-        logits, engine.cache = model_fn(engine.params, cache=engine.cache, tokens=tokens, positions=positions,
-                                        write_slots=write, block_tables=table, last_index=np.zeros(b, np.int32))
-        return logits
+    def step():
+        engine.step(StepBatch(decodes(setup, batch)))
+        setup.step += 1
 
-    return model
-
-
-def measure_decode(setup: DecodeSetup, roofline: Callable, batch: int, args: argparse.Namespace) -> dict:
-    """Per batch: the engine's full step (generate: host prep, decode, sampling, host fetch), the
-    model program alone, the sampling program alone and the matmul-only roofline, interleaved."""
-    engine, cfg = setup.engine, setup.engine.model_cfg
-    b, p = decode_bucket(setup, batch, args)
-    step = [0]
-
-    def generate():
-        engine.generate(decode_rows(setup, batch, step[0]))
-        step[0] += 1
-
-    # the sampling program alone, as the runner compiles it (its private step body), greedy
-    sample_fn = jax.jit(JaxEngine._sample_step, donate_argnums=(1,))
-    logits = jnp.asarray(np.random.default_rng(0).standard_normal((b, engine.vocab_size), np.float32))
-    state = [(jnp.zeros((b + 1, engine.vocab_size), jnp.int32), jnp.zeros((b + 1, engine.vocab_size), bool))]
-    sarrays = SamplingArrays.from_params([GREEDY] * batch, [0] * batch, [0] * batch, b)
-    slot_ids, active = np.arange(b, dtype=np.int32), np.arange(b) < batch
-
-    def sample():
-        result, state[0] = sample_fn(logits, state[0], slot_ids, active, sarrays)
-        return jax.device_get(result)
-
-    x = jnp.ones((b, cfg.hidden_size), engine.dtype)
-    times = _interleaved({"step": generate, "model": model_step(setup, batch, args), "sample": sample,
-                          "roofline": lambda: roofline(x)}, args.steps, args.warmup)
+    x = jnp.ones((engine.buckets.tokens(batch), cfg.hidden_size), engine.dtype)
+    times = _interleaved({"step": step, "attention": attention_only(setup, batch), "roofline": lambda: roofline(x)},
+                         args.steps, args.warmup)
     ms = {name: _ms(t) for name, t in times.items()}
-    return {"slots": batch, "bucket": [b, p], **{f"{k}_ms": v for k, v in ms.items()},
-            "step_min_ms": min(times["step"]) * 1e3, "tok_s": batch / ms["step"] * 1e3,
-            "host_ms": ms["step"] - ms["model"] - ms["sample"],
-            "step_over_roofline": ms["step"] / ms["roofline"],
-            "model_over_roofline": ms["model"] / ms["roofline"]}
+    kv_ms = kv_read_bytes(setup, batch) / read_bw * 1e3
+    return {"slots": batch, "tokens_bucket": engine.buckets.tokens(batch), **{f"{k}_ms": v for k, v in ms.items()},
+            "tok_s": batch / ms["step"] * 1e3, "step_over_roofline": ms["step"] / ms["roofline"],
+            "kv_read_mb": kv_read_bytes(setup, batch) / 1e6, "kv_read_ms": kv_ms,
+            "attention_over_kv_read": ms["attention"] / kv_ms,
+            "floor_over_roofline": (ms["roofline"] + kv_ms) / ms["roofline"]}
 
 
-def measure_prefill(setup: DecodeSetup, lengths: list[int], reps: int) -> list[dict]:
-    """A fresh sequence's first chunk of each bucket length (pages from slot 0; KV overwritten)."""
+def measure_prefill(setup: Setup, lengths: list[int], reps: int) -> list[dict]:
+    """A fresh sequence's first chunk, sampled at its end (the scratch slot; its KV is overwritten)."""
     engine, rng = setup.engine, np.random.default_rng(1)
-    pages = [page for slot_pages in setup.pages for page in slot_pages]
+    slot = engine.max_slots - 1
     out = []
     for n in lengths:
-        if pages_needed(n, engine.page_size) > len(pages):
-            continue
         prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
-
-        def run():
-            engine.prefill(PrefillChunk(prompt, 0, pages))
-            return engine.cache
-
-        times = _interleaved({"prefill": run}, reps, warmup=1)["prefill"]
+        batch = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
+        times = _interleaved({"prefill": lambda: engine.step(batch)}, reps, warmup=1)["prefill"]
         out.append({"tokens": n, "ms": _ms(times), "tok_s": n / statistics.median(times)})
     return out
 
 
-# ---- compile time (in child processes, so the warm run starts with nothing in memory) ----------
+def measure_mixed(setup: Setup, batch: int, args) -> dict:
+    """`batch` decodes plus a prefill chunk filling the rest of the budget in one step, against the
+    same decodes and the same chunk as two separate steps."""
+    engine, rng = setup.engine, np.random.default_rng(2)
+    slot = engine.max_slots - 1
+    n = engine.max_num_batched_tokens - batch
+    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
+    chunk = StepSeq(slot, prompt, 0, setup.pages[slot], True)
 
-def compile_worker(args: argparse.Namespace) -> None:
-    enable_compilation_cache(args.compile_worker)
-    cfg, params = load_model(resolve_model(args.model))
-    config = EngineConfig(max_slots=args.compile_slots, max_seq_len=args.compile_max_seq_len,
-                          page_size=args.page_size, dtype=args.dtype, num_pages=256)
-    engine = JaxEngine(cfg, params, config, precompile=True)
-    buckets = (len(engine.buckets.decode_shapes()) + len(engine.buckets.prefill_shapes())
-               + len(engine.buckets.decode_batches))
-    print(json.dumps({"seconds": engine.compile_seconds, "programs": buckets}))
+    def mixed():
+        engine.step(StepBatch([*decodes(setup, batch), chunk]))
+        setup.step += 1
 
+    def separate():
+        engine.step(StepBatch(decodes(setup, batch)))
+        engine.step(StepBatch([chunk]))
+        setup.step += 1
 
-def measure_compile(args: argparse.Namespace) -> dict:
-    result = {}
-    with tempfile.TemporaryDirectory(prefix="slipstream-jax-cache-") as cache_dir:
-        for label in ("cold", "warm"):
-            cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--compile-worker", cache_dir,
-                   "--model", args.model, "--dtype", args.dtype, "--page-size", str(args.page_size),
-                   "--compile-slots", str(args.compile_slots),
-                   "--compile-max-seq-len", str(args.compile_max_seq_len)]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"compile worker failed ({label}):\n{done.stderr[-4000:]}")
-            result[label] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    times = _interleaved({"mixed": mixed, "separate": separate}, args.steps, args.warmup)
+    ms = {name: _ms(t) for name, t in times.items()}
+    return {"decodes": batch, "chunk": n, "mixed_ms": ms["mixed"], "separate_ms": ms["separate"],
+            "mixed_over_separate": ms["mixed"] / ms["separate"]}
 
-
-# ---- report -------------------------------------------------------------------------------------
 
 def markdown(report: dict) -> str:
-    ref = report["reference"]
-    lines = [f"{report['model']} {report['dtype']} (weights {report.get('quantize', 'none')}, KV "
-             f"{report.get('kv_cache_dtype', 'auto')}), context {report['context']}, page {report['page_size']}, "
-             f"{report['steps']} steps (median ms); load avg {report['loadavg_start']} -> {report['loadavg_end']}",
-             "", "| slots | bucket (B,P) | step ms | tok/s | model ms | sample ms | host ms | "
-                 "matmul roofline ms | step/roofline | model/roofline | KV read MB | KV read ms | "
-                 "(roofline + KV read)/roofline |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"CPU: {report['cpu']}; {report['mode']}; context {report['context']}; "
+             f"weights read per token {report['weight_mb']:.0f} MB; read bandwidth {report['read_gbs']:.1f} GB/s",
+             "", "| slots | step ms | tok/s | matmul roofline ms | step/roofline | attention ms (30 layers) "
+             "| KV read MB | KV read ms | attention/KV read | (roofline+KV)/roofline |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for d in report["decode"]:
-        lines.append(f"| {d['slots']} | {tuple(d['bucket'])} | {d['step_ms']:.1f} | {d['tok_s']:.0f} | "
-                     f"{d['model_ms']:.1f} | {d['sample_ms']:.1f} | {d['host_ms']:.1f} | {d['roofline_ms']:.1f} | "
-                     f"{d['step_over_roofline']:.2f} | {d['model_over_roofline']:.2f} | {d['kv_read_mb']:.0f} | "
-                     f"{d['kv_read_ms']:.1f} | {d['floor_over_roofline']:.2f} |")
-    lines += ["", f"weights read per token: {ref['weight_mb']:.0f} MB; copy {ref['copy_gb_s']:.1f} GB/s "
-                  f"({ref['copy_mb']} MB array) -> reading the weights once takes {ref['weight_read_copy_ms']:.1f} ms "
-                  f"(read-only sum: {ref['read_gb_s']:.1f} GB/s, {ref['weight_read_sum_ms']:.1f} ms); "
-                  f"batch-1 step / weight read = {ref['batch1_over_weight_read']:.2f}"]
-    if report["prefill"]:
-        lines += ["", "| prefill chunk | ms | tok/s |", "|---:|---:|---:|"]
-        lines += [f"| {p['tokens']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in report["prefill"]]
-    if report.get("profile"):
-        lines += ["", f"decode program at {report['profile_slots']} slots, slowest XLA ops (ms per step, "
-                      "overlapping on the host threads):", "", "| op | calls | ms |", "|---|---:|---:|"]
-        lines += [f"| {p['op']} | {p['calls']} | {p['ms']:.1f} |" for p in report["profile"]]
-    if report.get("compile"):
-        c = report["compile"]
-        lines += ["", f"compile all buckets (max_slots {report['compile_config']['max_slots']}, max_seq_len "
-                      f"{report['compile_config']['max_seq_len']}, {c['cold']['programs']} programs): "
-                      f"cold {c['cold']['seconds']:.1f} s, warm (persistent cache, new process) "
-                      f"{c['warm']['seconds']:.1f} s"]
+        lines.append(f"| {d['slots']} | {d['step_ms']:.1f} | {d['tok_s']:.0f} | {d['roofline_ms']:.1f} | "
+                     f"{d['step_over_roofline']:.2f} | {d['attention_ms']:.1f} | {d['kv_read_mb']:.0f} | "
+                     f"{d['kv_read_ms']:.1f} | {d['attention_over_kv_read']:.2f} | {d['floor_over_roofline']:.2f} |")
+    lines += ["", "| prefill chunk | ms | tok/s |", "|---:|---:|---:|"]
+    lines += [f"| {p['tokens']} | {p['ms']:.1f} | {p['tok_s']:.0f} |" for p in report["prefill"]]
+    if report.get("mixed"):
+        m = report["mixed"]
+        lines += ["", f"Mixed step ({m['decodes']} decodes + a {m['chunk']}-token chunk): {m['mixed_ms']:.1f} ms "
+                      f"in one step vs {m['separate_ms']:.1f} ms as two ({m['mixed_over_separate']:.2f}x)"]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    ap.add_argument("--quantize", default="none", choices=["none", "w8a16", "w8a8"])
-    ap.add_argument("--slots", type=ints, default=[1, 8, 32, 64])
-    ap.add_argument("--context", type=int, default=384, help="prompt tokens per slot before decoding")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch (>= 20)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--prefill-lengths", type=ints, default=[16, 32, 64, 128, 256, 512])
-    ap.add_argument("--prefill-reps", type=int, default=5)
-    ap.add_argument("--copy-mb", type=int, default=256)
-    ap.add_argument("--skip-compile", action="store_true", help="skip the cold/warm compile measurement")
-    ap.add_argument("--compile-slots", type=int, default=32)
-    ap.add_argument("--compile-max-seq-len", type=int, default=2048)
-    ap.add_argument("--profile-slots", type=int, default=0,
-                    help="also list the decode program's slowest XLA ops at this many slots")
-    ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--compile-worker", metavar="CACHE_DIR", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.steps < 20:
-        ap.error("--steps must be >= 20 (medians of fewer steps are noise on a shared host)")
-    return args
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--slots", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--prefill-lengths", default="64,256", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="none")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.compile_worker:
-        compile_worker(args)
-        return
-    loadavg_start = round(os.getloadavg()[0], 1)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}; load {os.getloadavg()}", flush=True)
     cfg, params = load_model(resolve_model(args.model))
-    setup = build_engine(cfg, params, args)
+    setup = build(cfg, params, args)
     engine = setup.engine
-    start = time.perf_counter()
-    prefill_prompts(setup, seed=0)
-    print(f"prefilled {len(setup.pages)} x {args.context} tokens in {time.perf_counter() - start:.1f} s "
-          "(incl. compiles)", file=sys.stderr)
+    fill(setup, seed=0)
+    _, read_s = copy_seconds(256 << 20, reps=5)
+    read_bw = (256 << 20) / read_s
     roofline = matmul_roofline(engine.params, cfg)
-    decode = []
+    report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype}",
+              "context": args.context, "weight_mb": weight_bytes_read_per_token(engine.params) / 1e6,
+              "read_gbs": read_bw / 1e9, "decode": [], "prefill": [], "kernels": _kernel_paths()}
     for batch in args.slots:
-        decode.append(measure_decode(setup, roofline, batch, args))
-        print(f"decode {batch}: {decode[-1]['step_ms']:.1f} ms/step", file=sys.stderr)
-    profile = None
-    if args.profile_slots:
-        profile = [{"op": name, "ms": ms, "calls": calls}
-                   for name, ms, calls in profile_ops(model_step(setup, args.profile_slots, args), 5, 25)]
-    copy_s, read_s = copy_seconds(args.copy_mb << 20, reps=10)
-    wbytes = weight_bytes_read_per_token(engine.params)
-    batch1 = next((d["step_ms"] for d in decode if d["slots"] == 1), float("nan"))
-    reference = {"weight_mb": wbytes / 1e6, "copy_mb": args.copy_mb,
-                 "copy_gb_s": (args.copy_mb << 20) / copy_s / 1e9, "read_gb_s": (args.copy_mb << 20) / read_s / 1e9,
-                 "weight_read_copy_ms": wbytes / ((args.copy_mb << 20) / copy_s) * 1e3,
-                 "weight_read_sum_ms": wbytes / ((args.copy_mb << 20) / read_s) * 1e3}
-    reference["batch1_over_weight_read"] = batch1 / reference["weight_read_copy_ms"]
-    for d in decode:
-        # The KV a step must read at least once (mean context over the timed steps), at the read-only
-        # bandwidth: a floor no attention formulation can beat, next to the matmul-only roofline.
-        kv_bytes = d["slots"] * (args.context + args.warmup + args.steps / 2) * engine.bytes_per_token
-        d["kv_read_mb"] = kv_bytes / 1e6
-        d["kv_read_ms"] = kv_bytes / ((args.copy_mb << 20) / read_s) * 1e3
-        d["floor_over_roofline"] = (d["roofline_ms"] + d["kv_read_ms"]) / d["roofline_ms"]
-    prefill = measure_prefill(setup, args.prefill_lengths, args.prefill_reps)
-    del setup, engine
-    compile_result = None if args.skip_compile else measure_compile(args)
-    report = {"model": args.model, "dtype": args.dtype, "quantize": args.quantize,
-              "kv_cache_dtype": args.kv_cache_dtype, "context": args.context, "page_size": args.page_size,
-              "steps": args.steps, "decode": decode, "reference": reference, "prefill": prefill,
-              "profile": profile, "profile_slots": args.profile_slots,
-              "compile": compile_result,
-              "compile_config": {"max_slots": args.compile_slots, "max_seq_len": args.compile_max_seq_len},
-              "loadavg_start": loadavg_start, "loadavg_end": round(os.getloadavg()[0], 1),
-              "env": {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
-                      "machine": platform.processor() or platform.machine(),
-                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
-              "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.engine_bench",
-                                   *(sys.argv[1:] if argv is None else argv)])}
+        report["decode"].append(measure_decode(setup, roofline, batch, read_bw, args))
+        print(json.dumps(report["decode"][-1]), flush=True)
+    report["prefill"] = measure_prefill(setup, args.prefill_lengths, max(3, args.steps // 2))
+    mixed_batch = min(32, max(args.slots))
+    if mixed_batch < engine.max_num_batched_tokens:
+        report["mixed"] = measure_mixed(setup, mixed_batch, args)
+    report["load_after"] = os.getloadavg()
     print(markdown(report))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 
 
+def _kernel_paths() -> dict:
+    from kernels import kernel_paths
+
+    return kernel_paths()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine.api import DecodeRow, PrefillChunk, SlotState
+from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from engine.runner import EngineConfig, JaxEngine
 from quantization import weight_bytes
@@ -33,17 +33,15 @@ def _decode(engine: JaxEngine, prompts, feed=None):
     pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=MAX_TOP_LOGPROBS)
     for slot, prompt in enumerate(prompts):
-        for start in range(0, len(prompt) - 1, engine.max_prefill_chunk):
-            part = prompt[start:min(start + engine.max_prefill_chunk, len(prompt) - 1)]
-            engine.prefill(PrefillChunk(part, start, pages[slot]))
         engine.insert(slot, SlotState(prompt, [], params))
     outs = [[] for _ in prompts]
-    last = [p[-1] for p in prompts]
+    first = [engine.step(StepBatch([StepSeq(s, list(p), 0, pages[s], True)]))[0] for s, p in enumerate(prompts)]
     for step in range(STEPS):
-        rows = [DecodeRow(s, last[s], len(prompts[s]) - 1 + step, pages[s]) for s in range(len(prompts))]
-        for s, sampled in enumerate(engine.generate(rows)):
+        sampled_rows = first if step == 0 else engine.step(StepBatch(rows))
+        for s, sampled in enumerate(sampled_rows):
             outs[s].append((sampled.token_id, dict(sampled.logprob.top)))
-            last[s] = feed[s][step][0] if feed is not None else sampled.token_id
+        fed = [feed[s][step][0] if feed is not None else outs[s][-1][0] for s in range(len(prompts))]
+        rows = [StepSeq(s, [fed[s]], len(prompts[s]) + step, pages[s], True) for s in range(len(prompts))]
     for slot in range(len(prompts)):
         engine.free(slot)
     return outs

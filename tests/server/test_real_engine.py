@@ -32,7 +32,7 @@ def real_server(tmp_path_factory, default_model_path):
     cfg, params = load_hf_dir(path)
     tokenizer = load_tokenizer(default_model_path)
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
-                                                 prefill_lengths=(16, 64)), eos_token_ids=tuple(tokenizer.eos_token_ids))
+                                                 max_num_batched_tokens=64), eos_token_ids=tuple(tokenizer.eos_token_ids))
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="tiny"))
     app = create_app(service, api_key=None)
