@@ -158,12 +158,6 @@ class Service:
         """Stop admitting new requests (answer 503) while in-flight ones finish."""
         self._draining = True
 
-    @property
-    def idle(self) -> bool:
-        """Nothing running or waiting in the engine."""
-        stats = self.scheduler.stats()
-        return stats.running == 0 and stats.waiting == 0
-
     # ---- request building -------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:

@@ -21,6 +21,7 @@ from server.grpc_service import prepare_decode, start_grpc_server
 from server.proto import generate
 from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
+from server.errors import ServiceError
 from server.service import Service, ServiceConfig
 from tests.server.conftest import BOS, EOS, MODEL, ByteTokenizer, LiveServer, wait_for
 from tests.server.grpc_helpers import GrpcLive, LoopThread, collect, start_grpc, text_request, token_request
@@ -251,3 +252,50 @@ def test_http_and_grpc_on_one_event_loop_serve_at_the_same_time() -> None:
         http_server.should_exit = True
         serving.result(timeout=10)
         loop.close()
+
+
+# ---- issue 12: cheap checks before tokenization, bounded prompts, no internals -------------------
+
+
+class _CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.encoded += 1
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_bad_sampling_field_or_a_huge_text_is_refused_before_tokenizing(live: LiveServer) -> None:
+    tokenizer = _CountingTokenizer()
+    service = Service(live.scheduler, live.engine, tokenizer, ServiceConfig(model_name=MODEL, max_prompt_bytes=1 << 20))
+    huge = "a" * (3 << 20)  # 3 MB: used to be tokenized in full before the context check
+    with pytest.raises(ServiceError) as info:
+        prepare_decode(service, text_request(huge, 5, sampling=pb.SlipstreamSampling(top_p=2.0)), (BOS,))
+    assert info.value.param == "sampling.top_p"
+    with pytest.raises(ServiceError) as info:
+        prepare_decode(service, text_request(huge, 5), (BOS,))
+    assert (info.value.param, info.value.code) == ("text_content.text", "context_length_exceeded")
+    assert tokenizer.encoded == 0
+
+
+def test_values_int32_float32_cannot_use_are_invalid_argument(rpc: GrpcLive) -> None:
+    for sampling, field in ((pb.SlipstreamSampling(top_k=-5), "top_k"),
+                            (pb.SlipstreamSampling(temperature=float("inf")), "temperature"),
+                            (pb.SlipstreamSampling(seed=2**64 - 1), "seed"),
+                            (pb.SlipstreamSampling(repetition_penalty=1e-30), "repetition_penalty")):
+        error = _code(lambda: list(rpc.stub.Decode(text_request("abc", 3, sampling=sampling))))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"sampling.{field}" in error.details()
+
+
+def test_an_unexpected_error_is_internal_without_its_text(make_rpc) -> None:
+    live, rpc = make_rpc()
+
+    def broken(*args: Any, **kwargs: Any) -> list[int]:
+        raise RuntimeError("secret internal detail")
+
+    live.service.tokenizer.encode = broken  # type: ignore[method-assign]
+    error = _code(lambda: list(rpc.stub.Decode(text_request("abc", 3))))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in error.details() and "RuntimeError" not in error.details()
