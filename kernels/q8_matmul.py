@@ -1,5 +1,7 @@
-"""Group-wise int8 matmul in llama.cpp's Q8_0 layout: weights int8 with one f32 scale per 32 input
-channels per output column, activations quantized per row and group of 32 at run time.
+"""Group-wise int8 matmul in llama.cpp's Q8_0 layout: weights int8 with one f32 scale (and, for
+asymmetric sources such as GGUF Q4_1, one f32 offset) per 32 input channels per output column;
+activations quantized per row and group of 32 at run time, in one int8 part (as llama.cpp does) or
+two (the rounding residual as a second int8 row: ~15-bit activations for twice the multiplies).
 
 `q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/csrc/q8_matmul.cc,
 through XLA's FFI); elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same
@@ -27,90 +29,127 @@ def padded(k: int, n: int) -> tuple[int, int]:
     return -(-k // GROUP) * GROUP, -(-n // TILE) * TILE
 
 
-def pack(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """Weights q int8 [N, K] (row n: output column n, as GGUF stores them) with scales d f32
-    [N, ceil(K/32)] -> (packed u8 [Np/16, Kp*16], scales f32 [Np/16, Kp/32*16]).
+    [N, ceil(K/32)] and optional offsets m like d (w = q * d + m per group) -> (packed u8
+    [Np/16, Kp*16], scales f32 [Np/16, Kp/32*16]) plus offsets laid out like scales when m is given.
 
     packed[t] holds tile t (columns 16t..16t+15) as [Kp/4][16][4]: 4 consecutive inputs of one column
-    per int32 lane, 16 columns per 64 bytes, q + 128 stored unsigned. Padding is q = 0, d = 0.
+    per int32 lane, 16 columns per 64 bytes, q + 128 stored unsigned. Padding is q = 0, d = m = 0.
     """
     n, k = q.shape
     kp, np_ = padded(k, n)
-    if q.dtype != np.int8 or d.shape != (n, kp // GROUP):
-        raise ValueError(f"pack expects int8 q [N, K] and f32 d [N, ceil(K/32)]; got q {q.dtype} "
-                         f"{q.shape}, d {d.shape}")
-    full = np.zeros((np_, kp), np.uint8)
+    if q.dtype != np.int8 or d.shape != (n, kp // GROUP) or (m is not None and m.shape != d.shape):
+        raise ValueError(f"pack expects int8 q [N, K] and f32 d (and m) [N, ceil(K/32)]; got q {q.dtype} "
+                         f"{q.shape}, d {d.shape}" + ("" if m is None else f", m {m.shape}"))
+    full = np.full((np_, kp), SHIFT, np.uint8)
     full[:n, :k] = (q.astype(np.int16) + SHIFT).astype(np.uint8)
-    full[:n, k:] = SHIFT
-    full[n:] = SHIFT
     packed = full.reshape(np_ // TILE, TILE, kp // 4, 4).transpose(0, 2, 1, 3).reshape(np_ // TILE, kp * TILE)
-    s = np.zeros((np_, kp // GROUP), np.float32)
-    s[:n] = d
-    scales = s.reshape(np_ // TILE, TILE, kp // GROUP).transpose(0, 2, 1).reshape(np_ // TILE, kp // GROUP * TILE)
-    return np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+
+    def per_group(v: np.ndarray) -> np.ndarray:
+        s = np.zeros((np_, kp // GROUP), np.float32)
+        s[:n] = v
+        return np.ascontiguousarray(s.reshape(np_ // TILE, TILE, kp // GROUP).transpose(0, 2, 1)
+                                    .reshape(np_ // TILE, kp // GROUP * TILE))
+
+    out = (np.ascontiguousarray(packed), per_group(d))
+    return out if m is None else (*out, per_group(m))
 
 
 def unpack(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of pack, padding kept: (q int32 [Np, Kp], d f32 [Np, Kp/32])."""
+    """Inverse of pack, padding kept: (q int32 [..., Np, Kp], d f32 [..., Np, Kp/32]); offsets unpack
+    like scales (unpack_groups)."""
     tiles, width = packed.shape[-2:]
     kp = width // TILE
     lead = packed.shape[:-2]
     q = packed.reshape(*lead, tiles, kp // 4, TILE, 4)
     q = jnp.swapaxes(q, -3, -2).reshape(*lead, tiles * TILE, kp).astype(jnp.int32) - SHIFT
-    d = jnp.swapaxes(scales.reshape(*lead, tiles, kp // GROUP, TILE), -2, -1)
-    return q, d.reshape(*lead, tiles * TILE, kp // GROUP)
+    return q, unpack_groups(scales)
 
 
-def quantize_activations(x: jax.Array, kp: int) -> tuple[jax.Array, jax.Array]:
-    """x f32 [M, K] -> (xq int8 [M, Kp/32, 32], xs f32 [M, Kp/32]), as llama.cpp's
-    quantize_row_q8_0: xs = max|x| / 127, xq = round-half-even(x * (1 / xs)); the kernel matches."""
+def unpack_groups(v: jax.Array) -> jax.Array:
+    """Scales or offsets f32 [..., Np/16, G*16] -> [..., Np, G]."""
+    tiles, width = v.shape[-2:]
+    lead = v.shape[:-2]
+    g = width // TILE
+    return jnp.swapaxes(v.reshape(*lead, tiles, g, TILE), -2, -1).reshape(*lead, tiles * TILE, g)
+
+
+def quantize_activations(x: jax.Array, kp: int, parts: int = 1) -> tuple[jax.Array, jax.Array]:
+    """x f32 [M, K] -> (xq int8 [parts, M, Kp/32, 32], xs f32 [parts, M, Kp/32]), as llama.cpp's
+    quantize_row_q8_0: xs = max|x| / 127, xq = round-half-even(x * (1 / xs)); with parts = 2 the
+    residual x - xq * xs again, with scale xs / 254. The kernel does the same operations."""
     m, k = x.shape
-    xg = jnp.pad(x, ((0, 0), (0, kp - k))).reshape(m, kp // GROUP, GROUP)
-    xs = jnp.max(jnp.abs(xg), axis=-1) / INT8_MAX
-    inv = jnp.where(xs > 0, 1.0 / jnp.where(xs > 0, xs, 1.0), 0.0)
-    xq = jnp.clip(jnp.round(xg * inv[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return xq, xs
+    v = jnp.pad(x, ((0, 0), (0, kp - k))).reshape(m, kp // GROUP, GROUP)
+    d = jnp.max(jnp.abs(v), axis=-1) / INT8_MAX
+    qs, ds = [], []
+    for part in range(parts):
+        inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+        q = jnp.clip(jnp.round(v * inv[..., None]), -INT8_MAX, INT8_MAX)
+        qs.append(q.astype(jnp.int8))
+        ds.append(d)
+        v = v - q * d[..., None]
+        d = d / 254.0
+    return jnp.stack(qs), jnp.stack(ds)
 
 
-def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int) -> jax.Array:
-    """x f32 [M, K] -> f32 [M, n]: per group g, the exact int32 dot of xq and q, times xs * d,
-    summed over groups in order (the kernel's math; only float rounding may differ)."""
-    m = x.shape[0]
+def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
+              n: int, parts: int = 1) -> jax.Array:
+    """x f32 [M, K] -> f32 [M, n]: per group g and part, the exact int32 dot of xq and q times
+    xs * d, summed over groups in order; plus offsets times each group's sum of x (the kernel's
+    math; only float rounding may differ)."""
+    m, k = x.shape
     q, d = unpack(packed, scales)                                   # [Np, Kp], [Np, G]
     kp = q.shape[1]
-    xq, xs = quantize_activations(x, kp)                            # [M, G, 32], [M, G]
+    xq, xs = quantize_activations(x, kp, parts)                     # [P, M, G, 32], [P, M, G]
     qg = jnp.moveaxis(q.reshape(q.shape[0], kp // GROUP, GROUP), 1, 0)  # [G, Np, 32]
+    xq = xq.reshape(parts * m, kp // GROUP, GROUP)
+    xs = xs.reshape(parts * m, kp // GROUP)
 
     def group(y, g):
-        xq_g, xs_g, q_g, d_g = g                                    # [M,32], [M], [Np,32], [Np]
-        dot = jax.lax.dot_general(xq_g.astype(jnp.int32), q_g, (((1,), (1,)), ((), ())))  # [M, Np]
+        xq_g, xs_g, q_g, d_g = g                                    # [PM,32], [PM], [Np,32], [Np]
+        dot = jax.lax.dot_general(xq_g.astype(jnp.int32), q_g, (((1,), (1,)), ((), ())))  # [PM, Np]
         return y + dot.astype(jnp.float32) * (d_g[None, :] * xs_g[:, None]), None
 
-    y0 = jnp.zeros((m, q.shape[0]), jnp.float32)
+    y0 = jnp.zeros((parts * m, q.shape[0]), jnp.float32)
     y, _ = jax.lax.scan(group, y0, (jnp.moveaxis(xq, 1, 0), xs.T, qg, d.T))
+    y = y.reshape(parts, m, -1).sum(axis=0)
+    if offsets is not None:
+        sums = jnp.pad(x, ((0, 0), (0, kp - k))).reshape(m, kp // GROUP, GROUP).sum(-1)  # [M, G]
+        y = y + jnp.dot(sums, unpack_groups(offsets).T, precision=jax.lax.Precision.HIGHEST)
     return y[:, :n]
 
 
-def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int) -> jax.Array:
+def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, *, n: int,
+            parts: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales)
+    if offsets is None:
+        offsets = jnp.zeros((0,), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, parts=np.int32(parts))
 
 
-def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int) -> jax.Array:
-    """x [..., K] (any float dtype) times a packed Q8_0 weight -> f32 [..., n]."""
+def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
+              n: int, parts: int = 1) -> jax.Array:
+    """x [..., K] (any float dtype) times a packed weight -> f32 [..., n]. parts: 1 (int8
+    activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual)."""
     k = x.shape[-1]
     kp, np_ = padded(k, n)
-    if packed.shape != (np_ // TILE, kp * TILE) or scales.shape != (np_ // TILE, kp // GROUP * TILE):
+    group_shape = (np_ // TILE, kp // GROUP * TILE)
+    if (packed.shape != (np_ // TILE, kp * TILE) or scales.shape != group_shape
+            or (offsets is not None and offsets.shape != group_shape)):
         raise ValueError(f"q8_matmul: packed {packed.shape} / scales {scales.shape} do not hold a "
-                         f"[{k}, {n}] weight (expected {(np_ // TILE, kp * TILE)} / "
-                         f"{(np_ // TILE, kp // GROUP * TILE)}); build them with kernels.q8_matmul.pack")
+                         f"[{k}, {n}] weight (expected {(np_ // TILE, kp * TILE)} / {group_shape}, "
+                         "offsets like scales); build them with kernels.q8_matmul.pack")
+    if parts not in (1, 2):
+        raise ValueError(f"q8_matmul: parts must be 1 or 2, got {parts}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    ref = functools.partial(reference, n=n)
+    ref = functools.partial(reference, n=n, parts=parts)
     if native.load("q8_matmul", "q8_matmul"):
-        y = jax.lax.platform_dependent(x2, packed, scales, cpu=functools.partial(_native, n=n), default=ref)
+        y = jax.lax.platform_dependent(x2, packed, scales, offsets,
+                                       cpu=functools.partial(_native, n=n, parts=parts), default=ref)
     else:
-        y = ref(x2, packed, scales)
+        y = ref(x2, packed, scales, offsets)
     return y.reshape(*lead, n)
 
 

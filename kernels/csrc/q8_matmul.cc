@@ -1,24 +1,31 @@
 // Group-wise int8 matmul (llama.cpp's Q8_0 layout) as an XLA FFI custom call on CPU.
 //
-//   y[m, n] = sum_g  f32(sum_{k in g} xq[m, k] * w[n, k]) * (xs[m, g] * ws[n, g])
+//   y[m, n] = sum_g sum_p f32(sum_{k in g} xq_p[m, k] * w[n, k]) * (xs_p[m, g] * ws[n, g])
+//           + sum_g wo[n, g] * sum_{k in g} x[m, k]                          (only with offsets)
 //
-// w: int8 weights with one f32 scale ws per 32 input channels per output column, prepacked at
-// load (kernels/q8_matmul.py, pack()) as
-//   packed  u8  [Np/16][Kp/4][16][4]   w + 128, so 16 columns x 4 inputs fill one 64-byte vector
-//   scales  f32 [Np/16][Kp/32][16]
-// (Np, Kp: N and K rounded up to 16 and 32; padding is zero weight, zero scale).
+// w: int8 weights with one f32 scale ws (and optionally one f32 offset wo) per 32 input channels
+// per output column, prepacked at load (kernels/q8_matmul.py, pack()) as
+//   packed   u8  [Np/16][Kp/4][16][4]   w + 128, so 16 columns x 4 inputs fill one 64-byte vector
+//   scales   f32 [Np/16][Kp/32][16]
+//   offsets  f32 [Np/16][Kp/32][16]     or empty (the weight is q * scale, as in Q8_0)
+// (Np, Kp: N and K rounded up to 16 and 32; padding is zero weight, zero scale, zero offset).
+// The offsets hold GGUF's asymmetric blocks (Q4_1: d * q + m) exactly.
 // x is quantized here, per row and group of 32, as llama.cpp's quantize_row_q8_0 does:
-// xs = max|x| / 127, xq = round-to-nearest-even(x / xs) in [-127, 127].
+// xs = max|x| / 127, xq = round-to-nearest-even(x / xs) in [-127, 127]. With parts = 2 the rounding
+// residual is quantized again (scale xs / 254) as a second int8 row, so x is held to ~15 bits for
+// twice the multiply work: p runs over the parts.
 //
 // vpdpbusd multiplies unsigned by signed bytes. The weights are the unsigned side (w + 128), the
 // activations the signed side, so the shift costs 128 * sum_{k in g} xq[m, k] per row and group:
 // the int32 accumulator starts at minus that, and no per-column correction has to be read.
 //
-// Work split: items are (block of up to 64 rows, chunk of 64 columns), row-block major, claimed
-// from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op pool
-// (a helper that starts late finds no work and returns). The first item to touch a row block
-// quantizes its rows; others wait for that (it is running, so the wait is short). Within an item
-// the weight panel of C tiles (C*16 columns x Kp) stays in L2 while R-row micro blocks stream past.
+// Work split: items are (chunk of 64 columns, block of up to 64 rows), column-chunk major so that
+// a chunk's weights come from memory once and serve every row block from cache (the LM head's
+// 28 MB does not stay in L3 across row blocks). Items are claimed from an atomic counter by the
+// calling thread and by helpers scheduled on XLA's intra-op pool (a helper that starts late finds
+// no work and returns). The first item to touch a row block quantizes its rows; others wait for
+// that (it is running, so the wait is short). Within an item the weight panel of C tiles
+// (C*16 columns x Kp) stays in L1/L2 while R-row micro blocks stream past.
 //
 // Instruction sets, chosen at run time: AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
@@ -72,13 +79,21 @@ const char* IsaName(Isa isa) {
   }
 }
 
-// Quantized activations: one row per m, Kp bytes, plus per group its scale and the accumulator's
-// starting value -128 * sum(xq).
+// Quantized activations: `parts` int8 rows per input row (act row m * parts + p), Kp bytes each,
+// and per act row and group its scale, the accumulator's starting value -128 * sum(xq), and the
+// float sum of x (part 0; 0 for part 1) that the weight offsets multiply.
 struct Acts {
-  int kp = 0, groups = 0;
+  int kp = 0, groups = 0, parts = 1;
   std::vector<int8_t> q;
-  std::vector<float> scale;
+  std::vector<float> scale, sum;
   std::vector<int32_t> bias;
+  void Resize(int rows) {
+    const size_t act_rows = static_cast<size_t>(rows) * parts;
+    q.resize(act_rows * kp);
+    scale.resize(act_rows * groups);
+    sum.resize(act_rows * groups);
+    bias.resize(act_rows * groups);
+  }
 };
 
 // Shapes of one call. Tiles of 16 columns; tile t's weights start at w + t * tile_bytes.
@@ -87,61 +102,198 @@ struct Problem {
   int m, k;  // x is [m, k]
   const uint8_t* w;
   const float* ws;
-  int n, kp, groups, tiles;
+  const float* wo;  // offsets, or nullptr
+  int n, kp, groups, tiles, parts;
   float* y;  // [m, n]
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
 };
 
-// ---- activation quantization (portable; a small share of the work) ----------------------------
+// ---- activation quantization: per row and group of 32 -----------------------------------------
+// All paths compute d = amax / 127, id = 1 / d (0 for an all-zero group), q = round-half-even(x * id),
+// in f32 with the same operations, so they agree bit for bit with each other and with the reference.
+// The second part quantizes r = x - q * d with d2 = d / 254 the same way (|r| <= d / 2).
 
-void QuantizeRow(const float* x, int k, Acts& a, int row) {
-  int8_t* q = a.q.data() + static_cast<size_t>(row) * a.kp;
-  for (int g = 0; g < a.groups; ++g) {
-    const int lo = g * kGroup, hi = std::min(lo + kGroup, k);
-    float amax = 0.f;
-    for (int i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float d = amax / 127.f;
+struct GroupOut {  // where one group of one input row goes
+  int8_t* q[2];
+  float* scale[2];
+  float* sum[2];
+  int32_t* bias[2];
+};
+
+GroupOut Slot(Acts& a, int row, int g) {
+  GroupOut o;
+  for (int part = 0; part < 2; ++part) {
+    const size_t ar = static_cast<size_t>(row) * a.parts + std::min(part, a.parts - 1);
+    o.q[part] = a.q.data() + ar * a.kp + g * kGroup;
+    o.scale[part] = &a.scale[ar * a.groups + g];
+    o.sum[part] = &a.sum[ar * a.groups + g];
+    o.bias[part] = &a.bias[ar * a.groups + g];
+  }
+  return o;
+}
+
+// v: 32 values (zero-padded past K).
+void QuantizeGroupPortable(const float* v, int parts, const GroupOut& o) {
+  float amax = 0.f, sum = 0.f;
+  for (int i = 0; i < kGroup; ++i) {
+    amax = std::max(amax, std::fabs(v[i]));
+    sum += v[i];
+  }
+  float r[kGroup];
+  float d = amax / 127.f;
+  for (int part = 0; part < parts; ++part) {
     const float id = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int i = lo; i < lo + kGroup; ++i) {
-      float v = i < hi ? std::nearbyint(x[i] * id) : 0.f;  // default rounding: nearest even
-      v = std::min(127.f, std::max(-127.f, v));
-      q[i] = static_cast<int8_t>(v);
-      sum += q[i];
+    int32_t total = 0;
+    for (int i = 0; i < kGroup; ++i) {
+      const float x = part == 0 ? v[i] : r[i];
+      float q = std::nearbyint(x * id);  // default rounding: nearest even
+      q = std::min(127.f, std::max(-127.f, q));
+      o.q[part][i] = static_cast<int8_t>(q);
+      total += static_cast<int32_t>(q);
+      if (part == 0) r[i] = v[i] - q * d;
     }
-    a.scale[static_cast<size_t>(row) * a.groups + g] = d;
-    a.bias[static_cast<size_t>(row) * a.groups + g] = -128 * sum;
+    *o.scale[part] = d;
+    *o.bias[part] = -128 * total;
+    *o.sum[part] = part == 0 ? sum : 0.f;
+    d = d / 254.f;
   }
 }
 
-// ---- micro kernels: R rows x C tiles over all of K --------------------------------------------
-// Each writes y[row0 + r, n0 + 16 c + j] for columns below p.n.
+void QuantizeRowPortable(const float* x, int k, Acts& a, int row) {
+  for (int g = 0; g < a.groups; ++g) {
+    float v[kGroup] = {};
+    const int base = g * kGroup, n = std::min(kGroup, k - base);
+    std::memcpy(v, x + base, sizeof(float) * n);
+    QuantizeGroupPortable(v, a.parts, Slot(a, row, g));
+  }
+}
+
+#if defined(Q8_X86)
+
+__attribute__((target("avx512f,avx512bw")))
+void QuantizeRowAvx512(const float* x, int k, Acts& a, int row) {
+  const __m512i lo_clamp = _mm512_set1_epi32(-127), hi_clamp = _mm512_set1_epi32(127);
+  for (int g = 0; g < a.groups; ++g) {
+    const GroupOut o = Slot(a, row, g);
+    const int base = g * kGroup;
+    const int n0 = std::max(0, std::min(16, k - base)), n1 = std::max(0, std::min(16, k - base - 16));
+    __m512 v0 = _mm512_maskz_loadu_ps(__mmask16((1u << n0) - 1), x + base);
+    __m512 v1 = _mm512_maskz_loadu_ps(__mmask16((1u << n1) - 1), x + base + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    *o.sum[0] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    float d = amax / 127.f;
+    for (int part = 0; part < a.parts; ++part) {
+      const __m512 dv = _mm512_set1_ps(d);
+      const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      // cvtps rounds with MXCSR's mode: nearest even unless someone changed it (as nearbyint would follow)
+      const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), lo_clamp), hi_clamp);
+      const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, id)), lo_clamp), hi_clamp);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q[part]), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q[part] + 16), _mm512_cvtepi32_epi8(q1));
+      *o.scale[part] = d;
+      *o.bias[part] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      if (part == 1) {
+        *o.sum[1] = 0.f;
+        break;
+      }
+      v0 = _mm512_sub_ps(v0, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv));
+      v1 = _mm512_sub_ps(v1, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv));
+      d = d / 254.f;
+    }
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void QuantizeRowAvx2(const float* x, int k, Acts& a, int row) {
+  if (a.parts != 1) return QuantizeRowPortable(x, k, a, row);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i lo_clamp = _mm256_set1_epi32(-127), hi_clamp = _mm256_set1_epi32(127);
+  for (int g = 0; g < a.groups; ++g) {
+    const GroupOut o = Slot(a, row, g);
+    const int base = g * kGroup;
+    if (base + kGroup > k) {  // the ragged last group: the portable loop on a zero-padded copy
+      float v[kGroup] = {};
+      std::memcpy(v, x + base, sizeof(float) * (k - base));
+      QuantizeGroupPortable(v, 1, o);
+      continue;
+    }
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + base + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+      s = _mm256_add_ps(s, v[i]);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    const float d = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i qi[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)), lo_clamp), hi_clamp);
+      sum = _mm256_add_epi32(sum, qi[i]);
+    }
+    // int32 -> int8 keeping order: the packs work per 128-bit lane, the permute undoes that
+    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q[0]), p8);
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    *o.scale[0] = d;
+    *o.bias[0] = -128 * _mm_cvtsi128_si32(t4);
+    *o.sum[0] = _mm_cvtss_f32(s4);
+  }
+}
+
+#endif  // Q8_X86
+
+void QuantizeRow(Isa isa, const float* x, int k, Acts& a, int row) {
+#if defined(Q8_X86)
+  if (isa == Isa::kAvx512Vnni) return QuantizeRowAvx512(x, k, a, row);
+  if (isa == Isa::kAvx2) return QuantizeRowAvx2(x, k, a, row);
+#endif
+  QuantizeRowPortable(x, k, a, row);
+}
+
+// ---- micro kernels: R act rows x C tiles over all of K ------------------------------------------
+// Act rows row0 .. row0 + R - 1 (row0 and R multiples of p.parts); each writes the output rows
+// (row0 + r) / parts, summing its parts, for columns below p.n.
 
 template <int R, int C>
 void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
   float f[R][C][kTile] = {};
   for (int g = 0; g < p.groups; ++g) {
     for (int r = 0; r < R; ++r) {
+      const size_t ag = static_cast<size_t>(row0 + r) * p.groups + g;
       const int8_t* xq = a.q.data() + static_cast<size_t>(row0 + r) * p.kp + g * kGroup;
-      const float xs = a.scale[static_cast<size_t>(row0 + r) * p.groups + g];
-      const int32_t bias = a.bias[static_cast<size_t>(row0 + r) * p.groups + g];
       for (int c = 0; c < C; ++c) {
         const uint8_t* w = p.w + (tile0 + c) * p.tile_bytes() + static_cast<size_t>(g) * kGroup * kTile;
         const float* ws = p.ws + (tile0 + c) * p.tile_scales() + g * kTile;
         int32_t acc[kTile];
-        for (int j = 0; j < kTile; ++j) acc[j] = bias;
+        for (int j = 0; j < kTile; ++j) acc[j] = a.bias[ag];
         for (int k4 = 0; k4 < kGroup / 4; ++k4)
           for (int j = 0; j < kTile; ++j)
             for (int i = 0; i < 4; ++i) acc[j] += int32_t(w[(k4 * kTile + j) * 4 + i]) * xq[k4 * 4 + i];
-        for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (ws[j] * xs);
+        for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (ws[j] * a.scale[ag]);
+        if (p.wo) {
+          const float* wo = p.wo + (tile0 + c) * p.tile_scales() + g * kTile;
+          for (int j = 0; j < kTile; ++j) f[r][c][j] += wo[j] * a.sum[ag];
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; r += p.parts)
     for (int c = 0; c < C; ++c) {
       const int n0 = (tile0 + c) * kTile;
-      for (int j = 0; j < kTile && n0 + j < p.n; ++j) p.y[static_cast<size_t>(row0 + r) * p.n + n0 + j] = f[r][c][j];
+      float* out = p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0;
+      for (int j = 0; j < kTile && n0 + j < p.n; ++j) out[j] = p.parts == 2 ? f[r][c][j] + f[r + 1][c][j] : f[r][c][j];
     }
 }
 
@@ -155,8 +307,10 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
   const uint8_t* w = p.w + tile0 * p.tile_bytes();
   const float* ws = p.ws + tile0 * p.tile_scales();
+  const float* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
   const int8_t* xq = a.q.data() + static_cast<size_t>(row0) * p.kp;
   const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
+  const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
   const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
   for (int g = 0; g < p.groups; ++g) {
     __m512i acc[R][C];
@@ -182,12 +336,21 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
         f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), s, f[r][c]);
       }
     }
+    if (wo) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 oc = _mm512_loadu_ps(wo + c * p.tile_scales() + g * kTile);
+        for (int r = 0; r < R; ++r) f[r][c] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[r * p.groups + g]), f[r][c]);
+      }
+    }
   }
   for (int c = 0; c < C; ++c) {
     const int n0 = (tile0 + c) * kTile;
     const int valid = std::min(kTile, p.n - n0);
     const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, f[r][c]);
+    for (int r = 0; r < R; r += p.parts) {
+      const __m512 v = p.parts == 2 ? _mm512_add_ps(f[r][c], f[r + 1][c]) : f[r][c];
+      _mm512_mask_storeu_ps(p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0, mask, v);
+    }
   }
 }
 
@@ -205,6 +368,7 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* w = p.w + tile0 * p.tile_bytes();
   const float* ws = p.ws + tile0 * p.tile_scales();
+  const float* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
   for (int g = 0; g < p.groups; ++g) {
     __m256i acc[R][V];
     for (int r = 0; r < R; ++r)
@@ -228,22 +392,26 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
       }
     }
     for (int v = 0; v < V; ++v) {
-      const __m256 sc = _mm256_loadu_ps(ws + (v / 2) * p.tile_scales() + g * kTile + (v % 2) * 8);
+      const size_t so = (v / 2) * p.tile_scales() + g * kTile + (v % 2) * 8;
+      const __m256 sc = _mm256_loadu_ps(ws + so);
       for (int r = 0; r < R; ++r) {
-        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(a.scale[static_cast<size_t>(row0 + r) * p.groups + g]));
+        const size_t ag = static_cast<size_t>(row0 + r) * p.groups + g;
+        const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(a.scale[ag]));
         f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]), s, f[r][v]);
+        if (wo) f[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(wo + so), _mm256_set1_ps(a.sum[ag]), f[r][v]);
       }
     }
   }
   for (int v = 0; v < V; ++v) {
     const int n0 = (tile0 + v / 2) * kTile + (v % 2) * 8;
-    for (int r = 0; r < R; ++r) {
-      float* out = p.y + static_cast<size_t>(row0 + r) * p.n + n0;
+    for (int r = 0; r < R; r += p.parts) {
+      const __m256 val = p.parts == 2 ? _mm256_add_ps(f[r][v], f[r + 1][v]) : f[r][v];
+      float* out = p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0;
       if (n0 + 8 <= p.n) {
-        _mm256_storeu_ps(out, f[r][v]);
+        _mm256_storeu_ps(out, val);
       } else if (n0 < p.n) {
         alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, f[r][v]);
+        _mm256_store_ps(tmp, val);
         std::memcpy(out, tmp, sizeof(float) * (p.n - n0));
       }
     }
@@ -280,14 +448,15 @@ TileFn PickTile(Isa isa, int rows, int tiles) {
   return table[static_cast<int>(isa)][rows - 1][tiles - 1];
 }
 
-// Micro-block shape per ISA: (rows, tiles). One row streams 4 tiles (more loads in flight);
-// several rows reuse each weight vector from a register.
-void MicroShape(Isa isa, int rows_left, int* r, int* c) {
-  if (rows_left == 1) {
-    *r = 1;
-    *c = 4;
+// Micro-block shape per ISA: (act rows, tiles). One input row streams 4 tiles (more loads in
+// flight); several act rows reuse each weight vector from a register. rows_left is a multiple of
+// parts, and so is the chosen row count.
+void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
+  if (rows_left == parts) {
+    *r = parts;
+    *c = isa == Isa::kAvx2 && parts == 2 ? 1 : 4;
   } else if (isa == Isa::kAvx2) {
-    *r = std::min(rows_left, 2);
+    *r = 2;
     *c = 1;
   } else {
     *r = std::min(rows_left, 4);
@@ -311,7 +480,7 @@ struct Job {
     int expected = 0;
     if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
       const int lo = rb * kRowBlock, hi = std::min(lo + kRowBlock, p.m);
-      for (int row = lo; row < hi; ++row) QuantizeRow(p.x + static_cast<size_t>(row) * p.k, p.k, acts, row);
+      for (int row = lo; row < hi; ++row) QuantizeRow(isa, p.x + static_cast<size_t>(row) * p.k, p.k, acts, row);
       state.store(2, std::memory_order_release);
       return;
     }
@@ -319,13 +488,14 @@ struct Job {
   }
 
   void RunItem(int item) {
-    const int rb = item / chunks, chunk = item % chunks;
+    const int chunk = item / row_blocks, rb = item % row_blocks;
     EnsureRows(rb);
-    const int row_lo = rb * kRowBlock, row_hi = std::min(row_lo + kRowBlock, p.m);
+    // act rows of this block
+    const int row_lo = rb * kRowBlock * p.parts, row_hi = std::min((rb + 1) * kRowBlock, p.m) * p.parts;
     const int tile_lo = chunk * kChunkTiles, tile_hi = std::min(tile_lo + kChunkTiles, p.tiles);
     int r, c;
     for (int t = tile_lo; t < tile_hi; t += c) {
-      MicroShape(isa, row_hi - row_lo, &r, &c);
+      MicroShape(isa, row_hi - row_lo, p.parts, &r, &c);
       c = std::min(c, tile_hi - t);
       for (int row = row_lo; row < row_hi; row += r) {
         const int rows = std::min(r, row_hi - row);
@@ -343,10 +513,12 @@ struct Job {
 };
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
+                        ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("q8_matmul: x [M,K], packed [Np/16, Kp*16], scales [Np/16, Kp/2], y [M,N]");
+  if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("q8_matmul: parts must be 1 or 2");
   auto job = std::make_shared<Job>();
   Problem& p = job->p;
   p.m = static_cast<int>(xd[0]);
@@ -355,21 +527,23 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.kp = static_cast<int>(wd[1] / kTile);
   p.groups = p.kp / kGroup;
   p.n = static_cast<int>(yd[1]);
+  p.parts = parts;
   if (yd[0] != xd[0] || wd[1] % (kTile * kGroup) || sd[0] != wd[0] || sd[1] != int64_t(p.groups) * kTile ||
-      p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile)
-    return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, x and y shapes disagree");
+      p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile ||
+      (offsets.element_count() != 0 && offsets.element_count() != scales.element_count()))
+    return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, offsets, x and y shapes disagree");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.x = x.typed_data();
   p.w = packed.typed_data();
   p.ws = scales.typed_data();
+  p.wo = offsets.element_count() ? offsets.typed_data() : nullptr;
   p.y = y->typed_data();
   job->isa = g_isa.load(std::memory_order_relaxed);
   Acts& a = job->acts;
   a.kp = p.kp;
   a.groups = p.groups;
-  a.q.resize(static_cast<size_t>(p.m) * p.kp);
-  a.scale.resize(static_cast<size_t>(p.m) * p.groups);
-  a.bias.resize(static_cast<size_t>(p.m) * p.groups);
+  a.parts = parts;
+  a.Resize(p.m);
   job->row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   job->chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
   job->items = job->row_blocks * job->chunks;
@@ -464,7 +638,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [Np/16, Kp/32*16]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // offsets like scales, or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Attr<int32_t>("parts"));      // int8 parts per activation
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamReadProbe, ReadProbeImpl,
                               ffi::Ffi::Bind()
