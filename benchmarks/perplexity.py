@@ -1,16 +1,16 @@
 """Accuracy of int8 weights and int8 KV on the default model: perplexity, greedy agreement, memory.
 
-Everything runs through the paged engine path: params as JaxEngine prepares them (quantized at
-load), the engine's KV layout (int8 pages with per-token-head scales), `forward_paged` and
-`JaxEngine.generate`. int8 weights are smoothed (SmoothQuant) with statistics from the shipped
-calibration text, never from the eval text. Run from the repo root (a few minutes on 2 CPU cores):
-    .venv/bin/python -m benchmarks.perplexity [--window 512 --stride 256] [--out ppl.json]
+Everything runs through the engine as it serves: params loaded and prepared as the server does
+(q8_0 straight from the GGUF blocks by the loader; w8a16/w8a8 smoothed with statistics from the
+shipped calibration text, never from the eval text), the engine's KV layout, and one ragged
+`forward_step` program per step (JaxEngine.step / model_logits). Run from the repo root (minutes on
+2 CPU cores):
+    .venv/bin/python -m benchmarks.perplexity [--modes f32,q8_0] [--window 512 --stride 256] [--out ppl.json]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -18,16 +18,14 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from engine.api import DecodeRow, PrefillChunk, SlotState
+from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
 from engine.runner import EngineConfig, JaxEngine
 from models.calibration import calibration_text
 from models.config import ModelConfig
-from models.llama import forward_paged, init_kv_cache
 from quantization import weight_bytes
 
 EVAL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval.txt")
@@ -35,6 +33,7 @@ PAGE_SIZE = 16
 GREEDY_TOKENS = 24   # generated per prompt; agreement is judged on the first AGREE_TOKENS
 AGREE_TOKENS = 16
 PAGES_PER_PROMPT = 8  # 128 tokens: every prompt below plus GREEDY_TOKENS fits
+ROWS = 32             # scoring rows per step (= the engine's max_slots here)
 # Same tokens, same cache: the two paths differ only in summation order (~1e-4 seen).
 CHECK_TOL = 0.05
 
@@ -48,6 +47,10 @@ class Mode:
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("f32", "none", "auto"),
+    Mode("q8_0", "q8_0", "auto"),
+    Mode("q8_0-a16", "q8_0-a16", "auto"),
+    Mode("q8_0+int8-kv", "q8_0", "int8"),
+    Mode("q8_0-a16+int8-kv", "q8_0-a16", "int8"),
     Mode("w8a16", "w8a16", "auto"),
     Mode("w8a8", "w8a8", "auto"),
     Mode("int8-kv", "none", "int8"),
@@ -83,28 +86,30 @@ PROMPTS: list[str] = _PLAIN + [
     f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in _CHAT]
 
 
-def load_default_model() -> tuple[ModelConfig, dict, object]:
+def load_default_model(quantize: str = "none") -> tuple[ModelConfig, dict, object]:
+    """The default model as the server loads it (q8_0 / q8_0-a16: int8 straight from the GGUF blocks)."""
     from models.loader import load_gguf
     from models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     path = resolve_model(DEFAULT_MODEL)
-    cfg, params = load_gguf(path)
+    cfg, params = load_gguf(path, quantize=quantize if quantize in ("q8_0", "q8_0-a16") else "none")
     return cfg, params, load_tokenizer(path)
 
 
 def build_engine(cfg: ModelConfig, params: dict, mode: Mode, *, dtype: str, max_slots: int,
                  num_pages: int | None = None, kv_cache_memory: int | None = None,
-                 max_seq_len: int = 2048, prefill_lengths: tuple[int, ...] = (16, 32, 64),
+                 max_seq_len: int = 2048, max_num_batched_tokens: int | None = None,
                  calibration_tokens: list[int] | None = None) -> JaxEngine:
-    """An engine in `mode` that compiles only the shapes it is asked to run; int8 weights are
+    """An engine in `mode` that compiles only the shapes it is asked to run; w8a16/w8a8 weights are
     smoothed with `calibration_tokens` (see calibration_tokens())."""
     extra = {"num_pages": num_pages} if num_pages is not None else {}
     if kv_cache_memory is not None:
         extra["kv_cache_memory"] = kv_cache_memory
     config = EngineConfig(max_slots=max_slots, page_size=PAGE_SIZE, max_seq_len=max_seq_len,
-                          prefill_lengths=prefill_lengths, dtype=dtype, quantize=mode.quantize,
-                          kv_cache_dtype=mode.kv_cache_dtype, **extra)
-    return JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration_tokens)
+                          max_num_batched_tokens=max_num_batched_tokens or max(256, max_slots),
+                          dtype=dtype, quantize=mode.quantize, kv_cache_dtype=mode.kv_cache_dtype, **extra)
+    calibration = calibration_tokens if mode.quantize in ("w8a16", "w8a8") else None
+    return JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration)
 
 
 def calibration_tokens(tok) -> list[int]:
@@ -120,86 +125,65 @@ def kv_bytes_per_token(engine: JaxEngine) -> float:
 
 # ---- perplexity ---------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _paged_fn(cfg: ModelConfig, dtype: jnp.dtype):
-    return jax.jit(functools.partial(forward_paged, cfg=cfg, page_size=PAGE_SIZE, dtype=dtype),
-                   donate_argnames=("cache",))
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log p(target) per row; logits f32 [R, V], targets int [R] (float64 log-softmax)."""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return np.log(np.exp(z).sum(axis=-1)) - z[np.arange(len(targets)), targets]
 
 
-@jax.jit
-def _nll(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(-log p(target), argmax) per row; logits f32 [R,V], targets int32 [R]."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], jnp.argmax(logits, axis=-1)
-
-
-def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int,
-               rows: int = 128) -> dict:
+def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int) -> dict:
     """Sliding-window perplexity (each token scored once, with >= window - stride context after
-    the first window) over the paged path with the engine's params and KV dtype.
+    the first window) through the engine's step program, its params and its KV dtype.
 
-    Per window: one prefill writes the window's K/V into its pages (quantized when the cache is
-    int8), then decode-shaped rows (one per scored position, as in a decode step) read those pages
-    and return that position's logits; rows write only to the padding page, so every row sees
-    exactly what prefill stored. The prefill's own logits at the last scored position must match
-    its row (a check that the two paths agree). Also returns each scored position's argmax ("top1").
+    Per window: one prefill chunk writes the window's K/V into pages 1..window/16, then decode-shaped
+    steps of ROWS sequences (one per scored position q: token q at position q over the same pages,
+    as a decode step reads them) return each position's logits. A row rewrites its own position's
+    K/V with the same token at the same position, so every row sees what prefill stored, up to
+    summation order. The prefill's logits at the window's last scored position must match its row
+    (a check that the two paths agree). Also returns each scored position's argmax ("top1").
     """
     if window % PAGE_SIZE or stride < 1 or stride > window:
         raise ValueError(f"window ({window}) must be a multiple of {PAGE_SIZE} and 1 <= stride "
                          f"({stride}) <= window")
     if len(tokens) < 2:
         raise ValueError(f"perplexity needs at least 2 tokens, got {len(tokens)}")
-    cfg, dtype = engine.model_cfg, engine.dtype
-    n_pages = window // PAGE_SIZE
-    kv_dtype = engine.cache["k"].dtype
-    cache = init_kv_cache(cfg, n_pages + 1, PAGE_SIZE, kv_dtype)  # page 0: padding
-    fn = _paged_fn(cfg, dtype)
-    table = np.arange(1, n_pages + 1, dtype=np.int32)
+    pages = list(range(1, window // PAGE_SIZE + 1))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for slot in range(ROWS):
+        engine.insert(slot, SlotState([0], [], params))
     nll_sum, count, max_check = 0.0, 0, 0.0
     top1: list[np.ndarray] = []
     prev_end = 0
     for begin in range(0, len(tokens), stride):
         end = min(begin + window, len(tokens))
-        seq = np.asarray(tokens[begin:end], np.int32)
-        length = len(seq)
+        seq = tokens[begin:end]
         # query position q (window-relative) predicts token q + 1
-        queries = np.arange(max(prev_end, begin + 1) - begin - 1, length - 1, dtype=np.int32)
-        pos = np.arange(length, dtype=np.int32)
-        tok = np.zeros((1, window), np.int32)
-        positions = np.zeros((1, window), np.int32)
-        slots = np.zeros((1, window), np.int32)     # padding writes to page 0
-        tok[0, :length], positions[0, :length] = seq, pos
-        slots[0, :length] = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        last = np.asarray([queries[-1]], np.int32)
-        prefill_logits, cache = fn(params=engine.params, cache=cache, tokens=tok, positions=positions,
-                                   write_slots=slots, block_tables=table[None], last_index=last)
-        for start in range(0, len(queries), rows):
-            q = queries[start:start + rows]
-            r_tok = np.zeros((rows, 1), np.int32)
-            r_pos = np.zeros((rows, 1), np.int32)
-            r_tok[:len(q), 0], r_pos[:len(q), 0] = seq[q], q
-            targets = np.zeros(rows, np.int32)
-            targets[:len(q)] = seq[q + 1]
-            logits, cache = fn(params=engine.params, cache=cache, tokens=r_tok, positions=r_pos,
-                               write_slots=np.zeros((rows, 1), np.int32),
-                               block_tables=np.broadcast_to(table, (rows, n_pages)),
-                               last_index=np.zeros(rows, np.int32))
-            nll, best = jax.device_get(_nll(logits, targets))
-            nll = nll[:len(q)]
-            top1.append(best[:len(q)])
+        queries = np.arange(max(prev_end, begin + 1) - begin - 1, len(seq) - 1)
+        last = int(queries[-1])
+        prefill_logits = engine.model_logits(StepBatch([StepSeq(0, seq[:last + 1], 0, pages, True)]))[0]
+        for start in range(0, len(queries), ROWS):
+            q = queries[start:start + ROWS]
+            batch = StepBatch([StepSeq(i, [seq[p]], int(p), pages, True) for i, p in enumerate(q)])
+            logits = engine.model_logits(batch)
+            targets = np.asarray([seq[p + 1] for p in q])
+            nll = _nll(logits, targets)
+            top1.append(logits.argmax(axis=-1))
             nll_sum += float(nll.sum())
             count += len(q)
-            if q[-1] == queries[-1]:
-                diff = np.abs(np.asarray(logits[len(q) - 1]) - np.asarray(prefill_logits[0]))
-                max_check = max(max_check, float(diff.max()))
+            if q[-1] == last:
+                max_check = max(max_check, float(np.abs(logits[-1] - prefill_logits).max()))
         prev_end = end
         if end == len(tokens):
             break
+    for slot in range(ROWS):
+        engine.free(slot)
     if count != len(tokens) - 1:
         raise RuntimeError(f"scored {count} tokens, expected {len(tokens) - 1}")
-    # w8a8 rounds per-token activations to int8 with SmolLM2's outlier dims setting the scale, so
-    # a 1e-6 difference in summation order can flip a rounding and move logits by ~1; not checked.
-    if engine.config.quantize != "w8a8" and max_check > CHECK_TOL:
+    # w8a8 and q8_0(-a16) round activations to int8 (per token, per 32 values), so a 1e-6 difference in
+    # summation order between the prefill and decode programs can flip a rounding somewhere in 30
+    # layers and move a logit by up to ~1; reported in the table, not checked.
+    if engine.config.quantize not in ("w8a8", "q8_0", "q8_0-a16") and max_check > CHECK_TOL:
         raise RuntimeError(f"decode-row logits differ from prefill logits by {max_check:.3g} "
                            f"(> {CHECK_TOL}): the scoring rows no longer read what prefill wrote")
     return {"perplexity": math.exp(nll_sum / count), "tokens": count,
@@ -209,23 +193,32 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
 # ---- greedy agreement ---------------------------------------------------------------------------
 
 def greedy(engine: JaxEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """All prompts decoded together through prefill/insert/generate, not stopping at EOS."""
+    """All prompts decoded together through insert/step (one prefill step, then decode steps), not
+    stopping at EOS."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     pages = [list(range(1 + PAGES_PER_PROMPT * i, 1 + PAGES_PER_PROMPT * (i + 1))) for i in range(len(prompts))]
     for slot, prompt in enumerate(prompts):
         if pages_needed(len(prompt) + new_tokens, PAGE_SIZE) > PAGES_PER_PROMPT:
             raise ValueError(f"prompt {slot} ({len(prompt)} tokens) is too long for {PAGES_PER_PROMPT} pages")
-        engine.prefill(PrefillChunk(prompt[:-1], 0, pages[slot]))
         engine.insert(slot, SlotState(prompt, [], params))
-    last = [p[-1] for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
-    for step in range(new_tokens):
-        rows = [DecodeRow(s, last[s], len(prompts[s]) - 1 + step, pages[s]) for s in range(len(prompts))]
-        for s, sampled in enumerate(engine.generate(rows)):
-            outs[s].append(sampled.token_id)
-            last[s] = sampled.token_id
-    for slot in range(len(prompts)):
-        engine.free(slot)
+    # prefill chunks in steps within the token budget
+    slot = 0
+    while slot < len(prompts):
+        seqs, used = [], 0
+        while slot < len(prompts) and used + len(prompts[slot]) <= engine.max_num_batched_tokens:
+            seqs.append(StepSeq(slot, prompts[slot], 0, pages[slot], True))
+            used += len(prompts[slot])
+            slot += 1
+        for seq, sampled in zip(seqs, engine.step(StepBatch(seqs))):
+            outs[seq.slot].append(sampled.token_id)
+    for _ in range(new_tokens - 1):
+        seqs = [StepSeq(s, [outs[s][-1]], len(prompts[s]) + len(outs[s]) - 1, pages[s], True)
+                for s in range(len(prompts))]
+        for seq, sampled in zip(seqs, engine.step(StepBatch(seqs))):
+            outs[seq.slot].append(sampled.token_id)
+    for s in range(len(prompts)):
+        engine.free(s)
     return outs
 
 
@@ -244,16 +237,18 @@ def agreement(ref: list[list[int]], got: list[list[int]], n: int) -> dict:
 # ---- driver -------------------------------------------------------------------------------------
 
 def run(modes: list[Mode], *, window: int, stride: int, dtype: str) -> list[dict]:
-    cfg, params, tok = load_default_model()
-    with open(EVAL_TEXT, encoding="utf-8") as f:
-        text_ids = tok.encode(f.read())
-    prompt_ids = [tok.encode(p) for p in PROMPTS]
-    cal_ids = calibration_tokens(tok)
     results, ref_tokens, ref_top1 = [], None, None
     for mode in modes:
         start = time.perf_counter()
-        engine = build_engine(cfg, params, mode, dtype=dtype, max_slots=32,
-                              num_pages=1 + PAGES_PER_PROMPT * len(PROMPTS), calibration_tokens=cal_ids)
+        cfg, params, tok = load_default_model(mode.quantize)
+        with open(EVAL_TEXT, encoding="utf-8") as f:
+            text_ids = tok.encode(f.read())
+        prompt_ids = [tok.encode(p) for p in PROMPTS]
+        engine = build_engine(cfg, params, mode, dtype=dtype, max_slots=ROWS, max_seq_len=window,
+                              max_num_batched_tokens=window,
+                              num_pages=1 + max(window // PAGE_SIZE, PAGES_PER_PROMPT * len(PROMPTS)),
+                              calibration_tokens=calibration_tokens(tok))
+        del params
         row = {"mode": mode.name, "quantize": mode.quantize, "kv_cache_dtype": mode.kv_cache_dtype,
                "weight_bytes": weight_bytes(engine.params), "kv_bytes_per_token": kv_bytes_per_token(engine)}
         row.update(perplexity(engine, text_ids, window=window, stride=stride))
@@ -276,9 +271,10 @@ def print_table(results: list[dict], *, window: int, stride: int) -> None:
     print(f"perplexity over benchmarks/data/eval.txt ({results[0]['tokens'] + 1} tokens, window {window}, "
           f"stride {stride}); top-1 =: teacher-forced argmax equal to {results[0]['mode']} over the text; "
           f"greedy: {len(PROMPTS)} prompts x {GREEDY_TOKENS} tokens, share with the first {AGREE_TOKENS} equal "
-          f"to {results[0]['mode']} and mean common prefix")
+          f"to {results[0]['mode']} and mean common prefix; row-prefill: max |logit| difference between "
+          f"the decode-row and prefill programs at one position")
     header = (f"{'mode':14} {'perplexity':>10} {'delta %':>8} {'top-1 =':>7} {'greedy =16':>10} "
-              f"{'mean prefix':>11} {'weights MiB':>11} {'KV B/token':>10}")
+              f"{'mean prefix':>11} {'weights MiB':>11} {'KV B/token':>10} {'row-prefill':>11}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -286,12 +282,13 @@ def print_table(results: list[dict], *, window: int, stride: int) -> None:
         g = r["greedy"]
         print(f"{r['mode']:14} {r['perplexity']:10.4f} {delta:+8.2f} {r['top1_agreement']:7.1%} "
               f"{g['identical_first_n']:10.0%} "
-              f"{g['mean_common_prefix']:11.1f} {r['weight_bytes'] / 2**20:11.1f} {r['kv_bytes_per_token']:10.0f}")
+              f"{g['mean_common_prefix']:11.1f} {r['weight_bytes'] / 2**20:11.1f} {r['kv_bytes_per_token']:10.0f} "
+              f"{r['prefill_vs_rows_max_abs_logit_diff']:11.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, first is the reference; "
+    parser.add_argument("--modes", default="f32,q8_0,q8_0-a16,q8_0-a16+int8-kv,w8a8", help=f"comma-separated, first is the reference; "
                         f"from {', '.join(MODES)}")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)

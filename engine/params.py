@@ -18,16 +18,16 @@ def prepare_params(params: dict, model_cfg: ModelConfig, mode: str, dtype, *, pr
     calibration_tokens (the model's tokenization of models.calibration.calibration_text()) lets the
     per-channel int8 modes (w8a16, w8a8) fold SmoothQuant factors into the float weights first; without
     them they round the weights as they are, with a warning.
-    q8_0 (group-wise int8) needs no calibration; weights the loader already built in q8_0
+    q8_0 and q8_0-a16 (group-wise int8) need no calibration; weights the loader already built
     (models.loader with quantize="q8_0") are kept as they are, so their floats never exist.
     """
-    if mode == "q8_0":
+    if mode in ("q8_0", "q8_0-a16"):
         if "lm_head" not in params:  # tied: int8 rows straight from the embedding table ([vocab, hidden])
             import numpy as np
 
             from quantization.groupwise import pack_one, quantize_rows
 
-            params = {**params, "lm_head": pack_one(*quantize_rows(np.asarray(params["embed"], np.float32)))}
+            params = {**params, "lm_head": pack_one(quantize_rows(np.asarray(params["embed"], np.float32)), mode)}
         params = quantize(params, mode, include_embeddings=True, progress=progress)
     elif mode != "none":
         keep_a16: dict = {}

@@ -2,8 +2,9 @@
 
 Both produce (ModelConfig, params) with the pytree layout of models/llama.py: weights [in, out],
 layers stacked on a leading axis. Errors name the file, the tensor and the expected shape.
-With quantize="q8_0" the linear weights (and the LM head) are built as group-wise int8 one tensor at
-a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0 blocks convert without requantizing.
+With quantize="q8_0" (or "q8_0-a16") the linear weights and the LM head are built as group-wise
+int8 one tensor at a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0/Q4_1 blocks convert
+exactly, other types are rounded to Q8_0.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ class ModelLoadError(ValueError):
 
 # our name -> (HF suffix under model.layers.{i}., GGUF suffix under blk.{i}., transpose)
 _LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-# A GGUF tensor handed over as group-wise int8 rows: (q int8 [out, in], d f32 [out, in/32]).
+# A tensor handed over as group-wise int8 rows: (q int8 [out, in], d f32 [out, in/32][, offsets like d]).
 Q8Rows = tuple
+GROUPWISE = ("q8_0", "q8_0-a16")
 
 _LAYER_TENSORS = {
     "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False),
@@ -65,15 +67,16 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
               names: Callable[[str, int], str], top: dict[str, str], source: str,
               dtype, progress: bool, quantize: str = "none") -> dict:
     """Build the stacked params pytree, fetching each tensor by checkpoint name with a shape check.
-    `get` may return Q8 rows (only when quantize == "q8_0" asks for them)."""
+    `get` may return Q8 rows (only when a group-wise `quantize` asks for them)."""
     import jax.numpy as jnp
 
     from kernels.q8_matmul import pack
     from quantization.groupwise import dequantize_rows, pack_one, stack_packed
 
-    if quantize not in ("none", "q8_0"):
-        raise ValueError(f"the loader quantizes to q8_0 only (got {quantize!r}); other modes are a params "
-                         "transform after loading (engine/params.py)")
+    if quantize not in ("none", *GROUPWISE):
+        raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r}); other "
+                         "modes are a params transform after loading (engine/params.py)")
+    groupwise = quantize in GROUPWISE
     shapes = expected_shapes(cfg)
     per_layer: dict[str, list] = {k: [] for k in shapes}
     bar = tqdm(total=cfg.num_layers * len(shapes) + 3, desc=f"loading {os.path.basename(source)}",
@@ -83,7 +86,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             arr = get(names(key, i), key, shape)
             if arr is None:
                 raise ModelLoadError(f"{source}: missing tensor {names(key, i)} (expected shape {shape})")
-            if quantize == "q8_0" and key in _LINEARS:
+            if groupwise and key in _LINEARS:
                 per_layer[key].append(pack(*_q8_rows(arr)))  # packed now: the unpacked rows go at once
             else:
                 per_layer[key].append(arr.T if _LAYER_TENSORS[key][2] else arr)
@@ -91,9 +94,9 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
     params: dict = {"layers": {}}
     for k in list(per_layer):  # pop: each layer's host copies go as soon as its stack exists
         v = per_layer.pop(k)
-        if quantize == "q8_0" and k in _LINEARS:
+        if groupwise and k in _LINEARS:
             n_out, n_in = shapes[k]
-            params["layers"][k] = stack_packed(v, n_in, n_out)
+            params["layers"][k] = stack_packed(v, n_in, n_out, quantize)
         else:
             params["layers"][k] = jnp.asarray(np.stack(v), dtype)
         del v
@@ -103,10 +106,10 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             raise ModelLoadError(f"{source}: missing tensor {top[key]} (expected shape {shape})")
         if isinstance(arr, tuple):  # a Q8_0 embedding: the int8 rows are the tied LM head as they are
             if cfg.tie_embeddings:
-                params["lm_head"] = pack_one(*arr)
+                params["lm_head"] = pack_one(arr, quantize)
             arr = dequantize_rows(*arr)
-        elif key == "embed" and quantize == "q8_0" and cfg.tie_embeddings:
-            params["lm_head"] = pack_one(*_q8_rows(arr))
+        elif key == "embed" and groupwise and cfg.tie_embeddings:
+            params["lm_head"] = pack_one(_q8_rows(arr), quantize)
         params[key] = jnp.asarray(arr, dtype)
         del arr
         bar.update()
@@ -114,8 +117,8 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
         arr = get(top["lm_head"], "lm_head", (cfg.vocab_size, cfg.hidden_size))
         if arr is None:
             raise ModelLoadError(f"{source}: missing tensor {top['lm_head']} (the model does not tie embeddings)")
-        if quantize == "q8_0":
-            params["lm_head"] = pack_one(*_q8_rows(arr))
+        if groupwise:
+            params["lm_head"] = pack_one(_q8_rows(arr), quantize)
         else:
             params["lm_head"] = jnp.asarray(arr.T, dtype)
     bar.update()
@@ -215,17 +218,17 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
-    """A Q8_0 or Q4_0 tensor as Q8 rows without rounding anything; None for other types."""
+    """A Q8_0, Q4_0 or Q4_1 tensor as Q8 rows without rounding anything; None for other types."""
     import gguf
 
-    from quantization.groupwise import from_q4_0_blocks, from_q8_0_blocks
+    from quantization.groupwise import from_q4_0_blocks, from_q4_1_blocks, from_q8_0_blocks
 
     decode = {gguf.GGMLQuantizationType.Q8_0: from_q8_0_blocks,
-              gguf.GGMLQuantizationType.Q4_0: from_q4_0_blocks}.get(t.tensor_type)
+              gguf.GGMLQuantizationType.Q4_0: from_q4_0_blocks,
+              gguf.GGMLQuantizationType.Q4_1: from_q4_1_blocks}.get(t.tensor_type)
     if decode is None or len(shape) != 2:
         return None
-    q, d = decode(np.asarray(t.data).reshape(shape[0], -1), shape[1])
-    return q, d
+    return decode(np.asarray(t.data).reshape(shape[0], -1), shape[1])
 
 
 def load_gguf(path: str, *, dtype="float32", progress: bool = False,
@@ -245,14 +248,14 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False,
         logical = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         if logical != tuple(shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {tuple(shape)}")
-        if quantize == "q8_0" and key in (*_LINEARS, "embed", "lm_head"):
+        if quantize in GROUPWISE and key in (*_LINEARS, "embed", "lm_head"):
             rows = _gguf_q8_rows(t, shape)
             if rows is not None:
-                if not (np.isfinite(rows[1]).all()):
+                if not all(np.isfinite(v).all() for v in rows[1:]):
                     raise ModelLoadError(f"{path}: tensor {name} has NaN or infinite block scales (corrupt file?)")
                 if permute and key in ("wq", "wk"):
                     heads = cfg.num_heads if key == "wq" else cfg.num_kv_heads
-                    rows = (_unpermute_rope(rows[0], heads), _unpermute_rope(rows[1], heads))
+                    rows = tuple(_unpermute_rope(v, heads) for v in rows)
                 return rows
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
@@ -277,7 +280,7 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False,
 
 def load_model(path: str, *, dtype="float32", progress: bool = False,
                quantize: str = "none") -> tuple[ModelConfig, dict]:
-    """Load an HF directory or a .gguf file (quantize="q8_0": linear weights as group-wise int8)."""
+    """Load an HF directory or a .gguf file (quantize="q8_0"/"q8_0-a16": linear weights as group-wise int8)."""
     if os.path.isdir(path):
         return load_hf_dir(path, dtype=dtype, progress=progress, quantize=quantize)
     if path.endswith(".gguf") or os.path.isfile(path):

@@ -1,9 +1,10 @@
-"""Group-wise int8 weights, mode "q8_0" (llama.cpp's Q8_0): int8 with one f32 scale per 32 input
-channels per output column, packed once at load for kernels.q8_matmul.
+"""Group-wise int8 weights, modes "q8_0" and "q8_0-a16" (llama.cpp's Q8_0): int8 with one f32
+scale, and optionally one f32 offset, per 32 input channels per output column, packed once at load
+for kernels.q8_matmul.
 
 Load time only, in numpy, one layer at a time so no second float copy of the model exists. GGUF
-Q8_0 and Q4_0 blocks convert exactly (no requantization); other GGUF types are decoded by the
-`gguf` package one tensor at a time and rounded to Q8_0.
+Q8_0, Q4_0 and Q4_1 blocks convert exactly (Q4_1's minimum becomes the group offset); other GGUF
+types are decoded by the `gguf` package one tensor at a time and rounded to Q8_0.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kernels import q8_matmul
 
 GROUP = q8_matmul.GROUP
 INT8_MAX = 127.0
+# (q int8 [N, K], d f32 [N, G]) or (q, d, m) with offsets m f32 [N, G]: w = q * d (+ m) per group
+Rows = tuple
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -32,14 +35,18 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(n, kp)[:, :k], d
 
 
-def dequantize_rows(q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """(q int8 [N, K], d [N, G]) -> f32 [N, K], with no temporary as large as the result."""
+def dequantize_rows(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """(q int8 [N, K], d [N, G], offsets m [N, G] or None) -> f32 [N, K], with no temporary as large
+    as the result."""
     n, k = q.shape
     if k % GROUP:
-        return (q.astype(np.float32) * np.repeat(d, GROUP, axis=1)[:, :k]).astype(np.float32)
+        out = (q.astype(np.float32) * np.repeat(d, GROUP, axis=1)[:, :k]).astype(np.float32)
+        return out if m is None else out + np.repeat(m, GROUP, axis=1)[:, :k]
     out = np.empty((n, k), np.float32)
-    np.multiply(q.reshape(n, k // GROUP, GROUP), d[..., None].astype(np.float32),
-                out=out.reshape(n, k // GROUP, GROUP))
+    grouped = out.reshape(n, k // GROUP, GROUP)
+    np.multiply(q.reshape(n, k // GROUP, GROUP), d[..., None].astype(np.float32), out=grouped)
+    if m is not None:
+        np.add(grouped, m[..., None].astype(np.float32), out=grouped)
     return out
 
 
@@ -61,48 +68,66 @@ def from_q4_0_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(raw.shape[0], k), d
 
 
-def stack_packed(layers: list[tuple[np.ndarray, np.ndarray]], k: int, n: int):
+def from_q4_1_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_1 rows (per block f16 scale d, f16 minimum m, then 16 bytes of nibbles as in Q4_0,
+    unsigned: w = d * q + m) -> (q in 0..15, d, m): exact, the minimum as the group offset."""
+    blocks = raw.reshape(raw.shape[0], k // GROUP, 20)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([(qs & 0x0F), (qs >> 4)], axis=-1).astype(np.int8)
+    return q.reshape(raw.shape[0], k), d, m
+
+
+def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str = "q8_0"):
     """Per-layer kernels.q8_matmul.pack outputs -> one QuantizedWeight [L, K, N]; empties `layers`
-    as it goes, so at most one extra host copy of this weight exists at a time."""
+    as it goes, so at most one extra host copy of this weight exists at a time. Layers with and
+    without offsets may mix (zero offsets fill in)."""
     import jax.numpy as jnp
 
     from quantization.weights import QuantizedWeight
 
     packed = np.empty((len(layers), *layers[0][0].shape), np.uint8)
     scales = np.empty((len(layers), *layers[0][1].shape), np.float32)
+    offsets = (np.zeros((len(layers), *layers[0][1].shape), np.float32)
+               if any(len(layer) == 3 for layer in layers) else None)
     for i in range(len(layers)):
-        packed[i], scales[i] = layers[i]
+        packed[i], scales[i] = layers[i][:2]
+        if len(layers[i]) == 3:
+            offsets[i] = layers[i][2]
         layers[i] = None
     layers.clear()
-    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode="q8_0", logical=(k, n))
+    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode=mode, logical=(k, n),
+                           offset=None if offsets is None else jnp.asarray(offsets))
 
 
-def pack_layers(rows: Sequence[tuple[np.ndarray, np.ndarray]]):
-    """Per-layer (q [N, K], d [N, G]) -> one QuantizedWeight [L, K, N] (leading layer axis), packed."""
+def pack_layers(rows: Sequence[Rows], mode: str = "q8_0"):
+    """Per-layer rows -> one QuantizedWeight [L, K, N] (leading layer axis), packed."""
     n, k = rows[0][0].shape
-    return stack_packed([q8_matmul.pack(q, d) for q, d in rows], k, n)
+    return stack_packed([q8_matmul.pack(*r) for r in rows], k, n, mode)
 
 
-def pack_one(q: np.ndarray, d: np.ndarray):
-    """(q [N, K], d [N, G]) -> a QuantizedWeight of logical shape [K, N]."""
+def pack_one(rows: Rows, mode: str = "q8_0"):
+    """Rows (q [N, K], d [N, G][, m]) -> a QuantizedWeight of logical shape [K, N]."""
     import jax.numpy as jnp
 
     from quantization.weights import QuantizedWeight
 
-    packed, scales = q8_matmul.pack(q, d)
-    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode="q8_0",
-                           logical=(q.shape[1], q.shape[0]))
+    packed, scales, *offset = q8_matmul.pack(*rows)
+    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode=mode,
+                           logical=(rows[0].shape[1], rows[0].shape[0]),
+                           offset=jnp.asarray(offset[0]) if offset else None)
 
 
-def quantize_weight(w) -> object:
-    """A float weight [..., in, out] (array) -> QuantizedWeight "q8_0", one leading index at a time."""
+def quantize_weight(w, mode: str = "q8_0") -> object:
+    """A float weight [..., in, out] (array) -> group-wise QuantizedWeight, one leading index at a time."""
     w = np.asarray(w)
     lead = w.shape[:-2]
     if not lead:
-        return pack_one(*quantize_rows(np.asarray(w, np.float32).T))
+        return pack_one(quantize_rows(np.asarray(w, np.float32).T), mode)
     flat = w.reshape(-1, *w.shape[-2:])
-    qw = pack_layers([quantize_rows(np.asarray(flat[i], np.float32).T) for i in range(flat.shape[0])])
+    qw = pack_layers([quantize_rows(np.asarray(flat[i], np.float32).T) for i in range(flat.shape[0])], mode)
     if len(lead) == 1:
         return qw
     return type(qw)(q=qw.q.reshape(*lead, *qw.q.shape[1:]), scale=qw.scale.reshape(*lead, *qw.scale.shape[1:]),
-                    mode="q8_0", logical=qw.logical)
+                    mode=mode, logical=qw.logical)

@@ -29,7 +29,7 @@ W8A8_MIN_ROWS = 8
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (int32 for w8a8 and,
-    per group of 32 inputs, for q8_0: kernels.q8_matmul, native on CPU)."""
+    per group of 32 inputs, for q8_0 / q8_0-a16: kernels.q8_matmul, native on CPU)."""
     if w.ndim != 2:
         raise ValueError(
             f"linear expects a 2-D weight [in, out], got shape {tuple(w.shape)}; "
@@ -44,8 +44,8 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
         return y.astype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-    if w.mode == "q8_0":
-        y = q8_matmul(x2, w.q, w.scale, n=w.shape[1])
+    if w.mode in ("q8_0", "q8_0-a16"):
+        y = q8_matmul(x2, w.q, w.scale, w.offset, n=w.shape[1], parts=1 if w.mode == "q8_0" else 2)
     elif w.mode == "w8a16":
         y = _w8a16(x2, w.q, w.scale)
     elif w.keep_a16 is None:

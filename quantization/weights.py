@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-MODES: tuple[str, ...] = ("none", "w8a16", "w8a8", "q8_0")
-QUANTIZED_MODES: tuple[str, ...] = ("w8a16", "w8a8", "q8_0")
+MODES: tuple[str, ...] = ("none", "w8a16", "w8a8", "q8_0", "q8_0-a16")
+QUANTIZED_MODES: tuple[str, ...] = ("w8a16", "w8a8", "q8_0", "q8_0-a16")
+GROUPWISE_MODES: tuple[str, ...] = ("q8_0", "q8_0-a16")
 # The linear weights inside params["layers"]; norms, biases and the embedding gather stay float.
 LAYER_WEIGHTS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 INT8_MAX = 127.0
@@ -27,9 +28,11 @@ class QuantizedWeight:
     """int8 weight.
 
     Modes "w8a16" and "w8a8": per output channel, w ~= q * scale; q int8[..., in, out], scale f32[..., out].
-    Mode "q8_0" (group-wise, llama.cpp's Q8_0, see quantization/groupwise.py): one scale per 32 inputs
-    per output column, packed for kernels.q8_matmul: q u8[..., Np/16, Kp*16], scale f32[..., Np/16,
-    Kp/32*16]; logical = (in, out), the float weight's shape (static).
+    Modes "q8_0" and "q8_0-a16" (group-wise, llama.cpp's Q8_0, see quantization/groupwise.py): one
+    scale per 32 inputs per output column, packed for kernels.q8_matmul: q u8[..., Np/16, Kp*16],
+    scale f32[..., Np/16, Kp/32*16]; offset: None or like scale (w = q * scale + offset per group,
+    GGUF's asymmetric blocks); logical = (in, out), the float weight's shape (static). q8_0 rounds
+    activations to int8 per 32 values (llama.cpp's w8a8); q8_0-a16 adds their int8 residual.
     mode (static, not a leaf).
     keep_a16: None, or (w8a8 only) bool[...] per leading index: True keeps that layer's activations
     float (w8a16), for the few layers whose activation outliers int8 rows cannot hold. A leaf, not
@@ -41,6 +44,7 @@ class QuantizedWeight:
     scale: jax.Array
     mode: str = dataclasses.field(metadata=dict(static=True))
     keep_a16: jax.Array | None = None
+    offset: jax.Array | None = None
     logical: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
@@ -65,12 +69,14 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float weight [..., in, out] (materialized; for tests and debugging, not the hot path)."""
-        if self.mode == "q8_0":
-            from kernels.q8_matmul import GROUP, unpack
+        if self.mode in GROUPWISE_MODES:
+            from kernels.q8_matmul import GROUP, unpack, unpack_groups
 
             k, n = self.logical
             q, d = unpack(self.q, self.scale)  # [..., Np, Kp], [..., Np, Kp/32]
             w = q.astype(jnp.float32) * jnp.repeat(d, GROUP, axis=-1)
+            if self.offset is not None:
+                w = w + jnp.repeat(unpack_groups(self.offset), GROUP, axis=-1)
             return jnp.swapaxes(w[..., :n, :k], -1, -2).astype(dtype)
         return (self.q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
 
@@ -99,12 +105,12 @@ def quantize_weight(w: jax.Array, mode: str, keep_a16=None) -> QuantizedWeight:
         raise ValueError(f"expected a weight of shape [..., in, out], got shape {tuple(w.shape)}")
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"expected a floating-point weight, got dtype {w.dtype}")
-    if mode == "q8_0":
+    if mode in GROUPWISE_MODES:
         if keep_a16 is not None:
             raise ValueError("keep_a16 applies to w8a8 only")
         from quantization import groupwise
 
-        return groupwise.quantize_weight(w)
+        return groupwise.quantize_weight(w, mode)
     if keep_a16 is not None:
         keep_a16 = np.asarray(keep_a16, bool)
         if mode != "w8a8" or keep_a16.shape != tuple(w.shape[:-2]):
@@ -123,8 +129,8 @@ def quantize(
 
     Quantizes params["layers"][LAYER_WEIGHTS] and, with include_embeddings, params["lm_head"]
     (never params["embed"], which is a gather). mode "none" returns `params` unchanged.
-    q8_0 weights the loader already built (models.loader, quantize="q8_0") are kept as they are;
-    any other already-quantized weight is an error.
+    Group-wise weights the loader already built (models.loader, quantize="q8_0") are kept (set to
+    `mode`); any other already-quantized weight is an error.
     keep_a16 (w8a8): {layer weight name: bool [L]}, the layers of that weight kept at w8a16.
     """
     _check_mode(mode, MODES)
@@ -147,8 +153,11 @@ def quantize(
     out["layers"] = dict(layers)
     for path in tqdm(targets, desc=f"quantize {mode}", file=sys.stderr, disable=not progress):
         parent = out["layers"] if path[0] == "layers" else out
-        if isinstance(parent[path[-1]], QuantizedWeight) and parent[path[-1]].mode == mode == "q8_0":
-            continue  # built by the loader straight from the checkpoint's blocks
+        current = parent[path[-1]]
+        if isinstance(current, QuantizedWeight) and mode in GROUPWISE_MODES and current.mode in GROUPWISE_MODES:
+            # built by the loader straight from the checkpoint's blocks; the modes share the weights
+            parent[path[-1]] = dataclasses.replace(current, mode=mode)
+            continue
         if isinstance(parent[path[-1]], QuantizedWeight):
             raise ValueError(f"params[{'/'.join(path)}] is already quantized")
         keep = (keep_a16 or {}).get(path[-1]) if path[0] == "layers" else None

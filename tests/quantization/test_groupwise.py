@@ -26,15 +26,17 @@ def test_rows_round_to_within_half_a_step_of_their_group(shape):
     assert np.all(np.abs(groupwise.dequantize_rows(q, d) - w) <= step / 2 * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_convert_exactly(kind):
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((6, 96)).astype(np.float32)
+    w = rng.standard_normal((6, 96)).astype(np.float32) + 0.5
     qtype = gguf.GGMLQuantizationType[kind]
     raw = quants.quantize(w, qtype)
-    decode = groupwise.from_q8_0_blocks if kind == "Q8_0" else groupwise.from_q4_0_blocks
-    q, d = decode(raw, 96)
-    np.testing.assert_array_equal(groupwise.dequantize_rows(q, d), quants.dequantize(raw, qtype))
+    decode = {"Q8_0": groupwise.from_q8_0_blocks, "Q4_0": groupwise.from_q4_0_blocks,
+              "Q4_1": groupwise.from_q4_1_blocks}[kind]
+    rows = decode(raw, 96)
+    assert len(rows) == (3 if kind == "Q4_1" else 2)  # Q4_1's minimum: a group offset
+    np.testing.assert_allclose(groupwise.dequantize_rows(*rows), quants.dequantize(raw, qtype), rtol=1e-6, atol=1e-7)
 
 
 def test_quantized_weight_shape_dequantize_and_scan_slicing():
@@ -63,12 +65,30 @@ def test_linear_q8_0_tracks_the_float_matmul(lead):
     assert np.abs(y - want).max() < 0.03 * np.abs(want).max()
 
 
+def test_linear_with_offsets_and_a16_matches_the_dequantized_weight():
+    # Q4_1 rows (asymmetric, offsets): with two-part activations the only error left is ~15-bit x
+    rng = np.random.default_rng(6)
+    raw = quants.quantize(rng.standard_normal((40, 96)).astype(np.float32) + 1.0, gguf.GGMLQuantizationType.Q4_1)
+    rows = groupwise.from_q4_1_blocks(raw, 96)
+    x = jnp.asarray(rng.standard_normal((5, 96)).astype(np.float32))
+    want = np.asarray(x) @ groupwise.dequantize_rows(*rows).T
+    errors = {}
+    for mode in ("q8_0", "q8_0-a16"):
+        qw = groupwise.pack_one(rows, mode)
+        np.testing.assert_allclose(np.asarray(qw.dequantize()), groupwise.dequantize_rows(*rows).T, rtol=1e-6, atol=1e-6)
+        errors[mode] = np.abs(np.asarray(jax.jit(ops.linear)(x, qw)) - want).max()
+    assert errors["q8_0"] < 0.03 * np.abs(want).max()
+    assert errors["q8_0-a16"] < errors["q8_0"] / 50
+
+
 def test_quantize_params_keeps_q8_0_weights_and_quantizes_the_rest():
     params = tiny_params()
     pre = quantize_weight(params["layers"]["wq"], "q8_0")
     params["layers"]["wq"] = pre
     out = quantize(params, "q8_0", include_embeddings=True)
-    assert out["layers"]["wq"] is pre
+    assert out["layers"]["wq"].q is pre.q  # kept, not requantized
+    a16 = quantize(params, "q8_0-a16", include_embeddings=True)
+    assert a16["layers"]["wq"].mode == "q8_0-a16" and a16["layers"]["wq"].q is pre.q
     for name in ("wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         assert isinstance(out["layers"][name], QuantizedWeight) and out["layers"][name].mode == "q8_0"
     assert out["lm_head"].shape == params["lm_head"].shape
@@ -98,9 +118,15 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
 
     path = resolve_model(DEFAULT_MODEL)
     cfg, params = load_gguf(path, quantize="q8_0")
-    raw = next(t for t in read_gguf(path).tensors if t.name == "token_embd.weight")
+    reader = read_gguf(path)
+    raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
     embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)
     np.testing.assert_array_equal(np.asarray(params["lm_head"].dequantize()), embed.T)
     np.testing.assert_array_equal(np.asarray(params["embed"]), embed)
     assert params["layers"]["w_up"].shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
+    # the layers are Q4_1: held exactly, the block minimum as the group offset
+    up = next(t for t in reader.tensors if t.name == "blk.3.ffn_up.weight")
+    assert up.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    want = quants.dequantize(up.data, up.tensor_type).reshape(cfg.intermediate_size, cfg.hidden_size).T
+    np.testing.assert_allclose(np.asarray(params["layers"]["w_up"].dequantize()[3]), want, rtol=1e-6, atol=1e-7)

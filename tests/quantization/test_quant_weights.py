@@ -106,7 +106,7 @@ def test_unknown_mode_is_rejected_naming_the_allowed_modes(call):
 
 
 def test_all_modes_constant_lists_none_first():
-    assert MODES == ("none", "w8a16", "w8a8", "q8_0")
+    assert MODES == ("none", "w8a16", "w8a8", "q8_0", "q8_0-a16")
 
 
 def test_quantizing_twice_is_an_error():
