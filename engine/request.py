@@ -6,6 +6,10 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured import Grammar
 
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1            # token counts, top_k and ids travel as int32 arrays
@@ -73,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None      # None: no logprobs; k >= 0: chosen token + k alternatives
     n: int = 1
+    constraint: Grammar | None = None  # structured output: the sampler masks tokens it refuses
 
     def __post_init__(self) -> None:
         # Every range below is documented in the README and fits the int32/float32 arrays the
@@ -103,6 +108,8 @@ class SamplingParams:
             raise InvalidParam("stop_token_ids", "stop_token_ids must be a tuple of token ids")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_INT32)
+        if self.constraint is not None and not callable(getattr(self.constraint, "matcher", None)):
+            raise InvalidParam("response_format", "constraint must be a compiled engine.structured.Grammar")
 
     @property
     def greedy(self) -> bool:

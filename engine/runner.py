@@ -25,8 +25,9 @@ from engine.api import Sampled, SlotState, StepBatch
 from engine.buckets import Buckets
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from engine.request import TokenLogprob
-from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, penalties_active, prompt_mask_row,
-                             sample_penalized, update_counts)
+from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, apply_token_bitmask, penalties_active,
+                             prompt_mask_row, sample_penalized, update_counts)
+from engine.structured import MaskFiller, Matcher, mask_words
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
 from models.llama import forward_step, init_kv_cache, split_layers
@@ -106,6 +107,13 @@ class JaxEngine:
         self._slot_sampling = SamplingArrays.from_params([], [], [], self.max_slots + 1)
         self._slot_steps = np.zeros(self.max_slots + 1, np.int32)
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
+        # structured output: a grammar matcher per constrained slot; the host fills their mask rows
+        # while the model program runs, the sampling program applies them
+        self._matchers: dict[int, Matcher] = {}
+        self._mask_filler = MaskFiller(self.vocab_size, self.eos_token_ids)
+        self._no_mask: dict[int, np.ndarray] = {}  # sample rows -> all-ones mask
+        self.mask_seconds = 0.0  # host time spent filling masks (benchmarks report it per token)
+        self.masked_rows = 0
 
         self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
         self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
@@ -124,21 +132,22 @@ class JaxEngine:
                             num_seqs, sample_index, dtype=self.dtype)
 
     @staticmethod
-    def _sample_step(logits, state, slot_ids, active, sarrays):
+    def _sample_step(logits, state, slot_ids, active, sarrays, bitmask):
         # A batch without penalties neither reads nor updates the [B, V] counts (12 MB of gather
         # and scatter at 32 rows): a row's penalties are fixed for its life and insert() rebuilds
         # its counts, so rows that never use them need not keep them.
         counts, pmask = state
         logits = logits.astype(jnp.float32)
+        allowed = apply_token_bitmask(logits, bitmask)  # [B,V], -inf where a grammar refuses
 
         def penalized():
             rows_counts = counts[slot_ids]                                  # [B,V]
-            result = sample_penalized(logits, apply_penalties(logits, sarrays, rows_counts, pmask[slot_ids]),
+            result = sample_penalized(logits, apply_penalties(allowed, sarrays, rows_counts, pmask[slot_ids]),
                                       sarrays)
             return result, counts.at[slot_ids].set(update_counts(rows_counts, result.token, active))
 
         result, counts = jax.lax.cond(penalties_active(sarrays), penalized,
-                                      lambda: (sample_penalized(logits, logits, sarrays), counts))
+                                      lambda: (sample_penalized(logits, allowed, sarrays), counts))
         return result, (counts, pmask)
 
     @staticmethod
@@ -156,7 +165,8 @@ class JaxEngine:
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
         return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32), (self.output_counts, self.prompt_mask),
-                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays)
+                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays,
+                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
 
     @property
     def num_programs(self) -> int:
@@ -204,6 +214,12 @@ class JaxEngine:
             getattr(self._slot_sampling, field.name)[slot] = getattr(row, field.name)[0]
         self._slot_steps[slot] = len(state.output_ids)
         self._slot_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self._matchers.pop(slot, None)
+        if params.constraint is not None:
+            matcher = params.constraint.matcher()
+            for token in state.output_ids:  # a preempted sequence resumes where its output is
+                matcher.advance(token)
+            self._matchers[slot] = matcher
         counts = np.bincount(np.asarray(state.output_ids, np.int64), minlength=self.vocab_size)[:self.vocab_size]
         self.output_counts, self.prompt_mask = self._set_row_jit(
             self.output_counts, self.prompt_mask, np.int32(slot), counts.astype(np.int32),
@@ -211,6 +227,7 @@ class JaxEngine:
 
     def free(self, slot: int) -> None:
         self._slot_logprobs[slot] = -1
+        self._matchers.pop(slot, None)
 
     def step_inputs(self, batch: StepBatch) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
         """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)."""
@@ -255,6 +272,19 @@ class JaxEngine:
         logits, self.cache = model(self.params, self.cache, *inputs)
         return t, logits, sample_slots
 
+    def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray:
+        """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
+        rows = [self._matchers.get(slot) for slot in sample_slots]
+        start = time.perf_counter()
+        mask = self._mask_filler.fill(rows, b)
+        if mask is None:
+            if b not in self._no_mask:
+                self._no_mask[b] = np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32)
+            return self._no_mask[b]
+        self.mask_seconds += time.perf_counter() - start
+        self.masked_rows += sum(m is not None for m in rows)
+        return mask
+
     def model_logits(self, batch: StepBatch) -> np.ndarray:
         """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
         `sample` sequences, in order (tests and the perplexity tool)."""
@@ -272,13 +302,16 @@ class JaxEngine:
         active = np.arange(b) < n
         sarrays = jax.tree.map(lambda x: x[slot_ids], self._slot_sampling)
         sarrays = dataclasses.replace(sarrays, step=self._slot_steps[slot_ids])
+        bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
         result, (self.output_counts, self.prompt_mask) = sampler(
-            logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays)
+            logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
         self._slot_steps[slot_ids[:n]] += 1
         host: SampleResult = jax.device_get(result)  # the step's one device -> host copy
         out = []
         for i, slot in enumerate(sample_slots):
+            if (matcher := self._matchers.get(slot)) is not None:
+                matcher.advance(int(host.token[i]))
             k = int(self._slot_logprobs[slot])
             lp = None
             if k >= 0:

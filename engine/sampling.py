@@ -127,6 +127,20 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, output_counts: ja
             - arrays.frequency_penalty[:, None] * counts)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's packed mask u32[B, ceil(V/32)] has bit t of token t clear (structured
+    output). A batch whose mask is all ones (no constrained row) skips the unpacking."""
+    batch, vocab = logits.shape
+
+    def masked() -> jax.Array:
+        shifts = jnp.arange(32, dtype=jnp.uint32)                                # [32]
+        bits = (bitmask[:, :, None] >> shifts) & jnp.uint32(1)                   # [B, W, 32]
+        allowed = bits.reshape(batch, -1)[:, :vocab].astype(bool)                # [B, V]
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(bitmask != jnp.uint32(0xFFFFFFFF)), masked, lambda: logits)
+
+
 def _ordered_key(x: jax.Array) -> jax.Array:
     """uint32 keys that sort like the floats x (the radix-sort trick), for exact bisection."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
