@@ -89,12 +89,15 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
     return specs, versions
 
 
-def bench_argv(args, base_url: str, concurrency: int, gguf: str, result_dir: Path, label: str) -> list[str]:
+def bench_argv(args, base_url: str, concurrency: int, gguf: str, result_dir: Path, label: str,
+               seed: int) -> list[str]:
+    # Each run gets its own seed: a prompt the server saw in an earlier run would be served from its
+    # prefix cache (vLLM, Slipstream) or slot cache (llama.cpp), and TTFT would measure a cache hit.
     n = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
     return ["--base-url", base_url, "--tokenizer", gguf, "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(n), "--max-concurrency", str(concurrency), "--num-warmups", str(args.num_warmups),
-            "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--disable-tqdm",
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{label}-c{concurrency}.json",
             "--label", label]
 
@@ -121,7 +124,7 @@ def run_comparison(args) -> int:
                 servers_info.append({"name": spec.name, "description": spec.description,
                                      "command": spec.command(port), "ready_s": ready_s})
                 for c in concurrencies:
-                    argv = bench_argv(args, server.base_url, c, gguf, result_dir, spec.name)
+                    argv = bench_argv(args, server.base_url, c, gguf, result_dir, spec.name, args.seed + c)
                     commands.append("slipstream bench " + shlex.join(argv))
                     rc = bench.main(argv)
                     path = result_dir / f"{spec.name}-c{c}.json"
@@ -146,8 +149,8 @@ def run_comparison(args) -> int:
     workload = (f"Random prompts of exactly {args.input_len} tokens (default model's tokenizer), {args.output_len} "
                 f"output tokens (`ignore_eos`, greedy), `/v1/completions` streaming; concurrency "
                 f"{', '.join(map(str, concurrencies))} with max({args.min_prompts}, {args.prompts_per_concurrency} x "
-                f"concurrency) prompts each, all sent at once behind the concurrency cap, after "
-                f"{args.num_warmups} warm-up requests. Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
+                f"concurrency) prompts each (a different seed per run, so no prompt repeats), all sent at once "
+                f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
                 "every server gets the same weights.")
     report.write(args.output, rows=rows, servers=servers_info, versions=versions,
                  compare_command=".venv/bin/python -m benchmarks.compare " + shlex.join(sys.argv[1:]),
@@ -177,7 +180,7 @@ def check_vllm_bench(args) -> int:
         try:
             peers.log(f"{spec.name} ready in {server.wait_ready():.0f}s")
             for rep in range(args.repeats):
-                argv = bench_argv(args, server.base_url, c, gguf, result_dir, f"ours-{rep}")
+                argv = bench_argv(args, server.base_url, c, gguf, result_dir, f"ours-{rep}", args.seed + 2 * rep)
                 bench.main(argv)
                 results["slipstream bench"].append(json.loads((result_dir / f"ours-{rep}-c{c}.json").read_text()))
                 model = httpx.get(f"{server.base_url}/v1/models", trust_env=False).json()["data"][0]["id"]
@@ -186,7 +189,7 @@ def check_vllm_bench(args) -> int:
                        "--dataset-name", "random", "--random-input-len", str(args.input_len),
                        "--random-output-len", str(args.output_len), "--num-prompts", str(n),
                        "--max-concurrency", str(c), "--num-warmups", str(args.num_warmups), "--ignore-eos",
-                       "--temperature", "0", "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+                       "--temperature", "0", "--seed", str(args.seed + 2 * rep + 1), "--percentile-metrics", "ttft,tpot,itl,e2el",
                        "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(result_dir),
                        "--result-filename", f"vllm-{rep}.json", "--disable-tqdm"]
                 peers.sh(cmd, cwd=peers.PEERS)
