@@ -15,8 +15,9 @@ from server.errors import ServiceError
 from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, TopLogprob, Usage, valid_unicode)
+                             CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage, valid_unicode)
 from server.service import Generation, Prepared, Service
+from server.structured import ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan, with_tools
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -36,6 +37,9 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     service.check_choices(len(items), req.n)
     max_tokens = req.max_tokens if req.max_tokens is not None else service.config.default_max_tokens
     params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs)
+    constraint = request_constraint(req)
+    if constraint is not None:
+        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
     prompts = [service.encode(item) for item in items]
     return Prepared(prompts=prompts, params=params, id_prefix="cmpl")
 
@@ -43,10 +47,14 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
 def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
     service.check_model(req.model)
-    _reject_unsupported(req.tools, "tools", req.logit_bias, "logit_bias")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ServiceError(400, "only response_format {'type': 'text'} is supported", param="response_format",
-                           code="unsupported")
+    _reject_unsupported(req.logit_bias, "logit_bias")
+    plan = tool_plan(req.tools, req.tool_choice)
+    constraint = request_constraint(req)
+    if plan is not None and plan.constraint() is not None:
+        if constraint is not None:
+            raise ServiceError(400, f"tool_choice {plan.mode} constrains the reply already; drop {constraint.field}",
+                               param=constraint.field, code="invalid_value")
+        constraint = plan.constraint()
     if req.top_logprobs is not None and not req.logprobs:
         raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     service.check_choices(1, req.n, "messages")
@@ -57,7 +65,9 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # Validate the sampling fields before the template and the tokenizer run.
     params = _params(service, req, max_tokens=explicit or 1, logprobs=logprobs, param_names=names)
-    prompt = service.render_chat(messages)
+    if constraint is not None:
+        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
+    prompt = service.render_chat(with_tools(messages, plan))
     if explicit is None:
         # The rest of the context; a prompt that fills it is reported by the service's length check.
         params = dataclasses.replace(params, max_tokens=max(1, service.max_model_len - len(prompt)))
@@ -80,6 +90,8 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
     if message.name is not None:
         entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = message.tool_calls
     return entry
 
 
@@ -172,6 +184,8 @@ class ChatFormat:
         self.service, self.gen, self.model = service, gen, body.model or service.model_name
         self.created = int(time.time())
         self.top_logprobs = body.top_logprobs or 0
+        self.tools = tool_plan(body.tools, body.tool_choice)
+        self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -195,9 +209,14 @@ class ChatFormat:
     def response(self, choices: list[Delta]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                logprobs=self.logprobs(c.logprobs), finish_reason=_reason(c) or "stop")
-                     for c in choices])
+            choices=[self._choice(c) for c in choices])
+
+    def _choice(self, c: Delta) -> ChatChoice:
+        content, calls = parse_reply(self.tools, c.text) if self.tools else (c.text, [])
+        reason = _reason(c) or "stop"
+        return ChatChoice(index=c.index, message=ChatResponseMessage(
+            content=content, tool_calls=[ToolCall(**call) for call in calls] or None),
+            logprobs=self.logprobs(c.logprobs), finish_reason="tool_calls" if calls and reason == "stop" else reason)
 
     def opening_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice with the role and empty content.
@@ -206,11 +225,20 @@ class ChatFormat:
                 for i in range(self.gen.num_choices)]
 
     def chunk(self, d: Delta) -> ChatCompletionChunk | None:
-        if not d.text and not d.logprobs and d.finish_reason is None:
+        text, calls, reason = d.text, None, _reason(d)
+        if self.tools:
+            stream = self.tool_streams[d.index]
+            text = stream.feed(d.text)
+            if d.finish_reason is not None:
+                tail, deltas = stream.finish()
+                text += tail
+                calls = [ToolCallDelta(**c) for c in deltas] or None
+                reason = "tool_calls" if calls and reason == "stop" else reason
+        if not text and not calls and not d.logprobs and d.finish_reason is None:
             return None
-        delta = ChatDelta(content=d.text) if d.text else ChatDelta()
+        delta = ChatDelta(content=text or None, tool_calls=calls)
         return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
-                                            finish_reason=_reason(d))])
+                                            finish_reason=reason)])
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], usage=self.usage())

@@ -61,6 +61,13 @@ class _SamplingRequest(_Request):
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
     # client relying on them gets a 400 instead of a silently different answer.
     logit_bias: dict[str, float] | None = None
+    # Structured output (server/structured.py): OpenAI's response_format, and vLLM's spellings.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -77,6 +84,8 @@ class ChatMessage(_Request):
     # the service, naming the message) instead of a pydantic union error.
     content: Text | list[dict[str, Any]] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None                 # a tool turn: which call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -85,7 +94,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs=true
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -136,9 +146,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -162,6 +195,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
