@@ -5,9 +5,11 @@ Three measurements in one run, so their ratios share the machine's state:
      threads (XLA's intra-op pool) and vector loads;
   2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 7 matrices + the
      576x49152 LM head, ~150 MB, far beyond L3) once per call, and the LM head alone (8 copies);
-     reported as bytes of packed weights + scales read per second, and as a share of (1);
-  3. many rows (prefill): each default-model shape at --rows, Q8_0 kernel vs XLA's f32 matmul on
-     the same x, timed alternately; GOP/s = 2*M*K*N / time.
+     reported as bytes of packed weights + scales (+ offsets) read per second, and as a share of (1);
+  3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
+     the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts).
+Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
+"q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
 Run from the repo root, serialized with other timing runs:
     flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.int8_matmul_bench [--reps 20]
 """
@@ -55,11 +57,16 @@ def l3_bytes() -> int:
         return 32 << 20
 
 
-def random_q8(rng: np.random.Generator, k: int, n: int) -> tuple[jax.Array, jax.Array]:
+FORMS = {"q8_0": dict(parts=1, offsets=False), "q8_0-a16": dict(parts=2, offsets=True)}
+
+
+def random_q8(rng: np.random.Generator, k: int, n: int, offsets: bool = False) -> tuple:
+    """(packed, scales, offsets or None) of a random [k, n] weight."""
     q = rng.integers(-127, 128, (n, k), dtype=np.int8)
     d = (rng.random((n, -(-k // q8.GROUP))) * 1e-2).astype(np.float32)
-    packed, scales = q8.pack(q, d)
-    return jnp.asarray(packed), jnp.asarray(scales)
+    m = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    arrays = q8.pack(q, d, m)
+    return tuple(jnp.asarray(a) for a in arrays) + ((None,) if m is None else ())
 
 
 def median_seconds(fn, args, reps: int) -> float:
@@ -78,39 +85,39 @@ def read_bandwidth(reps: int) -> float:
     return data.nbytes / seconds
 
 
-def one_row(weights: list[tuple[jax.Array, jax.Array, int]], reps: int) -> tuple[float, int]:
-    """(seconds, bytes) for one row through every weight in `weights` (packed, scales, n)."""
+def one_row(weights: list[tuple], parts: int, reps: int) -> tuple[float, int]:
+    """(seconds, bytes) for one row through every weight in `weights` (packed, scales, offsets, n)."""
     def step(x, ws):
         total = jnp.zeros((), jnp.float32)
-        for (packed, scales), n in zip(ws, ns):
-            y = q8.q8_matmul(x[: packed.shape[1] // q8.TILE], packed, scales, n=n)
+        for (packed, scales, offsets), n in zip(ws, ns):
+            y = q8.q8_matmul(x[: packed.shape[1] // q8.TILE], packed, scales, offsets, n=n, parts=parts)
             total = total + y[0]  # keeps every call live; x stays the same row
         return total
 
-    ns = [n for _, _, n in weights]
-    ws = [(p, s) for p, s, _ in weights]
+    ns = [w[-1] for w in weights]
+    ws = [w[:-1] for w in weights]
     x = jnp.asarray(np.random.default_rng(2).standard_normal(1536), jnp.float32)
     seconds = median_seconds(jax.jit(step), (x, ws), reps)
-    return seconds, sum(p.nbytes + s.nbytes for p, s in ws)
+    return seconds, sum(a.nbytes for w in ws for a in w if a is not None)
 
 
-def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> tuple[float, float]:
-    """(f32 seconds, q8 seconds) for x [m, k] @ w [k, n], timed alternately."""
+def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> list[float]:
+    """Median seconds of x [m, k] @ w [k, n]: XLA f32, then each of FORMS, timed round-robin."""
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
-    packed, scales = random_q8(rng, k, n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    f32 = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
-    kern = jax.jit(lambda x, p, s: q8.q8_matmul(x, p, s, n=n))
-    jax.block_until_ready((f32(x, w), kern(x, packed, scales)))
-    t_f32, t_q8 = [], []
+    calls = [(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)), (x, w))]
+    for form in FORMS.values():
+        weight = random_q8(rng, k, n, form["offsets"])
+        fn = jax.jit(lambda x, p, s, o, parts=form["parts"]: q8.q8_matmul(x, p, s, o, n=n, parts=parts))
+        calls.append((fn, (x, *weight)))
+    jax.block_until_ready([fn(*args) for fn, args in calls])
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(f32(x, w))
-        t_f32.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        jax.block_until_ready(kern(x, packed, scales))
-        t_q8.append(time.perf_counter() - start)
-    return float(np.median(t_f32)), float(np.median(t_q8))
+        for (fn, args), t in zip(calls, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            t.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
 
 
 def main() -> None:
@@ -128,25 +135,27 @@ def main() -> None:
     print(f"\n[1] read bandwidth (read_probe, {8 * l3_bytes() >> 20} MiB): {bw / 1e9:.1f} GB/s")
 
     rng = np.random.default_rng(0)
-    step_weights = [(*random_q8(rng, k, n), n) for _ in range(N_LAYERS) for k, n in LAYER_SHAPES.values()]
-    head = random_q8(rng, *LM_HEAD)
-    step_weights.append((*head, LM_HEAD[1]))
-    heads = [(*random_q8(rng, *LM_HEAD), LM_HEAD[1]) for _ in range(8)]
-    print("\n[2] one row: packed weights + scales read per second")
-    for name, ws in (("decode step: 30 layers + LM head", step_weights), ("LM head 576x49152, 8 copies", heads)):
-        seconds, nbytes = one_row(ws, args.reps)
-        print(f"    {name:34} {nbytes / 2**20:6.1f} MiB in {seconds * 1e3:6.2f} ms = "
-              f"{nbytes / seconds / 1e9:5.1f} GB/s = {nbytes / seconds / bw:4.0%} of read bandwidth")
-    del step_weights, heads
+    print("\n[2] one row: packed weights + scales (+ offsets) read per second")
+    for form, opts in FORMS.items():
+        step_weights = [(*random_q8(rng, k, n, opts["offsets"]), n)
+                        for _ in range(N_LAYERS) for k, n in LAYER_SHAPES.values()]
+        step_weights.append((*random_q8(rng, *LM_HEAD), LM_HEAD[1]))  # the LM head is Q8_0 in the GGUF
+        heads = [(*random_q8(rng, *LM_HEAD), LM_HEAD[1]) for _ in range(8)]
+        for name, ws in (("decode step: 30 layers + LM head", step_weights), ("LM head 576x49152, 8 copies", heads)):
+            seconds, nbytes = one_row(ws, opts["parts"], args.reps)
+            print(f"    {form:9} {name:34} {nbytes / 2**20:6.1f} MiB in {seconds * 1e3:6.2f} ms = "
+                  f"{nbytes / seconds / 1e9:5.1f} GB/s = {nbytes / seconds / bw:4.0%} of read bandwidth", flush=True)
+        del step_weights, heads
 
-    print("\n[3] many rows: XLA f32 matmul vs Q8_0 kernel (GOP/s = 2*M*K*N / time)")
-    print(f"    {'shape':20} {'M':>4} | {'f32 ms':>8} {'GFLOP/s':>8} | {'q8_0 ms':>8} {'GOP/s':>8} | {'speed-up':>8}")
+    print("\n[3] many rows: XLA f32 matmul vs the kernel (GOP/s = 2*M*K*N / time; speed-up over f32)")
+    cells = " | ".join(f"{form + ' ms':>14} {'GOP/s':>6} {'x f32':>6}" for form in FORMS)
+    print(f"    {'shape':20} {'M':>4} | {'f32 ms':>8} {'GFLOP/s':>8} | {cells}")
     for m in (int(r) for r in args.rows.split(",")):
         for name, (k, n) in PREFILL_SHAPES.items():
-            t_f32, t_q8 = many_rows(rng, k, n, m, args.reps)
+            t_f32, *t_forms = many_rows(rng, k, n, m, args.reps)
             ops = 2.0 * m * k * n
-            print(f"    {name:20} {m:>4} | {t_f32 * 1e3:8.3f} {ops / t_f32 / 1e9:8.1f} | "
-                  f"{t_q8 * 1e3:8.3f} {ops / t_q8 / 1e9:8.1f} | {t_f32 / t_q8:7.2f}x", flush=True)
+            row = " | ".join(f"{t * 1e3:14.3f} {ops / t / 1e9:6.1f} {t_f32 / t:5.2f}x" for t in t_forms)
+            print(f"    {name:20} {m:>4} | {t_f32 * 1e3:8.3f} {ops / t_f32 / 1e9:8.1f} | {row}", flush=True)
 
 
 if __name__ == "__main__":

@@ -459,7 +459,7 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
     *r = 2;
     *c = 1;
   } else {
-    *r = std::min(rows_left, 4);
+    *r = std::min(rows_left, 4);  // 4 x 2 beat 6 x 2, 5 x 2, 4 x 3 and 8 x 1 on a Zen 4 EPYC
     *c = 2;
   }
 }
