@@ -109,11 +109,36 @@ class ToolPlan:
             fn = next(t for t in self.tools if t["name"] == self.named)
             return Constraint("json_schema", _parameters(fn), field="tool_choice")
         if self.mode == "required":
-            calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                      "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)}}
-                     for t in self.tools]
-            return Constraint("json_schema", {"anyOf": calls}, field="tool_choice")
+            calls, defs = [], {}
+            for i, t in enumerate(self.tools):
+                params = _hoist_defs(_parameters(t), f"tool{i}_", defs)
+                calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                              "properties": {"name": {"const": t["name"]}, "arguments": params}})
+            return Constraint("json_schema", {"anyOf": calls, **({"$defs": defs} if defs else {})},
+                              field="tool_choice")
         return None
+
+
+def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+    """The schema without its local $defs, which move into `defs` under prefixed names (so that
+    several functions' schemas fit under one root and their "#/$defs/..." references still resolve)."""
+    schema = dict(schema)
+    local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            out = {k: fix(v) for k, v in node.items()}
+            for root in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+            return out
+        if isinstance(node, list):
+            return [fix(v) for v in node]
+        return node
+
+    defs.update({prefix + name: fix(d) for name, d in local.items()})
+    return fix(schema)
 
 
 def _parameters(fn: dict) -> dict:

@@ -1,0 +1,183 @@
+"""Structured output and tool calling end to end on the default model (SmolLM2-135M-Instruct): the
+unmodified openai client's .parse() with pydantic models, tools streaming and not, and the 400s."""
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import threading
+import time
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from engine.runner import EngineConfig, JaxEngine
+from engine.scheduler import Scheduler, SchedulerConfig
+from models.registry import load_tokenizer
+from server.app import create_app, make_server
+from server.service import Service, ServiceConfig
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def url(default_model, default_model_path):
+    cfg, params = default_model
+    tokenizer = load_tokenizer(default_model_path)
+    engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=1024, num_pages=256,
+                                                 max_num_batched_tokens=256), precompile=False)
+    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
+    scheduler.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = make_server(create_app(service, api_key=None), "127.0.0.1", sock.getsockname()[1], log_level="warning",
+                         shutdown_timeout_s=5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=40)
+    zip_code: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=40)
+    age: int = pydantic.Field(ge=0, le=120)
+    address: Address
+
+
+class Palette(pydantic.BaseModel):
+    favorite: Color
+    others: list[Color] = pydantic.Field(max_length=3)
+
+
+class Reading(pydantic.BaseModel):
+    temperature_c: float = pydantic.Field(ge=-50, le=60)
+    humidity: int = pydantic.Field(ge=0, le=100)
+    ok: bool
+
+
+class Team(pydantic.BaseModel):
+    members: list[Person] = pydantic.Field(min_length=1, max_length=2)
+
+
+@pytest.mark.parametrize("model, question", [
+    (Person, "Describe a person who lives in Paris as JSON."),
+    (Palette, "Pick a favorite color and a few others."),
+    (Reading, "Report the weather reading in Oslo."),
+    (Team, "List a team of two people."),
+], ids=["nested", "enum-array", "bounded-numbers", "array-of-nested"])
+def test_openai_parse_returns_a_validated_object(client, model, question):
+    completion = client.beta.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": question}], response_format=model, temperature=0,
+        max_tokens=300)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, model)  # the client validated it with pydantic
+    jsonschema.validate(json.loads(choice.message.content), model.model_json_schema())
+
+
+def test_completions_endpoint_takes_response_format_and_guided_fields(client):
+    text = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=20, temperature=0,
+                                     extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
+    assert text in ("yes", "no")
+    out = client.completions.create(model=MODEL, prompt="A date:", max_tokens=20, temperature=0,
+                                    extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}).choices[0].text
+    assert len(out) == 10 and out[4] == out[7] == "-"
+    obj = client.completions.create(model=MODEL, prompt='The user {"name": "Ann", "age": 31} as JSON:',
+                                    max_tokens=60, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
+
+
+WEATHER = openai.pydantic_function_tool(
+    type("get_weather", (pydantic.BaseModel,), {"__annotations__": {"city": str, "unit": Color},
+                                                "__doc__": "Current weather in a city"}))
+
+
+def test_named_tool_call_round_trips(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                          max_tokens=80)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and set(args) == {"city", "unit"}
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=30,
+                                            temperature=0)
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+
+
+def test_required_tool_call_streams_as_tool_call_deltas(client):
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"]}}}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+                  tools=[WEATHER, clock], tool_choice="required", temperature=0, max_tokens=80)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or []) if c.choices]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    name = "".join(d.function.name or "" for d in deltas)
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert deltas[0].id.startswith("call_") and deltas[0].index == 0
+    assert (name, json.loads(args)) == (whole.message.tool_calls[0].function.name,
+                                        json.loads(whole.message.tool_calls[0].function.arguments))
+    # the openai client's own stream helper accumulates the deltas into a call
+    with client.beta.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.name == name
+
+
+def test_invalid_schema_is_a_400_naming_the_problem(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "object", "properties": {
+                                               "a": {"type": "strng"}}}}})
+    assert e.value.body["param"] == "response_format" and "strng" in e.value.body["message"]
+
+
+def test_schema_over_the_limit_is_a_400_with_the_limit(client):
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3000)}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": schema}})
+    assert "the limit is 65536" in e.value.body["message"]
+
+
+def test_constrained_reply_cut_by_max_tokens_finishes_with_length(client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person"}],
+                                          max_tokens=5, temperature=0, response_format={
+                                              "type": "json_schema", "json_schema": {
+                                                  "name": "p", "schema": Person.model_json_schema()}})
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A person"}],
+                                           response_format=Person, max_tokens=5, temperature=0)
