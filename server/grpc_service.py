@@ -17,6 +17,7 @@ from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, 
 from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
 from server.service import Generation, Prepared, Service
+from server.structured import Constraint, compile_constraint, json_source
 
 # SamplingParams names a rejected field; these are the request fields to blame.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
@@ -53,6 +54,10 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
         param_names=_PARAM_NAMES, max_tokens=request.max_tokens or service.config.default_max_tokens,
         n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
         stop=tuple(s.stop), ignore_eos=s.ignore_eos, **optional)
+    if s.HasField("json_schema"):
+        field = "sampling.json_schema"
+        grammar = compile_constraint(service, Constraint("json_schema", json_source(s.json_schema, field), field=field))
+        params = dataclasses.replace(params, constraint=grammar)
     if kind == "text_content":
         prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
     else:

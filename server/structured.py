@@ -53,20 +53,20 @@ def request_constraint(req: Any) -> Constraint | None:
     if so is not None:
         for key, kind in _STRUCTURED_OUTPUTS.items():
             if so.get(key) is not None:
-                found.append(Constraint(kind, _json_source(so[key], f"structured_outputs.{key}")
+                found.append(Constraint(kind, json_source(so[key], f"structured_outputs.{key}")
                                         if kind == "json_schema" else so[key], field=f"structured_outputs.{key}"))
         if so.get("json_object"):
             found.append(Constraint("json_object", field="structured_outputs.json_object"))
     for name, kind in _GUIDED.items():
         value = getattr(req, name, None)
         if value is not None:
-            found.append(Constraint(kind, _json_source(value, name) if kind == "json_schema" else value, field=name))
+            found.append(Constraint(kind, json_source(value, name) if kind == "json_schema" else value, field=name))
     if len(found) > 1:
         raise _bad(found[1].field, "ask for one output constraint only; got " + ", ".join(c.field for c in found))
     return found[0] if found else None
 
 
-def _json_source(value: Any, field: str) -> Any:
+def json_source(value: Any, field: str) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)

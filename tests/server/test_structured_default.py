@@ -23,7 +23,7 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def url(default_model, default_model_path):
+def served(default_model, default_model_path):
     cfg, params = default_model
     tokenizer = load_tokenizer(default_model_path)
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=1024, num_pages=256,
@@ -40,9 +40,14 @@ def url(default_model, default_model_path):
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
     server.should_exit = True
     thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +186,29 @@ def test_constrained_reply_cut_by_max_tokens_finishes_with_length(client):
     with pytest.raises(openai.LengthFinishReasonError):
         client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A person"}],
                                            response_format=Person, max_tokens=5, temperature=0)
+
+
+def test_grpc_json_schema_field_constrains_every_sample(served):
+    import grpc
+
+    from server.proto import jetstream_pb2 as pb
+    from tests.server.grpc_helpers import start_grpc, text_request
+
+    live = start_grpc(served[1])
+    try:
+        schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+                  "additionalProperties": False}
+        request = text_request("Favorite color as JSON:", 30, num_samples=2, sampling=pb.SlipstreamSampling(
+            temperature=1.0, seed=7, json_schema=json.dumps(schema)))
+        texts = ["", ""]
+        for response in live.stub.Decode(request, timeout=120):
+            for i, sample in enumerate(response.stream_content.samples):
+                texts[i] += sample.text
+        for text in texts:
+            jsonschema.validate(json.loads(text), schema)
+        bad = text_request("x", 5, sampling=pb.SlipstreamSampling(json_schema="{nope"))
+        with pytest.raises(grpc.RpcError) as e:
+            list(live.stub.Decode(bad, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.json_schema" in e.value.details()
+    finally:
+        live.stop()
