@@ -51,6 +51,7 @@ constexpr int kMaxRows = 8;        // query rows per work item
 constexpr int kChunk = 16;         // keys per online-softmax step
 constexpr int kMaxHeadDim = 512;
 constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
+constexpr int kPrefetchChunks = 2; // chunks of K/V requested ahead of the one being computed
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---------------------------------------------------------------------------------------------
@@ -437,7 +438,7 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
             case KvType::kI8: {  // kernels.attention.quantize_kv: scale = max|x| / 127, round half even
               float amax = 0.f;
               for (int i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
-              const float scale = amax / 127.0f;
+              const float scale = amax * (1.0f / 127.0f);  // as XLA compiles the division by a constant
               const float safe = scale > 0.f ? scale : 1.f;
               int8_t* dst = static_cast<int8_t*>(buf) + row * hd;
               for (int i = 0; i < hd; ++i)
@@ -449,6 +450,28 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
         }
       }
     }
+  }
+}
+
+// Requests keys [a, b) of a sequence's K/V rows (and int8 scales) into the cache. Pages lie anywhere,
+// so the hardware prefetchers, which stop at 4 KiB boundaries, cannot run ahead on their own.
+void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+  for (int key = a; key < b;) {
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
+    const char* kr = static_cast<const char*>(p.k) + row0 * p.hd * width;
+    const char* vr = static_cast<const char*>(p.v) + row0 * p.hd * width;
+    for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) {
+      __builtin_prefetch(kr + o);
+      __builtin_prefetch(vr + o);
+    }
+    if (p.type == KvType::kI8)
+      for (int o = 0; o < n * 4; o += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(p.k_scale + row0) + o);
+        __builtin_prefetch(reinterpret_cast<const char*>(p.v_scale + row0) + o);
+      }
+    key += n;
   }
 }
 
@@ -477,7 +500,10 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
   }
   std::fill(acc, acc + rows * hd, 0.f);
 
+  prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
   for (int key = it.key_lo; key < it.key_hi;) {
+    const int ahead = key + kPrefetchChunks * kChunk;
+    if (ahead < it.key_hi) prefetch_keys(p, s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk));
     const int off = key % p.ps;
     const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
     const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);

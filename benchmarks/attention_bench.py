@@ -1,0 +1,139 @@
+"""Time one decode step of ragged paged attention over all layers against the time to read its K/V once.
+
+Run from the repo root (serialize timing runs with the other benchmarks):
+    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.attention_bench [--seqs 32] [--context 384]
+The step is lax.scan over the layers with the cache as the carry (as the model runs it), donated, so
+the kernel writes the new K/V in place. The bound is the bytes of K/V (and int8 scales) the step must
+read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB array on 1 and on all cores.
+Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import attention, native
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s of summing a large f32 array, split over `threads` numpy threads (numpy drops the GIL)."""
+    a = np.random.default_rng(0).standard_normal(int(gib * 2**30) // 4).astype(np.float32)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    for _ in range(reps):
+        sums = [0.0] * threads
+
+        def run(i: int) -> None:
+            sums[i] = float(parts[i].sum())
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - start)
+    return a.nbytes / best
+
+
+def make_step(layers: int, *, sm_scale: float, use_reference: bool):
+    attend = attention.ragged_paged_attention_reference if use_reference else attention.ragged_paged_attention
+
+    def step(cache, q, k_new, v_new, kv_lens, page_indices, cu_q_lens, num_seqs):
+        def layer(carry, i):
+            out, carry = attend(q, k_new, v_new, carry, i, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                sm_scale=sm_scale)
+            return carry, out[0, 0, 0]
+
+        cache, outs = jax.lax.scan(layer, cache, jnp.arange(layers, dtype=jnp.int32))
+        return cache, outs
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def bench(kv_dtype: str, args, bandwidth: float) -> None:
+    rng = np.random.default_rng(0)
+    s, ctx, kvh, g, hd, ps, nl = args.seqs, args.context, args.kv_heads, args.group, args.head_dim, \
+        args.page_size, args.layers
+    pages_per_seq = -(-ctx // ps)
+    num_pages = s * pages_per_seq + 1
+    table = (1 + rng.permutation(s * pages_per_seq)).reshape(s, pages_per_seq).astype(np.int32)
+    shape = (nl, kvh, num_pages, ps, hd)
+    if kv_dtype == "int8":
+        cache = {"k": jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)),
+                 "v": jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)),
+                 "k_scale": jnp.full(shape[:4], 0.01, jnp.float32), "v_scale": jnp.full(shape[:4], 0.01, jnp.float32)}
+        bytes_per_key = 2 * kvh * (hd + 4)
+    else:
+        cache = {"k": jnp.asarray(rng.standard_normal(shape, dtype=np.float32), kv_dtype),
+                 "v": jnp.asarray(rng.standard_normal(shape, dtype=np.float32), kv_dtype)}
+        bytes_per_key = 2 * kvh * hd * jnp.dtype(kv_dtype).itemsize
+    q = jnp.asarray(rng.standard_normal((s, kvh * g, hd), dtype=np.float32))
+    kv_new = jnp.asarray(rng.standard_normal((s, kvh, hd), dtype=np.float32))
+    operands = (q, kv_new, kv_new, jnp.full((s,), ctx, jnp.int32), jnp.asarray(table),
+                jnp.arange(s + 1, dtype=jnp.int32), jnp.asarray([s], jnp.int32))
+    step_bytes = nl * s * ctx * bytes_per_key
+    bound_ms = step_bytes / bandwidth * 1e3
+    for name, use_reference in (("native", False), ("reference", True)):
+        if name == "reference" and not args.reference:
+            continue
+        step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
+        cache, _ = step(cache, *operands)
+        jax.block_until_ready(cache)
+        times = []
+        cpu0 = time.process_time()
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            cache, outs = step(cache, *operands)
+            jax.block_until_ready((cache, outs))
+            times.append(time.perf_counter() - start)
+        cpu_ms = (time.process_time() - cpu0) / args.reps * 1e3
+        ms = float(np.median(times)) * 1e3
+        print(f"{kv_dtype:>8} {name:>9}: {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), {ms / nl:6.3f} ms/layer; "
+              f"cpu {cpu_ms:7.2f} ms/step; K/V read {step_bytes / 2**20:7.1f} MiB -> bound {bound_ms:7.2f} ms; "
+              f"ratio {ms / bound_ms:5.2f}x (min {min(times) * 1e3 / bound_ms:5.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--context", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated: float32, bfloat16, int8")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reference", action="store_true", help="also time the pure-JAX reference")
+    args = parser.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
+                 platform.processor())
+    cores = os.cpu_count() or 1
+    bw1, bwn = read_bandwidth(1), read_bandwidth(cores)
+    bandwidth = max(bw1, bwn)
+    isa = "unavailable"
+    if native.load("ragged_paged_attention", "ragged_paged_attention"):
+        from kernels import _ragged_paged_attention
+
+        isa = _ragged_paged_attention.isa()
+    print(f"cpu: {model}, {cores} cores; kernel: {native.kernel_paths()} isa={isa}")
+    print(f"read bandwidth (numpy sum of 1 GiB): 1 thread {bw1 / 1e9:.1f} GB/s, {cores} threads "
+          f"{bwn / 1e9:.1f} GB/s; bound uses {bandwidth / 1e9:.1f} GB/s")
+    print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
+          f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}")
+    for kv_dtype in args.kv_dtypes.split(","):
+        bench(kv_dtype, args, bandwidth)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The native CPU ragged paged attention equals the numpy oracle and the pure-JAX reference (output and the
+written cache) on every instruction set this CPU has, and a scan over layers runs it with no cache copy."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import attention, native
+from tests.kernels.attention_cases import make_case, oracle
+
+if native.reference_forced():
+    pytest.skip("SLIPSTREAM_KERNELS=reference: the native kernel is off", allow_module_level=True)
+if not native.load("ragged_paged_attention", "ragged_paged_attention"):
+    pytest.fail("kernels._ragged_paged_attention did not build or load: run `pip install -e .`", pytrace=False)
+
+from kernels import _ragged_paged_attention as ext  # noqa: E402  (built extension, loaded above)
+from kernels.attention_native import ragged_paged_attention_cpu  # noqa: E402
+
+_ALL_ISAS = ("portable", "avx2", "avx512")
+ISAS = _ALL_ISAS[:_ALL_ISAS.index(ext.isa()) + 1]   # every path this CPU can run
+
+# (q_lens, cached keys before the step, KV heads, group, head_dim, page_size)
+SHAPES = {
+    "decode-smollm": ([1] * 7, [383, 17, 0, 64, 15, 100, 1], 3, 3, 64, 16),
+    "mixed-gqa8-hd128": ([1, 1, 37, 5], [100, 3, 0, 20], 1, 8, 128, 16),
+    "prefill-512-mha": ([512], [0], 2, 1, 64, 16),
+    "long-decode-split": ([1, 1], [1500, 900], 3, 3, 64, 16),
+    "odd-hd24-ps5": ([3, 1, 9], [17, 40, 2], 2, 3, 24, 5),
+    "odd-hd40-ps8": ([2, 7, 1], [33, 0, 8], 1, 3, 40, 8),
+    "odd-hd72-ps16": ([4, 1], [29, 50], 2, 3, 72, 16),
+}
+KV_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def _args(case):
+    cache = {k: jnp.asarray(v) for k, v in case.cache.items()}
+    return (jnp.asarray(case.q), jnp.asarray(case.k_new), jnp.asarray(case.v_new), cache, jnp.int32(case.layer),
+            jnp.asarray(case.kv_lens), jnp.asarray(case.page_indices), jnp.asarray(case.cu_q_lens),
+            jnp.asarray(case.num_seqs))
+
+
+@pytest.fixture(autouse=True)
+def _best_isa_after():
+    yield
+    ext.force_isa("best")
+
+
+def _assert_matches(out, cache, want, want_cache, case, kv_dtype, what):
+    atol = 1e-4 if kv_dtype == "int8" else 3e-5
+    np.testing.assert_allclose(np.asarray(out), want, atol=atol, rtol=1e-4, err_msg=what)
+    assert not np.asarray(out)[sum(case.q_lens):].any(), f"{what}: padding tokens must get zeros"
+    for name, arr in want_cache.items():   # the new K/V (quantized for int8) and nothing else was written
+        got = np.asarray(cache[name])
+        assert got.dtype == arr.dtype, name
+        np.testing.assert_array_equal(got.astype(np.float32), arr.astype(np.float32), err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("window", [None, 29])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_native_matches_oracle(shape, kv_dtype, window):
+    q_lens, cached, kvh, group, hd, ps = SHAPES[shape]
+    rng = np.random.default_rng(abs(hash((shape, kv_dtype, window))) % 2**32)
+    case = make_case(rng, q_lens=q_lens, cached=cached, kv_heads=kvh, group=group, head_dim=hd, page_size=ps,
+                     int8=kv_dtype == "int8", dtype=jnp.dtype(kv_dtype) if kv_dtype != "int8" else np.float32,
+                     pad_seqs=2, pad_tokens=5)
+    scale = hd ** -0.5
+    want, want_cache = oracle(case, sm_scale=scale, sliding_window=window)
+    fn = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale", "sliding_window"))
+    for isa in ISAS:
+        ext.force_isa(isa)
+        out, cache = fn(*_args(case), sm_scale=scale, sliding_window=window)
+        _assert_matches(out, cache, want, want_cache, case, kv_dtype, f"{shape} {kv_dtype} window={window} {isa}")
+
+
+def test_random_ragged_batches_match_reference():
+    """Random ragged batches through the seam (kernels.attention) against the pure-JAX reference."""
+    rng = np.random.default_rng(7)
+    seam = jax.jit(attention.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window"))
+    ref = jax.jit(attention.ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
+    for trial in range(6):
+        n = int(rng.integers(1, 6))
+        q_lens = [int(x) for x in rng.choice([1, 1, 2, 7, 16, 33], n)]
+        cached = [int(x) for x in rng.integers(0, 200, n)]
+        kvh, group = [(1, 1), (3, 3), (1, 8), (2, 3)][trial % 4]
+        int8 = bool(trial % 2)
+        window = [None, 5, 64][trial % 3]
+        case = make_case(rng, q_lens=q_lens, cached=cached, kv_heads=kvh, group=group, head_dim=64, page_size=16,
+                         int8=int8, pad_seqs=int(rng.integers(0, 3)), pad_tokens=int(rng.integers(0, 4)),
+                         max_pages=20)
+        got, got_cache = seam(*_args(case), sm_scale=0.125, sliding_window=window)
+        want, want_cache = ref(*_args(case), sm_scale=0.125, sliding_window=window)
+        what = f"trial {trial}: q_lens={q_lens} cached={cached} kv={kvh} g={group} int8={int8} window={window}"
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4, err_msg=what)
+        for name in want_cache:
+            np.testing.assert_array_equal(np.asarray(got_cache[name]), np.asarray(want_cache[name]), err_msg=what)
+
+
+def _scan_step(layers: int):
+    def step(cache, q, k_new, v_new, kv_lens, page_indices, cu_q_lens, num_seqs):
+        def layer(carry, i):
+            out, carry = attention.ragged_paged_attention(q, k_new, v_new, carry, i, kv_lens, page_indices,
+                                                          cu_q_lens, num_seqs, sm_scale=0.125)
+            return carry, out
+
+        return jax.lax.scan(layer, cache, jnp.arange(layers, dtype=jnp.int32))
+
+    return jax.jit(step, donate_argnums=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_scan_over_layers_makes_no_cache_copy(kv_dtype, kv_heads):
+    """The model's layer loop: cache as the scan carry, donated; the compiled step writes it in place."""
+    layers, seqs, pages, ps, hd = 4, 3, 13, 16, 64
+    shape = (layers, kv_heads, pages, ps, hd)
+    if kv_dtype == "int8":
+        cache = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
+                 "k_scale": jnp.zeros(shape[:4]), "v_scale": jnp.zeros(shape[:4])}
+    else:
+        cache = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+    tokens = seqs + 2
+    args = (jnp.ones((tokens, 3 * kv_heads, hd)), jnp.ones((tokens, kv_heads, hd)), jnp.ones((tokens, kv_heads, hd)),
+            jnp.asarray([5, 20, 1], jnp.int32), jnp.asarray([[1, 0], [2, 3], [4, 0]], jnp.int32),
+            jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([3], jnp.int32))
+    hlo = _scan_step(layers).lower(cache, *args).compile().as_text()
+    assert "slipstream_ragged_paged_attention" in hlo, "the native kernel is not in the compiled step"
+    cache_dims = {",".join(map(str, buf.shape)) for buf in cache.values()}
+    copies = [line.strip() for line in hlo.splitlines() if re.search(r"\bcopy(-start)?\(", line)
+              and any(f"[{dims}]" in line.split("=", 1)[1].split("copy")[0] for dims in cache_dims)]
+    assert not copies, "cache-sized copies in the compiled step:\n" + "\n".join(copies)
+
+    # and the step still computes: the new K/V of layer 2 are where the page table says
+    new_cache, _ = _scan_step(layers)(cache, *args)
+    k = np.asarray(new_cache["k"])
+    assert np.any(k[2, :, 1, 4] != 0) and np.any(k[2, :, 3, 3] != 0) and not np.any(k[:, :, 5:])
