@@ -111,7 +111,7 @@ class JaxEngine:
         # while the model program runs, the sampling program applies them
         self._matchers: dict[int, Matcher] = {}
         self._mask_filler = MaskFiller(self.vocab_size, self.eos_token_ids)
-        self._no_mask: dict[int, np.ndarray] = {}  # sample rows -> all-ones mask
+        self._no_mask: dict[int, jax.Array] = {}  # sample rows -> all-ones mask
         self.mask_seconds = 0.0  # host time spent filling masks (benchmarks report it per token)
         self.masked_rows = 0
 
@@ -272,14 +272,14 @@ class JaxEngine:
         logits, self.cache = model(self.params, self.cache, *inputs)
         return t, logits, sample_slots
 
-    def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray:
+    def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray | jax.Array:
         """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
         rows = [self._matchers.get(slot) for slot in sample_slots]
         start = time.perf_counter()
         mask = self._mask_filler.fill(rows, b)
-        if mask is None:
+        if mask is None:  # kept on the device: an unconstrained step uploads no mask
             if b not in self._no_mask:
-                self._no_mask[b] = np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32)
+                self._no_mask[b] = jax.device_put(np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32))
             return self._no_mask[b]
         self.mask_seconds += time.perf_counter() - start
         self.masked_rows += sum(m is not None for m in rows)
