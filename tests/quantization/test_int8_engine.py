@@ -11,7 +11,7 @@ import pytest
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from engine.runner import EngineConfig, JaxEngine
-from quantization import weight_bytes
+from quantization import QuantizedWeight, weight_bytes
 from tests.conftest import TINY_ENGINE
 
 STEPS = 8
@@ -75,7 +75,7 @@ def f32_outputs(tiny_model, prompts):
     return _decode(_engine(tiny_model), prompts)
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "q8_0", "q8_0-a16"])
 def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs, mode):
     engine = _engine(tiny_model, quantize=mode)
     got = _decode(engine, prompts, feed=f32_outputs)
@@ -137,3 +137,39 @@ def test_engine_smooths_int8_weights_with_calibration_tokens_and_warns_without(t
 
     np.testing.assert_allclose(norm(plain), np.asarray(params["layers"]["attn_norm"]), rtol=1e-6)
     assert np.max(np.abs(norm(smoothed) - norm(plain))) > 1e-3
+
+
+def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_model_path):
+    """The default model as the server loads it in q8_0-a16 (int8 straight from its Q4_1/Q8_0 GGUF
+    blocks, two-part activations) greedy-decodes the same 16 tokens as f32."""
+    from models.loader import load_gguf
+    from models.registry import load_tokenizer
+
+    tok = load_tokenizer(default_model_path)
+    texts = ["The capital of France is", "def fibonacci(n):\n",
+             "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"]
+    prompts = [tok.encode(t) for t in texts]
+    config = dict(max_slots=4, page_size=16, max_seq_len=128, num_pages=32, max_num_batched_tokens=64)
+    cfg, params = default_model
+    outs = {}
+    for mode in ("none", "q8_0-a16"):
+        if mode != "none":
+            cfg, params = load_gguf(default_model_path, quantize=mode)
+        engine = JaxEngine(cfg, params, EngineConfig(**config, quantize=mode), precompile=False)
+        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+        for s, p in enumerate(prompts):
+            engine.insert(s, SlotState(p, [], sp))
+        out = [[x.token_id] for x in engine.step(StepBatch([StepSeq(s, p, 0, pages[s], True)
+                                                            for s, p in enumerate(prompts)]))]
+        for step in range(15):
+            rows = [StepSeq(s, [out[s][-1]], len(p) + step, pages[s], True) for s, p in enumerate(prompts)]
+            for s, x in enumerate(engine.step(StepBatch(rows))):
+                out[s].append(x.token_id)
+        outs[mode] = out
+        if mode != "none":  # what ran is int8: Q4_1 layers with their offsets, the Q8_0 LM head
+            layers = engine.params["layers"]
+            first = layers[0] if isinstance(layers, list) else layers
+            assert isinstance(first["w_up"], QuantizedWeight) and first["w_up"].mode == mode
+            assert first["w_up"].offset is not None and engine.params["lm_head"].offset is None
+    assert outs["q8_0-a16"] == outs["none"]
