@@ -139,9 +139,9 @@ def _tokenizer_json(tokenizer) -> str:
 
 
 def _source_text(c: Constraint) -> str:
-    if c.kind in ("json_schema", "choice"):
-        return json.dumps(c.source)
-    return c.source or ""
+    if c.source is None:
+        return ""
+    return c.source if isinstance(c.source, str) else json.dumps(c.source)
 
 
 def _grammar_text(c: Constraint) -> str:
@@ -153,8 +153,9 @@ def _grammar_text(c: Constraint) -> str:
         if not isinstance(c.source, dict):
             raise ValueError(f"a JSON schema is an object, got {type(c.source).__name__}")
         return llguidance.LLMatcher.grammar_from_json_schema(c.source, defaults=_JSON_OPTIONS)
-    if not isinstance(c.source, (str, list)):
-        raise ValueError(f"expected {'a list' if c.kind == 'choice' else 'a string'}")
+    if not isinstance(c.source, list if c.kind == "choice" else str):
+        raise ValueError(f"expected {'a list of strings' if c.kind == 'choice' else 'a string'}, "
+                         f"got {type(c.source).__name__}")
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.source)
     if c.kind == "choice":

@@ -256,3 +256,11 @@ def test_every_constrained_output_validates_against_its_random_schema(engine, to
     for schema, (text, finish, _) in zip(schemas, generate(engine, tokenizer, requests)):
         assert finish == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("kind, source", [("regex", ["a"]), ("grammar", 5), ("choice", "a"), ("choice", []),
+                                          ("choice", ["a", 1]), ("json_schema", [1]), ("json_schema", "x")])
+def test_sources_of_the_wrong_type_are_invalid_params(compiler, kind, source):
+    with pytest.raises(InvalidParam) as e:
+        compiler.compile(Constraint(kind, source, field="structured_outputs"))
+    assert e.value.field == "structured_outputs" and kind in e.value.message
