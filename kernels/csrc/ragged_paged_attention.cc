@@ -61,8 +61,11 @@ struct ChunkSteps {
   const char* name;
   // s[r][j] = q[r] . k[j] for j < n
   void (*scores)(const float* q, int rows, int hd, const float* k, int n, float* s);
-  // p[r][j] = exp(s[r][j] - m[r]) for all kChunk lanes, exactly 0 where s is -inf
-  void (*exp_rows)(float* s, int rows, const float* m);
+  // Online-softmax step over the chunk's keys key..key+n-1: lanes past n and keys outside a row's
+  // [lo, pos] are masked (only checked when edge); the row max m, sum l and accumulator acc are
+  // rescaled when the max grows, and s becomes p = exp(s - m), exactly 0 where masked.
+  void (*softmax)(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
+                  float* m, float* l, float* acc);
   // acc[r] += sum_j p[r][j] v[j] for j < n
   void (*pv)(const float* p, int rows, int hd, const float* v, int n, float* acc);
   // dst[j] = float(src[j]) (* scale[j]) for j < n rows of hd values
@@ -95,9 +98,31 @@ void scores_portable(const float* q, int rows, int hd, const float* k, int n, fl
     }
 }
 
-void exp_rows_portable(float* s, int rows, const float* m) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < kChunk; ++j) s[r * kChunk + j] = std::exp(s[r * kChunk + j] - m[r]);
+// The bookkeeping every path shares: a row's max grows to m_new; returns the shift for its exp.
+inline float raise_max(int r, float m_new, int hd, float* m, float* l, float* acc) {
+  if (m_new > m[r]) {  // also the first visible key (m = -inf): acc and l are 0 then
+    const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+    for (int x = 0; x < hd; ++x) acc[r * hd + x] *= corr;
+    l[r] *= corr;
+    m[r] = m_new;
+  }
+  return m[r] == kNegInf ? 0.f : m[r];  // a row with nothing visible yet keeps p = exp(-inf) = 0
+}
+
+void softmax_portable(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
+                      float* m, float* l, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + r * kChunk;
+    if (edge)
+      for (int j = 0; j < kChunk; ++j)
+        if (j >= n || key + j > pos[r] || key + j < lo[r]) sr[j] = kNegInf;
+    float mx = sr[0];
+    for (int j = 1; j < kChunk; ++j) mx = std::max(mx, sr[j]);
+    const float shift = raise_max(r, mx, hd, m, l, acc);
+    float sum = 0.f;
+    for (int j = 0; j < kChunk; ++j) sum += (sr[j] = std::exp(sr[j] - shift));
+    l[r] += sum;
+  }
 }
 
 void pv_portable(const float* p, int rows, int hd, const float* v, int n, float* acc) {
@@ -117,7 +142,7 @@ void widen_bf16_portable(const uint16_t* src, int n, int hd, float* dst) {
   for (int j = 0; j < n * hd; ++j) dst[j] = bf16_to_f32(src[j]);
 }
 
-constexpr ChunkSteps kPortable = {"portable", scores_portable, exp_rows_portable, pv_portable,
+constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable, pv_portable,
                                   widen_i8_portable, widen_bf16_portable};
 
 #if defined(RPA_X86)
@@ -176,11 +201,32 @@ RPA_AVX2 inline __m256 exp_avx2(__m256 x) {  // x <= 0; 0 below -87.3 (and for -
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-RPA_AVX2 void exp_rows_avx2(float* s, int rows, const float* m) {
+RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
+                           float* m, float* l, float* acc) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int r = 0; r < rows; ++r) {
-    const __m256 mr = _mm256_set1_ps(m[r]);
-    for (int j = 0; j < kChunk; j += 8)
-      _mm256_storeu_ps(s + r * kChunk + j, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + r * kChunk + j), mr)));
+    float* sr = s + r * kChunk;
+    __m256 h[2] = {_mm256_loadu_ps(sr), _mm256_loadu_ps(sr + 8)};
+    if (edge)
+      for (int i = 0; i < 2; ++i) {  // visible: j < n, lo <= key + j <= pos
+        const __m256i j = _mm256_add_epi32(iota, _mm256_set1_epi32(8 * i));
+        const __m256i k = _mm256_add_epi32(j, _mm256_set1_epi32(key));
+        const __m256i hidden = _mm256_or_si256(
+            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), j) ^ _mm256_set1_epi32(-1),
+                            _mm256_cmpgt_epi32(k, _mm256_set1_epi32(pos[r]))),
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(lo[r]), k));
+        h[i] = _mm256_blendv_ps(h[i], neg_inf, _mm256_castsi256_ps(hidden));
+      }
+    __m256 mx = _mm256_max_ps(h[0], h[1]);
+    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+    const __m256 shift = _mm256_set1_ps(raise_max(r, _mm256_cvtss_f32(mx), hd, m, l, acc));
+    const __m256 p0 = exp_avx2(_mm256_sub_ps(h[0], shift)), p1 = exp_avx2(_mm256_sub_ps(h[1], shift));
+    _mm256_storeu_ps(sr, p0);
+    _mm256_storeu_ps(sr + 8, p1);
+    l[r] += hsum8(_mm256_add_ps(p0, p1));
   }
 }
 
@@ -229,7 +275,7 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
   }
 }
 
-constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, exp_rows_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2};
+constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
 RPA_AVX512 void scores_avx512(const float* q, int rows, int hd, const float* k, int n, float* s) {
@@ -276,9 +322,24 @@ RPA_AVX512 inline __m512 exp_avx512(__m512 x) {  // x <= 0; 0 below -87.3 (and f
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
-RPA_AVX512 void exp_rows_avx512(float* s, int rows, const float* m) {
-  for (int r = 0; r < rows; ++r)
-    _mm512_storeu_ps(s + r * kChunk, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + r * kChunk), _mm512_set1_ps(m[r]))));
+RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, int key, int n, bool edge, const int* pos,
+                               const int* lo, float* m, float* l, float* acc) {
+  const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i k = _mm512_add_epi32(j, _mm512_set1_epi32(key));
+  const __mmask16 in_chunk = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(n));
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + r * kChunk;
+    __m512 sv = _mm512_loadu_ps(sr);
+    if (edge) {  // visible: j < n, lo <= key + j <= pos
+      const __mmask16 visible = in_chunk & _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(pos[r])) &
+                                _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(lo[r]));
+      sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, sv);
+    }
+    const float shift = raise_max(r, _mm512_reduce_max_ps(sv), hd, m, l, acc);
+    const __m512 p = exp_avx512(_mm512_sub_ps(sv, _mm512_set1_ps(shift)));
+    _mm512_storeu_ps(sr, p);
+    l[r] += _mm512_reduce_add_ps(p);
+  }
 }
 
 RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, const float* v, int n, float* acc) {
@@ -330,7 +391,7 @@ RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst
   }
 }
 
-constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, exp_rows_avx512, pv_avx512, widen_i8_avx512,
+constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
                                 widen_bf16_avx512};
 #endif  // RPA_X86
 
@@ -483,7 +544,7 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
   alignas(64) float kbuf[kChunk * kMaxHeadDim];
   alignas(64) float vbuf[kChunk * kMaxHeadDim];
   alignas(64) float sc[kMaxRows * kChunk];
-  float m[kMaxRows], l[kMaxRows], m_use[kMaxRows];
+  float m[kMaxRows], l[kMaxRows];
   int pos[kMaxRows], lo[kMaxRows];
   int min_pos = std::numeric_limits<int>::max(), max_lo = 0;
   for (int r = 0; r < rows; ++r) {
@@ -525,28 +586,7 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
     }
     isa.scores(q, rows, hd, kc, n, sc);
     const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
-    for (int r = 0; r < rows; ++r) {
-      float* sr = sc + r * kChunk;
-      if (edge)
-        for (int j = 0; j < kChunk; ++j)
-          if (j >= n || key + j > pos[r] || key + j < lo[r]) sr[j] = kNegInf;
-      float mx = sr[0];
-      for (int j = 1; j < kChunk; ++j) mx = std::max(mx, sr[j]);
-      const float m_new = std::max(m[r], mx);
-      m_use[r] = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet keeps p = 0
-      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
-      if (corr != 1.f) {
-        for (int x = 0; x < hd; ++x) acc[r * hd + x] *= corr;
-        l[r] *= corr;
-      }
-      m[r] = m_new;
-    }
-    isa.exp_rows(sc, rows, m_use);
-    for (int r = 0; r < rows; ++r) {
-      float sum = 0.f;
-      for (int j = 0; j < kChunk; ++j) sum += sc[r * kChunk + j];
-      l[r] += sum;
-    }
+    isa.softmax(sc, rows, hd, key, n, edge, pos, lo, m, l, acc);
     isa.pv(sc, rows, hd, vc, n, acc);
     key += n;
   }
