@@ -91,7 +91,7 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.name is not None:
         entry["name"] = message.name
     if message.tool_calls:
-        entry["tool_calls"] = message.tool_calls
+        entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
     return entry
 
 

@@ -78,13 +78,24 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
+class MessageFunction(_Request):
+    name: Text
+    arguments: Text = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Parts stay plain dicts (not a {type: "text"} model) so that an image part yields "unsupported" (400 from
     # the service, naming the message) instead of a pydantic union error.
     content: Text | list[dict[str, Any]] | None = None
     name: Text | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None                 # a tool turn: which call it answers
 
 

@@ -120,3 +120,13 @@ def test_streamed_text_that_only_looks_like_a_tag_is_sent_whole():
     sent = stream.feed("a <tool") + stream.feed("box> b")
     tail, deltas = stream.finish()
     assert sent + tail == "a <toolbox> b" and deltas == []
+
+
+def test_malformed_tool_calls_in_history_are_a_400_not_a_500(live):
+    with live.http() as http:
+        body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}], "max_tokens": 1}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"].startswith("messages")
+        # a model without a `tokenizers` tokenizer cannot take a grammar: a 400, not a crash
+        resp = http.post("/v1/chat/completions", json={"messages": CHAT, "guided_choice": ["a"]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_choice"
