@@ -559,26 +559,27 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 }
 
 // Reads `data` once with the threads and vector width the matmul uses: the bandwidth the one-row
-// path is judged against (benchmarks/int8_matmul_bench.py). Output: one checksum lane per chunk.
-constexpr size_t kProbeChunk = 1 << 16;
+// path is judged against (benchmarks/int8_matmul_bench.py). Each 256 KiB item is read as 4
+// concurrent streams, as a 4-tile matmul item reads its weights. Output: one checksum per item.
+constexpr size_t kProbeChunk = 1 << 18;
 
 #if defined(Q8_X86)
 __attribute__((target("avx512f")))
 uint64_t ReadChunkAvx512(const uint8_t* d, size_t n) {
+  const size_t quarter = n / 4 / 64 * 64;
   __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  size_t i = 0;
-  for (; i + 256 <= n; i += 256) {
+  for (size_t i = 0; i < quarter; i += 64) {
     acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(d + i));
-    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(d + i + 64));
-    acc2 = _mm512_xor_si512(acc2, _mm512_loadu_si512(d + i + 128));
-    acc3 = _mm512_xor_si512(acc3, _mm512_loadu_si512(d + i + 192));
+    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(d + quarter + i));
+    acc2 = _mm512_xor_si512(acc2, _mm512_loadu_si512(d + 2 * quarter + i));
+    acc3 = _mm512_xor_si512(acc3, _mm512_loadu_si512(d + 3 * quarter + i));
   }
   acc0 = _mm512_xor_si512(_mm512_xor_si512(acc0, acc1), _mm512_xor_si512(acc2, acc3));
   alignas(64) uint64_t lanes[8];
   _mm512_store_si512(lanes, acc0);
   uint64_t s = 0;
   for (uint64_t v : lanes) s ^= v;
-  for (; i < n; ++i) s ^= d[i];
+  for (size_t i = 4 * quarter; i < n; ++i) s ^= d[i];
   return s;
 }
 #endif
@@ -621,7 +622,7 @@ ffi::Error ReadProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data, ffi::R
   job->bytes = data.size_bytes();
   job->items = static_cast<int>((job->bytes + kProbeChunk - 1) / kProbeChunk);
   if (out->element_count() != static_cast<size_t>(job->items))
-    return ffi::Error::InvalidArgument("read probe: the output needs one lane per 64 KiB chunk");
+    return ffi::Error::InvalidArgument("read probe: the output needs one lane per 256 KiB chunk");
   job->out = out->typed_data();
   const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items) - 1);
   for (int i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
