@@ -264,3 +264,12 @@ def test_sources_of_the_wrong_type_are_invalid_params(compiler, kind, source):
     with pytest.raises(InvalidParam) as e:
         compiler.compile(Constraint(kind, source, field="structured_outputs"))
     assert e.value.field == "structured_outputs" and kind in e.value.message
+
+
+def test_a_refused_token_leaves_only_eos(compiler, tokenizer):
+    """A matcher that somehow took a token its grammar refuses ends its sequence rather than
+    sampling from an empty mask."""
+    matcher = compiler.compile(Constraint("choice", ["yes"])).matcher()
+    assert not matcher.advance(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert matcher.error is not None and not matcher.advance(EOS)
+    assert _allowed(MaskFiller(VOCAB, {EOS}).fill([matcher], 1)[0]) == {EOS}
