@@ -54,6 +54,8 @@ constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
 constexpr int kPrefetchChunks = 2; // chunks of K/V requested ahead of the one being computed
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+enum class KvType { kF32, kBF16, kI8 };
+
 // ---------------------------------------------------------------------------------------------
 // Chunk steps. s and p are [kMaxRows][kChunk]; q and acc are [rows][hd]; k and v are [n][hd] f32.
 // ---------------------------------------------------------------------------------------------
@@ -66,8 +68,10 @@ struct ChunkSteps {
   // rescaled when the max grows, and s becomes p = exp(s - m), exactly 0 where masked.
   void (*softmax)(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
                   float* m, float* l, float* acc);
-  // acc[r] += sum_j p[r][j] v[j] for j < n
-  void (*pv)(const float* p, int rows, int hd, const float* v, int n, float* acc);
+  // acc[r] += sum_j p[r][j] v[j] for j < n, v in the cache's type (int8: times vscale[j]); scratch
+  // holds [kChunk][hd] floats for paths that widen v first
+  void (*pv)(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
+             float* acc, float* scratch);
   // dst[j] = float(src[j]) (* scale[j]) for j < n rows of hd values
   void (*widen_i8)(const int8_t* src, const float* scale, int n, int hd, float* dst);
   void (*widen_bf16)(const uint16_t* src, int n, int hd, float* dst);
@@ -125,7 +129,7 @@ void softmax_portable(float* s, int rows, int hd, int key, int n, bool edge, con
   }
 }
 
-void pv_portable(const float* p, int rows, int hd, const float* v, int n, float* acc) {
+void pv_f32_portable(const float* p, int rows, int hd, const float* v, int n, float* acc) {
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < n; ++j) {
       const float pj = p[r * kChunk + j];
@@ -142,7 +146,19 @@ void widen_bf16_portable(const uint16_t* src, int n, int hd, float* dst) {
   for (int j = 0; j < n * hd; ++j) dst[j] = bf16_to_f32(src[j]);
 }
 
-constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable, pv_portable,
+// pv for paths that widen bf16 / int8 rows into f32 first, then run their f32 loop.
+template <void (*PV)(const float*, int, int, const float*, int, float*),
+          void (*WidenI8)(const int8_t*, const float*, int, int, float*),
+          void (*WidenBF16)(const uint16_t*, int, int, float*)>
+void pv_widening(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
+                 float* acc, float* scratch) {
+  if (type == KvType::kBF16) WidenBF16(static_cast<const uint16_t*>(v), n, hd, scratch);
+  if (type == KvType::kI8) WidenI8(static_cast<const int8_t*>(v), vscale, n, hd, scratch);
+  PV(p, rows, hd, type == KvType::kF32 ? static_cast<const float*>(v) : scratch, n, acc);
+}
+
+constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
+                                  pv_widening<pv_f32_portable, widen_i8_portable, widen_bf16_portable>,
                                   widen_i8_portable, widen_bf16_portable};
 
 #if defined(RPA_X86)
@@ -230,7 +246,7 @@ RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, int key, int n, bool edge
   }
 }
 
-RPA_AVX2 void pv_avx2(const float* p, int rows, int hd, const float* v, int n, float* acc) {
+RPA_AVX2 void pv_f32_avx2(const float* p, int rows, int hd, const float* v, int n, float* acc) {
   for (int r = 0; r < rows; ++r) {
     const float* pr = p + r * kChunk;
     float* ar = acc + r * hd;
@@ -275,25 +291,38 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
   }
 }
 
-constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2};
+constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2,
+                              pv_widening<pv_f32_avx2, widen_i8_avx2, widen_bf16_avx2>, widen_i8_avx2,
+                              widen_bf16_avx2};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
+// s[j] = q . k[j] for a full chunk: one accumulator per key, the 16 reduced together. HD > 0 fixes
+// head_dim at compile time so the 16 rows are addressed off one pointer.
+template <int HD>
+RPA_AVX512 inline void scores16_avx512(const float* q, int hd_runtime, const float* k, float* s) {
+  const int hd = HD > 0 ? HD : hd_runtime;
+  __m512 a[kChunk];
+  for (int i = 0; i < kChunk; ++i) a[i] = _mm512_setzero_ps();
+  for (int x = 0; x < hd; x += 16) {
+    const __m512 qx = _mm512_loadu_ps(q + x);
+    const float* kx = k + x;
+    for (int i = 0; i < kChunk; ++i, kx += hd) a[i] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(kx), a[i]);
+  }
+  __m256 h[kChunk];  // fold 512 -> 256 bits, then two 8 x 8 transposing reductions
+  for (int i = 0; i < kChunk; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+  _mm256_storeu_ps(s, hsum8x8(h));
+  _mm256_storeu_ps(s + 8, hsum8x8(h + 8));
+}
+
 RPA_AVX512 void scores_avx512(const float* q, int rows, int hd, const float* k, int n, float* s) {
   for (int r = 0; r < rows; ++r) {
     const float* qr = q + r * hd;
-    if (n == kChunk) {  // 16 keys at once: one accumulator each, reduced together
-      __m512 a[kChunk];
-      for (int i = 0; i < kChunk; ++i) a[i] = _mm512_setzero_ps();
-      for (int x = 0; x < hd; x += 16) {
-        const __m512 qx = _mm512_loadu_ps(qr + x);
-        for (int i = 0; i < kChunk; ++i) a[i] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(k + i * hd + x), a[i]);
-      }
-      __m256 h[kChunk];  // fold 512 -> 256 bits, then two 8 x 8 transposing reductions
-      for (int i = 0; i < kChunk; ++i)
-        h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-      _mm256_storeu_ps(s + r * kChunk, hsum8x8(h));
-      _mm256_storeu_ps(s + r * kChunk + 8, hsum8x8(h + 8));
+    if (n == kChunk) {
+      if (hd == 64) scores16_avx512<64>(qr, hd, k, s + r * kChunk);
+      else if (hd == 128) scores16_avx512<128>(qr, hd, k, s + r * kChunk);
+      else scores16_avx512<0>(qr, hd, k, s + r * kChunk);
       continue;
     }
     for (int j = 0; j < n; ++j) {
@@ -342,34 +371,71 @@ RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, int key, int n, bool 
   }
 }
 
-RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, const float* v, int n, float* acc) {
-  for (int r = 0; r < rows; ++r) {
-    const float* pr = p + r * kChunk;
-    float* ar = acc + r * hd;
-    int x = 0;
-    for (; x + 32 <= hd; x += 32) {  // two column blocks x two key phases: 4 independent chains
-      __m512 a0 = _mm512_loadu_ps(ar + x), a1 = _mm512_loadu_ps(ar + x + 16);
-      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-      int j = 0;
-      for (; j + 2 <= n; j += 2) {
-        const __m512 p0 = _mm512_set1_ps(pr[j]), p1 = _mm512_set1_ps(pr[j + 1]);
-        a0 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x), a0);
-        a1 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x + 16), a1);
-        b0 = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (j + 1) * hd + x), b0);
-        b1 = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (j + 1) * hd + x + 16), b1);
+// 16 values of a cache row as f32
+RPA_AVX512 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+RPA_AVX512 inline __m512 load16(const uint16_t* x) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+RPA_AVX512 inline __m512 load16(const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+}
+
+// R rows at once: each 32 columns of a V row are loaded (and widened) once for all R rows, whose
+// accumulators stay in registers (2R independent chains).
+template <int R, class T>
+RPA_AVX512 void pv_rows_avx512(const float* p, int hd, const T* v, int n, float* acc) {
+  int x = 0;
+  for (; x + 32 <= hd; x += 32) {
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = _mm512_loadu_ps(acc + r * hd + x), a1[r] = _mm512_loadu_ps(acc + r * hd + x + 16);
+    for (int j = 0; j < n; ++j) {
+      const __m512 v0 = load16(v + j * hd + x), v1 = load16(v + j * hd + x + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r * kChunk + j]);
+        a0[r] = _mm512_fmadd_ps(pj, v0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(pj, v1, a1[r]);
       }
-      if (j < n) {
-        const __m512 p0 = _mm512_set1_ps(pr[j]);
-        a0 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x), a0);
-        a1 = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + j * hd + x + 16), a1);
-      }
-      _mm512_storeu_ps(ar + x, _mm512_add_ps(a0, b0));
-      _mm512_storeu_ps(ar + x + 16, _mm512_add_ps(a1, b1));
     }
-    for (; x < hd; x += 16) {
-      __m512 a = _mm512_loadu_ps(ar + x);
-      for (int j = 0; j < n; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(v + j * hd + x), a);
-      _mm512_storeu_ps(ar + x, a);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hd + x, a0[r]), _mm512_storeu_ps(acc + r * hd + x + 16, a1[r]);
+  }
+  if (x < hd) {  // hd % 32 == 16
+    __m512 a0[R];
+    for (int r = 0; r < R; ++r) a0[r] = _mm512_loadu_ps(acc + r * hd + x);
+    for (int j = 0; j < n; ++j) {
+      const __m512 v0 = load16(v + j * hd + x);
+      for (int r = 0; r < R; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kChunk + j]), v0, a0[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hd + x, a0[r]);
+  }
+}
+
+template <class T>
+RPA_AVX512 void pv_typed_avx512(const float* p, int rows, int hd, const T* v, int n, float* acc) {
+  switch (rows) {
+    case 1: return pv_rows_avx512<1>(p, hd, v, n, acc);
+    case 2: return pv_rows_avx512<2>(p, hd, v, n, acc);
+    case 3: return pv_rows_avx512<3>(p, hd, v, n, acc);
+    case 4: return pv_rows_avx512<4>(p, hd, v, n, acc);
+    case 5: return pv_rows_avx512<5>(p, hd, v, n, acc);
+    case 6: return pv_rows_avx512<6>(p, hd, v, n, acc);
+    case 7: return pv_rows_avx512<7>(p, hd, v, n, acc);
+    default: return pv_rows_avx512<8>(p, hd, v, n, acc);
+  }
+}
+
+RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale,
+                          int n, float* acc, float*) {
+  switch (type) {
+    case KvType::kF32:
+      return pv_typed_avx512(p, rows, hd, static_cast<const float*>(v), n, acc);
+    case KvType::kBF16:
+      return pv_typed_avx512(p, rows, hd, static_cast<const uint16_t*>(v), n, acc);
+    case KvType::kI8: {  // p[r][j] * vscale[j], then the raw int8 rows
+      alignas(64) float ps[kMaxRows * kChunk];
+      const __m512 sc = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), vscale);
+      for (int r = 0; r < rows; ++r) _mm512_storeu_ps(ps + r * kChunk, _mm512_mul_ps(_mm512_loadu_ps(p + r * kChunk), sc));
+      return pv_typed_avx512(ps, rows, hd, static_cast<const int8_t*>(v), n, acc);
     }
   }
 }
@@ -423,8 +489,6 @@ const ChunkSteps& steps_for(int hd) {
 // ---------------------------------------------------------------------------------------------
 // The problem and its work items.
 // ---------------------------------------------------------------------------------------------
-enum class KvType { kF32, kBF16, kI8 };
-
 struct Problem {
   int T, H, KV, G, hd, num_pages, ps, P, S, num_seqs;
   float sm_scale;
@@ -568,26 +632,23 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
     const int off = key % p.ps;
     const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
     const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
-    const float *kc, *vc;
+    const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+    const void* vc = static_cast<const char*>(p.v) + row0 * hd * width;
+    const float* kc = kbuf;
     switch (p.type) {
       case KvType::kF32:
         kc = static_cast<const float*>(p.k) + row0 * hd;
-        vc = static_cast<const float*>(p.v) + row0 * hd;
         break;
       case KvType::kBF16:
         isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
-        isa.widen_bf16(static_cast<const uint16_t*>(p.v) + row0 * hd, n, hd, vbuf);
-        kc = kbuf, vc = vbuf;
         break;
-      default:
+      case KvType::kI8:
         isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, p.k_scale + row0, n, hd, kbuf);
-        isa.widen_i8(static_cast<const int8_t*>(p.v) + row0 * hd, p.v_scale + row0, n, hd, vbuf);
-        kc = kbuf, vc = vbuf;
     }
     isa.scores(q, rows, hd, kc, n, sc);
     const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
     isa.softmax(sc, rows, hd, key, n, edge, pos, lo, m, l, acc);
-    isa.pv(sc, rows, hd, vc, n, acc);
+    isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + row0 : nullptr, n, acc, vbuf);
     key += n;
   }
 
