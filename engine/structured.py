@@ -69,10 +69,10 @@ class Matcher:
 
     def advance(self, token_id: int) -> bool:
         """Consume a sampled token; False (and a logged error) if the grammar refuses it."""
-        if self.ll.is_stopped():
-            return True  # EOS after the grammar completed (or ignore_eos going on): nothing to match
         if self.ll.is_error():
             return False  # reported once already; its mask now allows EOS only
+        if self.ll.is_stopped():
+            return True  # EOS after the grammar completed (or ignore_eos going on): nothing to match
         if not self.ll.consume_token(token_id):
             log.warning("constrained sequence: token %d refused: %s", token_id, self.ll.get_error())
             return False
