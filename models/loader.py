@@ -3,8 +3,8 @@
 Both produce (ModelConfig, params) with the pytree layout of models/llama.py: weights [in, out],
 layers stacked on a leading axis. Errors name the file, the tensor and the expected shape.
 With quantize="q8_0" (or "q8_0-a16") the linear weights and the LM head are built as group-wise
-int8 one tensor at a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0/Q4_1 blocks convert
-exactly, other types are rounded to Q8_0.
+int8 one tensor at a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0/Q4_1/Q4_K blocks
+convert exactly, other types are rounded to Q8_0.
 """
 from __future__ import annotations
 
@@ -218,14 +218,15 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
-    """A Q8_0, Q4_0 or Q4_1 tensor as Q8 rows without rounding anything; None for other types."""
+    """A Q8_0, Q4_0, Q4_1 or Q4_K tensor as Q8 rows without rounding anything; None for other types."""
     import gguf
 
-    from quantization.groupwise import from_q4_0_blocks, from_q4_1_blocks, from_q8_0_blocks
+    from quantization.groupwise import from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks, from_q8_0_blocks
 
     decode = {gguf.GGMLQuantizationType.Q8_0: from_q8_0_blocks,
               gguf.GGMLQuantizationType.Q4_0: from_q4_0_blocks,
-              gguf.GGMLQuantizationType.Q4_1: from_q4_1_blocks}.get(t.tensor_type)
+              gguf.GGMLQuantizationType.Q4_1: from_q4_1_blocks,
+              gguf.GGMLQuantizationType.Q4_K: from_q4_k_blocks}.get(t.tensor_type)
     if decode is None or len(shape) != 2:
         return None
     return decode(np.asarray(t.data).reshape(shape[0], -1), shape[1])

@@ -3,7 +3,7 @@ scale, and optionally one f32 offset, per 32 input channels per output column, p
 for kernels.q8_matmul.
 
 Load time only, in numpy, one layer at a time so no second float copy of the model exists. GGUF
-Q8_0, Q4_0 and Q4_1 blocks convert exactly (Q4_1's minimum becomes the group offset); other GGUF
+Q8_0, Q4_0, Q4_1 and Q4_K blocks convert exactly (their minimum becomes the group offset); other GGUF
 types are decoded by the `gguf` package one tensor at a time and rounded to Q8_0.
 """
 from __future__ import annotations
@@ -77,6 +77,23 @@ def from_q4_1_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, n
     qs = blocks[..., 4:]
     q = np.concatenate([(qs & 0x0F), (qs >> 4)], axis=-1).astype(np.int8)
     return q.reshape(raw.shape[0], k), d, m
+
+
+def from_q4_k_blocks(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_K rows (super-blocks of 256: f16 d and dmin, 6-bit scale and minimum per 32, 4-bit q:
+    w = d * sc * q - dmin * m) -> (q in 0..15, d * sc, -dmin * m) per group of 32: exact."""
+    from gguf.quants import Q4_K
+
+    n = raw.shape[0]
+    blocks = raw.reshape(n * (k // 256), 144)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)        # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())                  # [B, 8] each
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).astype(np.int8).reshape(n, k)              # sub-block s = nibbles of chunk s // 2
+    scale = (d * sc.astype(np.float32)).reshape(n, k // GROUP)
+    offset = -(dmin * mn.astype(np.float32)).reshape(n, k // GROUP)
+    return q, scale, offset
 
 
 def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str = "q8_0"):

@@ -39,6 +39,19 @@ def test_gguf_blocks_convert_exactly(kind):
     np.testing.assert_allclose(groupwise.dequantize_rows(*rows), quants.dequantize(raw, qtype), rtol=1e-6, atol=1e-7)
 
 
+def test_gguf_q4_k_blocks_convert_exactly():
+    rng = np.random.default_rng(9)
+    n, k = 5, 512
+    blocks = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+    blocks[:, :4] = np.stack([rng.uniform(1e-3, 1e-2, len(blocks)), rng.uniform(1e-3, 1e-2, len(blocks))],
+                             axis=1).astype(np.float16).view(np.uint8)  # finite d and dmin
+    raw = blocks.reshape(n, -1)
+    rows = groupwise.from_q4_k_blocks(raw, k)
+    want = quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(n, k)
+    np.testing.assert_allclose(groupwise.dequantize_rows(*rows), want, rtol=1e-6, atol=1e-8)
+    assert rows[0].min() >= 0 and rows[0].max() <= 15
+
+
 def test_quantized_weight_shape_dequantize_and_scan_slicing():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((3, 70, 21)).astype(np.float32)
