@@ -24,6 +24,12 @@ TARGET = "slipstream_q8_matmul"
 INT8_MAX = 127.0
 
 
+def native_available() -> bool:
+    """True when the native CPU kernel is built and registered (logged once either way): a CPU
+    default of a q8_0 mode should depend on it, since the reference is several times slower."""
+    return native.load("q8_matmul", "q8_matmul")
+
+
 def padded(k: int, n: int) -> tuple[int, int]:
     """(Kp, Np): the packed sizes, K rounded up to a group and N to a tile."""
     return -(-k // GROUP) * GROUP, -(-n // TILE) * TILE
