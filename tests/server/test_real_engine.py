@@ -109,3 +109,20 @@ def test_disconnect_mid_stream_frees_the_slot(real_server):
         time.sleep(0.01)
     assert scheduler.stats().slots_used == 0
     assert scheduler.stats().cancellations >= 1
+
+
+def test_issue_12_repro_top_k_past_int32_is_400_and_the_stream_in_flight_finishes(real_server):
+    """The issue's reproduction on the real engine: a stream in flight, then top_k=2**31. It used
+    to overflow np.int32 on the engine thread, failing the engine, the stream and the process."""
+    url, scheduler = real_server
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        bad = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "top_k": 2147483648})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+        events = [first, *(line for line in lines if line.startswith("data: "))]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all("error" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert scheduler.ready and httpx.get(f"{url}/ready").status_code == 200
