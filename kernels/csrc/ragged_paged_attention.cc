@@ -34,7 +34,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(RPA_PORTABLE_ONLY)  // -DRPA_PORTABLE_ONLY builds what aarch64 gets
 #include <immintrin.h>
 #define RPA_X86 1
 #define RPA_AVX2 __attribute__((target("avx2,fma")))
@@ -600,8 +600,9 @@ void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
   }
 }
 
-// One work item: its rows' online softmax over keys [key_lo, key_hi) of its sequence's pages.
-void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& partials) {
+// One work item: its rows' online softmax over keys [key_lo, key_hi) of its sequence's pages. Its
+// last chunks request the first chunks of the thread's next item.
+void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps& isa, Partials& partials) {
   const int hd = p.hd, s = it.seq, rows = it.row_end - it.row_begin;
   alignas(64) float q[kMaxRows * kMaxHeadDim];
   alignas(64) float acc[kMaxRows * kMaxHeadDim];
@@ -628,7 +629,13 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
   prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
   for (int key = it.key_lo; key < it.key_hi;) {
     const int ahead = key + kPrefetchChunks * kChunk;
-    if (ahead < it.key_hi) prefetch_keys(p, s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk));
+    if (ahead < it.key_hi) {
+      prefetch_keys(p, s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk));
+    } else if (next) {
+      const int a = next->key_lo + (ahead - it.key_hi) / kChunk * kChunk;
+      if (a >= next->key_lo && a < next->key_hi)
+        prefetch_keys(p, next->seq, next->kh, a, std::min(next->key_hi, a + kChunk));
+    }
     const int off = key % p.ps;
     const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
     const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
@@ -728,9 +735,10 @@ void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<G
   }
 }
 
-// Runs fn(0..n-1) on the calling thread and up to threads-1 pool helpers, all claiming indices from
-// one atomic counter, and returns when every index is done. Helpers that start late find nothing
-// left and touch nothing but the shared counters, which they co-own.
+// Runs fn(i, next) for i in 0..n-1 on the calling thread and up to threads-1 pool helpers, all claiming
+// indices from one atomic counter, and returns when every index is done. A thread claims its next index
+// before it runs the current one (next = n when none is left), so fn can start fetching its data.
+// Helpers that start late find nothing left and touch nothing but the counters, which they co-own.
 template <class F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct Counters {
@@ -738,9 +746,12 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   };
   auto c = std::make_shared<Counters>();
   auto work = [c, n, f = &fn] {
-    for (int64_t i; (i = c->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      (*f)(i);
+    int64_t i = c->next.fetch_add(1, std::memory_order_relaxed);
+    while (i < n) {
+      const int64_t next = std::min(n, c->next.fetch_add(1, std::memory_order_relaxed));
+      (*f)(i, next);
       c->done.fetch_add(1, std::memory_order_release);
+      i = next;
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -817,7 +828,9 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   for (const Group& g : groups) slots += g.n;
   partials.data.resize(size_t(slots) * partials.stride());
   const ChunkSteps& isa = steps_for(p.hd);
-  parallel_for(pool, int64_t(items.size()), [&](int64_t i) { attend(p, items[i], isa, partials); });
+  parallel_for(pool, int64_t(items.size()), [&](int64_t i, int64_t next) {
+    attend(p, items[i], next < int64_t(items.size()) ? &items[next] : nullptr, isa, partials);
+  });
   for (const Group& g : groups) combine(p, g, partials);
   return ffi::Error::Success();
 }
