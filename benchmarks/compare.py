@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: our client vs `vllm bench serve` on this one server")
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per client for --check-vllm-bench")
     args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the `finally` that stops a running server always runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.check_vllm_bench:
         return check_vllm_bench(args)
     return run_comparison(args)
