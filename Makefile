@@ -9,7 +9,8 @@ TEST_STAMP    := $(VENV)/.slipstream-test
 
 .PHONY: serve test soak container-test clean
 
-$(RUNTIME_STAMP): pyproject.toml
+# the native kernels (kernels/csrc) are built by pip: rebuild when they change
+$(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.cc)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
