@@ -56,6 +56,30 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _device(arr: np.ndarray, dtype):
+    """A host array on the default device in `dtype`. device_put hands numpy's buffer over, where
+    jnp.asarray compiles a copy program per shape (extra peak memory at load)."""
+    import jax
+    import jax.numpy as jnp
+
+    arr = np.ascontiguousarray(arr, np.float32 if np.dtype(jnp.dtype(dtype)) == np.float32 else None)
+    out = jax.device_put(arr)
+    return out if out.dtype == jnp.dtype(dtype) else out.astype(dtype)
+
+
+def _trim_host_heap() -> None:
+    """Hand the loader's freed numpy temporaries back to the OS (glibc keeps them otherwise, and the
+    KV cache and compiled programs allocated next would add to them in the peak RSS)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def _q8_rows(arr) -> Q8Rows:
     """A checkpoint linear [out, in], float or already Q8 rows -> Q8 rows."""
     from quantization.groupwise import quantize_rows
@@ -68,8 +92,6 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
               dtype, progress: bool, quantize: str = "none") -> dict:
     """Build the stacked params pytree, fetching each tensor by checkpoint name with a shape check.
     `get` may return Q8 rows (only when a group-wise `quantize` asks for them)."""
-    import jax.numpy as jnp
-
     from kernels.q8_matmul import pack
     from quantization.groupwise import dequantize_rows, pack_one, stack_packed
 
@@ -98,7 +120,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             n_out, n_in = shapes[k]
             params["layers"][k] = stack_packed(v, n_in, n_out, quantize)
         else:
-            params["layers"][k] = jnp.asarray(np.stack(v), dtype)
+            params["layers"][k] = _device(np.stack(v), dtype)
         del v
     for key, shape in (("embed", (cfg.vocab_size, cfg.hidden_size)), ("final_norm", (cfg.hidden_size,))):
         arr = get(top[key], key, shape)
@@ -110,7 +132,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             arr = dequantize_rows(*arr)
         elif key == "embed" and groupwise and cfg.tie_embeddings:
             params["lm_head"] = pack_one(_q8_rows(arr), quantize)
-        params[key] = jnp.asarray(arr, dtype)
+        params[key] = _device(arr, dtype)
         del arr
         bar.update()
     if not cfg.tie_embeddings:
@@ -120,9 +142,10 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
         if groupwise:
             params["lm_head"] = pack_one(_q8_rows(arr), quantize)
         else:
-            params["lm_head"] = jnp.asarray(arr.T, dtype)
+            params["lm_head"] = _device(arr.T, dtype)
     bar.update()
     bar.close()
+    _trim_host_heap()
     return params
 
 

@@ -100,7 +100,7 @@ def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str
     """Per-layer kernels.q8_matmul.pack outputs -> one QuantizedWeight [L, K, N]; empties `layers`
     as it goes, so at most one extra host copy of this weight exists at a time. Layers with and
     without offsets may mix (zero offsets fill in)."""
-    import jax.numpy as jnp
+    import jax
 
     from quantization.weights import QuantizedWeight
 
@@ -114,8 +114,9 @@ def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str
             offsets[i] = layers[i][2]
         layers[i] = None
     layers.clear()
-    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode=mode, logical=(k, n),
-                           offset=None if offsets is None else jnp.asarray(offsets))
+    # device_put hands numpy's buffer to XLA; jnp.asarray would compile a copy program per shape
+    return QuantizedWeight(q=jax.device_put(packed), scale=jax.device_put(scales), mode=mode, logical=(k, n),
+                           offset=None if offsets is None else jax.device_put(offsets))
 
 
 def pack_layers(rows: Sequence[Rows], mode: str = "q8_0"):
@@ -126,14 +127,14 @@ def pack_layers(rows: Sequence[Rows], mode: str = "q8_0"):
 
 def pack_one(rows: Rows, mode: str = "q8_0"):
     """Rows (q [N, K], d [N, G][, m]) -> a QuantizedWeight of logical shape [K, N]."""
-    import jax.numpy as jnp
+    import jax
 
     from quantization.weights import QuantizedWeight
 
     packed, scales, *offset = q8_matmul.pack(*rows)
-    return QuantizedWeight(q=jnp.asarray(packed), scale=jnp.asarray(scales), mode=mode,
+    return QuantizedWeight(q=jax.device_put(packed), scale=jax.device_put(scales), mode=mode,
                            logical=(rows[0].shape[1], rows[0].shape[0]),
-                           offset=jnp.asarray(offset[0]) if offset else None)
+                           offset=jax.device_put(offset[0]) if offset else None)
 
 
 def quantize_weight(w, mode: str = "q8_0") -> object:
