@@ -14,13 +14,14 @@
 //
 // Cache layout (per layer): k, v [KV, num_pages, page_size, hd] f32, bf16 or int8; int8 scales
 // k_scale, v_scale [KV, num_pages, page_size] f32. A chunk of keys is n <= 16 consecutive rows of one
-// page. bf16 and int8 chunks are first widened to f32 in a small buffer (int8 with its per-key scale
-// folded in) that every row of the item then reads from L1.
+// page. Per chunk: scores S = Q K^T (bf16 / int8 K widened to f32 once into a small buffer that every
+// row then reads from L1; int8 scores times k_scale), the online-softmax step, then acc += P V
+// (int8: P times v_scale). As in the reference, the int8 scales multiply scores and probabilities.
 //
-// Instruction sets: each chunk step (scores, exp, probabilities x V, widening) has a portable loop
-// and AVX2 / AVX-512 versions beside it, chosen once at run time from the CPU's features
-// (__builtin_cpu_supports); nothing is compiled with -march. Other architectures use the portable
-// loops.
+// Instruction sets: each chunk step (scores, softmax, P x V, widening) has a portable loop and AVX2 /
+// AVX-512 versions beside it, chosen at run time from the CPU's features (__builtin_cpu_supports);
+// nothing is compiled with -march. Other architectures use the portable loops. On AVX-512, P x V reads
+// V rows in their cache type (widened in registers, once for all rows of the item).
 #include <Python.h>
 
 #include <algorithm>
@@ -63,17 +64,18 @@ struct ChunkSteps {
   const char* name;
   // s[r][j] = q[r] . k[j] for j < n
   void (*scores)(const float* q, int rows, int hd, const float* k, int n, float* s);
-  // Online-softmax step over the chunk's keys key..key+n-1: lanes past n and keys outside a row's
-  // [lo, pos] are masked (only checked when edge); the row max m, sum l and accumulator acc are
-  // rescaled when the max grows, and s becomes p = exp(s - m), exactly 0 where masked.
-  void (*softmax)(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
-                  float* m, float* l, float* acc);
+  // Online-softmax step over the chunk's keys key..key+n-1: scores are scaled by kscale (int8 K, else
+  // null), lanes past n and keys outside a row's [lo, pos] are masked (only checked when edge); the row
+  // max m, sum l and accumulator acc are rescaled when the max grows, and s becomes p = exp(s - m),
+  // exactly 0 where masked.
+  void (*softmax)(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge, const int* pos,
+                  const int* lo, float* m, float* l, float* acc);
   // acc[r] += sum_j p[r][j] v[j] for j < n, v in the cache's type (int8: times vscale[j]); scratch
   // holds [kChunk][hd] floats for paths that widen v first
   void (*pv)(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
              float* acc, float* scratch);
-  // dst[j] = float(src[j]) (* scale[j]) for j < n rows of hd values
-  void (*widen_i8)(const int8_t* src, const float* scale, int n, int hd, float* dst);
+  // dst[j] = float(src[j]) for j < n rows of hd values
+  void (*widen_i8)(const int8_t* src, int n, int hd, float* dst);
   void (*widen_bf16)(const uint16_t* src, int n, int hd, float* dst);
 };
 
@@ -113,10 +115,12 @@ inline float raise_max(int r, float m_new, int hd, float* m, float* l, float* ac
   return m[r] == kNegInf ? 0.f : m[r];  // a row with nothing visible yet keeps p = exp(-inf) = 0
 }
 
-void softmax_portable(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
-                      float* m, float* l, float* acc) {
+void softmax_portable(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
+                      const int* pos, const int* lo, float* m, float* l, float* acc) {
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kChunk;
+    if (kscale)
+      for (int j = 0; j < n; ++j) sr[j] *= kscale[j];
     if (edge)
       for (int j = 0; j < kChunk; ++j)
         if (j >= n || key + j > pos[r] || key + j < lo[r]) sr[j] = kNegInf;
@@ -137,9 +141,8 @@ void pv_f32_portable(const float* p, int rows, int hd, const float* v, int n, fl
     }
 }
 
-void widen_i8_portable(const int8_t* src, const float* scale, int n, int hd, float* dst) {
-  for (int j = 0; j < n; ++j)
-    for (int x = 0; x < hd; ++x) dst[j * hd + x] = float(src[j * hd + x]) * scale[j];
+void widen_i8_portable(const int8_t* src, int n, int hd, float* dst) {
+  for (int j = 0; j < n * hd; ++j) dst[j] = float(src[j]);
 }
 
 void widen_bf16_portable(const uint16_t* src, int n, int hd, float* dst) {
@@ -148,13 +151,16 @@ void widen_bf16_portable(const uint16_t* src, int n, int hd, float* dst) {
 
 // pv for paths that widen bf16 / int8 rows into f32 first, then run their f32 loop.
 template <void (*PV)(const float*, int, int, const float*, int, float*),
-          void (*WidenI8)(const int8_t*, const float*, int, int, float*),
-          void (*WidenBF16)(const uint16_t*, int, int, float*)>
+          void (*WidenI8)(const int8_t*, int, int, float*), void (*WidenBF16)(const uint16_t*, int, int, float*)>
 void pv_widening(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
                  float* acc, float* scratch) {
   if (type == KvType::kBF16) WidenBF16(static_cast<const uint16_t*>(v), n, hd, scratch);
-  if (type == KvType::kI8) WidenI8(static_cast<const int8_t*>(v), vscale, n, hd, scratch);
-  PV(p, rows, hd, type == KvType::kF32 ? static_cast<const float*>(v) : scratch, n, acc);
+  if (type != KvType::kI8) return PV(p, rows, hd, type == KvType::kF32 ? static_cast<const float*>(v) : scratch, n, acc);
+  float ps[kMaxRows * kChunk];  // the reference's p * v_scale
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < n; ++j) ps[r * kChunk + j] = p[r * kChunk + j] * vscale[j];
+  WidenI8(static_cast<const int8_t*>(v), n, hd, scratch);
+  PV(ps, rows, hd, scratch, n, acc);
 }
 
 constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
@@ -217,12 +223,14 @@ RPA_AVX2 inline __m256 exp_avx2(__m256 x) {  // x <= 0; 0 below -87.3 (and for -
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, int key, int n, bool edge, const int* pos, const int* lo,
-                           float* m, float* l, float* acc) {
+RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
+                           const int* pos, const int* lo, float* m, float* l, float* acc) {
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kChunk;
+    if (kscale)
+      for (int j = 0; j < n; ++j) sr[j] *= kscale[j];
     __m256 h[2] = {_mm256_loadu_ps(sr), _mm256_loadu_ps(sr + 8)};
     if (edge)
       for (int i = 0; i < 2; ++i) {  // visible: j < n, lo <= key + j <= pos
@@ -279,9 +287,8 @@ RPA_AVX2 void pv_f32_avx2(const float* p, int rows, int hd, const float* v, int 
 }
 
 // The widening loops are the portable ones, vectorized by the compiler for the target.
-RPA_AVX2 void widen_i8_avx2(const int8_t* src, const float* scale, int n, int hd, float* dst) {
-  for (int j = 0; j < n; ++j)
-    for (int x = 0; x < hd; ++x) dst[j * hd + x] = float(src[j * hd + x]) * scale[j];
+RPA_AVX2 void widen_i8_avx2(const int8_t* src, int n, int hd, float* dst) {
+  for (int j = 0; j < n * hd; ++j) dst[j] = float(src[j]);
 }
 
 RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
@@ -351,14 +358,15 @@ RPA_AVX512 inline __m512 exp_avx512(__m512 x) {  // x <= 0; 0 below -87.3 (and f
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
-RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, int key, int n, bool edge, const int* pos,
-                               const int* lo, float* m, float* l, float* acc) {
+RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
+                               const int* pos, const int* lo, float* m, float* l, float* acc) {
   const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i k = _mm512_add_epi32(j, _mm512_set1_epi32(key));
   const __mmask16 in_chunk = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(n));
+  const __m512 ks = kscale ? _mm512_maskz_loadu_ps(in_chunk, kscale) : _mm512_set1_ps(1.f);
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kChunk;
-    __m512 sv = _mm512_loadu_ps(sr);
+    __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(sr), ks);
     if (edge) {  // visible: j < n, lo <= key + j <= pos
       const __mmask16 visible = in_chunk & _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(pos[r])) &
                                 _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(lo[r]));
@@ -440,14 +448,8 @@ RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, KvType type, const v
   }
 }
 
-RPA_AVX512 void widen_i8_avx512(const int8_t* src, const float* scale, int n, int hd, float* dst) {
-  for (int j = 0; j < n; ++j) {
-    const __m512 sj = _mm512_set1_ps(scale[j]);
-    for (int x = 0; x < hd; x += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * hd + x));
-      _mm512_storeu_ps(dst + j * hd + x, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sj));
-    }
-  }
+RPA_AVX512 void widen_i8_avx512(const int8_t* src, int n, int hd, float* dst) {
+  for (int i = 0; i < n * hd; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
 }
 
 RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst) {
@@ -650,11 +652,11 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
         break;
       case KvType::kI8:
-        isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, p.k_scale + row0, n, hd, kbuf);
+        isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, n, hd, kbuf);
     }
     isa.scores(q, rows, hd, kc, n, sc);
     const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
-    isa.softmax(sc, rows, hd, key, n, edge, pos, lo, m, l, acc);
+    isa.softmax(sc, rows, hd, p.type == KvType::kI8 ? p.k_scale + row0 : nullptr, key, n, edge, pos, lo, m, l, acc);
     isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + row0 : nullptr, n, acc, vbuf);
     key += n;
   }
