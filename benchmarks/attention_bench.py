@@ -59,7 +59,7 @@ def make_step(layers: int, *, sm_scale: float, use_reference: bool):
     return jax.jit(step, donate_argnums=0)
 
 
-def bench(kv_dtype: str, args, bandwidth: float) -> None:
+def bench(kv_dtype: str, args) -> None:
     rng = np.random.default_rng(0)
     s, ctx, kvh, g, hd, ps, nl = args.seqs, args.context, args.kv_heads, args.group, args.head_dim, \
         args.page_size, args.layers
@@ -81,7 +81,12 @@ def bench(kv_dtype: str, args, bandwidth: float) -> None:
     operands = (q, kv_new, kv_new, jnp.full((s,), ctx, jnp.int32), jnp.asarray(table),
                 jnp.arange(s + 1, dtype=jnp.int32), jnp.asarray([s], jnp.int32))
     step_bytes = nl * s * ctx * bytes_per_key
+    cores = os.cpu_count() or 1
+    bw1, bwn = read_bandwidth(1), read_bandwidth(cores)  # right before the timings: the machine is shared
+    bandwidth = max(bw1, bwn)
     bound_ms = step_bytes / bandwidth * 1e3
+    print(f"{kv_dtype:>8} read bandwidth (numpy sum of 1 GiB): 1 thread {bw1 / 1e9:.1f} GB/s, {cores} threads "
+          f"{bwn / 1e9:.1f} GB/s; the bound uses {bandwidth / 1e9:.1f} GB/s")
     for name, use_reference in (("native", False), ("reference", True)):
         if name == "reference" and not args.reference:
             continue
@@ -118,21 +123,16 @@ def main() -> None:
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
                  platform.processor())
-    cores = os.cpu_count() or 1
-    bw1, bwn = read_bandwidth(1), read_bandwidth(cores)
-    bandwidth = max(bw1, bwn)
     isa = "unavailable"
     if native.load("ragged_paged_attention", "ragged_paged_attention"):
         from kernels import _ragged_paged_attention
 
         isa = _ragged_paged_attention.isa()
-    print(f"cpu: {model}, {cores} cores; kernel: {native.kernel_paths()} isa={isa}")
-    print(f"read bandwidth (numpy sum of 1 GiB): 1 thread {bw1 / 1e9:.1f} GB/s, {cores} threads "
-          f"{bwn / 1e9:.1f} GB/s; bound uses {bandwidth / 1e9:.1f} GB/s")
+    print(f"cpu: {model}, {os.cpu_count()} cores; kernel: {native.kernel_paths()} isa={isa}")
     print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
           f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}")
     for kv_dtype in args.kv_dtypes.split(","):
-        bench(kv_dtype, args, bandwidth)
+        bench(kv_dtype, args)
 
 
 if __name__ == "__main__":
