@@ -1,0 +1,1 @@
+"""Benchmarks: `slipstream bench` (bench/), engine, kernel, accuracy, start-up and soak tools."""
