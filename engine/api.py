@@ -61,6 +61,7 @@ class Engine(Protocol):
     max_seq_len: int
     num_pages: int               # including the reserved padding page 0
     max_num_batched_tokens: int  # tokens per step (the largest step bucket)
+    vocab_size: int              # token ids the model accepts (requests are checked against it)
     eos_token_ids: frozenset[int]
 
     def insert(self, slot: int, state: SlotState) -> None:

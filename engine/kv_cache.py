@@ -2,7 +2,7 @@
 Plain Python + numpy; the device arrays live in the runner, never here."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -124,46 +124,3 @@ def num_pages_for_budget(budget_bytes: int, *, page_size: int, bytes_per_token: 
             f"{page_bytes} bytes; at least {2 * page_bytes} bytes are needed (the padding page "
             "plus one usable page): raise --kv-cache-memory or lower the page size")
     return int(num_pages)
-
-
-class BlockTables:
-    """`int32[max_slots, max_pages_per_seq]` page ids per decode slot; unused entries are page 0."""
-
-    def __init__(self, max_slots: int, max_pages_per_seq: int) -> None:
-        if max_slots < 1 or max_pages_per_seq < 1:
-            raise ValueError(f"max_slots ({max_slots}) and max_pages_per_seq "
-                             f"({max_pages_per_seq}) must be >= 1")
-        self._table = np.zeros((max_slots, max_pages_per_seq), dtype=np.int32)
-
-    def set_row(self, slot: int, pages: Sequence[int]) -> None:
-        """Make `pages` the slot's block table (the rest of the row is padding)."""
-        self._check_slot(slot)
-        width = self._table.shape[1]
-        if len(pages) > width:
-            raise ValueError(f"slot {slot}: {len(pages)} pages exceed max_pages_per_seq={width}; "
-                             "the sequence is longer than max_seq_len allows")
-        row = np.asarray(pages, dtype=np.int32)
-        if row.size and int(row.min()) < 0:
-            raise ValueError(f"slot {slot}: negative page id in {list(pages)}")
-        self._table[slot, :] = PAD_PAGE
-        self._table[slot, :row.size] = row
-
-    def clear(self, slot: int) -> None:
-        self._check_slot(slot)
-        self._table[slot, :] = PAD_PAGE
-
-    def row(self, slot: int) -> np.ndarray:
-        """A copy of the slot's row, padding included."""
-        self._check_slot(slot)
-        return self._table[slot].copy()
-
-    @property
-    def table(self) -> np.ndarray:
-        """The whole table, read-only and without a copy, for the per-step upload."""
-        view = self._table.view()
-        view.flags.writeable = False
-        return view
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self._table.shape[0]:
-            raise ValueError(f"slot {slot} out of range [0, {self._table.shape[0]})")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache import (BlockTables, PageAllocator, kv_bytes_per_token, num_pages_for_budget,
+from engine.kv_cache import (PageAllocator, kv_bytes_per_token, num_pages_for_budget,
                              pages_needed)
 
 
@@ -165,29 +165,3 @@ def test_budget_too_small_names_budget_and_minimum():
     assert num_pages_for_budget(800, page_size=4, bytes_per_token=100) == 2
     with pytest.raises(ValueError, match=r"799 bytes.*800 bytes"):
         num_pages_for_budget(799, page_size=4, bytes_per_token=100)
-
-
-def test_block_tables_pad_with_page_0():
-    tables = BlockTables(max_slots=3, max_pages_per_seq=4)
-    assert tables.table.dtype == np.int32 and tables.table.shape == (3, 4)
-    tables.set_row(1, [5, 7, 2])
-    np.testing.assert_array_equal(tables.row(1), [5, 7, 2, 0])
-    tables.set_row(1, [9])  # a shorter row must not leave stale page ids behind
-    np.testing.assert_array_equal(tables.table, [[0, 0, 0, 0], [9, 0, 0, 0], [0, 0, 0, 0]])
-    tables.clear(1)
-    assert not tables.table.any()
-
-
-def test_block_tables_reject_overlong_rows_and_bad_slots():
-    tables = BlockTables(max_slots=2, max_pages_per_seq=2)
-    with pytest.raises(ValueError, match="max_pages_per_seq=2"):
-        tables.set_row(0, [1, 2, 3])
-    with pytest.raises(ValueError, match="slot 2"):
-        tables.set_row(2, [1])
-    np.testing.assert_array_equal(tables.row(0), [0, 0])
-
-
-def test_block_table_view_is_read_only():
-    tables = BlockTables(max_slots=1, max_pages_per_seq=2)
-    with pytest.raises(ValueError):
-        tables.table[0, 0] = 3
