@@ -103,6 +103,17 @@ def bench_argv(args, base_url: str, concurrency: int, gguf: str, result_dir: Pat
             "--label", label]
 
 
+def settle(args, base_url: str, concurrency: int, gguf: str, result_dir: Path) -> None:
+    """One unmeasured pass at full concurrency with short outputs: a server's first requests after start
+    can be slow (lazy allocation, first-touch of pages, caches), and that belongs to no concurrency level."""
+    argv = bench_argv(args, base_url, concurrency, gguf, result_dir, "settle", args.seed + 10_000)
+    argv[argv.index("--random-output-len") + 1] = "16"
+    argv[argv.index("--num-prompts") + 1] = str(concurrency)
+    argv.remove("--save-result")
+    peers.log(f"settling {base_url} with {concurrency} short requests")
+    bench.main(argv)
+
+
 def run_comparison(args) -> int:
     from models.registry import DEFAULT_MODEL, resolve_model
 
@@ -124,6 +135,7 @@ def run_comparison(args) -> int:
                 peers.log(f"{spec.name} ready in {ready_s:.0f}s")
                 servers_info.append({"name": spec.name, "description": spec.description,
                                      "command": spec.command(port), "ready_s": ready_s})
+                settle(args, server.base_url, max(concurrencies), gguf, result_dir)
                 for c in concurrencies:
                     argv = bench_argv(args, server.base_url, c, gguf, result_dir, spec.name, args.seed + c)
                     commands.append("slipstream bench " + shlex.join(argv))
@@ -153,7 +165,8 @@ def run_comparison(args) -> int:
                 f"concurrency) prompts each (a different seed per run, so no prompt repeats), all sent at once "
                 f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
                 "every server gets the same weights.")
-    report.write(args.output, rows=rows, servers=servers_info, versions=versions,
+    agreement = Path(args.include_agreement).read_text() if args.include_agreement else None
+    report.write(args.output, rows=rows, agreement=agreement, servers=servers_info, versions=versions,
                  compare_command=".venv/bin/python -m benchmarks.compare " + shlex.join(sys.argv[1:]),
                  bench_commands=commands, workload=workload, plot_file=plot_file, started=started,
                  finished=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), notes=notes)
@@ -180,6 +193,7 @@ def check_vllm_bench(args) -> int:
         server = peers.RunningServer(spec, args.base_port, result_dir / f"{spec.name}.log")
         try:
             peers.log(f"{spec.name} ready in {server.wait_ready():.0f}s")
+            settle(args, server.base_url, c, gguf, result_dir)
             for rep in range(args.repeats):
                 argv = bench_argv(args, server.base_url, c, gguf, result_dir, f"ours-{rep}", args.seed + 2 * rep)
                 bench.main(argv)
@@ -197,13 +211,17 @@ def check_vllm_bench(args) -> int:
                 results["vllm bench serve"].append(json.loads((result_dir / f"vllm-{rep}.json").read_text()))
         finally:
             server.stop()
-    lines = [f"{spec.name}, concurrency {c}, {n} prompts of {args.input_len} in / {args.output_len} out, "
-             f"{args.repeats} alternating runs each (mean)",
-             "| metric | slipstream bench | vllm bench serve | difference |", "|---|---:|---:|---:|"]
+    runs = [(f"{who} #{i + 1}", r) for i in range(args.repeats)
+            for who, r in (("ours", results["slipstream bench"][i]), ("vllm", results["vllm bench serve"][i]))]
+    lines = [f"{spec.name}, concurrency {c}, {n} prompts of {args.input_len} in / {args.output_len} out, after one "
+             f"unmeasured settling pass; runs alternate ours / vllm bench serve, each with its own prompts",
+             "", "| metric | " + " | ".join(name for name, _ in runs) + " | ours (mean) | vllm (mean) | difference |",
+             "|---|" + "---:|" * (len(runs) + 3)]
     for k in keys:
         ours = sum(r[k] for r in results["slipstream bench"]) / args.repeats
         theirs = sum(r[k] for r in results["vllm bench serve"]) / args.repeats
-        lines.append(f"| {k} | {ours:.2f} | {theirs:.2f} | {100 * (ours - theirs) / theirs:+.1f}% |")
+        lines.append(f"| {k} | " + " | ".join(f"{r[k]:.2f}" for _, r in runs) +
+                     f" | {ours:.2f} | {theirs:.2f} | {100 * (ours - theirs) / theirs:+.1f}% |")
     text = "\n".join(lines)
     print(text)
     (result_dir / "agreement.md").write_text(text + "\n")
@@ -230,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-vllm-bench", metavar="SERVER", default=None,
                    help="instead: our client vs `vllm bench serve` on this one server")
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per client for --check-vllm-bench")
+    p.add_argument("--include-agreement", metavar="FILE", default=None,
+                   help="agreement.md written by an earlier --check-vllm-bench, copied into RESULTS.md")
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the `finally` that stops a running server always runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

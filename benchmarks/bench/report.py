@@ -41,7 +41,7 @@ def table(rows: Sequence[dict]) -> str:
 
 def write(path: str, *, rows: Sequence[dict], servers: Sequence[dict], versions: dict[str, str],
           compare_command: str, bench_commands: Sequence[str], workload: str, plot_file: str | None,
-          started: str, finished: str, notes: Sequence[str] = ()) -> None:
+          started: str, finished: str, notes: Sequence[str] = (), agreement: str | None = None) -> None:
     m = machine()
     out = [
         "# Serving comparison: Slipstream, llama.cpp server, vLLM CPU",
@@ -77,6 +77,10 @@ def write(path: str, *, rows: Sequence[dict], servers: Sequence[dict], versions:
             f"  `{s['command']}`" for s in servers]
     out += ["", "## Commands", "", "```", compare_command, "```", "", "Each server, each concurrency:", "", "```",
             *bench_commands, "```", ""]
+    if agreement:
+        out += ["## Our client against `vllm bench serve`", "",
+                "Same server, same workload shape, both clients in turn (`compare.py --check-vllm-bench`):", "",
+                agreement.strip(), ""]
     if notes:
         out += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     with open(path, "w") as f:
