@@ -163,7 +163,8 @@ def run_comparison(args) -> int:
                 f"output tokens (`ignore_eos`, greedy), `/v1/completions` streaming; concurrency "
                 f"{', '.join(map(str, concurrencies))} with max({args.min_prompts}, {args.prompts_per_concurrency} x "
                 f"concurrency) prompts each (a different seed per run, so no prompt repeats), all sent at once "
-                f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
+                f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Before the first level, "
+                f"each server gets one unmeasured settling pass ({max(concurrencies)} requests of 16 tokens at once). Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
                 "every server gets the same weights.")
     agreement = Path(args.include_agreement).read_text() if args.include_agreement else None
     report.write(args.output, rows=rows, agreement=agreement, servers=servers_info, versions=versions,
