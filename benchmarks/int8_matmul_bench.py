@@ -2,7 +2,7 @@
 
 Three measurements in one run, so their ratios share the machine's state:
   1. read bandwidth: kernels.q8_matmul.read_probe streams a buffer 8x the L3 size with the kernel's
-     threads (XLA's intra-op pool) and vector loads;
+     threads (XLA's intra-op pool) and vector loads, 4 streams per item as the kernel reads tiles;
   2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 7 matrices + the
      576x49152 LM head, ~150 MB, far beyond L3) once per call, and the LM head alone (8 copies);
      reported as bytes of packed weights + scales (+ offsets) read per second, and as a share of (1);
@@ -69,24 +69,15 @@ def random_q8(rng: np.random.Generator, k: int, n: int, offsets: bool = False) -
     return tuple(jnp.asarray(a) for a in arrays) + ((None,) if m is None else ())
 
 
-def median_seconds(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def probe_call() -> tuple:
+    """(jitted read_probe, its args, bytes): a buffer 8x the L3 size, read once per call."""
+    data = jax.device_put(np.random.default_rng(1).integers(0, 255, 8 * l3_bytes(), dtype=np.uint8))
+    return jax.jit(q8.read_probe), (data,), data.nbytes
 
 
-def read_bandwidth(reps: int) -> float:
-    data = jnp.asarray(np.random.default_rng(1).integers(0, 255, 8 * l3_bytes(), dtype=np.uint8))
-    seconds = median_seconds(jax.jit(q8.read_probe), (data,), reps)
-    return data.nbytes / seconds
-
-
-def one_row(weights: list[tuple], parts: int, reps: int) -> tuple[float, int]:
-    """(seconds, bytes) for one row through every weight in `weights` (packed, scales, offsets, n)."""
+def one_row_call(weights: list[tuple], parts: int) -> tuple:
+    """(jitted step, its args, bytes): one row through every weight in `weights` (packed, scales,
+    offsets, n), as a decode step runs them."""
     def step(x, ws):
         total = jnp.zeros((), jnp.float32)
         for (packed, scales, offsets), n in zip(ws, ns):
@@ -96,13 +87,25 @@ def one_row(weights: list[tuple], parts: int, reps: int) -> tuple[float, int]:
 
     ns = [w[-1] for w in weights]
     ws = [w[:-1] for w in weights]
-    x = jnp.asarray(np.random.default_rng(2).standard_normal(1536), jnp.float32)
-    seconds = median_seconds(jax.jit(step), (x, ws), reps)
-    return seconds, sum(a.nbytes for w in ws for a in w if a is not None)
+    x = jax.device_put(np.random.default_rng(2).standard_normal(1536).astype(np.float32))
+    return jax.jit(step), (x, ws), sum(a.nbytes for w in ws for a in w if a is not None)
 
 
-def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> list[float]:
-    """Median seconds of x [m, k] @ w [k, n]: XLA f32, then each of FORMS, timed round-robin."""
+def paired_rates(calls: list[tuple], reps: int) -> list[np.ndarray]:
+    """Bytes per second of each (fn, args, bytes) call, timed round-robin rep by rep, so that the
+    ratios between them see the same machine state (other processes come and go on shared hosts)."""
+    jax.block_until_ready([fn(*args) for fn, args, _ in calls])  # compile + warm
+    rates = [np.empty(reps) for _ in calls]
+    for rep in range(reps):
+        for (fn, args, nbytes), rate in zip(calls, rates):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            rate[rep] = nbytes / (time.perf_counter() - start)
+    return rates
+
+
+def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> list[np.ndarray]:
+    """Seconds per rep of x [m, k] @ w [k, n]: XLA f32, then each of FORMS, timed round-robin."""
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     calls = [(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)), (x, w))]
@@ -117,7 +120,7 @@ def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> li
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             t.append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+    return [np.asarray(t) for t in times]
 
 
 def main() -> None:
@@ -131,31 +134,37 @@ def main() -> None:
 
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
-    bw = read_bandwidth(args.reps)
-    print(f"\n[1] read bandwidth (read_probe, {8 * l3_bytes() >> 20} MiB): {bw / 1e9:.1f} GB/s")
-
     rng = np.random.default_rng(0)
-    print("\n[2] one row: packed weights + scales (+ offsets) read per second")
+    probe = probe_call()
+    print(f"\n[1] read bandwidth (read_probe, {probe[2] >> 20} MiB) and [2] one row: packed weights + "
+          "scales (+ offsets) read per second; each kernel run is paired with a probe run right before "
+          "it, and the share is the median of the per-pair ratios")
     for form, opts in FORMS.items():
         step_weights = [(*random_q8(rng, k, n, opts["offsets"]), n)
                         for _ in range(N_LAYERS) for k, n in LAYER_SHAPES.values()]
         step_weights.append((*random_q8(rng, *LM_HEAD), LM_HEAD[1]))  # the LM head is Q8_0 in the GGUF
-        heads = [(*random_q8(rng, *LM_HEAD), LM_HEAD[1]) for _ in range(8)]
+        heads = [(*random_q8(rng, *LM_HEAD, opts["offsets"]), LM_HEAD[1]) for _ in range(8)]
         for name, ws in (("decode step: 30 layers + LM head", step_weights), ("LM head 576x49152, 8 copies", heads)):
-            seconds, nbytes = one_row(ws, opts["parts"], args.reps)
-            print(f"    {form:9} {name:34} {nbytes / 2**20:6.1f} MiB in {seconds * 1e3:6.2f} ms = "
-                  f"{nbytes / seconds / 1e9:5.1f} GB/s = {nbytes / seconds / bw:4.0%} of read bandwidth", flush=True)
+            call = one_row_call(ws, opts["parts"])
+            bw, rate = paired_rates([probe, call], args.reps)
+            print(f"    {form:9} {name:34} {call[2] / 2**20:6.1f} MiB: {np.median(rate) / 1e9:5.1f} GB/s; probe "
+                  f"{np.median(bw) / 1e9:5.1f} GB/s; share {np.median(rate / bw):4.0%} "
+                  f"(quartiles {np.percentile(rate / bw, 25):.0%}-{np.percentile(rate / bw, 75):.0%})", flush=True)
         del step_weights, heads
 
-    print("\n[3] many rows: XLA f32 matmul vs the kernel (GOP/s = 2*M*K*N / time; speed-up over f32)")
+    print("\n[3] many rows: XLA f32 matmul vs the kernel (GOP/s = 2*M*K*N / median time; speed-up: median of "
+          "per-rep f32/kernel time ratios)")
     cells = " | ".join(f"{form + ' ms':>14} {'GOP/s':>6} {'x f32':>6}" for form in FORMS)
     print(f"    {'shape':20} {'M':>4} | {'f32 ms':>8} {'GFLOP/s':>8} | {cells}")
     for m in (int(r) for r in args.rows.split(",")):
         for name, (k, n) in PREFILL_SHAPES.items():
             t_f32, *t_forms = many_rows(rng, k, n, m, args.reps)
             ops = 2.0 * m * k * n
-            row = " | ".join(f"{t * 1e3:14.3f} {ops / t / 1e9:6.1f} {t_f32 / t:5.2f}x" for t in t_forms)
-            print(f"    {name:20} {m:>4} | {t_f32 * 1e3:8.3f} {ops / t_f32 / 1e9:8.1f} | {row}", flush=True)
+            # speed-up: median over reps of the f32 / kernel time ratio within the same rep
+            row = " | ".join(f"{np.median(t) * 1e3:14.3f} {ops / np.median(t) / 1e9:6.1f} "
+                             f"{np.median(t_f32 / t):5.2f}x" for t in t_forms)
+            print(f"    {name:20} {m:>4} | {np.median(t_f32) * 1e3:8.3f} {ops / np.median(t_f32) / 1e9:8.1f} | {row}",
+                  flush=True)
 
 
 if __name__ == "__main__":
