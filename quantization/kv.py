@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quantization.weights import INT8_MAX
+from kernels.attention import quantize_kv as kernels_quantize_kv
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -17,12 +17,7 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         raise ValueError(
             f"quantize_kv expects [..., n_kv_heads, head_dim], got shape {tuple(x.shape)}"
         )
-    x32 = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x32), axis=-1) / INT8_MAX  # [..., n_kv_heads]
-    # A zero vector (e.g. padding) keeps scale 0 and dequantizes to exact zeros.
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = jnp.clip(jnp.round(x32 / safe[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return q, scale
+    return kernels_quantize_kv(x)  # the attention kernels write the cache with this rounding
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
