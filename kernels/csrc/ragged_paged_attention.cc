@@ -580,8 +580,15 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
   }
 }
 
+inline void touch(const char* x) {  // a load the compiler keeps, to fill the TLB
+  volatile char sink = *reinterpret_cast<const volatile char*>(x);
+  (void)sink;
+}
+
 // Requests keys [a, b) of a sequence's K/V rows (and int8 scales) into the cache. Pages lie anywhere,
-// so the hardware prefetchers, which stop at 4 KiB boundaries, cannot run ahead on their own.
+// so the hardware prefetchers, which stop at 4 KiB boundaries, cannot run ahead on their own. Each
+// page segment is first touched with a real load: a software prefetch that misses the TLB is dropped
+// (AMD Zen 4: prefetching alone changed nothing, 46 ms/step; with the touch 39 ms, 32 x 384 f32 KV).
 void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
   const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
   for (int key = a; key < b;) {
@@ -589,14 +596,16 @@ void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
     const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
     const char* kr = static_cast<const char*>(p.k) + row0 * p.hd * width;
     const char* vr = static_cast<const char*>(p.v) + row0 * p.hd * width;
+    touch(kr);
+    touch(vr);
     for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) {
       __builtin_prefetch(kr + o);
       __builtin_prefetch(vr + o);
     }
     if (p.type == KvType::kI8)
-      for (int o = 0; o < n * 4; o += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(p.k_scale + row0) + o);
-        __builtin_prefetch(reinterpret_cast<const char*>(p.v_scale + row0) + o);
+      for (int o = 0; o < n * 4; o += 64) {  // scales sit on other pages: touched too
+        touch(reinterpret_cast<const char*>(p.k_scale + row0) + o);
+        touch(reinterpret_cast<const char*>(p.v_scale + row0) + o);
       }
     key += n;
   }
