@@ -112,7 +112,9 @@ class JaxEngine:
         self._matchers: dict[int, Matcher] = {}
         self._mask_filler = MaskFiller(self.vocab_size, self.eos_token_ids)
         self._no_mask: dict[int, jax.Array] = {}  # sample rows -> all-ones mask
-        self.mask_seconds = 0.0  # host time spent filling masks (benchmarks report it per token)
+        # host time of the grammars (benchmarks report it per constrained token)
+        self.mask_seconds = 0.0     # filling mask rows
+        self.advance_seconds = 0.0  # matchers consuming the sampled tokens
         self.masked_rows = 0
 
         self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
@@ -308,10 +310,14 @@ class JaxEngine:
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
         self._slot_steps[slot_ids[:n]] += 1
         host: SampleResult = jax.device_get(result)  # the step's one device -> host copy
+        if self._matchers:
+            start = time.perf_counter()
+            for i, slot in enumerate(sample_slots):
+                if (matcher := self._matchers.get(slot)) is not None:
+                    matcher.advance(int(host.token[i]))
+            self.advance_seconds += time.perf_counter() - start
         out = []
         for i, slot in enumerate(sample_slots):
-            if (matcher := self._matchers.get(slot)) is not None:
-                matcher.advance(int(host.token[i]))
             k = int(self._slot_logprobs[slot])
             lp = None
             if k >= 0:
