@@ -104,13 +104,12 @@ def bench_argv(args, base_url: str, concurrency: int, gguf: str, result_dir: Pat
 
 
 def settle(args, base_url: str, concurrency: int, gguf: str, result_dir: Path) -> None:
-    """One unmeasured pass at full concurrency with short outputs: a server's first requests after start
-    can be slow (lazy allocation, first-touch of pages, caches), and that belongs to no concurrency level."""
+    """One unmeasured wave at full concurrency and full length: a server's first long run after start was
+    seen to be slower (lazy allocation, first-touch of KV pages, caches), and that belongs to no level."""
     argv = bench_argv(args, base_url, concurrency, gguf, result_dir, "settle", args.seed + 10_000)
-    argv[argv.index("--random-output-len") + 1] = "16"
     argv[argv.index("--num-prompts") + 1] = str(concurrency)
     argv.remove("--save-result")
-    peers.log(f"settling {base_url} with {concurrency} short requests")
+    peers.log(f"settling {base_url} with {concurrency} requests")
     bench.main(argv)
 
 
@@ -164,7 +163,7 @@ def run_comparison(args) -> int:
                 f"{', '.join(map(str, concurrencies))} with max({args.min_prompts}, {args.prompts_per_concurrency} x "
                 f"concurrency) prompts each (a different seed per run, so no prompt repeats), all sent at once "
                 f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Before the first level, "
-                f"each server gets one unmeasured settling pass ({max(concurrencies)} requests of 16 tokens at once). Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
+                f"each server gets one unmeasured settling wave ({max(concurrencies)} requests of the same shape at once). Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
                 "every server gets the same weights.")
     agreement = Path(args.include_agreement).read_text() if args.include_agreement else None
     report.write(args.output, rows=rows, agreement=agreement, servers=servers_info, versions=versions,
