@@ -124,10 +124,19 @@ def run_comparison(args) -> int:
     result_dir.mkdir(parents=True, exist_ok=True)
     specs, versions = server_specs(names, args, gguf)
     plot_py = peers.ensure_plot_python() if args.plot else None
+    whole_run = bench_lock(args.lock) if args.hold_lock else contextlib.nullcontext()
+    per_server = (lambda: contextlib.nullcontext()) if args.hold_lock else (lambda: bench_lock(args.lock))
+    with whole_run:
+        rows, servers_info, commands, notes = _run_servers(args, specs, concurrencies, gguf, result_dir, per_server)
+    _finish(args, rows, servers_info, commands, notes, versions, concurrencies, gguf, result_dir, plot_py, started)
+    return 0 if rows and not notes else 1
+
+
+def _run_servers(args, specs, concurrencies, gguf, result_dir, lock):
     rows, servers_info, commands, notes = [], [], [], []
     for i, spec in enumerate(specs):
         port = args.base_port + i
-        with bench_lock(args.lock):
+        with lock():
             server = peers.RunningServer(spec, port, result_dir / f"{spec.name}.log")
             try:
                 ready_s = server.wait_ready()
@@ -150,6 +159,12 @@ def run_comparison(args) -> int:
                 notes.append(f"{spec.name} did not come up: {str(e).splitlines()[0]}")
             finally:
                 server.stop()
+    return rows, servers_info, commands, notes
+
+
+def _finish(args, rows, servers_info, commands, notes, versions, concurrencies, gguf, result_dir, plot_py, started):
+    from models.registry import DEFAULT_MODEL
+
     summary = result_dir / "summary.json"
     summary.write_text(json.dumps([{k: r[k] for k in ("server", "max_concurrency", "output_throughput",
                                                       "median_ttft_ms", "p99_ttft_ms")} for r in rows], indent=1))
@@ -163,15 +178,14 @@ def run_comparison(args) -> int:
                 f"{', '.join(map(str, concurrencies))} with max({args.min_prompts}, {args.prompts_per_concurrency} x "
                 f"concurrency) prompts each (a different seed per run, so no prompt repeats), all sent at once "
                 f"behind the concurrency cap, after {args.num_warmups} warm-up requests. Before the first level, "
-                f"each server gets one unmeasured settling wave ({max(concurrencies)} requests of the same shape at once). Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); "
-                "every server gets the same weights.")
+                f"each server gets one unmeasured settling wave ({max(concurrencies)} requests of the same shape "
+                f"at once). Model: {DEFAULT_MODEL} (`{os.path.basename(gguf)}`); every server gets the same weights.")
     agreement = Path(args.include_agreement).read_text() if args.include_agreement else None
     report.write(args.output, rows=rows, agreement=agreement, servers=servers_info, versions=versions,
                  compare_command=".venv/bin/python -m benchmarks.compare " + shlex.join(sys.argv[1:]),
                  bench_commands=commands, workload=workload, plot_file=plot_file, started=started,
                  finished=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), notes=notes)
     peers.log(f"wrote {args.output}" + (f" and {plot_file}" if plot_file else "") + f"; raw results in {result_dir}")
-    return 0 if rows and not notes else 1
 
 
 def check_vllm_bench(args) -> int:
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-jobs", type=int, default=2, help="make -j for the llama.cpp build")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--lock", default="/tmp/slipstream-bench.lock", help="flock held per server run ('' for none)")
+    p.add_argument("--hold-lock", action="store_true", help="hold the lock for the whole run, not per server")
     p.add_argument("--output", default=str(REPO / "benchmarks" / "RESULTS.md"))
     p.add_argument("--result-dir", default=None, help="per-run JSON and server logs (default benchmarks/results/DATE)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
