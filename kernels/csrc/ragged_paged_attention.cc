@@ -77,9 +77,6 @@ struct ChunkSteps {
   // dst[j] = float(src[j]) for j < n rows of hd values
   void (*widen_i8)(const int8_t* src, int n, int hd, float* dst);
   void (*widen_bf16)(const uint16_t* src, int n, int hd, float* dst);
-  // scores straight from K in its cache type when this path has a kernel for the case (else false:
-  // the caller widens K and runs scores); null when it has none
-  bool (*scores_typed)(const float* q, int rows, int hd, KvType type, const void* k, int n, float* s);
 };
 
 inline float bf16_to_f32(uint16_t b) {
@@ -168,7 +165,7 @@ void pv_widening(const float* p, int rows, int hd, KvType type, const void* v, c
 
 constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   pv_widening<pv_f32_portable, widen_i8_portable, widen_bf16_portable>,
-                                  widen_i8_portable, widen_bf16_portable, nullptr};
+                                  widen_i8_portable, widen_bf16_portable};
 
 #if defined(RPA_X86)
 // ---- AVX2 + FMA: 8 lanes; needs hd % 8 == 0 ----
@@ -303,7 +300,7 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
 
 constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2,
                               pv_widening<pv_f32_avx2, widen_i8_avx2, widen_bf16_avx2>, widen_i8_avx2,
-                              widen_bf16_avx2, nullptr};
+                              widen_bf16_avx2};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
 // s[j] = q . k[j] for a full chunk: one accumulator per key, the 16 reduced together. HD > 0 fixes
@@ -462,60 +459,8 @@ RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst
   }
 }
 
-// Up to 3 rows (a decode step's G = 3 query heads) and a full chunk: each 16 values of a key row
-// are loaded (and widened) once for all rows, 8 keys at a time, R x 8 accumulators in registers.
-template <int R, int HD, class T>
-RPA_AVX512 void scores_rows_avx512(const float* q, int hd_runtime, const T* k, float* s) {
-  const int hd = HD > 0 ? HD : hd_runtime;
-  for (int half = 0; half < 2; ++half) {
-    __m512 a[R][8];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 8; ++i) a[r][i] = _mm512_setzero_ps();
-    for (int x = 0; x < hd; x += 16) {
-      __m512 qx[R];
-      for (int r = 0; r < R; ++r) qx[r] = _mm512_loadu_ps(q + r * hd + x);
-      const T* kx = k + half * 8 * hd + x;
-      for (int i = 0; i < 8; ++i, kx += hd) {
-        const __m512 kv = load16(kx);
-        for (int r = 0; r < R; ++r) a[r][i] = _mm512_fmadd_ps(qx[r], kv, a[r][i]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 h[8];
-      for (int i = 0; i < 8; ++i)
-        h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
-      _mm256_storeu_ps(s + r * kChunk + half * 8, hsum8x8(h));
-    }
-  }
-}
-
-template <int R, class T>
-RPA_AVX512 void scores_rows_hd_avx512(const float* q, int hd, const T* k, float* s) {
-  if (hd == 64) return scores_rows_avx512<R, 64>(q, hd, k, s);
-  if (hd == 128) return scores_rows_avx512<R, 128>(q, hd, k, s);
-  scores_rows_avx512<R, 0>(q, hd, k, s);
-}
-
-template <class T>
-RPA_AVX512 void scores_few_avx512(const float* q, int rows, int hd, const T* k, float* s) {
-  if (rows == 1) return scores_rows_hd_avx512<1>(q, hd, k, s);
-  if (rows == 2) return scores_rows_hd_avx512<2>(q, hd, k, s);
-  scores_rows_hd_avx512<3>(q, hd, k, s);
-}
-
-RPA_AVX512 bool scores_typed_avx512(const float* q, int rows, int hd, KvType type, const void* k, int n, float* s) {
-  if (rows > 3 || n != kChunk) return false;
-  switch (type) {
-    case KvType::kF32: scores_few_avx512(q, rows, hd, static_cast<const float*>(k), s); break;
-    case KvType::kBF16: scores_few_avx512(q, rows, hd, static_cast<const uint16_t*>(k), s); break;
-    case KvType::kI8: scores_few_avx512(q, rows, hd, static_cast<const int8_t*>(k), s); break;
-  }
-  return true;
-}
-
 constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                widen_bf16_avx512, scores_typed_avx512};
+                                widen_bf16_avx512};
 #endif  // RPA_X86
 
 // The best instruction set of this CPU; tests may force a lower one (force_isa).
@@ -707,21 +652,18 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
     const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
     const void* vc = static_cast<const char*>(p.v) + row0 * hd * width;
-    const void* kraw = static_cast<const char*>(p.k) + row0 * hd * width;
-    if (!isa.scores_typed || !isa.scores_typed(q, rows, hd, p.type, kraw, n, sc)) {
-      const float* kc = kbuf;
-      switch (p.type) {
-        case KvType::kF32:
-          kc = static_cast<const float*>(kraw);
-          break;
-        case KvType::kBF16:
-          isa.widen_bf16(static_cast<const uint16_t*>(kraw), n, hd, kbuf);
-          break;
-        case KvType::kI8:
-          isa.widen_i8(static_cast<const int8_t*>(kraw), n, hd, kbuf);
-      }
-      isa.scores(q, rows, hd, kc, n, sc);
+    const float* kc = kbuf;
+    switch (p.type) {
+      case KvType::kF32:
+        kc = static_cast<const float*>(p.k) + row0 * hd;
+        break;
+      case KvType::kBF16:
+        isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
+        break;
+      case KvType::kI8:
+        isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, n, hd, kbuf);
     }
+    isa.scores(q, rows, hd, kc, n, sc);
     const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
     isa.softmax(sc, rows, hd, p.type == KvType::kI8 ? p.k_scale + row0 : nullptr, key, n, edge, pos, lo, m, l, acc);
     isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + row0 : nullptr, n, acc, vbuf);
