@@ -209,9 +209,13 @@ def check_vllm_bench(args) -> int:
             peers.log(f"{spec.name} ready in {server.wait_ready():.0f}s")
             settle(args, server.base_url, c, gguf, result_dir)
             for rep in range(args.repeats):
-                argv = bench_argv(args, server.base_url, c, gguf, result_dir, f"ours-{rep}", args.seed + 2 * rep)
-                bench.main(argv)
-                results["slipstream bench"].append(json.loads((result_dir / f"ours-{rep}-c{c}.json").read_text()))
+                def ours():
+                    argv = bench_argv(args, server.base_url, c, gguf, result_dir, f"ours-{rep}", args.seed + 2 * rep)
+                    bench.main([*argv, "--save-detailed"])
+                    results["slipstream bench"].append(json.loads((result_dir / f"ours-{rep}-c{c}.json").read_text()))
+
+                if rep % 2 == 0:  # A B B A ...: a drift over time does not favour either client
+                    ours()
                 model = httpx.get(f"{server.base_url}/v1/models", trust_env=False).json()["data"][0]["id"]
                 cmd = [str(vllm_bin / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
                        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(hf_dir),
@@ -221,14 +225,16 @@ def check_vllm_bench(args) -> int:
                        "--temperature", "0", "--seed", str(args.seed + 2 * rep + 1), "--percentile-metrics", "ttft,tpot,itl,e2el",
                        "--metric-percentiles", "90,99", "--save-result", "--result-dir", str(result_dir),
                        "--result-filename", f"vllm-{rep}.json", "--disable-tqdm"]
-                peers.sh(cmd, cwd=peers.PEERS)
+                peers.sh([*cmd, "--save-detailed"], cwd=peers.PEERS)
                 results["vllm bench serve"].append(json.loads((result_dir / f"vllm-{rep}.json").read_text()))
+                if rep % 2 == 1:
+                    ours()
         finally:
             server.stop()
     runs = [(f"{who} #{i + 1}", r) for i in range(args.repeats)
             for who, r in (("ours", results["slipstream bench"][i]), ("vllm", results["vllm bench serve"][i]))]
     lines = [f"{spec.name}, concurrency {c}, {n} prompts of {args.input_len} in / {args.output_len} out, after one "
-             f"unmeasured settling pass; runs alternate ours / vllm bench serve, each with its own prompts",
+             f"unmeasured settling wave; runs in the order ours, vllm, vllm, ours, ..., each with its own prompts",
              "", "| metric | " + " | ".join(name for name, _ in runs) + " | ours (mean) | vllm (mean) | difference |",
              "|---|" + "---:|" * (len(runs) + 3)]
     for k in keys:

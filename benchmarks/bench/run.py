@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -221,12 +222,16 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"{len(failed)} of {args.num_warmups} warm-up requests failed: {failed[0]}")
 
         offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+        # As vllm bench serve does: no full collection of the long-lived heap (tokenizer, prompts) mid-run
+        gc.collect()
+        gc.freeze()
         bar = None if args.disable_tqdm else tqdm(total=len(requests), file=sys.stderr, desc="requests")
         start = time.perf_counter()
         tasks = [asyncio.create_task(limited(req, bar, f"{args.request_id_prefix}{i}"))
                  async for i, req in _arrivals(list(enumerate(requests)), offsets)]
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        gc.unfreeze()
         if bar is not None:
             bar.close()
 
