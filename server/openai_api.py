@@ -228,12 +228,12 @@ class ChatFormat:
         text, calls, reason = d.text, None, _reason(d)
         if self.tools:
             stream = self.tool_streams[d.index]
-            text = stream.feed(d.text)
+            text, deltas = stream.feed(d.text)
             if d.finish_reason is not None:
-                tail, deltas = stream.finish()
-                text += tail
-                calls = [ToolCallDelta(**c) for c in deltas] or None
-                reason = "tool_calls" if calls and reason == "stop" else reason
+                tail, more = stream.finish()
+                text, deltas = text + tail, deltas + more
+                reason = "tool_calls" if stream.calls and reason == "stop" else reason
+            calls = [ToolCallDelta(**c) for c in deltas] or None
         if not text and not calls and not d.logprobs and d.finish_reason is None:
             return None
         delta = ChatDelta(content=text or None, tool_calls=calls)

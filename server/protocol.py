@@ -158,8 +158,12 @@ class ChatLogprobs(BaseModel):
 
 
 class ToolCallFunction(BaseModel):
-    name: str | None = None
+    name: str | None = None  # absent from the stream deltas after a call's first
     arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ToolCall(BaseModel):
@@ -170,9 +174,13 @@ class ToolCall(BaseModel):
 
 class ToolCallDelta(BaseModel):
     index: int
-    id: str | None = None
+    id: str | None = None                   # in a call's first delta only
     type: Literal["function"] | None = None
     function: ToolCallFunction
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatResponseMessage(BaseModel):

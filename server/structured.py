@@ -258,20 +258,29 @@ def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
 
 
 class ToolStream:
-    """One streamed choice: content passes through until a tool call may start; the calls go out as
-    OpenAI tool_calls deltas (name and id first, then the arguments) when the reply is complete."""
+    """One streamed choice as OpenAI streams it: content passes through until a tool call may start;
+    a named function's arguments stream as they come (its id and name first), other calls go out
+    whole when the reply is complete. feed() and finish() return (content, tool_calls deltas)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""        # the whole reply so far
-        self.sent = 0         # of it, how much went out as content
+        self.sent = 0         # of it, how much went out (as content, or as a named call's arguments)
         self.calls: list[dict] = []
 
-    def feed(self, piece: str) -> str:
-        """Content to stream now (never any part of a tool call)."""
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
         self.text += piece
+        if self.plan.mode == "named":
+            if not piece:
+                return "", []
+            if not self.calls:
+                self.calls = [_call(self.plan.named, "")]
+                first = self.calls[0]
+                return "", [{"index": 0, "id": first["id"], "type": "function",
+                             "function": {"name": self.plan.named, "arguments": piece}}]
+            return "", [{"index": 0, "function": {"arguments": piece}}]
         if self.plan.mode != "auto":
-            return ""
+            return "", []
         start = self.text.find(OPEN, self.sent)
         if start >= 0:
             end = start
@@ -281,13 +290,13 @@ class ToolStream:
                 if self.text.endswith(OPEN[:k]):
                     end = len(self.text) - k
                     break
-        if OPEN in self.text[:self.sent]:
-            return ""
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
+        return out, []
 
     def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet sent, tool_calls deltas) at the end of the reply."""
+        """What is left at the end of the reply."""
+        if self.plan.mode == "named":
+            return "", []
         content, calls = parse_reply(self.plan, self.text)
         self.calls = calls
         if not calls:

@@ -108,16 +108,17 @@ def test_streamed_auto_reply_sends_text_then_call_deltas(cut):
     plan = tool_plan([WEATHER], "auto")
     text = f'Sure. {OPEN}{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}{CLOSE}'
     stream = ToolStream(plan)
-    sent = "".join(stream.feed(text[i:i + cut]) for i in range(0, len(text), cut))
+    fed = [stream.feed(text[i:i + cut]) for i in range(0, len(text), cut)]
+    sent = "".join(content for content, _ in fed)
     tail, deltas = stream.finish()
-    assert sent + tail == "Sure. " and "<" not in sent
+    assert sent + tail == "Sure. " and "<" not in sent and not any(calls for _, calls in fed)
     assert deltas[0]["index"] == 0 and deltas[0]["function"]["name"] == "get_weather"
     assert json.loads(deltas[0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
 def test_streamed_text_that_only_looks_like_a_tag_is_sent_whole():
     stream = ToolStream(tool_plan([WEATHER], "auto"))
-    sent = stream.feed("a <tool") + stream.feed("box> b")
+    sent = stream.feed("a <tool")[0] + stream.feed("box> b")[0]
     tail, deltas = stream.finish()
     assert sent + tail == "a <toolbox> b" and deltas == []
 
@@ -130,3 +131,13 @@ def test_malformed_tool_calls_in_history_are_a_400_not_a_500(live):
         # a model without a `tokenizers` tokenizer cannot take a grammar: a 400, not a crash
         resp = http.post("/v1/chat/completions", json={"messages": CHAT, "guided_choice": ["a"]})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_choice"
+
+
+def test_streamed_named_call_sends_id_and_name_first_then_argument_pieces():
+    stream = ToolStream(tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for piece in ('{"city"', ': "Ro', 'me"}') for d in stream.feed(piece)[1]]
+    assert stream.finish() == ("", [])
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
+    assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Rome"}
+    assert len(stream.calls) == 1

@@ -131,6 +131,13 @@ def test_named_tool_call_round_trips(client):
     [call] = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and call.id.startswith("call_") and set(args) == {"city", "unit"}
+    chunks = [c for c in client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=80, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}) if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_weather"  # arguments stream
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=30,
