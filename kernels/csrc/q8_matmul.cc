@@ -39,7 +39,8 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
+// -DQ8_PORTABLE_ONLY builds the portable path alone (what aarch64 gets), to test it on x86.
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(Q8_PORTABLE_ONLY)
 #include <immintrin.h>
 #define Q8_X86 1
 #endif
