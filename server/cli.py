@@ -40,7 +40,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max-num-batched-tokens", 256)),
                    help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "
                         "power-of-two ladder up to it")
-    p.add_argument("--quantize", default=_env("quantize", "none"), choices=["none", "w8a16", "w8a8"])
+    p.add_argument("--quantize", default=_env("quantize", "auto"),
+                   choices=["auto", "none", "q8_0-a16", "q8_0", "w8a16", "w8a8"],
+                   help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), none = float")
     p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
     p.add_argument("--compile-cache", default=_env("compile-cache", os.path.expanduser("~/.cache/slipstream/jax")),
                    help="JAX persistent compilation cache directory ('' to disable)")
@@ -90,6 +92,7 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     from engine.runner import EngineConfig, JaxEngine
     from models.loader import load_model
     from models.registry import load_tokenizer, resolve_model
+    from quantization.weights import GROUPWISE_MODES
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
@@ -99,11 +102,14 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
     start = time.perf_counter()
-    model_cfg, params = load_model(path, dtype="float32", progress=progress)
+    mode = config.weight_mode()
+    # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
+    model_cfg, params = load_model(path, dtype="float32", progress=progress,
+                                   quantize=mode if mode in GROUPWISE_MODES else "none")
     tokenizer = load_tokenizer(path)
-    log.info("loaded %s in %.1fs", path, time.perf_counter() - start)
+    log.info("loaded %s in %.1fs (weights: %s)", path, time.perf_counter() - start, mode)
     calibration = None
-    if config.quantize != "none":  # int8 weights are smoothed on the shipped calibration text
+    if mode in ("w8a16", "w8a8"):  # per-channel int8 weights are smoothed on the shipped calibration text
         from models.calibration import calibration_text
 
         calibration = tokenizer.encode(calibration_text())

@@ -63,7 +63,9 @@ def pytest_configure(config):
         "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
 
 
-TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, max_num_batched_tokens=32)
+# f32 weights: these engines are checked against f32 references (the CPU default would be q8_0-a16)
+TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, max_num_batched_tokens=32,
+                   quantize="none")
 
 
 @pytest.fixture(scope="session")
@@ -96,4 +98,4 @@ def default_engine(default_model):
 
     cfg, params = default_model
     return JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
-                                               max_num_batched_tokens=64), precompile=False)
+                                               max_num_batched_tokens=64, quantize="none"), precompile=False)
