@@ -31,6 +31,7 @@ from engine.structured import MaskFiller, Matcher, mask_words
 from models.config import ModelConfig
 from quantization import MODES, QuantizedWeight, quantize
 from models.llama import forward_step, init_kv_cache, split_layers
+from models.loader import trim_host_heap
 from engine.params import prepare_params
 
 
@@ -39,7 +40,7 @@ class EngineConfig:
     max_slots: int = 32
     page_size: int = 16
     max_seq_len: int = 2048
-    kv_cache_memory: int = 1 << 30          # bytes for K/V pages; decides num_pages
+    kv_cache_memory: int = 768 << 20        # bytes for K/V pages (17k f32 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
     max_num_batched_tokens: int = 256       # tokens per step: decodes plus prefill chunks
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
@@ -113,7 +114,11 @@ class JaxEngine:
         self.vocab_size = model_cfg.vocab_size
         self.buckets = Buckets.build(max_num_batched_tokens=self.max_num_batched_tokens, max_slots=self.max_slots)
 
-        self.cache = init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype)
+        # The KV pages are allocated after compiling: compilation's working memory and the cache
+        # then never add up in the peak RSS (the cache is the largest buffer the server holds).
+        self._kv_dtype = kv_dtype
+        self._cache_spec = jax.eval_shape(lambda: init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype))
+        self.cache = None
         # penalty state per slot; row max_slots is a scratch row that padding rows read and write
         self.output_counts = jnp.zeros((self.max_slots + 1, self.vocab_size), jnp.int32)
         self.prompt_mask = jnp.zeros((self.max_slots + 1, self.vocab_size), bool)
@@ -138,6 +143,8 @@ class JaxEngine:
         self.compile_seconds = 0.0
         if precompile:
             self.compile_all(progress=progress)
+        trim_host_heap()
+        self.cache = init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype)
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class JaxEngine:
     def _model_args(self, t: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         s = self.max_slots
-        return (self.params, self.cache, i32(t), i32(t), i32(s), i32(s, self.max_pages_per_seq), i32(s + 1),
+        return (self.params, self._cache_spec, i32(t), i32(t), i32(s), i32(s, self.max_pages_per_seq), i32(s + 1),
                 i32(1), i32(self.buckets.sample_rows(t)))
 
     def _sample_args(self, b: int):

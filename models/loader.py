@@ -67,7 +67,7 @@ def _device(arr: np.ndarray, dtype):
     return out if out.dtype == jnp.dtype(dtype) else out.astype(dtype)
 
 
-def _trim_host_heap() -> None:
+def trim_host_heap() -> None:
     """Hand the loader's freed numpy temporaries back to the OS (glibc keeps them otherwise, and the
     KV cache and compiled programs allocated next would add to them in the peak RSS)."""
     import ctypes
@@ -145,7 +145,7 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.nd
             params["lm_head"] = _device(arr.T, dtype)
     bar.update()
     bar.close()
-    _trim_host_heap()
+    trim_host_heap()
     return params
 
 
