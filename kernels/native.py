@@ -30,7 +30,9 @@ def load(kernel: str, module: str) -> bool:
     else:
         ok = _register(module)
         if ok:
-            log.info("kernel %s: native CPU (kernels._%s)", kernel, module)
+            ext = importlib.import_module(f"kernels._{module}")
+            isa = ext.isa() if hasattr(ext, "isa") else "?"
+            log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
     _paths[kernel] = "native" if ok else "reference"
     return ok
 

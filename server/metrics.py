@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.scheduler import RequestMetrics, Scheduler
+from kernels import kernel_paths
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -67,6 +68,11 @@ class _StatsCollector(Collector):
         yield counter("slipstream_cancellations", "Requests cancelled (client went away).", s.cancellations)
         yield counter("slipstream_request_errors", "Requests that finished with an error.", finished.get("error", 0))
         yield counter("slipstream_compiles", "XLA compilations (flat in steady state).", self._compile_count())
+        paths = GaugeMetricFamily("slipstream_kernel_path", "1 for the path each hot op runs: native (CPU "
+                                  "kernel) or reference (pure JAX).", labels=["kernel", "path"])
+        for kernel, path in sorted(kernel_paths().items()):
+            paths.add_metric([kernel, path], 1)
+        yield paths
         yield counter("slipstream_generated_tokens", "Tokens generated.", s.generated_tokens)
         yield counter("slipstream_prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens)
         yield counter("slipstream_prefilled_tokens", "Prompt tokens actually prefilled (after prefix reuse).",

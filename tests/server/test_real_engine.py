@@ -126,3 +126,16 @@ def test_issue_12_repro_top_k_past_int32_is_400_and_the_stream_in_flight_finishe
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert all("error" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert scheduler.ready and httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_metrics_say_which_path_each_kernel_takes(real_server):
+    """A failed kernel build must be visible to operators: /metrics names the path of every hot op."""
+    import os
+
+    import httpx
+
+    url, _ = real_server
+    text = httpx.get(f"{url}/metrics").text
+    want = "reference" if os.environ.get("SLIPSTREAM_KERNELS") == "reference" else "native"
+    assert f'slipstream_kernel_path{{kernel="ragged_paged_attention",path="{want}"}} 1.0' in text
+    assert f'slipstream_kernel_path{{kernel="q8_matmul",path="{want}"}} 1.0' in text  # the CPU default mode
