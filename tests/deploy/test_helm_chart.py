@@ -92,7 +92,7 @@ def test_server_settings_become_env_vars():
     assert e["SLIPSTREAM_QUANTIZE"] == "w8a8"
     assert e["SLIPSTREAM_KV_CACHE_DTYPE"] == "int8"
     assert e["SLIPSTREAM_MAX_SLOTS"] == "32"
-    assert e["SLIPSTREAM_KV_CACHE_MEMORY"] == "1GiB"
+    assert e["SLIPSTREAM_KV_CACHE_MEMORY"] == "768MiB"
     assert e["SLIPSTREAM_GRPC_PORT"] == "9000"
     assert e["SLIPSTREAM_API_KEY"] == {"secretKeyRef": {"name": "slipstream-api", "key": "token"}}
     assert e["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
