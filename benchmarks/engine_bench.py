@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.startup_bench import cpu_model
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -121,14 +121,6 @@ class Setup:
     pages: list[list[int]]     # slot -> its pages (slot max_slots - 1 is the prefill scratch sequence)
     context: int
     step: int = 0              # decode steps taken: positions advance from context
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def build(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> Setup:
