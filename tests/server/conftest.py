@@ -57,6 +57,18 @@ class ByteTokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
+class CountingTokenizer(ByteTokenizer):
+    """Counts encode calls: cheap checks must refuse a request before any tokenizing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.encoded += 1
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
 @dataclasses.dataclass
 class LiveServer:
     url: str

@@ -13,7 +13,7 @@ from server.errors import ServiceError
 from server.openai_api import prepare_chat, prepare_completion
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.service import Service, ServiceConfig
-from tests.server.conftest import MODEL, ByteTokenizer, LiveServer, wait_for
+from tests.server.conftest import MODEL, CountingTokenizer, LiveServer, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -224,16 +224,6 @@ def test_strings_and_floats_are_not_coerced(live: LiveServer, field: str, value:
     # OpenAI rejects these too; accepting "yes" as true would hide client bugs.
     with live.http() as http:
         assert _error(http.post("/v1/completions", json={"prompt": "abc", field: value}), 400)["param"] == field
-
-
-class CountingTokenizer(ByteTokenizer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoded = 0
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        self.encoded += 1
-        return super().encode(text, add_special_tokens=add_special_tokens)
 
 
 def test_too_many_prompts_are_refused_before_any_is_tokenized(live: LiveServer) -> None:

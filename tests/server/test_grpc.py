@@ -23,7 +23,7 @@ from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
 from server.errors import ServiceError
 from server.service import Service, ServiceConfig
-from tests.server.conftest import BOS, EOS, MODEL, ByteTokenizer, LiveServer, wait_for
+from tests.server.conftest import BOS, EOS, MODEL, ByteTokenizer, CountingTokenizer, LiveServer, wait_for
 from tests.server.grpc_helpers import GrpcLive, LoopThread, collect, start_grpc, text_request, token_request
 
 DEF = [ord("d"), ord("e"), ord("f")]
@@ -257,18 +257,8 @@ def test_http_and_grpc_on_one_event_loop_serve_at_the_same_time() -> None:
 # ---- issue 12: cheap checks before tokenization, bounded prompts, no internals -------------------
 
 
-class _CountingTokenizer(ByteTokenizer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoded = 0
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        self.encoded += 1
-        return super().encode(text, add_special_tokens=add_special_tokens)
-
-
 def test_a_bad_sampling_field_or_a_huge_text_is_refused_before_tokenizing(live: LiveServer) -> None:
-    tokenizer = _CountingTokenizer()
+    tokenizer = CountingTokenizer()
     service = Service(live.scheduler, live.engine, tokenizer, ServiceConfig(model_name=MODEL, max_prompt_bytes=1 << 20))
     huge = "a" * (3 << 20)  # 3 MB: used to be tokenized in full before the context check
     with pytest.raises(ServiceError) as info:
