@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slipstream-fast-flags", default="--quantize w8a8 --kv-cache-dtype int8")
+    p.add_argument("--slipstream-fast-flags", default="--quantize q8_0 --kv-cache-dtype int8")
     p.add_argument("--build-jobs", type=int, default=2, help="make -j for the llama.cpp build")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--lock", default="/tmp/slipstream-bench.lock", help="flock held per server run ('' for none)")

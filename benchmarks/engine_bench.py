@@ -81,23 +81,33 @@ def _leaf_bytes(tree) -> int:
     return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def weight_bytes_read_per_token(params: dict) -> int:
-    """Bytes a decode step must read: every layer weight and the LM head (the tied embedding
-    table is read whole by the LM head; untied, only a few rows of it are looked up)."""
-    head = params["lm_head"] if "lm_head" in params else params["embed"]
-    norms = params["final_norm"].nbytes
-    return _leaf_bytes(params["layers"]) + _leaf_bytes(head) + norms
+def weight_bytes_read_per_token(params) -> int:
+    """Bytes a decode step must read (params: the engine's model state): every layer weight and the
+    LM head (the tied embedding table is read whole by the LM head; untied, only a few rows of it)."""
+    head = params["lm_head"] if params.get("lm_head") else params["embed"]
+    return _leaf_bytes(params["blocks"]) + _leaf_bytes(head) + _leaf_bytes(params["final_norm"])
 
 
-def matmul_roofline(params: dict, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+_MATMULS = {"wq": ("attn", "wq"), "wk": ("attn", "wk"), "wv": ("attn", "wv"), "wo": ("attn", "wo"),
+            "w_gate": ("mlp", "w_gate"), "w_up": ("mlp", "w_up"), "w_down": ("mlp", "w_down")}
+
+
+def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:
     """A jitted function doing only the decode step's matmuls (q, k, v, o, gate, up, down for every
     layer, then the LM head) on the engine's own weights, each layer's weights a separate input so
-    no slicing is counted. The few adds between them only keep XLA from dropping a matmul."""
-    layers = params["layers"]
-    if not isinstance(layers, (list, tuple)):  # stacked: one buffer per layer, sliced once here
-        layers = jax.block_until_ready([jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)])
-    head_tied = "lm_head" not in params
-    head = params["embed"] if head_tied else params["lm_head"]
+    no slicing is counted. The few adds between them only keep XLA from dropping a matmul.
+    (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
+    def per_layer(name):
+        group, lin = _MATMULS[name]
+        w = params["blocks"][group][lin]["w"].get_value()
+        if hasattr(w, "layers"):  # the engine's per-layer buffers on CPU
+            return list(w.layers)
+        return jax.block_until_ready([jax.tree.map(lambda a, i=i: a[i], w) for i in range(cfg.num_layers)])
+
+    columns = {name: per_layer(name) for name in _MATMULS}
+    layers = [{name: columns[name][i] for name in _MATMULS} for i in range(cfg.num_layers)]
+    head_tied = not params.get("lm_head")
+    head = params["embed"]["table"].get_value() if head_tied else params["lm_head"]["w"].get_value()
     reps = cfg.num_heads // cfg.num_kv_heads
 
     @jax.jit
@@ -123,21 +133,15 @@ class Setup:
     step: int = 0              # decode steps taken: positions advance from context
 
 
-def build(cfg: ModelConfig, params: dict, args: argparse.Namespace) -> Setup:
+def build(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
     slots = max(args.slots) + 1                      # + one for prefill chunks
     longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths))
     per_seq = pages_needed(longest, args.page_size)
     config = EngineConfig(max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
                           num_pages=slots * per_seq + 1, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens)
-    calibration = None
-    if args.quantize in ("w8a16", "w8a8"):  # as `slipstream serve` does: smoothed on the calibration text
-        from models.calibration import calibration_text
-        from models.registry import load_tokenizer
-
-        calibration = load_tokenizer(resolve_model(args.model)).encode(calibration_text())
     start = time.perf_counter()
-    engine = JaxEngine(cfg, params, config, calibration_tokens=calibration)
+    engine = JaxEngine(cfg, params, config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
     pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots)]
     return Setup(engine, pages, args.context)

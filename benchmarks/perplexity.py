@@ -1,9 +1,8 @@
 """Accuracy of int8 weights and int8 KV on the default model: perplexity, greedy agreement, memory.
 
-Everything runs through the engine as it serves: params loaded and prepared as the server does
-(q8_0 straight from the GGUF blocks by the loader; w8a16/w8a8 smoothed with statistics from the
-shipped calibration text, never from the eval text), the engine's KV layout, and one ragged
-`forward_step` program per step (JaxEngine.step / model_logits). Run from the repo root (minutes on
+Everything runs through the engine as it serves: the model loaded and prepared as the server does
+(q8_0 straight from the GGUF blocks by the loader), the engine's KV layout, and one ragged step
+program per step (JaxEngine.step / model_logits). Run from the repo root (minutes on
 2 CPU cores):
     .venv/bin/python -m benchmarks.perplexity [--modes f32,q8_0] [--window 512 --stride 256] [--out ppl.json]
 """
@@ -24,7 +23,6 @@ from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
 from engine.runner import EngineConfig, JaxEngine
-from models.calibration import calibration_text
 from models.config import ModelConfig
 from quantization import weight_bytes
 
@@ -51,10 +49,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("q8_0-a16", "q8_0-a16", "auto"),
     Mode("q8_0+int8-kv", "q8_0", "int8"),
     Mode("q8_0-a16+int8-kv", "q8_0-a16", "int8"),
-    Mode("w8a16", "w8a16", "auto"),
-    Mode("w8a8", "w8a8", "auto"),
     Mode("int8-kv", "none", "int8"),
-    Mode("w8a8+int8-kv", "w8a8", "int8"),
 )}
 
 # Plain continuations and chat turns (ChatML, as SmolLM2-Instruct was trained on).
@@ -86,7 +81,7 @@ PROMPTS: list[str] = _PLAIN + [
     f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in _CHAT]
 
 
-def load_default_model(quantize: str = "none") -> tuple[ModelConfig, dict, object]:
+def load_default_model(quantize: str = "none") -> tuple[ModelConfig, object, object]:
     """The default model as the server loads it (q8_0 / q8_0-a16: int8 straight from the GGUF blocks)."""
     from models.loader import load_gguf
     from models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -96,25 +91,17 @@ def load_default_model(quantize: str = "none") -> tuple[ModelConfig, dict, objec
     return cfg, params, load_tokenizer(path)
 
 
-def build_engine(cfg: ModelConfig, params: dict, mode: Mode, *, dtype: str, max_slots: int,
+def build_engine(cfg: ModelConfig, params, mode: Mode, *, dtype: str, max_slots: int,
                  num_pages: int | None = None, kv_cache_memory: int | None = None,
-                 max_seq_len: int = 2048, max_num_batched_tokens: int | None = None,
-                 calibration_tokens: list[int] | None = None) -> JaxEngine:
-    """An engine in `mode` that compiles only the shapes it is asked to run; w8a16/w8a8 weights are
-    smoothed with `calibration_tokens` (see calibration_tokens())."""
+                 max_seq_len: int = 2048, max_num_batched_tokens: int | None = None) -> JaxEngine:
+    """An engine in `mode` (params: the loaded model) that compiles only the shapes it is asked to run."""
     extra = {"num_pages": num_pages} if num_pages is not None else {}
     if kv_cache_memory is not None:
         extra["kv_cache_memory"] = kv_cache_memory
     config = EngineConfig(max_slots=max_slots, page_size=PAGE_SIZE, max_seq_len=max_seq_len,
                           max_num_batched_tokens=max_num_batched_tokens or max(256, max_slots),
                           dtype=dtype, quantize=mode.quantize, kv_cache_dtype=mode.kv_cache_dtype, **extra)
-    calibration = calibration_tokens if mode.quantize in ("w8a16", "w8a8") else None
-    return JaxEngine(cfg, params, config, precompile=False, calibration_tokens=calibration)
-
-
-def calibration_tokens(tok) -> list[int]:
-    """The shipped calibration text (models/calibration.py), never the eval text, as token ids."""
-    return tok.encode(calibration_text())
+    return JaxEngine(cfg, params, config, precompile=False)
 
 
 def kv_bytes_per_token(engine: JaxEngine) -> float:
@@ -180,11 +167,11 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
         engine.free(slot)
     if count != len(tokens) - 1:
         raise RuntimeError(f"scored {count} tokens, expected {len(tokens) - 1}")
-    # w8a8 and q8_0 round activations to int8 (per token, per 32 values), and int8 KV rounds each
+    # q8_0 rounds activations to int8 (per token, per 32 values), and int8 KV rounds each
     # row's rewrite of its own K/V again, so a 1e-6 difference in summation order between the prefill
     # and decode programs can flip a rounding somewhere in 30 layers and move a logit by up to ~1;
     # reported in the table, not checked.
-    rounds = engine.config.quantize in ("w8a8", "q8_0") or engine.config.kv_cache_dtype == "int8"
+    rounds = engine.config.quantize == "q8_0" or engine.config.kv_cache_dtype == "int8"
     if not rounds and max_check > CHECK_TOL:
         raise RuntimeError(f"decode-row logits differ from prefill logits by {max_check:.3g} "
                            f"(> {CHECK_TOL}): the scoring rows no longer read what prefill wrote")
@@ -248,8 +235,7 @@ def run(modes: list[Mode], *, window: int, stride: int, dtype: str) -> list[dict
         prompt_ids = [tok.encode(p) for p in PROMPTS]
         engine = build_engine(cfg, params, mode, dtype=dtype, max_slots=ROWS, max_seq_len=window,
                               max_num_batched_tokens=window,
-                              num_pages=1 + max(window // PAGE_SIZE, PAGES_PER_PROMPT * len(PROMPTS)),
-                              calibration_tokens=calibration_tokens(tok))
+                              num_pages=1 + max(window // PAGE_SIZE, PAGES_PER_PROMPT * len(PROMPTS)))
         del params
         row = {"mode": mode.name, "quantize": mode.quantize, "kv_cache_dtype": mode.kv_cache_dtype,
                "weight_bytes": weight_bytes(engine.params), "kv_bytes_per_token": kv_bytes_per_token(engine)}
@@ -290,7 +276,7 @@ def print_table(results: list[dict], *, window: int, stride: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="f32,q8_0,q8_0-a16,q8_0-a16+int8-kv,w8a8", help=f"comma-separated, first is the reference; "
+    parser.add_argument("--modes", default="f32,q8_0,q8_0-a16,q8_0-a16+int8-kv", help=f"comma-separated, first is the reference; "
                         f"from {', '.join(MODES)}")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)

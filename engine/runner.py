@@ -28,11 +28,13 @@ from engine.request import TokenLogprob
 from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, apply_token_bitmask, penalties_active,
                              prompt_mask_row, sample_penalized, update_counts)
 from engine.structured import MaskFiller, Matcher, mask_words
+from engine.layer_stack import split_linears
+from engine.params import prepare_model
+from flax import nnx
+from models.base import CausalLM, init_kv_cache, step_fn
 from models.config import ModelConfig
-from quantization import MODES, QuantizedWeight, quantize
-from models.llama import forward_step, init_kv_cache, split_layers
 from models.loader import trim_host_heap
-from engine.params import prepare_params
+from quantization import MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +48,7 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
     quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
-                                            # or none, q8_0, q8_0-a16, w8a16, w8a8 (see quantization/)
+                                            # or none, q8_0, q8_0-a16 (see quantization/)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -86,20 +88,23 @@ class EngineConfig:
 class JaxEngine:
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 
-    def __init__(self, model_cfg: ModelConfig, params: dict, config: EngineConfig = EngineConfig(), *,
-                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True,
-                 calibration_tokens: Sequence[int] | None = None) -> None:
-        """calibration_tokens: the model's tokenization of models.calibration.calibration_text(),
-        for the int8 weight modes (see prepare_params); ignored without quantization."""
+    def __init__(self, model_cfg: ModelConfig, model: CausalLM, config: EngineConfig = EngineConfig(), *,
+                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True) -> None:
+        """model: a loaded models.base.CausalLM (models.loader.load_model); the engine rounds and casts
+        its own copy of it (the caller's module is left as it is)."""
         compile_count.install()
+        if model.cfg != model_cfg:
+            raise ValueError("model_cfg is not the config the model was built from")
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
         kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
         self.weight_mode = config.weight_mode()
-        self.params = prepare_params(params, model_cfg, self.weight_mode, self.dtype, progress=progress,
-                                     calibration_tokens=calibration_tokens)
+        model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
-            self.params = split_layers(self.params)
+            split_linears(model)
+        # the step is a pure function of the weights' state: split once, merged inside the programs
+        self.graphdef, self.params = nnx.split(model)
+        self._forward = step_fn(self.graphdef)
         self.max_slots = config.max_slots
         self.page_size = config.page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
@@ -150,8 +155,8 @@ class JaxEngine:
 
     def _model_step(self, params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sample_index):
-        return forward_step(params, self.model_cfg, cache, tokens, positions, kv_lens, page_indices, cu_q_lens,
-                            num_seqs, sample_index, dtype=self.dtype)
+        return self._forward(params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
+                             sample_index, dtype=self.dtype)
 
     @staticmethod
     def _sample_step(logits, state, slot_ids, active, sarrays, bitmask):

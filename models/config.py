@@ -1,6 +1,7 @@
-"""Llama-family model configuration: one frozen dataclass built from an HF config.json or GGUF metadata.
+"""Model configuration: one frozen dataclass built from an HF config.json or GGUF metadata.
 
-Family differences (Llama 2/3, Mistral, Qwen2, SmolLM2) are flags here, never separate model code.
+`architecture` picks the module tree (models/architectures.py); the differences inside a family
+(Llama 2/3, Mistral, Qwen2, SmolLM2; Gemma 3's two layer kinds) are fields here.
 """
 from __future__ import annotations
 
@@ -28,8 +29,17 @@ class RopeScaling:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
 
 
+# HF "architectures" entries and model_type values -> our architecture names
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+LAYER_KINDS = ("full", "sliding")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    architecture: str = "llama"           # a key of models.architectures.ARCHITECTURES
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -43,6 +53,14 @@ class ModelConfig:
     tie_embeddings: bool = False
     attention_bias: bool = False          # Qwen2: bias on q/k/v projections
     sliding_window: int | None = None     # Mistral: attend to the last N positions only
+    # per layer "full" or "sliding" (Gemma 3 interleaves them); empty: every layer sliding when
+    # sliding_window is set, else full
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), unscaled
+    qk_norm: bool = False                  # RMSNorm over head_dim on q and k (Qwen3, Gemma 3)
+    hidden_activation: str = "silu"        # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default head_dim)
+    final_logit_softcap: float | None = None    # logits = cap * tanh(logits / cap)
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -64,46 +82,48 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if not self.layer_types:
+            kind = "sliding" if self.sliding_window else "full"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_KINDS):
+            raise ValueError(f"layer_types must list {self.num_layers} entries of {LAYER_KINDS}, "
+                             f"got {self.layer_types!r}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window")
+        if self.hidden_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_activation must be silu or gelu_tanh, got {self.hidden_activation!r}")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, kind: str) -> int | None:
+        return self.sliding_window if kind == "sliding" else None
+
+    def rope(self, kind: str) -> tuple[float, RopeScaling | None]:
+        """(base, scaling) of the RoPE of a layer kind."""
+        if kind == "sliding" and self.rope_local_theta is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        supported = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-        if arch not in supported:
-            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(supported)}")
+        names = cfg.get("architectures") or []
+        arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+        if arch is None and not names:
+            arch = HF_MODEL_TYPES.get(cfg.get("model_type", "llama"))
+        if arch is None:
+            named = names[0] if names else cfg.get("model_type")
+            raise ValueError(f"architecture {named!r} is not supported; supported: "
+                             f"{', '.join(HF_ARCHITECTURES)} (model_type {', '.join(HF_MODEL_TYPES)})")
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            qwen = arch == "Qwen2ForCausalLM"
-            window = cfg.get("sliding_window")
-            if qwen and not cfg.get("use_sliding_window", False):
-                window = None
-            return cls(
-                num_layers=int(cfg["num_hidden_layers"]),
-                hidden_size=hidden,
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                vocab_size=int(cfg["vocab_size"]),
-                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", qwen)),
-                sliding_window=int(window) if window else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
+            return cls(**_hf_fields(cfg, arch))
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
 
@@ -119,8 +139,9 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool) -> "ModelConfig":
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2"):
-            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+                             " (other architectures load from an HF directory)")
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -136,6 +157,7 @@ class ModelConfig:
         if meta.get(f"{arch}.rope.scaling.type") == "linear":
             scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
         return cls(
+            architecture=arch,
             num_layers=int(get("block_count")),
             hidden_size=hidden,
             num_heads=heads,
@@ -148,10 +170,84 @@ class ModelConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings=not has_output_tensor,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             max_position_embeddings=int(get("context_length", 2048)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    eos = cfg.get("eos_token_id")
+    rope = cfg.get("rope_parameters") or {}
+    fields = dict(
+        architecture=arch,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        sliding_window=cfg.get("sliding_window") or None,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        qk_norm=arch in ("qwen3", "gemma3"),
+    )
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        fields["sliding_window"] = None
+    if arch == "gemma3":
+        fields.update(_gemma3_fields(cfg, rope))
+    elif fields["sliding_window"] and cfg.get("layer_types"):
+        fields["layer_types"] = _layer_kinds(cfg["layer_types"])
+    return fields
+
+
+def _layer_kinds(hf_types) -> tuple[str, ...]:
+    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    unknown = sorted(set(hf_types) - set(kinds))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(kinds)}")
+    return tuple(kinds[t] for t in hf_types)
+
+
+def _gemma3_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict:
+    """Gemma 3: two RoPEs (global layers scaled, sliding layers on their own base), layer kinds from
+    layer_types or every sliding_window_pattern-th layer global, GeGLU, soft-capped logits."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 2 style); Gemma 3 configs leave it null")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported: Slipstream serves causal decoders")
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("layer_types"):
+        kinds = _layer_kinds(cfg["layer_types"])
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
+    if "full_attention" in rope:  # transformers 5: one RoPE per layer type
+        full, local = rope["full_attention"], rope.get("sliding_attention") or {}
+        theta, scaling = float(full.get("rope_theta", 1e6)), _rope_scaling_from_hf(full)
+        local_theta = float(local.get("rope_theta", 1e4))
+    else:
+        theta = float(cfg.get("rope_theta", 1e6))
+        scaling = _rope_scaling_from_hf(cfg.get("rope_scaling"))
+        local_theta = float(cfg.get("rope_local_base_freq", 1e4))
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 hidden_activation {act!r} is not supported; supported: gelu_pytorch_tanh")
+    cap = cfg.get("final_logit_softcapping")
+    return dict(layer_types=kinds, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                hidden_activation="gelu_tanh", query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                final_logit_softcap=float(cap) if cap else None,
+                sliding_window=int(cfg["sliding_window"]) if "sliding" in kinds else cfg.get("sliding_window"))
 
 
 def _rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> RopeScaling | None:

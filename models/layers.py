@@ -1,21 +1,41 @@
-"""Llama building blocks as pure functions: RMSNorm, RoPE, SwiGLU, the one linear op.
+"""Shared building blocks of every architecture: Flax NNX modules (linear, RMSNorm, embedding,
+attention, gated MLP) over pure functions (RoPE, norms), and the scan over a stack of layers.
 
-Norms, softmax and matmul accumulation run in f32 whatever the activation dtype.
+Every weight is an `nnx.Param` with logical axis names (`sharding_names`), stacked layers first
+("layers"). Norms, softmax and matmul accumulation run in f32 whatever the activation dtype.
+Backend tricks live elsewhere: a weight may be any object with `linears` (engine/layer_stack.py
+gives XLA:CPU per-layer buffers that way) and attention is an `AttentionOp` the caller passes in.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeScaling
 
+LAYERS = "layers"  # the logical axis of stacked per-layer weights
+
+
+def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype=jnp.float32) -> nnx.Param:
+    """A zero weight with logical axes (models are built abstractly, then filled by the loader)."""
+    if len(shape) != len(axes):
+        raise ValueError(f"weight of shape {shape} needs {len(shape)} axis names, got {axes}")
+    return nnx.Param(jnp.zeros(shape, dtype), sharding_names=axes, eager_sharding=False)
+
+
+def _stack(layers: int | None, shape: tuple[int, ...], axes: tuple[str, ...]):
+    return ((layers, *shape), (LAYERS, *axes)) if layers else (shape, axes)
+
+
+# ---- matmuls ---------------------------------------------------------------------------------
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x @ w with f32 accumulation; int8 weights go to the quantization ops."""
+    """x @ w [in, out] with f32 accumulation; int8 weights go to the quantization ops."""
     if isinstance(w, jax.Array | np.ndarray):
         y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
@@ -24,17 +44,70 @@ def linear(x: jax.Array, w) -> jax.Array:
     return ops.linear(x, w)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
+    """x @ each weight. Weights that multiply themselves (a `linears` method) get the whole group at
+    once, so a backend that picks per-layer buffers does it once per group."""
+    if hasattr(weights[0], "linears"):
+        return weights[0].linears(x, tuple(weights))
+    return tuple(linear(x, w) for w in weights)
+
+
+class Linear(nnx.Module):
+    """y = x @ w (+ b); w [in, out] (stacked: [L, in, out])."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, layers: int | None = None,
+                 bias: bool = False):
+        self.w = param(*_stack(layers, (d_in, d_out), axes))
+        self.b = param(*_stack(layers, (d_out,), axes[1:])) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return project(x, (self,))[0]
+
+
+def project(x: jax.Array, mods: Sequence[Linear]) -> tuple[jax.Array, ...]:
+    """Several Linears over one input (q/k/v, gate/up), as one group for the backend."""
+    ys = linears(x, [m.w.get_value() for m in mods])
+    return tuple(y if m.b is None else y + m.b.get_value().astype(y.dtype) for m, y in zip(mods, ys))
+
+
+# ---- norms, embedding, RoPE ------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+class RMSNorm(nnx.Module):
+    """RMSNorm; offset 1 gives Gemma's (1 + w) scale."""
+
+    def __init__(self, dim: int, eps: float, *, axis: str = "embed", layers: int | None = None,
+                 offset: float = 0.0):
+        self.w = param(*_stack(layers, (dim,), (axis,)))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.w.get_value(), self.eps, self.offset)
+
+
+class Embed(nnx.Module):
+    """Token embedding [vocab, embed]; `attend` is the tied LM head."""
+
+    def __init__(self, vocab: int, dim: int):
+        self.table = param((vocab, dim), ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.table.get_value(), tokens, axis=0).astype(dtype)        # [T,D]
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        table = self.table.get_value().astype(h.dtype)
+        return jnp.einsum("td,vd->tv", h, table, preferred_element_type=jnp.float32)  # [T,V]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
     """Inverse frequencies [head_dim // 2], with Llama-3 or linear scaling applied (as HF does)."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    rs = cfg.rope_scaling
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    rs = scaling
     if rs is None:
         return inv.astype(np.float32)
     if rs.kind == "linear":
@@ -51,50 +124,113 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [B, T, N, hd], positions: [B, T]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, hd/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    """Rotate-half RoPE (HF layout). x: [T, N, hd], positions: [T]."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq                      # [T,hd/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# (x, weight names) -> x @ each named weight of the layer; lets a caller choose where weights live
-Matmul = Callable[[jax.Array, tuple[str, ...]], tuple[jax.Array, ...]]
+# ---- attention -------------------------------------------------------------------------------
+
+class AttentionOp(Protocol):
+    """How a layer attends: q [T,H,hd], k and v [T,KV,hd] of the step's tokens, the KV state the
+    layers thread through, the layer index and its kind -> (out [T,H,hd], new KV state).
+    `sliding` is a Python bool when every layer has the same kind, else a traced bool."""
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, layer: jax.Array,
+                 sliding: bool | jax.Array) -> tuple[jax.Array, Any]: ...
 
 
-def layer_matmul(lp: dict) -> Matmul:
-    return lambda x, names: tuple(linear(x, lp[name]) for name in names)
+class LayerKinds:
+    """Per-layer kind (full or sliding attention) as the scanned layer body sees it."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.uniform = len(set(cfg.layer_types)) == 1
+        self._sliding = np.asarray([k == "sliding" for k in cfg.layer_types])
+        self._inv = {k: rope_inv_freq(cfg.head_dim, *cfg.rope(k)) for k in ("full", "sliding")}
+
+    def sliding(self, layer: jax.Array) -> bool | jax.Array:
+        return bool(self._sliding[0]) if self.uniform else jnp.asarray(self._sliding)[layer]
+
+    def inv_freq(self, sliding: bool | jax.Array) -> jax.Array:
+        if isinstance(sliding, bool):
+            return jnp.asarray(self._inv["sliding" if sliding else "full"])
+        return jnp.where(sliding, self._inv["sliding"], self._inv["full"])
 
 
-def swiglu(h: jax.Array, lp: dict, *, matmul: Matmul | None = None) -> jax.Array:
-    mm = matmul or layer_matmul(lp)
-    gate, up = mm(h, ("w_gate", "w_up"))  # [..., F] each
-    return mm(jax.nn.silu(gate) * up, ("w_down",))[0]
+class Attention(nnx.Module):
+    """GQA self-attention: projections (optional bias), optional q/k RMSNorm, RoPE, the AttentionOp,
+    output projection."""
+
+    def __init__(self, cfg: ModelConfig, *, layers: int | None, norm_offset: float = 0.0):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        bias = cfg.attention_bias
+        self.wq = Linear(d, cfg.num_heads * hd, ("embed", "q_heads"), layers=layers, bias=bias)
+        self.wk = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), layers=layers, bias=bias)
+        self.wv = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), layers=layers, bias=bias)
+        self.wo = Linear(cfg.num_heads * hd, d, ("q_heads", "embed"), layers=layers)
+        norm = dict(axis="head_dim", layers=layers, offset=norm_offset)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend: AttentionOp,
+                 cache: Any, layer: jax.Array, sliding: bool | jax.Array) -> tuple[jax.Array, Any]:
+        t = x.shape[0]
+        q, k, v = project(x, (self.wq, self.wk, self.wv))
+        q = q.reshape(t, self.num_heads, self.head_dim)                              # [T,H,hd]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)                           # [T,KV,hd]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attend(q, k, v, cache, layer, sliding)                          # [T,H,hd]
+        return self.wo(out.reshape(t, -1)), cache
 
 
-def qkv(h: jax.Array, lp: dict, cfg: ModelConfig, positions: jax.Array,
-        inv_freq: jax.Array, *, matmul: Matmul | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Projections with RoPE applied. Returns q [B,T,H,hd], k and v [B,T,KV,hd]."""
-    b, t, _ = h.shape
-    q, k, v = (matmul or layer_matmul(lp))(h, ("wq", "wk", "wv"))
-    if cfg.attention_bias:
-        q, k, v = q + lp["bq"].astype(q.dtype), k + lp["bk"].astype(k.dtype), v + lp["bv"].astype(v.dtype)
-    q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA attention. q [B,T,H,hd]; k, v [B,S,KV,hd]; mask bool [B,T,S] -> [B,T,H*hd]."""
-    b, t, h, hd = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, hd)                                     # [B,T,KV,G,hd]
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)                 # [B,KV,G,T,S]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h * hd).astype(q.dtype)
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_tanh)."""
+
+    def __init__(self, cfg: ModelConfig, *, layers: int | None):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = Linear(d, f, ("embed", "mlp"), layers=layers)
+        self.w_up = Linear(d, f, ("embed", "mlp"), layers=layers)
+        self.w_down = Linear(f, d, ("mlp", "embed"), layers=layers)
+        self.act = cfg.hidden_activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = project(x, (self.w_gate, self.w_up))                              # [T,F] each
+        return self.w_down(_ACTIVATIONS[self.act](gate) * up)
+
+
+# ---- the layer stack -------------------------------------------------------------------------
+
+def _per_layer(leaf: Any) -> bool:
+    # a weight kept as L separate buffers, picked by the traced layer index (engine/layer_stack.py)
+    return hasattr(leaf, "pick")
+
+
+def scan_layers(blocks: nnx.Module, body: Callable[[nnx.Module, Any, jax.Array], Any], carry: Any,
+                num_layers: int) -> Any:
+    """carry = body(block_i, carry, i) for each layer i under lax.scan (compile time flat in depth).
+    `blocks` holds every weight stacked [L, ...]; a weight the engine split into per-layer buffers is
+    not sliced but picked by index."""
+    graphdef, state = nnx.split(blocks)
+    leaves, treedef = jax.tree.flatten(state, is_leaf=_per_layer)
+    stacked = [None if _per_layer(leaf) else leaf for leaf in leaves]
+
+    def step(carry, xs):
+        sliced, i = xs
+        layer = [leaf.pick(i) if _per_layer(leaf) else s for leaf, s in zip(leaves, sliced)]
+        return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, layer)), carry, i), None
+
+    carry, _ = jax.lax.scan(step, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
+    return carry

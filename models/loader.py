@@ -1,7 +1,8 @@
 """Checkpoint loaders: an HF directory (config.json + safetensors, sharded or not) or a GGUF file.
 
-Both produce (ModelConfig, params) with the pytree layout of models/llama.py: weights [in, out],
-layers stacked on a leading axis. Errors name the file, the tensor and the expected shape.
+Both produce (ModelConfig, model): the architecture's NNX module (models/architectures.py) with every
+weight its declaration (the class's WEIGHTS) names, linears [in, out], layers stacked on a leading
+axis. Errors name the file, the tensor and the expected shape.
 With quantize="q8_0" (or "q8_0-a16") the linear weights and the LM head are built as group-wise
 int8 one tensor at a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0/Q4_1/Q4_K blocks
 convert exactly, other types are rounded to Q8_0.
@@ -16,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from models.base import CausalLM, Weight
 from models.config import ModelConfig
 
 
@@ -23,37 +25,9 @@ class ModelLoadError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, truncated or of the wrong shape."""
 
 
-# our name -> (HF suffix under model.layers.{i}., GGUF suffix under blk.{i}., transpose)
-_LINEARS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # A tensor handed over as group-wise int8 rows: (q int8 [out, in], d f32 [out, in/32][, offsets like d]).
 Q8Rows = tuple
 GROUPWISE = ("q8_0", "q8_0-a16")
-
-_LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight", False),
-    "wq": ("self_attn.q_proj.weight", "attn_q.weight", True),
-    "wk": ("self_attn.k_proj.weight", "attn_k.weight", True),
-    "wv": ("self_attn.v_proj.weight", "attn_v.weight", True),
-    "wo": ("self_attn.o_proj.weight", "attn_output.weight", True),
-    "bq": ("self_attn.q_proj.bias", "attn_q.bias", False),
-    "bk": ("self_attn.k_proj.bias", "attn_k.bias", False),
-    "bv": ("self_attn.v_proj.bias", "attn_v.bias", False),
-    "w_gate": ("mlp.gate_proj.weight", "ffn_gate.weight", True),
-    "w_up": ("mlp.up_proj.weight", "ffn_up.weight", True),
-    "w_down": ("mlp.down_proj.weight", "ffn_down.weight", True),
-}
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of each tensor as stored in checkpoints ([out, in] for linears), per layer."""
-    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (qd, d), "wk": (kvd, d), "wv": (kvd, d),
-              "wo": (d, qd), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
-    if cfg.attention_bias:
-        shapes.update(bq=(qd,), bk=(kvd,), bv=(kvd,))
-    return shapes
 
 
 def _device(arr: np.ndarray, dtype):
@@ -87,66 +61,71 @@ def _q8_rows(arr) -> Q8Rows:
     return arr if isinstance(arr, tuple) else quantize_rows(arr)
 
 
-def _assemble(cfg: ModelConfig, get: Callable[[str, str, tuple[int, ...]], np.ndarray | Q8Rows | None],
-              names: Callable[[str, int], str], top: dict[str, str], source: str,
-              dtype, progress: bool, quantize: str = "none") -> dict:
-    """Build the stacked params pytree, fetching each tensor by checkpoint name with a shape check.
-    `get` may return Q8 rows (only when a group-wise `quantize` asks for them)."""
+# get(checkpoint name, declaration, expected checkpoint shape) -> the tensor, Q8 rows, or None
+Getter = Callable[[str, Weight, tuple[int, ...]], "np.ndarray | Q8Rows | None"]
+
+
+def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | None], source: str,
+              dtype, progress: bool, quantize: str = "none"):
+    """Build the architecture's module and fill each declared weight (models/base.Weight) from the
+    checkpoint with a shape check; per-layer tensors are stacked [L, ...]. `get` may return Q8 rows
+    (only when a group-wise `quantize` asks for them)."""
+    from flax import nnx
+
     from kernels.q8_matmul import pack
+    from models.architectures import build_abstract
+    from models.layers import Linear
     from quantization.groupwise import dequantize_rows, pack_one, stack_packed
 
     if quantize not in ("none", *GROUPWISE):
-        raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r}); other "
-                         "modes are a params transform after loading (engine/params.py)")
+        raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
     groupwise = quantize in GROUPWISE
-    shapes = expected_shapes(cfg)
-    per_layer: dict[str, list] = {k: [] for k in shapes}
-    bar = tqdm(total=cfg.num_layers * len(shapes) + 3, desc=f"loading {os.path.basename(source)}",
-               unit="tensor", file=sys.stderr, disable=not progress, leave=False)
-    for i in range(cfg.num_layers):
-        for key, shape in shapes.items():
-            arr = get(names(key, i), key, shape)
+    model = build_abstract(cfg)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    declared = [w for w in type(model).WEIGHTS if tuple(w.path.split(".")) in variables]
+    missing_decl = set(variables) - {tuple(w.path.split(".")) for w in declared}
+    if missing_decl:  # a module weight without a declaration is a bug in the architecture file
+        raise RuntimeError(f"{type(model).__name__} declares no checkpoint name for {sorted(missing_decl)}")
+    bar = tqdm(total=sum(cfg.num_layers if w.per_layer else 1 for w in declared), unit="tensor",
+               desc=f"loading {os.path.basename(source)}", file=sys.stderr, disable=not progress, leave=False)
+    tied_head = None
+    for w in declared:
+        var = variables[tuple(w.path.split("."))]
+        shape = tuple(var.get_value().shape)
+        one = shape[1:] if w.per_layer else shape
+        stored = tuple(reversed(one)) if w.linear else one  # checkpoints hold linears [out, in]
+        name = name_of(w)
+        tensors = []
+        for i in range(cfg.num_layers if w.per_layer else 1):
+            full = None if name is None else name.format(i=i)
+            arr = None if full is None else get(full, w, stored)
             if arr is None:
-                raise ModelLoadError(f"{source}: missing tensor {names(key, i)} (expected shape {shape})")
-            if groupwise and key in _LINEARS:
-                per_layer[key].append(pack(*_q8_rows(arr)))  # packed now: the unpacked rows go at once
+                raise ModelLoadError(f"{source}: missing tensor {full or w.path} (expected shape {stored})")
+            if w.path == "embed.table" and groupwise and cfg.tie_embeddings:
+                tied_head = pack_one(_q8_rows(arr), quantize)  # a Q8_0 embedding's rows as stored
+            if isinstance(arr, tuple) and not w.linear:  # a Q8_0 embedding: the gather table is float
+                arr = dequantize_rows(*arr)
+            if groupwise and w.linear:  # packed now: the unpacked rows go at once
+                tensors.append(pack(*_q8_rows(arr)) if w.per_layer else _q8_rows(arr))
             else:
-                per_layer[key].append(arr.T if _LAYER_TENSORS[key][2] else arr)
+                tensors.append(arr.T if w.linear else arr)
             bar.update()
-    params: dict = {"layers": {}}
-    for k in list(per_layer):  # pop: each layer's host copies go as soon as its stack exists
-        v = per_layer.pop(k)
-        if groupwise and k in _LINEARS:
-            n_out, n_in = shapes[k]
-            params["layers"][k] = stack_packed(v, n_in, n_out, quantize)
+        if groupwise and w.linear:
+            value = (stack_packed(tensors, one[0], one[1], quantize) if w.per_layer
+                     else pack_one(tensors[0], quantize))
         else:
-            params["layers"][k] = _device(np.stack(v), dtype)
-        del v
-    for key, shape in (("embed", (cfg.vocab_size, cfg.hidden_size)), ("final_norm", (cfg.hidden_size,))):
-        arr = get(top[key], key, shape)
-        if arr is None:
-            raise ModelLoadError(f"{source}: missing tensor {top[key]} (expected shape {shape})")
-        if isinstance(arr, tuple):  # a Q8_0 embedding: the int8 rows are the tied LM head as they are
-            if cfg.tie_embeddings:
-                params["lm_head"] = pack_one(arr, quantize)
-            arr = dequantize_rows(*arr)
-        elif key == "embed" and groupwise and cfg.tie_embeddings:
-            params["lm_head"] = pack_one(_q8_rows(arr), quantize)
-        params[key] = _device(arr, dtype)
-        del arr
-        bar.update()
-    if not cfg.tie_embeddings:
-        arr = get(top["lm_head"], "lm_head", (cfg.vocab_size, cfg.hidden_size))
-        if arr is None:
-            raise ModelLoadError(f"{source}: missing tensor {top['lm_head']} (the model does not tie embeddings)")
-        if groupwise:
-            params["lm_head"] = pack_one(_q8_rows(arr), quantize)
-        else:
-            params["lm_head"] = _device(arr.T, dtype)
-    bar.update()
+            value = _device(np.stack(tensors) if w.per_layer else tensors[0], dtype)
+        del tensors
+        var.set_value(value)
     bar.close()
+    model = nnx.merge(graphdef, state)
+    if tied_head is not None:
+        head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
+        head.w.set_value(tied_head)
+        model.lm_head = head
     trim_host_heap()
-    return params
+    return model
 
 
 def _check_shape(source: str, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -187,7 +166,7 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, str, np.ndarray]]
 
 
 def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
-                quantize: str = "none") -> tuple[ModelConfig, dict]:
+                quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model directory)")
@@ -196,17 +175,13 @@ def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
     for file, name, arr in _iter_safetensors(_safetensors_files(path)):
         tensors[name] = (file, arr)
 
-    def get(name: str, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    def get(name: str, w: Weight, shape: tuple[int, ...]) -> np.ndarray | None:
         if name not in tensors:
             return None
         file, arr = tensors[name]
         return _check_shape(file, name, arr, shape)
 
-    def names(key: str, i: int) -> str:
-        return f"model.layers.{i}.{_LAYER_TENSORS[key][0]}"
-
-    top = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-    return cfg, _assemble(cfg, get, names, top, path, dtype, progress, quantize)
+    return cfg, _assemble(cfg, get, lambda w: w.hf, path, dtype, progress, quantize)
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
@@ -256,7 +231,7 @@ def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
 
 
 def load_gguf(path: str, *, dtype="float32", progress: bool = False,
-              quantize: str = "none") -> tuple[ModelConfig, dict]:
+              quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
     import gguf
 
     reader = read_gguf(path)
@@ -265,20 +240,20 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False,
     cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
     permute = meta.get("general.architecture") == "llama"
 
-    def get(name: str, key: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    def get(name: str, w: Weight, shape: tuple[int, ...]) -> np.ndarray | None:
         t = tensors.get(name)
         if t is None:
             return None
         logical = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         if logical != tuple(shape):
             raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {tuple(shape)}")
-        if quantize in GROUPWISE and key in (*_LINEARS, "embed", "lm_head"):
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(w.rope_permute) if permute else None
+        if quantize in GROUPWISE and (w.linear or w.path == "embed.table"):
             rows = _gguf_q8_rows(t, shape)
             if rows is not None:
                 if not all(np.isfinite(v).all() for v in rows[1:]):
                     raise ModelLoadError(f"{path}: tensor {name} has NaN or infinite block scales (corrupt file?)")
-                if permute and key in ("wq", "wk"):
-                    heads = cfg.num_heads if key == "wq" else cfg.num_kv_heads
+                if heads:
                     rows = tuple(_unpermute_rope(v, heads) for v in rows)
                 return rows
         try:
@@ -289,21 +264,13 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False,
             ) from None
         if not np.isfinite(arr).all():
             raise ModelLoadError(f"{path}: tensor {name} contains NaN or infinite values (corrupt file?)")
-        if permute and key in ("wq", "bq"):
-            arr = _unpermute_rope(arr, cfg.num_heads)
-        elif permute and key in ("wk", "bk"):
-            arr = _unpermute_rope(arr, cfg.num_kv_heads)
-        return arr
+        return _unpermute_rope(arr, heads) if heads else arr
 
-    def names(key: str, i: int) -> str:
-        return f"blk.{i}.{_LAYER_TENSORS[key][1]}"
-
-    top = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
-    return cfg, _assemble(cfg, get, names, top, path, dtype, progress, quantize)
+    return cfg, _assemble(cfg, get, lambda w: w.gguf, path, dtype, progress, quantize)
 
 
 def load_model(path: str, *, dtype="float32", progress: bool = False,
-               quantize: str = "none") -> tuple[ModelConfig, dict]:
+               quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
     """Load an HF directory or a .gguf file (quantize="q8_0"/"q8_0-a16": linear weights as group-wise int8)."""
     if os.path.isdir(path):
         return load_hf_dir(path, dtype=dtype, progress=progress, quantize=quantize)

@@ -2,14 +2,13 @@
 
 from quantization.kv import dequantize_kv, quantize_kv
 from quantization.ops import linear
-from quantization.weights import MODES, QuantizedWeight, quantize, quantize_weight, weight_bytes
+from quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
 
 __all__ = [
     "MODES",
     "QuantizedWeight",
     "dequantize_kv",
     "linear",
-    "quantize",
     "quantize_kv",
     "quantize_weight",
     "weight_bytes",

@@ -41,7 +41,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "
                         "power-of-two ladder up to it")
     p.add_argument("--quantize", default=_env("quantize", "auto"),
-                   choices=["auto", "none", "q8_0-a16", "q8_0", "w8a16", "w8a8"],
+                   choices=["auto", "none", "q8_0-a16", "q8_0"],
                    help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), none = float")
     p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
     p.add_argument("--compile-cache", default=_env("compile-cache", os.path.expanduser("~/.cache/slipstream/jax")),
@@ -92,7 +92,7 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     from engine.runner import EngineConfig, JaxEngine
     from models.loader import load_model
     from models.registry import load_tokenizer, resolve_model
-    from quantization.weights import GROUPWISE_MODES
+    from quantization.weights import QUANTIZED_MODES
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
@@ -104,17 +104,13 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     start = time.perf_counter()
     mode = config.weight_mode()
     # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
-    model_cfg, params = load_model(path, dtype="float32", progress=progress,
-                                   quantize=mode if mode in GROUPWISE_MODES else "none")
+    model_cfg, model = load_model(path, dtype="float32", progress=progress,
+                                  quantize=mode if mode in QUANTIZED_MODES else "none")
     tokenizer = load_tokenizer(path)
     log.info("loaded %s in %.1fs (weights: %s)", path, time.perf_counter() - start, mode)
-    calibration = None
-    if mode in ("w8a16", "w8a8"):  # per-channel int8 weights are smoothed on the shipped calibration text
-        from models.calibration import calibration_text
-
-        calibration = tokenizer.encode(calibration_text())
-    engine = JaxEngine(model_cfg, params, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
-                       progress=progress, calibration_tokens=calibration)
+    engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
+                       progress=progress)
+    del model  # the engine holds its own (rounded, per-layer) copy of the weights
     log.info("compiled %d programs in %.1fs (%d KV pages of %d tokens; steps of up to %d tokens)",
              engine.num_programs, engine.compile_seconds, engine.num_pages, engine.page_size,
              engine.max_num_batched_tokens)

@@ -36,10 +36,34 @@ def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16)
+        model = transformers.Qwen3ForCausalLM(cfg)
+        _randomize_norms(model, torch)
+    elif family == "gemma3":
+        # both layer kinds (local sliding window of 8, global), their own RoPE bases and a linear
+        # RoPE scaling on the global layers, as Gemma 3 4B+ ships
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+            query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", pad_token_id=0)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        model = transformers.Gemma3ForCausalLM(cfg)
+        _randomize_norms(model, torch)
     else:
         raise ValueError(family)
     model.eval().save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _randomize_norms(model, torch) -> None:
+    """Random init leaves norm weights at 1 (Gemma: 0, under its 1 + w); make them matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "apiKey": {"existingSecret": "slipstream-api", "key": "token"},
         "model": {"name": "/models/llama-3.2-1b", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
         "compileCache": {"volume": {"persistentVolumeClaim": {"claimName": "jax-cache"}}},
-        "server": {"quantize": "w8a8", "kvCacheDtype": "int8", "extraArgs": ["--max-queue", "64"],
+        "server": {"quantize": "q8_0", "kvCacheDtype": "int8", "extraArgs": ["--max-queue", "64"],
                    "extraEnv": [{"name": "XLA_FLAGS", "value": "--xla_cpu_enable_fast_math=false"}]},
         "podAnnotations": {"team": "inference"},
         "tolerations": [{"key": "accelerator", "operator": "Exists", "effect": "NoSchedule"}],
@@ -89,7 +89,7 @@ def test_server_settings_become_env_vars():
     manifests = render(SCENARIOS["everything-on"])
     e = env(manifests)
     assert e["SLIPSTREAM_MODEL"] == "/models/llama-3.2-1b"
-    assert e["SLIPSTREAM_QUANTIZE"] == "w8a8"
+    assert e["SLIPSTREAM_QUANTIZE"] == "q8_0"
     assert e["SLIPSTREAM_KV_CACHE_DTYPE"] == "int8"
     assert e["SLIPSTREAM_MAX_SLOTS"] == "32"
     assert e["SLIPSTREAM_KV_CACHE_MEMORY"] == "768MiB"

@@ -2,29 +2,26 @@
 the dense reference, buckets never recompile, and sampling settings behave per request."""
 from __future__ import annotations
 
-import functools
 import random
 
-import jax
 import numpy as np
 import pytest
 
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import SamplingParams
-from models.llama import forward_dense
+from flax import nnx
+
+from models.base import dense_logits
+
+_dense = nnx.jit(dense_logits)
 
 
-@functools.lru_cache(maxsize=None)
-def _dense_fn(cfg):
-    return jax.jit(lambda params, tokens, valid: forward_dense(params, cfg, tokens, valid))
-
-
-def dense_last_logits(cfg, params, seq, width=128):
+def dense_last_logits(cfg, model, seq, width=128):
     """Reference logits of the last token, from a fixed-width padded batch (one compile)."""
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :len(seq)] = seq
     valid = np.arange(width)[None] < len(seq)
-    return np.asarray(_dense_fn(cfg)(params, tokens, valid))[0, len(seq) - 1]
+    return np.asarray(_dense(model, tokens, valid))[0, len(seq) - 1]
 
 
 def _pages(engine, first: int, n: int) -> list[int]:

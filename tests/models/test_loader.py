@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.config import ModelConfig
 from models.loader import ModelLoadError, load_gguf, load_hf_dir, load_model
@@ -23,8 +24,33 @@ def test_sharded_safetensors_equal_single_file(tmp_path, tiny_llama_dir):
     assert len(list(sharded.glob("*.safetensors"))) > 1
     _, a = load_hf_dir(tiny_llama_dir)
     _, b = load_hf_dir(str(sharded))
-    for key in ("wq", "w_down", "attn_norm"):
-        np.testing.assert_array_equal(np.asarray(a["layers"][key]), np.asarray(b["layers"][key]))
+    state_a, state_b = dict(nnx.to_flat_state(nnx.state(a))), dict(nnx.to_flat_state(nnx.state(b)))
+    assert state_a.keys() == state_b.keys() and ("blocks", "attn", "wq", "w") in state_a
+    for path, var in state_a.items():
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(state_b[path].get_value()))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_every_weight_has_logical_axes_and_the_checkpoint_value(tmp_path, family):
+    """The architecture's declaration names each weight once: loaded [in, out] from the checkpoint's
+    [out, in], stacked over layers, with a logical axis name per dimension."""
+    import torch
+    import transformers
+
+    from tests.conftest import build_tiny_hf
+
+    path = build_tiny_hf(str(tmp_path), family)
+    cfg, model = load_hf_dir(path)
+    hf = dict(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    declared = {tuple(w.path.split(".")): w for w in type(model).WEIGHTS}
+    for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        w = declared[path_]
+        value = np.asarray(var.get_value())
+        axes = var.get_metadata()["out_sharding"]
+        assert len(axes) == value.ndim and (axes[0] == "layers") == w.per_layer, (path_, axes)
+        want = np.stack([hf[w.hf.format(i=i)].detach().numpy() for i in range(cfg.num_layers)]) \
+            if w.per_layer else hf[w.hf].detach().numpy()
+        np.testing.assert_array_equal(value, np.swapaxes(want, -1, -2) if w.linear else want)
 
 
 def test_truncated_safetensors_names_the_file(tmp_path, tiny_llama_dir):

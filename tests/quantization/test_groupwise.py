@@ -10,8 +10,7 @@ import pytest
 from gguf import quants
 
 from quantization import groupwise, ops
-from quantization.weights import QuantizedWeight, quantize, quantize_weight
-from tests.quantization.test_quant_weights import tiny_params
+from quantization.weights import QuantizedWeight, quantize_weight
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (7, 70), (3, 1)])
@@ -94,33 +93,43 @@ def test_linear_with_offsets_and_a16_matches_the_dequantized_weight():
     assert errors["q8_0-a16"] < errors["q8_0"] / 50
 
 
-def test_quantize_params_keeps_q8_0_weights_and_quantizes_the_rest():
-    params = tiny_params()
-    pre = quantize_weight(params["layers"]["wq"], "q8_0")
-    params["layers"]["wq"] = pre
-    out = quantize(params, "q8_0", include_embeddings=True)
-    assert out["layers"]["wq"].q is pre.q  # kept, not requantized
-    a16 = quantize(params, "q8_0-a16", include_embeddings=True)
-    assert a16["layers"]["wq"].mode == "q8_0-a16" and a16["layers"]["wq"].q is pre.q
-    for name in ("wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-        assert isinstance(out["layers"][name], QuantizedWeight) and out["layers"][name].mode == "q8_0"
-    assert out["lm_head"].shape == params["lm_head"].shape
-    assert out["embed"] is params["embed"]  # a gather, never quantized
+def test_prepare_keeps_loader_built_q8_0_weights_and_quantizes_the_rest(tmp_path):
+    from flax import nnx
+
+    from engine.params import prepare_model
+    from models.loader import load_hf_dir
+    from tests.conftest import build_tiny_hf
+
+    path = build_tiny_hf(str(tmp_path / "tiny"))
+    _, model = load_hf_dir(path)
+    pre = quantize_weight(model.blocks.attn.wq.w.get_value(), "q8_0")
+    model.blocks.attn.wq.w.set_value(pre)
+    embed = model.embed.table.get_value()
+    out = prepare_model(model, "q8_0-a16", jnp.float32)
+    wq = out.blocks.attn.wq.w.get_value()
+    assert wq.mode == "q8_0-a16" and wq.q is pre.q  # kept, not requantized
+    for lin in (out.blocks.attn.wk, out.blocks.mlp.w_down, out.lm_head):
+        assert isinstance(lin.w.get_value(), QuantizedWeight) and lin.w.get_value().mode == "q8_0-a16"
+    assert out.embed.table.get_value() is embed  # a gather, never quantized
+    assert not any(isinstance(v, QuantizedWeight) for v in jax.tree.leaves(
+        nnx.state(out.blocks.attn_norm), is_leaf=lambda x: isinstance(x, QuantizedWeight)))
 
 
 def test_hf_loader_builds_q8_0_weights_that_track_float(tmp_path):
-    from models.llama import forward_dense
+    from flax import nnx
+
+    from models.base import dense_logits
     from models.loader import load_hf_dir
     from tests.conftest import build_tiny_hf
 
     path = build_tiny_hf(str(tmp_path / "tiny"), tie=True)
-    cfg, float_params = load_hf_dir(path)
-    _, q_params = load_hf_dir(path, quantize="q8_0")
-    assert all(isinstance(q_params["layers"][k], QuantizedWeight) for k in ("wq", "w_down"))
-    assert q_params["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)  # tied: int8 rows of the embedding
+    cfg, float_model = load_hf_dir(path)
+    _, q_model = load_hf_dir(path, quantize="q8_0")
+    assert all(isinstance(lin.w.get_value(), QuantizedWeight) for lin in (q_model.blocks.attn.wq, q_model.blocks.mlp.w_down))
+    assert q_model.lm_head.w.get_value().shape == (cfg.hidden_size, cfg.vocab_size)  # tied: int8 rows of the embedding
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
-    ref = np.asarray(forward_dense(float_params, cfg, tokens))
-    got = np.asarray(forward_dense(q_params, cfg, tokens))
+    ref = np.asarray(nnx.jit(dense_logits)(float_model, tokens))
+    got = np.asarray(nnx.jit(dense_logits)(q_model, tokens))
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
@@ -130,16 +139,17 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
     from models.registry import DEFAULT_MODEL, resolve_model
 
     path = resolve_model(DEFAULT_MODEL)
-    cfg, params = load_gguf(path, quantize="q8_0")
+    cfg, model = load_gguf(path, quantize="q8_0")
     reader = read_gguf(path)
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
     embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)
-    np.testing.assert_array_equal(np.asarray(params["lm_head"].dequantize()), embed.T)
-    np.testing.assert_array_equal(np.asarray(params["embed"]), embed)
-    assert params["layers"]["w_up"].shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
+    np.testing.assert_array_equal(np.asarray(model.lm_head.w.get_value().dequantize()), embed.T)
+    np.testing.assert_array_equal(np.asarray(model.embed.table.get_value()), embed)
+    w_up = model.blocks.mlp.w_up.w.get_value()
+    assert w_up.shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
     # the layers are Q4_1: held exactly, the block minimum as the group offset
     up = next(t for t in reader.tensors if t.name == "blk.3.ffn_up.weight")
     assert up.tensor_type == gguf.GGMLQuantizationType.Q4_1
     want = quants.dequantize(up.data, up.tensor_type).reshape(cfg.intermediate_size, cfg.hidden_size).T
-    np.testing.assert_allclose(np.asarray(params["layers"]["w_up"].dequantize()[3]), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(w_up.dequantize()[3]), want, rtol=1e-6, atol=1e-7)

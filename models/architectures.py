@@ -1,0 +1,25 @@
+"""Architecture name (ModelConfig.architecture) -> its NNX module class, and building one."""
+from __future__ import annotations
+
+from flax import nnx
+
+from models.base import CausalLM
+from models.config import ModelConfig
+from models.gemma3 import Gemma3
+from models.llama import Llama
+from models.qwen3 import Qwen3
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": Llama, "qwen2": Llama, "qwen3": Qwen3, "gemma3": Gemma3}
+
+
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    try:
+        return ARCHITECTURES[cfg.architecture]
+    except KeyError:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}") from None
+
+
+def build_abstract(cfg: ModelConfig) -> CausalLM:
+    """The module tree with shape-only weights (no memory), for a loader to fill."""
+    return nnx.eval_shape(lambda: model_class(cfg)(cfg))

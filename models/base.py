@@ -1,0 +1,187 @@
+"""The model seam: what the engine, the loaders and quantization know about any architecture.
+
+A model is an NNX module (a `CausalLM`) that
+- is built from a ModelConfig (abstractly, then filled by models/loader.py from its `WEIGHTS`),
+- declares each weight once: checkpoint names (HF and GGUF), logical axes, and whether it is a
+  linear weight (what quantization rounds),
+- describes the KV cache it needs (`kv_cache_shape`),
+- runs one ragged step over the paged KV cache and returns the sampling rows' logits (`step`).
+The engine runs it as a pure function: `nnx.split` outside jit, `nnx.merge` inside (`step_fn`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels.attention import ragged_paged_attention
+from models import layers
+from models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One weight of an architecture. path: its place in the module tree ("blocks.attn.wq.w");
+    hf / gguf: checkpoint names ("{i}" is the layer; None: not in that format); linear: a [in, out]
+    matmul weight stored [out, in] in checkpoints (transposed on load, quantized by int8 modes);
+    rope_permute: "q" or "k" for llama.cpp's interleaved Q/K rows in GGUF files. A declared weight the
+    module does not have (a bias or q/k norm its config leaves out, the LM head when tied) is skipped."""
+
+    path: str
+    hf: str
+    gguf: str | None
+    linear: bool = False
+    rope_permute: str | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        return self.path.startswith("blocks.")
+
+
+class CausalLM(nnx.Module):
+    """Base of every architecture: embedding, a stack of `blocks` scanned over layers, final norm and
+    LM head. Subclasses build `self.blocks` (stacked weights) and define `block` and the hooks."""
+
+    WEIGHTS: ClassVar[tuple[Weight, ...]] = ()
+    embed: layers.Embed
+    final_norm: layers.RMSNorm
+    lm_head: layers.Linear | None  # None: tied to the embedding
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    # ---- hooks an architecture may override ----------------------------------------------------
+
+    def embed_tokens(self, tokens: jax.Array, dtype) -> jax.Array:
+        return self.embed(tokens, dtype)                                             # [T,D]
+
+    def block(self, blk: nnx.Module, x: jax.Array, positions: jax.Array, attend: layers.AttentionOp,
+              cache: Any, layer: jax.Array) -> tuple[jax.Array, Any]:
+        raise NotImplementedError
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        h = self.final_norm(h)
+        if self.lm_head is None:
+            out = self.embed.attend(h)
+        else:
+            out = self.lm_head(h).astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)                     # [R,V]
+
+    # ---- the forward ----------------------------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any,
+                 rows: jax.Array | None = None, *, dtype=jnp.float32) -> tuple[jax.Array, Any]:
+        """Flat tokens [T] at positions [T] -> (logits [R, V] of the tokens at `rows` (all when None),
+        the KV state after every layer attended through `attend`)."""
+        x = self.embed_tokens(tokens, dtype)
+
+        def body(blk, carry, i):
+            x, cache = carry
+            return self.block(blk, x, positions, attend, cache, i)
+
+        x, cache = layers.scan_layers(self.blocks, body, (x, cache), self.cfg.num_layers)
+        return self.logits(x if rows is None else x[rows]), cache
+
+
+# ---- attention ops: the paged step and the dense reference -------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """Attention of one ragged step: kernels.attention's ragged paged attention over the KV pages."""
+
+    cfg: ModelConfig
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+
+    def __call__(self, q, k, v, cache, layer, sliding):
+        def attend(window):
+            return ragged_paged_attention(q, k, v, cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
+                                          self.num_seqs, sm_scale=self.cfg.sm_scale, sliding_window=window)
+
+        if isinstance(sliding, bool):
+            return attend(self.cfg.sliding_window if sliding else None)
+        # layers of both kinds under one scan (Gemma 3): the kernel's window is static, so branch
+        return jax.lax.cond(sliding, lambda: attend(self.cfg.sliding_window), lambda: attend(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """Attention without a cache over right-padded rows flattened to [B*T]: the test reference."""
+
+    cfg: ModelConfig
+    row: jax.Array        # [N] which batch row each flat token is in
+    positions: jax.Array  # [N]
+    valid: jax.Array      # [N]
+
+    def __call__(self, q, k, v, cache, layer, sliding):
+        qp, kp = self.positions[:, None], self.positions[None, :]
+        mask = (self.row[:, None] == self.row[None, :]) & (kp <= qp) & self.valid[None, :]     # [N,N]
+        if self.cfg.sliding_window:
+            windowed = mask & (kp > qp - self.cfg.sliding_window)
+            mask = jnp.where(sliding, windowed, mask)
+        n, h, hd = q.shape
+        kvh = k.shape[1]
+        qg = q.reshape(n, kvh, h // kvh, hd)                                          # [N,KV,G,hd]
+        scores = jnp.einsum("qkgh,skh->kgqs", qg, k, preferred_element_type=jnp.float32) * self.cfg.sm_scale
+        probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(v.dtype)
+        out = jnp.einsum("kgqs,skh->qkgh", probs, v, preferred_element_type=jnp.float32)
+        return out.reshape(n, h, hd).astype(q.dtype), cache
+
+
+# ---- what the engine calls -----------------------------------------------------------------------
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """K and V pages for all layers, heads before pages: [L, KV, num_pages, page_size, hd]. One
+    (layer, head, page) is a contiguous [page_size, hd] block, and the head axis can be sharded."""
+    return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
+    """The KV pages; int8 caches also hold per-token-per-head f32 scales [L, KV, num_pages, page_size]."""
+    shape = kv_cache_shape(cfg, num_pages, page_size)
+    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if jnp.dtype(dtype) == jnp.int8:
+        cache["k_scale"] = jnp.zeros(shape[:4], jnp.float32)
+        cache["v_scale"] = jnp.zeros(shape[:4], jnp.float32)
+    return cache
+
+
+def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+         page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
+         *, dtype=jnp.float32) -> tuple[jax.Array, dict]:
+    """One ragged step over the paged KV cache: logits [R, V] of the tokens at sample_index [R], and the
+    cache with every real token's K/V written.
+
+    tokens, positions: int32 [T], the flat batch: sequence s owns tokens [cu_q_lens[s], cu_q_lens[s+1])
+    at consecutive positions ending at kv_lens[s] - 1 (a decode is one token, a prefill chunk many;
+    tokens from cu_q_lens[num_seqs] on are padding). kv_lens [S], page_indices [S, P], cu_q_lens [S+1],
+    num_seqs [1]: kernels.attention's interface. Every weight matmul sees all T tokens at once.
+    """
+    attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs)
+    return model(tokens, positions, attend, cache, sample_index, dtype=dtype)
+
+
+def step_fn(graphdef: nnx.GraphDef):
+    """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache)."""
+    def run(state, cache, *inputs, dtype=jnp.float32):
+        return step(nnx.merge(graphdef, state), cache, *inputs, dtype=dtype)
+    return run
+
+
+def dense_logits(model: CausalLM, tokens: jax.Array, valid: jax.Array | None = None,
+                 dtype=jnp.float32) -> jax.Array:
+    """Logits [B, T, V] of right-padded token rows [B, T] (valid: bool [B, T]) without a cache: the
+    same layer code with plain masked attention (the reference the paged step is tested against)."""
+    b, t = tokens.shape
+    valid = jnp.ones((b, t), bool) if valid is None else valid
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)).reshape(-1)
+    row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    attend = DenseAttention(model.cfg, row, positions, valid.reshape(-1))
+    logits, _ = model(tokens.reshape(-1), positions, attend, None, dtype=dtype)
+    return logits.reshape(b, t, -1)
