@@ -230,11 +230,12 @@ def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
     return decode(np.asarray(t.data).reshape(shape[0], -1), shape[1])
 
 
-def load_gguf(path: str, *, dtype="float32", progress: bool = False,
-              quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
+def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: str = "none",
+              reader=None) -> tuple[ModelConfig, CausalLM]:
+    """reader: the file already opened with read_gguf (the tokenizer reads the same one)."""
     import gguf
 
-    reader = read_gguf(path)
+    reader = reader or read_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
@@ -269,11 +270,12 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False,
     return cfg, _assemble(cfg, get, lambda w: w.gguf, path, dtype, progress, quantize)
 
 
-def load_model(path: str, *, dtype="float32", progress: bool = False,
-               quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
-    """Load an HF directory or a .gguf file (quantize="q8_0"/"q8_0-a16": linear weights as group-wise int8)."""
+def load_model(path: str, *, dtype="float32", progress: bool = False, quantize: str = "none",
+               reader=None) -> tuple[ModelConfig, CausalLM]:
+    """Load an HF directory or a .gguf file (quantize="q8_0"/"q8_0-a16": linear weights as group-wise int8;
+    reader: a GGUF file already opened with read_gguf)."""
     if os.path.isdir(path):
         return load_hf_dir(path, dtype=dtype, progress=progress, quantize=quantize)
     if path.endswith(".gguf") or os.path.isfile(path):
-        return load_gguf(path, dtype=dtype, progress=progress, quantize=quantize)
+        return load_gguf(path, dtype=dtype, progress=progress, quantize=quantize, reader=reader)
     raise ModelLoadError(f"{path}: not a directory or a .gguf file")

@@ -36,11 +36,11 @@ def resolve_model(name_or_path: str) -> str:
         f"model {name_or_path!r} is neither a preset ({', '.join(preset_names())}) nor an existing path")
 
 
-def load_tokenizer(path: str):
-    """The tokenizer that goes with a resolved model path."""
+def load_tokenizer(path: str, reader=None):
+    """The tokenizer that goes with a resolved model path (reader: the GGUF file already opened)."""
     from models.loader import gguf_metadata, read_gguf
     from models.tokenizer import Tokenizer
 
     if os.path.isdir(path):
         return Tokenizer.from_hf_dir(path)
-    return Tokenizer.from_gguf_metadata(gguf_metadata(read_gguf(path)))
+    return Tokenizer.from_gguf_metadata(gguf_metadata(reader or read_gguf(path)))

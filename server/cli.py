@@ -90,7 +90,7 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     """Load, optionally quantize, and compile: (engine, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
     from engine.runner import EngineConfig, JaxEngine
-    from models.loader import load_model
+    from models.loader import load_model, read_gguf
     from models.registry import load_tokenizer, resolve_model
     from quantization.weights import QUANTIZED_MODES
 
@@ -104,9 +104,11 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     start = time.perf_counter()
     mode = config.weight_mode()
     # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
+    reader = None if os.path.isdir(path) else read_gguf(path)  # parsed once for weights and tokenizer
     model_cfg, model = load_model(path, dtype="float32", progress=progress,
-                                  quantize=mode if mode in QUANTIZED_MODES else "none")
-    tokenizer = load_tokenizer(path)
+                                  quantize=mode if mode in QUANTIZED_MODES else "none", reader=reader)
+    tokenizer = load_tokenizer(path, reader)
+    del reader
     log.info("loaded %s in %.1fs (weights: %s)", path, time.perf_counter() - start, mode)
     engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
                        progress=progress)
