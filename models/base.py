@@ -106,8 +106,13 @@ class PagedAttention:
 
         if isinstance(sliding, bool):
             return attend(self.cfg.sliding_window if sliding else None)
-        # layers of both kinds under one scan (Gemma 3): the kernel's window is static, so branch
-        return jax.lax.cond(sliding, lambda: attend(self.cfg.sliding_window), lambda: attend(None))
+        # Layers of both kinds under one scan (Gemma 3), and the kernel's window is static. A
+        # lax.cond between the two calls made XLA copy the whole cache 4 times per step (the branches
+        # alias it); attending both ways costs one extra windowed pass (W keys per token) and rewrites
+        # the same K/V, with no copy.
+        out_local, cache = attend(self.cfg.sliding_window)
+        out_global, cache = attend(None)
+        return jnp.where(sliding, out_local, out_global), cache
 
 
 @dataclasses.dataclass(frozen=True)

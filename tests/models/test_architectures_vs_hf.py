@@ -101,3 +101,21 @@ def test_unknown_architecture_is_named_with_the_supported_ones(tmp_path):
         json.dump(data, f)
     with pytest.raises((ValueError, ModelLoadError), match="FalconForCausalLM.*Gemma3ForCausalLM"):
         load_hf_dir(path)
+
+
+def test_gemma3_step_copies_no_cache(tmp_path):
+    """Both layer kinds under one layer scan: the compiled step holds no cache-sized copy (a branch
+    between two attention calls made XLA copy the cache 4 times per step)."""
+    import re
+
+    from engine.runner import EngineConfig, JaxEngine
+
+    cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path), "gemma3"))
+    assert set(cfg.layer_types) == {"sliding", "full"}
+    engine = JaxEngine(cfg, model, EngineConfig(max_slots=2, page_size=8, max_seq_len=64, num_pages=16,
+                                                max_num_batched_tokens=16, quantize="none"), precompile=False)
+    hlo = engine._model_jit.lower(*engine._model_args(16)).compile().as_text()
+    dims = ",".join(map(str, engine._cache_spec["k"].shape))
+    copies = [line.strip() for line in hlo.splitlines()
+              if re.search(r"\bcopy(-start)?\(", line) and f"[{dims}]" in line.split("=", 1)[1].split("copy")[0]]
+    assert not copies, "cache-sized copies in the compiled step:\n" + "\n".join(copies)
