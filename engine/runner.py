@@ -30,6 +30,7 @@ from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, appl
 from engine.structured import MaskFiller, Matcher, mask_words
 from engine.layer_stack import split_linears
 from engine.params import prepare_model
+from engine.sharding import TensorParallel
 from flax import nnx
 from models.base import CausalLM, init_kv_cache, step_fn
 from models.config import ModelConfig
@@ -49,6 +50,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
     quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
                                             # or none, q8_0, q8_0-a16 (see quantization/)
+    tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"quantize must be auto or one of {', '.join(MODES)}, got {self.quantize!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
 
     def weight_mode(self) -> str:
         """The quantization mode `auto` stands for here: on CPU, group-wise int8 weights with two-part
@@ -105,12 +109,23 @@ class JaxEngine:
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
         self._forward = step_fn(self.graphdef)
+        # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
+        self.tp = TensorParallel(model_cfg, config.tensor_parallel) if config.tensor_parallel > 1 else None
+        self._replicated = None  # the sharding of arrays every device holds whole (None: one device)
+        cache_cfg = model_cfg
+        if self.tp is not None:
+            self.params = self.tp.place_params(self.params)
+            self._forward = self.tp.under_mesh(self._forward)
+            self._replicated = self.tp.replicated
+            cache_cfg = self.tp.cache_config(model_cfg)
         self.max_slots = config.max_slots
         self.page_size = config.page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
         self.max_pages_per_seq = pages_needed(self.max_seq_len, self.page_size)
+        # per device: --kv-cache-memory budgets each device's share of the pages
         self.bytes_per_token = kv_bytes_per_token(
-            num_layers=model_cfg.num_layers, n_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+            num_layers=model_cfg.num_layers, head_dim=model_cfg.head_dim,
+            n_kv_heads=self.tp.kv_heads_per_device if self.tp else model_cfg.num_kv_heads,
             dtype_bytes=kv_dtype.itemsize, scale_bytes=4 if kv_dtype == jnp.int8 else 0)
         self.num_pages = config.num_pages or num_pages_for_budget(
             config.kv_cache_memory, page_size=self.page_size, bytes_per_token=self.bytes_per_token)
@@ -122,7 +137,8 @@ class JaxEngine:
         # The KV pages are allocated after compiling: compilation's working memory and the cache
         # then never add up in the peak RSS (the cache is the largest buffer the server holds).
         self._kv_dtype = kv_dtype
-        self._cache_spec = jax.eval_shape(lambda: init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype))
+        make_cache = functools.partial(init_kv_cache, cache_cfg, self.num_pages, self.page_size, kv_dtype)
+        self._cache_spec = jax.eval_shape(make_cache)
         self.cache = None
         # penalty state per slot; row max_slots is a scratch row that padding rows read and write
         self.output_counts = jnp.zeros((self.max_slots + 1, self.vocab_size), jnp.int32)
@@ -141,6 +157,12 @@ class JaxEngine:
         self.masked_rows = 0
 
         self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
+        if self.tp is not None:  # logits and sampling state whole on every device, pages split
+            self._cache_spec = self.tp.sharded_spec(self._cache_spec)
+            self._model_jit = jax.jit(self._model_step, donate_argnums=(1,), out_shardings=(
+                self._replicated, self.tp.cache_shardings(self._cache_spec)))
+            self.output_counts, self.prompt_mask = jax.device_put((self.output_counts, self.prompt_mask),
+                                                                  self._replicated)
         self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
         self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
@@ -149,7 +171,7 @@ class JaxEngine:
         if precompile:
             self.compile_all(progress=progress)
         trim_host_heap()
-        self.cache = init_kv_cache(model_cfg, self.num_pages, self.page_size, kv_dtype)
+        self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
@@ -191,7 +213,8 @@ class JaxEngine:
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
-        return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32), (self.output_counts, self.prompt_mask),
+        return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
+                (self.output_counts, self.prompt_mask),
                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays,
                 jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
 
@@ -306,7 +329,8 @@ class JaxEngine:
         mask = self._mask_filler.fill(rows, b)
         if mask is None:  # kept on the device: an unconstrained step uploads no mask
             if b not in self._no_mask:
-                self._no_mask[b] = jax.device_put(np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32))
+                self._no_mask[b] = jax.device_put(np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32),
+                                                  self._replicated)
             return self._no_mask[b]
         self.mask_seconds += time.perf_counter() - start
         self.masked_rows += sum(m is not None for m in rows)

@@ -17,8 +17,11 @@ Padding tokens write nothing and get zeros. Page 0 is a dummy page for padded pa
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kernels import native
 
@@ -28,11 +31,26 @@ KVCache = dict[str, jax.Array]
 _BLOCK_KEYS = 128
 
 
+# The mesh axis attention heads are split over under tensor parallelism (engine/sharding.py).
+MODEL_AXIS = "model"
+
+
 def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: KVCache,
                            layer: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
                            sliding_window: int | None = None) -> tuple[jax.Array, KVCache]:
-    """Write the new tokens' K/V into their pages, then attend; returns (out [T, H, hd], kv_cache)."""
+    """Write the new tokens' K/V into their pages, then attend; returns (out [T, H, hd], kv_cache).
+    Traced under an abstract mesh with a "model" axis (tensor parallel), it runs per device."""
+    args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and MODEL_AXIS in mesh.axis_names and mesh.shape[MODEL_AXIS] > 1:
+        return _per_shard(mesh, *args, **kwargs)
+    return _attend(*args, **kwargs)
+
+
+def _attend(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+            sliding_window):
     args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if not native.load("ragged_paged_attention", "ragged_paged_attention"):
@@ -42,6 +60,30 @@ def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_
     return jax.lax.platform_dependent(
         *args, cpu=lambda *a: attention_native.ragged_paged_attention_cpu(*a, **kwargs),
         default=lambda *a: ragged_paged_attention_reference(*a, **kwargs))
+
+
+def _per_shard(mesh, q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
+    """Tensor parallel: the kernel (a custom call XLA cannot partition) runs under shard_map, each device
+    on its own heads. When the cache's KV heads and the query heads divide by the mesh size, q, the
+    new K/V and the cache split on the head axis: device d holds query heads [d*H/n, (d+1)*H/n) and
+    cache heads [d*C/n, (d+1)*C/n), whole GQA groups. A cache with more heads than the step's K/V
+    (C = n > KV: each KV head repeated for the n/KV devices whose queries read it) gets the new K/V
+    repeated likewise. Otherwise every device runs all heads on a replicated cache. The step's index
+    inputs are replicated."""
+    n = mesh.shape[MODEL_AXIS]
+    heads, kvh, cache_heads = q.shape[1], k_new.shape[1], kv_cache["k"].shape[1]
+    if cache_heads != kvh:
+        if cache_heads % kvh:
+            raise ValueError(f"a cache of {cache_heads} KV heads cannot repeat {kvh} KV heads")
+        k_new = jnp.repeat(k_new, cache_heads // kvh, axis=1)                     # [T,C,hd]
+        v_new = jnp.repeat(v_new, cache_heads // kvh, axis=1)
+    split = P(None, MODEL_AXIS) if heads % n == 0 and cache_heads % n == 0 else P()
+    cache_specs = {name: split for name in kv_cache}
+    index = P()
+    fn = jax.shard_map(functools.partial(_attend, **kwargs), mesh=mesh,
+                       in_specs=(split, split, split, cache_specs, index, index, index, index, index),
+                       out_specs=(split, cache_specs), check_vma=False)
+    return fn(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def token_layout(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int

@@ -44,6 +44,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "none", "q8_0-a16", "q8_0"],
                    help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), none = float")
     p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
+    p.add_argument("--tensor-parallel", type=int, default=int(_env("tensor-parallel", 1)),
+                   help="split the model over the first N local devices (a 'model' mesh axis: attention "
+                        "heads, MLP hidden, vocabulary); --kv-cache-memory is then per device")
     p.add_argument("--compile-cache", default=_env("compile-cache", os.path.expanduser("~/.cache/slipstream/jax")),
                    help="JAX persistent compilation cache directory ('' to disable)")
 
@@ -100,7 +103,8 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize)
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize,
+                          tensor_parallel=args.tensor_parallel)
     start = time.perf_counter()
     mode = config.weight_mode()
     # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole

@@ -1,0 +1,275 @@
+"""Tensor parallelism on a jax.sharding.Mesh: the model seam's logical axes mapped to a "model" mesh axis,
+the engine's weights and KV pages placed on the mesh, and the int8 matmul run per shard.
+
+XLA inserts the collectives of the float matmuls; the native kernels are custom calls it cannot
+partition, so they run per shard under shard_map (attention in kernels/attention.py, int8 matmuls
+here). The engine at tensor_parallel=1 never comes here: one device, no mesh, the same programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engine.layer_stack import LayerPick, PerLayer
+from kernels.attention import MODEL_AXIS
+from kernels.q8_matmul import GROUP, TILE, q8_matmul
+from models.config import ModelConfig
+from quantization import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = (MODEL_AXIS,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """Which mesh axis each logical axis of the model seam (models/layers.py) is split over; None
+    replicates it. The default is Megatron-style tensor parallelism: attention heads, the MLP hidden
+    dimension and the vocabulary are split, the residual stream (embed) is not."""
+
+    q_heads: str | None = MODEL_AXIS
+    kv_heads: str | None = MODEL_AXIS
+    mlp: str | None = MODEL_AXIS
+    vocab: str | None = MODEL_AXIS
+    embed: str | None = None
+    layers: str | None = None
+    head_dim: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            axis = getattr(self, field.name)
+            if axis is not None and axis not in MESH_AXES:
+                raise ValueError(f"ShardingConfig.{field.name} = {axis!r}: the mesh axes are {MESH_AXES} "
+                                 "(or None to replicate)")
+        if (self.q_heads is None) != (self.kv_heads is None):
+            raise ValueError("ShardingConfig: q_heads and kv_heads must both be split or both replicated "
+                             "(each device attends with its query heads' own KV heads)")
+
+    def mesh_axis(self, logical: str) -> str | None:
+        if logical not in {f.name for f in dataclasses.fields(self)}:
+            raise ValueError(f"unknown logical axis {logical!r} (the model seam's: "
+                             f"{', '.join(f.name for f in dataclasses.fields(self))})")
+        return getattr(self, logical)
+
+
+def head_layout(num_heads: int, num_kv_heads: int, n: int) -> tuple[str, int]:
+    """How attention splits over n devices: ("split", KV) when the KV heads divide (whole GQA groups per
+    device); ("repeated", n) when n is a multiple of the KV heads and divides the query heads (the
+    cache holds n KV heads, a copy of KV head j // (n / KV) in slot j: one per device); else
+    ("replicated", KV): every device runs all heads over the whole cache."""
+    if num_kv_heads % n == 0:
+        return "split", num_kv_heads
+    if n % num_kv_heads == 0 and num_heads % n == 0:
+        return "repeated", n
+    return "replicated", num_kv_heads
+
+
+def make_mesh(n: int) -> Mesh:
+    """A 1-D mesh over the first n local devices, its axis named "model"."""
+    devices = jax.local_devices()
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"tensor_parallel={n} needs that many devices; this process has {len(devices)} "
+                         f"({devices[0].platform}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                         "makes N)")
+    return Mesh(np.asarray(devices[:n]), MESH_AXES)
+
+
+class TensorParallel:
+    """One model replica split over `n` devices.
+
+    Attention heads (head_layout): with KV heads divisible by n, query heads, KV heads and the KV
+    pages' head axis are split alike, so each device holds whole GQA groups. With fewer KV heads than
+    devices (n a multiple of the KV heads and a divisor of the query heads), each device still gets a
+    contiguous block of H/n query heads, which all belong to one KV group: the K/V projections are
+    replicated and the cache holds n KV heads, KV head j // (n / KV) in slot j, so every device keeps
+    only the one KV head its queries read (vLLM's replication of KV heads). Any other head count
+    (e.g. 9 heads over 3 KV heads at n = 2) replicates attention whole: its weights and the cache.
+    """
+
+    def __init__(self, cfg: ModelConfig, n: int, config: ShardingConfig = ShardingConfig()):
+        self.mesh, self.n, self.config = make_mesh(n), n, config
+        h, kv = cfg.num_heads, cfg.num_kv_heads
+        self.kv_layout, self.cache_heads = head_layout(h, kv, n) if config.q_heads else ("replicated", kv)
+        rules = {f.name: config.mesh_axis(f.name) for f in dataclasses.fields(config)}
+        if self.kv_layout != "split":
+            rules["kv_heads"] = None
+        if self.kv_layout == "replicated":
+            rules["q_heads"] = None
+        self.rules = rules
+        self.replicated = NamedSharding(self.mesh, P())
+        if self.kv_layout != "split":
+            log.info("tensor parallel %d: %d query heads over %d KV heads: %s", n, h, kv,
+                     "each device keeps one copy of its group's KV head" if self.kv_layout == "repeated"
+                     else "attention and the KV cache are replicated on every device")
+
+    # ---- specs ------------------------------------------------------------------------------------
+
+    def _axis(self, logical: str) -> str | None:
+        self.config.mesh_axis(logical)  # an unknown name is an error, not a replicated axis
+        return self.rules[logical]
+
+    def spec(self, axes: tuple[str, ...], shape: tuple[int, ...]) -> P:
+        """The PartitionSpec of an array with these logical axes; a dimension the mesh does not divide
+        (and a mesh axis already used by an earlier dimension) stays whole."""
+        used, out = set(), []
+        for name, size in zip(axes, shape, strict=True):
+            axis = self._axis(name)
+            if axis is None or axis in used or size % self.n:
+                out.append(None)
+            else:
+                used.add(axis)
+                out.append(axis)
+        return P(*out)
+
+    def quantized_specs(self, w: QuantizedWeight, axes: tuple[str, ...]) -> tuple[P, P]:
+        """(spec of q, spec of scale/offset) of a packed int8 weight with logical axes (..., in, out):
+        the output axis splits along the Np/16 tiles, the input axis along Kp*16 (a contiguous range of
+        Kp/n inputs per device, whole groups of 32). A padded dimension, or one whose shards would not
+        hold whole tiles or groups, stays whole: the packed layout cannot split it."""
+        k, n_out = w.logical
+        lead = tuple(self._axis(a) for a in axes[:-2])
+        tiles, width = w.q.shape[-2:]
+        kp = width // TILE
+        out_ax, in_ax = self._axis(axes[-1]), self._axis(axes[-2])
+        if out_ax is not None and n_out == tiles * TILE and tiles % self.n == 0:
+            return P(*lead, out_ax, None), P(*lead, out_ax, None)
+        if in_ax is not None and k == kp and (kp // GROUP) % self.n == 0:
+            return P(*lead, None, in_ax), P(*lead, None, in_ax)
+        return P(*lead, None, None), P(*lead, None, None)
+
+    # ---- placement --------------------------------------------------------------------------------
+
+    def _put(self, x: jax.Array, spec: P) -> jax.Array:
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def _place_leaf(self, value: Any, axes: tuple[str, ...]) -> Any:
+        if isinstance(value, PerLayer):  # XLA:CPU's per-layer buffers: each without the layers axis
+            return ShardedPerLayer(tuple(self._place_leaf(v, axes[1:]) for v in value.layers))
+        if isinstance(value, QuantizedWeight):
+            q_spec, s_spec = self.quantized_specs(value, axes)
+            return ShardedQ8(
+                q=self._put(value.q, q_spec), scale=self._put(value.scale, s_spec), mode=value.mode,
+                offset=None if value.offset is None else self._put(value.offset, s_spec),
+                logical=value.logical, q_spec=q_spec, s_spec=s_spec)
+        return self._put(value, self.spec(axes, value.shape))
+
+    def place_params(self, state: nnx.State) -> nnx.State:
+        """The engine's weights (after rounding and per-layer splitting) on the mesh, each by its
+        logical axes; int8 weights become ShardedQ8 (their matmul runs per shard)."""
+        for _, var in nnx.to_flat_state(state):
+            axes = var.get_metadata().get("out_sharding")
+            if axes is None:
+                raise ValueError(f"weight {var} declares no logical axes (models/layers.param)")
+            var.set_value(self._place_leaf(var.get_value(), tuple(axes)))
+        return state
+
+    def cache_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config the KV cache is shaped by: `cache_heads` KV heads."""
+        return dataclasses.replace(cfg, num_kv_heads=self.cache_heads)
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        return self.cache_heads // self.n if self.kv_layout != "replicated" else self.cache_heads
+
+    def cache_shardings(self, cache: dict) -> dict:
+        """KV pages [L, KV, pages, page_size, hd] (and int8 scales [L, KV, pages, page_size]) split on
+        the head axis, or replicated when attention is."""
+        heads = MODEL_AXIS if self.kv_layout != "replicated" else None
+        return {name: NamedSharding(self.mesh, P(None, heads)) for name in cache}
+
+    def init_cache(self, make: Callable[[], dict], spec: dict) -> dict:
+        """The zeroed cache made on the devices, each holding only its shard."""
+        return jax.jit(make, out_shardings=self.cache_shardings(spec))()
+
+    def sharded_spec(self, spec: dict) -> dict:
+        """ShapeDtypeStructs of the cache with its shardings (for ahead-of-time lowering)."""
+        shardings = self.cache_shardings(spec)
+        return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in spec.items()}
+
+    def under_mesh(self, fn: Callable) -> Callable:
+        """fn traced with this mesh as the abstract mesh, which is how the kernels' shard_maps find it."""
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+        return run
+
+
+# ---- int8 weights: the native matmul per shard -----------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedQ8(QuantizedWeight):
+    """A QuantizedWeight placed on the mesh, with the PartitionSpecs of its packed arrays (static), so
+    its matmul can run the native kernel on each device's shard (column-parallel: the output columns;
+    row-parallel: a range of inputs, then a sum over devices)."""
+
+    q_spec: P = dataclasses.field(default=P(), metadata=dict(static=True))
+    s_spec: P = dataclasses.field(default=P(), metadata=dict(static=True))
+
+    def linears(self, x: jax.Array, weights: tuple) -> tuple[jax.Array, ...]:
+        return tuple(q8_linear(x, w) for w in weights)
+
+
+def q8_linear(x: jax.Array, w: ShardedQ8) -> jax.Array:
+    """x [..., in] @ w -> [..., out] in x's dtype, the kernel running on each device's shard."""
+    k, n = w.logical
+    parts = 1 if w.mode == "q8_0" else 2
+    out_ax, in_ax = w.q_spec[-2], w.q_spec[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    mesh = jax.sharding.get_abstract_mesh()
+    size = mesh.shape[MODEL_AXIS]
+    offset = () if w.offset is None else (w.offset,)
+    specs = (P(None, in_ax), P(out_ax, in_ax), P(out_ax, in_ax)) + ((P(out_ax, in_ax),) if offset else ())
+
+    def local(x2, q, scale, *offset):
+        y = q8_matmul(x2, q, scale, offset[0] if offset else None, n=n // size if out_ax else n, parts=parts)
+        return jax.lax.psum(y, in_ax) if in_ax else y
+
+    y = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, out_ax), check_vma=False)(
+        x2, w.q, w.scale, *offset)
+    return y.reshape(*lead, n).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedPerLayer(PerLayer):
+    """PerLayer whose picks multiply int8 buffers per shard (ShardedQ8) inside the layer switch."""
+
+    def pick(self, index: jax.Array) -> LayerPick:
+        return ShardedLayerPick(index, self.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayerPick(LayerPick):
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        if not isinstance(self.layers[0], ShardedQ8):
+            return super().linears(x, picks)
+        flat = x.reshape(-1, x.shape[-1])
+        branches = [functools.partial(_q8_linears, tuple(p.layers[j] for p in picks))
+                    for j in range(len(self.layers))]
+        outs = jax.lax.switch(self.index, branches, flat)
+        return tuple(o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+def _q8_linears(ws: tuple, x: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(q8_linear(x, w) for w in ws)
+
+
+def device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes each device holds of the arrays in `tree` (its own shards; a replicated array counts
+    whole on every device)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
