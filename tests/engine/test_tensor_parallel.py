@@ -117,7 +117,7 @@ def _cache_copies(engine) -> list[str]:
             if re.search(r"\bcopy(-start)?\(", line) and dims in line.split("=", 1)[1].split("copy")[0]]
 
 
-def worker(model_path: str, quantize: str, tps: tuple[int, ...]) -> dict:
+def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype: str = "auto") -> dict:
     import jax
     import numpy as np
 
@@ -134,8 +134,8 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...]) -> dict:
     report = {"devices": len(jax.devices()),
               "native": native.load("ragged_paged_attention", "ragged_paged_attention"), "tp": {}}
     for tp in tps:
-        engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": tp}),
-                           precompile=False)
+        engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": tp,
+                                                       "kv_cache_dtype": kv_cache_dtype}), precompile=False)
         tokens = _greedy(engine, prompts)  # compiles the shapes it uses
         before = engine.compile_count
         again = _greedy(engine, prompts)
@@ -148,10 +148,12 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...]) -> dict:
     return report
 
 
-def _run(model_path: str, quantize: str, kernels: str, tps: tuple[int, ...] = TPS) -> dict:
+def _run(model_path: str, quantize: str, kernels: str, tps: tuple[int, ...] = TPS, kv_cache_dtype: str = "auto"
+         ) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
            "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_path, quantize, ",".join(map(str, tps))],
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_path, quantize, ",".join(map(str, tps)),
+                          kv_cache_dtype],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
@@ -211,6 +213,21 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tmp_path_f
         assert r["kv_layout"] == ("split" if tp == 2 else "repeated")
 
 
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_tensor_parallel_int8_kv_cache(tmp_path_factory, kernels):
+    """int8 KV pages and their per-token-head scales split on the head axis alike."""
+    from tests.conftest import build_tiny_hf
+
+    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp("tp-kv8")), "llama"), "none", kernels,
+                  kv_cache_dtype="int8")
+    _assert_same_tokens_no_recompiles(report)
+    for tp in (2, 4):
+        cache = report["tp"][str(tp)]["cache"]
+        assert cache["k"]["shapes"] == cache["v"]["shapes"] == [[2, 1, 48, 8, 16]]
+        assert cache["k_scale"]["shapes"] == cache["v_scale"]["shapes"] == [[2, 1, 48, 8]]
+        assert cache["k_scale"]["devices"] == tp
+
+
 def test_tensor_parallel_gemma3_int8(tmp_path_factory):
     """Gemma 3: sliding and global layers under one scan, the int8 LM head built from the tied
     embedding, soft-capped logits."""
@@ -239,4 +256,4 @@ def test_tensor_parallel_default_model(default_model_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(worker(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[3].split(","))))))
+    print(json.dumps(worker(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[3].split(","))), sys.argv[4])))
