@@ -240,6 +240,17 @@ def test_tensor_parallel_gemma3_int8(tmp_path_factory):
         assert report["tp"][str(tp)]["cache"]["k"]["shapes"] == [[3, 1, 48, 8, 16]]
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_tensor_parallel_other_architectures(tmp_path_factory, family):
+    """q/k/v biases split with their heads (Qwen2), q/k norms over head_dim (Qwen3), sliding window
+    (Mistral): int8 weights, greedy tokens at TP=2 and 4 equal TP=1's."""
+    from tests.conftest import build_tiny_hf
+
+    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp(f"tp-{family}")), family), "q8_0-a16", "auto")
+    _assert_same_tokens_no_recompiles(report)
+    assert [report["tp"][str(tp)]["kv_layout"] for tp in (2, 4)] == ["split", "repeated"]
+
+
 def test_tensor_parallel_default_model(default_model_path):
     """SmolLM2-135M (9 query heads over 3 KV heads, int8 weights as served on CPU): at TP=3 heads
     split, one KV head per device; at TP=2 and 4 they do not divide, so attention and the KV cache
