@@ -184,9 +184,14 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(f"note: {model_id!r} is not a local model; counting tokens with {DEFAULT_MODEL}'s tokenizer "
                   "(pass --tokenizer to choose)", file=sys.stderr)
             tok = load_tokenizer(tokenizer_id)
-        # Warm-up prompts are extra ones, so the server's prefix cache holds none of the measured prompts.
-        requests = build_requests(args, tok, args.num_prompts + args.num_warmups)
-        requests, warmups = requests[:args.num_prompts], requests[args.num_prompts:]
+        # The ready check's and the warm-ups' prompts are extra ones, so the server's prefix cache holds none of
+        # the measured prompts. (vllm bench serve sends its first measured prompt for both: that request's
+        # prefill then comes from the cache, and with everything sent at once the first wave, which sets p99
+        # TTFT, has one prefill fewer.)
+        n_check = 1 if args.ready_check_timeout_sec > 0 else 0
+        requests = build_requests(args, tok, args.num_prompts + args.num_warmups + n_check)
+        requests, warmups, check = (requests[:args.num_prompts], requests[args.num_prompts:][:args.num_warmups],
+                                    requests[args.num_prompts + args.num_warmups:])
         sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                       ("top_k", args.top_k)) if v is not None}
         if "temperature" not in sampling:
@@ -208,7 +213,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if args.ready_check_timeout_sec > 0:
             deadline = time.monotonic() + args.ready_check_timeout_sec
             while True:
-                test = await http.send_request(client, url, kind, payload(requests[0]), requests[0].prompt_len)
+                test = await http.send_request(client, url, kind, payload(check[0]), check[0].prompt_len)
                 if test.success:
                     break
                 if time.monotonic() > deadline:

@@ -29,6 +29,7 @@ class Schedule:
     usage_style: str = "separate"  # "separate": a final choices=[] chunk (vLLM); "last": on the last choice chunk (llama.cpp)
     fail_every: int = 0             # every n-th request (1-based) answers 503 instead of streaming
     role_chunk_first: bool = True   # chat: an immediate {"role": "assistant"} chunk, before any token
+    cached_ttft_s: float | None = None  # a prefix cache: a prompt seen before (since configure) gets this TTFT
 
 
 @dataclass
@@ -40,11 +41,13 @@ class Stats:
     max_tokens: list[int] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
     sent: dict[str, list[float]] = field(default_factory=dict)  # x-request-id -> perf_counter of each token chunk
+    cache_hits: int = 0  # requests whose prompt was seen before (Schedule.cached_ttft_s)
 
 
 def build_app(state: dict, count_tokens) -> Starlette:
     async def configure(request: Request):
         state["schedule"], state["stats"] = Schedule(**await request.json()), Stats()
+        state["seen_prompts"] = set()
         return JSONResponse({})
 
     async def read_stats(_: Request):
@@ -65,6 +68,12 @@ def build_app(state: dict, count_tokens) -> Starlette:
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         n = body.get("max_completion_tokens") if chat else body.get("max_tokens")
         prompt_tokens = count_tokens(prompt)
+        ttft_s = schedule.ttft_s
+        if schedule.cached_ttft_s is not None:
+            if prompt in state["seen_prompts"]:
+                stats.cache_hits += 1
+                ttft_s = schedule.cached_ttft_s
+            state["seen_prompts"].add(prompt)
         stats.prompt_tokens.append(prompt_tokens)
         stats.max_tokens.append(n)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
@@ -92,7 +101,7 @@ def build_app(state: dict, count_tokens) -> Starlette:
                     yield chunk(-1)
                 for i in range(n):
                     # absolute deadlines, so one late wake-up does not shift every later token
-                    await asyncio.sleep(max(0.0, arrived + schedule.ttft_s + i * schedule.itl_s - time.perf_counter()))
+                    await asyncio.sleep(max(0.0, arrived + ttft_s + i * schedule.itl_s - time.perf_counter()))
                     last = i == n - 1
                     sent.append(time.perf_counter())
                     yield chunk(i, final=last, with_usage=last and schedule.usage_style == "last")
@@ -140,7 +149,7 @@ def main() -> None:
     from models.registry import load_tokenizer
 
     tok = load_tokenizer(sys.argv[1])
-    state = {"schedule": Schedule(), "stats": Stats()}
+    state = {"schedule": Schedule(), "stats": Stats(), "seen_prompts": set()}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     print(f"port {sock.getsockname()[1]}", flush=True)

@@ -208,6 +208,24 @@ def test_failures_are_counted_with_their_reason_and_goodput_follows_the_slos(fak
     assert r["request_goodput"] == 0.0 and r["request_throughput"] > 0
 
 
+def test_warm_ups_leave_no_measured_prompt_in_the_servers_prefix_cache(fake, default_model_path):
+    # `vllm bench serve` warms up with its first measured prompt, so a server with a prefix cache serves that
+    # request's prefill from the cache. With all requests sent at once behind a concurrency cap c, p99 TTFT is
+    # the last prefill of the first wave: c prefills for us, c - 1 for vLLM (on Slipstream at c=8 with 2
+    # warm-ups, the server served 480 prompt tokens from its cache in each of vLLM's runs and none in ours).
+    # Our warm-ups are extra prompts, and so is the ready check's, and no measured prompt repeats: every
+    # measured TTFT is the uncached one.
+    ttft, cached, warmups, n_req = 0.3, 0.01, 3, 8
+    fake.configure(Schedule(ttft_s=ttft, itl_s=0.01, cached_ttft_s=cached))
+    r = run_bench(fake, default_model_path, "--num-prompts", str(n_req), "--num-warmups", str(warmups),
+                  "--ready-check-timeout-sec", "30", "--random-input-len", "32", "--random-output-len", "4",
+                  "--max-concurrency", "4")
+    stats = fake.stats()
+    assert stats.received == 1 + warmups + n_req and r["completed"] == n_req
+    assert stats.cache_hits == 0
+    assert min(r["ttfts"]) >= ttft, sorted(r["ttfts"])  # the server waits ttft after the request arrives
+
+
 def test_saved_json_uses_vllm_keys(fake, default_model_path, tmp_path):
     fake.configure(Schedule(ttft_s=0.02, itl_s=0.005))
     args = parse(fake, default_model_path, "--num-prompts", "4", "--random-input-len", "16",
