@@ -1,0 +1,209 @@
+"""`slipstream bench` against `vllm bench serve` on ONE server, same workload, alternating order.
+
+    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.bench_agreement --rounds 2
+
+Starts one Slipstream server (default flags, `--max-slots 32`) on a loopback port, sends one unmeasured
+settling wave, then runs both clients `--rounds` times in the order ours, vllm / vllm, ours / ... (so a
+drift over time favours neither). Within a round both clients get the same seed; each round has its own
+seed, so no run's prompts are in the server's prefix cache from an earlier run (the two clients' random
+datasets differ for the same seed). Both clients run as subprocesses with the same flags; for each run it
+also records the client's and the server's CPU seconds during the timed part and, from the server's
+/metrics, its mean TTFT (arrival to first token, as the server sees it) and the prompt tokens it served from
+its prefix cache. On a shared machine the server's speed drifts between runs by more than the clients
+differ; `client_minus_server_mean_ttft_ms` (the client's mean TTFT less the server's own, same run) does not
+drift with it.
+
+It does not take the bench lock itself: run it under `flock` (above). The server it starts is stopped
+(its process group, by PID) at the end, also on Ctrl-C. Takes minutes: not part of `make test`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench import peers  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")] + [
+    "output_throughput", "request_throughput"]
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", trust_env=False, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(slipstream_prefix_cache_hit_tokens|slipstream_prefilled_tokens|"
+                     r"jetstream_time_to_first_token_sum|jetstream_time_to_first_token_count)(?:_total)?\s+(\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _cpu_s(pid: int) -> float | None:
+    """utime + stime of one process, in seconds (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_client(cmd: list[str], log_path: Path, cwd: Path, server_pid: int,
+               env: dict[str, str] | None = None) -> list[tuple[float, float, float]]:
+    """Runs a client to completion, sampling every 0.1 s (time.monotonic, the client's CPU seconds, the server's
+    CPU seconds); perf_counter in the clients is the same clock, so the samples line up with their timestamps."""
+    peers.log("$ " + shlex.join(cmd))
+    samples = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+        while proc.poll() is None:
+            client, server = _cpu_s(proc.pid), _cpu_s(server_pid)
+            if client is not None and server is not None:
+                samples.append((time.monotonic(), client, server))
+            time.sleep(0.1)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
+    return samples
+
+
+def cpu_in_window(samples, t0: float, t1: float) -> tuple[float, float]:
+    """(client, server) CPU seconds between t0 and t1, from the samples nearest inside the window."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2:
+        return float("nan"), float("nan")
+    scale = (t1 - t0) / (inside[-1][0] - inside[0][0])
+    return (inside[-1][1] - inside[0][1]) * scale, (inside[-1][2] - inside[0][2]) * scale
+
+
+def main(argv: list[str] | None = None) -> int:
+    from models.registry import DEFAULT_MODEL, resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="passed to both clients (vllm bench serve warms up with the first measured prompt)")
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--port", type=int, default=18150)
+    p.add_argument("--server-args", default="--max-slots 32", help="extra `slipstream serve` flags")
+    p.add_argument("--result-dir", default=None)
+    args = p.parse_args(argv)
+
+    gguf = resolve_model(DEFAULT_MODEL)
+    vllm_bin = peers.ensure_vllm()
+    hf_dir = peers.ensure_hf_export(gguf, vllm_bin)
+    result_dir = Path(args.result_dir or REPO / "benchmarks" / "results" /
+                      ("agreement-" + datetime.now().strftime("%Y%m%d-%H%M%S"))).resolve()
+    result_dir.mkdir(parents=True, exist_ok=True)
+    slipstream = str(Path(sys.executable).parent / "slipstream")
+    spec = peers.ServerSpec("slipstream", "Slipstream, default flags",
+                            [slipstream, "serve", "--host", "127.0.0.1", "--port", "{port}",
+                             *shlex.split(args.server_args)])
+    c, n = args.concurrency, args.num_prompts
+    common = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+              "--random-output-len", str(args.output_len), "--max-concurrency", str(c), "--ignore-eos",
+              "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+              "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir)]
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    server = peers.RunningServer(spec, args.port, result_dir / "slipstream.log")
+    runs: list[dict] = []
+    try:
+        peers.log(f"server pid {server.proc.pid} ready in {server.wait_ready():.0f}s")
+        base = server.base_url
+        model = httpx.get(f"{base}/v1/models", trust_env=False).json()["data"][0]["id"]
+
+        def ours(label: str, seed: int, num: int, warmups: int) -> list[str]:
+            return [sys.executable, "-m", "benchmarks.bench", "--base-url", base, "--model", model,
+                    "--tokenizer", gguf, *common, "--num-prompts", str(num), "--num-warmups", str(warmups),
+                    "--seed", str(seed), "--result-filename", f"{label}.json"]
+
+        def vllm(label: str, seed: int) -> list[str]:
+            return [str(vllm_bin / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base,
+                    "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(hf_dir), *common,
+                    "--num-prompts", str(n), "--num-warmups", str(args.num_warmups), "--seed", str(seed),
+                    "--result-filename", f"{label}.json"]
+
+        # one unmeasured wave at full concurrency and length (first-touch of KV pages, caches)
+        settle = ours("settle", args.seed + 999, c, 0)
+        subprocess.run([a for a in settle if a != "--save-result"], check=True, cwd=REPO,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r in range(args.rounds):
+            seed = args.seed + r
+            order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
+            for who in order:
+                label = f"{who}-{r}"
+                cmd = ours(label, seed, n, args.num_warmups) if who == "ours" else vllm(label, seed)
+                before = scrape(base)
+                # vLLM's venv must not see this repository (PYTHONPATH): transformers would import its `kernels`
+                env = None if who == "ours" else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                samples = run_client(cmd, result_dir / f"{label}.out", REPO if who == "ours" else peers.PEERS,
+                                     server.proc.pid, env)
+                after = scrape(base)
+                d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                res = json.loads((result_dir / f"{label}.json").read_text())
+                count = d.get("jetstream_time_to_first_token_count") or 1
+                t0 = min(res["start_times"])
+                t1 = max(s + lat for s, lat in zip(res["start_times"], res["latencies"]))
+                client_cpu, server_cpu = cpu_in_window(samples, t0, t1)
+                mean_ttft_ms = res.get("mean_ttft_ms")
+                server_ttft_ms = 1000 * d.get("jetstream_time_to_first_token_sum", 0) / count
+                runs.append({"who": who, "round": r, "label": label, "command": shlex.join(cmd), "client_cpu_s": client_cpu,
+                             "server_cpu_s": server_cpu,
+                             "server_mean_ttft_ms": server_ttft_ms,
+                             # what the client adds to the server's own TTFT (arrival to first token): the same
+                             # quantity for both clients whatever the server's speed in that run
+                             "client_minus_server_mean_ttft_ms": mean_ttft_ms - server_ttft_ms,
+                             "prefix_hit_tokens": d.get("slipstream_prefix_cache_hit_tokens", 0),
+                             **{k: res.get(k) for k in KEYS}})
+                peers.log(f"{label}: " + ", ".join(f"{k}={runs[-1][k]:.1f}" for k in
+                                                   ("p99_ttft_ms", "median_ttft_ms", "output_throughput", "client_cpu_s",
+                                                    "server_mean_ttft_ms")))
+    finally:
+        server.stop()
+    (result_dir / "runs.json").write_text(json.dumps(runs, indent=1))
+    text = table(runs, c, n, args)
+    print(text)
+    (result_dir / "agreement.md").write_text(text + "\n")
+    return 0
+
+
+def table(runs: list[dict], c: int, n: int, args) -> str:
+    keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_mean_ttft_ms", "client_minus_server_mean_ttft_ms",
+                   "prefix_hit_tokens"]
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_line = next((" ".join(line.split()) for line in cpu.splitlines() if line.startswith("Model name")), "?")
+    lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, {n} prompts of {args.input_len} in / "
+             f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
+             f"(ours first in even rounds), after one settling wave. {model_line}", "",
+             "| metric | " + " | ".join(r["label"] for r in runs) + " | ours (mean) | vllm (mean) | difference |",
+             "|---|" + "---:|" * (len(runs) + 3)]
+    for k in keys:
+        mine = [r[k] for r in runs if r["who"] == "ours"]
+        theirs = [r[k] for r in runs if r["who"] == "vllm"]
+        a, b = sum(mine) / len(mine), sum(theirs) / len(theirs)
+        diff = f"{100 * (a - b) / b:+.1f}%" if b else "-"
+        lines.append(f"| {k} | " + " | ".join(f"{r[k]:.2f}" for r in runs) + f" | {a:.2f} | {b:.2f} | {diff} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
