@@ -4,8 +4,10 @@ Three measurements in one run, so their ratios share the machine's state:
   1. read bandwidth: kernels.q8_matmul.read_probe streams a buffer 8x the L3 size with the kernel's
      threads (XLA's intra-op pool) and vector loads, 4 streams per item as the kernel reads tiles;
   2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 7 matrices + the
-     576x49152 LM head, ~150 MB, far beyond L3) once per call, and the LM head alone (8 copies);
-     reported as bytes of packed weights + scales (+ offsets) read per second, and as a share of (1);
+     576x49152 LM head, ~150 MB, far beyond L3) once per call, then each shape alone (as many
+     distinct copies as fill 2.5x the L3 size, so every call reads its weight from memory, as a decode
+     step does); reported as bytes of packed weights + scales (+ offsets) read per second, and as a
+     share of (1);
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts).
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
@@ -67,6 +69,12 @@ def random_q8(rng: np.random.Generator, k: int, n: int, offsets: bool = False) -
     m = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
     arrays = q8.pack(q, d, m)
     return tuple(jnp.asarray(a) for a in arrays) + ((None,) if m is None else ())
+
+
+def copies_beyond_l3(k: int, n: int, offsets: bool) -> int:
+    """How many distinct [k, n] weights fill 2.5x the L3 size (at least 4)."""
+    per_copy = k * n * (1 + (2 if offsets else 1) * 4 / q8.GROUP)
+    return max(4, int(2.5 * l3_bytes() / per_copy) + 1)
 
 
 def probe_call() -> tuple:
@@ -143,14 +151,20 @@ def main() -> None:
         step_weights = [(*random_q8(rng, k, n, opts["offsets"]), n)
                         for _ in range(N_LAYERS) for k, n in LAYER_SHAPES.values()]
         step_weights.append((*random_q8(rng, *LM_HEAD), LM_HEAD[1]))  # the LM head is Q8_0 in the GGUF
-        heads = [(*random_q8(rng, *LM_HEAD, opts["offsets"]), LM_HEAD[1]) for _ in range(8)]
-        for name, ws in (("decode step: 30 layers + LM head", step_weights), ("LM head 576x49152, 8 copies", heads)):
+        sets = [("decode step: 30 layers + LM head", lambda: step_weights)]
+        for shape, (k, n) in PREFILL_SHAPES.items():
+            copies = copies_beyond_l3(k, n, opts["offsets"])
+            sets.append((f"{shape}, {copies} copies",
+                         lambda k=k, n=n, c=copies: [(*random_q8(rng, k, n, opts["offsets"]), n) for _ in range(c)]))
+        for name, make in sets:
+            ws = make()
             call = one_row_call(ws, opts["parts"])
             bw, rate = paired_rates([probe, call], args.reps)
             print(f"    {form:9} {name:34} {call[2] / 2**20:6.1f} MiB: {np.median(rate) / 1e9:5.1f} GB/s; probe "
                   f"{np.median(bw) / 1e9:5.1f} GB/s; share {np.median(rate / bw):4.0%} "
                   f"(quartiles {np.percentile(rate / bw, 25):.0%}-{np.percentile(rate / bw, 75):.0%})", flush=True)
-        del step_weights, heads
+            del ws, call
+        del step_weights
 
     print("\n[3] many rows: XLA f32 matmul vs the kernel (GOP/s = 2*M*K*N / median time; speed-up: median of "
           "per-rep f32/kernel time ratios)")

@@ -27,6 +27,12 @@
 // that (it is running, so the wait is short). Within an item the weight panel of C tiles
 // (C*16 columns x Kp) stays in L1/L2 while R-row micro blocks stream past.
 //
+// With two parts the AVX-512 micro kernel sums each input row's pair exactly in int32 per group
+// (254 * acc0 + acc1, scale xs / 254), so the float work per group is one row's, not two.
+// One-row micro blocks prefetch each weight tile's stream (and its scales) 1 KiB ahead. The
+// quantized activations live in a per-calling-thread buffer kept between calls, and large outputs
+// are advised to use transparent huge pages (fewer first-touch page faults).
+//
 // Instruction sets, chosen at run time: AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
@@ -38,6 +44,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 // -DQ8_PORTABLE_ONLY builds the portable path alone (what aarch64 gets), to test it on x86.
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(Q8_PORTABLE_ONLY)
@@ -55,6 +65,8 @@ constexpr int kGroup = 32;      // inputs per scale (Q8_0 block)
 constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
 constexpr int kChunkTiles = 4;  // tiles (of 16 columns) per work item
+constexpr int kPrefetchBytes = 1024;  // how far ahead one-row micro kernels prefetch each weight tile
+constexpr int kPrefetchGroups = kPrefetchBytes / (kGroup * kTile);  // the same distance in groups
 
 enum class Isa { kPortable, kAvx2, kAvx512Vnni };
 
@@ -113,7 +125,9 @@ struct Problem {
 // ---- activation quantization: per row and group of 32 -----------------------------------------
 // All paths compute d = amax / 127, id = 1 / d (0 for an all-zero group), q = round-half-even(x * id),
 // in f32 with the same operations, so they agree bit for bit with each other and with the reference.
-// The second part quantizes r = x - q * d with d2 = d / 254 the same way (|r| <= d / 2).
+// The second part quantizes r = x - q * d with d2 = d / 254 the same way (|r| <= d / 2); r is
+// computed with one fused multiply-add on every path (as XLA computes the reference), because
+// r * (1 / d2) lands on a rounding tie often enough that a second rounding of r changes the result.
 
 struct GroupOut {  // where one group of one input row goes
   int8_t* q[2];
@@ -135,7 +149,8 @@ GroupOut Slot(Acts& a, int row, int g) {
 }
 
 // v: 32 values (zero-padded past K).
-void QuantizeGroupPortable(const float* v, int parts, const GroupOut& o) {
+// always_inline: inside QuantizeRowAvx2 std::fma becomes one instruction instead of a libm call.
+__attribute__((always_inline)) inline void QuantizeGroupPortable(const float* v, int parts, const GroupOut& o) {
   float amax = 0.f, sum = 0.f;
   for (int i = 0; i < kGroup; ++i) {
     amax = std::max(amax, std::fabs(v[i]));
@@ -152,7 +167,7 @@ void QuantizeGroupPortable(const float* v, int parts, const GroupOut& o) {
       q = std::min(127.f, std::max(-127.f, q));
       o.q[part][i] = static_cast<int8_t>(q);
       total += static_cast<int32_t>(q);
-      if (part == 0) r[i] = v[i] - q * d;
+      if (part == 0) r[i] = std::fma(-q, d, v[i]);  // fused, as every path computes it
     }
     *o.scale[part] = d;
     *o.bias[part] = -128 * total;
@@ -161,7 +176,7 @@ void QuantizeGroupPortable(const float* v, int parts, const GroupOut& o) {
   }
 }
 
-void QuantizeRowPortable(const float* x, int k, Acts& a, int row) {
+__attribute__((always_inline)) inline void QuantizeRowPortable(const float* x, int k, Acts& a, int row) {
   for (int g = 0; g < a.groups; ++g) {
     float v[kGroup] = {};
     const int base = g * kGroup, n = std::min(kGroup, k - base);
@@ -198,8 +213,8 @@ void QuantizeRowAvx512(const float* x, int k, Acts& a, int row) {
         *o.sum[1] = 0.f;
         break;
       }
-      v0 = _mm512_sub_ps(v0, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv));
-      v1 = _mm512_sub_ps(v1, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv));
+      v0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q0), dv, v0);
+      v1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q1), dv, v1);
       d = d / 254.f;
     }
   }
@@ -300,12 +315,17 @@ void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
 
 #if defined(Q8_X86)
 
-template <int R, int C>
+// P = p.parts. With two parts the act rows come in pairs (xq0, xq1) of one input row, with scales
+// d and d1 = d / 254: the pair's int32 sums combine exactly as 254 * acc0 + acc1 (|.| < 2^31 for
+// 32 inputs) and then take one scale d1, so the float work per group is that of one row.
+template <int R, int C, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
-  __m512 f[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
+  static_assert(R % P == 0, "act rows come in whole input rows");
+  constexpr int Y = R / P;  // output rows
+  __m512 f[Y][C];
+  for (int y = 0; y < Y; ++y)
+    for (int c = 0; c < C; ++c) f[y][c] = _mm512_setzero_ps();
   const uint8_t* w = p.w + tile0 * p.tile_bytes();
   const float* ws = p.ws + tile0 * p.tile_scales();
   const float* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
@@ -313,7 +333,25 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
   const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
   const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
+  // Few rows (decode): the weights stream from memory once, so prefetch each tile's stream (and its
+  // scales and offsets) kPrefetchBytes ahead; the first lines of every stream are requested up front.
+  constexpr bool kStream = Y == 1;
+  if (kStream) {
+    for (int c = 0; c < C; ++c) {
+      for (int b = 0; b < kPrefetchBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + b), _MM_HINT_T0);
+      for (int g = 0; g < kPrefetchGroups; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + g * kTile), _MM_HINT_T0);
+        if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + g * kTile), _MM_HINT_T0);
+      }
+    }
+  }
   for (int g = 0; g < p.groups; ++g) {
+    if (kStream) {
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + kPrefetchGroups) * kTile), _MM_HINT_T0);
+        if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + kPrefetchGroups) * kTile), _MM_HINT_T0);
+      }
+    }
     __m512i acc[R][C];
     for (int r = 0; r < R; ++r) {
       const __m512i b = _mm512_set1_epi32(xb[r * p.groups + g]);
@@ -322,7 +360,10 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     for (int k4 = 0; k4 < kGroup / 4; ++k4) {
       __m512i wv[C];
       const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
+      for (int c = 0; c < C; ++c) {
+        if (kStream) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + kPrefetchBytes), _MM_HINT_T0);
+        wv[c] = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t x4;
         std::memcpy(&x4, xq + static_cast<size_t>(r) * p.kp + g * kGroup + k4 * 4, 4);
@@ -332,15 +373,18 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     }
     for (int c = 0; c < C; ++c) {
       const __m512 sc = _mm512_loadu_ps(ws + c * p.tile_scales() + g * kTile);
-      for (int r = 0; r < R; ++r) {
-        const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[r * p.groups + g]));
-        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), s, f[r][c]);
+      for (int y = 0; y < Y; ++y) {
+        __m512i total = acc[y * P][c];
+        if (P == 2)  // 254 * acc0 + acc1
+          total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc[y * P + 1][c]);
+        const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[(y * P + P - 1) * p.groups + g]));
+        f[y][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, f[y][c]);
       }
     }
     if (wo) {
       for (int c = 0; c < C; ++c) {
         const __m512 oc = _mm512_loadu_ps(wo + c * p.tile_scales() + g * kTile);
-        for (int r = 0; r < R; ++r) f[r][c] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[r * p.groups + g]), f[r][c]);
+        for (int y = 0; y < Y; ++y) f[y][c] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[y * P * p.groups + g]), f[y][c]);
       }
     }
   }
@@ -348,16 +392,10 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     const int n0 = (tile0 + c) * kTile;
     const int valid = std::min(kTile, p.n - n0);
     const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    for (int r = 0; r < R; r += p.parts) {
-      const __m512 v = p.parts == 2 ? _mm512_add_ps(f[r][c], f[r + 1][c]) : f[r][c];
-      _mm512_mask_storeu_ps(p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0, mask, v);
-    }
+    for (int y = 0; y < Y; ++y) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 / P + y) * p.n + n0, mask, f[y][c]);
   }
 }
 
-// AVX2 has no vpdpbusd: maddubs(|w|, sign(x, w)) gives exact int16 pair sums (|w| <= 128, |x| <= 127),
-// and madd with ones widens them to the same int32 lanes (column j, 4 inputs). Weights are
-// unshifted (xor 0x80), so the accumulator starts at 0. Each 16-column tile is two 8-lane halves.
 template <int R, int C>
 __attribute__((target("avx2,fma")))
 void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
@@ -426,28 +464,42 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
 
 template <int R, int C>
-TileFn Pick(Isa isa) {
+TileFn Pick(Isa isa, int parts) {
 #if defined(Q8_X86)
-  if (isa == Isa::kAvx512Vnni) return &TileAvx512<R, C>;
-  if (isa == Isa::kAvx2) return &TileAvx2<R, C>;
+  if (isa == Isa::kAvx512Vnni) {
+    if constexpr (R % 2 == 0) {
+      if (parts == 2) return &TileAvx512<R, C, 2>;
+    }
+    return &TileAvx512<R, C, 1>;
+  }
+  if constexpr (R <= 4) {
+    if (isa == Isa::kAvx2) return &TileAvx2<R, C>;
+  }
 #endif
-  return &TilePortable<R, C>;
+  if constexpr (R <= 4) return &TilePortable<R, C>;
+  return nullptr;  // MicroShape gives the portable and AVX2 paths at most 4 rows
 }
 
-// Register budget: AVX-512 holds R*C int + R*C float accumulators in 32 zmm; AVX2 2*R*C each in 16 ymm.
-constexpr int kMaxRows = 4;
+// Register budget: AVX-512 holds R*C int + R/P*C float accumulators in 32 zmm; AVX2 2*R*C each in 16 ymm.
+constexpr int kMaxRows = 8;
 constexpr int kMaxTiles = 4;
 
-TileFn PickTile(Isa isa, int rows, int tiles) {
-  static const TileFn table[3][kMaxRows][kMaxTiles] = {
-#define Q8_ROW(I, R) {Pick<R, 1>(I), Pick<R, 2>(I), Pick<R, 3>(I), Pick<R, 4>(I)}
-#define Q8_ISA(I) {Q8_ROW(I, 1), Q8_ROW(I, 2), Q8_ROW(I, 3), Q8_ROW(I, 4)}
+TileFn PickTile(Isa isa, int rows, int tiles, int parts) {
+  static const TileFn table[3][2][kMaxRows][kMaxTiles] = {
+#define Q8_ROW(I, P, R) {Pick<R, 1>(I, P), Pick<R, 2>(I, P), Pick<R, 3>(I, P), Pick<R, 4>(I, P)}
+#define Q8_PARTS(I, P) {Q8_ROW(I, P, 1), Q8_ROW(I, P, 2), Q8_ROW(I, P, 3), Q8_ROW(I, P, 4), Q8_ROW(I, P, 5), Q8_ROW(I, P, 6), Q8_ROW(I, P, 7), Q8_ROW(I, P, 8)}
+#define Q8_ISA(I) {Q8_PARTS(I, 1), Q8_PARTS(I, 2)}
       Q8_ISA(Isa::kPortable), Q8_ISA(Isa::kAvx2), Q8_ISA(Isa::kAvx512Vnni)
 #undef Q8_ISA
+#undef Q8_PARTS
 #undef Q8_ROW
   };
-  return table[static_cast<int>(isa)][rows - 1][tiles - 1];
+  return table[static_cast<int>(isa)][parts - 1][rows - 1][tiles - 1];
 }
+
+// Act rows x tiles of the AVX-512 micro block with two parts (a pair of act rows per input row).
+constexpr int kA16Rows = 4;
+constexpr int kA16Tiles = 2;
 
 // Micro-block shape per ISA: (act rows, tiles). One input row streams 4 tiles (more loads in
 // flight); several act rows reuse each weight vector from a register. rows_left is a multiple of
@@ -459,9 +511,14 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
   } else if (isa == Isa::kAvx2) {
     *r = 2;
     *c = 1;
-  } else {
-    *r = std::min(rows_left, 4);  // 4 x 2 beat 6 x 2, 5 x 2, 4 x 3 and 8 x 1 on a Zen 4 EPYC
+  } else if (isa == Isa::kPortable) {
+    *r = std::min(rows_left, 4);
     *c = 2;
+  } else {
+    // AVX-512, parts = 1: 4 x 2 beat 6 x 2, 5 x 2, 4 x 3 and 8 x 1 on a Zen 4 EPYC. parts = 2:
+    // R2 act rows (R2 / 2 input rows) x C2 tiles, see kA16Rows.
+    *r = std::min(rows_left, parts == 2 ? kA16Rows : 4);
+    *c = parts == 2 ? kA16Tiles : 2;
   }
 }
 
@@ -470,7 +527,8 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 struct Job {
   Problem p;
   Isa isa;
-  Acts acts;
+  Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
+  explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
   std::unique_ptr<std::atomic<int>[]> row_state;  // 0 not quantized, 1 in progress, 2 ready
   std::atomic<int> next{0};
@@ -500,7 +558,7 @@ struct Job {
       c = std::min(c, tile_hi - t);
       for (int row = row_lo; row < row_hi; row += r) {
         const int rows = std::min(r, row_hi - row);
-        PickTile(isa, rows, c)(p, acts, row, t);
+        PickTile(isa, rows, c, p.parts)(p, acts, row, t);
       }
     }
   }
@@ -513,6 +571,23 @@ struct Job {
   }
 };
 
+// A large output (the LM head over many rows: 256 x 49152 f32 is 50 MB) is usually fresh memory
+// from mmap, so the first write to each 4 KiB page faults; asking for transparent huge pages turns
+// ~12k faults into ~25. Only a hint: memory that is already mapped, or a kernel without THP, is
+// left as it is.
+void AdviseHugePages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 8 * kHuge) return;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
                         ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
@@ -520,7 +595,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("q8_matmul: x [M,K], packed [Np/16, Kp*16], scales [Np/16, Kp/2], y [M,N]");
   if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("q8_matmul: parts must be 1 or 2");
-  auto job = std::make_shared<Job>();
+  // The quantized activations live in a buffer of the calling thread, kept between calls (no
+  // allocation, page faults or zeroing per call). Helpers use it only while this call waits for them.
+  thread_local Acts tl_acts;
+  auto job = std::make_shared<Job>(tl_acts);
   Problem& p = job->p;
   p.m = static_cast<int>(xd[0]);
   p.k = static_cast<int>(xd[1]);
@@ -540,6 +618,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.wo = offsets.element_count() ? offsets.typed_data() : nullptr;
   p.y = y->typed_data();
   job->isa = g_isa.load(std::memory_order_relaxed);
+  AdviseHugePages(p.y, static_cast<size_t>(p.m) * p.n * sizeof(float));
   Acts& a = job->acts;
   a.kp = p.kp;
   a.groups = p.groups;
