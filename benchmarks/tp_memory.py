@@ -6,17 +6,20 @@
 The KV cache is the same number of pages at every TP (what TP=1 gets from --kv-cache-memory), so the
 columns compare like for like; the engine itself budgets --kv-cache-memory per device.
 
-Measured (AMD EPYC, 8 virtual CPU devices, jax 0.10.2, default model SmolLM2-135M: 9 query heads over
-3 KV heads, so at TP=2 and 4 attention and the KV cache stay whole on every device and only the MLP
-and the vocabulary split; 364 pages = 256 MiB of f32 KV; `--kv-cache-memory 268435456 --check 12`):
+Measured (AMD EPYC, 8 virtual CPU devices, jax 0.10.2; `--tp 1,2,3,4 --check 12`, 1092 pages = 768 MiB
+of f32 KV). The default model, SmolLM2-135M, has 9 query heads over 3 KV heads: at TP=3 the heads
+split (one KV head per device); at TP=2 and 4 they do not divide, so attention and the KV cache stay
+whole on every device and only the MLP and the vocabulary split.
 
-    weights   TP  weights MiB/device  KV MiB/device  total MiB/device  greedy == TP=1
-    f32        1               513.1          255.9             769.1  True
-    f32        2               307.3          255.9             563.2  True
-    f32        4               204.3          255.9             460.3  True
-    q8_0-a16   1               265.1          255.9             521.0  True
-    q8_0-a16   2               148.4          255.9             404.4  True
-    q8_0-a16   4                90.1          255.9             346.0  True
+    weights   TP  KV layout   weights MiB/device  KV MiB/device  total MiB/device  greedy == TP=1
+    f32        1  -                        513.1          767.8            1280.9  True
+    f32        2  replicated               307.3          767.8            1075.1  True
+    f32        3  split                    171.1          255.9             427.1  True
+    f32        4  replicated               204.3          767.8             972.1  True
+    q8_0-a16   1  -                        265.1          767.8            1032.9  True
+    q8_0-a16   2  replicated               148.4          767.8             916.2  True
+    q8_0-a16   3  split                     88.4          255.9             344.4  True
+    q8_0-a16   4  replicated                90.1          767.8             857.9  True
 """
 from __future__ import annotations
 
