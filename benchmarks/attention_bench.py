@@ -7,10 +7,14 @@ the kernel writes the new K/V in place. The bound is the bytes of K/V (and int8 
 read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB array on 1 and on all cores.
 Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
 
-Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512, --reps 20), page
-tables in random order: f32 KV 31.2 ms/step (min 28.1) against a 16.8 ms bound at 33.6 GB/s, 1.86x;
-int8 KV 19.9 ms (min 19.7) against 4.5 ms, 4.45x. In-cache the kernel computes a (key, KV head) of a
-decode step in ~22 ns (f32) / ~19 ns (int8) of CPU time; int8 is compute-bound at this bound.
+Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512 VNNI, --reps 20), page
+tables in random order. Before the VNNI path, on a quiet machine (load 0.2): f32 KV 29.9 ms/step against
+a 12.5 ms bound at 45.4 GB/s, 2.40x; int8 KV 18.7 ms against 4.6 ms at 33.0 GB/s, 4.11x. After (int8
+on vpdpbusd, pages touched once per item), before and after interleaved in one run on a loaded machine
+(load ~4, so the kernel's helper thread often never ran): int8 46.1, 44.6 -> 39.6, 38.0 ms/step; f32
+91.1, 85.8 -> 88.2, 81.6 ms/step. Profile (perf, int8): the scores and P x V steps hold 75% of the
+kernel's samples, and about half of theirs sit on each chunk's first K/V loads: the L2 prefetches,
+4 chunks ahead, do not hide the memory latency. f32 P x V: ~85% of its samples on its first V loads.
 """
 from __future__ import annotations
 
@@ -133,7 +137,9 @@ def main() -> None:
         from kernels import _ragged_paged_attention
 
         isa = _ragged_paged_attention.isa()
-    print(f"cpu: {model}, {os.cpu_count()} cores; kernel: {native.kernel_paths()} isa={isa}")
+    load1 = os.getloadavg()[0]  # other jobs on the cores: the kernel's helper threads then start late or never
+    print(f"cpu: {model}, {os.cpu_count()} cores, load average {load1:.2f}; kernel: {native.kernel_paths()} "
+          f"isa={isa}")
     print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
           f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}")
     for kv_dtype in args.kv_dtypes.split(","):
