@@ -9,12 +9,15 @@ Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 6
 
 Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512 VNNI, --reps 20), page
 tables in random order. Before the VNNI path, on a quiet machine (load 0.2): f32 KV 29.9 ms/step against
-a 12.5 ms bound at 45.4 GB/s, 2.40x; int8 KV 18.7 ms against 4.6 ms at 33.0 GB/s, 4.11x. After (int8
-on vpdpbusd, pages touched once per item), before and after interleaved in one run on a loaded machine
-(load ~4, so the kernel's helper thread often never ran): int8 46.1, 44.6 -> 39.6, 38.0 ms/step; f32
-91.1, 85.8 -> 88.2, 81.6 ms/step. Profile (perf, int8): the scores and P x V steps hold 75% of the
-kernel's samples, and about half of theirs sit on each chunk's first K/V loads: the L2 prefetches,
-4 chunks ahead, do not hide the memory latency. f32 P x V: ~85% of its samples on its first V loads.
+a 12.5 ms bound at 45.4 GB/s, 2.40x; int8 KV 18.7 ms against 4.6 ms at 33.0 GB/s, 4.11x. After (int8 on
+vpdpbusd, pages touched once per item), old and new .so in one run at load ~1.6 (other jobs share the
+memory bus): f32 40.0 -> 44.0 ms, 2.41x -> 2.64x (the new .so alone ranged 38.4 to 47.6 ms in this run);
+int8 23.8 -> 22.6 ms, 7.55x -> 5.23x (the measured bandwidth moved, 47.8 -> 34.7 GB/s). At load ~4,
+interleaved A B A B: int8 46.1, 44.6 -> 39.6, 38.0 ms; f32 91.1, 85.8 -> 88.2, 81.6 ms. Profile (perf,
+int8): the scores and P x V steps hold 75% of the kernel's samples, and about half of theirs sit on each
+chunk's first K/V loads: the L2 prefetches, 4 chunks ahead, do not hide the memory latency (prefetching 2
+or 8 chunks ahead, into L1, or only a page's first 4 lines: no clear change). f32 P x V: ~85% of its
+samples on its first V loads.
 """
 from __future__ import annotations
 
