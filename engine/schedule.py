@@ -196,9 +196,14 @@ class StepPlanner:
 
     def can_overlap(self) -> bool:
         """Whether the next step may be planned and launched before the in-flight step's samples
-        are back: nobody waits for the slot or pages a finishing sequence would free, and no
-        running sequence needs its latest token on the host (a grammar's next mask)."""
-        return not self.waiting and all(s.request.params.constraint is None for s in self.running)
+        are back. Not when a sequence needs its latest token on the host (a grammar's next mask),
+        nor when a request waits for the slot or pages a finishing one would free. A step planned
+        ahead also leaves out requests that arrive meanwhile, one step later than without overlap:
+        so only when every slot is taken (an arrival could not start anyway), or when one sequence
+        runs alone (its steps are the shortest, and host time the largest share of them)."""
+        if self.waiting or any(s.request.params.constraint is not None for s in self.running):
+            return False
+        return not self.free_slots or len(self.running) == 1
 
     def preempt(self, seq: Sequence) -> int | None:
         """Recompute later: drop slot and pages, keep the output, requeue at the front. Returns

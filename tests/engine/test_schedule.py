@@ -128,8 +128,8 @@ def chain(prompt, n: int) -> list[int]:
 
 
 def test_with_a_step_in_flight_decodes_feed_its_samples_and_stop_at_max_tokens():
-    p = planner(budget=8)
-    engine = MockEngine(max_num_batched_tokens=8)
+    p = planner(budget=8, max_slots=2)  # every slot taken: steps overlap
+    engine = MockEngine(max_slots=2, max_num_batched_tokens=8)
     d = PipelinedDriver(p, engine)
     a, b = seq([40, 41], max_tokens=4), seq([50, 51, 52], max_tokens=2)
     d.submit(a, b)
@@ -156,16 +156,20 @@ def test_a_stop_token_with_a_step_in_flight_drops_the_step_after_it():
     assert len(engine.steps) == 3 and engine.occupied_slots == []
 
 
-def test_no_overlap_while_a_request_waits_or_a_grammar_needs_its_token():
-    p = planner(max_slots=1)
-    running = seq([40])
-    p.enqueue(running)
+def test_overlap_only_when_no_arrival_could_start_sooner_and_no_grammar_needs_its_token():
+    p = planner(max_slots=3)
+    seqs = [seq([40 + i]) for i in range(4)]
+    p.enqueue(seqs[0])
     p.admit()
-    assert p.can_overlap()
-    waiting = seq([50])
-    p.enqueue(waiting)  # no slot: a finishing sequence's slot would go to it
-    assert not p.can_overlap()
-    p.finish(waiting)
+    assert p.can_overlap()  # one sequence alone
+    p.enqueue(seqs[1])
+    p.admit()
+    assert not p.can_overlap()  # a free slot: an arrival would start one step later
+    p.enqueue(seqs[2])
+    p.admit()
+    assert p.can_overlap()  # every slot taken
+    p.enqueue(seqs[3])
+    assert not p.can_overlap()  # it waits for the slot a finishing sequence frees
     constrained = planner(max_slots=1)
     constrained.enqueue(seq([40], constraint=_AnyGrammar()))
     constrained.admit()
