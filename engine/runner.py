@@ -42,7 +42,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     kv_cache_memory: int = 768 << 20        # bytes for K/V pages (17k f32 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
-    max_num_batched_tokens: int = 256       # tokens per step: decodes plus prefill chunks
+    max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
     quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
