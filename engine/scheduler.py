@@ -296,7 +296,7 @@ class Scheduler:
         if self._in_flight is not None:
             with self._cv:
                 overlap = planner.can_overlap()
-            if not overlap:  # the step's finishes free slots and pages for the waiting ones
+            if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
                 self._collect(records)
                 self._admit_and_insert(records)
         with self._cv:
