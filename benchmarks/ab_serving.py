@@ -5,6 +5,11 @@ one) in one run, with the same `slipstream bench` client and workload against ea
     .venv/bin/python -m benchmarks.ab_serving --tree old=/work/old --tree new=. \\
         --mode f32= --mode w8a8="--quantize w8a8" [--num-prompts 128 --max-concurrency 32]
 
+--tree-flags label="flags" adds serve flags to one tree only (after the mode's): the same tree under
+two labels compares settings (--tree b288=. --tree-flags b288="--max-num-batched-tokens 288"), and
+trees whose flag names differ still run one mode (--tree-flags old="--quantize w8a8"
+--tree-flags new="--quantize q8_0").
+
 Each (mode, tree) pair: start `slipstream serve` from that tree (its own code through PYTHONPATH,
 this venv's packages), wait for a completion, run the client (random 256 in / 128 out, ignore EOS,
 greedy by default), stop the server. Runs alternate trees within a mode so drift in the host's load
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", required=True, help="label=path (first is the baseline)")
     p.add_argument("--mode", action="append", default=None, help='label="serve flags" (default f32=)')
+    p.add_argument("--tree-flags", action="append", default=[], help='label="serve flags" for one tree only')
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
@@ -63,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     trees = [t.split("=", 1) for t in args.tree]
     modes = [m.split("=", 1) for m in (args.mode or ["f32="])]
+    tree_flags = dict(f.split("=", 1) for f in args.tree_flags)
+    unknown = set(tree_flags) - {label for label, _ in trees}
+    if unknown:
+        p.error(f"--tree-flags for unknown tree label(s) {sorted(unknown)}")
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
     results: dict[tuple[str, str], dict] = {}
     for mode, flags in modes:
         for label, tree in trees:
-            s = spec(label, tree, mode, flags, [])
+            s = spec(label, tree, mode, f"{flags} {tree_flags.get(label, '')}".strip(), [])
             server = peers.RunningServer(s, args.port, out_dir / f"{s.name}.log")
             try:
                 ready = server.wait_ready()

@@ -5,6 +5,11 @@ is a flat batch of sequences, each feeding some tokens: a decode feeds one (its 
 token), a prefill chunk feeds many. Every sequence whose chunk reaches the end of its known tokens
 gets one sample. Sampling settings are bound to a slot with `insert` before the sequence's first
 step and forgotten with `free`.
+
+`launch` dispatches a step and returns at once; its samples come back with `result()`. A step may
+be launched before the previous one's samples are collected: a decode then feeds PREVIOUS_SAMPLE,
+which the engine replaces on the device with the token that slot's latest launched step sampled,
+so the host work of one step (collecting, planning, dispatching) overlaps the next step's compute.
 """
 from __future__ import annotations
 
@@ -12,6 +17,11 @@ import dataclasses
 from typing import Protocol, Sequence
 
 from engine.request import SamplingParams, TokenLogprob
+
+# A decode's input token that is still on the device: the token the slot's latest launched step
+# sampled. Only as the one token of a decode, and never for a grammar-constrained slot whose
+# latest sample is uncollected (its mask for this step needs that token on the host).
+PREVIOUS_SAMPLE = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +38,7 @@ class StepSeq:
     """One sequence in a step: feed `token_ids` at positions start_pos.., attending over the pages."""
 
     slot: int                  # its sampling slot (bound by insert)
-    token_ids: Sequence[int]   # 1 for a decode, a chunk for a prefill
+    token_ids: Sequence[int]   # 1 for a decode (maybe PREVIOUS_SAMPLE), a chunk for a prefill
     start_pos: int             # positions [0, start_pos) are already in its pages
     page_ids: Sequence[int]    # covering at least start_pos + len(token_ids)
     sample: bool               # the chunk ends at its last known token: sample the next one
@@ -55,6 +65,12 @@ class Sampled:
     logprob: TokenLogprob | None  # only when the slot's params ask for logprobs
 
 
+class StepResult(Protocol):
+    def result(self) -> list[Sampled]:
+        """Block until the step ran; one sample per `sample` sequence, in batch order. Collect
+        launched steps in launch order."""
+
+
 class Engine(Protocol):
     max_slots: int
     page_size: int
@@ -67,8 +83,11 @@ class Engine(Protocol):
     def insert(self, slot: int, state: SlotState) -> None:
         """Bind a sequence's sampling settings and penalty history to a slot (no KV work)."""
 
+    def launch(self, batch: StepBatch) -> StepResult:
+        """Dispatch every sequence's tokens as one program and return without waiting for it."""
+
     def step(self, batch: StepBatch) -> list[Sampled]:
-        """Run every sequence's tokens in one program; one sample per `sample` sequence, in order."""
+        """launch(batch).result(): run one step and wait for its samples."""
 
     def free(self, slot: int) -> None:
         """Forget the slot's sampling state; its pages are the scheduler's to release."""

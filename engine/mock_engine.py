@@ -1,14 +1,16 @@
 """An Engine with hand-computable outputs for scheduler and server tests: a sampling sequence's next
 token is always `(last fed token + 1) % vocab_size`. It keeps a host copy of what each KV page holds
 and checks every step against the slot's history and those pages, so page-table mistakes fail
-loudly."""
+loudly. A launched step's samples are computed at once but handed out by result() only, in launch
+order, after a modelled device time: steps queue on one device, `step_sleep_s` each."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Sequence
 
-from engine.api import Sampled, SlotState, StepBatch, StepSeq
+from engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch, StepSeq
 from engine.request import SamplingParams, TokenLogprob
 
 
@@ -16,9 +18,19 @@ class MockEngineError(RuntimeError):
     """The scheduler broke the Engine contract, or a failure was injected."""
 
 
+@dataclasses.dataclass(eq=False)
+class _Binding:
+    """What insert bound to a slot: the sequence's history (samples appended at launch)."""
+
+    history: list[int]
+    params: SamplingParams
+    inserted_len: int    # positions below this came with insert; the rest are this engine's samples
+    uncollected: int = 0  # samples launched whose result() was not called yet
+
+
 class MockEngine:
-    """`fail_after_steps`: raise from `step` once that many steps ran (failure injection; 0 fails
-    the next one); `step_sleep_s`: sleep per step, to make scheduling observable."""
+    """`fail_after_steps`: raise from `launch` once that many steps ran (failure injection; 0 fails
+    the next one); `step_sleep_s`: device time per step, to make scheduling observable."""
 
     def __init__(self, max_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                  max_seq_len: int = 128, vocab_size: int = 256,
@@ -43,8 +55,12 @@ class MockEngine:
         self.kv: dict[tuple[int, int], int] = {}  # (page, offset) -> token written there
         # One entry per step: (slot, start_pos, n_tokens, sample) per sequence, in batch order.
         self.step_log: list[tuple[tuple[int, int, int, bool], ...]] = []
-        self._slots: dict[int, tuple[list[int], SamplingParams]] = {}  # slot -> (history, params)
+        # ("launch", step index) and ("collect", step index), in the order they happened
+        self.events: list[tuple[str, int]] = []
+        self._slots: dict[int, _Binding] = {}
         self._lock = threading.Lock()  # tests read the logs while the engine thread writes them
+        self._device_free_at = 0.0     # when the last launched step's modelled device time ends
+        self._collected = 0            # steps whose result() was called
 
     @property
     def compile_count(self) -> int:
@@ -83,7 +99,8 @@ class MockEngine:
         with self._lock:
             if slot in self._slots:
                 raise MockEngineError(f"insert into occupied slot {slot}; free it first")
-            self._slots[slot] = (list(state.prompt_ids) + list(state.output_ids), state.params)
+            history = list(state.prompt_ids) + list(state.output_ids)
+            self._slots[slot] = _Binding(history, state.params, len(history))
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)
@@ -91,8 +108,9 @@ class MockEngine:
             self._slots.pop(slot, None)
 
     def step(self, batch: StepBatch) -> list[Sampled]:
-        if self.step_sleep_s:
-            time.sleep(self.step_sleep_s)
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch) -> "MockStep":
         with self._lock:
             fail_at = self.fail_after_steps
             if fail_at is not None and len(self.step_log) >= fail_at:
@@ -103,10 +121,11 @@ class MockEngine:
             slots = [s.slot for s in batch.seqs]
             if len(set(slots)) != len(slots):
                 raise MockEngineError(f"a slot appears twice in one step: {slots}")
-            for seq in batch.seqs:
+            seqs = [self._resolve(seq) for seq in batch.seqs]
+            for seq in seqs:
                 self._check_seq(seq)
             written: set[tuple[int, int]] = set()
-            for seq in batch.seqs:
+            for seq in seqs:
                 for i, token in enumerate(seq.token_ids):
                     where = self._where(seq.page_ids, seq.start_pos + i)
                     if where in written:
@@ -114,16 +133,48 @@ class MockEngine:
                                               f"{where[1]} in one step")
                     written.add(where)
                     self.kv[where] = int(token)
-            out = [self._sample(seq) for seq in batch.seqs if seq.sample]
+            out = [self._sample(seq) for seq in seqs if seq.sample]
+            bindings = [self._slots[seq.slot] for seq in seqs if seq.sample]
+            for binding in bindings:
+                binding.uncollected += 1
+            index = len(self.step_log)
             self.step_log.append(tuple((s.slot, s.start_pos, len(s.token_ids), s.sample)
                                        for s in batch.seqs))
-        return out
+            self.events.append(("launch", index))
+            self._device_free_at = max(time.monotonic(), self._device_free_at) + self.step_sleep_s
+            return MockStep(self, index, out, bindings, self._device_free_at)
+
+    def _collect(self, step: "MockStep") -> None:
+        with self._lock:
+            if step.index != self._collected:
+                raise MockEngineError(f"result() of step {step.index} before step {self._collected}'s")
+            self._collected += 1
+            for binding in step.bindings:
+                binding.uncollected -= 1
+            self.events.append(("collect", step.index))
+
+    def _resolve(self, seq: StepSeq) -> StepSeq:
+        """The step with PREVIOUS_SAMPLE replaced by the slot's latest sample, as a device would."""
+        if PREVIOUS_SAMPLE not in seq.token_ids:
+            return seq
+        binding = self._slots.get(seq.slot)
+        if binding is None:
+            raise MockEngineError(f"step on slot {seq.slot}, which was never inserted")
+        if len(seq.token_ids) != 1 or seq.start_pos != len(binding.history) - 1 \
+                or seq.start_pos < binding.inserted_len:
+            raise MockEngineError(f"slot {seq.slot}: PREVIOUS_SAMPLE at {seq.start_pos} in a chunk of "
+                                  f"{len(seq.token_ids)}; only a decode of the slot's latest sample "
+                                  f"(position {len(binding.history) - 1}) may feed it")
+        if binding.params.constraint is not None and binding.uncollected:
+            raise MockEngineError(f"slot {seq.slot} is grammar-constrained: its latest sample must be "
+                                  "collected before the step that feeds it")
+        return dataclasses.replace(seq, token_ids=(binding.history[-1],))
 
     def _check_seq(self, seq: StepSeq) -> None:
         """The tokens are the slot's history at those positions, and its pages hold the rest."""
         if seq.slot not in self._slots:
             raise MockEngineError(f"step on slot {seq.slot}, which was never inserted")
-        history, _ = self._slots[seq.slot]
+        history = self._slots[seq.slot].history
         n, start, end = len(seq.token_ids), seq.start_pos, seq.end_pos
         if n == 0:
             raise MockEngineError(f"slot {seq.slot}: a sequence with no tokens")
@@ -145,7 +196,8 @@ class MockEngine:
         self._where(seq.page_ids, end - 1)  # the pages cover the chunk
 
     def _sample(self, seq: StepSeq) -> Sampled:
-        history, params = self._slots[seq.slot]
+        binding = self._slots[seq.slot]
+        history, params = binding.history, binding.params
         token = (seq.token_ids[-1] + 1) % self.vocab_size
         history.append(token)
         logprob = None
@@ -166,3 +218,21 @@ class MockEngine:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise MockEngineError(f"slot {slot} out of range [0, {self.max_slots})")
+
+
+class MockStep:
+    """A launched MockEngine step: result() waits out its modelled device time, then hands out the
+    samples (collect in launch order)."""
+
+    def __init__(self, engine: MockEngine, index: int, samples: list[Sampled],
+                 bindings: list[_Binding], done_at: float) -> None:
+        self.index, self.bindings = index, bindings
+        self._engine, self._samples, self._done_at = engine, samples, done_at
+        self._collected = False
+
+    def result(self) -> list[Sampled]:
+        if not self._collected:
+            time.sleep(max(0.0, self._done_at - time.monotonic()))
+            self._engine._collect(self)
+            self._collected = True
+        return self._samples

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from engine import compile_count
-from engine.api import Sampled, SlotState, StepBatch
+from engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch
 from engine.buckets import Buckets
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from engine.request import TokenLogprob
@@ -45,7 +45,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     kv_cache_memory: int = 768 << 20        # bytes for K/V pages (17k f32 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
-    max_num_batched_tokens: int = 256       # tokens per step: decodes plus prefill chunks
+    max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
     quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
@@ -220,6 +220,7 @@ class JaxEngine:
 
     @property
     def num_programs(self) -> int:
+        """Model and sampling programs (the tiny per-bucket helpers of _PreviousSamples aside)."""
         return len(self.buckets.token_counts) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
@@ -240,6 +241,7 @@ class JaxEngine:
         self.output_counts, self.prompt_mask = self._set_row_jit(
             self.output_counts, self.prompt_mask, np.int32(self.max_slots),
             np.zeros(self.vocab_size, np.int32), np.zeros(self.vocab_size, bool))
+        self._previous.warm(self.buckets)
         self.compile_seconds = time.perf_counter() - start
 
     def _exe(self, table: dict, shape: int, jitted, args_fn):
@@ -318,9 +320,30 @@ class JaxEngine:
 
     def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
         t, inputs, sample_slots = self.step_inputs(batch)
+        if (feed := self._previous_sources(batch, inputs[0], inputs[4])) is not None:
+            inputs = (self._previous.substitute(inputs[0], feed), *inputs[1:])
         model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         logits, self.cache = model(self.params, self.cache, *inputs)
         return t, logits, sample_slots
+
+    def _previous_sources(self, batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np.ndarray | None:
+        """i32[T]: the slot whose latest sample each PREVIOUS_SAMPLE position feeds, -1 elsewhere;
+        None when the batch feeds none."""
+        where = np.flatnonzero(tokens == PREVIOUS_SAMPLE)
+        if where.size == 0:
+            return None
+        src = np.full(len(tokens), -1, np.int32)
+        for pos, i in zip(where, np.searchsorted(cu, where, side="right") - 1):
+            seq = batch.seqs[i]
+            if len(seq.token_ids) != 1:
+                raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
+                                 f"decode's one token, got a chunk of {len(seq.token_ids)}")
+            src[pos] = seq.slot
+        return src
+
+    @functools.cached_property
+    def _previous(self) -> "_PreviousSamples":
+        return _PreviousSamples(self.max_slots)
 
     def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray | jax.Array:
         """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
@@ -343,10 +366,17 @@ class JaxEngine:
         return np.asarray(logits[:len(sample_slots)])
 
     def step(self, batch: StepBatch) -> list[Sampled]:
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch) -> "LaunchedStep":
+        for seq in batch.seqs:  # a grammar's mask needs the slot's latest token on the host
+            if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self._unadvanced:
+                raise ValueError(f"slot {seq.slot} is grammar-constrained and its latest sample is not "
+                                 "collected yet; collect the step in flight before launching its next one")
         t, logits, sample_slots = self._run_model(batch)
         n = len(sample_slots)
         if n == 0:
-            return []
+            return LaunchedStep(self, None, [])
         b = self.buckets.sample_rows(t)
         slot_ids = np.full(b, self.max_slots, np.int32)
         slot_ids[:n] = sample_slots
@@ -358,19 +388,85 @@ class JaxEngine:
         result, (self.output_counts, self.prompt_mask) = sampler(
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
         self._slot_steps[slot_ids[:n]] += 1
-        host: SampleResult = jax.device_get(result)  # the step's one device -> host copy
-        if self._matchers:
+        self._previous.record(slot_ids, result.token)
+        for leaf in jax.tree.leaves(result):
+            leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
+        # what the samples are read with is taken now: the slots may be rebound before result()
+        rows = [(int(self._slot_logprobs[slot]), self._matchers.get(slot)) for slot in sample_slots]
+        self._unadvanced.update(m for _, m in rows if m is not None)
+        return LaunchedStep(self, result, rows)
+
+    @functools.cached_property
+    def _unadvanced(self) -> set:
+        """Grammar matchers whose latest sample is launched but not collected."""
+        return set()
+
+
+class LaunchedStep:
+    """A launched step; result() waits for its samples (the engine's StepResult)."""
+
+    def __init__(self, engine: JaxEngine, result: SampleResult | None,
+                 rows: list[tuple[int, Matcher | None]]) -> None:
+        self._engine, self._result, self._rows = engine, result, rows  # rows: (logprobs k, matcher)
+        self._samples: list[Sampled] | None = None
+
+    def result(self) -> list[Sampled]:
+        if self._samples is None:
+            self._samples = self._collect()
+        return self._samples
+
+    def _collect(self) -> list[Sampled]:
+        if self._result is None:
+            return []
+        host: SampleResult = jax.device_get(self._result)
+        engine, tokens = self._engine, host.token.tolist()
+        if any(m is not None for _, m in self._rows):
             start = time.perf_counter()
-            for i, slot in enumerate(sample_slots):
-                if (matcher := self._matchers.get(slot)) is not None:
-                    matcher.advance(int(host.token[i]))
-            self.advance_seconds += time.perf_counter() - start
+            for (_, matcher), token in zip(self._rows, tokens):
+                if matcher is not None:
+                    matcher.advance(token)
+                    engine._unadvanced.discard(matcher)
+            engine.advance_seconds += time.perf_counter() - start
         out = []
-        for i, slot in enumerate(sample_slots):
-            k = int(self._slot_logprobs[slot])
+        for i, ((k, _), token) in enumerate(zip(self._rows, tokens)):
             lp = None
             if k >= 0:
                 top = tuple((int(host.top_ids[i, j]), float(host.top_logprobs[i, j])) for j in range(k))
-                lp = TokenLogprob(int(host.token[i]), float(host.logprob[i]), top)
-            out.append(Sampled(int(host.token[i]), lp))
+                lp = TokenLogprob(token, float(host.logprob[i]), top)
+            out.append(Sampled(token, lp))
         return out
+
+
+def _substitute(tokens: jax.Array, src: jax.Array, last: jax.Array) -> jax.Array:
+    """tokens i32[T] with each position whose src i32[T] names a slot replaced by last[slot]."""
+    return jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
+
+
+def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
+    """last i32[S+1] with each sampled row's slot set to its token (padding rows hit scratch row S)."""
+    return last.at[slot_ids].set(tokens)
+
+
+class _PreviousSamples:
+    """Each slot's latest sample, kept on the device, so that a step can feed a decode the token of
+    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). Two tiny programs: one
+    records a step's samples, one substitutes them into the next step's tokens."""
+
+    def __init__(self, max_slots: int) -> None:
+        self.last = jnp.zeros(max_slots + 1, jnp.int32)
+        self._scratch = max_slots
+        self._record = jax.jit(_record, donate_argnums=(0,))
+        self._substitute = jax.jit(_substitute)
+
+    def warm(self, buckets: Buckets) -> None:
+        """Compile both programs for every bucket now, so steady state never compiles."""
+        for b in buckets.sample_row_counts:
+            self.record(np.full(b, self._scratch, np.int32), jnp.zeros(b, jnp.int32))
+        for t in buckets.token_counts:
+            self.substitute(np.zeros(t, np.int32), np.full(t, -1, np.int32))
+
+    def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
+        self.last = self._record(self.last, slot_ids, tokens)
+
+    def substitute(self, tokens: np.ndarray, src: np.ndarray) -> jax.Array:
+        return self._substitute(tokens, src, self.last)

@@ -1,7 +1,8 @@
 """The scheduling decision for one engine step, as plain host state in and a plain batch description
-out: admission with prefix-cache matching, page growth with preemption, and the token budget split
-(every decode first, then prefill chunks). No engine calls, no threads, no JAX; not thread-safe
-(the scheduler guards it with its lock)."""
+out: admission with prefix-cache matching, page growth with preemption, the token budget split
+(every decode first, then prefill chunks), and whether the next step may be launched before the
+in-flight step's samples are back. No engine calls, no threads, no JAX; not thread-safe (the
+scheduler guards it with its lock)."""
 from __future__ import annotations
 
 import bisect
@@ -105,6 +106,9 @@ class StepPlanner:
         i = 0
         while i < len(self.waiting) and self.free_slots:
             seq = self.waiting[i]
+            if seq.in_flight:  # preempted with a sample still in flight: once it is back
+                i += 1
+                continue
             head = seq.first_page(self.page_size) if self.blocks.prefix is not None else ()
             if head and head in prefilling:
                 i += 1
@@ -153,9 +157,10 @@ class StepPlanner:
                     return False
             return True
 
-        # Decodes: one token left to feed (the last sampled one, or the last token of a prompt
-        # whose other tokens were cached); one each, oldest first (they get pages first).
-        for seq in [s for s in self.running if s.remaining == 1]:
+        # Decodes: one token left to feed (the last sampled one, maybe still in flight, or the last
+        # token of a prompt whose other tokens were cached); one each, oldest first (they get pages
+        # first). A sequence whose sample in flight is its last waits for it to end it.
+        for seq in [s for s in self.running if s.remaining == 1 and not s.last_in_flight]:
             if left() == 0:
                 break
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
@@ -172,19 +177,33 @@ class StepPlanner:
         return Plan(chunks, preempted, freed)
 
     def advance(self, plan: Plan) -> bool:
-        """The step ran: its tokens' KV is written. Registers finished prefills with the prefix
-        cache; True when that may let waiting siblings in."""
+        """The step is launched: its tokens' KV is written before any later step reads it, and each
+        sampling chunk has one sample in flight. Registers finished prefills with the prefix cache;
+        True when that may let waiting siblings in."""
         registered = False
         for c in plan.chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING:
                 continue
             seq.num_computed = c.end
+            if c.sample:
+                seq.in_flight += 1
             if c.start < seq.prefill_end <= c.end and self.blocks.register(seq):
                 registered = True
         if registered:
             self._epoch += 1
         return registered
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be planned and launched before the in-flight step's samples
+        are back. Not when a sequence needs its latest token on the host (a grammar's next mask),
+        nor when a request waits for the slot or pages a finishing one would free. A step planned
+        ahead also leaves out requests that arrive meanwhile, one step later than without overlap:
+        so only when every slot is taken (an arrival could not start anyway), or when one sequence
+        runs alone (its steps are the shortest, and host time the largest share of them)."""
+        if self.waiting or any(s.request.params.constraint is not None for s in self.running):
+            return False
+        return not self.free_slots or len(self.running) == 1
 
     def preempt(self, seq: Sequence) -> int | None:
         """Recompute later: drop slot and pages, keep the output, requeue at the front. Returns

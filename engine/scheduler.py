@@ -1,6 +1,10 @@
 """Continuous batching on one engine thread: a thin loop that takes cancellations, asks the planner
 (engine/schedule.py) what the next ragged step runs, binds admitted sequences to their slots, runs
-the step and hands the sampled tokens to the output side. Plain Python: no JAX here."""
+the step and hands the sampled tokens to the output side. Plain Python: no JAX here.
+
+One step stays in flight while the next is planned and launched, when the planner allows it: the
+device then runs step N+1 while this thread collects step N's samples and hands them on (decodes
+of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE)."""
 from __future__ import annotations
 
 import collections
@@ -11,12 +15,12 @@ import threading
 import time
 from typing import Callable
 
-from engine.api import Engine, SlotState
+from engine.api import Engine, SlotState, StepResult
 from engine.block_manager import BlockManager
 from engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
 from engine.request import FinishReason, Request
 from engine.schedule import Plan, StepPlanner
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -108,6 +112,7 @@ class Scheduler:
         # Engine thread only.
         self._records: list[Emit] = []      # this iteration's output, sent once at its end
         self._unbind: list[int] = []        # slots of sequences that left, for engine.free
+        self._in_flight: tuple[Plan, StepResult] | None = None  # launched, samples not collected
         # Counters, from the engine, submit and output threads.
         self._stats_lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -276,6 +281,7 @@ class Scheduler:
         planner = self._planner
         with self._cv:
             while not (planner.waiting or planner.running or self._drops or self._force_stop
+                       or self._in_flight is not None
                        or (self._state != "running" and not self._live)):
                 self._cv.wait()  # idle: no spinning, woken by submit/cancel/shutdown
             if self._force_stop:
@@ -286,25 +292,46 @@ class Scheduler:
             drops, self._drops = self._drops, {}
             for request_id, counted in drops.items():
                 self._drop(request_id, counted, records)
+        self._admit_and_insert(records)
+        if self._in_flight is not None:
+            with self._cv:
+                overlap = planner.can_overlap()
+            if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
+                self._collect(records)
+                self._admit_and_insert(records)
+        with self._cv:
+            plan = planner.plan()
+            self._unbind.extend(plan.freed_slots)
+            planner.advance(plan)
+        if plan.preempted:
+            self._count(self._counts, "preemptions", len(plan.preempted))
+        self._count(self._counts, "prefilled_tokens", plan.prefill_tokens)
+        self._unbind_slots()
+        launched = (plan, self._engine.launch(plan.batch())) if plan.chunks else None
+        if self._in_flight is not None:  # step N's host work, while step N + 1 runs
+            self._collect(records)
+        self._in_flight = launched
+        self._output.put(records)
+        return True
+
+    def _admit_and_insert(self, records: list[Emit]) -> None:
+        with self._cv:
             admitted = self._admit(records)
         self._unbind_slots()
         failed = [(seq, error) for seq in admitted if (error := self._insert(seq)) is not None]
-        with self._cv:
-            for seq, error in failed:
-                self._retire(seq)
-                records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
-            plan = planner.plan()
-            self._unbind.extend(plan.freed_slots)
-        if plan.preempted:
-            self._count(self._counts, "preemptions", len(plan.preempted))
-        self._unbind_slots()
-        if plan.chunks:
-            sampled = self._engine.step(plan.batch())
+        if failed:
             with self._cv:
-                self._apply(plan, sampled, records)
-            self._unbind_slots()
-        self._output.put(records)
-        return True
+                for seq, error in failed:
+                    self._retire(seq)
+                    records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
+
+    def _collect(self, records: list[Emit]) -> None:
+        """Wait for the step in flight and apply its samples."""
+        (plan, result), self._in_flight = self._in_flight, None
+        sampled = result.result()
+        with self._cv:
+            self._apply(plan, sampled, records)
+        self._unbind_slots()
 
     def _drop(self, request_id: str, counted: bool, records: list[Emit]) -> None:
         seq = self._live.get(request_id)
@@ -342,16 +369,18 @@ class Scheduler:
         return None
 
     def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> None:
-        """The step ran: advance progress, append the sampled tokens, finish what is done."""
+        """The step ran: append the sampled tokens, finish what is done. A sequence that left
+        while the step was in flight drops its sample; a preempted one keeps it."""
         seqs = plan.sampled
         if len(sampled) != len(seqs):
             raise RuntimeError(f"engine returned {len(sampled)} samples for {len(seqs)} "
                                "sampling sequences")
-        self._planner.advance(plan)
-        self._count(self._counts, "prefilled_tokens", plan.prefill_tokens)
-        self._count(self._counts, "generated_tokens", len(seqs))
+        kept = 0
         for seq, s in zip(seqs, sampled):
-            seq.output_ids.append(s.token_id)
+            if seq.status is Status.FINISHED:
+                continue
+            kept += 1
+            seq.add_sample(s.token_id)
             finish = seq.check_finish(s.token_id, self._engine.eos_token_ids,
                                       self._engine.max_seq_len)
             want_logprobs = seq.request.params.logprobs is not None
@@ -359,6 +388,7 @@ class Scheduler:
                                 finish_reason=finish))
             if finish is not None:
                 self._retire(seq)
+        self._count(self._counts, "generated_tokens", kept)
 
     def _retire(self, seq: Sequence) -> None:
         """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from engine.api import PREVIOUS_SAMPLE
 from engine.request import FinishReason, Request
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ class Sequence:
     order: int                        # submit order: FCFS tie-break within a priority
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # Samples of launched steps not collected yet: their positions count as tokens (a decode may
+    # feed one as PREVIOUS_SAMPLE), their values are still on the device.
+    in_flight: int = 0
     preempted: bool = False           # back in the queue after a preemption: goes first
     # Set on admission, cleared on preemption or finish.
     slot: int | None = None
@@ -44,7 +48,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens plus the samples in flight."""
+        return self.num_known + self.in_flight
+
+    @property
+    def num_known(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_in_flight(self) -> bool:
+        """Its sample in flight reaches max_tokens: no step may feed it (it ends the sequence)."""
+        return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.request.params.max_tokens
+
+    def add_sample(self, token_id: int) -> None:
+        """The oldest sample in flight came back."""
+        self.output_ids.append(token_id)
+        self.in_flight -= 1
 
     @property
     def remaining(self) -> int:
@@ -61,7 +80,11 @@ class Sequence:
         return [*self.request.prompt_ids, *self.output_ids]
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """tokens[start:end] without copying the whole history (a decode needs one token)."""
+        """tokens[start:end] without copying the whole history (a decode needs one token); a
+        position whose sample is in flight reads PREVIOUS_SAMPLE."""
+        known = self.num_known
+        if end > known:
+            return (*self.token_slice(start, known), *[PREVIOUS_SAMPLE] * (end - max(start, known)))
         prompt = self.request.prompt_ids
         if start >= len(prompt):
             return tuple(self.output_ids[start - len(prompt):end - len(prompt)])
@@ -91,6 +114,6 @@ class Sequence:
             return FinishReason.STOP
         if len(self.output_ids) >= params.max_tokens:
             return FinishReason.LENGTH
-        if self.num_tokens >= max_seq_len:
+        if self.num_known >= max_seq_len:
             return FinishReason.LENGTH
         return None

@@ -37,7 +37,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=int(_env("max-seq-len", 2048)))
     p.add_argument("--page-size", type=int, default=int(_env("page-size", 16)))
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(_env("kv-cache-memory", "768MiB")))
-    p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max-num-batched-tokens", 256)),
+    p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max-num-batched-tokens", 288)),
                    help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "
                         "power-of-two ladder up to it")
     p.add_argument("--quantize", default=_env("quantize", "auto"),

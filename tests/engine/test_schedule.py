@@ -7,7 +7,7 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from engine.api import SlotState
+from engine.api import PREVIOUS_SAMPLE, SlotState
 from engine.block_manager import BlockManager
 from engine.mock_engine import MockEngine
 from engine.request import Request, SamplingParams
@@ -23,8 +23,8 @@ def planner(*, budget: int = 16, max_slots: int = 4, page_size: int = 4, num_pag
                        token_budget=budget)
 
 
-def seq(prompt, max_tokens: int = 8, priority: int = 0) -> Sequence:
-    request = Request(prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens),
+def seq(prompt, max_tokens: int = 8, priority: int = 0, **params) -> Sequence:
+    request = Request(prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens, **params),
                       priority=priority)
     return Sequence(request, tracker=None, order=next(_order))
 
@@ -54,10 +54,10 @@ class Driver:
         for slot in plan.freed_slots:
             self.engine.free(slot)
         if plan.chunks:
-            sampled = self.engine.step(plan.batch())
             self.p.advance(plan)
+            sampled = self.engine.step(plan.batch())
             for s, out in zip(plan.sampled, sampled):
-                s.output_ids.append(out.token_id)
+                s.add_sample(out.token_id)
                 if len(s.output_ids) >= s.request.params.max_tokens:
                     self.engine.free(self.p.finish(s))
         return plan
@@ -70,8 +70,117 @@ class Driver:
         raise AssertionError("did not drain")
 
 
+class PipelinedDriver(Driver):
+    """The scheduler loop's overlap: while the planner allows it, step N+1 is planned and launched
+    before step N's samples are applied (its decodes feed them as PREVIOUS_SAMPLE)."""
+
+    def __init__(self, p: StepPlanner, engine: MockEngine, stop_at: int | None = None) -> None:
+        super().__init__(p, engine)
+        self.in_flight = None
+        self.stop_at = stop_at  # a sampled token that ends its sequence (an EOS)
+        self.batches = []
+
+    def admit(self) -> None:
+        for s in self.p.admit().admitted:
+            self.engine.insert(s.slot, SlotState(s.request.prompt_ids, tuple(s.output_ids),
+                                                 s.request.params))
+            s.inserted = True
+
+    def step(self) -> Plan:
+        self.admit()
+        if self.in_flight is not None and not self.p.can_overlap():
+            self.collect()
+            self.admit()
+        plan = self.p.plan()
+        for slot in plan.freed_slots:
+            self.engine.free(slot)
+        self.p.advance(plan)
+        launched = None
+        if plan.chunks:
+            self.batches.append(plan.batch())
+            launched = (plan, self.engine.launch(self.batches[-1]))
+        if self.in_flight is not None:
+            self.collect()
+        self.in_flight = launched
+        return plan
+
+    def collect(self) -> None:
+        (plan, result), self.in_flight = self.in_flight, None
+        for s, out in zip(plan.sampled, result.result()):
+            if s.status is Status.FINISHED:
+                continue  # it left while the step was in flight
+            s.add_sample(out.token_id)
+            if len(s.output_ids) >= s.request.params.max_tokens or out.token_id == self.stop_at:
+                slot = self.p.finish(s)
+                if slot is not None:
+                    self.engine.free(slot)
+
+    def run(self, max_steps: int = 1000) -> int:
+        for n in range(max_steps):
+            if not (self.p.waiting or self.p.running or self.in_flight):
+                return n
+            self.step()
+        raise AssertionError("did not drain")
+
+
 def chain(prompt, n: int) -> list[int]:
     return [(prompt[-1] + 1 + i) % 256 for i in range(n)]
+
+
+def test_with_a_step_in_flight_decodes_feed_its_samples_and_stop_at_max_tokens():
+    p = planner(budget=8, max_slots=2)  # every slot taken: steps overlap
+    engine = MockEngine(max_slots=2, max_num_batched_tokens=8)
+    d = PipelinedDriver(p, engine)
+    a, b = seq([40, 41], max_tokens=4), seq([50, 51, 52], max_tokens=2)
+    d.submit(a, b)
+    assert d.run() == 5  # the last iteration only collects
+    assert a.output_ids == chain([41], 4) and b.output_ids == chain([52], 2)
+    # each step after the first is launched before the previous one's samples are collected
+    assert engine.events[:4] == [("launch", 0), ("launch", 1), ("collect", 0), ("launch", 2)]
+    # the same steps as without overlap: no decode past max_tokens
+    assert engine.steps == [((0, 0, 2, True), (1, 0, 3, True)), ((0, 2, 1, True), (1, 3, 1, True)),
+                            ((0, 3, 1, True),), ((0, 4, 1, True),)]
+    assert [[s.token_ids for s in batch.seqs] for batch in d.batches[1:]] == \
+        [[(PREVIOUS_SAMPLE,), (PREVIOUS_SAMPLE,)], [(PREVIOUS_SAMPLE,)], [(PREVIOUS_SAMPLE,)]]
+    assert engine.occupied_slots == [] and p.pages_used == 0
+
+
+def test_a_stop_token_with_a_step_in_flight_drops_the_step_after_it():
+    p = planner(budget=8)
+    engine = MockEngine(max_num_batched_tokens=8)
+    d = PipelinedDriver(p, engine, stop_at=43)
+    a = seq([40, 41], max_tokens=10)
+    d.submit(a)
+    d.run()
+    assert a.output_ids == [42, 43]  # the decode launched after 43 was dropped, not appended
+    assert len(engine.steps) == 3 and engine.occupied_slots == []
+
+
+def test_overlap_only_when_no_arrival_could_start_sooner_and_no_grammar_needs_its_token():
+    p = planner(max_slots=3)
+    seqs = [seq([40 + i]) for i in range(4)]
+    p.enqueue(seqs[0])
+    p.admit()
+    assert p.can_overlap()  # one sequence alone
+    p.enqueue(seqs[1])
+    p.admit()
+    assert not p.can_overlap()  # a free slot: an arrival would start one step later
+    p.enqueue(seqs[2])
+    p.admit()
+    assert p.can_overlap()  # every slot taken
+    p.enqueue(seqs[3])
+    assert not p.can_overlap()  # it waits for the slot a finishing sequence frees
+    constrained = planner(max_slots=1)
+    constrained.enqueue(seq([40], constraint=_AnyGrammar()))
+    constrained.admit()
+    assert not constrained.can_overlap()
+
+
+class _AnyGrammar:
+    """Stands for a compiled grammar: the planner only asks whether a request has one."""
+
+    def matcher(self):
+        raise AssertionError("the planner never builds matchers")
 
 
 def test_decodes_first_then_prefill_chunks_in_the_rest_of_the_budget():
@@ -242,12 +351,12 @@ def test_pages_used_counts_running_requests_and_cached_pages_apart():
 @given(prompts=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.booleans(),
                                   st.none() | st.integers(0, 30)), min_size=1, max_size=10),
        budget=st.integers(1, 20), num_pages=st.integers(8, 24), prefix=st.booleans(),
-       max_slots=st.integers(1, 4))
+       max_slots=st.integers(1, 4), overlap=st.booleans())
 def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_pages, prefix,
-                                                          max_slots):
+                                                          max_slots, overlap):
     p = planner(budget=budget, max_slots=max_slots, num_pages=num_pages, prefix=prefix)
     engine = MockEngine(max_slots=max_slots, num_pages=num_pages, max_num_batched_tokens=budget)
-    d = Driver(p, engine)
+    d = PipelinedDriver(p, engine) if overlap else Driver(p, engine)
     shared = list(range(40, 52))
     seqs, cancel_at = [], {}
     for length, max_tokens, share, cancel in prompts:
@@ -262,7 +371,7 @@ def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_p
             slot = p.finish(s)  # cancelled while waiting or running
             if slot is not None:
                 engine.free(slot)
-        if not (p.waiting or p.running):
+        if not (p.waiting or p.running or getattr(d, "in_flight", None)):
             break
         d.step()
     for s in seqs:

@@ -308,3 +308,50 @@ def test_metrics_listener_gets_queue_time_ttft_and_token_latencies():
     assert m2.ttft_s >= m2.queue_time_s
     assert len(m1.tpot_s) == 9 and all(t >= 0.004 for t in m1.tpot_s)
     assert m1.finish_reason is FinishReason.LENGTH
+
+
+# ---- one step in flight while the next is planned -------------------------------------------------
+
+def _overlapped(engine: MockEngine) -> int:
+    """Steps launched before the previous step's samples were collected."""
+    events = engine.events
+    return sum(1 for i, (kind, k) in enumerate(events)
+               if kind == "launch" and k > 0 and ("collect", k - 1) in events[i + 1:])
+
+
+def test_decode_steps_launch_before_the_previous_samples_come_back():
+    engine = MockEngine(max_slots=3, step_sleep_s=0.002)
+    with running(engine) as sched:
+        prompts = [[40], [50, 51], [60, 61, 62]]
+        streams = [sched.submit(req(p, 30)) for p in prompts]
+        for p, s in zip(prompts, streams):
+            assert s.result(timeout=WAIT).token_ids == chain(p, 30)
+        assert sched.stats().generated_tokens == 90
+        assert_all_released(sched, engine)
+    assert _overlapped(engine) >= 25  # steady decoding: (nearly) every step overlaps its successor
+
+
+def test_a_stop_token_ends_the_output_though_the_next_step_was_in_flight():
+    engine = MockEngine(eos_token_ids=frozenset({45}), step_sleep_s=0.002)
+    with running(engine) as sched:
+        done = sched.submit(req([40], 20)).result(timeout=WAIT)
+        assert done.token_ids == [41, 42, 43, 44, 45] and done.finish_reason is FinishReason.STOP
+        # the decode launched after 45 (before 45 was seen) is computed and dropped
+        wait_for(lambda: ("collect", 5) in engine.events)
+        assert sum(len(step) for step in engine.steps) == 6
+        assert sched.stats().generated_tokens == 5
+        assert_all_released(sched, engine)
+
+
+def test_cancel_with_its_decode_in_flight_leaves_the_others_exact():
+    engine = MockEngine(max_slots=2, step_sleep_s=0.005)
+    with running(engine) as sched:
+        doomed, other = sched.submit(req([40], 60)), sched.submit(req([50], 60))
+        wait_for(lambda: len(engine.steps) >= 5)
+        doomed.cancel()
+        done = doomed.result(timeout=WAIT)
+        assert done.finish_reason is FinishReason.CANCELLED
+        assert done.token_ids == chain([40], len(done.token_ids))  # nothing after the cancel
+        assert other.result(timeout=WAIT).token_ids == chain([50], 60)
+        assert_all_released(sched, engine)
+    assert _overlapped(engine) > 0

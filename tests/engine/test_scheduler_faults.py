@@ -122,10 +122,10 @@ class FailsAfterFree(MockEngine):
         super().free(slot)
         self.freed = True
 
-    def step(self, batch):
+    def launch(self, batch):
         if self.freed:
             raise RuntimeError("device lost")
-        return super().step(batch)
+        return super().launch(batch)
 
 
 def test_failure_in_the_step_that_cancelled_still_ends_every_stream():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.request import InvalidParam, SamplingParams
+from engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
+from engine.request import InvalidParam, Request, SamplingParams
 from engine.sampling import apply_token_bitmask
 from engine.structured import MAX_SOURCE_CHARS, Constraint, GrammarCompiler, MaskFiller
 
@@ -179,6 +179,45 @@ def test_constrained_and_free_rows_share_a_step_without_recompiling(engine, toke
     generate(engine, tokenizer, [(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=len(ids),
                                                          ignore_eos=True)), (prompt, free)])
     assert engine.compile_count == before
+
+
+def test_a_constrained_slot_is_not_fed_before_its_sample_is_collected(engine, tokenizer, compiler):
+    """Its next mask needs the token on the host: the engine refuses to launch ahead of it."""
+    grammar = compiler.compile(Constraint("regex", "[0-9]{3}"))
+    prompt = tokenizer.encode("Answer:", add_special_tokens=False)
+    engine.insert(0, SlotState(tuple(prompt), (), SamplingParams(temperature=0.0, max_tokens=5, constraint=grammar)))
+    pages = list(range(1, 17))
+    try:
+        first = engine.launch(StepBatch((StepSeq(0, prompt, 0, pages, True),)))
+        with pytest.raises(ValueError, match="grammar-constrained"):
+            engine.launch(StepBatch((StepSeq(0, [PREVIOUS_SAMPLE], len(prompt), pages, True),)))
+        token = first.result()[0].token_id
+        second = engine.step(StepBatch((StepSeq(0, [token], len(prompt), pages, True),)))[0].token_id
+        assert tokenizer.decode([token, second]).isdigit()
+    finally:
+        engine.free(0)
+
+
+def test_scheduler_runs_constrained_and_free_requests_together_exactly(engine, tokenizer, compiler):
+    """The scheduler never launches a constrained sequence's next step ahead of its sample (the engine
+    would refuse), overlaps steps when no grammar runs, and every output equals the host loop's."""
+    from engine.scheduler import Scheduler
+
+    prompt = tokenizer.encode("Answer:", add_special_tokens=False)
+    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=12,
+                                 constraint=compiler.compile(Constraint("regex", "[0-9]{3}-[a-z]{2}")))
+    free = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    want = [ids for _, _, ids in generate(engine, tokenizer, [(prompt, constrained), (prompt, free)])]
+    scheduler = Scheduler(engine, tokenizer)
+    scheduler.start()
+    try:
+        alone = scheduler.submit(Request(prompt, free)).result(timeout=120)
+        both = [scheduler.submit(Request(prompt, p)) for p in (constrained, free)]
+        together = [s.result(timeout=120) for s in both]
+    finally:
+        scheduler.shutdown(timeout=5)
+    assert [c.error for c in together] == [None, None]
+    assert [c.token_ids for c in together] == want and alone.token_ids == want[1]
 
 
 def test_preempted_sequence_resumes_its_grammar(engine, tokenizer, compiler):

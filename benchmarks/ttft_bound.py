@@ -1,0 +1,132 @@
+"""A lower bound on TTFT p90 for the serving benchmark's first wave, from this machine's prefill speed.
+
+When `concurrency` prompts of `input_len` tokens arrive at once, the k-th prompt to get its first
+token cannot do so before k * input_len / X seconds, X being the best prefill throughput (tok/s):
+each prompt's tokens must all be computed first, whatever the schedule. The other requests of the
+run only add values, so the run's p90 (numpy's linear percentile over `num_prompts` TTFTs, as the
+bench client computes it) is at least the interpolation of the first wave's matching order
+statistics. X is taken twice: measured (one pure prefill step of the engine) and an upper limit
+(the model's matmul FLOPs per token at XLA's measured dot throughput for the model's shapes).
+Each is timed by the wall clock and by the process's CPU time spread over every core: on a shared
+host the second is what a quiet machine would at best reach (perfect scaling, no other load), so
+the bound uses it.
+
+    .venv/bin/python -m benchmarks.ttft_bound [--quantize none] [--input-len 256] [--concurrency 32]
+        [--num-prompts 128] [--old-p90-ms 11601]
+
+Measured (AMD EPYC, 2 cores, f32, load ~3.8 from other jobs; --old-p90-ms 11601, old main's quiet p90):
+pure 256-token prefill step wall 760 ms, CPU/cores 313 ms = 818 tok/s; layer matmuls alone CPU/cores
+287 ms = 189 GFLOP/s = 891 tok/s. p90 >= 19.3 x 313 = 6042 ms > 5800 ms (0.5x old): out of reach with
+this engine's prefill; 19.3 x 287 = 5548 ms with nothing but the matmuls at XLA's best.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.startup_bench import cpu_model
+from engine.api import SlotState, StepBatch, StepSeq
+from engine.request import SamplingParams
+from engine.runner import EngineConfig, JaxEngine
+from models.layers import linear
+from models.loader import load_model
+from models.registry import DEFAULT_MODEL, resolve_model
+
+MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def first_wave_p90_bound(seconds_per_prompt: float, concurrency: int, num_prompts: int,
+                         q: float = 90.0) -> float:
+    """Least p90 of num_prompts TTFTs when the first wave's k-th prompt cannot finish before
+    k * seconds_per_prompt: the j-th largest of all is at least the j-th largest of the wave."""
+    pos = q / 100 * (num_prompts - 1)              # numpy's linear interpolation, 0-based ascending
+    lo, frac = math.floor(pos), pos - math.floor(pos)
+
+    def at_least(i: int) -> float:                 # 0-based ascending index -> bound
+        rank_from_top = num_prompts - i            # 1 = the largest
+        k = concurrency - rank_from_top + 1        # that rank within the wave
+        return max(0, k) * seconds_per_prompt
+
+    return at_least(lo) + frac * (at_least(min(lo + 1, num_prompts - 1)) - at_least(lo))
+
+
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(median wall seconds, CPU seconds per call / cores): the second ignores other processes."""
+    jax.block_until_ready(fn())
+    times = []
+    cpu = time.process_time()
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), (time.process_time() - cpu) / reps / (os.cpu_count() or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--quantize", default="none", help="weights (the matmul peak needs float ones)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--old-p90-ms", type=float, default=None, help="the baseline's TTFT p90, for the 0.5x target")
+    args = p.parse_args(argv)
+    n = args.input_len
+    cfg, params = load_model(resolve_model(args.model))
+    engine = JaxEngine(cfg, params, EngineConfig(max_slots=1, max_seq_len=max(2 * n, 512), num_pages=64,
+                                                 max_num_batched_tokens=n, quantize=args.quantize))
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
+    engine.insert(0, SlotState(prompt, [], SamplingParams(temperature=0.0)))
+    pages = list(range(1, 1 + -(-n // engine.page_size)))
+    step_s, step_cpu_s = timed(lambda: engine.step(StepBatch([StepSeq(0, prompt, 0, pages, True)])), args.reps)
+
+    # XLA's dot throughput on the model's own weights and shapes: every layer's matmuls at n rows
+    layers = engine.params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        layers = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)]
+    weights = [[lp[name] for name in MATMULS] for lp in layers]
+    if not all(isinstance(w, jax.Array) for ws in weights for w in ws):
+        raise SystemExit("the matmul peak is measured on float weights: run with --quantize none")
+    flops_per_token = sum(2 * w.shape[0] * w.shape[1] for ws in weights for w in ws)
+
+    @jax.jit
+    def matmuls(weights, inputs):
+        # independent dots, each reduced to a scalar: little but the matmuls is timed
+        return jnp.stack([linear(inputs[w.shape[0]], w).sum() for ws in weights for w in ws])
+
+    inputs = {d: jnp.asarray(rng.standard_normal((n, d), np.float32)).astype(engine.dtype)
+              for d in {w.shape[0] for ws in weights for w in ws}}
+    dot_s, dot_cpu_s = timed(lambda: matmuls(weights, inputs), args.reps)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; weights {engine.weight_mode}, activations {engine.dtype}; "
+          f"jax {jax.__version__}; load {os.getloadavg()}")
+    print(f"pure {n}-token prefill step: wall {step_s * 1e3:.0f} ms = {n / step_s:.0f} tok/s; CPU/cores "
+          f"{step_cpu_s * 1e3:.0f} ms = {n / step_cpu_s:.0f} tok/s "
+          f"({flops_per_token * n / step_cpu_s / 1e9:.0f} GFLOP/s of layer matmuls)")
+    print(f"layer matmuls alone at {n} rows ({flops_per_token / 1e6:.0f} MFLOP/token): wall {dot_s * 1e3:.0f} ms "
+          f"= {flops_per_token * n / dot_s / 1e9:.0f} GFLOP/s; CPU/cores {dot_cpu_s * 1e3:.0f} ms = "
+          f"{flops_per_token * n / dot_cpu_s / 1e9:.0f} GFLOP/s = {n / dot_cpu_s:.0f} tok/s")
+    # seconds per prompt at best: CPU time over all cores (a quiet machine, perfect scaling)
+    for label, per_prompt in (("prefill step", step_cpu_s), ("matmul peak", dot_cpu_s)):
+        bound = first_wave_p90_bound(per_prompt, args.concurrency, args.num_prompts)
+        line = (f"{label}: {per_prompt * 1e3:.0f} ms per prompt -> TTFT p90 over {args.num_prompts} requests "
+                f">= {bound * 1e3:.0f} ms")
+        if args.old_p90_ms:
+            target = 0.5 * args.old_p90_ms
+            line += (f"; target 0.5 x {args.old_p90_ms:.0f} = {target:.0f} ms is "
+                     f"{'out of reach' if bound * 1e3 > target else 'not excluded'}")
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
