@@ -59,7 +59,9 @@ def oracle(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = N
         xq = np.clip(np.round(v * inv[..., None]), -127, 127)  # numpy rounds half to even
         dots = np.einsum("mgk,ngk->mng", xq.astype(np.int64), qg)  # exact
         y += np.einsum("mng,mg,ng->mn", dots.astype(np.float64), xs.astype(np.float64), d.astype(np.float64))
-        v = (v - xq.astype(np.float32) * xs[..., None]).astype(np.float32)
+        # the residual as one fused multiply-add, as the kernel and XLA compute it: the product and
+        # the difference are exact in float64 (|r| <= xs / 2), then rounded to f32 once
+        v = (v.astype(np.float64) - xq * xs[..., None].astype(np.float64)).astype(np.float32)
         xs = (xs / np.float32(254)).astype(np.float32)
     if m is not None:
         sums = np.pad(x, ((0, 0), (0, kp - k))).reshape(rows, -1, q8.GROUP).astype(np.float64).sum(-1)
