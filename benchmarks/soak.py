@@ -64,6 +64,7 @@ def serve(args: argparse.Namespace) -> int:
     # MockEngine logs every step for the tests that inspect it; over a long soak that log alone
     # would grow RSS without bound, so keep only its tail (the soak injects no failures).
     engine.step_log = collections.deque(maxlen=256)  # type: ignore[assignment]
+    engine.events = collections.deque(maxlen=256)  # type: ignore[assignment]
     scheduler = Scheduler(engine, ByteTokenizer(), SchedulerConfig(max_queue=args.max_queue))
     service = Service(scheduler, engine, ByteTokenizer(), ServiceConfig(model_name="soak"))
     app = create_app(service, api_key=None)

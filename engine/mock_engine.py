@@ -60,6 +60,7 @@ class MockEngine:
         self._slots: dict[int, _Binding] = {}
         self._lock = threading.Lock()  # tests read the logs while the engine thread writes them
         self._device_free_at = 0.0     # when the last launched step's modelled device time ends
+        self._launched = 0             # steps launched (the logs may be bounded: not their length)
         self._collected = 0            # steps whose result() was called
 
     @property
@@ -113,7 +114,7 @@ class MockEngine:
     def launch(self, batch: StepBatch) -> "MockStep":
         with self._lock:
             fail_at = self.fail_after_steps
-            if fail_at is not None and len(self.step_log) >= fail_at:
+            if fail_at is not None and self._launched >= fail_at:
                 raise MockEngineError(f"injected failure after {fail_at} steps")
             if not 0 < batch.num_tokens <= self.max_num_batched_tokens:
                 raise MockEngineError(f"step of {batch.num_tokens} tokens; allowed: 1.."
@@ -137,7 +138,8 @@ class MockEngine:
             bindings = [self._slots[seq.slot] for seq in seqs if seq.sample]
             for binding in bindings:
                 binding.uncollected += 1
-            index = len(self.step_log)
+            index = self._launched
+            self._launched += 1
             self.step_log.append(tuple((s.slot, s.start_pos, len(s.token_ids), s.sample)
                                        for s in batch.seqs))
             self.events.append(("launch", index))
