@@ -14,14 +14,15 @@ from tests.conftest import TINY_ENGINE
 STEPS = 12
 
 
-def _greedy(engine: JaxEngine, prompts: list[list[int]]) -> list[list[int]]:
-    """All prompts prefilled in one mixed step, then decoded together."""
+def greedy(engine: JaxEngine, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    """All prompts prefilled in one mixed step, then decoded together for `steps` steps (also used by
+    tests/engine/test_tensor_parallel.py)."""
     pages = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
     for slot, prompt in enumerate(prompts):
         engine.insert(slot, SlotState(prompt, [], SamplingParams(temperature=0.0)))
     out = [[] for _ in prompts]
     rows = [StepSeq(s, p, 0, pages[s], True) for s, p in enumerate(prompts)]
-    for _ in range(STEPS):
+    for _ in range(steps):
         for s, sampled in enumerate(engine.step(StepBatch(rows))):
             out[s].append(sampled.token_id)
         rows = [StepSeq(s, [out[s][-1]], len(prompts[s]) + len(out[s]) - 1, pages[s], True)
@@ -40,10 +41,10 @@ def test_greedy_with_native_kernels_equals_reference(tiny_model, monkeypatch, qu
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (5, 9, 14)]
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
-    with_native = _greedy(JaxEngine(cfg, params, config, precompile=False), prompts)
+    with_native = greedy(JaxEngine(cfg, params, config, precompile=False), prompts)
     # the references: every kernel seam asks native.load while tracing; dropping JAX's trace caches
     # makes the second engine trace afresh (models.llama's per-layer matmuls are one shared jit)
     monkeypatch.setattr(native, "load", lambda kernel, module: False)
     jax.clear_caches()
-    with_reference = _greedy(JaxEngine(cfg, params, config, precompile=False), prompts)
+    with_reference = greedy(JaxEngine(cfg, params, config, precompile=False), prompts)
     assert with_native == with_reference

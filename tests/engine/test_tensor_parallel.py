@@ -19,26 +19,6 @@ STEPS = 8
 TPS = (1, 2, 4)
 
 
-def _greedy(engine, prompts):
-    """All prompts prefilled in one mixed step, then decoded together for STEPS steps."""
-    from engine.api import SlotState, StepBatch, StepSeq
-    from engine.request import SamplingParams
-
-    pages = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
-    for slot, prompt in enumerate(prompts):
-        engine.insert(slot, SlotState(prompt, [], SamplingParams(temperature=0.0)))
-    out = [[] for _ in prompts]
-    rows = [StepSeq(s, p, 0, pages[s], True) for s, p in enumerate(prompts)]
-    for _ in range(STEPS):
-        for s, sampled in enumerate(engine.step(StepBatch(rows))):
-            out[s].append(sampled.token_id)
-        rows = [StepSeq(s, [out[s][-1]], len(prompts[s]) + len(out[s]) - 1, pages[s], True)
-                for s in range(len(prompts))]
-    for slot in range(len(prompts)):
-        engine.free(slot)
-    return out
-
-
 def _shards(x) -> dict:
     return {"spec": str(x.sharding.spec) if hasattr(x.sharding, "spec") else "",
             "devices": len({s.device for s in x.addressable_shards}),
@@ -126,6 +106,7 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype:
     from kernels import native
     from models.loader import load_model
     from tests.conftest import TINY_ENGINE
+    from tests.engine.test_kernel_paths import greedy
 
     cfg, model = load_model(model_path)
     rng = np.random.default_rng(7)
@@ -136,9 +117,9 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype:
     for tp in tps:
         engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": tp,
                                                        "kv_cache_dtype": kv_cache_dtype}), precompile=False)
-        tokens = _greedy(engine, prompts)  # compiles the shapes it uses
+        tokens = greedy(engine, prompts, STEPS)  # compiles the shapes it uses
         before = engine.compile_count
-        again = _greedy(engine, prompts)
+        again = greedy(engine, prompts, STEPS)
         report["tp"][tp] = {
             "tokens": tokens, "again": again, "steady_compiles": engine.compile_count - before,
             "weights": _weights(engine), "cache": {k: _shards(v) for k, v in engine.cache.items()},
