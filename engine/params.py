@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
@@ -24,7 +25,6 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
     if mode != "none":
         if model.lm_head is None:
             from quantization.groupwise import pack_one, quantize_rows
-            import numpy as np
 
             cfg = model.cfg
             head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
