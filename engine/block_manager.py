@@ -56,6 +56,11 @@ class BlockManager:
         self.allocator.free_many(seq.pages)
         seq.pages = []
 
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """Prompt tokens admission would take from the prefix cache now (0 without one); changes
+        nothing, and is safe from other threads (a data-parallel router's affinity hint)."""
+        return self.prefix.peek(tokens) * self.page_size if self.prefix is not None else 0
+
     @property
     def num_cached_idle(self) -> int:
         """Prefix-cache pages no sequence holds: evictable, counted apart from the pages in use."""

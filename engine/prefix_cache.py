@@ -92,6 +92,18 @@ class PrefixCache:
             self._hit_tokens += len(pages) * self._page_size
         return pages
 
+    def peek(self, token_ids: Sequence[int]) -> int:
+        """How many pages `match` would return now, without its side effects: no references, no
+        LRU touch, no counted query. Only dict lookups, so another thread may call it while the
+        engine thread changes the cache (the answer is then already stale, as any routing hint is)."""
+        cap = max(len(token_ids) - 1, 0) // self._page_size
+        n = 0
+        for digest in chain_digests(token_ids, self._page_size, max_pages=cap):
+            if digest not in self._lru:
+                break
+            n += 1
+        return n
+
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
         """Cache the full pages of a sequence whose KV is written; page_ids[i] holds page i."""
         digests = chain_digests(token_ids, self._page_size)

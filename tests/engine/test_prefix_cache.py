@@ -201,6 +201,32 @@ def test_clear_returns_every_page_once_sequences_finish():
     assert alloc.num_free == alloc.num_total
 
 
+def test_peek_counts_what_match_would_take_and_changes_nothing():
+    """A data-parallel router asks every replica's cache how much of a prompt it holds: the answer
+    must be match's, and asking must not take references, reorder eviction or count as a query."""
+    from engine.block_manager import BlockManager
+
+    alloc = PageAllocator(16)
+    cache = PrefixCache(alloc, PS)
+    old = _prefill(alloc, cache, [7] * (2 * PS))             # cached first: evicted first
+    new = _prefill(alloc, cache, list(range(3 * PS)))
+    alloc.free_many(old + new)                                # only the cache holds them now
+    refcounts = [alloc.refcount(p) for p in range(16)]
+    counted = (cache.queries, cache.hits, cache.hit_tokens)
+    prompt = list(range(3 * PS)) + [99]
+    assert [cache.peek(prompt), cache.peek(prompt[:3 * PS]), cache.peek([7] * (2 * PS) + [1]),
+            cache.peek([5] * 9), cache.peek([])] == [3, 2, 2, 0, 0]
+    assert [alloc.refcount(p) for p in range(16)] == refcounts
+    assert (cache.queries, cache.hits, cache.hit_tokens) == counted
+    assert cache.evict(2) == 2                                # still the older chain's pages, not `new`'s
+    assert cache.peek([7] * (2 * PS) + [1]) == 0 and cache.peek(prompt) == 3
+    assert cache.peek(prompt) == len(cache.match(prompt))
+
+    blocks = BlockManager(16, PS, enable_prefix_cache=True)
+    assert blocks.cached_prefix_tokens(prompt) == 0
+    assert BlockManager(16, PS, enable_prefix_cache=False).cached_prefix_tokens(prompt) == 0
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Sequences over a 2-token alphabet (so prefixes collide often) admitted the way the
     scheduler does it, against a model of which pages each sequence holds and what they contain."""
@@ -239,7 +265,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.seqs) < 4)
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9))
     def admit(self, tokens):
+        peeked = self.cache.peek(tokens)
         matched = self.cache.match(tokens)
+        assert peeked == len(matched)
         self.queries += 1
         for i, page in enumerate(matched):
             assert self.content[page] == tuple(tokens[:(i + 1) * self.PAGE])
