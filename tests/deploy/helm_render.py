@@ -11,12 +11,17 @@ from tests.deploy.conftest import CHART
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (Helm's Go SDK, no helm binary)")
 
 
-def render(values: dict[str, Any], release: str = "demo") -> dict[str, dict[str, Any]]:
-    """Manifests by kind, as `helm template RELEASE deploy/helm/slipstream -n serving` would produce them."""
+def render_docs(values: dict[str, Any], release: str = "demo") -> list[dict[str, Any]]:
+    """Manifests as `helm template RELEASE deploy/helm/slipstream -n serving` would produce them."""
     with helm.Chart.load(str(CHART)) as chart:
         files = chart.render(values, name=release, namespace="serving")
-    docs = [doc for path, text in files.items() if path.endswith((".yaml", ".yml"))
+    return [doc for path, text in files.items() if path.endswith((".yaml", ".yml"))
             for doc in yaml.safe_load_all(text) if doc]
+
+
+def render(values: dict[str, Any], release: str = "demo") -> dict[str, dict[str, Any]]:
+    """Manifests by kind (for releases with one manifest of each kind)."""
+    docs = render_docs(values, release)
     by_kind = {doc["kind"]: doc for doc in docs}
     if len(by_kind) != len(docs):
         raise AssertionError(f"two manifests of one kind: {[d['kind'] for d in docs]}")

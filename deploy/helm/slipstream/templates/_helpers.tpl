@@ -31,3 +31,38 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "slipstream.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{/*
+Multi-host names. The LeaderWorkerSet controller makes a headless Service named after the
+LeaderWorkerSet, so that name must differ from the chart's Service; LWS names StatefulSets and
+pods after it, so it stays short.
+*/}}
+{{- define "slipstream.groupName" -}}
+{{- printf "%s-group" (include "slipstream.fullname" . | trunc 40 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "slipstream.hostsService" -}}
+{{- printf "%s-hosts" (include "slipstream.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The pod label that only process 0 of a group carries (set by LWS or the Job controller). */}}
+{{- define "slipstream.processZeroLabel" -}}
+{{- if eq .Values.multiHost.mode "leaderWorkerSet" -}}
+leaderworkerset.sigs.k8s.io/worker-index: "0"
+{{- else -}}
+batch.kubernetes.io/job-completion-index: "0"
+{{- end }}
+{{- end }}
+
+{{/* Settings a multi-host server cannot start with, refused before anything is applied. */}}
+{{- define "slipstream.checkMultiHost" -}}
+{{- $v := .Values }}
+{{- $devices := mul (int $v.server.tensorParallel) (int $v.server.dataParallel) }}
+{{- if ne 0 (mod $devices (int $v.multiHost.processes)) }}
+{{- fail (printf "server.tensorParallel x server.dataParallel (%d) spans every process's devices: make it a multiple of multiHost.processes (%d)" $devices (int $v.multiHost.processes)) }}
+{{- end }}
+{{- $port := int $v.multiHost.coordinatorPort }}
+{{- if or (eq $port 8000) (and $v.grpc.enabled (eq $port (int $v.grpc.port))) }}
+{{- fail (printf "multiHost.coordinatorPort %d is taken by the server's HTTP or gRPC port" $port) }}
+{{- end }}
+{{- end }}
