@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.mock_engine import MockEngine
+from engine.replicas import ReplicaSet
 from engine.scheduler import Scheduler, SchedulerConfig
 from server.app import SlipstreamServer, create_app, make_server
 from server.service import Service, ServiceConfig
@@ -73,11 +74,12 @@ class CountingTokenizer(ByteTokenizer):
 class LiveServer:
     url: str
     engine: MockEngine
-    scheduler: Scheduler
+    scheduler: Scheduler | ReplicaSet
     service: Service
     server: SlipstreamServer
     thread: threading.Thread
     api_key: str | None
+    engines: list[MockEngine] = dataclasses.field(default_factory=list)  # one per replica
 
     def client(self, api_key: str | None = None) -> openai.OpenAI:
         # max_retries=0: the client would otherwise retry 429/503 itself and hide them.
@@ -95,7 +97,13 @@ class LiveServer:
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def metric(self, name: str, **labels: str) -> float:
-        return self.metrics()[(name, tuple(sorted(labels.items())))]
+        """The one sample of `name` whose labels include `labels` (so `replica` may be left out while
+        the server has one replica); KeyError when none or several match."""
+        found = [value for (n, have), value in self.metrics().items()
+                 if n == name and set(labels.items()) <= set(have)]
+        if len(found) != 1:
+            raise KeyError(f"{name}{labels}: {len(found)} samples match")
+        return found[0]
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -116,12 +124,16 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval: floa
 def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
                body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
-               service_config: dict[str, Any] | None = None, **engine_kwargs: Any) -> LiveServer:
+               service_config: dict[str, Any] | None = None, replicas: int = 1, **engine_kwargs: Any
+               ) -> LiveServer:
+    """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers."""
     engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
                      "max_seq_len": 128, "max_slots": 4, "num_pages": 128, **engine_kwargs}
-    engine = MockEngine(**engine_kwargs)
+    engines = [MockEngine(**engine_kwargs) for _ in range(replicas)]
+    engine = engines[0]
     tokenizer = ByteTokenizer()
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=max_queue))
+    schedulers = [Scheduler(e, tokenizer, SchedulerConfig(max_queue=max_queue)) for e in engines]
+    scheduler = schedulers[0] if replicas == 1 else ReplicaSet(schedulers)
     if start:
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
@@ -136,7 +148,7 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     thread.start()
     if not wait_for(lambda: server.started, timeout=10):
         raise RuntimeError("test server did not start within 10 s")
-    return LiveServer(f"http://127.0.0.1:{port}", engine, scheduler, service, server, thread, api_key)
+    return LiveServer(f"http://127.0.0.1:{port}", engine, scheduler, service, server, thread, api_key, engines)
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """/metrics: JetStream names for autoscaling plus slipstream_* values that match what was served."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,7 +36,13 @@ def test_values_follow_the_requests_served(make_live) -> None:
     m = live.metrics()
 
     def value(name: str, **labels: str) -> float:
-        return m[(name, tuple(sorted(labels.items())))]
+        (found,) = [v for (n, have), v in m.items() if n == name and set(labels.items()) <= set(have)]
+        return found
+
+    # scheduler values carry their replica (one shape for dashboards); histograms and compiles do not
+    assert m[("slipstream_generated_tokens_total", (("replica", "0"),))] == 11
+    assert m[("slipstream_rejections_total", (("reason", "too_long"), ("replica", "0")))] == 0
+    assert ("jetstream_time_to_first_token_count", ()) in m and ("slipstream_compiles_total", ()) in m
 
     assert value("jetstream_request_success_count_total") == 3
     assert value("slipstream_generated_tokens_total") == 5 + 3 + 3
@@ -78,3 +86,26 @@ def test_each_app_has_its_own_registry(make_live) -> None:
     first.client().completions.create(model=MODEL, prompt="abc", max_tokens=2)
     assert first.metric("slipstream_generated_tokens_total") == 2
     assert second.metric("slipstream_generated_tokens_total") == 0
+
+
+def test_data_parallel_replicas_share_the_load_and_are_labelled(make_live) -> None:
+    """Two replicas behind one server: concurrent requests all complete, both replicas serve some,
+    and each scheduler value is exported once per replica (histograms over both, unlabelled)."""
+    live = make_live(replicas=2, step_sleep_s=0.002)
+    client = live.client()
+    prompts = [f"q{i}:" for i in range(8)]  # distinct, no shared full page: routed by load alone
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=6)
+                              .choices[0].text, prompts))
+    assert texts == [";<=>?@"] * len(prompts)  # MockEngine: each token is the previous byte + 1
+    assert httpx.get(f"{live.url}/ready").status_code == 200
+    m = live.metrics()
+    generated = {r: m[("slipstream_generated_tokens_total", (("replica", r),))] for r in ("0", "1")}
+    assert generated["0"] + generated["1"] == 6 * len(prompts)
+    assert generated["0"] > 0 and generated["1"] > 0
+    assert all(engine.steps for engine in live.engines)
+    assert sum(m[("jetstream_request_success_count_total", (("replica", r),))] for r in "01") == len(prompts)
+    assert m[("slipstream_kv_pages_total", (("replica", "1"),))] == 127
+    assert {labels for name, labels in m if name == "jetstream_slots_used_percentage"} == {
+        (("replica", "0"),), (("replica", "1"),)}
+    assert m[("jetstream_time_to_first_token_count", ())] == len(prompts)

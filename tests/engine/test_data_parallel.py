@@ -1,0 +1,103 @@
+"""Data parallel. Routing (engine/replicas.py) on MockEngine schedulers, without JAX: load spread,
+prefix-cache affinity, cancel reaching the request's replica, a failed replica. Then the JAX engine
+on 8 virtual CPU devices, in one subprocess (XLA_FLAGS must be set before JAX starts): replicas at
+TP=2 x DP=2 and TP=1 x DP=2 give the single-device greedy tokens, on disjoint devices."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import pytest
+
+from engine.mock_engine import MockEngine
+from engine.replicas import ReplicaSet
+from engine.request import FinishReason
+from engine.scheduler import EngineUnavailable, Scheduler, SchedulerConfig
+from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, wait_for
+
+
+@contextlib.contextmanager
+def replica_set(*engines: MockEngine, **kwargs):
+    rs = ReplicaSet([Scheduler(e, ByteTokenizer(), SchedulerConfig()) for e in engines], **kwargs)
+    rs.start()
+    try:
+        yield rs
+    finally:
+        rs.shutdown(timeout=5)
+
+
+def prompt_tokens(rs: ReplicaSet) -> list[int]:
+    return [s.prompt_tokens for s in rs.replica_stats()]
+
+
+def test_requests_spread_by_load_and_take_turns_on_ties():
+    with replica_set(MockEngine(step_sleep_s=0.005), MockEngine(step_sleep_s=0.005)) as rs:
+        assert rs.ready
+        # submitted back to back: each goes where fewer requests run or wait; equal loads take turns
+        streams = [rs.submit(req([40 + j for j in range(n)], 4)) for n in (1, 2, 4, 8)]
+        assert prompt_tokens(rs) == [1 + 4, 2 + 8]
+        assert [s.result(timeout=WAIT).token_ids for s in streams] == [
+            chain([40 + n - 1], 4) for n in (1, 2, 4, 8)]
+        for n in (3, 5):  # idle: still taking turns, one after the other
+            rs.submit(req([90] * n, 2)).result(timeout=WAIT)
+        assert prompt_tokens(rs) == [5 + 3, 10 + 5]
+        assert rs.stats().prompt_tokens == 1 + 2 + 4 + 8 + 3 + 5
+
+
+def test_prefix_affinity_unless_that_replica_is_much_busier():
+    page = 4
+    shared = list(range(30, 30 + 3 * page))  # three full pages
+    engines = [MockEngine(page_size=page, max_slots=8, num_pages=256, step_sleep_s=0.005) for _ in range(2)]
+    with replica_set(*engines, affinity_slack=2) as rs:
+        rs.submit(req(shared + [1], 2)).result(timeout=WAIT)   # replica 0 (first turn) caches 3 pages
+        assert prompt_tokens(rs) == [13, 0]
+        # equal loads and replica 1's turn, but replica 0 holds the prefix
+        rs.submit(req(shared + [2, 3], 2)).result(timeout=WAIT)
+        assert prompt_tokens(rs) == [13 + 14, 0]
+        assert [s.prefix_hit_tokens for s in rs.replica_stats()] == [3 * page, 0]
+        # longer requests with the prefix stay with it while replica 0 has at most 2 more than replica 1
+        held = [rs.submit(req(shared + [10 + i], 100)) for i in range(3)]
+        assert prompt_tokens(rs) == [27 + 3 * 13, 0]
+        # a fourth would make it 4 to 0: it goes to the idle replica, prefix or not
+        held.append(rs.submit(req(shared + [20], 100)))
+        assert prompt_tokens(rs) == [66, 13]
+        assert [s.running + s.waiting for s in rs.replica_stats()] == [3, 1]
+        for stream in held:
+            stream.cancel()
+
+
+def test_cancel_reaches_the_replica_holding_the_request():
+    with replica_set(MockEngine(step_sleep_s=0.005), MockEngine(step_sleep_s=0.005)) as rs:
+        first, second = rs.submit(req([40], 100)), rs.submit(req([50], 20))
+        assert prompt_tokens(rs) == [1, 1]
+        wait_for(lambda: [s.running for s in rs.replica_stats()] == [1, 1])
+        rs.cancel(first.request_id)
+        rs.cancel("no-such-request")  # unknown ids are ignored, as by one scheduler
+        done = first.result(timeout=WAIT)
+        assert done.finish_reason is FinishReason.CANCELLED and len(done.token_ids) < 100
+        assert second.result(timeout=WAIT).token_ids == chain([50], 20)
+        assert [s.cancellations for s in rs.replica_stats()] == [1, 0]
+        # request ids are unique across the replicas, not only within one
+        kept = rs.submit(req([60], 100))
+        with pytest.raises(ValueError, match="already in flight"):
+            rs.submit(dataclasses.replace(req([61], 2), request_id=kept.request_id))
+        kept.cancel()
+
+
+def test_a_failed_replica_fails_its_requests_and_readiness_while_the_other_serves():
+    healthy, failing = MockEngine(step_sleep_s=0.002), MockEngine(fail_after_steps=3, step_sleep_s=0.002)
+    with replica_set(healthy, failing) as rs:
+        kept = rs.submit(req([40], 40))     # replica 0
+        lost = rs.submit(req([50], 40))     # replica 1: its engine fails at its fourth step
+        done = lost.result(timeout=WAIT)
+        assert done.finish_reason is FinishReason.ERROR and "engine failed" in done.error
+        assert not rs.ready and rs.replicas[0].ready
+        assert kept.result(timeout=WAIT).token_ids == chain([40], 40)
+        # new requests go to the replica that still works
+        assert [rs.submit(req([60 + i], 3)).result(timeout=WAIT).token_ids for i in range(3)] == [
+            chain([60 + i], 3) for i in range(3)]
+        assert prompt_tokens(rs) == [4, 1]
+        assert rs.stats().finished == {"length": 4, "error": 1}
+    with pytest.raises(EngineUnavailable, match="not accepting"):
+        rs.submit(req([1], 1))  # shut down: the first replica's own reason
