@@ -61,8 +61,13 @@ batch.kubernetes.io/job-completion-index: "0"
 {{- if ne 0 (mod $devices (int $v.multiHost.processes)) }}
 {{- fail (printf "server.tensorParallel x server.dataParallel (%d) spans every process's devices: make it a multiple of multiHost.processes (%d)" $devices (int $v.multiHost.processes)) }}
 {{- end }}
-{{- $port := int $v.multiHost.coordinatorPort }}
-{{- if or (eq $port 8000) (and $v.grpc.enabled (eq $port (int $v.grpc.port))) }}
-{{- fail (printf "multiHost.coordinatorPort %d is taken by the server's HTTP or gRPC port" $port) }}
+{{- $taken := list 8000 }}
+{{- if $v.grpc.enabled }}{{ $taken = append $taken (int $v.grpc.port) }}{{ end }}
+{{- range $name := list "coordinatorPort" "controlPort" }}
+{{- $port := int (get $v.multiHost $name) }}
+{{- if has $port $taken }}
+{{- fail (printf "multiHost.%s %d is taken: process 0 already listens on %v" $name $port $taken) }}
+{{- end }}
+{{- $taken = append $taken $port }}
 {{- end }}
 {{- end }}

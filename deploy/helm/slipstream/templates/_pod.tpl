@@ -117,6 +117,9 @@ spec:
         - name: coordinator
           containerPort: {{ $v.multiHost.coordinatorPort }}
           protocol: TCP
+        - name: control
+          containerPort: {{ $v.multiHost.controlPort }}
+          protocol: TCP
         {{- end }}
       {{- end }}
       {{- if eq $role "indexed" }}
@@ -195,8 +198,8 @@ spec:
 {{- end }}
 
 {{/*
-jax.distributed's settings: where process 0's coordinator listens, how many processes, and which
-one this is. LeaderWorkerSet's webhook puts LWS_* first in the env, so $(...) expands them; the
+jax.distributed's settings: where process 0's coordinator (and, on the same host, its lockstep
+channel) listens, how many processes, and which one this is. LeaderWorkerSet's webhook puts LWS_* first in the env, so $(...) expands them; the
 Job controller would append JOB_COMPLETION_INDEX after our entries, too late for $(...), so it is
 defined here first, from the same annotation the controller uses.
 */}}
@@ -204,6 +207,8 @@ defined here first, from the same annotation the controller uses.
 {{- $v := .root.Values -}}
 - name: SLIPSTREAM_NUM_PROCESSES
   value: {{ $v.multiHost.processes | quote }}
+- name: SLIPSTREAM_CONTROL_PORT
+  value: {{ $v.multiHost.controlPort | quote }}
 {{- if eq .role "indexed" }}
 - name: SLIPSTREAM_COORDINATOR_ADDRESS
   value: {{ printf "%s-0.%s.%s.svc:%v" (include "slipstream.fullname" .root) (include "slipstream.hostsService" .root) .root.Release.Namespace $v.multiHost.coordinatorPort | quote }}
