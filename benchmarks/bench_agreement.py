@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,15 +43,49 @@ KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean",
     "output_throughput", "request_throughput"]
 
 
+SCRAPED = ("slipstream_prompt_tokens", "slipstream_prefilled_tokens", "slipstream_prefix_cache_hit_tokens",
+           "jetstream_time_to_first_token_sum", "jetstream_time_to_first_token_count",
+           "jetstream_queue_duration_sum", "jetstream_queue_duration_count",
+           "jetstream_request_input_length_sum", "jetstream_request_input_length_count")
+
+
 def scrape(base_url: str) -> dict[str, float]:
+    """The server's counters and histogram sums that tell what workload it got and how long it took."""
     text = httpx.get(f"{base_url}/metrics", trust_env=False, timeout=30).text
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(slipstream_prefix_cache_hit_tokens|slipstream_prefilled_tokens|"
-                     r"jetstream_time_to_first_token_sum|jetstream_time_to_first_token_count)(?:_total)?\s+(\S+)$", line)
-        if m:
+        m = re.match(r"^(\w+?)(?:_total)?\s+(\S+)$", line)
+        if m and m.group(1) in SCRAPED:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def read_trace(path: Path, prefix: str) -> dict[str, dict]:
+    """trace_server's lines for the requests whose x-request-id starts with prefix, by id."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["id"].startswith(prefix):
+            out[rec["id"]] = rec
+    return out
+
+
+def join_trace(res: dict, prefix: str, trace: dict[str, dict]) -> list[dict]:
+    """Per request, where its TTFT went (ms): `deliver` from the client's send to the server's app getting it,
+    `server` from there to the server writing the first chunk, `receive` from that write to the client
+    seeing it; the three add up to the client's TTFT. `conn` is the client's port (reused with keep-alive)."""
+    rows = []
+    for i, (start, ttft, ok) in enumerate(zip(res["start_times"], res["ttfts"], [not e for e in res["errors"]])):
+        rec = trace.get(f"{prefix}{i}")
+        if not ok or rec is None or rec["first"] is None:
+            continue
+        rows.append({"i": i, "start": start, "ttft_ms": 1000 * ttft, "deliver_ms": 1000 * (rec["dispatch"] - start),
+                     "read_ms": 1000 * (rec["body"] - rec["dispatch"]) if rec["body"] else float("nan"),
+                     "server_ms": 1000 * (rec["first"] - rec["dispatch"]),
+                     "receive_ms": 1000 * (start + ttft - rec["first"]), "conn": rec["client"][1] if rec["client"] else 0})
+    return rows
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -105,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18150)
     p.add_argument("--server-args", default="--max-slots 32", help="extra `slipstream serve` flags")
     p.add_argument("--result-dir", default=None)
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="serve without benchmarks/bench/trace_server (no per-request split of TTFT)")
+    p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
+    p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
     args = p.parse_args(argv)
 
     gguf = resolve_model(DEFAULT_MODEL)
@@ -113,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     result_dir = Path(args.result_dir or REPO / "benchmarks" / "results" /
                       ("agreement-" + datetime.now().strftime("%Y%m%d-%H%M%S"))).resolve()
     result_dir.mkdir(parents=True, exist_ok=True)
-    slipstream = str(Path(sys.executable).parent / "slipstream")
+    trace = result_dir / "trace.jsonl"
+    serve = ([sys.executable, "-m", "benchmarks.bench.trace_server"] if args.trace
+             else [str(Path(sys.executable).parent / "slipstream")])
     spec = peers.ServerSpec("slipstream", "Slipstream, default flags",
-                            [slipstream, "serve", "--host", "127.0.0.1", "--port", "{port}",
-                             *shlex.split(args.server_args)])
+                            [*serve, "serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.server_args)],
+                            env={"SLIPSTREAM_TRACE": str(trace)} if args.trace else {}, cwd=str(REPO))
     c, n = args.concurrency, args.num_prompts
     common = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len), "--max-concurrency", str(c), "--ignore-eos",
@@ -134,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         def ours(label: str, seed: int, num: int, warmups: int) -> list[str]:
             return [sys.executable, "-m", "benchmarks.bench", "--base-url", base, "--model", model,
                     "--tokenizer", gguf, *common, "--num-prompts", str(num), "--num-warmups", str(warmups),
-                    "--seed", str(seed), "--result-filename", f"{label}.json"]
+                    "--seed", str(seed), "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
+                    *shlex.split(args.ours_flags)]
 
         def vllm(label: str, seed: int) -> list[str]:
             return [str(vllm_bin / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base,
                     "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(hf_dir), *common,
                     "--num-prompts", str(n), "--num-warmups", str(args.num_warmups), "--seed", str(seed),
-                    "--result-filename", f"{label}.json"]
+                    "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
+                    *shlex.split(args.vllm_flags)]
 
         # one unmeasured wave at full concurrency and length (first-touch of KV pages, caches)
         settle = ours("settle", args.seed + 999, c, 0)
@@ -166,17 +209,29 @@ def main(argv: list[str] | None = None) -> int:
                 client_cpu, server_cpu = cpu_in_window(samples, t0, t1)
                 mean_ttft_ms = res.get("mean_ttft_ms")
                 server_ttft_ms = 1000 * d.get("jetstream_time_to_first_token_sum", 0) / count
+                joined = join_trace(res, f"{label}-", read_trace(trace, f"{label}-"))
+                (result_dir / f"{label}-requests.json").write_text(json.dumps(joined))
+                split = {f"median_{part}_ms": float(np.median([j[f"{part}_ms"] for j in joined])) if joined else float("nan")
+                         for part in ("deliver", "read", "server", "receive")}
                 runs.append({"who": who, "round": r, "label": label, "command": shlex.join(cmd), "client_cpu_s": client_cpu,
                              "server_cpu_s": server_cpu,
+                             # the workload as the server saw it: a prompt-token or prefix-hit difference between the
+                             # clients is a different workload, not a different measurement
+                             "server_prompt_tokens": d.get("slipstream_prompt_tokens", 0),
+                             "server_prefilled_tokens": d.get("slipstream_prefilled_tokens", 0),
+                             "prefix_hit_tokens": d.get("slipstream_prefix_cache_hit_tokens", 0),
                              "server_mean_ttft_ms": server_ttft_ms,
+                             "server_mean_queue_ms": 1000 * d.get("jetstream_queue_duration_sum", 0) /
+                             (d.get("jetstream_queue_duration_count") or 1),
                              # what the client adds to the server's own TTFT (arrival to first token): the same
                              # quantity for both clients whatever the server's speed in that run
                              "client_minus_server_mean_ttft_ms": mean_ttft_ms - server_ttft_ms,
-                             "prefix_hit_tokens": d.get("slipstream_prefix_cache_hit_tokens", 0),
+                             **split, "connections": len({j["conn"] for j in joined}),
                              **{k: res.get(k) for k in KEYS}})
                 peers.log(f"{label}: " + ", ".join(f"{k}={runs[-1][k]:.1f}" for k in
                                                    ("p99_ttft_ms", "median_ttft_ms", "output_throughput", "client_cpu_s",
-                                                    "server_mean_ttft_ms")))
+                                                    "server_mean_ttft_ms", "median_deliver_ms", "median_server_ms",
+                                                    "server_prompt_tokens", "prefix_hit_tokens")))
     finally:
         server.stop()
     (result_dir / "runs.json").write_text(json.dumps(runs, indent=1))
@@ -187,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(runs: list[dict], c: int, n: int, args) -> str:
-    keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_mean_ttft_ms", "client_minus_server_mean_ttft_ms",
-                   "prefix_hit_tokens"]
+    keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_prompt_tokens", "server_prefilled_tokens",
+                   "prefix_hit_tokens", "server_mean_ttft_ms", "server_mean_queue_ms", "client_minus_server_mean_ttft_ms",
+                   "median_deliver_ms", "median_read_ms", "median_server_ms", "median_receive_ms", "connections"]
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_line = next((" ".join(line.split()) for line in cpu.splitlines() if line.startswith("Model name")), "?")
     lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, {n} prompts of {args.input_len} in / "
