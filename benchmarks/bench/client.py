@@ -33,11 +33,13 @@ class RequestOutput:
     request_id: str | None = None     # sent as x-request-id, as vLLM does
 
 
-def new_http_client(timeout_s: float = 6 * 3600) -> httpx.AsyncClient:
-    # No keep-alive: llama.cpp's server closes the connection after each stream, and a pooled socket the
-    # server already closed would fail the next request. A loopback connect costs well under a millisecond.
+def new_http_client(timeout_s: float = 6 * 3600, *, keep_alive: bool = False,
+                    max_connections: int | None = None) -> httpx.AsyncClient:
+    """keep_alive: reuse connections between requests (up to max_connections idle ones), as vLLM's client
+    (aiohttp) and the OpenAI SDK do; otherwise a fresh connection per request."""
+    pool = (max_connections or 256) if keep_alive else 0
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=pool))
 
 
 def build_payload(kind: str, model: str, req: SampleRequest, *, ignore_eos: bool,
@@ -71,48 +73,67 @@ def _is_token_chunk(kind: str, choice: dict) -> tuple[bool, str]:
     return True, choice.get("text") or ""
 
 
+# What a pooled connection the server has already closed fails with, before any response arrives
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 async def send_request(client: httpx.AsyncClient, url: str, kind: str, payload: dict[str, Any],
-                       prompt_len: int, request_id: str | None = None) -> RequestOutput:
+                       prompt_len: int, request_id: str | None = None,
+                       fresh_client: httpx.AsyncClient | None = None) -> RequestOutput:
+    """One streamed request. With kept-alive connections, a server that closes each connection after its stream
+    (llama.cpp's) can close a pooled one just as it is reused: a request that fails that way, before any
+    response, is sent once more on a new connection (fresh_client, one without keep-alive). Its timing still
+    starts at the first try."""
     out = RequestOutput(prompt_len=prompt_len, request_id=request_id)
     text: list[str] = []
     st = time.perf_counter()
     out.start_time = last = st
     first = True
-    try:
-        async with client.stream("POST", url, json=payload, headers=_headers(request_id)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace").strip()
-                out.error = f"HTTP {response.status_code}: {body[:300]}"
-                return out
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments (pings), event names
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    out.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+    for attempt, http in ((1, client), (2, fresh_client)):
+        responded = False
+        try:
+            async with http.stream("POST", url, json=payload, headers=_headers(request_id)) as response:
+                responded = True
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", "replace").strip()
+                    out.error = f"HTTP {response.status_code}: {body[:300]}"
                     return out
-                choices = chunk.get("choices") or []
-                if choices:
-                    is_token, piece = _is_token_chunk(kind, choices[0])
-                    if is_token:
-                        if first:
-                            out.ttft, first = now - st, False
-                        else:
-                            out.itl.append(now - last)
-                        last = now
-                    text.append(piece)
-                usage = chunk.get("usage")
-                if usage:
-                    out.output_tokens = usage.get("completion_tokens")
-                    if usage.get("prompt_tokens") is not None:
-                        out.prompt_len = usage["prompt_tokens"]
-    except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
-        out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return out
+                # read to the end of the body (past [DONE]), so the connection can be reused
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments (pings), event names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        continue
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        out.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                        return out
+                    choices = chunk.get("choices") or []
+                    if choices:
+                        is_token, piece = _is_token_chunk(kind, choices[0])
+                        if is_token:
+                            if first:
+                                out.ttft, first = now - st, False
+                            else:
+                                out.itl.append(now - last)
+                            last = now
+                        text.append(piece)
+                    usage = chunk.get("usage")
+                    if usage:
+                        out.output_tokens = usage.get("completion_tokens")
+                        if usage.get("prompt_tokens") is not None:
+                            out.prompt_len = usage["prompt_tokens"]
+            break
+        except _STALE_CONNECTION as e:
+            if attempt == 1 and not responded and fresh_client is not None:
+                continue
+            out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            return out
+        except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+            out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            return out
     out.generated_text = "".join(text)
     if first:
         out.error = "the stream ended without a token"

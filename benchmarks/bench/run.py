@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--tokenizer", default=None,
                         help="preset name, HF directory or .gguf file whose tokenizer counts tokens "
                              "(default: --model if it is one of those, else the default model)")
+    server.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=False,
+                        help="reuse connections between requests, as vllm bench serve does (--no-keep-alive: a "
+                             "fresh connection per request)")
     server.add_argument("--ready-check-timeout-sec", type=int, default=0,
                         help="retry the first prompt for up to this long before starting (0: no check)")
 
@@ -172,7 +175,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--percentile-metrics takes {', '.join(m.METRICS)}; got {', '.join(sorted(unknown))}")
 
-    async with http.new_http_client() as client:
+    async with (http.new_http_client(keep_alive=args.keep_alive, max_connections=args.max_concurrency) as client,
+                http.new_http_client() as fresh):
         model_id = args.model or args.served_model_name or await _first_model(client, base_url)
         tokenizer_id = args.tokenizer or model_id
         try:
@@ -205,7 +209,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(req, bar, request_id=None):
             async with semaphore:
-                out = await http.send_request(client, url, kind, payload(req), req.prompt_len, request_id)
+                out = await http.send_request(client, url, kind, payload(req), req.prompt_len, request_id, fresh)
             if bar is not None:
                 bar.update(1)
             return out
@@ -213,7 +217,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if args.ready_check_timeout_sec > 0:
             deadline = time.monotonic() + args.ready_check_timeout_sec
             while True:
-                test = await http.send_request(client, url, kind, payload(check[0]), check[0].prompt_len)
+                test = await http.send_request(client, url, kind, payload(check[0]), check[0].prompt_len, None, fresh)
                 if test.success:
                     break
                 if time.monotonic() > deadline:

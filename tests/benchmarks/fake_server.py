@@ -42,6 +42,7 @@ class Stats:
     bodies: list[dict] = field(default_factory=list)
     sent: dict[str, list[float]] = field(default_factory=dict)  # x-request-id -> perf_counter of each token chunk
     cache_hits: int = 0  # requests whose prompt was seen before (Schedule.cached_ttft_s)
+    ports: list[int] = field(default_factory=list)  # the client's port of each request: one per connection
 
 
 def build_app(state: dict, count_tokens) -> Starlette:
@@ -62,6 +63,7 @@ def build_app(state: dict, count_tokens) -> Starlette:
         body = await request.json()
         stats.received += 1
         stats.bodies.append(body)
+        stats.ports.append(request.client.port)
         if schedule.fail_every and stats.received % schedule.fail_every == 0:
             return PlainTextResponse("overloaded", status_code=503)
         chat = request.url.path.endswith("chat/completions")

@@ -242,3 +242,72 @@ def test_saved_json_uses_vllm_keys(fake, default_model_path, tmp_path):
         assert key in saved, key
     assert saved["model_id"] == "fake-model" and saved["completed"] == 4 and saved["num_prompts"] == 4
     assert "ttfts" not in saved  # per-request lists only with --save-detailed, as in vLLM
+
+
+def test_connections_are_kept_alive_as_vllm_does_unless_asked_not_to(fake, default_model_path):
+    # vllm bench serve (aiohttp) reuses its connections; a fresh one per request costs a connect and an accept
+    # on the server's event loop before the server even sees the request, and that lands in TTFT
+    fake.configure(Schedule(ttft_s=0.01, itl_s=0.005))
+    flags = ("--num-prompts", "16", "--random-input-len", "16", "--random-output-len", "4", "--max-concurrency", "4")
+    r = run_bench(fake, default_model_path, *flags, "--keep-alive")
+    assert r["completed"] == 16 and len(set(fake.stats().ports)) <= 4
+    fake.configure(Schedule(ttft_s=0.01, itl_s=0.005))
+    r = run_bench(fake, default_model_path, *flags, "--no-keep-alive")
+    assert r["completed"] == 16 and len(set(fake.stats().ports)) == 16
+
+
+class ClosesEachConnectionAfterItsStream:
+    """llama.cpp's server, made certain: it answers a connection's first request with a short stream under
+    keep-alive headers, then closes the connection 50 ms later without answering anything else sent on it. A
+    client that pools connections reuses one at once, and that request fails unless it is sent again."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.served = self.dropped = 0
+        self.loop = asyncio.new_event_loop()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def _handle(self, reader, writer) -> None:
+        import re
+
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(re.search(rb"(?i)content-length: *(\d+)", head).group(1)))
+            self.served += 1
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                         b"keep-alive: timeout=5, max=100\r\n\r\n")
+            token = {"choices": [{"index": 0, "text": " a", "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 16, "completion_tokens": 1}}
+            for data in (b"data: " + json.dumps(token).encode() + b"\n\n", b"data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            try:  # a request sent on this connection meanwhile is read, and never answered
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.05)
+                self.dropped += 1
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+                pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2), self.loop).result()  # open handlers end within 50 ms
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def test_a_server_that_closes_each_connection_after_its_stream_loses_no_request(default_model_path):
+    server = ClosesEachConnectionAfterItsStream()
+    try:
+        r = run_bench(server, default_model_path, "--model", "m", "--num-prompts", "32", "--random-input-len", "16",
+                      "--random-output-len", "1", "--max-concurrency", "4", "--keep-alive")
+    finally:
+        server.close()
+    assert r["failed"] == 0, r["failure_reasons"]
+    assert r["completed"] == server.served == 32
+    assert server.dropped > 0  # the client did reuse connections the server was closing, and sent those again
