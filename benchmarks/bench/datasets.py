@@ -1,4 +1,5 @@
-"""Benchmark prompts: random (token-exact lengths), ShareGPT (filtered as vLLM does) and shared-prefix.
+"""Benchmark prompts: random (token-exact lengths), ShareGPT (filtered as vLLM does), shared-prefix, and custom
+(a JSONL file of prompts, as vLLM reads it).
 
 Lengths are counted with the model's tokenizer, without special tokens, as `vllm bench serve` does.
 A random prompt is made of random tokens whose decoded text re-encodes to exactly the length asked.
@@ -129,4 +130,35 @@ def sharegpt_dataset(tok: TextTokenizer, path: str, *, num_prompts: int, output_
         out.append(SampleRequest(prompt, prompt_len, out_len))
     if len(out) < num_prompts:
         raise ValueError(f"{path}: only {len(out)} conversations pass the length filter, {num_prompts} asked")
+    return out
+
+
+def custom_dataset(tok, path: str, *, num_prompts: int, output_len: int | None, seed: int = 0,
+                   shuffle: bool = True, chat_template: bool = True, oversample: bool = True) -> list[SampleRequest]:
+    """vLLM's `custom`: one JSON object per line with a "prompt" (and "output_tokens", used when output_len is
+    None or -1). Shuffled with the seed unless shuffle is False; wrapped in the model's chat template (as a user
+    turn, with the generation prompt) unless chat_template is False; fewer lines than num_prompts are drawn
+    again at random unless oversample is False."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if any("prompt" not in row for row in rows):
+        raise ValueError(f"{path}: every line needs a 'prompt'")
+    if shuffle:
+        random.Random(seed).shuffle(rows)
+    out: list[SampleRequest] = []
+    for row in rows[:num_prompts]:
+        if output_len is None or output_len == -1:
+            if "output_tokens" not in row:
+                raise ValueError(f"{path}: a line has no 'output_tokens'; pass --custom-output-len")
+            n_out = int(row["output_tokens"])
+        else:
+            n_out = output_len
+        prompt = row["prompt"]
+        if chat_template:
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        out.append(SampleRequest(prompt, len(tok.encode(prompt, add_special_tokens=False)), n_out))
+    if len(out) < num_prompts:
+        if not oversample or not out:
+            raise ValueError(f"{path}: {len(out)} prompts, {num_prompts} asked")
+        out += random.Random(seed).choices(out, k=num_prompts - len(out))
     return out

@@ -44,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="retry the first prompt for up to this long before starting (0: no check)")
 
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix", "prefix_repetition"])
-    data.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (--dataset-name sharegpt)")
+    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix", "prefix_repetition",
+                                                                  "custom"])
+    data.add_argument("--dataset-path", default=None,
+                      help="ShareGPT-format JSON file (sharegpt), or JSONL of {\"prompt\": ...} lines (custom)")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--input-len", type=int, default=None, help="alias of --random-input-len")
     data.add_argument("--output-len", type=int, default=None, help="sets every dataset's output length")
@@ -59,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument("--custom-output-len", type=int, default=256,
+                      help="custom: output tokens per request (-1: each line's \"output_tokens\")")
+    data.add_argument("--skip-chat-template", action="store_true",
+                      help="custom: send each prompt as it is, not wrapped in the model's chat template")
+    data.add_argument("--disable-shuffle", action="store_true", help="custom: keep the file's order")
+    data.add_argument("--no-oversample", action="store_true",
+                      help="custom: fail rather than repeat prompts when the file has fewer than --num-prompts")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"),
@@ -100,8 +109,8 @@ def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
     from benchmarks.bench import datasets
 
     name = "prefix" if args.dataset_name == "prefix_repetition" else args.dataset_name
-    if name != "sharegpt" and args.dataset_path:
-        raise ValueError(f"--dataset-path is for --dataset-name sharegpt, not {args.dataset_name}")
+    if name not in ("sharegpt", "custom") and args.dataset_path:
+        raise ValueError(f"--dataset-path is for --dataset-name sharegpt or custom, not {args.dataset_name}")
     if name == "random":
         return datasets.random_dataset(tok, num_prompts=num_prompts, input_len=args.random_input_len,
                                        output_len=args.random_output_len, range_ratio=args.random_range_ratio,
@@ -112,7 +121,11 @@ def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
                                        num_prefixes=args.prefix_repetition_num_prefixes,
                                        output_len=args.prefix_repetition_output_len, seed=args.seed)
     if not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
+        raise ValueError(f"--dataset-name {name} needs --dataset-path FILE")
+    if name == "custom":
+        return datasets.custom_dataset(tok, args.dataset_path, num_prompts=num_prompts, output_len=args.custom_output_len,
+                                       seed=args.seed, shuffle=not args.disable_shuffle,
+                                       chat_template=not args.skip_chat_template, oversample=not args.no_oversample)
     return datasets.sharegpt_dataset(tok, args.dataset_path, num_prompts=num_prompts,
                                      output_len=args.sharegpt_output_len, seed=args.seed)
 
@@ -164,6 +177,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         args.random_input_len = args.input_len
     if args.output_len is not None:
         args.random_output_len = args.sharegpt_output_len = args.prefix_repetition_output_len = args.output_len
+        args.custom_output_len = args.output_len
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     url = base_url + args.endpoint
     backend = args.backend or ("openai-chat" if args.endpoint.rstrip("/").endswith("chat/completions") else "openai")

@@ -311,3 +311,23 @@ def test_a_server_that_closes_each_connection_after_its_stream_loses_no_request(
     assert r["failed"] == 0, r["failure_reasons"]
     assert r["completed"] == server.served == 32
     assert server.dropped > 0  # the client did reuse connections the server was closing, and sent those again
+
+
+def test_custom_dataset_sends_the_files_prompts_as_vllm_reads_them(fake, default_model_path, tokenizer, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    prompts = [f"prompt number {i} about {'x ' * i}" for i in range(6)]
+    path.write_text("".join(json.dumps({"prompt": p, "output_tokens": 2 + i}) + "\n" for i, p in enumerate(prompts)))
+    fake.configure(Schedule(ttft_s=0.002, itl_s=0.001))
+    run_bench(fake, default_model_path, "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", "6",
+              "--skip-chat-template", "--disable-shuffle", "--custom-output-len", "-1", "--max-concurrency", "1")
+    stats = fake.stats()
+    assert [b["prompt"] for b in stats.bodies] == prompts and stats.max_tokens == [2, 3, 4, 5, 6, 7]
+
+    fake.configure(Schedule(ttft_s=0.002, itl_s=0.001))
+    r = run_bench(fake, default_model_path, "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts",
+                  "9", "--custom-output-len", "3", "--seed", "4")
+    sent = [b["prompt"] for b in fake.stats().bodies]
+    wrapped = {tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True): p
+               for p in prompts}
+    assert r["completed"] == 9 and set(sent) <= set(wrapped) and len(set(sent)) == 6  # 3 drawn again
+    assert all(n == 3 for n in fake.stats().max_tokens)
