@@ -4,8 +4,8 @@
 
 The server is the ordinary one; only its ASGI app is wrapped. For every completions request the wrapper
 appends one JSON line: the x-request-id, the client's address (a reused connection keeps its port), and
-time.perf_counter() stamps of when the app got the request, when its body was read, and when the first and
-last response chunks were written. perf_counter is CLOCK_MONOTONIC on Linux, the clock both clients stamp
+time.perf_counter() stamps of when the app got the request, when its body was read, and when each response
+chunk was written (`sends`; `first` and `last` of them). perf_counter is CLOCK_MONOTONIC on Linux, the clock both clients stamp
 their requests with, so the lines join a client's --save-detailed results by request id. Diagnostics only:
 not how Slipstream is served.
 """
@@ -29,7 +29,7 @@ class TraceRequests:
             return await self.app(scope, receive, send)
         rec = {"id": dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1"),
                "client": list(scope.get("client") or ()), "dispatch": time.perf_counter(),
-               "body": None, "first": None, "last": None, "chunks": 0}
+               "body": None, "first": None, "last": None, "chunks": 0, "sends": []}
 
         async def traced_receive():
             message = await receive()
@@ -44,6 +44,7 @@ class TraceRequests:
                     rec["first"] = now
                 rec["last"] = now
                 rec["chunks"] += 1
+                rec["sends"].append(now)
             await send(message)
 
         try:
