@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="serve without benchmarks/bench/trace_server (no per-request split of TTFT)")
+    p.add_argument("--same-prompts", action="store_true",
+                   help="both clients send prompts from our random generator (vLLM through its `custom` dataset, a "
+                        "JSONL file per run, each run its own seed), not each its own random dataset")
     p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
     p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
     args = p.parse_args(argv)
@@ -159,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                             [*serve, "serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.server_args)],
                             env={"SLIPSTREAM_TRACE": str(trace)} if args.trace else {}, cwd=str(REPO))
     c, n = args.concurrency, args.num_prompts
-    common = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
-              "--random-output-len", str(args.output_len), "--max-concurrency", str(c), "--ignore-eos",
+    random = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+              "--random-output-len", str(args.output_len)]
+    common = ["--max-concurrency", str(c), "--ignore-eos",
               "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
               "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir)]
 
@@ -172,15 +176,29 @@ def main(argv: list[str] | None = None) -> int:
         base = server.base_url
         model = httpx.get(f"{base}/v1/models", trust_env=False).json()["data"][0]["id"]
 
+        def dataset(label: str, seed: int, num: int) -> list[str]:
+            if not args.same_prompts:
+                return random
+            from benchmarks.bench.datasets import random_dataset
+            from benchmarks.bench.run import load_tokenizer
+
+            path = result_dir / f"{label}-prompts.jsonl"
+            reqs = random_dataset(load_tokenizer(gguf), num_prompts=num, input_len=args.input_len,
+                                  output_len=args.output_len, seed=seed)
+            path.write_text("".join(json.dumps({"prompt": q.prompt}) + "\n" for q in reqs))
+            return ["--dataset-name", "custom", "--dataset-path", str(path), "--skip-chat-template", "--disable-shuffle",
+                    "--custom-output-len", str(args.output_len)]
+
         def ours(label: str, seed: int, num: int, warmups: int) -> list[str]:
             return [sys.executable, "-m", "benchmarks.bench", "--base-url", base, "--model", model,
-                    "--tokenizer", gguf, *common, "--num-prompts", str(num), "--num-warmups", str(warmups),
-                    "--seed", str(seed), "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
+                    "--tokenizer", gguf, *dataset(label, seed, num + warmups), *common, "--num-prompts", str(num),
+                    "--num-warmups", str(warmups), "--seed", str(seed), "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
                     *shlex.split(args.ours_flags)]
 
         def vllm(label: str, seed: int) -> list[str]:
             return [str(vllm_bin / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base,
-                    "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(hf_dir), *common,
+                    "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(hf_dir),
+                    *dataset(label, seed, n), *common,
                     "--num-prompts", str(n), "--num-warmups", str(args.num_warmups), "--seed", str(seed),
                     "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
                     *shlex.split(args.vllm_flags)]
@@ -190,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([a for a in settle if a != "--save-result"], check=True, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for r in range(args.rounds):
-            seed = args.seed + r
+            # with the same generator, the two clients of a round must not send the same prompts (prefix cache)
+            seeds = {"ours": args.seed + 2 * r, "vllm": args.seed + 2 * r + (1 if args.same_prompts else 0)}
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
             for who in order:
                 label = f"{who}-{r}"
-                cmd = ours(label, seed, n, args.num_warmups) if who == "ours" else vllm(label, seed)
+                cmd = ours(label, seeds[who], n, args.num_warmups) if who == "ours" else vllm(label, seeds[who])
                 before = scrape(base)
                 # vLLM's venv must not see this repository (PYTHONPATH): transformers would import its `kernels`
                 env = None if who == "ours" else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
