@@ -70,6 +70,11 @@ class ReplicaSet:
     def replica_stats(self) -> list[SchedulerStats]:
         return [s.stats() for s in self.replicas]
 
+    def abort(self, message: str) -> None:
+        """Fail every replica's requests and stop serving, from any thread (Scheduler.abort)."""
+        for scheduler in self.replicas:
+            scheduler.abort(message)
+
     def add_listener(self, fn: Callable[[RequestMetrics], None]) -> None:
         for scheduler in self.replicas:
             scheduler.add_listener(fn)

@@ -93,9 +93,12 @@ class JaxEngine:
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 
     def __init__(self, model_cfg: ModelConfig, model: CausalLM, config: EngineConfig = EngineConfig(), *,
-                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True) -> None:
+                 eos_token_ids: Sequence[int] = (), progress: bool = False, precompile: bool = True,
+                 devices: Sequence[jax.Device] | None = None) -> None:
         """model: a loaded models.base.CausalLM (models.loader.load_model); the engine rounds and casts
-        its own copy of it (the caller's module is left as it is)."""
+        its own copy of it (the caller's module is left as it is). devices: the tensor_parallel local
+        devices this replica runs on (data parallel: engine.sharding.replica_devices); by default the
+        first ones."""
         compile_count.install()
         if model.cfg != model_cfg:
             raise ValueError("model_cfg is not the config the model was built from")
@@ -110,7 +113,9 @@ class JaxEngine:
         self.graphdef, self.params = nnx.split(model)
         self._forward = step_fn(self.graphdef)
         # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
-        self.tp = TensorParallel(model_cfg, config.tensor_parallel) if config.tensor_parallel > 1 else None
+        # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
+        self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
+                   if config.tensor_parallel > 1 or devices is not None else None)
         self._replicated = None  # the sharding of arrays every device holds whole (None: one device)
         cache_cfg = model_cfg
         if self.tp is not None:
@@ -343,7 +348,7 @@ class JaxEngine:
 
     @functools.cached_property
     def _previous(self) -> "_PreviousSamples":
-        return _PreviousSamples(self.max_slots)
+        return _PreviousSamples(self.max_slots, self._replicated)
 
     def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray | jax.Array:
         """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
@@ -452,8 +457,10 @@ class _PreviousSamples:
     a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). Two tiny programs: one
     records a step's samples, one substitutes them into the next step's tokens."""
 
-    def __init__(self, max_slots: int) -> None:
-        self.last = jnp.zeros(max_slots + 1, jnp.int32)
+    def __init__(self, max_slots: int, sharding: jax.sharding.Sharding | None = None) -> None:
+        # on the engine's devices (committed), as the samples it records are: one program per bucket
+        self._put = (lambda x: x) if sharding is None else functools.partial(jax.device_put, device=sharding)
+        self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
         self._scratch = max_slots
         self._record = jax.jit(_record, donate_argnums=(0,))
         self._substitute = jax.jit(_substitute)
@@ -461,7 +468,7 @@ class _PreviousSamples:
     def warm(self, buckets: Buckets) -> None:
         """Compile both programs for every bucket now, so steady state never compiles."""
         for b in buckets.sample_row_counts:
-            self.record(np.full(b, self._scratch, np.int32), jnp.zeros(b, jnp.int32))
+            self.record(np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32)))
         for t in buckets.token_counts:
             self.substitute(np.zeros(t, np.int32), np.full(t, -1, np.int32))
 

@@ -3,7 +3,8 @@ the engine's weights and KV pages placed on the mesh, and the int8 matmul run pe
 
 XLA inserts the collectives of the float matmuls; the native kernels are custom calls it cannot
 partition, so they run per shard under shard_map (attention in kernels/attention.py, int8 matmuls
-here). The engine at tensor_parallel=1 never comes here: one device, no mesh, the same programs.
+here). A lone engine at tensor_parallel=1 never comes here: one device, no mesh, the same programs.
+Data parallelism gives each replica its own slice of the local devices (replica_devices).
 """
 from __future__ import annotations
 
@@ -81,8 +82,28 @@ def make_mesh(n: int) -> Mesh:
     return Mesh(np.asarray(devices[:n]), MESH_AXES)
 
 
+def replica_devices(tensor_parallel: int, data_parallel: int) -> list[list[jax.Device]]:
+    """The local devices of each data-parallel replica: replica r gets [r*N, (r+1)*N) for N = tensor_parallel,
+    a row of a ("data", "model") device grid. Each replica runs its own programs on its own row, so the
+    rows are separate "model" meshes rather than one 2-D mesh."""
+    if tensor_parallel < 1 or data_parallel < 1:
+        raise ValueError(f"tensor_parallel and data_parallel must be >= 1, got {tensor_parallel} and {data_parallel}")
+    if data_parallel > 1 and jax.process_count() > 1:
+        raise ValueError("data_parallel > 1 is for one process: multi-host serves one replica over every "
+                         "process's devices (run more groups behind a Service for more replicas)")
+    devices = jax.local_devices()
+    need = tensor_parallel * data_parallel
+    if need > len(devices):
+        raise ValueError(f"tensor_parallel={tensor_parallel} x data_parallel={data_parallel} needs {need} devices; "
+                         f"this process has {len(devices)} ({devices[0].platform}; on CPU, "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
+    return [devices[r * tensor_parallel:(r + 1) * tensor_parallel] for r in range(data_parallel)]
+
+
 class TensorParallel:
-    """One model replica split over `n` devices.
+    """One model replica split over `n` devices: `devices` (a data-parallel replica's, replica_devices),
+    or make_mesh's. At n = 1 (a data-parallel replica on one device) nothing is split: the weights and
+    the cache are placed whole on that device, and the programs are the single-device ones.
 
     Attention heads (head_layout): with KV heads divisible by n, query heads, KV heads and the KV
     pages' head axis are split alike, so each device holds whole GQA groups. With fewer KV heads than
@@ -93,8 +114,12 @@ class TensorParallel:
     (e.g. 9 heads over 3 KV heads at n = 2) replicates attention whole: its weights and the cache.
     """
 
-    def __init__(self, cfg: ModelConfig, n: int, config: ShardingConfig = ShardingConfig()):
-        self.mesh, self.n, self.config = make_mesh(n), n, config
+    def __init__(self, cfg: ModelConfig, n: int, config: ShardingConfig = ShardingConfig(),
+                 devices: list[jax.Device] | None = None):
+        if devices is not None and len(devices) != n:
+            raise ValueError(f"tensor_parallel={n} was given {len(devices)} devices")
+        self.mesh = make_mesh(n) if devices is None else Mesh(np.asarray(devices), MESH_AXES)
+        self.n, self.config = n, config
         h, kv = cfg.num_heads, cfg.num_kv_heads
         self.kv_layout, self.cache_heads = head_layout(h, kv, n) if config.q_heads else ("replicated", kv)
         rules = {f.name: config.mesh_axis(f.name) for f in dataclasses.fields(config)}
@@ -150,6 +175,8 @@ class TensorParallel:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def _place_leaf(self, value: Any, axes: tuple[str, ...]) -> Any:
+        if self.n == 1:  # one device: the single-device layout, moved to that device
+            return jax.device_put(value, self.replicated)
         if isinstance(value, PerLayer):  # XLA:CPU's per-layer buffers: each without the layers axis
             return ShardedPerLayer(tuple(self._place_leaf(v, axes[1:]) for v in value.layers))
         if isinstance(value, QuantizedWeight):
@@ -194,7 +221,8 @@ class TensorParallel:
         return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[k]) for k, s in spec.items()}
 
     def under_mesh(self, fn: Callable) -> Callable:
-        """fn traced with this mesh as the abstract mesh, which is how the kernels' shard_maps find it."""
+        """fn traced with this mesh as the abstract mesh, which is how the kernels' shard_maps find it
+        (a mesh of one device has nothing to split: the kernels then run whole, as without a mesh)."""
         @functools.wraps(fn)
         def run(*args, **kwargs):
             with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):

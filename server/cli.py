@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (and gRPC)")
     _engine_flags(serve)
+    serve.add_argument("--data-parallel", type=int, default=int(_env("data-parallel", 1)),
+                       help="serve M replicas of the model behind one front end, replica r on local devices "
+                            "[r*N, (r+1)*N) for N = --tensor-parallel, each with its own KV cache (so "
+                            "--kv-cache-memory is per replica too); requests go by load and prefix-cache "
+                            "affinity, and /metrics labels each replica's values")
     serve.add_argument("--host", default=_env("host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(_env("port", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
@@ -91,8 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     """Load, optionally quantize, and compile: (engine, tokenizer, model_path)."""
+    engines, tokenizer, path = build_engines(args, max_slots=max_slots)
+    return engines[0], tokenizer, path
+
+
+def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, data_parallel: int = 1):
+    """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
+    own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
     from engine.runner import EngineConfig, JaxEngine
+    from engine.sharding import replica_devices
     from models.loader import load_model, read_gguf
     from models.registry import load_tokenizer, resolve_model
     from quantization.weights import QUANTIZED_MODES
@@ -105,6 +118,8 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize,
                           tensor_parallel=args.tensor_parallel)
+    # data parallel: each replica's devices, checked before the slow load (one replica: the default ones)
+    slices = replica_devices(args.tensor_parallel, data_parallel) if data_parallel > 1 else [None]
     start = time.perf_counter()
     mode = config.weight_mode()
     # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
@@ -114,13 +129,17 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
     tokenizer = load_tokenizer(path, reader)
     del reader
     log.info("loaded %s in %.1fs (weights: %s)", path, time.perf_counter() - start, mode)
-    engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
-                       progress=progress)
-    del model  # the engine holds its own (rounded, per-layer) copy of the weights
-    log.info("compiled %d programs in %.1fs (%d KV pages of %d tokens; steps of up to %d tokens)",
-             engine.num_programs, engine.compile_seconds, engine.num_pages, engine.page_size,
-             engine.max_num_batched_tokens)
-    return engine, tokenizer, path
+    engines = []
+    for replica, devices in enumerate(slices):
+        engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
+                           progress=progress, devices=devices)
+        engines.append(engine)
+        where = "" if devices is None else f"replica {replica} on {', '.join(map(str, devices))}: "
+        log.info("%scompiled %d programs in %.1fs (%d KV pages of %d tokens; steps of up to %d tokens)", where,
+                 engine.num_programs, engine.compile_seconds, engine.num_pages, engine.page_size,
+                 engine.max_num_batched_tokens)
+    del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
+    return engines, tokenizer, path
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -151,15 +170,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.replicas import ReplicaSet
     from engine.scheduler import Scheduler, SchedulerConfig
     from server.app import create_app, make_server
     from server.service import Service, ServiceConfig
 
     started = time.monotonic()
-    engine, tokenizer, path = build_engine(args)
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(
-        max_queue=args.max_queue,
-        enable_prefix_cache=not args.no_prefix_cache))
+    engines, tokenizer, path = build_engines(args, data_parallel=args.data_parallel)
+    engine = engines[0]
+    config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache)
+    # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
+    scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(path)))
     service = Service(scheduler, engine, tokenizer,

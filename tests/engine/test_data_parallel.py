@@ -101,3 +101,107 @@ def test_a_failed_replica_fails_its_requests_and_readiness_while_the_other_serve
         assert rs.stats().finished == {"length": 4, "error": 1}
     with pytest.raises(EngineUnavailable, match="not accepting"):
         rs.submit(req([1], 1))  # shut down: the first replica's own reason
+
+
+# ---- the JAX engine: replicas on 8 virtual CPU devices, in one subprocess ------------------------
+
+def worker(model_dir: str) -> dict:
+    """Greedy tokens of each replica at TP=1 x DP=2 and TP=2 x DP=2 (engine built by hand, as the
+    tensor-parallel test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2
+    serving two requests at once."""
+    import jax
+    import numpy as np
+
+    from engine.runner import EngineConfig, JaxEngine
+    from engine.sharding import replica_devices
+    from engine.request import Request, SamplingParams
+    from models.loader import load_model
+    from server import cli
+    from tests.conftest import TINY_ENGINE
+    from tests.engine.test_kernel_paths import greedy
+    from tests.engine.test_tensor_parallel import STEPS
+
+    def devices(tree) -> list[int]:
+        return sorted({d.id for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set})
+
+    cfg, model = load_model(model_dir)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 9, 14)]
+    report = {"devices": len(jax.devices()), "one": greedy(JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE),
+                                                                     precompile=False), prompts, STEPS)}
+    for tp in (1, 2):
+        for r, slice_ in enumerate(replica_devices(tp, 2)):
+            engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "tensor_parallel": tp}), precompile=False,
+                               devices=slice_)
+            tokens = greedy(engine, prompts, STEPS)
+            before = engine.compile_count
+            report[f"tp{tp}-r{r}"] = {
+                "tokens": tokens, "again": greedy(engine, prompts, STEPS), "steady_compiles": engine.compile_count - before,
+                "cache": devices(engine.cache), "params": devices(engine.params),
+                "cache_shapes": sorted({tuple(s.data.shape) for s in engine.cache["k"].addressable_shards})}
+            del engine
+
+    args = cli.build_parser().parse_args([
+        "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "none",
+        "--max-slots", "2", "--max-num-batched-tokens", "16", "--page-size", "8", "--max-seq-len", "128",
+        "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
+    engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
+    replicas = ReplicaSet([Scheduler(e, tokenizer, SchedulerConfig()) for e in engines])
+    replicas.start()
+    try:
+        before = engines[0].compile_count
+        streams = [replicas.submit(Request(p, SamplingParams(temperature=0.0, max_tokens=STEPS))) for p in prompts[:2]]
+        report["served"] = [s.result(timeout=300).token_ids for s in streams]
+        report["served_compiles"] = engines[0].compile_count - before
+        report["served_prompt_tokens"] = [s.prompt_tokens for s in replicas.replica_stats()]
+        report["served_cache"] = [devices(e.cache) for e in engines]
+    finally:
+        replicas.shutdown(timeout=30)
+    return report
+
+
+def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_factory):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import build_tiny_hf
+    from tests.engine.test_tensor_parallel import DEVICES, ROOT
+    from tests.server.test_serve_hf_models import _save_word_tokenizer
+
+    model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("dp-llama")), "llama")
+    _save_word_tokenizer(model_dir)  # for the CLI's engines
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_dir], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["devices"] == DEVICES
+    one = report["one"]
+    for tp, slices in ((1, ([0], [1])), (2, ([0, 1], [2, 3]))):
+        for r, devices in enumerate(slices):
+            rep = report[f"tp{tp}-r{r}"]
+            assert rep["tokens"] == one and rep["again"] == one, f"TP={tp} replica {r}"
+            assert rep["steady_compiles"] == 0
+            # each replica's KV pages and weights on its own devices only; at TP=2 one KV head each
+            assert rep["cache"] == rep["params"] == devices, f"TP={tp} replica {r}"
+            assert rep["cache_shapes"] == [[2, 2 // tp, 48, 8, 16]]
+    # the CLI's replica set: one request per replica, both at once, precompiled (nothing compiles)
+    assert report["served"] == [one[0], one[1]]
+    assert report["served_prompt_tokens"] == [5, 9]
+    assert report["served_cache"] == [[0, 1], [2, 3]]
+    assert report["served_compiles"] == 0
+
+
+def test_more_replicas_than_devices_is_refused_with_how_to_get_virtual_devices():
+    from engine.sharding import replica_devices
+
+    with pytest.raises(ValueError, match="x data_parallel=1024 needs 2048 devices.*xla_force_host_platform_device_count"):
+        replica_devices(2, 1024)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(worker(sys.argv[1])))
