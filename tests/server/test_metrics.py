@@ -109,3 +109,25 @@ def test_data_parallel_replicas_share_the_load_and_are_labelled(make_live) -> No
     assert {labels for name, labels in m if name == "jetstream_slots_used_percentage"} == {
         (("replica", "0"),), (("replica", "1"),)}
     assert m[("jetstream_time_to_first_token_count", ())] == len(prompts)
+
+
+def test_a_failed_replica_fails_its_request_and_ready_while_the_other_finishes(make_live) -> None:
+    live = make_live(replicas=2, step_sleep_s=0.005, exit_on_engine_failure=False)
+    live.engines[1].fail_after_steps = 2
+
+    def complete(prompt: str) -> httpx.Response:
+        return httpx.post(f"{live.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20},
+                          timeout=10)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(complete, "a")  # replica 0 (the first turn)
+        assert wait_for(lambda: live.scheduler.replica_stats()[0].running == 1)
+        second = pool.submit(complete, "b")  # replica 1, the less loaded: its engine fails at its third step
+        failed = second.result()
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_error"
+        assert httpx.get(f"{live.url}/ready").status_code == 503
+        served = first.result()
+    assert served.status_code == 200 and served.json()["choices"][0]["text"] == "bcdefghijklmnopqrstu"
+    assert live.metric("slipstream_request_errors_total", replica="1") == 1
+    assert live.metric("slipstream_request_errors_total", replica="0") == 0
+    assert live.metric("jetstream_request_success_count_total", replica="0") == 1
