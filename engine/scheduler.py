@@ -188,6 +188,13 @@ class Scheduler:
             generated_tokens=counts.get("generated_tokens", 0),
             prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished)
 
+    def abort(self, message: str) -> None:
+        """Fail every live request with `message` and stop serving (ready turns false), from any
+        thread: for when the engine cannot go on and the engine thread may be stuck inside it
+        (a multi-host peer died in the middle of a collective)."""
+        log.error("scheduler aborted: %s", message)
+        self._fail_all(message, failed=True)
+
     def add_listener(self, fn: Callable[[RequestMetrics], None]) -> None:
         self._listeners = [*self._listeners, fn]  # copy: the output thread iterates it unlocked
 
@@ -272,6 +279,9 @@ class Scheduler:
             while self._iteration():
                 pass
         except Exception as exc:  # noqa: BLE001 - any engine error must reach every waiter
+            if self._failed is not None:  # aborted: this failure follows from what abort() reported
+                log.warning("engine thread stopped after the abort: %r", exc)
+                return
             log.exception("engine thread failed")
             self._output.put(self._records)  # e.g. cancellations already taken off the books
             self._fail_all(f"engine failed: {exc!r}", failed=True)
@@ -281,9 +291,11 @@ class Scheduler:
         planner = self._planner
         with self._cv:
             while not (planner.waiting or planner.running or self._drops or self._force_stop
-                       or self._in_flight is not None
+                       or self._in_flight is not None or self._failed is not None
                        or (self._state != "running" and not self._live)):
-                self._cv.wait()  # idle: no spinning, woken by submit/cancel/shutdown
+                self._cv.wait()  # idle: no spinning, woken by submit/cancel/shutdown/abort
+            if self._failed is not None:
+                return False  # aborted: abort() failed the requests
             if self._force_stop:
                 self._fail_all("scheduler shut down before the request finished", failed=False)
                 return False
@@ -409,7 +421,7 @@ class Scheduler:
 
     def _fail_all(self, message: str, *, failed: bool) -> None:
         with self._cv:
-            if failed:
+            if failed and self._failed is None:  # the first failure is the cause
                 self._failed = message
             seqs = list(self._live.values())
             self._live.clear()
