@@ -73,7 +73,14 @@ def head_layout(num_heads: int, num_kv_heads: int, n: int) -> tuple[str, int]:
 
 
 def make_mesh(n: int) -> Mesh:
-    """A 1-D mesh over the first n local devices, its axis named "model"."""
+    """A 1-D mesh over the first n local devices, its axis named "model". Multi-host (jax.distributed),
+    over every process's devices: the model spans the whole group, and each process holds the shards
+    of its own devices."""
+    if jax.process_count() > 1:
+        if n != jax.device_count():
+            raise ValueError(f"multi-host: tensor_parallel must span all {jax.device_count()} devices of the "
+                             f"{jax.process_count()} processes ({jax.local_device_count()} each), got {n}")
+        return Mesh(np.asarray(jax.devices()), MESH_AXES)
     devices = jax.local_devices()
     if not 1 <= n <= len(devices):
         raise ValueError(f"tensor_parallel={n} needs that many devices; this process has {len(devices)} "
