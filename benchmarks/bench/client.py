@@ -5,6 +5,7 @@ latency ends at the last choice chunk. Output tokens come from the server's `usa
 stream_options.include_usage, read from whichever chunk carries it, which for llama.cpp's server is the
 last choice chunk), else from re-tokenizing the text. One departure: a chat chunk with only a role and
 no content or finish_reason is not a token, so it neither starts TTFT nor adds an ITL sample.
+Connections are reused between requests by default, as vLLM's client (aiohttp) does.
 """
 from __future__ import annotations
 

@@ -37,9 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--tokenizer", default=None,
                         help="preset name, HF directory or .gguf file whose tokenizer counts tokens "
                              "(default: --model if it is one of those, else the default model)")
-    server.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=False,
-                        help="reuse connections between requests, as vllm bench serve does (--no-keep-alive: a "
-                             "fresh connection per request)")
+    server.add_argument("--keep-alive", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse connections between requests, as vllm bench serve and the OpenAI SDK do "
+                             "(default; --no-keep-alive: a fresh connection per request)")
     server.add_argument("--ready-check-timeout-sec", type=int, default=0,
                         help="retry the first prompt for up to this long before starting (0: no check)")
 
