@@ -50,13 +50,14 @@ SCRAPED = ("slipstream_prompt_tokens", "slipstream_prefilled_tokens", "slipstrea
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """The server's counters and histogram sums that tell what workload it got and how long it took."""
+    """The server's counters and histogram sums that tell what workload it got and how long it took (summed over
+    label sets, such as data-parallel replicas)."""
     text = httpx.get(f"{base_url}/metrics", trust_env=False, timeout=30).text
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(\w+?)(?:_total)?\s+(\S+)$", line)
+        m = re.match(r"^(\w+?)(?:_total)?(?:\{[^}]*\})?\s+(\S+)$", line)
         if m and m.group(1) in SCRAPED:
-            out[m.group(1)] = float(m.group(2))
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
@@ -81,11 +82,29 @@ def join_trace(res: dict, prefix: str, trace: dict[str, dict]) -> list[dict]:
         rec = trace.get(f"{prefix}{i}")
         if not ok or rec is None or rec["first"] is None:
             continue
+        # the token chunks the server wrote (the usage chunk and [DONE] follow them)
+        sends = rec["sends"][:res["output_lens"][i]]
         rows.append({"i": i, "start": start, "ttft_ms": 1000 * ttft, "deliver_ms": 1000 * (rec["dispatch"] - start),
                      "read_ms": 1000 * (rec["body"] - rec["dispatch"]) if rec["body"] else float("nan"),
                      "server_ms": 1000 * (rec["first"] - rec["dispatch"]),
-                     "receive_ms": 1000 * (start + ttft - rec["first"]), "conn": rec["client"][1] if rec["client"] else 0})
+                     "receive_ms": 1000 * (start + ttft - rec["first"]), "conn": rec["client"][1] if rec["client"] else 0,
+                     "server_itl_ms": [1000 * (b - a) for a, b in zip(sends, sends[1:])]})
     return rows
+
+
+def server_view(joined: list[dict], client: dict) -> dict[str, float]:
+    """The same statistics from the server's own stamps (TTFT from the app getting the request to its first chunk
+    written, ITL between chunks written), and what the client's numbers add to them. A client that times
+    correctly adds only its transport (connect, send, receive), whatever the server did in that run."""
+    if not joined:
+        return {}
+    ttft = np.array([j["server_ms"] for j in joined])
+    itl = np.array([g for j in joined for g in j["server_itl_ms"]] or [float("nan")])
+    out = {"server_median_ttft_ms": float(np.median(ttft)), "server_p99_ttft_ms": float(np.percentile(ttft, 99)),
+           "server_median_itl_ms": float(np.median(itl)), "server_p99_itl_ms": float(np.percentile(itl, 99))}
+    for k in list(out):
+        out["client_minus_" + k] = client[k.removeprefix("server_")] - out[k]
+    return out
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -142,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--no-trace", dest="trace", action="store_false",
                    help="serve without benchmarks/bench/trace_server (no per-request split of TTFT)")
+    p.add_argument("--server-tree", default=None,
+                   help="serve from this copy of the repository (say `git archive HEAD` unpacked, kernels/*.so copied "
+                        "in) instead of this working tree, so edits in progress here cannot change the server")
     p.add_argument("--same-prompts", action="store_true",
                    help="both clients send prompts from our random generator (vLLM through its `custom` dataset, a "
                         "JSONL file per run, each run its own seed), not each its own random dataset")
@@ -158,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     trace = result_dir / "trace.jsonl"
     serve = ([sys.executable, "-m", "benchmarks.bench.trace_server"] if args.trace
              else [str(Path(sys.executable).parent / "slipstream")])
+    tree = Path(args.server_tree).resolve() if args.server_tree else REPO
+    env = {"SLIPSTREAM_TRACE": str(trace)} if args.trace else {}
+    if args.server_tree:
+        env["PYTHONPATH"] = str(tree)  # ahead of the editable install's finder, which points here
     spec = peers.ServerSpec("slipstream", "Slipstream, default flags",
                             [*serve, "serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.server_args)],
-                            env={"SLIPSTREAM_TRACE": str(trace)} if args.trace else {}, cwd=str(REPO))
+                            env=env, cwd=str(tree))
     c, n = args.concurrency, args.num_prompts
     random = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len)]
@@ -229,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 mean_ttft_ms = res.get("mean_ttft_ms")
                 server_ttft_ms = 1000 * d.get("jetstream_time_to_first_token_sum", 0) / count
                 joined = join_trace(res, f"{label}-", read_trace(trace, f"{label}-"))
-                (result_dir / f"{label}-requests.json").write_text(json.dumps(joined))
+                (result_dir / f"{label}-requests.json").write_text(json.dumps([
+                    {k: v for k, v in j.items() if k != "server_itl_ms"} for j in joined]))
                 split = {f"median_{part}_ms": float(np.median([j[f"{part}_ms"] for j in joined])) if joined else float("nan")
                          for part in ("deliver", "read", "server", "receive")}
                 runs.append({"who": who, "round": r, "label": label, "command": shlex.join(cmd), "client_cpu_s": client_cpu,
@@ -246,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                              # quantity for both clients whatever the server's speed in that run
                              "client_minus_server_mean_ttft_ms": mean_ttft_ms - server_ttft_ms,
                              **split, "connections": len({j["conn"] for j in joined}),
+                             **server_view(joined, res),
                              **{k: res.get(k) for k in KEYS}})
                 peers.log(f"{label}: " + ", ".join(f"{k}={runs[-1][k]:.1f}" for k in
                                                    ("p99_ttft_ms", "median_ttft_ms", "output_throughput", "client_cpu_s",
@@ -261,21 +289,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(runs: list[dict], c: int, n: int, args) -> str:
+    paired = [k for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms") if f"server_{k}" in runs[0]]
     keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_prompt_tokens", "server_prefilled_tokens",
                    "prefix_hit_tokens", "server_mean_ttft_ms", "server_mean_queue_ms", "client_minus_server_mean_ttft_ms",
-                   "median_deliver_ms", "median_read_ms", "median_server_ms", "median_receive_ms", "connections"]
+                   "median_deliver_ms", "median_read_ms", "median_receive_ms", "connections"]
+    keys += [f"server_{k}" for k in paired] + [f"client_minus_server_{k}" for k in paired]
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_line = next((" ".join(line.split()) for line in cpu.splitlines() if line.startswith("Model name")), "?")
     lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, {n} prompts of {args.input_len} in / "
              f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
-             f"(ours first in even rounds), after one settling wave. {model_line}", "",
+             f"(ours first in even rounds), after one settling wave"
+             f"{', both clients sending prompts from our generator' if args.same_prompts else ''}. {model_line}", "",
              "| metric | " + " | ".join(r["label"] for r in runs) + " | ours (mean) | vllm (mean) | difference |",
              "|---|" + "---:|" * (len(runs) + 3)]
     for k in keys:
         mine = [r[k] for r in runs if r["who"] == "ours"]
         theirs = [r[k] for r in runs if r["who"] == "vllm"]
         a, b = sum(mine) / len(mine), sum(theirs) / len(theirs)
-        diff = f"{100 * (a - b) / b:+.1f}%" if b else "-"
+        if k.startswith("client_minus_"):
+            diff = f"{a - b:+.2f} ms"  # small differences of two small numbers: in ms, not %
+        else:
+            diff = f"{100 * (a - b) / b:+.1f}%" if b else "-"
         lines.append(f"| {k} | " + " | ".join(f"{r[k]:.2f}" for r in runs) + f" | {a:.2f} | {b:.2f} | {diff} |")
     return "\n".join(lines)
 
