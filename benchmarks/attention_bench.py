@@ -56,6 +56,15 @@ def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
     return a.nbytes / best
 
 
+def huge_page_kib() -> int:
+    """This process's anonymous memory on transparent huge pages (AnonHugePages), KiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
 def make_step(layers: int, *, sm_scale: float, use_reference: bool):
     attend = attention.ragged_paged_attention_reference if use_reference else attention.ragged_paged_attention
 
@@ -77,7 +86,11 @@ def bench(kv_dtype: str, args) -> None:
         args.page_size, args.layers
     pages_per_seq = -(-ctx // ps)
     num_pages = s * pages_per_seq + 1
-    table = (1 + rng.permutation(s * pages_per_seq)).reshape(s, pages_per_seq).astype(np.int32)
+    if args.page_order == "shared":  # every sequence reads the same pages: K/V stay in cache, compute only
+        order = np.tile(rng.permutation(pages_per_seq), s)
+    else:
+        order = rng.permutation(s * pages_per_seq) if args.page_order == "random" else np.arange(s * pages_per_seq)
+    table = (1 + order).reshape(s, pages_per_seq).astype(np.int32)
     shape = (nl, kvh, num_pages, ps, hd)
     if kv_dtype == "int8":
         cache = {"k": jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)),
@@ -105,6 +118,7 @@ def bench(kv_dtype: str, args) -> None:
         step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
         cache, _ = step(cache, *operands)
         jax.block_until_ready(cache)
+        ptrs = [a.unsafe_buffer_pointer() for a in cache.values()]
         times = []
         cpu0 = time.process_time()
         for _ in range(args.reps):
@@ -113,10 +127,18 @@ def bench(kv_dtype: str, args) -> None:
             jax.block_until_ready((cache, outs))
             times.append(time.perf_counter() - start)
         cpu_ms = (time.process_time() - cpu0) / args.reps * 1e3
+        if [a.unsafe_buffer_pointer() for a in cache.values()] != ptrs:
+            print(f"{kv_dtype:>8} note: the cache buffers moved between steps")
         ms = float(np.median(times)) * 1e3
+        huge = ""
+        if name == "native" and native.load("ragged_paged_attention", "ragged_paged_attention"):
+            from kernels import _ragged_paged_attention as ext
+
+            huge = (f"; cache on huge pages: {ext.huge_pages()['enabled']} (process AnonHugePages "
+                    f"{huge_page_kib() >> 10} MiB)")
         print(f"{kv_dtype:>8} {name:>9}: {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), {ms / nl:6.3f} ms/layer; "
               f"cpu {cpu_ms:7.2f} ms/step; K/V read {step_bytes / 2**20:7.1f} MiB -> bound {bound_ms:7.2f} ms; "
-              f"ratio {ms / bound_ms:5.2f}x (min {min(times) * 1e3 / bound_ms:5.2f}x)")
+              f"ratio {ms / bound_ms:5.2f}x (min {min(times) * 1e3 / bound_ms:5.2f}x){huge}")
 
 
 def main() -> None:
@@ -128,6 +150,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=3, help="query heads per KV head")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-order", choices=("random", "sequential", "shared"), default="random",
+                        help="page tables: a random permutation (a long-running server), consecutive pages, or "
+                             "one sequence's pages shared by all (K/V cached: the compute-only time)")
     parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated: float32, bfloat16, int8")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference", action="store_true", help="also time the pure-JAX reference")
@@ -144,7 +169,8 @@ def main() -> None:
     print(f"cpu: {model}, {os.cpu_count()} cores, load average {load1:.2f}; kernel: {native.kernel_paths()} "
           f"isa={isa}")
     print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
-          f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}")
+          f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}, "
+          f"page order {args.page_order}")
     for kv_dtype in args.kv_dtypes.split(","):
         bench(kv_dtype, args)
 

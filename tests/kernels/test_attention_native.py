@@ -2,6 +2,7 @@
 written cache) on every instruction set this CPU has, and a scan over layers runs it with no cache copy."""
 from __future__ import annotations
 
+import platform
 import re
 
 import jax
@@ -151,3 +152,45 @@ def test_scan_over_layers_makes_no_cache_copy(kv_dtype, kv_heads):
     new_cache, _ = _scan_step(layers)(cache, *args)
     k = np.asarray(new_cache["k"])
     assert np.any(k[2, :, 1, 4] != 0) and np.any(k[2, :, 3, 3] != 0) and not np.any(k[:, :, 5:])
+
+
+def _huge_kib_over(ptr: int, nbytes: int) -> tuple[int, int]:
+    """(KiB of the buffer's 2 MiB-aligned interior, AnonHugePages KiB of the mappings that overlap it) from
+    /proc/self/smaps. madvise splits a heap mapping at the advised range, but it may merge with a neighbour."""
+    lo, hi = -(-ptr // (2 << 20)) * (2 << 20), (ptr + nbytes) // (2 << 20) * (2 << 20)
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                overlaps = a < hi and lo < b
+            elif overlaps and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return (hi - lo) >> 10, total
+
+
+def test_large_cache_ends_up_on_huge_pages():
+    """The first call on a cache buffer of several MiB puts its 2 MiB-aligned part on transparent huge pages
+    (MADV_COLLAPSE), and the step still computes what the oracle does."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+    if "[never]" in thp or release < (6, 1) or not ext.huge_pages()["enabled"]:
+        pytest.skip(f"THP {thp.strip()!r}, Linux {platform.release()} (MADV_COLLAPSE needs 6.1), "
+                    f"kernel setting {ext.huge_pages()}")
+    rng = np.random.default_rng(3)
+    case = make_case(rng, q_lens=[1] * 6, cached=[900, 700, 899, 1000, 513, 640], kv_heads=3, group=3, head_dim=64,
+                     page_size=16)   # k and v: 2 layers x 3 heads x 297 pages x 4 KiB = 7 MiB each
+    assert case.cache["k"].nbytes > 6 << 20
+    before = ext.huge_pages()["collapsed_bytes"]
+    want, want_cache = oracle(case, sm_scale=0.125)
+    out, cache = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale",))(*_args(case), sm_scale=0.125)
+    _assert_matches(out, cache, want, want_cache, case, "float32", "huge pages", _tolerance("float32", ext.isa(), 64))
+    assert ext.huge_pages()["collapsed_bytes"] >= before + (4 << 20), ext.huge_pages()
+    for name in ("k", "v"):
+        want_kib, huge_kib = _huge_kib_over(cache[name].unsafe_buffer_pointer(), cache[name].nbytes)
+        assert want_kib >= 4096 and huge_kib >= want_kib, f"{name}: {huge_kib} of {want_kib} KiB on huge pages"
