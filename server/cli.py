@@ -51,6 +51,21 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="JAX persistent compilation cache directory ('' to disable)")
 
 
+def _distributed_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-host (jax.distributed)", "run the same command in every process, each with "
+                             "its own --process-id: the model spans all their devices, process 0 serves")
+    g.add_argument("--coordinator-address", default=_env("coordinator-address", os.environ.get("JAX_COORDINATOR_ADDRESS")),
+                   help="host:port of process 0 (jax.distributed's coordinator; also JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int,
+                   default=int(_env("num-processes", os.environ.get("JAX_NUM_PROCESSES", 1))))
+    g.add_argument("--process-id", type=int, default=int(_env("process-id", os.environ.get("JAX_PROCESS_ID", 0))))
+    g.add_argument("--control-port", type=int, default=int(_env("control-port", 0)) or None,
+                   help="process 0's port for the step lockstep (default: the coordinator's port + 1)")
+    g.add_argument("--peer-timeout", type=float, default=float(_env("peer-timeout", 10)),
+                   help="seconds of silence after which another process counts as lost: the survivors then "
+                        "fail their requests and exit non-zero, so the orchestrator restarts the group")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="LLM inference server on JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "[r*N, (r+1)*N) for N = --tensor-parallel, each with its own KV cache (so "
                             "--kv-cache-memory is per replica too); requests go by load and prefix-cache "
                             "affinity, and /metrics labels each replica's values")
+    _distributed_flags(serve)
     serve.add_argument("--host", default=_env("host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(_env("port", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
@@ -83,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy continuation of one prompt, printed to stdout")
     _engine_flags(gen)
+    _distributed_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -142,11 +159,71 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     return engines, tokenizer, path
 
 
+def join_group(args: argparse.Namespace):
+    """Multi-host: join the process group before anything touches a device; (config, the group's
+    secret), or None for one process."""
+    if args.num_processes == 1 and args.process_id == 0:
+        return None
+    from engine.multihost import DistributedConfig, initialize
+
+    if not args.coordinator_address:
+        raise ValueError("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
+    dist = DistributedConfig(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                             process_id=args.process_id, control_port=args.control_port,
+                             peer_timeout_s=args.peer_timeout)
+    if getattr(args, "data_parallel", 1) != 1:
+        raise ValueError("multi-host serves one model replica over the whole group: drop --data-parallel")
+    token = initialize(dist)
+    import jax
+
+    if args.tensor_parallel != jax.device_count():
+        raise ValueError(f"multi-host: --tensor-parallel must span the group's {jax.device_count()} devices "
+                         f"({jax.process_count()} processes of {jax.local_device_count()}), got {args.tensor_parallel}")
+    return dist, token
+
+
+def lead_group(engine, joined):
+    """Process 0: wait for every worker, then drive them in lockstep; (engine, group)."""
+    from engine import multihost
+
+    dist, token = joined
+    group = multihost.Group(dist, token, on_lost=[multihost.exit_after(2.0)])
+    group.accept_workers()
+    return multihost.LockstepEngine(engine, group), group
+
+
+def run_worker(engine, tokenizer, joined) -> int:
+    """A worker: replay process 0's engine calls until it stops (exit 0) or goes away (exit 1)."""
+    from engine import multihost
+
+    dist, token = joined
+    # SIGTERM reaches the whole group at once: process 0 drains, and this process must run its steps
+    # until process 0 says stop (or goes away)
+    signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: waiting for process 0 to finish"))
+    leader = multihost.Leader(dist, token, on_lost=[multihost.exit_after(0.0)],
+                              grammar=multihost.worker_grammars(tokenizer, engine))
+    print(f"slipstream: process {dist.process_id} of {dist.num_processes} running process 0's steps",
+          file=sys.stderr, flush=True)
+    try:
+        multihost.serve_worker(engine, leader)
+    except Exception:  # noqa: BLE001 - out of step with process 0: the group must restart
+        log.exception("worker failed")
+        multihost.exit_now(1)
+    multihost.exit_now(0)
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.request import Request, SamplingParams
     from engine.scheduler import Scheduler
 
+    joined = join_group(args)
     engine, tokenizer, _ = build_engine(args, max_slots=1)
+    group = None
+    if joined is not None:
+        if joined[0].process_id != 0:
+            return run_worker(engine, tokenizer, joined)
+        engine, group = lead_group(engine, joined)
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -166,6 +243,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         log.info("%d tokens in %.2fs (%.1f tok/s)", pieces, elapsed, pieces / max(elapsed, 1e-9))
     finally:
         scheduler.shutdown(timeout=5)
+        if group is not None:
+            from engine.multihost import exit_now
+
+            group.close()
+            exit_now(1 if group.lost else 0)
     return 0
 
 
@@ -176,8 +258,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.service import Service, ServiceConfig
 
     started = time.monotonic()
+    joined = join_group(args)
     engines, tokenizer, path = build_engines(args, data_parallel=args.data_parallel)
     engine = engines[0]
+    group = None
+    if joined is not None:
+        if joined[0].process_id != 0:
+            return run_worker(engine, tokenizer, joined)
+        engine, group = lead_group(engine, joined)  # not ready before every worker is
     config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache)
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
     scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
@@ -187,6 +275,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size))
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout)
+    if group is not None:  # a lost peer fails the requests, and /ready answers 503
+        for replica in scheduler.replicas:
+            group.add_handler(replica.abort)
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
                          log_level=args.log_level, started_at=started, grpc_port=args.grpc_port,
@@ -201,7 +292,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, clean_exit)
     signal.signal(signal.SIGINT, clean_exit)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if group is not None:  # workers exit 0 on stop; exit_now says why not a plain exit
+            from engine.multihost import exit_now
+
+            group.close()
+            exit_now(1 if server.engine_failed or group.lost else 0)
     return 1 if server.engine_failed else 0
 
 
