@@ -106,9 +106,9 @@ def test_a_failed_replica_fails_its_requests_and_readiness_while_the_other_serve
 # ---- the JAX engine: replicas on 8 virtual CPU devices, in one subprocess ------------------------
 
 def worker(model_dir: str) -> dict:
-    """Greedy tokens of each replica at TP=1 x DP=2 and TP=2 x DP=2 (engine built by hand, as the
-    tensor-parallel test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2
-    serving two requests at once."""
+    """Greedy tokens of each replica at TP=1 x DP=2 and TP=2 x DP=2 (f32 engines built by hand, as the
+    tensor-parallel test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 with
+    int8 weights (q8_0-a16, the CPU default) serving two requests at once."""
     import jax
     import numpy as np
 
@@ -127,8 +127,11 @@ def worker(model_dir: str) -> dict:
     cfg, model = load_model(model_dir)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 9, 14)]
-    report = {"devices": len(jax.devices()), "one": greedy(JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE),
-                                                                     precompile=False), prompts, STEPS)}
+    report = {"devices": len(jax.devices())}
+    for name, quantize in (("one", "none"), ("one_q8", "q8_0-a16")):
+        engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}), precompile=False)
+        report[name] = greedy(engine, prompts, STEPS)
+        del engine
     for tp in (1, 2):
         for r, slice_ in enumerate(replica_devices(tp, 2)):
             engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "tensor_parallel": tp}), precompile=False,
@@ -142,7 +145,7 @@ def worker(model_dir: str) -> dict:
             del engine
 
     args = cli.build_parser().parse_args([
-        "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "none",
+        "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "q8_0-a16",
         "--max-slots", "2", "--max-num-batched-tokens", "16", "--page-size", "8", "--max-seq-len", "128",
         "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
     engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
@@ -187,7 +190,7 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
             assert rep["cache"] == rep["params"] == devices, f"TP={tp} replica {r}"
             assert rep["cache_shapes"] == [[2, 2 // tp, 48, 8, 16]]
     # the CLI's replica set: one request per replica, both at once, precompiled (nothing compiles)
-    assert report["served"] == [one[0], one[1]]
+    assert report["served"] == report["one_q8"][:2]
     assert report["served_prompt_tokens"] == [5, 9]
     assert report["served_cache"] == [[0, 1], [2, 3]]
     assert report["served_compiles"] == 0
