@@ -276,3 +276,27 @@ def test_process_1_exits_when_process_0_dies(tiny, tmp_path):
         print(f"process 1 exited {code} {took:.2f} s after process 0 was killed")
     finally:
         _stop(procs)
+
+
+def test_sigterm_drains_the_group_and_every_process_exits_0(tiny, tmp_path):
+    """Kubernetes stops a group by sending SIGTERM to every pod at once: process 0 drains (the request
+    in flight completes), the worker keeps running its steps until process 0 tells it to stop."""
+    http = _free_port()
+    base = f"http://127.0.0.1:{http}"
+    procs = _group(tiny, tmp_path, http)
+    try:
+        _wait_ready(base, procs, tmp_path)
+        body = {"prompt": "w5 w9", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=EXIT_S) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert [_exit_code(p, stopped)[0] for p in procs] == [0, 0], _logs(tmp_path)
+    finally:
+        _stop(procs)
