@@ -143,9 +143,62 @@ def test_scheduler_abort_fails_requests_while_the_engine_is_stuck():
 
 # ---- two processes on loopback ------------------------------------------------------------------
 
+PROMPTS = [[5, 9, 17, 33, 64, 100], [200, 3, 71, 71, 150, 12, 9, 44, 250]]  # token ids
+
+def _shards(x) -> dict:
+    return {"shape": list(x.shape), "devices": len(x.sharding.device_set), "fully_addressable": x.is_fully_addressable,
+            "here": sorted(list(s.data.shape) for s in x.addressable_shards)}
+
+
+def placement_worker(process_id: int, coordinator: str, model_path: str) -> None:
+    """One process of two (this file's __main__): the tiny model at TP=8, its greedy tokens and where
+    its weights and KV pages live, as JSON on stdout."""
+    from engine.multihost import exit_now, initialize
+
+    initialize(DistributedConfig(coordinator_address=coordinator, num_processes=2, process_id=process_id))
+    from engine.runner import EngineConfig, JaxEngine
+    from models.loader import load_model
+    from tests.conftest import TINY_ENGINE
+    from tests.engine.test_kernel_paths import greedy
+
+    cfg, model = load_model(model_path)
+    engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "tensor_parallel": 8}), precompile=False)
+    tokens = greedy(engine, PROMPTS, 6)
+    embed = next(v.get_value() for path, v in __import__("flax").nnx.to_flat_state(engine.params)
+                 if path[0] == "embed")
+    print(json.dumps({"tokens": tokens, "embed": _shards(embed), "k": _shards(engine.cache["k"])}), flush=True)
+    exit_now(0)
+
+
+def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
+    """Each process holds only its own 4 devices' shards of one 8-device array, and the greedy tokens
+    are the single-device engine's."""
+    from engine.runner import EngineConfig, JaxEngine
+    from tests.conftest import TINY_ENGINE
+    from tests.engine.test_kernel_paths import greedy
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), coordinator, tiny_llama_dir], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+             for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=START_S)[0] for p in procs]
+    finally:
+        _stop(procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    cfg, params = tiny_model
+    one = greedy(JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE), precompile=False), PROMPTS, 6)
+    for r in reports:
+        assert r["tokens"] == one
+        # the embedding [256, 64] split on the vocabulary over 8 devices: 4 rows of 32 here
+        assert r["embed"] == {"shape": [256, 64], "devices": 8, "fully_addressable": False, "here": [[32, 64]] * 4}
+        # 4 query heads over 2 KV heads do not split 8 ways: the pages are whole on each device
+        assert r["k"]["devices"] == 8 and not r["k"]["fully_addressable"] and r["k"]["here"] == [r["k"]["shape"]] * 4
+
 SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
          "--quantize", "none", "--compile-cache", ""]
-PROMPTS = [[5, 9, 17, 33, 64, 100], [200, 3, 71, 71, 150, 12, 9, 44, 250]]
 START_S = 400  # two processes compiling on shared CPU cores
 EXIT_S = 30    # a survivor fails its requests and exits within this
 
@@ -300,3 +353,7 @@ def test_sigterm_drains_the_group_and_every_process_exits_0(tiny, tmp_path):
         assert [_exit_code(p, stopped)[0] for p in procs] == [0, 0], _logs(tmp_path)
     finally:
         _stop(procs)
+
+
+if __name__ == "__main__":
+    placement_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
