@@ -196,8 +196,12 @@ def scrape(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:  # summed over data-parallel replicas (the `replica` label)
+            key = s.name + "".join(f"{{{v}}}" for k, v in s.labels.items() if k != "replica")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def rss_bytes(pid: int) -> int:
