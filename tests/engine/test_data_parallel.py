@@ -103,6 +103,17 @@ def test_a_failed_replica_fails_its_requests_and_readiness_while_the_other_serve
         rs.submit(req([1], 1))  # shut down: the first replica's own reason
 
 
+def test_abort_fails_every_replicas_requests():
+    """What a lost multi-host peer does to the front end (Scheduler.abort), across replicas."""
+    with replica_set(MockEngine(step_sleep_s=0.005), MockEngine(step_sleep_s=0.005)) as rs:
+        streams = [rs.submit(req([40], 100)), rs.submit(req([50], 100))]
+        assert prompt_tokens(rs) == [1, 1]
+        rs.abort("peer lost")
+        assert [(c.finish_reason, c.error) for c in (s.result(timeout=WAIT) for s in streams)] == [
+            (FinishReason.ERROR, "peer lost")] * 2
+        assert not rs.ready and not any(s.ready for s in rs.replicas)
+
+
 # ---- the JAX engine: replicas on 8 virtual CPU devices, in one subprocess ------------------------
 
 def worker(model_dir: str) -> dict:
