@@ -119,7 +119,7 @@ class ReplicaSet:
             loads[i] = s.running + s.waiting
         least = min(loads.values())
         near = [i for i in live if loads[i] <= least + self._slack]
-        cached = {i: _cached_prefix_tokens(self.replicas[i], prompt_ids) for i in near} if len(near) > 1 else {}
+        cached = {i: self.replicas[i].cached_prefix_tokens(prompt_ids) for i in near} if len(near) > 1 else {}
         turn, self._turn = self._turn, self._turn + 1
         n = len(self.replicas)
         return min(near, key=lambda i: (-cached.get(i, 0), loads[i], (i - turn) % n))
@@ -128,12 +128,6 @@ class ReplicaSet:
         with self._lock:
             if self._owner.get(metrics.request_id) == replica:
                 del self._owner[metrics.request_id]
-
-
-def _cached_prefix_tokens(scheduler: Scheduler, prompt_ids: list[int]) -> int:
-    # A read-only lookup in the replica's prefix cache (dict lookups: safe beside the engine thread).
-    # The Scheduler has no public accessor for its block manager yet.
-    return scheduler._blocks.cached_prefix_tokens(prompt_ids)
 
 
 def _sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:

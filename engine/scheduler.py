@@ -165,6 +165,11 @@ class Scheduler:
     def cancel(self, request_id: str) -> None:
         self._drop_later(request_id, counted=True)
 
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens admission would take from the prefix cache now: a routing hint that changes
+        nothing (dict lookups, safe beside the engine thread)."""
+        return self._blocks.cached_prefix_tokens(prompt_ids)
+
     def stats(self) -> SchedulerStats:
         with self._cv:
             planner = self._planner
