@@ -27,7 +27,7 @@ SELECTOR = {"app.kubernetes.io/name": "slipstream", "app.kubernetes.io/instance"
 LEADER_LABEL = ("leaderworkerset.sigs.k8s.io/worker-index", "0")   # set by the LWS controller
 INDEX_LABEL = ("batch.kubernetes.io/job-completion-index", "0")     # set by the Job controller
 
-# 4 hosts x 2 devices, one 8-way tensor-parallel model; 2 hosts x 4 devices, TP=4 x DP=2.
+# 4 hosts x 2 devices, one 8-way tensor-parallel model; 2 hosts x 4 devices, TP=8.
 MODES: dict[str, dict[str, Any]] = {
     "leaderWorkerSet": {
         "multiHost": {"enabled": True, "processes": 4},
@@ -37,7 +37,7 @@ MODES: dict[str, dict[str, Any]] = {
     "indexedJob": {
         "multiHost": {"enabled": True, "processes": 2, "mode": "indexedJob", "coordinatorPort": 7000,
                       "controlPort": 7001},
-        "server": {"tensorParallel": 4, "dataParallel": 2},
+        "server": {"tensorParallel": 8},
         "autoscaling": {"enabled": False},
         "metrics": {"podMonitor": {"enabled": True}},
     },
@@ -197,7 +197,7 @@ def test_indexed_job_is_one_server_found_through_its_headless_service():
         f"{job['metadata']['name']}-0.{headless['metadata']['name']}.serving.svc:7000"
     assert e["SLIPSTREAM_NUM_PROCESSES"] == "2"
     assert e["SLIPSTREAM_CONTROL_PORT"] == "7001"
-    assert (e["SLIPSTREAM_TENSOR_PARALLEL"], e["SLIPSTREAM_DATA_PARALLEL"]) == ("4", "2")
+    assert (e["SLIPSTREAM_TENSOR_PARALLEL"], e["SLIPSTREAM_DATA_PARALLEL"]) == ("8", "1")
     assert e["JOB_COMPLETION_INDEX"] == {
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     assert e["SLIPSTREAM_PROCESS_ID"] == "$(JOB_COMPLETION_INDEX)"
@@ -275,6 +275,8 @@ def test_schema_refuses_nonsense_multi_host_values(values, field):
 @pytest.mark.parametrize("values, message", [
     ({"multiHost": {"enabled": True, "processes": 4}, "server": {"tensorParallel": 2}}, "multiple of multiHost.processes"),
     ({"multiHost": {"enabled": True}}, "multiple of multiHost.processes"),  # TP=1 on two hosts
+    # the server refuses data parallel across a multi-host group (one replica spans every process)
+    ({"multiHost": {"enabled": True}, "server": {"tensorParallel": 2, "dataParallel": 2}}, "dataParallel is 2"),
     ({"multiHost": {"enabled": True, "coordinatorPort": 9000}, "server": {"tensorParallel": 2}}, "coordinatorPort 9000"),
     ({"multiHost": {"enabled": True, "controlPort": 8476}, "server": {"tensorParallel": 2}}, "controlPort 8476"),
     ({"multiHost": {"enabled": True, "mode": "indexedJob"}, "server": {"tensorParallel": 2}}, "autoscaling.enabled=false"),

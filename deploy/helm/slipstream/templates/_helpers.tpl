@@ -57,9 +57,12 @@ batch.kubernetes.io/job-completion-index: "0"
 {{/* Settings a multi-host server cannot start with, refused before anything is applied. */}}
 {{- define "slipstream.checkMultiHost" -}}
 {{- $v := .Values }}
-{{- $devices := mul (int $v.server.tensorParallel) (int $v.server.dataParallel) }}
+{{- if ne 1 (int $v.server.dataParallel) }}
+{{- fail (printf "server.dataParallel is %d: a multi-host group serves one model replica over every process's devices; set it to 1 (or run one release per replica)" (int $v.server.dataParallel)) }}
+{{- end }}
+{{- $devices := int $v.server.tensorParallel }}
 {{- if ne 0 (mod $devices (int $v.multiHost.processes)) }}
-{{- fail (printf "server.tensorParallel x server.dataParallel (%d) spans every process's devices: make it a multiple of multiHost.processes (%d)" $devices (int $v.multiHost.processes)) }}
+{{- fail (printf "server.tensorParallel (%d) spans every process's devices: make it a multiple of multiHost.processes (%d)" $devices (int $v.multiHost.processes)) }}
 {{- end }}
 {{- $taken := list 8000 }}
 {{- if $v.grpc.enabled }}{{ $taken = append $taken (int $v.grpc.port) }}{{ end }}
