@@ -1,17 +1,26 @@
 """`slipstream bench` against `vllm bench serve` on ONE server, same workload, alternating order.
 
-    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.bench_agreement --rounds 2
+    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.bench_agreement --rounds 4
 
 Starts one Slipstream server (default flags, `--max-slots 32`) on a loopback port, sends one unmeasured
 settling wave, then runs both clients `--rounds` times in the order ours, vllm / vllm, ours / ... (so a
-drift over time favours neither). Within a round both clients get the same seed; each round has its own
-seed, so no run's prompts are in the server's prefix cache from an earlier run (the two clients' random
-datasets differ for the same seed). Both clients run as subprocesses with the same flags; for each run it
-also records the client's and the server's CPU seconds during the timed part and, from the server's
-/metrics, its mean TTFT (arrival to first token, as the server sees it) and the prompt tokens it served from
-its prefix cache. On a shared machine the server's speed drifts between runs by more than the clients
-differ; `client_minus_server_mean_ttft_ms` (the client's mean TTFT less the server's own, same run) does not
-drift with it.
+drift over time favours neither), each run with its own prompts (no run's prompts are in the server's
+prefix cache from an earlier run). Both clients run as subprocesses with the same flags.
+
+The server runs under benchmarks/bench/trace_server.py, which stamps every request by the server's clock
+(the clients' clock too): when the app got it and when each chunk was written. So each run's median/p99
+TTFT and ITL are also computed as the server saw them, and each client's numbers less the server's
+(`client_minus_server_*`) say what that client adds: its transport (connect, send, receive). That is
+what a client can get wrong, and it does not move with the server: at 32 concurrent the server's own
+median TTFT flips by a whole step between runs (its steady state locks into one of two phases for long
+stretches), so two runs of the SAME client can differ by 15-20% there, more than the clients do.
+Per run it also records the client's and the server's CPU seconds, the prompt tokens the server
+prefilled and served from its prefix cache (equal workloads), and where TTFT went per request
+(`LABEL-requests.json`: deliver, server, receive).
+
+`--same-prompts` feeds both clients prompts from our random generator (vLLM's through its `custom`
+dataset); `--server-tree DIR` serves from a copy of the repository (`git archive HEAD` unpacked, with
+kernels/*.so copied in), so edits in progress in this tree cannot change the server mid-measurement.
 
 It does not take the bench lock itself: run it under `flock` (above). The server it starts is stopped
 (its process group, by PID) at the end, also on Ctrl-C. Takes minutes: not part of `make test`.
