@@ -125,8 +125,10 @@ class FakeServer:
     """The app in its own process (so the client's timing shares no GIL with it) on a free loopback port.
     `configure` swaps the schedule and clears the stats; `stats` reads them back."""
 
-    def __init__(self, tokenizer_path: str) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.benchmarks.fake_server", tokenizer_path],
+    def __init__(self, tokenizer_path: str, trace_path: str | None = None) -> None:
+        # trace_path: the app is wrapped in benchmarks/bench/trace_server's per-request trace, written there
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.benchmarks.fake_server", tokenizer_path,
+                                       *([trace_path] if trace_path else [])],
                                       stdout=subprocess.PIPE, text=True,
                                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         line = self._proc.stdout.readline()
@@ -156,6 +158,10 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     print(f"port {sock.getsockname()[1]}", flush=True)
     app = build_app(state, lambda text: len(tok.encode(text, add_special_tokens=False)))
+    if len(sys.argv) > 2:
+        from benchmarks.bench.trace_server import TraceRequests
+
+        app = TraceRequests(app, sys.argv[2])
     uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
 
 
