@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import io
 import itertools
 import logging
 import os
@@ -102,33 +101,28 @@ def exit_now(code: int) -> None:
 
 # ---- the wire: length-prefixed pickles from process 0, heartbeat bytes from the workers ----------
 
-class _Pickler(pickle.Pickler):
-    """A grammar constraint travels as its source text: each worker compiles its own copy."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        from engine.structured import Grammar
-
-        if isinstance(obj, Grammar):
-            return ("grammar", obj.text, obj.constraint)
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, grammar: Callable[[str, Any], Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._grammar = grammar
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, text, constraint = pid
-        if kind != "grammar":
-            raise pickle.UnpicklingError(f"unknown persistent object {kind!r}")
-        return self._grammar(text, constraint)
+def encode(msg: tuple) -> bytes:
+    """One call as a frame. A compiled grammar travels as its source: an insert becomes
+    ("insert", slot, state without it, (text, constraint) or None)."""
+    if msg[0] == "insert":
+        _, slot, state = msg
+        grammar = state.params.constraint
+        if grammar is not None:
+            state = dataclasses.replace(state, params=dataclasses.replace(state.params, constraint=None))
+        msg = ("insert", slot, state, None if grammar is None else (grammar.text, grammar.constraint))
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _FRAME.pack(len(data)) + data
 
 
-def _dumps(msg: tuple) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(msg)
-    return _FRAME.pack(out.getbuffer().nbytes) + out.getvalue()
+def decode(payload: bytes, grammar: Callable[[str, Any], Any]) -> tuple:
+    """A frame's call, its grammar (if any) compiled here by `grammar(text, constraint)`."""
+    msg = pickle.loads(payload)
+    if msg[0] == "insert":
+        _, slot, state, source = msg
+        if source is not None:
+            state = dataclasses.replace(state, params=dataclasses.replace(state.params, constraint=grammar(*source)))
+        msg = ("insert", slot, state)
+    return msg
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -234,7 +228,7 @@ class Group:
 
     def send(self, msg: tuple) -> None:
         """To every worker, in order; PeerLost once the group is lost."""
-        frame = _dumps(msg)
+        frame = encode(msg)
         with self._send_lock:
             if self._lost.reason is not None:
                 raise PeerLost(self._lost.reason)
@@ -373,7 +367,7 @@ class Leader:
         try:
             while True:
                 (size,) = _FRAME.unpack(_read_exact(self._sock, _FRAME.size))
-                msg = _Unpickler(_read_exact(self._sock, size), self._grammar).load()
+                msg = decode(_read_exact(self._sock, size), self._grammar)
                 if msg != _BEAT:
                     self._queue.put(msg)
                 if msg == _STOP:  # hang up: process 0 waits for that before it exits

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from engine.mock_engine import MockEngine
-from engine.multihost import (DistributedConfig, Group, Leader, LockstepEngine, PeerLost, _dumps, _FRAME,
-                              _Unpickler, serve_worker, worker_grammars)
+from engine.multihost import (_FRAME, DistributedConfig, Group, Leader, LockstepEngine, PeerLost, decode, encode,
+                              serve_worker, worker_grammars)
 from engine.request import FinishReason, SamplingParams
 from engine.scheduler import EngineUnavailable
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, running, wait_for
@@ -112,9 +112,10 @@ def test_a_grammar_reaches_the_worker_as_its_own_compiled_copy(default_model_pat
     engine = MockEngine(vocab_size=49152, eos_token_ids=frozenset({2}))
     grammar = GrammarCompiler(tokenizer, 49152, {2}).compile(Constraint("regex", "(yes|no)"))
     state = SlotState([5], [], SamplingParams(constraint=grammar))
-    frame = _dumps(("insert", 3, state))
+    frame = encode(("insert", 3, state))
     (size,) = _FRAME.unpack(frame[:_FRAME.size])
-    kind, slot, got = _Unpickler(frame[_FRAME.size:][:size], worker_grammars(tokenizer, engine)).load()
+    assert size == len(frame) - _FRAME.size
+    kind, slot, got = decode(frame[_FRAME.size:], worker_grammars(tokenizer, engine))
     assert (kind, slot) == ("insert", 3)
     assert got.params.constraint is not grammar and got.params.constraint.text == grammar.text
     assert not got.params.constraint.matcher().advance(tokenizer.encode("maybe", add_special_tokens=False)[0])
