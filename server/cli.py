@@ -276,8 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
-        for replica in scheduler.replicas:
-            group.add_handler(replica.abort)
+        group.add_handler(scheduler.abort)
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
                          log_level=args.log_level, started_at=started, grpc_port=args.grpc_port,
