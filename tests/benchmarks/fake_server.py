@@ -156,6 +156,7 @@ def main() -> None:
     state = {"schedule": Schedule(), "stats": Stats(), "seen_prompts": set()}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(128)  # connections queue from the moment the port is printed, before uvicorn serves them
     print(f"port {sock.getsockname()[1]}", flush=True)
     app = build_app(state, lambda text: len(tok.encode(text, add_special_tokens=False)))
     if len(sys.argv) > 2:
