@@ -1,10 +1,15 @@
-"""XLA:CPU's per-layer weight buffers: the engine's form of stacked linear weights on CPU.
+"""XLA:CPU's forms of stacked linear weights: what the engine's scanned layer body multiplies by.
 
 A scan over stacked weights [L, ...] makes XLA:CPU copy each layer's slice out of the stack before
-its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So on CPU each linear
-weight is kept as L separate buffers (`PerLayer`), and the scanned layer body picks layer i's buffer
-with lax.switch (`LayerPick`); a group of weights read by one input (q/k/v, gate/up) shares one
-switch. models/layers.py calls `pick` and `linears` without knowing why.
+its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So on CPU:
+- group-wise int8 weights stay one stack [L, ...] (`StackedQ8`) that the native kernel reads at the
+  traced layer index, where it lies: no slice, no switch. The linears one input feeds (q/k/v,
+  gate/up: `FUSED`) are fused along their output columns at load, so each group is one kernel call
+  (one fixed per-call cost instead of three or two); the other members hold a `FusedMember` marker;
+- float weights (and int8 ones under tensor parallelism, engine/sharding.py) are kept as L separate
+  buffers (`PerLayer`), and the layer body picks layer i's buffer with lax.switch (`LayerPick`); a
+  group of weights read by one input shares one switch.
+models/layers.py calls `pick` and `linears` without knowing why.
 """
 from __future__ import annotations
 
@@ -12,10 +17,19 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 from flax import nnx
 
+from kernels.q8_matmul import TILE, q8_matmul
 from models import layers
 from models.base import CausalLM
+from quantization import QuantizedWeight
+
+# The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
+FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (layers.Attention, ("wq", "wk", "wv")),
+    (layers.GatedMLP, ("w_gate", "w_up")),
+)
 
 
 @jax.tree_util.register_dataclass
@@ -51,14 +65,106 @@ class LayerPick:
         return tuple(o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
-def split_linears(model: CausalLM) -> None:
-    """Keep every per-layer linear weight of `model` as L buffers (in place)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedQ8:
+    """The group-wise int8 weights of every layer as one stack (a QuantizedWeight [L, K, N]) for one
+    linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles)
+    and number widths[j]."""
+
+    weight: QuantizedWeight
+    widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        starts = np.cumsum([0] + [-(-w // TILE) * TILE for w in self.widths[:-1]])
+        return tuple(int(s) for s in starts)
+
+    def pick(self, index: jax.Array) -> "StackedPick":
+        return StackedPick(index, self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedMember:
+    """A linear whose int8 weight lives in its group's StackedQ8, as member `index` (no arrays)."""
+
+    index: int = dataclasses.field(metadata=dict(static=True))
+
+    def pick(self, index: jax.Array) -> "FusedMember":
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedPick:
+    """Layer `index` of a StackedQ8, inside the scanned layer body."""
+
+    index: jax.Array
+    stack: StackedQ8
+
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        widths = self.stack.widths
+        if (len(picks) != len(widths) or picks[0] is not self
+                or any(not isinstance(p, FusedMember) or p.index != j for j, p in enumerate(picks[1:], 1))):
+            raise ValueError(f"int8 weights fused as a group of {len(widths)} linears are multiplied as that "
+                             f"group, in order (got {len(picks)} weights); see engine/layer_stack.FUSED")
+        w = self.stack.weight
+        flat = x.reshape(-1, x.shape[-1])
+        y = q8_matmul(flat, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
+                      layer=self.index)
+        return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype)
+                     for o, n in zip(self.stack.offsets, widths))
+
+
+def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
+    """Stacked int8 weights [L, K, N_j] sharing K and mode -> one StackedQ8 over their columns."""
+    widths = tuple(w.logical[1] for w in weights)
+    if len(weights) == 1:
+        return StackedQ8(weights[0], widths)
+    def cat(arrays):  # along the tile axis, in numpy (jnp would compile a program per shape)
+        out = np.concatenate([np.asarray(a) for a in arrays], axis=-2)
+        return jax.device_put(out)  # hands numpy's buffer to XLA
+
+    offset = None
+    if any(w.offset is not None for w in weights):
+        offset = cat([np.zeros(w.scale.shape, np.float32) if w.offset is None else w.offset for w in weights])
+    fused = QuantizedWeight(q=cat([w.q for w in weights]), scale=cat([w.scale for w in weights]),
+                            mode=weights[0].mode, offset=offset,
+                            logical=(weights[0].logical[0], sum(-(-n // TILE) * TILE for n in widths[:-1]) + widths[-1]))
+    return StackedQ8(fused, widths)
+
+
+def split_linears(model: CausalLM, *, stack_int8: bool = True) -> None:
+    """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): int8 ones as
+    StackedQ8 (FUSED groups fused) when `stack_int8`, everything else as PerLayer."""
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
     n = model.cfg.num_layers
+    stacked: dict[tuple, object] = {}
+    if stack_int8:
+        for w in type(model).WEIGHTS:
+            key = tuple(w.path.split("."))
+            if w.linear and w.per_layer and key in flat and isinstance(flat[key].get_value(), QuantizedWeight):
+                stacked[key] = flat[key].get_value()
+        for path, module in nnx.iter_modules(model):
+            for kind, names in FUSED:
+                keys = [(*map(str, path), name, "w") for name in names]
+                if not isinstance(module, kind) or not all(k in stacked for k in keys):
+                    continue
+                group = [stacked[k] for k in keys]
+                if len({(g.logical[0], g.mode, g.q.shape[0]) for g in group}) != 1:
+                    continue  # not one input, mode and depth: left unfused
+                stacked[keys[0]] = _fuse(group)
+                for j, k in enumerate(keys[1:], 1):
+                    stacked[k] = FusedMember(j)
     for w in type(model).WEIGHTS:
-        var = flat.get(tuple(w.path.split(".")))
+        key = tuple(w.path.split("."))
+        var = flat.get(key)
         if var is None or not (w.linear and w.per_layer):
+            continue
+        if key in stacked:
+            value = stacked[key]
+            var.set_value(value if isinstance(value, StackedQ8 | FusedMember) else _fuse([value]))
             continue
         value = var.get_value()
         var.set_value(PerLayer(tuple(jax.tree.map(lambda a, i=i: a[i], value) for i in range(n))))

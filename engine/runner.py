@@ -108,7 +108,7 @@ class JaxEngine:
         self.weight_mode = config.weight_mode()
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
-            split_linears(model)
+            split_linears(model, stack_int8=config.tensor_parallel == 1)  # sharding splits PerLayer
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
         self._forward = step_fn(self.graphdef)

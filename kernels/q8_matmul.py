@@ -126,36 +126,51 @@ def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     return y[:, :n]
 
 
-def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, *, n: int,
-            parts: int) -> jax.Array:
+def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, layer: jax.Array, *,
+            n: int, parts: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if offsets is None:
         offsets = jnp.zeros((0,), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, parts=np.int32(parts))
+    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts))
+
+
+def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None,
+                  layer: jax.Array, *, n: int, parts: int) -> jax.Array:
+    if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
+        pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+        packed, scales, offsets = pick(packed), pick(scales), pick(offsets)
+    return reference(x, packed, scales, offsets, n=n, parts=parts)
 
 
 def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
-              n: int, parts: int = 1) -> jax.Array:
+              n: int, parts: int = 1, layer: jax.Array | int | None = None) -> jax.Array:
     """x [..., K] (any float dtype) times a packed weight -> f32 [..., n]. parts: 1 (int8
-    activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual)."""
+    activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual).
+    With `layer` (an int32 scalar, traced or not), packed / scales / offsets are a stack of weights
+    [L, ...] (pack's outputs stacked) and weight `layer` is used: the native kernel reads it where it
+    lies, so a scanned layer loop passes the whole stack and no slice of it is copied."""
     k = x.shape[-1]
     kp, np_ = padded(k, n)
     group_shape = (np_ // TILE, kp // GROUP * TILE)
-    if (packed.shape != (np_ // TILE, kp * TILE) or scales.shape != group_shape
-            or (offsets is not None and offsets.shape != group_shape)):
+    lead_w = packed.shape[:-2]
+    if (len(lead_w) != (0 if layer is None else 1) or packed.shape[-2:] != (np_ // TILE, kp * TILE)
+            or scales.shape != (*lead_w, *group_shape)
+            or (offsets is not None and offsets.shape != (*lead_w, *group_shape))):
         raise ValueError(f"q8_matmul: packed {packed.shape} / scales {scales.shape} do not hold a "
-                         f"[{k}, {n}] weight (expected {(np_ // TILE, kp * TILE)} / {group_shape}, "
-                         "offsets like scales); build them with kernels.q8_matmul.pack")
+                         f"[{k}, {n}] weight{'' if layer is None else ' stack [L, ...]'} (expected "
+                         f"{(*lead_w, np_ // TILE, kp * TILE)} / {(*lead_w, *group_shape)}, offsets like "
+                         "scales); build them with kernels.q8_matmul.pack")
     if parts not in (1, 2):
         raise ValueError(f"q8_matmul: parts must be 1 or 2, got {parts}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
-    ref = functools.partial(reference, n=n, parts=parts)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    ref = functools.partial(_reference_at, n=n, parts=parts)
     if native.load("q8_matmul", "q8_matmul"):
-        y = jax.lax.platform_dependent(x2, packed, scales, offsets,
+        y = jax.lax.platform_dependent(x2, packed, scales, offsets, index,
                                        cpu=functools.partial(_native, n=n, parts=parts), default=ref)
     else:
-        y = ref(x2, packed, scales, offsets)
+        y = ref(x2, packed, scales, offsets, index)
     return y.reshape(*lead, n)
 
 

@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -533,6 +534,7 @@ struct Job {
   std::unique_ptr<std::atomic<int>[]> row_state;  // 0 not quantized, 1 in progress, 2 ready
   std::atomic<int> next{0};
   std::atomic<int> done{0};
+  uint64_t generation = 0;  // which call this is (helpers lingering between calls tell them apart)
 
   void EnsureRows(int rb) {
     std::atomic<int>& state = row_state[rb];
@@ -571,6 +573,50 @@ struct Job {
   }
 };
 
+// Helpers. A helper runs a call's items, then lingers for up to g_linger_us polling for the next
+// call's job (posted in g_posted), as llama.cpp's spinning pool does: the decode step's calls come a
+// few microseconds apart, and a helper that is still running takes the next one without the wake-up
+// of a freshly scheduled task. g_lingering counts helpers running or lingering, so a call schedules
+// only the helpers it lacks. If a lingering helper gives up just as a call counted it, that call runs
+// with fewer threads (its caller takes the items): never a wait on a helper that is not there.
+std::shared_ptr<Job> g_posted;                // the latest multi-threaded call's job
+std::atomic<uint64_t> g_generation{0};
+std::atomic<int> g_lingering{0};
+std::atomic<int> g_linger_us{0};
+std::atomic<int> g_max_threads{0};            // 0: the pool's thread count (a test and benchmark knob)
+std::atomic<size_t> g_solo_bytes{0};          // one-row calls with fewer weight bytes stay on the caller
+
+inline void Pause() {
+#if defined(Q8_X86)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+void Helper(std::shared_ptr<Job> job) {
+  uint64_t seen = job->generation;
+  for (;;) {
+    job->Work();
+    job.reset();
+    const int linger = g_linger_us.load(std::memory_order_relaxed);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(linger);
+    for (int spins = 0;; ++spins) {
+      std::shared_ptr<Job> next = std::atomic_load_explicit(&g_posted, std::memory_order_acquire);
+      if (next && next->generation != seen) {
+        seen = next->generation;
+        job = std::move(next);
+        break;
+      }
+      if ((spins & 63) == 0 && std::chrono::steady_clock::now() >= deadline) {
+        g_lingering.fetch_sub(1, std::memory_order_acq_rel);
+        return;
+      }
+      Pause();
+    }
+  }
+}
+
 // A large output (the LM head over many rows: 256 x 49152 f32 is 50 MB) is usually fresh memory
 // from mmap, so the first write to each 4 KiB page faults; asking for transparent huge pages turns
 // ~12k faults into ~25. Only a hint: memory that is already mapped, or a kernel without THP, is
@@ -589,12 +635,20 @@ void AdviseHugePages(void* data, size_t bytes) {
 }
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> layer,
                         ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("q8_matmul: x [M,K], packed [Np/16, Kp*16], scales [Np/16, Kp/2], y [M,N]");
+  // packed and scales (and offsets) are one weight [T, W], or a stack of L weights [L, T, W] of which
+  // `layer` picks one (a scanned layer loop passes the whole stack: no slice of it is copied)
+  const size_t rank = wd.size();
+  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank || yd.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "q8_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales [(L,) Np/16, Kp/2], layer [] or [1], y [M,N]");
   if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("q8_matmul: parts must be 1 or 2");
+  const int64_t stack = rank == 3 ? wd[0] : 1;
+  const int64_t index = rank == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("q8_matmul: layer index out of range");
+  const size_t lw = rank - 2;  // the first of the two weight dimensions
   // The quantized activations live in a buffer of the calling thread, kept between calls (no
   // allocation, page faults or zeroing per call). Helpers use it only while this call waits for them.
   thread_local Acts tl_acts;
@@ -602,20 +656,23 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   Problem& p = job->p;
   p.m = static_cast<int>(xd[0]);
   p.k = static_cast<int>(xd[1]);
-  p.tiles = static_cast<int>(wd[0]);
-  p.kp = static_cast<int>(wd[1] / kTile);
+  p.tiles = static_cast<int>(wd[lw]);
+  p.kp = static_cast<int>(wd[lw + 1] / kTile);
   p.groups = p.kp / kGroup;
   p.n = static_cast<int>(yd[1]);
   p.parts = parts;
-  if (yd[0] != xd[0] || wd[1] % (kTile * kGroup) || sd[0] != wd[0] || sd[1] != int64_t(p.groups) * kTile ||
-      p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile ||
+  if (yd[0] != xd[0] || wd[lw + 1] % (kTile * kGroup) || sd[lw] != wd[lw] || sd[lw + 1] != int64_t(p.groups) * kTile ||
+      (rank == 3 && sd[0] != wd[0]) || p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile ||
+      p.n + kTile <= p.tiles * kTile ||
       (offsets.element_count() != 0 && offsets.element_count() != scales.element_count()))
     return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, offsets, x and y shapes disagree");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  const size_t weight_bytes = static_cast<size_t>(p.tiles) * p.tile_bytes();
+  const size_t weight_scales = static_cast<size_t>(p.tiles) * p.tile_scales();
   p.x = x.typed_data();
-  p.w = packed.typed_data();
-  p.ws = scales.typed_data();
-  p.wo = offsets.element_count() ? offsets.typed_data() : nullptr;
+  p.w = packed.typed_data() + index * weight_bytes;
+  p.ws = scales.typed_data() + index * weight_scales;
+  p.wo = offsets.element_count() ? offsets.typed_data() + index * weight_scales : nullptr;
   p.y = y->typed_data();
   job->isa = g_isa.load(std::memory_order_relaxed);
   AdviseHugePages(p.y, static_cast<size_t>(p.m) * p.n * sizeof(float));
@@ -630,8 +687,20 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job->row_state.reset(new std::atomic<int>[job->row_blocks]);
   for (int i = 0; i < job->row_blocks; ++i) job->row_state[i].store(0);
 
-  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items) - 1);
-  for (int i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  int threads = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items));
+  const int cap = g_max_threads.load(std::memory_order_relaxed);
+  if (cap > 0) threads = std::min(threads, cap);
+  // A small one-row call stays on the calling thread: waking a helper costs more than it saves.
+  if (p.m <= 2 && weight_bytes < g_solo_bytes.load(std::memory_order_relaxed)) threads = 1;
+  if (threads > 1) {
+    job->generation = g_generation.fetch_add(1, std::memory_order_relaxed) + 1;
+    std::atomic_store_explicit(&g_posted, job, std::memory_order_release);  // lingering helpers take it
+    const int wanted = threads - 1 - g_lingering.load(std::memory_order_acquire);
+    for (int i = 0; i < wanted; ++i) {
+      g_lingering.fetch_add(1, std::memory_order_acq_rel);
+      pool.Schedule([job] { Helper(job); });
+    }
+  }
   job->Work();
   // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
   while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
@@ -720,6 +789,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [Np/16, Kp/32*16]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // offsets like scales, or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int32_t>("parts"));      // int8 parts per activation
 
@@ -769,7 +839,22 @@ static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
+// threading(max_threads, solo_bytes, linger_us) -> the previous (max_threads, solo_bytes, linger_us);
+// a negative argument keeps that setting. For tests and benchmarks of the thread policy.
+static PyObject* ThreadingPy(PyObject*, PyObject* args) {
+  long long max_threads = -1, solo_bytes = -1, linger_us = -1;
+  if (!PyArg_ParseTuple(args, "|LLL", &max_threads, &solo_bytes, &linger_us)) return nullptr;
+  PyObject* prev = Py_BuildValue("(iKi)", g_max_threads.load(), static_cast<unsigned long long>(g_solo_bytes.load()),
+                                 g_linger_us.load());
+  if (max_threads >= 0) g_max_threads.store(static_cast<int>(max_threads));
+  if (solo_bytes >= 0) g_solo_bytes.store(static_cast<size_t>(solo_bytes));
+  if (linger_us >= 0) g_linger_us.store(static_cast<int>(std::min<long long>(linger_us, 1000000)));
+  return prev;
+}
+
 static PyMethodDef kMethods[] = {
+    {"threading", ThreadingPy, METH_VARARGS,
+     "threading(max_threads, solo_bytes, linger_us): set the thread policy (negative: keep); returns the previous."},
     {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
     {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
     {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},

@@ -200,6 +200,68 @@ def test_leading_axes_vector_and_bfloat16_inputs():
     assert q8.q8_matmul(xb, packed, scales, n=40).dtype == jnp.float32
 
 
+@needs_native
+@pytest.mark.parametrize("offsets,parts", [(False, 1), (True, 2)])
+def test_stacked_weights_at_a_traced_layer_equal_each_weight_alone(offsets, parts):
+    # A scanned layer loop passes a stack [L, ...] and the traced layer index; each layer's output
+    # must be that layer's weight alone, native and reference alike.
+    rng = np.random.default_rng(11)
+    layers, m, k, n = 3, 2, 70, 40
+    weights = []
+    for _ in range(layers):
+        q, d = random_weight(rng, k, n)
+        off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+        weights.append(q8.pack(q, d, off))
+    stack = [jnp.asarray(np.stack([w[i] for w in weights])) for i in range(len(weights[0]))]
+    x = rng.standard_normal((layers, m, k)).astype(np.float32)
+
+    def scanned(fn):
+        def body(_, xs):
+            xi, i = xs
+            return None, fn(xi, *stack, n=n, parts=parts, layer=i)
+        return jax.jit(lambda x: jax.lax.scan(body, None, (x, jnp.arange(layers, dtype=jnp.int32)))[1])
+
+    got = np.asarray(scanned(q8.q8_matmul)(x))
+    for i, w in enumerate(weights):
+        alone = run_kernel(x[i], w[0], w[1], n, offsets=w[2] if offsets else None, parts=parts)
+        np.testing.assert_array_equal(got[i], alone)
+    def reference(x, packed, scales, offsets=None, *, n, parts, layer):
+        return q8._reference_at(x, packed, scales, offsets, layer, n=n, parts=parts)
+
+    with_reference = np.asarray(scanned(reference)(x))
+    for i, w in enumerate(weights):
+        want = run_reference(x[i], w[0], w[1], n, offsets=w[2] if offsets else None, parts=parts)
+        np.testing.assert_array_equal(with_reference[i], want)
+
+
+def test_stacked_weights_need_a_layer_and_a_layer_a_stack():
+    q, d = random_weight(np.random.default_rng(5), 64, 32)
+    packed, scales = q8.pack(q, d)
+    with pytest.raises(ValueError, match="do not hold"):
+        q8.q8_matmul(jnp.zeros((2, 64)), packed[None], scales[None], n=32)
+    with pytest.raises(ValueError, match="do not hold"):
+        q8.q8_matmul(jnp.zeros((2, 64)), packed, scales, n=32, layer=0)
+
+
+@needs_native
+@pytest.mark.parametrize("policy", [(1, 0, 0), (0, 1 << 30, 0), (0, 0, 200), (2, 0, 1000)])
+def test_thread_policy_does_not_change_results(policy):
+    # (max threads, solo bytes, linger us): which thread runs which item must not change any output
+    rng = np.random.default_rng(12)
+    k, n = 576, 960
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = [run_kernel(x[:1], packed, scales, n), run_kernel(x, packed, scales, n, parts=2)]
+    prev = ext.threading(*policy)
+    try:
+        for _ in range(3):  # lingering helpers take later calls
+            np.testing.assert_array_equal(run_kernel(x[:1], packed, scales, n), want[0])
+            np.testing.assert_array_equal(run_kernel(x, packed, scales, n, parts=2), want[1])
+    finally:
+        ext.threading(*prev)
+
+
 def test_pack_round_trips():
     rng = np.random.default_rng(4)
     q, d = random_weight(rng, 70, 21)
