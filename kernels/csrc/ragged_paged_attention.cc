@@ -1034,12 +1034,14 @@ void advise_huge_pages(const void* buf, size_t bytes) {
   const uintptr_t lo = (reinterpret_cast<uintptr_t>(buf) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t hi = (reinterpret_cast<uintptr_t>(buf) + bytes) & ~(kHuge - 1);
   if (hi <= lo || !huge_pages_on()) return;
+  // The buffers advised lately, by exact range: a new buffer that reuses part of a freed one's addresses is
+  // a new mapping (malloc unmaps large blocks), so it is advised again. Only a new buffer of the very same
+  // range as one of these goes unnoticed (the engine allocates its cache once).
   static std::mutex mu;
-  static std::vector<std::pair<uintptr_t, uintptr_t>> done;  // the last ranges advised (a buffer freed and
-  std::lock_guard<std::mutex> lock(mu);                         // reused in place keeps its huge pages)
-  for (const auto& [a, b] : done)
-    if (a <= lo && hi <= b) return;
-  if (done.size() >= 64) done.erase(done.begin());
+  static std::vector<std::pair<uintptr_t, uintptr_t>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::find(done.begin(), done.end(), std::make_pair(lo, hi)) != done.end()) return;
+  if (done.size() >= 16) done.erase(done.begin());
   done.emplace_back(lo, hi);
   const auto t0 = std::chrono::steady_clock::now();
   if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0) {
