@@ -91,6 +91,8 @@ def bench(kv_dtype: str, args) -> None:
     else:
         order = rng.permutation(s * pages_per_seq) if args.page_order == "random" else np.arange(s * pages_per_seq)
     table = (1 + order).reshape(s, pages_per_seq).astype(np.int32)
+    if args.page_order == "descending":  # consecutive pages, each sequence's in descending order
+        table = table[:, ::-1].copy()
     shape = (nl, kvh, num_pages, ps, hd)
     if kv_dtype == "int8":
         cache = {"k": jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)),
@@ -150,8 +152,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=3, help="query heads per KV head")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--page-order", choices=("random", "sequential", "shared"), default="random",
-                        help="page tables: a random permutation (a long-running server), consecutive pages, or "
+    parser.add_argument("--page-order", choices=("random", "sequential", "descending", "shared"), default="random",
+                        help="page tables: a random permutation (a long-running server), consecutive pages (ascending or "
+                             "descending), or "
                              "one sequence's pages shared by all (K/V cached: the compute-only time)")
     parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated: float32, bfloat16, int8")
     parser.add_argument("--reps", type=int, default=20)
