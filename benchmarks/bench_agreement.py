@@ -320,6 +320,16 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
         else:
             diff = f"{100 * (a - b) / b:+.1f}%" if b else "-"
         lines.append(f"| {k} | " + " | ".join(f"{r[k]:.2f}" for r in runs) + f" | {a:.2f} | {b:.2f} | {diff} |")
+    if paired:
+        lines += ["", "Paired, each run against the server's own numbers for it: what ours adds to a statistic less what "
+                  "vLLM's adds, as a share of the statistic (the server's, averaged over all runs). Differences between "
+                  "runs of the server cancel here; they do not in the table's raw columns.", "",
+                  "| statistic | ours adds (ms) | vLLM adds (ms) | difference, % of the statistic |", "|---|---:|---:|---:|"]
+        for k in paired:
+            mine = np.mean([r[f"client_minus_server_{k}"] for r in runs if r["who"] == "ours"])
+            theirs = np.mean([r[f"client_minus_server_{k}"] for r in runs if r["who"] == "vllm"])
+            level = np.mean([r[f"server_{k}"] for r in runs])
+            lines.append(f"| {k} | {mine:+.2f} | {theirs:+.2f} | {100 * (mine - theirs) / level:+.2f}% |")
     return "\n".join(lines)
 
 
