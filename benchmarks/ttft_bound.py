@@ -14,10 +14,10 @@ the bound uses it.
     .venv/bin/python -m benchmarks.ttft_bound [--quantize none] [--input-len 256] [--concurrency 32]
         [--num-prompts 128] [--old-p90-ms 11601]
 
-Measured (AMD EPYC, 2 cores, f32, load ~3.8 from other jobs; --old-p90-ms 11601, old main's quiet p90):
-pure 256-token prefill step wall 760 ms, CPU/cores 313 ms = 818 tok/s; layer matmuls alone CPU/cores
-287 ms = 189 GFLOP/s = 891 tok/s. p90 >= 19.3 x 313 = 6042 ms > 5800 ms (0.5x old): out of reach with
-this engine's prefill; 19.3 x 287 = 5548 ms with nothing but the matmuls at XLA's best.
+Measured (AMD EPYC, 2 cores, f32, load ~2; --old-p90-ms 11601, old main's quiet p90): pure 256-token
+prefill step CPU/cores 352 ms (728 tok/s); layer matmuls alone 294 ms = 185 GFLOP/s, 79% of the
+cores' f32 FMA peak (235 GFLOP/s, benchmarks/fma_peak.c). p90 >= 19.3 x 352 = 6790 ms > 5800 ms
+(0.5x old); with nothing but XLA's matmuls 5676 ms, and at the FMA peak 4470 ms.
 """
 from __future__ import annotations
 
@@ -40,9 +40,6 @@ from models.layers import linear
 from models.loader import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
 
-MATMULS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
 def first_wave_p90_bound(seconds_per_prompt: float, concurrency: int, num_prompts: int,
                          q: float = 90.0) -> float:
     """Least p90 of num_prompts TTFTs when the first wave's k-th prompt cannot finish before
@@ -56,6 +53,23 @@ def first_wave_p90_bound(seconds_per_prompt: float, concurrency: int, num_prompt
         return max(0, k) * seconds_per_prompt
 
     return at_least(lo) + frac * (at_least(min(lo + 1, num_prompts - 1)) - at_least(lo))
+
+
+def fma_peak_gflops(threads: int) -> float | None:
+    """This machine's f32 FMA peak over `threads` cores (benchmarks/fma_peak.c, per CPU-second); None
+    without a C compiler."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "fma_peak")
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+        subprocess.run([cc, "-O2", "-march=native", "-pthread", src, "-o", exe], check=True)
+        return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
@@ -90,24 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     pages = list(range(1, 1 + -(-n // engine.page_size)))
     step_s, step_cpu_s = timed(lambda: engine.step(StepBatch([StepSeq(0, prompt, 0, pages, True)])), args.reps)
 
-    # XLA's dot throughput on the model's own weights and shapes: every layer's matmuls at n rows
-    layers = engine.params["layers"]
-    if not isinstance(layers, (list, tuple)):
-        layers = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)]
-    weights = [[lp[name] for name in MATMULS] for lp in layers]
-    if not all(isinstance(w, jax.Array) for ws in weights for w in ws):
-        raise SystemExit("the matmul peak is measured on float weights: run with --quantize none")
-    flops_per_token = sum(2 * w.shape[0] * w.shape[1] for ws in weights for w in ws)
+    # XLA's dot throughput on the model's own shapes: every layer's matmuls at n rows (random weights of
+    # the declared shapes: a dot's speed does not depend on the values)
+    d, q, kv, mlp = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, mlp), (d, mlp), (mlp, d)] * cfg.num_layers
+    weights = [jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02) for shape in shapes]
+    flops_per_token = sum(2 * k * m for k, m in shapes)
 
     @jax.jit
     def matmuls(weights, inputs):
         # independent dots, each reduced to a scalar: little but the matmuls is timed
-        return jnp.stack([linear(inputs[w.shape[0]], w).sum() for ws in weights for w in ws])
+        return jnp.stack([linear(inputs[w.shape[0]], w).sum() for w in weights])
 
-    inputs = {d: jnp.asarray(rng.standard_normal((n, d), np.float32)).astype(engine.dtype)
-              for d in {w.shape[0] for ws in weights for w in ws}}
+    inputs = {k: jnp.asarray(rng.standard_normal((n, k), np.float32)) for k in {k for k, _ in shapes}}
     dot_s, dot_cpu_s = timed(lambda: matmuls(weights, inputs), args.reps)
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; weights {engine.weight_mode}, activations {engine.dtype}; "
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; weights {engine.weight_mode}; "
           f"jax {jax.__version__}; load {os.getloadavg()}")
     print(f"pure {n}-token prefill step: wall {step_s * 1e3:.0f} ms = {n / step_s:.0f} tok/s; CPU/cores "
           f"{step_cpu_s * 1e3:.0f} ms = {n / step_cpu_s:.0f} tok/s "
@@ -115,8 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layer matmuls alone at {n} rows ({flops_per_token / 1e6:.0f} MFLOP/token): wall {dot_s * 1e3:.0f} ms "
           f"= {flops_per_token * n / dot_s / 1e9:.0f} GFLOP/s; CPU/cores {dot_cpu_s * 1e3:.0f} ms = "
           f"{flops_per_token * n / dot_cpu_s / 1e9:.0f} GFLOP/s = {n / dot_cpu_s:.0f} tok/s")
+    peak = fma_peak_gflops(os.cpu_count() or 1)
+    bounds = [("prefill step", step_cpu_s), ("XLA's matmuls", dot_cpu_s)]
+    if peak:
+        print(f"f32 FMA peak of {os.cpu_count()} cores (benchmarks/fma_peak.c): {peak:.0f} GFLOP/s; XLA's dots reach "
+              f"{flops_per_token * n / dot_cpu_s / 1e9 / peak:.0%} of it, the whole prefill step "
+              f"{flops_per_token * n / step_cpu_s / 1e9 / peak:.0%}")
+        bounds.append(("matmuls at the FMA peak", flops_per_token * n / (peak * 1e9)))
     # seconds per prompt at best: CPU time over all cores (a quiet machine, perfect scaling)
-    for label, per_prompt in (("prefill step", step_cpu_s), ("matmul peak", dot_cpu_s)):
+    for label, per_prompt in bounds:
         bound = first_wave_p90_bound(per_prompt, args.concurrency, args.num_prompts)
         line = (f"{label}: {per_prompt * 1e3:.0f} ms per prompt -> TTFT p90 over {args.num_prompts} requests "
                 f">= {bound * 1e3:.0f} ms")
