@@ -24,6 +24,7 @@ from kernels.q8_matmul import TILE, q8_matmul
 from models import layers
 from models.base import CausalLM
 from quantization import QuantizedWeight
+from quantization.groupwise import host_empty
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
 FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -122,7 +123,10 @@ def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
     if len(weights) == 1:
         return StackedQ8(weights[0], widths)
     def cat(arrays):  # along the tile axis, in numpy (jnp would compile a program per shape)
-        out = np.concatenate([np.asarray(a) for a in arrays], axis=-2)
+        arrays = [np.asarray(a) for a in arrays]
+        shape = (*arrays[0].shape[:-2], sum(a.shape[-2] for a in arrays), arrays[0].shape[-1])
+        out = host_empty(shape, arrays[0].dtype)  # huge pages: the decode step streams it
+        np.concatenate(arrays, axis=-2, out=out)
         return jax.device_put(out)  # hands numpy's buffer to XLA
 
     offset = None

@@ -146,8 +146,9 @@ def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_m
                 out[s].append(x.token_id)
         outs[mode] = out
         if mode != "none":  # what ran is int8: Q4_1 layers with their offsets, the Q8_0 LM head
-            w_up = engine.params["blocks"]["mlp"]["w_up"]["w"].get_value()
-            first = w_up.layers[0] if hasattr(w_up, "layers") else w_up  # per-layer buffers on CPU
+            # on CPU gate and up are one int8 stack (engine/layer_stack.StackedQ8): look at it
+            w = engine.params["blocks"]["mlp"]["w_gate"]["w"].get_value()
+            first = w.weight if hasattr(w, "weight") else w.layers[0] if hasattr(w, "layers") else w
             assert isinstance(first, QuantizedWeight) and first.mode == mode and first.offset is not None
             assert engine.params["lm_head"]["w"].get_value().offset is None
     assert outs["q8_0-a16"] == outs["none"]
