@@ -827,6 +827,29 @@ void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
   }
 }
 
+// One part of prefetch_keys, for K or V alone: lines [part, part + 1) * lines / parts of the rows of keys
+// [a, b). The chunk loop requests the chunk ahead in 4 such parts, between its steps: a burst of a whole
+// chunk's prefetches (128 lines for f32, head_dim 64) fills the core's miss buffers, and the prefetches
+// past them then stall the core like loads. (Random 4 KiB blocks on AMD Zen 4, 2 threads, with compute
+// per line: 22.2 ms per 512 MiB with a burst per block, 18.8 ms spread over the block, 14.3 in order.)
+void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int part, int parts) {
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+  const int64_t row_bytes = int64_t(p.hd) * width;
+  const int64_t total = (int64_t(b - a) * row_bytes + 63) / 64;  // about the lines of [a, b)
+  const int64_t first = part * total / parts, last = (part + 1) * total / parts;
+  const char* base = static_cast<const char*>(v ? p.v : p.k);
+  int64_t line = 0;
+  for (int key = a; key < b && line < last;) {
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    const char* r = base + p.row_offset(kh, p.page(s, key), off) * row_bytes;
+    const int64_t seg = (int64_t(n) * row_bytes + 63) / 64;
+    for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
+      __builtin_prefetch(r + i * 64, 0, 2);
+    line += seg;
+    key += n;
+  }
+}
+
 // Loads one byte of each page segment of keys [a, b) of K and V, and each int8 scale line: a software
 // prefetch that misses the TLB is dropped, so every page of an item is touched with a real load before
 // its lines are prefetched. The loads are independent and issued together, so that their TLB and cache
@@ -886,9 +909,12 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   t_touched = nullptr;
   prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
   for (int key = it.key_lo; key < it.key_hi;) {
+    // the chunk kPrefetchChunks ahead (in this item, or the first ones of the thread's next item), requested
+    // in 4 parts between the steps below
     const int ahead = key + kPrefetchChunks * kChunk;
+    int pf_s = -1, pf_kh = 0, pf_a = 0, pf_b = 0;
     if (ahead < it.key_hi) {
-      prefetch_keys(p, s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk));
+      pf_s = s, pf_kh = it.kh, pf_a = ahead, pf_b = std::min(it.key_hi, ahead + kChunk);
     } else if (next) {
       if (t_touched != next) {
         touch_keys(p, next->seq, next->kh, next->key_lo, next->key_hi);
@@ -896,8 +922,12 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
       }
       const int a = next->key_lo + (ahead - it.key_hi) / kChunk * kChunk;
       if (a >= next->key_lo && a < next->key_hi)
-        prefetch_keys(p, next->seq, next->kh, a, std::min(next->key_hi, a + kChunk));
+        pf_s = next->seq, pf_kh = next->kh, pf_a = a, pf_b = std::min(next->key_hi, a + kChunk);
     }
+    auto request = [&](bool v, int half) {
+      if (pf_s >= 0) prefetch_part(p, v, pf_s, pf_kh, pf_a, pf_b, half, 2);
+    };
+    request(false, 0);
     const int off = key % p.ps;
     const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
     const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
@@ -918,12 +948,15 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
       isa.scores_i8(qq, rows, hd, static_cast<const int8_t*>(p.k) + row0 * hd, n, sc);
     else
       isa.scores(q, rows, hd, kc, n, sc);
+    request(false, 1);
     const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
     isa.softmax(sc, rows, hd, p.type == KvType::kI8 ? p.k_scale + row0 : nullptr, key, n, edge, pos, lo, m, l, acc);
+    request(true, 0);
     if (vnni_i8)
       isa.pv_i8(sc, rows, hd, static_cast<const int8_t*>(vc), p.v_scale + row0, n, acc);
     else
       isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + row0 : nullptr, n, acc, vbuf);
+    request(true, 1);
     key += n;
   }
   if (vnni_i8) unpermute_vnni(acc, rows, hd);
