@@ -3,8 +3,9 @@
 Three measurements in one run, so their ratios share the machine's state:
   1. read bandwidth: kernels.q8_matmul.read_probe streams a buffer 8x the L3 size with the kernel's
      threads (XLA's intra-op pool) and vector loads, 4 streams per item as the kernel reads tiles;
-  2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 7 matrices + the
-     576x49152 LM head, ~150 MB, far beyond L3) once per call, then each shape alone (as many
+  2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 4 matrices, q/k/v
+     and gate/up fused as the engine runs them, + the 576x49152 LM head, ~150 MB, far beyond L3)
+     once per call, then each shape alone (as many
      distinct copies as fill 2.5x the L3 size, so every call reads its weight from memory, as a decode
      step does); reported as bytes of packed weights + scales (+ offsets) read per second, and as a
      share of (1);
@@ -14,6 +15,13 @@ Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
 Run from the repo root, serialized with other timing runs:
     flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.int8_matmul_bench [--reps 20]
+
+Measured 2026-11-30 15:42 UTC, AMD EPYC (2 logical CPUs, Zen 4 class, AVX512-VNNI), load ~2 from other
+jobs, --reps 15: decode step share q8_0 73% (24.2 of 30.4 GB/s), q8_0-a16 71% (with random offsets);
+per shape (q8_0): q/k/v 70%, o 57%, gate/up 77%, down 77%, LM head 84%. Each call pays ~5-7 us
+beyond its streaming time (the pool's wake-up of the helper, the tail of the last item), which
+the small shapes feel most; a helper lingering between calls (threading(linger_us=100)) measured
+worse on this shared host (x1.19 step time), one thread alone x1.46.
 """
 from __future__ import annotations
 
@@ -30,13 +38,13 @@ import numpy as np
 from kernels import native
 from kernels import q8_matmul as q8
 
-# SmolLM2-135M: hidden 576, MLP 1536, 9 query / 3 KV heads of 64, vocab 49152, 30 layers.
-LAYER_SHAPES = {"wq": (576, 576), "wk": (576, 192), "wv": (576, 192), "wo": (576, 576),
-                "w_gate": (576, 1536), "w_up": (576, 1536), "w_down": (1536, 576)}
+# SmolLM2-135M: hidden 576, MLP 1536, 9 query / 3 KV heads of 64, vocab 49152, 30 layers. The engine
+# fuses q/k/v and gate/up into one weight each (engine/layer_stack.py): 4 calls per layer.
+LAYER_SHAPES = {"w_qkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_down": (1536, 576)}
 LM_HEAD = (576, 49152)
 N_LAYERS = 30
-PREFILL_SHAPES = {"q/o 576x576": (576, 576), "k/v 576x192": (576, 192), "gate/up 576x1536": (576, 1536),
-                  "down 1536x576": (1536, 576), "lm_head 576x49152": LM_HEAD}
+PREFILL_SHAPES = {"q/k/v 576x960": (576, 960), "o 576x576": (576, 576), "k/v 576x192": (576, 192),
+                  "gate/up 576x3072": (576, 3072), "down 1536x576": (1536, 576), "lm_head 576x49152": LM_HEAD}
 
 
 def cpu_model() -> str:
