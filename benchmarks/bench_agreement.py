@@ -18,6 +18,8 @@ Per run it also records the client's and the server's CPU seconds, the prompt to
 prefilled and served from its prefix cache (equal workloads), and where TTFT went per request
 (`LABEL-requests.json`: deliver, server, receive).
 
+`--simultaneous` runs the two clients of a round at the same time, each with half the concurrency and
+prompts: both then measure the server in the same state, and their raw numbers compare directly.
 `--same-prompts` feeds both clients prompts from our random generator (vLLM's through its `custom`
 dataset); `--server-tree DIR` serves from a copy of the repository (`git archive HEAD` unpacked, with
 kernels/*.so copied in), so edits in progress in this tree cannot change the server mid-measurement.
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-prompts", action="store_true",
                    help="both clients send prompts from our random generator (vLLM through its `custom` dataset, a "
                         "JSONL file per run, each run its own seed), not each its own random dataset")
+    p.add_argument("--simultaneous", action="store_true",
+                   help="run the two clients of a round at the same time, each with half the concurrency and prompts, "
+                        "so both see the server in the same state (the raw numbers are then comparable run by run)")
     p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
     p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
     args = p.parse_args(argv)
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     c, n = args.concurrency, args.num_prompts
     random = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len)]
+    if args.simultaneous:  # each client gets half of the load, at the same time
+        c, n = c // 2, n // 2
     common = ["--max-concurrency", str(c), "--ignore-eos",
               "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
               "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir)]
@@ -246,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             # with the same generator, the two clients of a round must not send the same prompts (prefix cache)
             seeds = {"ours": args.seed + 2 * r, "vllm": args.seed + 2 * r + (1 if args.same_prompts else 0)}
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
+            if args.simultaneous:
+                runs += run_together(order, r, seeds, ours, vllm, n, result_dir, trace, args)
+                continue
             for who in order:
                 label = f"{who}-{r}"
                 cmd = ours(label, seeds[who], n, args.num_warmups) if who == "ours" else vllm(label, seeds[who])
@@ -297,17 +307,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_together(order, r: int, seeds: dict, ours, vllm, n: int, result_dir: Path, trace: Path, args) -> list[dict]:
+    """Both clients at once on the one server, each with half the concurrency and prompts: whatever state
+    the server is in during the round (its TTFT phase, other load on the host), both see it."""
+    procs = []
+    for who in order:
+        label = f"{who}-{r}"
+        cmd = ours(label, seeds[who], n, 0) if who == "ours" else vllm(label, seeds[who])
+        env = None if who == "ours" else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        peers.log("$ " + shlex.join(cmd))
+        log = open(result_dir / f"{label}.out", "w")
+        procs.append((who, label, cmd, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                             cwd=REPO if who == "ours" else peers.PEERS, env=env)))
+    runs = []
+    for who, label, cmd, log, proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {result_dir / f'{label}.out'}")
+        log.close()
+        res = json.loads((result_dir / f"{label}.json").read_text())
+        joined = join_trace(res, f"{label}-", read_trace(trace, f"{label}-"))
+        runs.append({"who": who, "round": r, "label": label, "command": shlex.join(cmd),
+                     **server_view(joined, res), **{k: res.get(k) for k in KEYS}})
+        peers.log(f"{label}: " + ", ".join(f"{k}={runs[-1][k]:.1f}" for k in
+                                           ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "output_throughput")))
+    return runs
+
+
 def table(runs: list[dict], c: int, n: int, args) -> str:
     paired = [k for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms") if f"server_{k}" in runs[0]]
     keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_prompt_tokens", "server_prefilled_tokens",
                    "prefix_hit_tokens", "server_mean_ttft_ms", "server_mean_queue_ms", "client_minus_server_mean_ttft_ms",
                    "median_deliver_ms", "median_read_ms", "median_receive_ms", "connections"]
     keys += [f"server_{k}" for k in paired] + [f"client_minus_server_{k}" for k in paired]
+    keys = [k for k in keys if all(k in r for r in runs)]  # --simultaneous records no per-run CPU or scrape
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_line = next((" ".join(line.split()) for line in cpu.splitlines() if line.startswith("Model name")), "?")
     lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, {n} prompts of {args.input_len} in / "
              f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
              f"(ours first in even rounds), after one settling wave"
+             f"{'; both clients at once, each with half the concurrency and prompts' if args.simultaneous else ''}"
              f"{', both clients sending prompts from our generator' if args.same_prompts else ''}. {model_line}", "",
              "| metric | " + " | ".join(r["label"] for r in runs) + " | ours (mean) | vllm (mean) | difference |",
              "|---|" + "---:|" * (len(runs) + 3)]
