@@ -6,6 +6,9 @@ The step is lax.scan over the layers with the cache as the carry (as the model r
 the kernel writes the new K/V in place. The bound is the bytes of K/V (and int8 scales) the step must
 read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB array on 1 and on all cores.
 Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
+--page-order sequential | descending | shared change the page tables (shared: every sequence reads the
+same pages, so K/V stay in cache and the time is the compute alone). SLIPSTREAM_KV_HUGE_PAGES=0 keeps the
+cache on 4 KiB pages (the kernel's A/B switch).
 
 Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512 VNNI, --reps 20), page
 tables in random order. Before the VNNI path, on a quiet machine (load 0.2): f32 KV 29.9 ms/step against
@@ -18,6 +21,25 @@ int8): the scores and P x V steps hold 75% of the kernel's samples, and about ha
 chunk's first K/V loads: the L2 prefetches, 4 chunks ahead, do not hide the memory latency (prefetching 2
 or 8 chunks ahead, into L1, or only a page's first 4 lines: no clear change). f32 P x V: ~85% of its
 samples on its first V loads.
+
+Second session (same machine kind, family 25 model 17; the 2-thread numpy bandwidth swung 25-46 GB/s between
+runs, so compare ms/step within a run). Base = 554b643; final = cache on huge pages + the chunk ahead
+requested in parts + the same .so; medians of 40 reps, quiet reps of an interleaved run:
+  page_size 16: f32 37.8 -> 38.1 ms (2.50x -> 2.36x), int8 20.8 -> 20.1 ms (4.86x -> 4.66x): no clear change;
+  page_size 64: f32 35.2 -> 32.7 ms (2.23x -> 2.08x), int8 16.0 -> 15.0 ms (3.53x -> 3.49x).
+  So page_size 16 -> 64 with the final .so: f32 ~38 -> 32.7 ms, int8 ~20.5 -> 15.0 ms (128: no better).
+Where the rest goes (final .so, page_size 64):
+  - compute alone (--page-order shared, K/V in cache): f32 9.1 ms, int8 6.6-7.5 ms per step, so int8 KV
+    cannot meet 1.3x (~5.7 ms) without cheaper arithmetic, whatever the memory does;
+  - the reads: one KV head's page segment is page_size x head_dim x 4 (f32) or x 1 (int8) bytes, in random
+    order. A C probe reading 512 MiB in randomly ordered blocks on 2 threads (huge pages, nothing else to do)
+    got 9.7 / 10.5 / 17.9 / 22.6 GB/s for 1 / 4 / 16 / 64 KiB blocks, 15-25 with software prefetch, against
+    30-31 in order (another hour: 20 -> 30 for 4 KiB with prefetch, 35 in order); with compute per line the
+    reads and the compute mostly add up;
+  - consecutive pages (--page-order sequential) are faster: f32 28.5 ms, int8 12.8-13.5; descending ones
+    (what the allocator handed out after frees until 24acafa) are no better than random (f32 33.8 ms).
+No hardware counters in this VM (perf stat: cycles, dTLB-load-misses, cache-misses "not supported"), so
+the TLB and miss-buffer explanations are inferred from these timings, not counted.
 """
 from __future__ import annotations
 
@@ -136,8 +158,9 @@ def bench(kv_dtype: str, args) -> None:
         if name == "native" and native.load("ragged_paged_attention", "ragged_paged_attention"):
             from kernels import _ragged_paged_attention as ext
 
-            huge = (f"; cache on huge pages: {ext.huge_pages()['enabled']} (process AnonHugePages "
-                    f"{huge_page_kib() >> 10} MiB)")
+            if hasattr(ext, "huge_pages"):  # builds before it lack it
+                huge = (f"; cache on huge pages: {ext.huge_pages()['enabled']} (process AnonHugePages "
+                        f"{huge_page_kib() >> 10} MiB)")
         print(f"{kv_dtype:>8} {name:>9}: {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), {ms / nl:6.3f} ms/layer; "
               f"cpu {cpu_ms:7.2f} ms/step; K/V read {step_bytes / 2**20:7.1f} MiB -> bound {bound_ms:7.2f} ms; "
               f"ratio {ms / bound_ms:5.2f}x (min {min(times) * 1e3 / bound_ms:5.2f}x){huge}")
