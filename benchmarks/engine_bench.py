@@ -9,7 +9,8 @@ interleaved, because the host is shared. Run from the repo root:
     .venv/bin/python -m benchmarks.engine_bench --slots 1 --quantize q8_0 --breakdown --breakdown-ops
 
 --breakdown times the one-slot decode step part by part. Measured 2026-11-30 15:49 UTC (AMD EPYC, 2
-logical CPUs, load ~1.8, context 384, q8_0, 151.4 MB of weights per token, ms): step 7.91, model
+logical CPUs, load ~1.8, context 384, q8_0 rounded from floats: 151.4 MB of weights per token; the
+served form, GGUF Q4_1 converted exactly with group offsets, is 164.7 MB; ms): step 7.91, model
 program 6.82, sampling program 0.46, host inputs 0.12, matmuls alone 5.55, attention alone 1.62,
 one read of the weight bytes 4.59. Inside the model program (profiler, 30 layers): gate/up 2.01,
 attention 1.39, LM head 0.99, down 0.98, q/k/v 0.72, o 0.49, the small XLA ops between them ~0.3.
@@ -42,6 +43,7 @@ from models.config import ModelConfig
 from models.layers import linear
 from kernels.attention import ragged_paged_attention
 from models.loader import load_model
+from quantization.weights import QUANTIZED_MODES
 from models.registry import DEFAULT_MODEL, resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
@@ -394,7 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}; load {os.getloadavg()}", flush=True)
-    cfg, params = load_model(resolve_model(args.model))
+    # int8 modes load as the server does (GGUF blocks converted exactly, Q4_1's minimum as a group
+    # offset), not rounded from floats: the weights and bytes the served decode step streams
+    int8 = args.quantize if args.quantize in QUANTIZED_MODES else "none"
+    cfg, params = load_model(resolve_model(args.model), quantize=int8)
     setup = build(cfg, params, args)
     engine = setup.engine
     fill(setup, seed=0)
