@@ -29,10 +29,16 @@ def _weights(engine) -> dict:
     """Shards of layer 0's weights (per-layer buffers on CPU), the embedding and the LM head."""
     from flax import nnx
 
+    from engine.layer_stack import FusedMember, StackedQ8
+
     out = {}
     for path, var in nnx.to_flat_state(engine.params):
         name = ".".join(map(str, path))
         value = var.get_value()
+        if isinstance(value, FusedMember):
+            continue  # its int8 weight is in its group's stack (TP=1 on CPU: engine/layer_stack.py)
+        if isinstance(value, StackedQ8):
+            value = value.weight  # [L, ...]: the whole stack, one buffer
         if hasattr(value, "layers"):
             value = value.layers[0]
         if hasattr(value, "scale"):
@@ -97,12 +103,14 @@ def _cache_copies(engine) -> list[str]:
             if re.search(r"\bcopy(-start)?\(", line) and dims in line.split("=", 1)[1].split("copy")[0]]
 
 
-def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype: str = "auto") -> dict:
+def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_dtype: str = "auto") -> dict:
+    """Greedy tokens and placement per TP degree; "NxM" is replica M-1 of data parallel M at TP=N (the
+    last replica: the devices furthest from the single-device run's)."""
     import jax
     import numpy as np
 
     from engine.runner import EngineConfig, JaxEngine
-    from engine.sharding import device_bytes
+    from engine.sharding import device_bytes, replica_devices
     from kernels import native
     from models.loader import load_model
     from tests.conftest import TINY_ENGINE
@@ -115,8 +123,11 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype:
     report = {"devices": len(jax.devices()),
               "native": native.load("ragged_paged_attention", "ragged_paged_attention"), "tp": {}}
     for tp in tps:
-        engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": tp,
-                                                       "kv_cache_dtype": kv_cache_dtype}), precompile=False)
+        n, _, dp = str(tp).partition("x")
+        devices = replica_devices(int(n), int(dp))[-1] if dp else None
+        engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": int(n),
+                                                       "kv_cache_dtype": kv_cache_dtype}), precompile=False,
+                           devices=devices)
         tokens = greedy(engine, prompts, STEPS)  # compiles the shapes it uses
         before = engine.compile_count
         again = greedy(engine, prompts, STEPS)
@@ -124,7 +135,8 @@ def worker(model_path: str, quantize: str, tps: tuple[int, ...], kv_cache_dtype:
             "tokens": tokens, "again": again, "steady_compiles": engine.compile_count - before,
             "weights": _weights(engine), "cache": {k: _shards(v) for k, v in engine.cache.items()},
             "collectives": _collectives(engine), "cache_copies": _cache_copies(engine), "kv_layout": engine.tp.kv_layout if engine.tp else None,
-            "bytes": device_bytes((engine.params, engine.cache))[str(jax.devices()[0])]}
+            "bytes": device_bytes((engine.params, engine.cache))[str(jax.devices()[0])] if not dp else None,
+            "cache_devices": sorted({d.id for d in engine.cache["k"].sharding.device_set})}
         del engine
     return report
 
@@ -236,8 +248,10 @@ def test_tensor_parallel_default_model(default_model_path):
     """SmolLM2-135M (9 query heads over 3 KV heads, int8 weights as served on CPU): at TP=3 heads
     split, one KV head per device; at TP=2 and 4 they do not divide, so attention and the KV cache
     are replicated while the MLP and the vocabulary split."""
-    report = _run(default_model_path, "q8_0-a16", "auto", (1, 2, 3, 4))
+    report = _run(default_model_path, "q8_0-a16", "auto", (1, 2, 3, 4, "2x2"))
     _assert_same_tokens_no_recompiles(report)
+    # TP=2 x DP=2: the second replica, on devices 2 and 3, gives the same tokens
+    assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
     for tp in (2, 3, 4):
         r = report["tp"][str(tp)]
         assert r["kv_layout"] == ("split" if tp == 3 else "replicated")
@@ -248,4 +262,4 @@ def test_tensor_parallel_default_model(default_model_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(worker(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[3].split(","))), sys.argv[4])))
+    print(json.dumps(worker(sys.argv[1], sys.argv[2], tuple(sys.argv[3].split(",")), sys.argv[4])))
