@@ -3,6 +3,7 @@ writes only the generated text to stdout. Every serve flag can also come from SL
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import re
@@ -277,6 +278,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      body_timeout_s=args.body_timeout)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
         group.add_handler(scheduler.abort)
+    # Start-up made many long-lived objects (traced programs, the tokenizer, module state):
+    # keep the collector from re-scanning them on every collection while serving.
+    gc.collect()
+    gc.freeze()
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
                          log_level=args.log_level, started_at=started, grpc_port=args.grpc_port,
