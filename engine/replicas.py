@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from engine.output import Completion, RequestMetrics, RequestStream
 from engine.request import Request
-from engine.scheduler import Overloaded, Scheduler, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerStats, generate_all
 
 
 class ReplicaSet:
@@ -91,18 +91,7 @@ class ReplicaSet:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Blocking: submit all (waiting for room when the queues are full), return all results."""
-        streams: list[RequestStream] = []
-        for request in requests:
-            while True:
-                try:
-                    streams.append(self.submit(request))
-                    break
-                except Overloaded:
-                    pending = [s for s in streams if not s.finished]
-                    if not pending:
-                        raise
-                    pending[0].result()
-        return [s.result() for s in streams]
+        return generate_all(self.submit, requests)
 
     # ---- routing ---------------------------------------------------------------------------------
 

@@ -228,18 +228,7 @@ class Scheduler:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Blocking: submit all (waiting for room when the queue is full), return all results."""
-        streams: list[RequestStream] = []
-        for request in requests:
-            while True:
-                try:
-                    streams.append(self.submit(request))
-                    break
-                except Overloaded:
-                    pending = [s for s in streams if not s.finished]
-                    if not pending:
-                        raise
-                    pending[0].result()
-        return [s.result() for s in streams]
+        return generate_all(self.submit, requests)
 
     # ---- called from other threads -------------------------------------------------------------
 
@@ -436,3 +425,20 @@ class Scheduler:
             self._cv.notify_all()
         self._output.put([Emit(s.tracker, finish_reason=FinishReason.ERROR, error=message)
                           for s in seqs])
+
+
+def generate_all(submit: Callable[[Request], RequestStream], requests: list[Request]) -> list[Completion]:
+    """Submit every request through `submit` (a Scheduler's or a ReplicaSet's), waiting for the oldest
+    unfinished one whenever the queue is full, and return all results in order."""
+    streams: list[RequestStream] = []
+    for request in requests:
+        while True:
+            try:
+                streams.append(submit(request))
+                break
+            except Overloaded:
+                pending = [s for s in streams if not s.finished]
+                if not pending:
+                    raise
+                pending[0].result()
+    return [s.result() for s in streams]
