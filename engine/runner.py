@@ -24,8 +24,8 @@ from engine import compile_count
 from engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch
 from engine.buckets import Buckets
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from engine.request import TokenLogprob
-from engine.sampling import (SampleResult, SamplingArrays, apply_penalties, apply_token_bitmask, penalties_active,
+from engine.launched import LaunchedStep, PreviousSamples
+from engine.sampling import (SamplingArrays, apply_penalties, apply_token_bitmask, penalties_active,
                              prompt_mask_row, sample_penalized, update_counts)
 from engine.structured import MaskFiller, Matcher, mask_words
 from engine.layer_stack import split_linears
@@ -225,7 +225,7 @@ class JaxEngine:
 
     @property
     def num_programs(self) -> int:
-        """Model and sampling programs (the tiny per-bucket helpers of _PreviousSamples aside)."""
+        """Model and sampling programs (the tiny per-bucket helpers of PreviousSamples aside)."""
         return len(self.buckets.token_counts) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
@@ -347,8 +347,8 @@ class JaxEngine:
         return src
 
     @functools.cached_property
-    def _previous(self) -> "_PreviousSamples":
-        return _PreviousSamples(self.max_slots, self._replicated)
+    def _previous(self) -> PreviousSamples:
+        return PreviousSamples(self.max_slots, self._replicated)
 
     def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray | jax.Array:
         """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
@@ -373,7 +373,7 @@ class JaxEngine:
     def step(self, batch: StepBatch) -> list[Sampled]:
         return self.launch(batch).result()
 
-    def launch(self, batch: StepBatch) -> "LaunchedStep":
+    def launch(self, batch: StepBatch) -> LaunchedStep:
         for seq in batch.seqs:  # a grammar's mask needs the slot's latest token on the host
             if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self._unadvanced:
                 raise ValueError(f"slot {seq.slot} is grammar-constrained and its latest sample is not "
@@ -405,75 +405,3 @@ class JaxEngine:
     def _unadvanced(self) -> set:
         """Grammar matchers whose latest sample is launched but not collected."""
         return set()
-
-
-class LaunchedStep:
-    """A launched step; result() waits for its samples (the engine's StepResult)."""
-
-    def __init__(self, engine: JaxEngine, result: SampleResult | None,
-                 rows: list[tuple[int, Matcher | None]]) -> None:
-        self._engine, self._result, self._rows = engine, result, rows  # rows: (logprobs k, matcher)
-        self._samples: list[Sampled] | None = None
-
-    def result(self) -> list[Sampled]:
-        if self._samples is None:
-            self._samples = self._collect()
-        return self._samples
-
-    def _collect(self) -> list[Sampled]:
-        if self._result is None:
-            return []
-        host: SampleResult = jax.device_get(self._result)
-        engine, tokens = self._engine, host.token.tolist()
-        if any(m is not None for _, m in self._rows):
-            start = time.perf_counter()
-            for (_, matcher), token in zip(self._rows, tokens):
-                if matcher is not None:
-                    matcher.advance(token)
-                    engine._unadvanced.discard(matcher)
-            engine.advance_seconds += time.perf_counter() - start
-        out = []
-        for i, ((k, _), token) in enumerate(zip(self._rows, tokens)):
-            lp = None
-            if k >= 0:
-                top = tuple((int(host.top_ids[i, j]), float(host.top_logprobs[i, j])) for j in range(k))
-                lp = TokenLogprob(token, float(host.logprob[i]), top)
-            out.append(Sampled(token, lp))
-        return out
-
-
-def _substitute(tokens: jax.Array, src: jax.Array, last: jax.Array) -> jax.Array:
-    """tokens i32[T] with each position whose src i32[T] names a slot replaced by last[slot]."""
-    return jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
-
-
-def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
-    """last i32[S+1] with each sampled row's slot set to its token (padding rows hit scratch row S)."""
-    return last.at[slot_ids].set(tokens)
-
-
-class _PreviousSamples:
-    """Each slot's latest sample, kept on the device, so that a step can feed a decode the token of
-    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). Two tiny programs: one
-    records a step's samples, one substitutes them into the next step's tokens."""
-
-    def __init__(self, max_slots: int, sharding: jax.sharding.Sharding | None = None) -> None:
-        # on the engine's devices (committed), as the samples it records are: one program per bucket
-        self._put = (lambda x: x) if sharding is None else functools.partial(jax.device_put, device=sharding)
-        self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
-        self._scratch = max_slots
-        self._record = jax.jit(_record, donate_argnums=(0,))
-        self._substitute = jax.jit(_substitute)
-
-    def warm(self, buckets: Buckets) -> None:
-        """Compile both programs for every bucket now, so steady state never compiles."""
-        for b in buckets.sample_row_counts:
-            self.record(np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32)))
-        for t in buckets.token_counts:
-            self.substitute(np.zeros(t, np.int32), np.full(t, -1, np.int32))
-
-    def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
-        self.last = self._record(self.last, slot_ids, tokens)
-
-    def substitute(self, tokens: np.ndarray, src: np.ndarray) -> jax.Array:
-        return self._substitute(tokens, src, self.last)

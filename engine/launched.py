@@ -1,0 +1,94 @@
+"""A launched engine step and the samples it leaves on the device: `LaunchedStep` is JaxEngine's
+StepResult (result() copies the samples to the host once, advances grammar matchers, builds logprobs);
+`PreviousSamples` keeps each slot's latest sample on the device, so a decode can feed a token the host
+has not collected yet (PREVIOUS_SAMPLE, engine/api.py)."""
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.api import Sampled
+from engine.buckets import Buckets
+from engine.request import TokenLogprob
+from engine.sampling import SampleResult
+from engine.structured import Matcher
+
+if TYPE_CHECKING:
+    from engine.runner import JaxEngine
+
+
+class LaunchedStep:
+    """A launched step; result() waits for its samples (the engine's StepResult)."""
+
+    def __init__(self, engine: "JaxEngine", result: SampleResult | None,
+                 rows: list[tuple[int, Matcher | None]]) -> None:
+        self._engine, self._result, self._rows = engine, result, rows  # rows: (logprobs k, matcher)
+        self._samples: list[Sampled] | None = None
+
+    def result(self) -> list[Sampled]:
+        if self._samples is None:
+            self._samples = self._collect()
+        return self._samples
+
+    def _collect(self) -> list[Sampled]:
+        if self._result is None:
+            return []
+        host: SampleResult = jax.device_get(self._result)
+        engine, tokens = self._engine, host.token.tolist()
+        if any(m is not None for _, m in self._rows):
+            start = time.perf_counter()
+            for (_, matcher), token in zip(self._rows, tokens):
+                if matcher is not None:
+                    matcher.advance(token)
+                    engine._unadvanced.discard(matcher)
+            engine.advance_seconds += time.perf_counter() - start
+        out = []
+        for i, ((k, _), token) in enumerate(zip(self._rows, tokens)):
+            lp = None
+            if k >= 0:
+                top = tuple((int(host.top_ids[i, j]), float(host.top_logprobs[i, j])) for j in range(k))
+                lp = TokenLogprob(token, float(host.logprob[i]), top)
+            out.append(Sampled(token, lp))
+        return out
+
+
+def _substitute(tokens: jax.Array, src: jax.Array, last: jax.Array) -> jax.Array:
+    """tokens i32[T] with each position whose src i32[T] names a slot replaced by last[slot]."""
+    return jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
+
+
+def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
+    """last i32[S+1] with each sampled row's slot set to its token (padding rows hit scratch row S)."""
+    return last.at[slot_ids].set(tokens)
+
+
+class PreviousSamples:
+    """Each slot's latest sample, kept on the device, so that a step can feed a decode the token of
+    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). Two tiny programs: one
+    records a step's samples, one substitutes them into the next step's tokens."""
+
+    def __init__(self, max_slots: int, sharding: jax.sharding.Sharding | None = None) -> None:
+        # on the engine's devices (committed), as the samples it records are: one program per bucket
+        self._put = (lambda x: x) if sharding is None else functools.partial(jax.device_put, device=sharding)
+        self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
+        self._scratch = max_slots
+        self._record = jax.jit(_record, donate_argnums=(0,))
+        self._substitute = jax.jit(_substitute)
+
+    def warm(self, buckets: Buckets) -> None:
+        """Compile both programs for every bucket now, so steady state never compiles."""
+        for b in buckets.sample_row_counts:
+            self.record(np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32)))
+        for t in buckets.token_counts:
+            self.substitute(np.zeros(t, np.int32), np.full(t, -1, np.int32))
+
+    def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
+        self.last = self._record(self.last, slot_ids, tokens)
+
+    def substitute(self, tokens: np.ndarray, src: np.ndarray) -> jax.Array:
+        return self._substitute(tokens, src, self.last)
