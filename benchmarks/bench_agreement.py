@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = ([sys.executable, "-m", "benchmarks.bench.trace_server"] if args.trace
              else [str(Path(sys.executable).parent / "slipstream")])
     tree = Path(args.server_tree).resolve() if args.server_tree else REPO
-    env = {"SLIPSTREAM_TRACE": str(trace)} if args.trace else {}
+    env = {"SLIPSTREAM_TRACE": str(trace), "SLIPSTREAM_TRACE_STEPS": str(result_dir / "steps.jsonl")} if args.trace else {}
     if args.server_tree:
         env["PYTHONPATH"] = str(tree)  # ahead of the editable install's finder, which points here
     spec = peers.ServerSpec("slipstream", "Slipstream, default flags",

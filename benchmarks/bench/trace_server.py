@@ -8,6 +8,10 @@ time.perf_counter() stamps of when the app got the request, when its body was re
 chunk was written (`sends`; `first` and `last` of them). perf_counter is CLOCK_MONOTONIC on Linux, the clock both clients stamp
 their requests with, so the lines join a client's --save-detailed results by request id. Diagnostics only:
 not how Slipstream is served.
+
+With SLIPSTREAM_TRACE_STEPS=FILE it also appends one JSON line per planned step: when the planner was asked
+(perf_counter), its decodes, its prefill chunks (request id, start, length, whether it samples) and the
+requests still waiting, so a request's TTFT can be split into the steps it waited for.
 """
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ class TraceRequests:
                 now = time.perf_counter()
                 if rec["first"] is None:
                     rec["first"] = now
+                    body = message["body"]  # the first SSE event names the generation (the steps' request ids)
+                    start = body.find(b'"id":"')
+                    if start >= 0:
+                        rec["gen_id"] = body[start + 6:body.find(b'"', start + 6)].decode("latin-1")
                 rec["last"] = now
                 rec["chunks"] += 1
                 rec["sends"].append(now)
@@ -51,6 +59,26 @@ class TraceRequests:
             await self.app(scope, traced_receive, traced_send)
         finally:
             self.file.write(json.dumps(rec) + "\n")
+
+
+def trace_steps(path: str) -> None:
+    """Wrap StepPlanner.plan to append one JSON line per plan (see the module docstring)."""
+    from engine import schedule
+
+    out = open(path, "a", buffering=1, encoding="utf-8")
+    plan = schedule.StepPlanner.plan
+
+    def traced_plan(self, *args, **kwargs):
+        t = time.perf_counter()
+        result = plan(self, *args, **kwargs)
+        chunks = [c for c in result.chunks if c.length > 1 or c.start < c.seq.prefill_end]
+        out.write(json.dumps({
+            "t": t, "decodes": len(result.chunks) - len(chunks), "running": len(self.running),
+            "prefill": [[c.seq.request_id, c.start, c.length, c.sample] for c in chunks],
+            "waiting": [s.request_id for s in self.waiting]}) + "\n")
+        return result
+
+    schedule.StepPlanner.plan = traced_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         app.add_middleware(TraceRequests, path=path)
         return app
 
+    if os.environ.get("SLIPSTREAM_TRACE_STEPS"):
+        trace_steps(os.environ["SLIPSTREAM_TRACE_STEPS"])
     server.app.create_app = traced_create_app  # cmd_serve imports it from server.app when it runs
     return cli.main(argv)
 
