@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simultaneous", action="store_true",
                    help="run the two clients of a round at the same time, each with half the concurrency and prompts, "
                         "so both see the server in the same state (the raw numbers are then comparable run by run)")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests per second (both clients; with one --seed both send at the same moments, open loop), "
+                        "or inf: all at once, as many in flight as --concurrency allows (closed loop)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
     p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
     args = p.parse_args(argv)
@@ -204,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     c, n = args.concurrency, args.num_prompts
     random = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len)]
+    rate = args.request_rate
     if args.simultaneous:  # each client gets half of the load, at the same time
         c, n = c // 2, n // 2
-    common = ["--max-concurrency", str(c), "--ignore-eos",
+        rate = rate if float(rate) == float("inf") else str(float(rate) / 2)
+    common = ["--max-concurrency", str(c), "--request-rate", rate, "--burstiness", str(args.burstiness),
+              "--ignore-eos",
               "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
               "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result_dir)]
 
@@ -342,7 +349,9 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
     keys = [k for k in keys if all(k in r for r in runs)]  # --simultaneous records no per-run CPU or scrape
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_line = next((" ".join(line.split()) for line in cpu.splitlines() if line.startswith("Model name")), "?")
-    lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, {n} prompts of {args.input_len} in / "
+    rate = float(args.request_rate) / (2 if args.simultaneous else 1)
+    arrivals = "all at once" if rate == float("inf") else f"{rate:g} requests/s each (burstiness {args.burstiness})"
+    lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, arrivals {arrivals}, {n} prompts of {args.input_len} in / "
              f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
              f"(ours first in even rounds), after one settling wave"
              f"{'; both clients at once, each with half the concurrency and prompts' if args.simultaneous else ''}"

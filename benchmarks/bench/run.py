@@ -130,8 +130,11 @@ def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
                                      output_len=args.sharegpt_output_len, seed=args.seed)
 
 
-def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
-    """Send time of each request, in seconds after the first, scaled so the last lands at n / rate (vLLM)."""
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send time of each request, in seconds after the start, as `vllm bench serve` draws them: one gamma gap
+    per request from numpy's legacy generator seeded with --seed (vLLM seeds the global one and draws nothing
+    else from it first for the random, sharegpt and custom datasets), cumulated and scaled so the last lands at
+    n / rate. So the same --seed sends at the same moments in both clients, and their runs load a server alike."""
     if burstiness <= 0:
         raise ValueError(f"--burstiness must be positive, got {burstiness}")
     if rate == float("inf"):
@@ -141,7 +144,8 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     if burstiness == float("inf"):
         gaps = np.full(n, 1.0 / rate)
     else:
-        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+        draw = np.random.RandomState(seed)
+        gaps = np.array([draw.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)) for _ in range(n)])
     offsets = np.cumsum(gaps)
     return (offsets * (n / rate) / offsets[-1]).tolist()
 
@@ -244,7 +248,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if failed:
                 raise RuntimeError(f"{len(failed)} of {args.num_warmups} warm-up requests failed: {failed[0]}")
 
-        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, args.seed)
         # As vllm bench serve does: no full collection of the long-lived heap (tokenizer, prompts) mid-run
         gc.collect()
         gc.freeze()

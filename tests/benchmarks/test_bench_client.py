@@ -194,6 +194,25 @@ def test_poisson_arrivals_set_the_duration(fake, default_model_path):
     assert fake.stats().peak_active < n_req  # spread out, not all at once
 
 
+# What `vllm bench serve` 0.32 (vllm.benchmarks.serve.get_request after np.random.seed(seed), its clock
+# stubbed so each yield records its send time) sends at for 8 requests, rate 0.8, burstiness 1, seed 1000,
+# and for 6 requests, rate 2, burstiness 0.5, seed 7.
+VLLM_SEND_TIMES = {
+    (8, 0.8, 1.0, 1000): [1.3789959187890872, 1.5379191852540544, 5.442083820019548, 6.298190837102652,
+                          8.977065584639718, 9.287534755473303, 9.341597019599249, 10.0],
+    (6, 2.0, 0.5, 7): [0.018991068585933135, 0.6458435466671517, 0.8808593823085857, 2.5807086830885737,
+                       2.8514970161282918, 3.0],
+}
+
+
+@pytest.mark.parametrize("case", sorted(VLLM_SEND_TIMES))
+def test_a_seed_sends_at_the_moments_vllm_bench_serve_does(case):
+    # The same --seed loads a server with the same arrival pattern from either client, so their runs compare.
+    assert bench.arrival_offsets(*case) == pytest.approx(VLLM_SEND_TIMES[case], rel=1e-12, abs=1e-12)
+    n, rate, burstiness, seed = case
+    assert bench.arrival_offsets(n, rate, burstiness, seed + 1) != pytest.approx(VLLM_SEND_TIMES[case])
+
+
 def test_failures_are_counted_with_their_reason_and_goodput_follows_the_slos(fake, default_model_path):
     ttft, itl = 0.1, 0.02
     fake.configure(Schedule(ttft_s=ttft, itl_s=itl, fail_every=4))
