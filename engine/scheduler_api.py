@@ -1,0 +1,61 @@
+"""The scheduler's public types: the errors a submit can raise (the server maps them to HTTP 429, 400
+and 503), its config, and the counters it reports. Plain Python: no JAX here."""
+from __future__ import annotations
+
+import dataclasses
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; the caller should retry later (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class PromptTooLong(ValueError):
+    """prompt + max_tokens exceed the context or the whole KV budget (HTTP 400)."""
+
+    def __init__(self, message: str, *, limit: int, actual: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.actual = actual
+
+
+class EngineUnavailable(RuntimeError):
+    """Not started, shutting down, or the engine thread died (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_queue: int = 256                        # waiting requests beyond this -> Overloaded
+    max_num_batched_tokens: int | None = None   # tokens per step; None = the engine's largest step
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
+                             f"largest step; got {self.max_num_batched_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    running: int
+    slots_used: int
+    max_slots: int
+    pages_used: int              # held by running requests (0 when idle)
+    pages_cached: int            # prefix-cache pages no running request holds (evictable)
+    pages_total: int
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    preemptions: int
+    rejections: dict[str, int]   # reason -> count ("overloaded", "too_long")
+    cancellations: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefilled_tokens: int
+    finished: dict[str, int]     # finish reason value -> count
