@@ -178,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-prompts", action="store_true",
                    help="both clients send prompts from our random generator (vLLM through its `custom` dataset, a "
                         "JSONL file per run, each run its own seed), not each its own random dataset")
+    p.add_argument("--identical", action="store_true",
+                   help="an A/A run: both clients of a round send the SAME prompts (our generator) with the same --seed, so "
+                        "the same requests at the same moments, to a server without its prefix cache (--no-prefix-cache): "
+                        "the server does the same work for both, and what differs between their numbers is the client "
+                        "and the server's timing noise")
     p.add_argument("--simultaneous", action="store_true",
                    help="run the two clients of a round at the same time, each with half the concurrency and prompts, "
                         "so both see the server in the same state (the raw numbers are then comparable run by run)")
@@ -188,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
     p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
     args = p.parse_args(argv)
+    if args.identical:
+        if args.simultaneous:
+            p.error("--identical sends each request twice at the same moment; it needs sequential runs")
+        args.same_prompts = True
+        if "--no-prefix-cache" not in shlex.split(args.server_args):
+            args.server_args += " --no-prefix-cache"
 
     gguf = resolve_model(DEFAULT_MODEL)
     vllm_bin = peers.ensure_vllm()
@@ -257,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([a for a in settle if a != "--save-result"], check=True, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for r in range(args.rounds):
-            # with the same generator, the two clients of a round must not send the same prompts (prefix cache)
-            seeds = {"ours": args.seed + 2 * r, "vllm": args.seed + 2 * r + (1 if args.same_prompts else 0)}
+            # with the same generator, the two clients of a round must not send the same prompts (prefix cache),
+            # unless --identical, where the server has none and both send the same requests
+            seeds = {"ours": args.seed + 2 * r,
+                     "vllm": args.seed + 2 * r + (1 if args.same_prompts and not args.identical else 0)}
             order = ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours")
             if args.simultaneous:
                 runs += run_together(order, r, seeds, ours, vllm, n, result_dir, trace, args)
@@ -355,7 +368,9 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
              f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
              f"(ours first in even rounds), after one settling wave"
              f"{'; both clients at once, each with half the concurrency and prompts' if args.simultaneous else ''}"
-             f"{', both clients sending prompts from our generator' if args.same_prompts else ''}. {model_line}", "",
+             f"{', both clients sending prompts from our generator' if args.same_prompts else ''}"
+             f"{' (the same prompts at the same moments in both runs of a round: an A/A run)' if args.identical else ''}"
+             f". {model_line}", "",
              "| metric | " + " | ".join(r["label"] for r in runs) + " | ours (mean) | vllm (mean) | difference |",
              "|---|" + "---:|" * (len(runs) + 3)]
     for k in keys:
