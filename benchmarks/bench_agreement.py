@@ -18,6 +18,11 @@ Per run it also records the client's and the server's CPU seconds, the prompt to
 prefilled and served from its prefix cache (equal workloads), and where TTFT went per request
 (`LABEL-requests.json`: deliver, server, receive).
 
+`--identical` makes each round an A/A run: both clients send the same prompts (our generator) with the same
+`--seed`, and `slipstream bench` draws a seed's arrival times exactly as `vllm bench serve` does, so with
+`--request-rate R` (open loop) the server gets the same requests at the same moments from either client; it
+runs without its prefix cache so the second run of a round is not served from the first. Closed loop
+(`--request-rate inf`, the default) the server itself flips between phases from run to run (see the README).
 `--simultaneous` runs the two clients of a round at the same time, each with half the concurrency and
 prompts: both then measure the server in the same state, and their raw numbers compare directly.
 `--same-prompts` feeds both clients prompts from our random generator (vLLM's through its `custom`
