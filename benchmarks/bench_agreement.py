@@ -24,7 +24,9 @@ prefilled and served from its prefix cache (equal workloads), and where TTFT wen
 runs without its prefix cache so the second run of a round is not served from the first. Closed loop
 (`--request-rate inf`, the default) the server itself flips between phases from run to run (see the README).
 `--simultaneous` runs the two clients of a round at the same time, each with half the concurrency and
-prompts: both then measure the server in the same state, and their raw numbers compare directly.
+prompts: both then measure the server in the same state, except that vLLM's CLI starts seconds later than
+ours, so closed loop whichever client's first wave reaches the server first takes the earlier prefills, and
+its p99 TTFT and throughput come out better.
 `--same-prompts` feeds both clients prompts from our random generator (vLLM's through its `custom`
 dataset); `--server-tree DIR` serves from a copy of the repository (`git archive HEAD` unpacked, with
 kernels/*.so copied in), so edits in progress in this tree cannot change the server mid-measurement.
