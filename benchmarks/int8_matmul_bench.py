@@ -5,7 +5,9 @@ Three measurements in one run, so their ratios share the machine's state:
      threads (XLA's intra-op pool) and vector loads, 4 streams per item as the kernel reads tiles;
   2. one row (decode): every weight of a SmolLM2-135M decode step (30 layers x 4 matrices, q/k/v
      and gate/up fused as the engine runs them, + the 576x49152 LM head, ~150 MB, far beyond L3)
-     once per call, then each shape alone (as many
+     once per call; the same calls in sequence (each row depends on the previous call's output, as
+     in a decode step), split by the kernel's own clock (profile()) into time inside the calls and
+     time between them (XLA's); then each shape alone (as many
      distinct copies as fill 2.5x the L3 size, so every call reads its weight from memory, as a decode
      step does); reported as bytes of packed weights + scales (+ offsets) read per second, and as a
      share of (1);
@@ -22,6 +24,22 @@ per shape (q8_0): q/k/v 70%, o 57%, gate/up 77%, down 77%, LM head 84%. Each cal
 beyond its streaming time (the pool's wake-up of the helper, the tail of the last item), which
 the small shapes feel most; a helper lingering between calls (threading(linger_us=100)) measured
 worse on this shared host (x1.19 step time), one thread alone x1.46.
+
+Fourth session (same machine kind, 2 vCPUs shared with two other engineers' jobs, load 1.8-3; the probe
+swung 26-48 GB/s between reps, so only same-rep ratios mean anything). Per-call profile (profile(), new):
+  - one_row_call's calls are independent, so XLA runs two at once, each on one thread (a helper ran in
+    ~5% of the calls): the "decode step" share above is not how the engine runs them; its share was
+    75-80% today (3-15 reps) at load ~2, 57% in a rep set where the probe jumped to 46 GB/s;
+  - in sequence (the new line), the helper starts 0.1-0.5 us after it is scheduled (median; XLA's pool
+    threads spin before they sleep) and finishes within ~1.5 us of the caller: the wake-up is not the
+    ~5-7 us per call it was thought to be. Inside the 121 calls the kernel read at 81-87% of the probe
+    (quiet reps), and the step share was 65-69%: the rest is between the calls, 11.5-12.6 us per call
+    here, against 3.3 us per link for a chain of tiny kernel calls (0.2 us inside them) and 0.8 us for a
+    chain of XLA adds. Tried and dropped (same-process A/B, interleaved, no gain that held up across
+    runs): claiming each thread's next item early and prefetching its first 2 KiB per tile into L2
+    (x1.04 step / x1.12 576x576 at load 2, x0.99-1.00 at load 3), prefetchnta for the weight stream
+    (between-call time 11.8 -> 11.6 us, step share unchanged), a helper lingering 100 us (x0.84-0.92).
+  Next: find what XLA does for ~9 us after a large kernel call that it does not after a tiny one.
 """
 from __future__ import annotations
 
@@ -107,6 +125,42 @@ def one_row_call(weights: list[tuple], parts: int) -> tuple:
     return jax.jit(step), (x, ws), sum(a.nbytes for w in ws for a in w if a is not None)
 
 
+def chained_call(weights: list[tuple], parts: int) -> tuple:
+    """Like one_row_call, but each call's row depends on the previous call's output, so the calls run
+    one after another as a decode step runs them (one_row_call's calls are independent: XLA runs two
+    at once, each on one thread, and hides what happens between calls)."""
+    def step(x, ws):
+        for (packed, scales, offsets), n in zip(ws, ns):
+            y = q8.q8_matmul(x[:, : packed.shape[1] // q8.TILE], packed, scales, offsets, n=n, parts=parts)
+            x = x + y[0, 0] * 1e-20  # a tiny XLA op between calls, as the decode step has its own
+        return x
+
+    ns = [w[-1] for w in weights]
+    ws = [w[:-1] for w in weights]
+    x = jax.device_put(np.random.default_rng(2).standard_normal((1, 1536)).astype(np.float32))
+    return jax.jit(step), (x, ws), sum(a.nbytes for w in ws for a in w if a is not None)
+
+
+def in_sequence(ext, probe: tuple, call: tuple, reps: int) -> dict:
+    """Times `call` (a chained_call) paired with the probe, and splits each rep by the kernel's own clock
+    (ext.profile): time inside the calls and time between them. Returns per-rep arrays."""
+    (pf, pargs, pbytes), (fn, args, nbytes) = probe, call
+    jax.block_until_ready(fn(*args))
+    out = {key: np.empty(reps) for key in ("bw", "step", "inside")}
+    for rep in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(pf(*pargs))
+        out["bw"][rep] = pbytes / (time.perf_counter() - start)
+        ext.profile(True)
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out["step"][rep] = time.perf_counter() - start
+        calls = ext.profile(False)
+        out["inside"][rep] = sum(end - begin for begin, end, _, _ in calls) / 1e9
+    out["calls"] = len(calls)
+    return out
+
+
 def paired_rates(calls: list[tuple], reps: int) -> list[np.ndarray]:
     """Bytes per second of each (fn, args, bytes) call, timed round-robin rep by rep, so that the
     ratios between them see the same machine state (other processes come and go on shared hosts)."""
@@ -164,6 +218,15 @@ def main() -> None:
             copies = copies_beyond_l3(k, n, opts["offsets"])
             sets.append((f"{shape}, {copies} copies",
                          lambda k=k, n=n, c=copies: [(*random_q8(rng, k, n, opts["offsets"]), n) for _ in range(c)]))
+        chain = chained_call(step_weights, opts["parts"])
+        t = in_sequence(ext, probe, chain, args.reps)
+        between = (t["step"] - t["inside"]) / t["calls"]
+        print(f"    {form:9} {'decode step, calls in sequence':34} {chain[2] / 2**20:6.1f} MiB: step share "
+              f"{np.median(chain[2] / t['step'] / t['bw']):4.0%}; inside the {t['calls']} calls "
+              f"{np.median(chain[2] / t['inside'] / t['bw']):4.0%} of the probe ({np.median(t['inside']) * 1e3:.2f} of "
+              f"{np.median(t['step']) * 1e3:.2f} ms); between calls {np.median(between) * 1e6:.1f} us per call",
+              flush=True)
+        del chain
         for name, make in sets:
             ws = make()
             call = one_row_call(ws, opts["parts"])

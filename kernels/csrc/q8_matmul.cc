@@ -37,12 +37,14 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -565,13 +567,25 @@ struct Job {
     }
   }
 
-  // Claims items until none are left; returns how many this thread ran.
+  // Claims items until none are left.
   void Work() {
     int ran = 0;
     for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) RunItem(item);
     if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
   }
 };
+
+// profile(True) records each call's (start, end) on the steady clock in ns, its rows and its weight
+// bytes, until profile(False): benchmarks/int8_matmul_bench.py splits a decode step's time into the
+// kernel's calls and what XLA does between them. Off, a call pays one relaxed load.
+std::atomic<bool> g_profile{false};
+std::mutex g_profile_mu;
+std::vector<std::array<int64_t, 4>> g_calls;  // guarded by g_profile_mu
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Helpers. A helper runs a call's items, then lingers for up to g_linger_us polling for the next
 // call's job (posted in g_posted), as llama.cpp's spinning pool does: the decode step's calls come a
@@ -651,6 +665,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const size_t lw = rank - 2;  // the first of the two weight dimensions
   // The quantized activations live in a buffer of the calling thread, kept between calls (no
   // allocation, page faults or zeroing per call). Helpers use it only while this call waits for them.
+  const bool profile = g_profile.load(std::memory_order_relaxed);
+  const int64_t start = profile ? NowNs() : 0;
   thread_local Acts tl_acts;
   auto job = std::make_shared<Job>(tl_acts);
   Problem& p = job->p;
@@ -704,6 +720,11 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job->Work();
   // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
   while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  if (profile) {
+    const int64_t end = NowNs();
+    std::lock_guard<std::mutex> lock(g_profile_mu);
+    g_calls.push_back({start, end, p.m, static_cast<int64_t>(weight_bytes)});
+  }
   return ffi::Error::Success();
 }
 
@@ -852,7 +873,35 @@ static PyObject* ThreadingPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// profile(on) -> the calls recorded since the last profile() call, as (start_ns, end_ns, rows,
+// weight_bytes) tuples; then records from now on if `on`.
+static PyObject* ProfilePy(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  std::vector<std::array<int64_t, 4>> calls;
+  {
+    std::lock_guard<std::mutex> lock(g_profile_mu);
+    calls.swap(g_calls);
+    g_profile.store(on != 0);
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(calls.size()));
+  if (!list) return nullptr;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto& c = calls[i];
+    PyObject* t = Py_BuildValue("(LLLL)", static_cast<long long>(c[0]), static_cast<long long>(c[1]),
+                                static_cast<long long>(c[2]), static_cast<long long>(c[3]));
+    if (!t) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), t);
+  }
+  return list;
+}
+
 static PyMethodDef kMethods[] = {
+    {"profile", ProfilePy, METH_O,
+     "profile(on): the calls recorded so far as (start_ns, end_ns, rows, weight_bytes); records from now on if on."},
     {"threading", ThreadingPy, METH_VARARGS,
      "threading(max_threads, solo_bytes, linger_us): set the thread policy (negative: keep); returns the previous."},
     {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},

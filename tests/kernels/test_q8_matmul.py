@@ -288,3 +288,22 @@ def test_reference_forced_by_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.stdout.split() == ["32.0", "reference"]
+
+
+@needs_native
+def test_profile_records_each_call():
+    rng = np.random.default_rng(13)
+    k, n = 576, 960
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    run_kernel(x, packed, scales, n)  # compiled before recording
+    ext.profile(True)
+    try:
+        run_kernel(x, packed, scales, n)
+        run_kernel(x[:1], packed, scales, n)
+    finally:
+        calls = ext.profile(False)
+    assert [(rows, nbytes) for _, _, rows, nbytes in calls] == [(2, packed.nbytes), (1, packed.nbytes)]
+    assert all(end >= start for start, end, _, _ in calls) and calls[0][1] <= calls[1][0]
+    assert ext.profile(False) == []  # recording stopped
