@@ -1,0 +1,419 @@
+// f32 matmul y[M, N] = x[M, K] @ w[K, N] as an XLA FFI custom call on CPU.
+//
+// w is prepacked at load (kernels/f32_matmul.py, pack()) into column panels of 32:
+//   packed f32 [Np/32][K][32]     (Np: N rounded up to 32; the padding columns are zero)
+// so that at each k one panel gives its 32 weights as two contiguous 64-byte vectors and a panel is
+// one sequential stream. A stack of L such weights [L][Np/32][K*32] is read at `layer` (a scanned
+// layer loop passes the whole stack; no slice of it is copied).
+//
+// Micro kernel: R rows x P panels over all of K, the 2RP (AVX-512) accumulators held in registers
+// from the first k to the last, stored once (masked past N). At each k it loads the P panels' 2P
+// weight vectors and broadcasts R values of x: each weight vector feeds R FMAs. R = 14, P = 1 gives
+// 28 zmm accumulators, 28 FMAs per 2 vector loads + 14 broadcasts, so the FMA units bound it. The
+// rows of x a block multiplies are first copied into [K][R] order (a "micro panel": the R broadcasts
+// of one k are adjacent, one pointer walks them; the copy is 1/(2*32*panels) of the work).
+// With few rows (decode: M <= 3) the weights stream from memory once and bandwidth bounds the call;
+// the micro kernel then spans 4 panels (4 streams in flight per thread) and prefetches each 1 KiB
+// ahead.
+//
+// Work split: items are (chunk of panels, block of rows), chunk major so that a chunk's weights come
+// from memory once and serve each row block from L2 (1 MiB per core on the machines we measured).
+// Items are claimed from an atomic counter by the calling thread and by helpers scheduled on XLA's
+// intra-op pool; a helper that starts late finds no work and returns, and the caller waits only for
+// items that are running. Each item packs its own rows into a buffer of the thread that runs it.
+//
+// Instruction sets, chosen at run time: AVX-512, AVX2 + FMA, portable C++.
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+// -DF32_PORTABLE_ONLY builds the portable path alone (what aarch64 gets), to test it on x86.
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(F32_PORTABLE_ONLY)
+#include <immintrin.h>
+#define F32_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPanel = 32;          // columns per packed panel
+constexpr int kFewRows = 3;         // up to this many rows: the streaming (decode) shape
+constexpr int kStreamPanels = 4;    // panels per streaming micro kernel
+constexpr int kPrefetchBytes = 1024;
+
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+Isa DetectIsa() {
+#if defined(F32_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
+const Isa kBestIsa = DetectIsa();
+std::atomic<Isa> g_isa{kBestIsa};       // lowered only by set_isa(), to test every path on one machine
+std::atomic<int> g_max_threads{0};      // 0: the pool's threads (a test and benchmark knob)
+std::atomic<int> g_rows_per_block{0};   // 0: chosen per call (a benchmark knob)
+std::atomic<int> g_panels_per_chunk{0};
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+// A range of the next panel to pull into L2 while a micro kernel runs: `lines` 64-byte lines from
+// `next`, one every `every` steps of k (each micro block of a panel takes its share, so the next
+// panel arrives from memory spread over the current one's work instead of stalling its first block).
+struct Ahead {
+  const char* next = nullptr;
+  int lines = 0, every = 1;
+};
+
+struct Problem {
+  const float* x;  // [m, k]
+  const float* w;  // [panels][k][32]
+  float* y;        // [m, n]
+  int m, k, n, panels;
+  size_t panel_floats() const { return static_cast<size_t>(k) * kPanel; }
+};
+
+// ---- micro kernels: R rows of x from row0 x P panels from panel0 ---------------------------------
+// They write y rows row0 .. row0 + R - 1, columns of the P panels below n.
+
+template <int R, int P>
+void TilePortable(const Problem& p, int row0, int panel0, Ahead) {
+  const float* a = p.x + static_cast<size_t>(row0) * p.k;
+  float acc[R][P * kPanel] = {};
+  for (int kk = 0; kk < p.k; ++kk)
+    for (int c = 0; c < P; ++c) {
+      const float* b = p.w + (panel0 + c) * p.panel_floats() + static_cast<size_t>(kk) * kPanel;
+      for (int r = 0; r < R; ++r) {
+        const float av = a[static_cast<size_t>(r) * p.k + kk];
+        for (int j = 0; j < kPanel; ++j) acc[r][c * kPanel + j] += av * b[j];
+      }
+    }
+  for (int c = 0; c < P; ++c) {
+    const int n0 = (panel0 + c) * kPanel, valid = std::min(kPanel, p.n - n0);
+    for (int r = 0; r < R; ++r)
+      std::memcpy(p.y + static_cast<size_t>(row0 + r) * p.n + n0, &acc[r][c * kPanel], sizeof(float) * std::max(0, valid));
+  }
+}
+
+#if defined(F32_X86)
+
+template <int R, int P>
+__attribute__((target("avx512f")))
+void TileAvx512(const Problem& p, int row0, int panel0, Ahead ahead) {
+  const float* a = p.x + static_cast<size_t>(row0) * p.k;
+  constexpr int V = 2 * P;  // 16-float vectors per row
+  constexpr bool kStream = R <= kFewRows;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* b = p.w + panel0 * p.panel_floats();
+  const size_t stride = p.panel_floats();
+  if (kStream)
+    for (int c = 0; c < P; ++c)
+      for (int off = 0; off < kPrefetchBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + c * stride) + off, _MM_HINT_T0);
+  int countdown = ahead.every;
+  for (int kk = 0; kk < p.k; ++kk) {
+    if (!kStream && ahead.lines > 0 && --countdown == 0) {
+      _mm_prefetch(ahead.next, _MM_HINT_T1);
+      ahead.next += 64;
+      --ahead.lines;
+      countdown = ahead.every;
+    }
+    __m512 bv[V];
+    for (int c = 0; c < P; ++c) {
+      const float* bc = b + c * stride + static_cast<size_t>(kk) * kPanel;
+      if (kStream && (kk & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bc) + kPrefetchBytes, _MM_HINT_T0);
+      bv[2 * c] = _mm512_loadu_ps(bc);
+      bv[2 * c + 1] = _mm512_loadu_ps(bc + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[static_cast<size_t>(r) * p.k + kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int n0 = panel0 * kPanel + v * 16;
+    if (n0 >= p.n) break;
+    const int valid = std::min(16, p.n - n0);
+    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, acc[r][v]);
+  }
+}
+
+// AVX2 has 16 ymm registers: R x 4 vectors (one panel) with R <= 3 leaves room for the broadcast;
+// the weights are FMA memory operands.
+template <int R, int P>
+__attribute__((target("avx2,fma")))
+void TileAvx2(const Problem& p, int row0, int panel0, Ahead) {
+  const float* a = p.x + static_cast<size_t>(row0) * p.k;
+  static_assert(P == 1, "the AVX2 micro kernel spans one panel");
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  const float* b = p.w + panel0 * p.panel_floats();
+  for (int kk = 0; kk < p.k; ++kk) {
+    const float* bk = b + static_cast<size_t>(kk) * kPanel;
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + static_cast<size_t>(r) * p.k + kk);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 8 * v), acc[r][v]);
+    }
+  }
+  for (int v = 0; v < 4; ++v) {
+    const int n0 = panel0 * kPanel + v * 8;
+    if (n0 >= p.n) break;
+    const int valid = std::min(8, p.n - n0);
+    for (int r = 0; r < R; ++r) {
+      float* out = p.y + static_cast<size_t>(row0 + r) * p.n + n0;
+      if (valid == 8) {
+        _mm256_storeu_ps(out, acc[r][v]);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[r][v]);
+        std::memcpy(out, tmp, sizeof(float) * valid);
+      }
+    }
+  }
+}
+
+#endif  // F32_X86
+
+// ---- dispatch over (ISA, rows, panels) -----------------------------------------------------------
+
+using TileFn = void (*)(const Problem&, int, int, Ahead);
+
+constexpr int kMaxRows = 14;  // AVX-512: 2 * 14 accumulators + 2 weight vectors of 32 zmm
+
+// The largest row count of one micro kernel, per ISA.
+int MaxRows(Isa isa) { return isa == Isa::kAvx512 ? kMaxRows : isa == Isa::kAvx2 ? 3 : 4; }
+
+template <int R>
+TileFn Pick(Isa isa, int panels) {
+#if defined(F32_X86)
+  if (isa == Isa::kAvx512) {
+    if constexpr (R <= kFewRows) {
+      if (panels == kStreamPanels) return &TileAvx512<R, kStreamPanels>;
+    }
+    return &TileAvx512<R, 1>;
+  }
+  if constexpr (R <= 3) {
+    if (isa == Isa::kAvx2) return &TileAvx2<R, 1>;
+  }
+#endif
+  if constexpr (R <= 4) return &TilePortable<R, 1>;
+  return nullptr;  // MaxRows keeps the other paths at or below their row counts
+}
+
+// rows in 1 .. MaxRows(isa); panels 1 or (rows <= kFewRows, AVX-512) kStreamPanels.
+TileFn PickTile(Isa isa, int rows, int panels) {
+  static const TileFn table[3][kMaxRows][2] = {
+#define F32_ROW(I, R) {Pick<R>(I, 1), Pick<R>(I, kStreamPanels)}
+#define F32_ISA(I)                                                                                   \
+  {F32_ROW(I, 1), F32_ROW(I, 2), F32_ROW(I, 3), F32_ROW(I, 4), F32_ROW(I, 5), F32_ROW(I, 6), F32_ROW(I, 7), \
+   F32_ROW(I, 8), F32_ROW(I, 9), F32_ROW(I, 10), F32_ROW(I, 11), F32_ROW(I, 12), F32_ROW(I, 13), F32_ROW(I, 14)}
+      F32_ISA(Isa::kPortable), F32_ISA(Isa::kAvx2), F32_ISA(Isa::kAvx512)
+#undef F32_ISA
+#undef F32_ROW
+  };
+  return table[static_cast<int>(isa)][rows - 1][panels == 1 ? 0 : 1];
+}
+
+// ---- the work queue ------------------------------------------------------------------------------
+
+struct Job {
+  Problem p;
+  Isa isa;
+  int rows_per_block, row_blocks, panels_per_chunk, chunks, items;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void RunItem(int item) {
+    const int chunk = item / row_blocks, rb = item % row_blocks;
+    const int row_lo = rb * rows_per_block, row_hi = std::min(row_lo + rows_per_block, p.m);
+    const int panel_lo = chunk * panels_per_chunk, panel_hi = std::min(panel_lo + panels_per_chunk, p.panels);
+    // micro blocks of near-equal height: ceil(rows / max) of them
+    const int rows = row_hi - row_lo, cap = MaxRows(isa);
+    const int blocks = (rows + cap - 1) / cap, base = rows / blocks, extra = rows % blocks;
+    for (int panel = panel_lo; panel < panel_hi;) {
+      const bool stream = rows <= kFewRows && isa == Isa::kAvx512 && panel + kStreamPanels <= panel_hi;
+      const int span = stream ? kStreamPanels : 1;
+      // the item's next panel comes into L2 over this panel's blocks
+      const int panel_lines = static_cast<int>(p.panel_floats() * sizeof(float) / 64);
+      const bool more = !stream && panel + 1 < panel_hi;
+      const char* next = reinterpret_cast<const char*>(p.w + (panel + 1) * p.panel_floats());
+      for (int i = 0, row = row_lo; i < blocks; ++i) {
+        const int r = base + (i < extra);
+        Ahead ahead;
+        if (more) {
+          const int lo = static_cast<int>(int64_t(panel_lines) * i / blocks);
+          const int hi = static_cast<int>(int64_t(panel_lines) * (i + 1) / blocks);
+          ahead.next = next + int64_t(lo) * 64;
+          ahead.lines = hi - lo;
+          ahead.every = std::max(1, p.k / std::max(1, hi - lo));
+        }
+        PickTile(isa, r, span)(p, row, panel, ahead);
+        row += r;
+      }
+      panel += span;
+    }
+  }
+
+  // Claims items until none are left.
+  void Work() {
+    int ran = 0;
+    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) RunItem(item);
+    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
+  }
+};
+
+// Row blocks and panel chunks: few rows are one block, chunks of 4 panels (each chunk a set of
+// streams); more rows are blocks of at most 256 (x's block, 256 x K floats, stays in L2 or L3 while
+// the panels pass: each panel comes from memory once per row block) and about 3 chunks of adjacent
+// panels per thread: a thread pulls the next panel of its own chunk into its L2 (Ahead), and a
+// thread that starts late still finds work.
+void Split(Job& job, int threads) {
+  const Problem& p = job.p;
+  int rows = g_rows_per_block.load(std::memory_order_relaxed);
+  int panels = g_panels_per_chunk.load(std::memory_order_relaxed);
+  if (rows <= 0) {
+    const int blocks = (p.m + 255) / 256;
+    rows = (p.m + blocks - 1) / blocks;
+  }
+  if (panels <= 0) {
+    const int per_thread = (p.m + rows - 1) / rows == 1 ? 3 : 1;
+    panels = p.m <= kFewRows ? kStreamPanels : std::max(1, p.panels / (per_thread * threads));
+  }
+  job.rows_per_block = rows;
+  job.row_blocks = (p.m + rows - 1) / rows;
+  job.panels_per_chunk = panels;
+  job.chunks = (p.panels + panels - 1) / panels;
+  job.items = job.row_blocks * job.chunks;
+}
+
+ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
+                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = packed.dimensions(), yd = y->dimensions();
+  const size_t rank = wd.size();
+  if (xd.size() != 2 || (rank != 2 && rank != 3) || yd.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("f32_matmul: x [M,K], packed [(L,) Np/32, K*32], layer [] or [1], y [M,N]");
+  const int64_t stack = rank == 3 ? wd[0] : 1;
+  const int64_t index = rank == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("f32_matmul: layer index out of range");
+  auto job = std::make_shared<Job>();
+  Problem& p = job->p;
+  p.m = static_cast<int>(xd[0]);
+  p.k = static_cast<int>(xd[1]);
+  p.n = static_cast<int>(yd[1]);
+  p.panels = static_cast<int>(wd[rank - 2]);
+  if (yd[0] != xd[0] || wd[rank - 1] != int64_t(p.k) * kPanel || p.n > p.panels * kPanel ||
+      p.n + kPanel <= p.panels * kPanel)
+    return ffi::Error::InvalidArgument("f32_matmul: packed weight, x and y shapes disagree");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  p.x = x.typed_data();
+  p.w = packed.typed_data() + index * static_cast<size_t>(p.panels) * p.panel_floats();
+  p.y = y->typed_data();
+  if (p.k == 0) {
+    std::memset(p.y, 0, sizeof(float) * static_cast<size_t>(p.m) * p.n);
+    return ffi::Error::Success();
+  }
+  job->isa = g_isa.load(std::memory_order_relaxed);
+  int threads = static_cast<int>(pool.num_threads());
+  const int cap = g_max_threads.load(std::memory_order_relaxed);
+  if (cap > 0) threads = std::min(threads, cap);
+  Split(*job, threads);
+  threads = std::max(1, std::min(threads, job->items));
+  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
+  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamF32Matmul, F32MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // packed [(L,) Np/32, K*32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+// ---- Python module: targets(), isa(), set_isa(), threading() -------------------------------------
+
+static PyObject* Targets(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(SlipstreamF32Matmul), nullptr, nullptr);
+  if (!capsule || PyDict_SetItemString(dict, "slipstream_f32_matmul", capsule) < 0) {
+    Py_XDECREF(capsule);
+    Py_DECREF(dict);
+    return nullptr;
+  }
+  Py_DECREF(capsule);
+  return dict;
+}
+
+static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }
+
+// set_isa(name): use `name` ("avx512", "avx2" or "portable") if this CPU has it; returns the
+// previous choice. For tests of the slower paths on a machine that has the faster one.
+static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    if (std::strcmp(name, IsaName(isa)) != 0) continue;
+    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
+      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, IsaName(kBestIsa));
+      return nullptr;
+    }
+    return PyUnicode_FromString(IsaName(g_isa.exchange(isa)));
+  }
+  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
+  return nullptr;
+}
+
+// threading(max_threads, rows_per_block, panels_per_chunk) -> the previous three; a negative
+// argument keeps that setting, 0 restores the default. For tests and benchmarks of the work split.
+static PyObject* ThreadingPy(PyObject*, PyObject* args) {
+  int max_threads = -1, rows = -1, panels = -1;
+  if (!PyArg_ParseTuple(args, "|iii", &max_threads, &rows, &panels)) return nullptr;
+  PyObject* prev = Py_BuildValue("(iii)", g_max_threads.load(), g_rows_per_block.load(), g_panels_per_chunk.load());
+  if (max_threads >= 0) g_max_threads.store(max_threads);
+  if (rows >= 0) g_rows_per_block.store(rows);
+  if (panels >= 0) g_panels_per_chunk.store(panels);
+  return prev;
+}
+
+static PyMethodDef kMethods[] = {
+    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
+    {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
+    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
+    {"threading", ThreadingPy, METH_VARARGS,
+     "threading(max_threads, rows_per_block, panels_per_chunk): set the work split (negative: keep, 0: "
+     "default); returns the previous."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_f32_matmul",
+                              "f32 matmul over column-panel-packed weights for XLA:CPU through the FFI.", -1,
+                              kMethods};
+
+PyMODINIT_FUNC PyInit__f32_matmul() { return PyModule_Create(&kModule); }
