@@ -2,13 +2,14 @@
 
 A scan over stacked weights [L, ...] makes XLA:CPU copy each layer's slice out of the stack before
 its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So on CPU:
-- group-wise int8 weights stay one stack [L, ...] (`StackedQ8`) that the native kernel reads at the
-  traced layer index, where it lies: no slice, no switch. The linears one input feeds (q/k/v,
-  gate/up: `FUSED`) are fused along their output columns at load, so each group is one kernel call
-  (one fixed per-call cost instead of three or two); the other members hold a `FusedMember` marker;
-- float weights (and int8 ones under tensor parallelism, engine/sharding.py) are kept as L separate
-  buffers (`PerLayer`), and the layer body picks layer i's buffer with lax.switch (`LayerPick`); a
-  group of weights read by one input shares one switch.
+- group-wise int8 weights (`StackedQ8`) and f32 ones (`StackedF32`, packed in column panels) stay
+  one stack [L, ...] that a native kernel reads at the traced layer index, where it lies: no slice,
+  no switch. The linears one input feeds (q/k/v, gate/up: `FUSED`) are fused along their output
+  columns at load, so each group is one kernel call (one fixed per-call cost instead of three or
+  two); the other members hold a `FusedMember` marker;
+- other float weights (bf16; f32 without the native kernel) and int8 ones under tensor parallelism
+  (engine/sharding.py) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
+  i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch.
 models/layers.py calls `pick` and `linears` without knowing why.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kernels import f32_matmul as f32
 from kernels.q8_matmul import TILE, q8_matmul
 from models import layers
 from models.base import CausalLM
@@ -84,6 +86,33 @@ class StackedQ8:
     def pick(self, index: jax.Array) -> "StackedPick":
         return StackedPick(index, self)
 
+    def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        """x f32 [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
+        w = self.weight
+        return q8_matmul(x, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2, layer=layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedF32:
+    """The f32 weights of every layer, packed for kernels/f32_matmul.py as one stack [L, Np/32, K*32],
+    for one linear or a fused group: member j's output columns start at offsets[j] (whole 32-column
+    panels) and number widths[j]."""
+
+    packed: jax.Array
+    widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in np.cumsum([0] + [f32.padded(w) for w in self.widths[:-1]]))
+
+    def pick(self, index: jax.Array) -> "StackedPick":
+        return StackedPick(index, self)
+
+    def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
+        return f32.f32_matmul(x, self.packed, n=self.offsets[-1] + self.widths[-1], layer=layer)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -98,21 +127,18 @@ class FusedMember:
 
 @dataclasses.dataclass(frozen=True)
 class StackedPick:
-    """Layer `index` of a StackedQ8, inside the scanned layer body."""
+    """Layer `index` of a StackedQ8 or StackedF32, inside the scanned layer body."""
 
     index: jax.Array
-    stack: StackedQ8
+    stack: StackedQ8 | StackedF32
 
     def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
         widths = self.stack.widths
         if (len(picks) != len(widths) or picks[0] is not self
                 or any(not isinstance(p, FusedMember) or p.index != j for j, p in enumerate(picks[1:], 1))):
-            raise ValueError(f"int8 weights fused as a group of {len(widths)} linears are multiplied as that "
+            raise ValueError(f"weights fused as a group of {len(widths)} linears are multiplied as that "
                              f"group, in order (got {len(picks)} weights); see engine/layer_stack.FUSED")
-        w = self.stack.weight
-        flat = x.reshape(-1, x.shape[-1])
-        y = q8_matmul(flat, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
-                      layer=self.index)
+        y = self.stack.matmul(x.reshape(-1, x.shape[-1]), self.index)
         return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype)
                      for o, n in zip(self.stack.offsets, widths))
 
@@ -138,38 +164,71 @@ def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
     return StackedQ8(fused, widths)
 
 
-def split_linears(model: CausalLM, *, stack_int8: bool = True) -> None:
+def _fuse_f32(weights: list) -> StackedF32:
+    """Stacked f32 weights [L, K, N_j] sharing L and K -> one StackedF32 over their columns, packed
+    layer by layer into memory laid out for huge pages (the decode step streams it)."""
+    first = weights[0]
+    layers, k = first.shape[0], first.shape[1]
+    widths = tuple(int(w.shape[2]) for w in weights)
+    starts = np.cumsum([0] + [f32.padded(n) // f32.PANEL for n in widths])
+    out = host_empty((layers, int(starts[-1]), k * f32.PANEL), np.float32)
+    for j, w in enumerate(weights):
+        w = np.asarray(w)
+        for i in range(layers):
+            f32.pack(w[i], out=out[i, starts[j]:starts[j + 1]])
+    return StackedF32(jax.device_put(out), widths)  # hands numpy's buffer to XLA
+
+
+def _stackable_f32(value) -> bool:
+    return isinstance(value, jax.Array) and value.dtype == np.float32 and value.ndim == 3
+
+
+def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool | None = None) -> None:
     """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): int8 ones as
-    StackedQ8 (FUSED groups fused) when `stack_int8`, everything else as PerLayer."""
+    StackedQ8 when `stack_int8`, f32 ones as StackedF32 when `stack_f32` (by default: as
+    `stack_int8`, and only where kernels/f32_matmul's native kernel runs), FUSED groups fused;
+    everything else as PerLayer."""
+    if stack_f32 is None:
+        stack_f32 = stack_int8
+    stack_f32 = stack_f32 and f32.native_available()
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
     n = model.cfg.num_layers
+    candidates: dict[tuple, object] = {}
+    for w in type(model).WEIGHTS:
+        key = tuple(w.path.split("."))
+        if w.linear and w.per_layer and key in flat:
+            value = flat[key].get_value()
+            if (stack_int8 and isinstance(value, QuantizedWeight)) or (stack_f32 and _stackable_f32(value)):
+                candidates[key] = value
     stacked: dict[tuple, object] = {}
-    if stack_int8:
-        for w in type(model).WEIGHTS:
-            key = tuple(w.path.split("."))
-            if w.linear and w.per_layer and key in flat and isinstance(flat[key].get_value(), QuantizedWeight):
-                stacked[key] = flat[key].get_value()
-        for path, module in nnx.iter_modules(model):
-            for kind, names in FUSED:
-                keys = [(*map(str, path), name, "w") for name in names]
-                if not isinstance(module, kind) or not all(k in stacked for k in keys):
-                    continue
-                group = [stacked[k] for k in keys]
+    for path, module in nnx.iter_modules(model):
+        for kind, names in FUSED:
+            keys = [(*map(str, path), name, "w") for name in names]
+            if not isinstance(module, kind) or not all(k in candidates for k in keys):
+                continue
+            group = [candidates[k] for k in keys]
+            if all(isinstance(g, QuantizedWeight) for g in group):
                 if len({(g.logical[0], g.mode, g.q.shape[0]) for g in group}) != 1:
                     continue  # not one input, mode and depth: left unfused
                 stacked[keys[0]] = _fuse(group)
-                for j, k in enumerate(keys[1:], 1):
-                    stacked[k] = FusedMember(j)
+            elif all(_stackable_f32(g) for g in group) and len({g.shape[:2] for g in group}) == 1:
+                stacked[keys[0]] = _fuse_f32(group)
+            else:
+                continue
+            for j, k in enumerate(keys[1:], 1):
+                stacked[k] = FusedMember(j)
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))
         var = flat.get(key)
         if var is None or not (w.linear and w.per_layer):
             continue
         if key in stacked:
-            value = stacked[key]
-            var.set_value(value if isinstance(value, StackedQ8 | FusedMember) else _fuse([value]))
+            var.set_value(stacked[key])
             continue
         value = var.get_value()
+        if key in candidates:
+            var.set_value(_fuse([value]) if isinstance(value, QuantizedWeight) else _fuse_f32([value]))
+            continue
         var.set_value(PerLayer(tuple(jax.tree.map(lambda a, i=i: a[i], value) for i in range(n))))
     nnx.update(model, state)

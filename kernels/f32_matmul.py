@@ -42,8 +42,8 @@ def pack(w: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     shape = (*lead, np_ // PANEL, k * PANEL)
     if out is None:
         out = np.empty(shape, np.float32)
-    elif out.shape != shape or out.dtype != np.float32:
-        raise ValueError(f"f32_matmul.pack: out must be float32 {shape}, got {out.dtype} {out.shape}")
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"f32_matmul.pack: out must be C-contiguous float32 {shape}, got {out.dtype} {out.shape}")
     view = out.reshape(*lead, np_ // PANEL, k, PANEL)
     full = n // PANEL * PANEL
     if full:  # whole panels: [.., K, T, 32] -> [.., T, K, 32]

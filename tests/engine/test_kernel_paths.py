@@ -35,13 +35,18 @@ def greedy(engine: JaxEngine, prompts: list[list[int]], steps: int = STEPS) -> l
 @pytest.mark.parametrize("quantize", ["none", "q8_0-a16"])
 def test_greedy_with_native_kernels_equals_reference(tiny_model, monkeypatch, quantize):
     if not (native.load("ragged_paged_attention", "ragged_paged_attention")
-            and native.load("q8_matmul", "q8_matmul")):
+            and native.load("q8_matmul", "q8_matmul") and native.load("f32_matmul", "f32_matmul")):
         pytest.skip("native kernels not built (or SLIPSTREAM_KERNELS=reference): nothing to compare")
     cfg, params = tiny_model
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (5, 9, 14)]
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
-    with_native = greedy(JaxEngine(cfg, params, config, precompile=False), prompts)
+    engine = JaxEngine(cfg, params, config, precompile=False)
+    # f32 weights go to the native f32 matmul (engine/layer_stack.StackedF32), int8 ones to q8_matmul
+    wq = engine.params["blocks"]["attn"]["wq"]["w"].get_value()
+    assert type(wq).__name__ == ("StackedF32" if quantize == "none" else "StackedQ8")
+    with_native = greedy(engine, prompts)
+    assert native.kernel_paths()["f32_matmul"] == "native"
     # the references: every kernel seam asks native.load while tracing; dropping JAX's trace caches
     # makes the second engine trace afresh (models.llama's per-layer matmuls are one shared jit)
     monkeypatch.setattr(native, "load", lambda kernel, module: False)
