@@ -40,6 +40,22 @@ Where the rest goes (final .so, page_size 64):
     (what the allocator handed out after frees until 24acafa) are no better than random (f32 33.8 ms).
 No hardware counters in this VM (perf stat: cycles, dTLB-load-misses, cache-misses "not supported"), so
 the TLB and miss-buffer explanations are inferred from these timings, not counted.
+
+Fourth session (same machine kind, load 1.3-2.9 from other engineers' jobs; page_size 16, --reps 20).
+Profile first, per part (one run, new .so): int8 KV random 20.6 ms, sequential 13.1, shared (compute
+only) 7.55, bound 4.3-4.45 ms; f32 random 62.9 (a loaded rep set; 38 last session), sequential 29.1,
+shared 9.6, bound 16-20 ms. So for both, reads and compute add up rather than overlap (int8 sequential
+13.1 ~ 7.55 + 4.45; f32 29.1 ~ 9.6 + 16.7), random page order adds 7.5 ms (int8) on top, and int8's
+compute alone is 1.7x its bound. Change: int8 K pages word-major (see kernels/attention.py), so the
+VNNI scores load each word of 16 keys as it lies instead of transposing 16 rows per chunk. Old and new
+.so interleaved (old, new, old, new) in one run, int8 ms/step: shared 6.91 -> 6.81 (a first pair,
+disturbed: 14.02 -> 13.00), random 21.21 -> 20.21 and 20.50 -> 19.75, sequential 15.20 -> 11.64 and
+14.68 -> 12.46; f32 random (its path unchanged) 45.3 -> 43.9 (a loaded pair). The transpose was not
+the compute's big part: perf (cpu-clock samples, shared order, new .so) splits the kernel's samples
+pv_i8 27%, softmax 26%, scores 24%, run (the write and the wait) 9%, attend's loop 7%, touch_keys 4%.
+Next: the softmax's per-row horizontal max/sum and exp for 3 rows of 16 lanes (G = 3) could run on the
+3 rows together; reads that overlap the compute (the sums above) and pages of one sequence allocated
+next to each other (sequential is 1.6x faster than random for int8).
 """
 from __future__ import annotations
 

@@ -14,6 +14,12 @@ Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H =
   num_seqs: int32 [1] (or scalar): rows past it are padding; so are tokens from cu_q_lens[num_seqs].
   Token t of sequence s sits at position kv_lens[s] - (cu_q_lens[s + 1] - t).
 Padding tokens write nothing and get zeros. Page 0 is a dummy page for padded page-table entries.
+
+Layout inside a page (the kernel's choice): f32 / bf16 K and V, and int8 V, hold a page's rows in order,
+[page_size, hd]. int8 K with hd % 4 == 0 holds them as 4-byte words, word-major: the page's bytes are
+[hd/4, page_size, 4], so word w (columns 4w..4w+3) of consecutive keys lies together and the native
+kernel's vpdpbusd scores read it as it lies, with no transpose. k_page_from_cache / k_page_to_cache
+convert a page between the two; the array shapes do not change.
 """
 from __future__ import annotations
 
@@ -111,14 +117,41 @@ def write_kv(kv_cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.A
         # advanced indices split by a slice: the indexed view is [T, KV, ...], like `new`
         return flat.at[layer, :, slots].set(new.astype(buf.dtype), mode="drop").reshape(buf.shape)
 
+    def put_words_major(buf: jax.Array, new: jax.Array) -> jax.Array:
+        hd = buf.shape[-1]
+        view = buf.reshape(*buf.shape[:3], hd // 4, page_size, 4)      # [L, KV, pages, hd/4, ps, 4]
+        page = jnp.where(slots < 0, num_pages, slots // page_size)      # out of range: dropped
+        # advanced indices split by slices: the indexed view is [T, KV, hd/4, 4]
+        new = new.astype(buf.dtype).reshape(*new.shape[:2], hd // 4, 4)
+        return view.at[layer, :, page, :, slots % page_size].set(new, mode="drop").reshape(buf.shape)
+
     out = dict(kv_cache)
     if "k_scale" in kv_cache:
         (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)
-        out["k"], out["v"] = put(kv_cache["k"], kq), put(kv_cache["v"], vq)
+        out["k"] = (put_words_major if k_words_major(kv_cache) else put)(kv_cache["k"], kq)
+        out["v"] = put(kv_cache["v"], vq)
         out["k_scale"], out["v_scale"] = put(kv_cache["k_scale"], ks), put(kv_cache["v_scale"], vs)
     else:
         out["k"], out["v"] = put(kv_cache["k"], k_new), put(kv_cache["v"], v_new)
     return out
+
+
+def k_words_major(kv_cache: KVCache) -> bool:
+    """Whether the cache's K pages are stored word-major (int8 K, head_dim % 4 == 0; see the module doc)."""
+    return "k_scale" in kv_cache and kv_cache["k"].shape[-1] % 4 == 0
+
+
+def k_page_to_cache(k):
+    """int8 K pages [..., page_size, hd] in row order -> as the cache stores them (word-major, same shape).
+    Works on numpy and JAX arrays."""
+    *lead, ps, hd = k.shape
+    return k.reshape(*lead, ps, hd // 4, 4).swapaxes(-3, -2).reshape(*lead, ps, hd)
+
+
+def k_page_from_cache(k):
+    """Inverse of k_page_to_cache: stored int8 K pages [..., page_size, hd] -> rows in order."""
+    *lead, ps, hd = k.shape
+    return k.reshape(*lead, hd // 4, ps, 4).swapaxes(-3, -2).reshape(*lead, ps, hd)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -149,11 +182,14 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, 
     tables = jnp.pad(page_indices, ((0, 0), (0, padded - n_pages)))[seq]     # [T, P'] page 0 past the end
     n_blocks = (jnp.max(jnp.where(valid, pos, 0)) + block_keys) // block_keys
     int8 = "k_scale" in kv_cache
+    k_tiled = k_words_major(kv_cache)
     qg = q.astype(jnp.float32).reshape(t_len, kvh, g, hd) * sm_scale        # [T,KV,G,hd]
 
     def gather(name: str, pages: jax.Array) -> jax.Array:
         buf = jax.lax.dynamic_index_in_dim(kv_cache[name], layer, 0, keepdims=False)  # [KV,NP,ps,...]
         blocks = buf[:, pages]                                               # [KV,T,nb,ps,...]
+        if name == "k" and k_tiled:
+            blocks = k_page_from_cache(blocks)
         blocks = blocks.reshape(kvh, t_len, block_keys, *buf.shape[3:])
         return jnp.swapaxes(blocks, 0, 1)                                    # [T,KV,BK,...]
 

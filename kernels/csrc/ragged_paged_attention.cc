@@ -13,8 +13,10 @@
 //     softmax states (max, sum, accumulator) that the caller combines once all items are done.
 //
 // Cache layout (per layer): k, v [KV, num_pages, page_size, hd] f32, bf16 or int8; int8 scales
-// k_scale, v_scale [KV, num_pages, page_size] f32. A chunk of keys is n <= 16 consecutive rows of one
-// page. Per chunk: scores S = Q K^T (bf16 / int8 K widened to f32 once into a small buffer that every
+// k_scale, v_scale [KV, num_pages, page_size] f32. A page holds its rows in order, except int8 K with
+// hd % 4 == 0, whose page bytes are [hd / 4][page_size][4] (word-major: kernels/attention.py's doc), so
+// that word w of 16 consecutive keys is one 64-byte load, as vpdpbusd wants it. A chunk of keys is
+// n <= 16 consecutive rows of one page. Per chunk: scores S = Q K^T (bf16 / int8 K widened to f32 once into a small buffer that every
 // row then reads from L1; int8 scores times k_scale), the online-softmax step, then acc += P V
 // (int8: P times v_scale). As in the reference, the int8 scales multiply scores and probabilities.
 //
@@ -102,7 +104,8 @@ struct ChunkSteps {
   // two-part query; acc += p v from the raw int8 V rows (p times vscale), with acc's columns in the
   // order of unpermute_vnni (applied once when the item ends)
   void (*quantize_q)(const float* q, int rows, int hd, QuantRows& out);  // QuantRows from scaled q
-  void (*scores_i8)(const QuantRows& q, int rows, int hd, const int8_t* k, int n, float* s);
+  // (K word-major: k is word 0 of the chunk's first key, words ps * 4 bytes apart)
+  void (*scores_i8_words)(const QuantRows& q, int rows, int hd, const int8_t* k, int ps, int n, float* s);
   void (*pv_i8)(const float* p, int rows, int hd, const int8_t* v, const float* vscale, int n, float* acc);
 };
 
@@ -490,42 +493,22 @@ constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx5
                                 widen_bf16_avx512, nullptr, nullptr, nullptr};
 
 // ---- AVX-512 VNNI, int8 KV: vpdpbusd (unsigned x signed bytes, 4 products summed per int32 lane) ----
-// Scores: 16 K rows (64 bytes each) are shifted to unsigned (k + 128) and transposed as 16 x 16 int32
-// words, so word w of every key sits in one register; one vpdpbusd per (word, row, part) then leaves
-// the 16 keys' sums in the 16 lanes, with no horizontal reduction.
-RPA_VNNI inline void transpose16x16_epi32(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + c], 128-bit lane l: word 4l + c of rows 4i .. 4i + 3
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // then 4 x 4 transposes of 128-bit lanes
-    const __m512i u0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), u1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
-    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
-    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-  }
-}
-
+// Scores: K is word-major in the cache (the page's bytes [hd / 4][ps][4]; k points at word 0 of the
+// chunk's first key, words are ps * 4 bytes apart), so word w of the chunk's 16 keys is one masked
+// 64-byte load (keys past n read as zeros; their scores are masked), shifted to unsigned (k + 128).
+// One vpdpbusd per (word, row, part) then leaves the 16 keys' sums in the 16 lanes, with no horizontal
+// reduction and no transpose (before the word-major layout, a 16 x 16 int32 transpose of the rows per
+// chunk: ~64 shuffles shared by the G rows).
 template <int R>
-RPA_VNNI void scores_i8_rows_vnni(const QuantRows& q, int hd, const int8_t* k, int n, float* s) {
+RPA_VNNI void scores_i8_words_rows_vnni(const QuantRows& q, int hd, const int8_t* k, int ps, int n, float* s) {
   __m512i hi[R], lo[R];
   for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const __mmask16 in = __mmask16((1u << n) - 1);
   for (int x0 = 0; x0 < hd; x0 += 64) {
-    __m512i t[kChunk];  // keys past n read as zeros (their scores are masked)
-    for (int j = 0; j < kChunk; ++j)
-      t[j] = j < n ? _mm512_xor_si512(_mm512_loadu_si512(k + j * hd + x0), flip) : _mm512_setzero_si512();
-    transpose16x16_epi32(t);
+    __m512i t[kChunk];
+    for (int w = 0; w < 16; ++w)
+      t[w] = _mm512_xor_si512(_mm512_maskz_loadu_epi32(in, k + (int64_t(x0 / 4 + w) * ps) * 4), flip);
     for (int r = 0; r < R; ++r) {
       const int32_t* qh = reinterpret_cast<const int32_t*>(q.hi + r * hd + x0);
       const int32_t* ql = reinterpret_cast<const int32_t*>(q.lo + r * hd + x0);
@@ -535,7 +518,7 @@ RPA_VNNI void scores_i8_rows_vnni(const QuantRows& q, int hd, const int8_t* k, i
       }
     }
   }
-  for (int r = 0; r < R; ++r) {  // sum k q = 256 (hi - corr_hi) + (lo - corr_lo), |.| < 2^30 for hd <= 128
+  for (int r = 0; r < R; ++r) {
     const __m512i h = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(q.corr_hi[r]));
     const __m512i l = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(q.corr_lo[r]));
     const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l));
@@ -634,16 +617,16 @@ RPA_VNNI void quantize_rows_vnni(const float* q, int rows, int hd, QuantRows& ou
   }
 }
 
-RPA_VNNI void scores_i8_vnni(const QuantRows& q, int rows, int hd, const int8_t* k, int n, float* s) {
+RPA_VNNI void scores_i8_words_vnni(const QuantRows& q, int rows, int hd, const int8_t* k, int ps, int n, float* s) {
   switch (rows) {
-    case 1: return scores_i8_rows_vnni<1>(q, hd, k, n, s);
-    case 2: return scores_i8_rows_vnni<2>(q, hd, k, n, s);
-    case 3: return scores_i8_rows_vnni<3>(q, hd, k, n, s);
-    case 4: return scores_i8_rows_vnni<4>(q, hd, k, n, s);
-    case 5: return scores_i8_rows_vnni<5>(q, hd, k, n, s);
-    case 6: return scores_i8_rows_vnni<6>(q, hd, k, n, s);
-    case 7: return scores_i8_rows_vnni<7>(q, hd, k, n, s);
-    default: return scores_i8_rows_vnni<8>(q, hd, k, n, s);
+    case 1: return scores_i8_words_rows_vnni<1>(q, hd, k, ps, n, s);
+    case 2: return scores_i8_words_rows_vnni<2>(q, hd, k, ps, n, s);
+    case 3: return scores_i8_words_rows_vnni<3>(q, hd, k, ps, n, s);
+    case 4: return scores_i8_words_rows_vnni<4>(q, hd, k, ps, n, s);
+    case 5: return scores_i8_words_rows_vnni<5>(q, hd, k, ps, n, s);
+    case 6: return scores_i8_words_rows_vnni<6>(q, hd, k, ps, n, s);
+    case 7: return scores_i8_words_rows_vnni<7>(q, hd, k, ps, n, s);
+    default: return scores_i8_words_rows_vnni<8>(q, hd, k, ps, n, s);
   }
 }
 
@@ -661,8 +644,8 @@ RPA_VNNI void pv_i8_vnni(const float* p, int rows, int hd, const int8_t* v, cons
 }
 
 constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                    widen_bf16_avx512, quantize_rows_vnni, scores_i8_vnni,
-                                    pv_i8_vnni};
+                                    widen_bf16_avx512, quantize_rows_vnni,
+                                    scores_i8_words_vnni, pv_i8_vnni};
 #endif  // RPA_X86
 
 // pv_i8's column order within each 64 columns: block sub, lane 4L + i holds column 16 L + 4 sub + i.
@@ -716,6 +699,7 @@ struct Problem {
   float sm_scale;
   int window;  // 0: none
   KvType type;
+  bool k_words;  // int8 K pages word-major ([hd / 4][ps][4]): int8 and hd % 4 == 0
   const float* q;  // [T, H, hd]
   float* out;      // [T, H, hd]
   void* k;         // this layer's [KV, num_pages, ps, hd]
@@ -732,6 +716,18 @@ struct Problem {
   int page(int s, int key) const { return std::clamp(page_indices[int64_t(s) * P + key / ps], 0, num_pages - 1); }
   int64_t row_offset(int kh, int page, int off) const {  // element offset of a (page, slot) row
     return (int64_t(kh) * num_pages + page) * ps + off;
+  }
+  int width() const { return type == KvType::kF32 ? 4 : type == KvType::kBF16 ? 2 : 1; }
+  // Where keys [off, off + n) of a page lie in K (v false) or V: the first byte and the length of the
+  // byte range holding them (for word-major K, from word 0 of key off to the last word of key off + n - 1).
+  const char* segment(bool v, int kh, int page, int off, int n, int64_t* bytes) const {
+    const int64_t row0 = row_offset(kh, page, off);
+    if (!v && k_words) {
+      *bytes = (int64_t(hd / 4 - 1) * ps + n) * 4;
+      return static_cast<const char*>(k) + (row0 - off) * hd + int64_t(off) * 4;
+    }
+    *bytes = int64_t(n) * hd * width();
+    return static_cast<const char*>(v ? this->v : k) + row0 * hd * width();
   }
 };
 
@@ -796,8 +792,15 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
               const float scale = amax * (1.0f / 127.0f);  // as XLA compiles the division by a constant
               const float safe = scale > 0.f ? scale : 1.f;
               int8_t* dst = static_cast<int8_t*>(buf) + row * hd;
-              for (int i = 0; i < hd; ++i)
-                dst[i] = int8_t(std::clamp(round_even(x[i] / safe), -127.f, 127.f));
+              if (!which && p.k_words) {  // word-major page: word i / 4 of this key, ps * 4 bytes apart
+                const int off = pos % p.ps;
+                int8_t* page0 = static_cast<int8_t*>(buf) + (row - off) * hd + off * 4;
+                for (int i = 0; i < hd; ++i)
+                  page0[int64_t(i >> 2) * p.ps * 4 + (i & 3)] = int8_t(std::clamp(round_even(x[i] / safe), -127.f, 127.f));
+              } else {
+                for (int i = 0; i < hd; ++i)
+                  dst[i] = int8_t(std::clamp(round_even(x[i] / safe), -127.f, 127.f));
+              }
               (which ? p.v_scale : p.k_scale)[row] = scale;
               break;
             }
@@ -813,15 +816,12 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
 // own. The pages' TLB entries (and the int8 scale lines) come from touch_keys, beforehand. (f32 32 x 384
 // step on AMD Zen 4: prefetching into L2 rather than L1, 4 chunks ahead, 39 -> 30 ms.)
 void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
   for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
-    const char* kr = static_cast<const char*>(p.k) + row0 * p.hd * width;
-    const char* vr = static_cast<const char*>(p.v) + row0 * p.hd * width;
-    for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) {
-      __builtin_prefetch(kr + o, 0, 2);
-      __builtin_prefetch(vr + o, 0, 2);
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key), page = p.page(s, key);
+    for (bool v : {false, true}) {
+      int64_t bytes;
+      const char* r = p.segment(v, kh, page, off, n, &bytes);
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(r + o, 0, 2);
     }
     key += n;
   }
@@ -833,16 +833,21 @@ void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
 // past them then stall the core like loads. (Random 4 KiB blocks on AMD Zen 4, 2 threads, with compute
 // per line: 22.2 ms per 512 MiB with a burst per block, 18.8 ms spread over the block, 14.3 in order.)
 void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int part, int parts) {
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
-  const int64_t row_bytes = int64_t(p.hd) * width;
-  const int64_t total = (int64_t(b - a) * row_bytes + 63) / 64;  // about the lines of [a, b)
+  int64_t total = 0;  // about the lines of [a, b)
+  for (int key = a; key < b;) {
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    int64_t bytes;
+    p.segment(v, kh, 0, off, n, &bytes);
+    total += (bytes + 63) / 64;
+    key += n;
+  }
   const int64_t first = part * total / parts, last = (part + 1) * total / parts;
-  const char* base = static_cast<const char*>(v ? p.v : p.k);
   int64_t line = 0;
   for (int key = a; key < b && line < last;) {
     const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const char* r = base + p.row_offset(kh, p.page(s, key), off) * row_bytes;
-    const int64_t seg = (int64_t(n) * row_bytes + 63) / 64;
+    int64_t bytes;
+    const char* r = p.segment(v, kh, p.page(s, key), off, n, &bytes);
+    const int64_t seg = (bytes + 63) / 64;
     for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
       __builtin_prefetch(r + i * 64, 0, 2);
     line += seg;
@@ -856,13 +861,13 @@ void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int pa
 // misses overlap: one touch per chunk, as each chunk came up, stalled once per chunk (AMD Zen 4,
 // 32 x 384 int8 KV step: CPU time 33 -> 26 ms/step; f32 unchanged).
 void touch_keys(const Problem& p, int s, int kh, int a, int b) {
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
   unsigned sum = 0;
   for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
-    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.k) + row0 * p.hd * width);
-    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.v) + row0 * p.hd * width);
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key), page = p.page(s, key);
+    const int64_t row0 = p.row_offset(kh, page, off);
+    int64_t bytes;
+    sum += *reinterpret_cast<const volatile unsigned char*>(p.segment(false, kh, page, off, n, &bytes));
+    sum += *reinterpret_cast<const volatile unsigned char*>(p.segment(true, kh, page, off, n, &bytes));
     if (p.type == KvType::kI8) {
       const volatile unsigned char* ks = reinterpret_cast<const volatile unsigned char*>(p.k_scale + row0);
       const volatile unsigned char* vs = reinterpret_cast<const volatile unsigned char*>(p.v_scale + row0);
@@ -901,7 +906,7 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     l[r] = 0.f;
   }
   std::fill(acc, acc + rows * hd, 0.f);
-  const bool vnni_i8 = p.type == KvType::kI8 && isa.scores_i8 && (hd == 64 || hd == 128);
+  const bool vnni_i8 = p.type == KvType::kI8 && isa.scores_i8_words && (hd == 64 || hd == 128);
   QuantRows qq;
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
@@ -942,10 +947,19 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
         break;
       case KvType::kI8:
-        if (!vnni_i8) isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, n, hd, kbuf);
+        if (vnni_i8) break;
+        if (p.k_words) {  // rows in order first, then widened
+          alignas(64) int8_t rows_i8[kChunk * kMaxHeadDim];
+          const int8_t* w0 = static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4;
+          for (int j = 0; j < n; ++j)
+            for (int x = 0; x < hd; ++x) rows_i8[j * hd + x] = w0[int64_t(x >> 2) * p.ps * 4 + j * 4 + (x & 3)];
+          isa.widen_i8(rows_i8, n, hd, kbuf);
+        } else {
+          isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, n, hd, kbuf);
+        }
     }
-    if (vnni_i8)
-      isa.scores_i8(qq, rows, hd, static_cast<const int8_t*>(p.k) + row0 * hd, n, sc);
+    if (vnni_i8)  // hd 64 or 128: K is word-major
+      isa.scores_i8_words(qq, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, sc);
     else
       isa.scores(q, rows, hd, kc, n, sc);
     request(false, 1);
@@ -1141,6 +1155,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   p.window = std::max(0, int(sliding_window));
   const auto dtype = k_in.element_type();
   p.type = dtype == ffi::DataType::F32 ? KvType::kF32 : dtype == ffi::DataType::BF16 ? KvType::kBF16 : KvType::kI8;
+  p.k_words = p.type == KvType::kI8 && p.hd % 4 == 0;
   if ((p.type == KvType::kI8) != (ks_in != nullptr) || (dtype != ffi::DataType::F32 &&
       dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
     return ffi::Error::InvalidArgument("ragged_paged_attention: KV cache must be f32, bf16, or int8 with scales");

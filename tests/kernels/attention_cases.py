@@ -5,6 +5,8 @@ import dataclasses
 
 import numpy as np
 
+from kernels.attention import k_page_from_cache, k_page_to_cache
+
 
 @dataclasses.dataclass
 class Case:
@@ -66,6 +68,9 @@ def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None) -> tu
     cache = {k: v.copy() for k, v in c.cache.items()}
     int8 = "k_scale" in cache
     _, kvh, _, ps, hd = cache["k"].shape
+    words_major = int8 and hd % 4 == 0   # int8 K pages as the cache stores them (kernels.attention's doc)
+    if words_major:
+        cache["k"] = np.ascontiguousarray(k_page_from_cache(cache["k"]))
     t_len, h, _ = c.q.shape
     g = h // kvh
     out = np.zeros((t_len, h, hd), np.float32)
@@ -99,4 +104,6 @@ def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None) -> tu
                 sc = k[kh, lo:pos + 1] @ c.q[tok, head] * sm_scale
                 p = np.exp(sc - sc.max())
                 out[tok, head] = (p / p.sum()) @ v[kh, lo:pos + 1]
+    if words_major:
+        cache["k"] = np.ascontiguousarray(k_page_to_cache(cache["k"]))
     return out, cache

@@ -32,3 +32,27 @@ def test_mixed_batch_matches_oracle(int8, window):
     assert not np.asarray(out)[sum(case.q_lens):].any(), "padding tokens must get zeros"
     for name, arr in want_cache.items():
         np.testing.assert_allclose(np.asarray(cache[name]), arr, atol=1e-6)
+
+
+def test_int8_k_pages_are_word_major():
+    """int8 K (head_dim % 4 == 0) is stored word-major inside each page: word w (columns 4w..4w+3) of key j
+    of a page sits at bytes [(w * page_size + j) * 4, + 4) of the page; V stays in row order."""
+    from kernels.attention import k_page_from_cache, k_page_to_cache, quantize_kv, write_kv
+
+    layers, kvh, pages, ps, hd = 2, 1, 3, 8, 12
+    shape = (layers, kvh, pages, ps, hd)
+    cache = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
+             "k_scale": jnp.zeros(shape[:4]), "v_scale": jnp.zeros(shape[:4])}
+    k_new = jnp.arange(1, hd + 1, dtype=jnp.float32).reshape(1, 1, hd)
+    page, off = 2, 5
+    out = write_kv(cache, jnp.int32(1), k_new, k_new, jnp.asarray([page * ps + off], jnp.int32))
+    want = np.asarray(quantize_kv(k_new)[0]).reshape(hd)                        # 11, 21, ..., 127: all distinct
+    assert len(set(want.tolist())) == hd
+    k_page = np.asarray(out["k"])[1, 0, page].reshape(-1)                        # the page's bytes
+    for w in range(hd // 4):
+        np.testing.assert_array_equal(k_page[(w * ps + off) * 4:(w * ps + off) * 4 + 4], want[4 * w:4 * w + 4])
+    assert np.count_nonzero(k_page) == hd
+    np.testing.assert_array_equal(np.asarray(out["v"])[1, 0, page, off], want)       # V: row order
+    np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]))[1, 0, page, off], want)
+    rows = np.random.default_rng(0).integers(-127, 128, (3, ps, hd)).astype(np.int8)
+    np.testing.assert_array_equal(k_page_from_cache(k_page_to_cache(rows)), rows)
