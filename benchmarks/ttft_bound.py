@@ -12,18 +12,26 @@ host the second is what a quiet machine would at best reach (perfect scaling, no
 the bound uses it.
 
     .venv/bin/python -m benchmarks.ttft_bound [--quantize none] [--input-len 256] [--concurrency 32]
-        [--num-prompts 128] [--old-p90-ms 11601]
+        [--num-prompts 128] [--old-p90-ms 11601] [--xla-f32-dots]
+
+f32 weights run on the native f32 matmul (engine/layer_stack.StackedF32) where it is built;
+--xla-f32-dots keeps them as per-layer buffers for XLA's dots (the engine before that kernel).
 
 Measured (AMD EPYC, 2 cores, f32, load ~2; --old-p90-ms 11601, old main's quiet p90): pure 256-token
 prefill step CPU/cores 352 ms (728 tok/s); layer matmuls alone 294 ms = 185 GFLOP/s, 79% of the
 cores' f32 FMA peak (235 GFLOP/s, benchmarks/fma_peak.c). p90 >= 19.3 x 352 = 6790 ms > 5800 ms
 (0.5x old); with nothing but XLA's matmuls 5676 ms, and at the FMA peak 4470 ms.
+2026-11-30 18:30 UTC, the same machine, one after the other (CPU/cores): with --xla-f32-dots the
+step is 310 ms (p90 >= 5976 ms, out of reach); with the native f32 matmul's stacks 284 ms = 902
+tok/s (p90 >= 5481 ms: not excluded). The layer matmuls alone: XLA 272-281 ms (82-85% of the
+peak), the native kernel 259-261 ms (89%).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -34,8 +42,10 @@ import numpy as np
 
 from benchmarks.startup_bench import cpu_model
 from engine.api import SlotState, StepBatch, StepSeq
+from engine import layer_stack, runner
 from engine.request import SamplingParams
 from engine.runner import EngineConfig, JaxEngine
+from kernels import f32_matmul as f32
 from models.layers import linear
 from models.loader import load_model
 from models.registry import DEFAULT_MODEL, resolve_model
@@ -93,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--old-p90-ms", type=float, default=None, help="the baseline's TTFT p90, for the 0.5x target")
+    p.add_argument("--xla-f32-dots", action="store_true",
+                   help="f32 weights as per-layer buffers for XLA's dots, not the native f32 matmul's stacks")
     args = p.parse_args(argv)
     n = args.input_len
+    if args.xla_f32_dots:
+        runner.split_linears = lambda model, **kw: layer_stack.split_linears(model, **kw, stack_f32=False)
     cfg, params = load_model(resolve_model(args.model))
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=1, max_seq_len=max(2 * n, 512), num_pages=64,
                                                  max_num_batched_tokens=n, quantize=args.quantize))
@@ -102,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
     engine.insert(0, SlotState(prompt, [], SamplingParams(temperature=0.0)))
     pages = list(range(1, 1 + -(-n // engine.page_size)))
-    step_s, step_cpu_s = timed(lambda: engine.step(StepBatch([StepSeq(0, prompt, 0, pages, True)])), args.reps)
+    step = lambda: engine.step(StepBatch([StepSeq(0, prompt, 0, pages, True)]))  # noqa: E731
+    step_s, step_cpu_s = timed(step, args.reps)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # first touches of fresh memory
 
     # XLA's dot throughput on the model's own shapes: every layer's matmuls at n rows (random weights of
     # the declared shapes: a dot's speed does not depend on the values)
@@ -118,20 +136,49 @@ def main(argv: list[str] | None = None) -> int:
 
     inputs = {k: jnp.asarray(rng.standard_normal((n, k), np.float32)) for k in {k for k, _ in shapes}}
     dot_s, dot_cpu_s = timed(lambda: matmuls(weights, inputs), args.reps)
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; weights {engine.weight_mode}; "
+    wq = engine.params["blocks"]["attn"]["wq"]["w"].get_value()
+    f32_path = "native f32 matmul (StackedF32)" if isinstance(wq, layer_stack.StackedF32) else type(wq).__name__
+    native_line = None
+    if f32.native_available():
+        # the native kernel on the engine's fused shapes (q/k/v, o, gate/up, down), stacks read at the
+        # layer index, one layer after another: each output is written whole and dies before the next
+        fused = [(d, q + 2 * kv), (q, d), (d, 2 * mlp), (mlp, d)]
+        stacks = [jnp.asarray(f32.pack(rng.standard_normal((cfg.num_layers, k, m), np.float32) * 0.02))
+                  for k, m in fused]
+
+        @jax.jit
+        def native(stacks, inputs):
+            total = jnp.zeros((), jnp.float32)
+            for layer in range(cfg.num_layers):
+                for (k, m), packed in zip(fused, stacks):
+                    y = f32.f32_matmul(inputs[k] + total * 0.0, packed, n=m, layer=layer)
+                    total = total + jax.lax.optimization_barrier(y).sum()
+            return total
+
+        inputs.update({k: jnp.asarray(rng.standard_normal((n, k), np.float32)) for k, _ in fused if k not in inputs})
+        native_line = timed(lambda: native(stacks, inputs), args.reps)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; weights {engine.weight_mode}, f32 linears: {f32_path}; "
           f"jax {jax.__version__}; load {os.getloadavg()}")
     print(f"pure {n}-token prefill step: wall {step_s * 1e3:.0f} ms = {n / step_s:.0f} tok/s; CPU/cores "
           f"{step_cpu_s * 1e3:.0f} ms = {n / step_cpu_s:.0f} tok/s "
-          f"({flops_per_token * n / step_cpu_s / 1e9:.0f} GFLOP/s of layer matmuls)")
+          f"({flops_per_token * n / step_cpu_s / 1e9:.0f} GFLOP/s of layer matmuls); {faults} page faults per step")
     print(f"layer matmuls alone at {n} rows ({flops_per_token / 1e6:.0f} MFLOP/token): wall {dot_s * 1e3:.0f} ms "
           f"= {flops_per_token * n / dot_s / 1e9:.0f} GFLOP/s; CPU/cores {dot_cpu_s * 1e3:.0f} ms = "
           f"{flops_per_token * n / dot_cpu_s / 1e9:.0f} GFLOP/s = {n / dot_cpu_s:.0f} tok/s")
+    if native_line:
+        nat_s, nat_cpu_s = native_line
+        print(f"the same matmuls on the native f32 kernel (fused, stacked): wall {nat_s * 1e3:.0f} ms = "
+              f"{flops_per_token * n / nat_s / 1e9:.0f} GFLOP/s; CPU/cores {nat_cpu_s * 1e3:.0f} ms = "
+              f"{flops_per_token * n / nat_cpu_s / 1e9:.0f} GFLOP/s = {n / nat_cpu_s:.0f} tok/s")
     peak = fma_peak_gflops(os.cpu_count() or 1)
     bounds = [("prefill step", step_cpu_s), ("XLA's matmuls", dot_cpu_s)]
+    if native_line:
+        bounds.append(("native f32 matmuls", native_line[1]))
     if peak:
         print(f"f32 FMA peak of {os.cpu_count()} cores (benchmarks/fma_peak.c): {peak:.0f} GFLOP/s; XLA's dots reach "
-              f"{flops_per_token * n / dot_cpu_s / 1e9 / peak:.0%} of it, the whole prefill step "
-              f"{flops_per_token * n / step_cpu_s / 1e9 / peak:.0%}")
+              f"{flops_per_token * n / dot_cpu_s / 1e9 / peak:.0%} of it"
+              + (f", the native kernel's {flops_per_token * n / native_line[1] / 1e9 / peak:.0%}" if native_line else "")
+              + f", the whole prefill step {flops_per_token * n / step_cpu_s / 1e9 / peak:.0%}")
         bounds.append(("matmuls at the FMA peak", flops_per_token * n / (peak * 1e9)))
     # seconds per prompt at best: CPU time over all cores (a quiet machine, perfect scaling)
     for label, per_prompt in bounds:
