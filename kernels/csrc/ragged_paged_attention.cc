@@ -951,8 +951,8 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         if (p.k_words) {  // rows in order first, then widened
           alignas(64) int8_t rows_i8[kChunk * kMaxHeadDim];
           const int8_t* w0 = static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4;
-          for (int j = 0; j < n; ++j)
-            for (int x = 0; x < hd; ++x) rows_i8[j * hd + x] = w0[int64_t(x >> 2) * p.ps * 4 + j * 4 + (x & 3)];
+          for (int w = 0; w < hd / 4; ++w)  // a 4-byte word at a time
+            for (int j = 0; j < n; ++j) std::memcpy(rows_i8 + j * hd + 4 * w, w0 + (int64_t(w) * p.ps + j) * 4, 4);
           isa.widen_i8(rows_i8, n, hd, kbuf);
         } else {
           isa.widen_i8(static_cast<const int8_t*>(p.k) + row0 * hd, n, hd, kbuf);
