@@ -53,8 +53,11 @@ disturbed: 14.02 -> 13.00), random 21.21 -> 20.21 and 20.50 -> 19.75, sequential
 14.68 -> 12.46; f32 random (its path unchanged) 45.3 -> 43.9 (a loaded pair). The transpose was not
 the compute's big part: perf (cpu-clock samples, shared order, new .so) splits the kernel's samples
 pv_i8 27%, softmax 26%, scores 24%, run (the write and the wait) 9%, attend's loop 7%, touch_keys 4%.
-Next: the softmax's per-row horizontal max/sum and exp for 3 rows of 16 lanes (G = 3) could run on the
-3 rows together; reads that overlap the compute (the sums above) and pages of one sequence allocated
+Then the AVX-512 softmax skips the horizontal max of a row unless a compare says the max grows (old /
+new .so interleaved, int8, the quiet pair: shared 6.66 -> 6.40 ms, random 21.50 -> 19.02; CPU ms/step
+of both pairs: shared 13.08 -> 12.58 and 14.07 -> 12.75, random 41.2 -> 36.6 and 37.7 -> 38.8). Next:
+the row sums kept as vectors (one horizontal add per item, not per chunk), the p quantization's
+per-row max in pv_i8; reads that overlap the compute (the sums above) and pages of one sequence allocated
 next to each other (sequential is 1.6x faster than random for int8).
 """
 from __future__ import annotations

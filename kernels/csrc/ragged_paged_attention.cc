@@ -402,7 +402,10 @@ RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, const float* kscale, 
                                 _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(lo[r]));
       sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, sv);
     }
-    const float shift = raise_max(r, _mm512_reduce_max_ps(sv), hd, m, l, acc);
+    // the row max grows in few chunks: a compare finds out, and the horizontal max runs only then (with
+    // m = -inf and every lane masked nothing is greater, so the shift is 0 and p = exp(-inf) = 0)
+    const bool grows = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(m[r]), _CMP_GT_OQ) != 0;
+    const float shift = grows ? raise_max(r, _mm512_reduce_max_ps(sv), hd, m, l, acc) : m[r] == kNegInf ? 0.f : m[r];
     const __m512 p = exp_avx512(_mm512_sub_ps(sv, _mm512_set1_ps(shift)));
     _mm512_storeu_ps(sr, p);
     l[r] += _mm512_reduce_add_ps(p);
