@@ -243,21 +243,43 @@ TileFn PickTile(Isa isa, int rows, int panels) {
 struct Job {
   Problem p;
   Isa isa;
-  int rows_per_block, row_blocks, panels_per_chunk, chunks, items;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
+  int threads, rows_per_block, row_blocks, panels_per_chunk, chunks, items;
+  std::atomic<int> next{0};  // one row block: the first unclaimed panel; else the next item
+  std::atomic<int> done{0};  // panels run, summed over row blocks (the call is done at panels x blocks)
 
-  void RunItem(int item) {
-    const int chunk = item / row_blocks, rb = item % row_blocks;
+  // A claim: row block rb, panels [lo, hi). With one row block, claims shrink as the panels run out
+  // (each takes 1/(2 x threads) of what is left, at least panels_per_chunk), so the threads finish
+  // together: big claims first keep each thread's panels adjacent (Ahead), small ones last even out.
+  bool Claim(int* rb, int* lo, int* hi) {
+    if (row_blocks == 1) {
+      int cur = next.load(std::memory_order_relaxed), take;
+      do {
+        if (cur >= p.panels) return false;
+        take = std::max(panels_per_chunk, (p.panels - cur) / (2 * threads));
+      } while (!next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed));
+      *rb = 0;
+      *lo = cur;
+      *hi = std::min(cur + take, p.panels);
+      return true;
+    }
+    const int item = next.fetch_add(1, std::memory_order_relaxed);
+    if (item >= items) return false;
+    const int chunk = item / row_blocks;
+    *rb = item % row_blocks;
+    *lo = chunk * panels_per_chunk;
+    *hi = std::min(*lo + panels_per_chunk, p.panels);
+    return true;
+  }
+
+  void Run(int rb, int panel_lo, int panel_hi) {
     const int row_lo = rb * rows_per_block, row_hi = std::min(row_lo + rows_per_block, p.m);
-    const int panel_lo = chunk * panels_per_chunk, panel_hi = std::min(panel_lo + panels_per_chunk, p.panels);
     // micro blocks of near-equal height: ceil(rows / max) of them
     const int rows = row_hi - row_lo, cap = MaxRows(isa);
     const int blocks = (rows + cap - 1) / cap, base = rows / blocks, extra = rows % blocks;
     for (int panel = panel_lo; panel < panel_hi;) {
       const bool stream = rows <= kFewRows && isa == Isa::kAvx512 && panel + kStreamPanels <= panel_hi;
       const int span = stream ? kStreamPanels : 1;
-      // the item's next panel comes into L2 over this panel's blocks
+      // the claim's next panel comes into L2 over this panel's blocks
       const int panel_lines = static_cast<int>(p.panel_floats() * sizeof(float) / 64);
       const bool more = !stream && panel + 1 < panel_hi;
       const char* next = reinterpret_cast<const char*>(p.w + (panel + 1) * p.panel_floats());
@@ -278,19 +300,23 @@ struct Job {
     }
   }
 
-  // Claims items until none are left.
+  // Claims work until none is left.
   void Work() {
     int ran = 0;
-    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) RunItem(item);
+    for (int rb, lo, hi; Claim(&rb, &lo, &hi);) {
+      Run(rb, lo, hi);
+      ran += hi - lo;
+    }
     if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
   }
 };
 
-// Row blocks and panel chunks: few rows are one block, chunks of 4 panels (each chunk a set of
-// streams); more rows are blocks of at most 256 (x's block, 256 x K floats, stays in L2 or L3 while
-// the panels pass: each panel comes from memory once per row block) and about 3 chunks of adjacent
-// panels per thread: a thread pulls the next panel of its own chunk into its L2 (Ahead), and a
-// thread that starts late still finds work.
+// Row blocks and panel chunks: few rows are one block whose claims take at least 4 panels (each
+// a set of streams); more rows are blocks of at most 256 (x's block, 256 x K floats, stays in L2 or
+// L3 while the panels pass: each panel comes from memory once per row block). One row block is
+// claimed in shrinking runs of adjacent panels (Job::Claim); several are items of (row block, chunk
+// of panels/threads adjacent panels): a thread pulls the next panel of its own run into its L2
+// (Ahead), and a thread that starts late still finds work.
 void Split(Job& job, int threads) {
   const Problem& p = job.p;
   int rows = g_rows_per_block.load(std::memory_order_relaxed);
@@ -299,12 +325,11 @@ void Split(Job& job, int threads) {
     const int blocks = (p.m + 255) / 256;
     rows = (p.m + blocks - 1) / blocks;
   }
-  if (panels <= 0) {
-    const int per_thread = (p.m + rows - 1) / rows == 1 ? 3 : 1;
-    panels = p.m <= kFewRows ? kStreamPanels : std::max(1, p.panels / (per_thread * threads));
-  }
+  job.threads = threads;
   job.rows_per_block = rows;
   job.row_blocks = (p.m + rows - 1) / rows;
+  if (panels <= 0)
+    panels = p.m <= kFewRows ? kStreamPanels : job.row_blocks == 1 ? 1 : std::max(1, p.panels / threads);
   job.panels_per_chunk = panels;
   job.chunks = (p.panels + panels - 1) / panels;
   job.items = job.row_blocks * job.chunks;
@@ -344,8 +369,9 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   threads = std::max(1, std::min(threads, job->items));
   for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
-  // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
-  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  // Work claimed by helpers is running now; wait for it (never for a helper that has not started).
+  const int total = job->row_blocks * p.panels;
+  while (job->done.load(std::memory_order_acquire) != total) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
