@@ -16,11 +16,11 @@
 //      thread; blocks of rows are work items like the rest, so both threads quantize;
 //   2. items of (a chunk of columns, a block of rows), column-chunk major: a chunk's weight panel is
 //      read from memory once and stays in L1/L2 while the row blocks (and the micro blocks inside an
-//      item) reuse it. A micro block is R input rows x C tiles: per group of 32 inputs, R*P*C int32
+//      item) reuse it. A micro block is R input rows x C tiles: per group of 32 inputs, R*C int32
 //      accumulators take 8 vpdpbusd each (the weight vector loaded once per C, the 4 activation bytes
-//      broadcast from memory), then one convert and two float multiply-adds per row and tile fold the
-//      group into the f32 accumulators (with two parts the pair first combines exactly in int32 as
-//      254 * acc0 + acc1, scale xs / 254).
+//      broadcast from memory), then one convert, one multiply and one multiply-add per row and tile
+//      fold the group into the f32 accumulators. With two parts the same accumulator goes on: times
+//      254, plus part 1's bias, then part 1's 8 vpdpbusd: 254 * acc0 + acc1 exactly, scale xs / 254.
 //   vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned side (w + 128), so each
 //   accumulator starts at -128 * sum(xq) of its row and group.
 // Threads: the calling thread and num_threads - 1 helpers scheduled on XLA's intra-op pool claim items
@@ -70,8 +70,8 @@ const bool kVnni = DetectVnni();
 
 // Tuning knobs (shape(): tests and benchmarks): input rows and tiles per micro block per parts value,
 // rows per item, tiles per item.
-std::atomic<int> g_rows[3] = {0, 4, 2};
-std::atomic<int> g_tiles[3] = {0, 3, 3};
+std::atomic<int> g_rows[3] = {0, 4, 4};  // parts 2: 4 x 2, as fast as the one-row kernel's 2 x 2 pairs (both ~73% of the vpdpbusd peak per core)
+std::atomic<int> g_tiles[3] = {0, 3, 2};
 std::atomic<int> g_item_rows{64};
 std::atomic<int> g_item_tiles{6};
 std::atomic<int> g_max_threads{0};  // 0: the pool's
@@ -146,7 +146,6 @@ void QuantizeRow(const Problem& p, Acts& a, int row) {
 template <int R, int C, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void Micro(const Problem& p, const Acts& a, int row0, int tile0) {
-  constexpr int A = R * P;  // act rows
   __m512 f[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) f[r][c] = _mm512_setzero_ps();
@@ -160,32 +159,41 @@ void Micro(const Problem& p, const Acts& a, int row0, int tile0) {
   const size_t tb = p.tile_bytes, ts = p.tile_scales, kp = p.kp;
   const int groups = p.groups;
   for (int g = 0; g < groups; ++g) {
-    __m512i acc[A][C];
-    for (int i = 0; i < A; ++i) {
-      const __m512i b = _mm512_set1_epi32(xb[i * groups + g]);
-      for (int c = 0; c < C; ++c) acc[i][c] = b;
+    // One int32 accumulator per input row and tile. With two parts it takes part 0's 8 steps, is
+    // multiplied by 254 and given part 1's bias, then takes part 1's 8 steps: 254 * acc0 + acc1, exact
+    // (|254 * acc0| < 2^27 for 32 inputs; vpdpbusd wraps, so the sum is exact mod 2^32 and in range).
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(xb[r * P * groups + g]);
+      for (int c = 0; c < C; ++c) acc[r][c] = b;
     }
     const uint8_t* wg = w + static_cast<size_t>(g) * kGroup * kTile;
-    const int8_t* xg = xq + g * kGroup;
+    for (int part = 0; part < P; ++part) {
+      if (part == 1) {
+        for (int r = 0; r < R; ++r) {  // 254 * acc = (acc << 8) - (acc << 1); vpmulld measured slower
+          const __m512i b1 = _mm512_set1_epi32(xb[(r * P + 1) * groups + g]);
+          for (int c = 0; c < C; ++c)
+            acc[r][c] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(acc[r][c], 8), _mm512_slli_epi32(acc[r][c], 1)), b1);
+        }
+      }
+      const int8_t* xg = xq + part * kp + g * kGroup;
 #pragma GCC unroll 8
-    for (int k4 = 0; k4 < kGroup / 4; ++k4) {
-      __m512i wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wg + c * tb + k4 * 64);
-      for (int i = 0; i < A; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, xg + i * kp + k4 * 4, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbusd_epi32(acc[i][c], wv[c], xv);
+      for (int k4 = 0; k4 < kGroup / 4; ++k4) {
+        __m512i wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(wg + c * tb + k4 * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xg + r * P * kp + k4 * 4, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+        }
       }
     }
     for (int c = 0; c < C; ++c) {
       const __m512 sc = _mm512_loadu_ps(ws + c * ts + g * kTile);
       for (int r = 0; r < R; ++r) {
-        __m512i t = acc[r * P][c];
-        if constexpr (P == 2)  // 254 * acc0 + acc1, exact in int32 for 32 inputs
-          t = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(t, 8), _mm512_slli_epi32(t, 1)), acc[r * P + 1][c]);
         const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[r * groups + g]));
-        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, f[r][c]);
+        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), s, f[r][c]);
       }
     }
     if (wo) {
@@ -212,8 +220,8 @@ constexpr int kMaxC = 4;
 template <int R, int C, int P>
 constexpr MicroFn PickOne() {
 #if defined(QG_X86)
-  // registers: R*P*C int32 + R*C f32 accumulators + C weight vectors + a broadcast within 32 zmm
-  if constexpr (R * P * C + R * C + C + 1 <= 32) return &Micro<R, C, P>;
+  // registers: R*C int32 + R*C f32 accumulators + C weight vectors + a broadcast within 32 zmm
+  if constexpr (2 * R * C + C + 1 <= 32) return &Micro<R, C, P>;
 #endif
   return nullptr;
 }

@@ -68,8 +68,6 @@ def test_equals_reference(m, k, n, parts, offsets, layers, seed):
 def test_every_block_shape(parts, rows, tiles, item_rows, item_tiles, threads):
     """Each micro block (and its ragged edges) and work split gives the reference's result."""
     ext = importlib.import_module("kernels._q8_gemm")
-    if parts == 2 and rows * 2 * tiles + rows * tiles + tiles + 1 > 32:
-        rows = 2
     prev = ext.shape(parts, rows, tiles, item_rows, item_tiles, threads)
     try:
         _check(37, 577, 103, parts, True, 2, rows * 10 + tiles)
