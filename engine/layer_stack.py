@@ -117,7 +117,7 @@ class StackedF32:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FusedMember:
-    """A linear whose int8 weight lives in its group's StackedQ8, as member `index` (no arrays)."""
+    """A linear whose weight lives in its group's StackedQ8 or StackedF32, as member `index` (no arrays)."""
 
     index: int = dataclasses.field(metadata=dict(static=True))
 
