@@ -9,6 +9,12 @@ product's input depends on the one before, so one output buffer at a time is liv
 the cores (what a quiet machine would reach; other load on a shared host lowers only the wall rate).
 
     .venv/bin/python -m benchmarks.f32_matmul_bench [--rows 256 1 32] [--layers 30] [--reps 7]
+
+Measured 2026-11-30 18:50 UTC (AMD EPYC Zen 4, 2 cores, load ~2.5, f32 FMA peak 235 GFLOP/s; % of
+peak by CPU time, native vs XLA): M=256: q/k/v fused 90 vs 84%, q/o 89 vs 83, k/v 80 vs 78,
+gate/up fused 88 vs 80, gate/up 92 vs 86, down 92 vs 86 (x1.02-1.11). M=32: 60-84 vs 45-57%
+(x1.34-1.48). M=1 (weights streamed from memory): x1.05-1.26 on every shape but one unfused
+gate/up (x0.90; the engine multiplies gate/up fused, x1.05).
 """
 from __future__ import annotations
 
