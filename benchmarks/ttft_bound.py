@@ -23,8 +23,9 @@ cores' f32 FMA peak (235 GFLOP/s, benchmarks/fma_peak.c). p90 >= 19.3 x 352 = 67
 (0.5x old); with nothing but XLA's matmuls 5676 ms, and at the FMA peak 4470 ms.
 2026-11-30 18:30 UTC, the same machine, one after the other (CPU/cores): with --xla-f32-dots the
 step is 310 ms (p90 >= 5976 ms, out of reach); with the native f32 matmul's stacks 284 ms = 902
-tok/s (p90 >= 5481 ms: not excluded). The layer matmuls alone: XLA 272-281 ms (82-85% of the
-peak), the native kernel 259-261 ms (89%).
+tok/s (p90 >= 5481 ms: not excluded). A second pair at 18:50 UTC: 309 -> 291 ms (p90 bound 5956 ->
+5611 ms). The layer matmuls alone: XLA 268-281 ms (82-86% of the peak), the native kernel 256-261
+ms (89-90%).
 """
 from __future__ import annotations
 
