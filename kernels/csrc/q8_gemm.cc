@@ -46,6 +46,10 @@
 #define QG_X86 1
 #endif
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -280,6 +284,21 @@ struct Job {
   }
 };
 
+// Outputs of many rows x a wide weight (the LM head over 256 rows: 50 MB) are fresh mmap'd memory whose
+// first write faults once per 4 KiB page; transparent huge pages make that once per 2 MiB. A hint only.
+void HintHugePages(float* y, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  if (bytes < 16 * kHuge) return;
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(y) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(y) + bytes) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#else
+  (void)y;
+  (void)bytes;
+#endif
+}
+
 ffi::Error Q8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> layer,
                       ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
@@ -316,6 +335,7 @@ ffi::Error Q8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   p.ws = scales.typed_data() + index * weight_scales;
   p.wo = offsets.element_count() ? offsets.typed_data() + index * weight_scales : nullptr;
   p.y = y->typed_data();
+  HintHugePages(p.y, static_cast<size_t>(p.m) * p.n * sizeof(float));
 
   // The calling thread's buffer, kept between calls; helpers touch it only while this call waits.
   thread_local Acts tl_acts;
