@@ -109,7 +109,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
-    from engine.layer_stack import PerLayer, StackedQ8
+    from engine.layer_stack import PerLayer, StackedF32, StackedQ8
 
     def weight(group, name):
         return params["blocks"][group][name]["w"].get_value()
@@ -133,6 +133,14 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
                 return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
 
             return run, (w.q, w.scale, w.offset)
+        if isinstance(first, StackedF32):
+            from kernels.f32_matmul import f32_matmul
+
+            def run(x, packed):
+                y = f32_matmul(x, packed, n=first.offsets[-1] + first.widths[-1], layer=i)
+                return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
+
+            return run, first.packed
         ws = [at_layer(weight(group, name), i) for name in names]
         return (lambda x, arrays: tuple(linear(x, a) for a in arrays)), ws
 

@@ -29,7 +29,7 @@ def _weights(engine) -> dict:
     """Shards of layer 0's weights (per-layer buffers on CPU), the embedding and the LM head."""
     from flax import nnx
 
-    from engine.layer_stack import FusedMember, StackedQ8
+    from engine.layer_stack import FusedMember, StackedF32, StackedQ8
 
     out = {}
     for path, var in nnx.to_flat_state(engine.params):
@@ -39,6 +39,8 @@ def _weights(engine) -> dict:
             continue  # its int8 weight is in its group's stack (TP=1 on CPU: engine/layer_stack.py)
         if isinstance(value, StackedQ8):
             value = value.weight  # [L, ...]: the whole stack, one buffer
+        if isinstance(value, StackedF32):
+            value = value.packed  # [L, panels, K*32]: the whole f32 stack, one buffer
         if hasattr(value, "layers"):
             value = value.layers[0]
         if hasattr(value, "scale"):
