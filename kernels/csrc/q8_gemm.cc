@@ -29,6 +29,11 @@
 // are still being quantized waits for the thread quantizing them (it is running: every quantization
 // item is claimed before any GEMM item).
 //
+// Measured (benchmarks/q8_gemm_bench.py, Zen 4 EPYC, 2 cores): 0.85-1.0x the many-row path of
+// kernels/csrc/q8_matmul.cc, which already runs 4-row x 2-tile blocks at ~65% of the vpdpbusd peak; the
+// per-group convert + multiply + multiply-add share the vpdpbusd ports and cap this math at ~77%
+// (benchmarks/vnni_peak.c). q8_matmul does not route to this kernel.
+//
 // Instruction set, chosen at run time: AVX-512 VNNI only. isa() says "none" elsewhere and
 // kernels/q8_gemm.py then runs the one-row kernel (kernels._q8_matmul), which has AVX2 and portable paths.
 #include <Python.h>
