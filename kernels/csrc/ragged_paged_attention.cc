@@ -819,12 +819,23 @@ void write_new_kv(const Problem& p, const float* k_new, const float* v_new) {
 // own. The pages' TLB entries (and the int8 scale lines) come from touch_keys, beforehand. (f32 32 x 384
 // step on AMD Zen 4: prefetching into L2 rather than L1, 4 chunks ahead, 39 -> 30 ms.)
 void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
   for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key), page = p.page(s, key);
-    for (bool v : {false, true}) {
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
+    const char* kr = static_cast<const char*>(p.k) + row0 * p.hd * width;
+    const char* vr = static_cast<const char*>(p.v) + row0 * p.hd * width;
+    if (p.k_words) {  // word-major K: the bytes from word 0 of key off to the last word of key off + n - 1
       int64_t bytes;
-      const char* r = p.segment(v, kh, page, off, n, &bytes);
-      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(r + o, 0, 2);
+      const char* kw = p.segment(false, kh, p.page(s, key), off, n, &bytes);
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(kw + o, 0, 2);
+      for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) __builtin_prefetch(vr + o, 0, 2);
+      key += n;
+      continue;
+    }
+    for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) {
+      __builtin_prefetch(kr + o, 0, 2);
+      __builtin_prefetch(vr + o, 0, 2);
     }
     key += n;
   }
@@ -835,12 +846,14 @@ void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
 // chunk's prefetches (128 lines for f32, head_dim 64) fills the core's miss buffers, and the prefetches
 // past them then stall the core like loads. (Random 4 KiB blocks on AMD Zen 4, 2 threads, with compute
 // per line: 22.2 ms per 512 MiB with a burst per block, 18.8 ms spread over the block, 14.3 in order.)
-void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int part, int parts) {
+// prefetch_part for word-major K: each page segment's lines from word 0 of its first key to the last
+// word of its last key (p.segment).
+void prefetch_part_words(const Problem& p, int s, int kh, int a, int b, int part, int parts) {
   int64_t total = 0;  // about the lines of [a, b)
   for (int key = a; key < b;) {
     const int off = key % p.ps, n = std::min(p.ps - off, b - key);
     int64_t bytes;
-    p.segment(v, kh, 0, off, n, &bytes);
+    p.segment(false, kh, 0, off, n, &bytes);
     total += (bytes + 63) / 64;
     key += n;
   }
@@ -849,8 +862,27 @@ void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int pa
   for (int key = a; key < b && line < last;) {
     const int off = key % p.ps, n = std::min(p.ps - off, b - key);
     int64_t bytes;
-    const char* r = p.segment(v, kh, p.page(s, key), off, n, &bytes);
+    const char* r = p.segment(false, kh, p.page(s, key), off, n, &bytes);
     const int64_t seg = (bytes + 63) / 64;
+    for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
+      __builtin_prefetch(r + i * 64, 0, 2);
+    line += seg;
+    key += n;
+  }
+}
+
+void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int part, int parts) {
+  if (!v && p.k_words) return prefetch_part_words(p, s, kh, a, b, part, parts);
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+  const int64_t row_bytes = int64_t(p.hd) * width;
+  const int64_t total = (int64_t(b - a) * row_bytes + 63) / 64;  // about the lines of [a, b)
+  const int64_t first = part * total / parts, last = (part + 1) * total / parts;
+  const char* base = static_cast<const char*>(v ? p.v : p.k);
+  int64_t line = 0;
+  for (int key = a; key < b && line < last;) {
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    const char* r = base + p.row_offset(kh, p.page(s, key), off) * row_bytes;
+    const int64_t seg = (int64_t(n) * row_bytes + 63) / 64;
     for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
       __builtin_prefetch(r + i * 64, 0, 2);
     line += seg;
@@ -864,13 +896,13 @@ void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int pa
 // misses overlap: one touch per chunk, as each chunk came up, stalled once per chunk (AMD Zen 4,
 // 32 x 384 int8 KV step: CPU time 33 -> 26 ms/step; f32 unchanged).
 void touch_keys(const Problem& p, int s, int kh, int a, int b) {
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
   unsigned sum = 0;
   for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key), page = p.page(s, key);
-    const int64_t row0 = p.row_offset(kh, page, off);
-    int64_t bytes;
-    sum += *reinterpret_cast<const volatile unsigned char*>(p.segment(false, kh, page, off, n, &bytes));
-    sum += *reinterpret_cast<const volatile unsigned char*>(p.segment(true, kh, page, off, n, &bytes));
+    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
+    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
+    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.k) + row0 * p.hd * width);
+    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.v) + row0 * p.hd * width);
     if (p.type == KvType::kI8) {
       const volatile unsigned char* ks = reinterpret_cast<const volatile unsigned char*>(p.k_scale + row0);
       const volatile unsigned char* vs = reinterpret_cast<const volatile unsigned char*>(p.v_scale + row0);
