@@ -2,8 +2,8 @@
 
     flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.bench_agreement --rounds 4
 
-Starts one Slipstream server (default flags, `--max-slots 32`) on a loopback port, sends one unmeasured
-settling wave, then runs both clients `--rounds` times in the order ours, vllm / vllm, ours / ... (so a
+Starts one Slipstream server (default flags, `--max-slots 32`) on a loopback port, runs one unmeasured
+settling run (a whole run's prompts by default), then runs both clients `--rounds` times in the order ours, vllm / vllm, ours / ... (so a
 drift over time favours neither), each run with its own prompts (no run's prompts are in the server's
 prefix cache from an earlier run). Both clients run as subprocesses with the same flags.
 
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-prompts", action="store_true",
                    help="both clients send prompts from our random generator (vLLM through its `custom` dataset, a "
                         "JSONL file per run, each run its own seed), not each its own random dataset")
+    p.add_argument("--settle-prompts", type=int, default=None,
+                   help="prompts of the unmeasured settling run before round 0, with the measured runs' arrivals "
+                        "(default: a whole run's --num-prompts)")
     p.add_argument("--identical", action="store_true",
                    help="an A/A run: both clients of a round send the SAME prompts (our generator) with the same --seed, so "
                         "the same requests at the same moments, to a server without its prefix cache (--no-prefix-cache): "
@@ -270,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                     "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
                     *shlex.split(args.vllm_flags)]
 
-        # one unmeasured wave at full concurrency and length (first-touch of KV pages, caches)
-        settle = ours("settle", args.seed + 999, c, 0)
+        # unmeasured first: the KV pages' first touch, caches, and the page free list's order. With only one wave
+        # before it, the first measured run (ours, in round 0) ran 10-30% faster than the runs after it in two
+        # of three A/A sets, an order effect that favoured whichever client goes first
+        settle = ours("settle", args.seed + 999, args.settle_prompts or n, 0)
         subprocess.run([a for a in settle if a != "--save-result"], check=True, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for r in range(args.rounds):
@@ -373,7 +378,7 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
     arrivals = "all at once" if rate == float("inf") else f"{rate:g} requests/s each (burstiness {args.burstiness})"
     lines = [f"One Slipstream server (`{args.server_args}`), concurrency {c}, arrivals {arrivals}, {n} prompts of {args.input_len} in / "
              f"{args.output_len} out (ignore_eos, greedy), {args.num_warmups} warm-ups, {args.rounds} rounds "
-             f"(ours first in even rounds), after one settling wave"
+             f"(ours first in even rounds), after an unmeasured settling run of {args.settle_prompts or n} prompts"
              f"{'; both clients at once, each with half the concurrency and prompts' if args.simultaneous else ''}"
              f"{', both clients sending prompts from our generator' if args.same_prompts else ''}"
              f"{' (the same prompts at the same moments in both runs of a round: an A/A run)' if args.identical else ''}"
