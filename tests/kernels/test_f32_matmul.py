@@ -15,27 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import f32_matmul as fm
+from tests.kernels.isas import runnable_isas
 
 NATIVE = fm.native_available()
 if NATIVE:
     import kernels._f32_matmul as ext
 
-
-def _isas() -> list[str]:
-    if not NATIVE:
-        return []
-    out = []
-    for isa in ("avx512", "avx2", "portable"):
-        try:
-            prev = ext.set_isa(isa)
-        except ValueError:
-            continue
-        ext.set_isa(prev)
-        out.append(isa)
-    return out
-
-
-ISAS = _isas()
+ISAS = runnable_isas(ext, ("avx512", "avx2", "portable")) if NATIVE else []
 needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._f32_matmul is not built")
 
 

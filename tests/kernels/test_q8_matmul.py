@@ -15,27 +15,13 @@ from hypothesis import strategies as st
 
 from kernels import native
 from kernels import q8_matmul as q8
+from tests.kernels.isas import runnable_isas
 
 NATIVE = native.load("q8_matmul", "q8_matmul")
 if NATIVE:
     import kernels._q8_matmul as ext
 
-
-def _isas() -> list[str]:
-    if not NATIVE:
-        return []
-    out = []
-    for isa in ("avx512_vnni", "avx2", "portable"):
-        try:
-            prev = ext.set_isa(isa)
-        except ValueError:
-            continue
-        ext.set_isa(prev)
-        out.append(isa)
-    return out
-
-
-ISAS = _isas()
+ISAS = runnable_isas(ext, ("avx512_vnni", "avx2", "portable")) if NATIVE else []
 needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._q8_matmul is not built")
 
 
