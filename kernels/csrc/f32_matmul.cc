@@ -42,6 +42,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "ffi_targets.h"
 
 namespace ffi = xla::ffi;
 
@@ -388,16 +389,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamF32Matmul, F32MatmulImpl,
 // ---- Python module: targets(), isa(), set_isa(), threading() -------------------------------------
 
 static PyObject* Targets(PyObject*, PyObject*) {
-  PyObject* dict = PyDict_New();
-  if (!dict) return nullptr;
-  PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(SlipstreamF32Matmul), nullptr, nullptr);
-  if (!capsule || PyDict_SetItemString(dict, "slipstream_f32_matmul", capsule) < 0) {
-    Py_XDECREF(capsule);
-    Py_DECREF(dict);
-    return nullptr;
-  }
-  Py_DECREF(capsule);
-  return dict;
+  return FfiTargetsDict({{"slipstream_f32_matmul", reinterpret_cast<void*>(SlipstreamF32Matmul)}});
 }
 
 static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }

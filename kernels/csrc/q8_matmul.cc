@@ -59,6 +59,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "ffi_targets.h"
 
 namespace ffi = xla::ffi;
 
@@ -823,22 +824,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamReadProbe, ReadProbeImpl,
 // ---- Python module: targets() -> {name: capsule}, isa() -> the path chosen on this CPU ----------
 
 static PyObject* Targets(PyObject*, PyObject*) {
-  PyObject* dict = PyDict_New();
-  if (!dict) return nullptr;
-  const std::pair<const char*, void*> entries[] = {
-      {"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)},
-      {"slipstream_read_probe", reinterpret_cast<void*>(SlipstreamReadProbe)},
-  };
-  for (const auto& [name, fn] : entries) {
-    PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);
-    if (!capsule || PyDict_SetItemString(dict, name, capsule) < 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(dict);
-      return nullptr;
-    }
-    Py_DECREF(capsule);
-  }
-  return dict;
+  return FfiTargetsDict({{"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)},
+                         {"slipstream_read_probe", reinterpret_cast<void*>(SlipstreamReadProbe)}});
 }
 
 static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }

@@ -55,6 +55,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "ffi_targets.h"
 
 namespace ffi = xla::ffi;
 
@@ -1315,20 +1316,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionInt8, run_int8,
 namespace {
 
 PyObject* targets(PyObject*, PyObject*) {
-  PyObject* d = PyDict_New();
-  const std::pair<const char*, XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)> handlers[] = {
-      {"slipstream_ragged_paged_attention", RaggedPagedAttentionFloat},
-      {"slipstream_ragged_paged_attention_int8", RaggedPagedAttentionInt8}};
-  for (const auto& [name, fn] : handlers) {
-    PyObject* cap = PyCapsule_New(reinterpret_cast<void*>(fn), nullptr, nullptr);
-    if (!cap || PyDict_SetItemString(d, name, cap) < 0) {
-      Py_XDECREF(cap);
-      Py_DECREF(d);
-      return nullptr;
-    }
-    Py_DECREF(cap);
-  }
-  return d;
+  return FfiTargetsDict(
+      {{"slipstream_ragged_paged_attention", reinterpret_cast<void*>(RaggedPagedAttentionFloat)},
+       {"slipstream_ragged_paged_attention_int8", reinterpret_cast<void*>(RaggedPagedAttentionInt8)}});
 }
 
 const char* const kIsaNames[] = {"portable", "avx2", "avx512", "avx512_vnni"};
