@@ -12,6 +12,9 @@ not how Slipstream is served.
 With SLIPSTREAM_TRACE_STEPS=FILE it also appends one JSON line per planned step: when the planner was asked
 (perf_counter), its decodes, its prefill chunks (request id, start, length, whether it samples) and the
 requests still waiting, so a request's TTFT can be split into the steps it waited for.
+
+read_trace / join_trace / server_view read a trace back against a client's --save-detailed results
+(benchmarks/bench_agreement.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+import numpy as np
 
 
 class TraceRequests:
@@ -59,6 +65,52 @@ class TraceRequests:
             await self.app(scope, traced_receive, traced_send)
         finally:
             self.file.write(json.dumps(rec) + "\n")
+
+
+def read_trace(path: Path, prefix: str) -> dict[str, dict]:
+    """trace_server's lines for the requests whose x-request-id starts with prefix, by id."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["id"].startswith(prefix):
+            out[rec["id"]] = rec
+    return out
+
+
+def join_trace(res: dict, prefix: str, trace: dict[str, dict]) -> list[dict]:
+    """Per request, where its TTFT went (ms): `deliver` from the client's send to the server's app getting it,
+    `server` from there to the server writing the first chunk, `receive` from that write to the client
+    seeing it; the three add up to the client's TTFT. `conn` is the client's port (reused with keep-alive)."""
+    rows = []
+    for i, (start, ttft, ok) in enumerate(zip(res["start_times"], res["ttfts"], [not e for e in res["errors"]])):
+        rec = trace.get(f"{prefix}{i}")
+        if not ok or rec is None or rec["first"] is None:
+            continue
+        # the token chunks the server wrote (the usage chunk and [DONE] follow them)
+        sends = rec["sends"][:res["output_lens"][i]]
+        rows.append({"i": i, "start": start, "ttft_ms": 1000 * ttft, "deliver_ms": 1000 * (rec["dispatch"] - start),
+                     "read_ms": 1000 * (rec["body"] - rec["dispatch"]) if rec["body"] else float("nan"),
+                     "server_ms": 1000 * (rec["first"] - rec["dispatch"]),
+                     "receive_ms": 1000 * (start + ttft - rec["first"]), "conn": rec["client"][1] if rec["client"] else 0,
+                     "server_itl_ms": [1000 * (b - a) for a, b in zip(sends, sends[1:])]})
+    return rows
+
+
+def server_view(joined: list[dict], client: dict) -> dict[str, float]:
+    """The same statistics from the server's own stamps (TTFT from the app getting the request to its first chunk
+    written, ITL between chunks written), and what the client's numbers add to them. A client that times
+    correctly adds only its transport (connect, send, receive), whatever the server did in that run."""
+    if not joined:
+        return {}
+    ttft = np.array([j["server_ms"] for j in joined])
+    itl = np.array([g for j in joined for g in j["server_itl_ms"]] or [float("nan")])
+    out = {"server_median_ttft_ms": float(np.median(ttft)), "server_p99_ttft_ms": float(np.percentile(ttft, 99)),
+           "server_median_itl_ms": float(np.median(itl)), "server_p99_itl_ms": float(np.percentile(itl, 99))}
+    for k in list(out):
+        out["client_minus_" + k] = client[k.removeprefix("server_")] - out[k]
+    return out
 
 
 def trace_steps(path: str) -> None:
