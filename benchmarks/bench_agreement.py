@@ -14,7 +14,10 @@ TTFT and ITL are also computed as the server saw them, and each client's numbers
 what a client can get wrong, and it does not move with the server: at 32 concurrent the server's own
 median TTFT flips by a whole step between runs (its steady state locks into one of two phases for long
 stretches), so two runs of the SAME client can differ by 15-20% there, more than the clients do.
-Per run it also records the client's and the server's CPU seconds, the prompt tokens the server
+Per run it also records the client's and the server's CPU seconds, the share of the machine's CPU time that
+everything else took (`other_cpu_share`: on 2 cores another process's few busy seconds slow the server's steps up to
+2x, which moves one client's numbers and not the other's; the summary also compares only the rounds where that
+share stayed under `--max-other-cpu` in both runs), the prompt tokens the server
 prefilled and served from its prefix cache (equal workloads), and where TTFT went per request
 (`LABEL-requests.json`: deliver, server, receive).
 
@@ -90,31 +93,40 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (all CPUs: /proc/stat's total less idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_client(cmd: list[str], log_path: Path, cwd: Path, server_pid: int,
-               env: dict[str, str] | None = None) -> list[tuple[float, float, float]]:
+               env: dict[str, str] | None = None) -> list[tuple[float, float, float, float]]:
     """Runs a client to completion, sampling every 0.1 s (time.monotonic, the client's CPU seconds, the server's
-    CPU seconds); perf_counter in the clients is the same clock, so the samples line up with their timestamps."""
+    CPU seconds, and the CPU seconds of everything else on the machine: busy time less client, server and this
+    process); perf_counter in the clients is the same clock, so the samples line up with their timestamps."""
     peers.log("$ " + shlex.join(cmd))
     samples = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         while proc.poll() is None:
-            client, server = _cpu_s(proc.pid), _cpu_s(server_pid)
+            client, server, busy, me = _cpu_s(proc.pid), _cpu_s(server_pid), _busy_cpu_s(), time.process_time()
             if client is not None and server is not None:
-                samples.append((time.monotonic(), client, server))
+                samples.append((time.monotonic(), client, server, busy - client - server - me))
             time.sleep(0.1)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log_path}")
     return samples
 
 
-def cpu_in_window(samples, t0: float, t1: float) -> tuple[float, float]:
-    """(client, server) CPU seconds between t0 and t1, from the samples nearest inside the window."""
+def cpu_in_window(samples, t0: float, t1: float) -> tuple[float, ...]:
+    """(client, server, everything else) CPU seconds between t0 and t1, from the samples nearest inside the
+    window."""
     inside = [s for s in samples if t0 <= s[0] <= t1]
     if len(inside) < 2:
-        return float("nan"), float("nan")
+        return (float("nan"),) * (len(samples[0]) - 1 if samples else 3)
     scale = (t1 - t0) / (inside[-1][0] - inside[0][0])
-    return (inside[-1][1] - inside[0][1]) * scale, (inside[-1][2] - inside[0][2]) * scale
+    return tuple((b - a) * scale for a, b in zip(inside[0][1:], inside[-1][1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     p.add_argument("--ours-flags", default="", help="extra `slipstream bench` flags")
     p.add_argument("--vllm-flags", default="", help="extra `vllm bench serve` flags")
+    p.add_argument("--max-other-cpu", type=float, default=0.02,
+                   help="a round is undisturbed when, in both its runs, the rest of the machine took at most this share "
+                        "of all CPUs' time; the summary also compares the undisturbed rounds alone")
     args = p.parse_args(argv)
     if args.identical:
         if args.simultaneous:
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 count = d.get("jetstream_time_to_first_token_count") or 1
                 t0 = min(res["start_times"])
                 t1 = max(s + lat for s, lat in zip(res["start_times"], res["latencies"]))
-                client_cpu, server_cpu = cpu_in_window(samples, t0, t1)
+                client_cpu, server_cpu, other_cpu = cpu_in_window(samples, t0, t1)
                 mean_ttft_ms = res.get("mean_ttft_ms")
                 server_ttft_ms = 1000 * d.get("jetstream_time_to_first_token_sum", 0) / count
                 joined = join_trace(res, f"{label}-", read_trace(trace, f"{label}-"))
@@ -267,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                          for part in ("deliver", "read", "server", "receive")}
                 runs.append({"who": who, "round": r, "label": label, "command": shlex.join(cmd), "client_cpu_s": client_cpu,
                              "server_cpu_s": server_cpu,
+                             # CPU the rest of the machine took during the run, as a share of all its CPUs' time:
+                             # on 2 cores, another process's few busy seconds slow the server's steps up to 2x
+                             "other_cpu_share": other_cpu / ((t1 - t0) * (os.cpu_count() or 1)),
                              # the workload as the server saw it: a prompt-token or prefix-hit difference between the
                              # clients is a different workload, not a different measurement
                              "server_prompt_tokens": d.get("slipstream_prompt_tokens", 0),
@@ -322,7 +340,7 @@ def run_together(order, r: int, seeds: dict, ours, vllm, n: int, result_dir: Pat
 
 def table(runs: list[dict], c: int, n: int, args) -> str:
     paired = [k for k in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms") if f"server_{k}" in runs[0]]
-    keys = KEYS + ["client_cpu_s", "server_cpu_s", "server_prompt_tokens", "server_prefilled_tokens",
+    keys = KEYS + ["client_cpu_s", "server_cpu_s", "other_cpu_share", "server_prompt_tokens", "server_prefilled_tokens",
                    "prefix_hit_tokens", "server_mean_ttft_ms", "server_mean_queue_ms", "client_minus_server_mean_ttft_ms",
                    "median_deliver_ms", "median_read_ms", "median_receive_ms", "connections"]
     keys += [f"server_{k}" for k in paired] + [f"client_minus_server_{k}" for k in paired]
@@ -349,6 +367,8 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
         else:
             diff = f"{100 * (a - b) / b:+.1f}%" if b else "-"
         lines.append(f"| {k} | " + " | ".join(f"{r[k]:.2f}" for r in runs) + f" | {a:.2f} | {b:.2f} | {diff} |")
+    if "other_cpu_share" in keys:
+        lines += undisturbed(runs, args.max_other_cpu)
     if paired:
         lines += ["", "Paired, each run against the server's own numbers for it: what ours adds to a statistic less what "
                   "vLLM's adds, as a share of the statistic (the server's, averaged over all runs). Differences between "
@@ -360,6 +380,23 @@ def table(runs: list[dict], c: int, n: int, args) -> str:
             level = np.mean([r[f"server_{k}"] for r in runs])
             lines.append(f"| {k} | {mine:+.2f} | {theirs:+.2f} | {100 * (mine - theirs) / level:+.2f}% |")
     return "\n".join(lines)
+
+
+def undisturbed(runs: list[dict], limit: float) -> list[str]:
+    """The raw comparison over the rounds where nothing else on the machine took more than `limit` of its CPU time
+    in either run (decided per round, so both clients keep the same number of runs)."""
+    rounds = sorted({r["round"] for r in runs})
+    kept = [k for k in rounds if all(r["other_cpu_share"] <= limit for r in runs if r["round"] == k)]
+    lines = ["", f"Undisturbed rounds (other processes at most {100 * limit:g}% of the machine's CPU time in both runs): "
+             f"{len(kept)} of {len(rounds)} ({', '.join(map(str, kept)) or 'none'})."]
+    if not kept:
+        return lines
+    lines += ["", "| metric | ours (mean) | vllm (mean) | difference |", "|---|---:|---:|---:|"]
+    for k in KEYS:
+        a = np.mean([r[k] for r in runs if r["who"] == "ours" and r["round"] in kept])
+        b = np.mean([r[k] for r in runs if r["who"] == "vllm" and r["round"] in kept])
+        lines.append(f"| {k} | {a:.2f} | {b:.2f} | {100 * (a - b) / b:+.1f}% |")
+    return lines
 
 
 if __name__ == "__main__":
