@@ -2,7 +2,8 @@
 
 One model program per token bucket (a power-of-two ladder up to max_num_batched_tokens) and one
 sampling program per sample-row bucket, all compiled ahead of time; the KV pages and the penalty
-state are donated, so steps update them in place. Implements engine/api.py's Engine.
+state are donated, so steps update them in place. Implements engine/api.py's Engine. Its settings
+are engine/engine_config.py's; a batch's host arrays are built by engine/step_inputs.py.
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import numpy as np
 from tqdm import tqdm
 
 from engine import compile_count
-from engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch
+from engine.api import Sampled, SlotState, StepBatch
 from engine.buckets import Buckets
+from engine.engine_config import EngineConfig  # imported from here across the repo too
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from engine.launched import LaunchedStep, PreviousSamples
 from engine.sampling import (SamplingArrays, apply_penalties, apply_token_bitmask, penalties_active,
                              prompt_mask_row, sample_penalized, update_counts)
+from engine.step_inputs import previous_sources, step_inputs
 from engine.structured import MaskFiller, Matcher, mask_words
 from engine.layer_stack import split_linears
 from engine.params import prepare_model
@@ -35,58 +38,6 @@ from flax import nnx
 from models.base import CausalLM, init_kv_cache, step_fn
 from models.config import ModelConfig
 from models.loader import trim_host_heap
-from quantization import MODES
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    max_slots: int = 32
-    page_size: int = 16
-    max_seq_len: int = 2048
-    kv_cache_memory: int = 768 << 20        # bytes for K/V pages (17k f32 tokens of the default model)
-    num_pages: int | None = None            # overrides kv_cache_memory (tests)
-    max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
-    dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
-    kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
-    quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
-                                            # or none, q8_0, q8_0-a16 (see quantization/)
-    tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
-
-    def __post_init__(self) -> None:
-        if self.max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.max_num_batched_tokens < self.max_slots:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
-                             f"({self.max_slots}): every running sequence decodes in each step")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.quantize != "auto" and self.quantize not in MODES:
-            raise ValueError(f"quantize must be auto or one of {', '.join(MODES)}, got {self.quantize!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
-        if self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-
-    def weight_mode(self) -> str:
-        """The quantization mode `auto` stands for here: on CPU, group-wise int8 weights with two-part
-        int8 activations (q8_0-a16: perplexity and greedy tokens equal to f32 on the default model,
-        1.1-4x faster matmuls) when its native kernel is built; float weights elsewhere (XLA on
-        GPU/TPU runs bf16 best, and the q8_0 reference is slow on CPU)."""
-        if self.quantize != "auto":
-            return self.quantize
-        from kernels.q8_matmul import native_available
-
-        return "q8_0-a16" if jax.default_backend() == "cpu" and native_available() else "none"
-
-    def activation_dtype(self) -> jnp.dtype:
-        if self.dtype == "auto":
-            # XLA:CPU runs bf16 matmuls several times slower than f32; accelerators want bf16
-            return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-        return jnp.dtype(self.dtype)
 
 
 class JaxEngine:
@@ -288,63 +239,16 @@ class JaxEngine:
 
     def step_inputs(self, batch: StepBatch) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
         """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)."""
-        seqs = batch.seqs
-        if not 0 < len(seqs) <= self.max_slots:
-            raise ValueError(f"a step holds 1..{self.max_slots} sequences, got {len(seqs)}")
-        t = self.buckets.tokens(batch.num_tokens)
-        s = self.max_slots
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        kv_lens = np.zeros(s, np.int32)
-        pages = np.zeros((s, self.max_pages_per_seq), np.int32)
-        cu = np.zeros(s + 1, np.int32)
-        sample_index = np.zeros(self.buckets.sample_rows(t), np.int32)
-        sample_slots: list[int] = []
-        at = 0
-        for i, seq in enumerate(seqs):
-            n, end = len(seq.token_ids), seq.end_pos
-            if n == 0 or end > self.max_seq_len:
-                raise ValueError(f"sequence in slot {seq.slot}: {n} tokens ending at {end} "
-                                 f"(need 1.., up to max_seq_len {self.max_seq_len})")
-            if len(seq.page_ids) < pages_needed(end, self.page_size):
-                raise ValueError(f"sequence in slot {seq.slot}: {len(seq.page_ids)} pages do not cover "
-                                 f"{end} tokens")
-            tokens[at:at + n] = seq.token_ids
-            positions[at:at + n] = np.arange(seq.start_pos, end)
-            kv_lens[i] = end
-            k = min(len(seq.page_ids), self.max_pages_per_seq)
-            pages[i, :k] = seq.page_ids[:k]
-            at += n
-            cu[i + 1] = at
-            if seq.sample:
-                sample_index[len(sample_slots)] = at - 1
-                sample_slots.append(seq.slot)
-        cu[len(seqs) + 1:] = at
-        num_seqs = np.asarray([len(seqs)], np.int32)
-        return t, (tokens, positions, kv_lens, pages, cu, num_seqs, sample_index), sample_slots
+        return step_inputs(batch, self.buckets, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
+                           max_seq_len=self.max_seq_len, page_size=self.page_size)
 
     def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
         t, inputs, sample_slots = self.step_inputs(batch)
-        if (feed := self._previous_sources(batch, inputs[0], inputs[4])) is not None:
+        if (feed := previous_sources(batch, inputs[0], inputs[4])) is not None:
             inputs = (self._previous.substitute(inputs[0], feed), *inputs[1:])
         model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         logits, self.cache = model(self.params, self.cache, *inputs)
         return t, logits, sample_slots
-
-    def _previous_sources(self, batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np.ndarray | None:
-        """i32[T]: the slot whose latest sample each PREVIOUS_SAMPLE position feeds, -1 elsewhere;
-        None when the batch feeds none."""
-        where = np.flatnonzero(tokens == PREVIOUS_SAMPLE)
-        if where.size == 0:
-            return None
-        src = np.full(len(tokens), -1, np.int32)
-        for pos, i in zip(where, np.searchsorted(cu, where, side="right") - 1):
-            seq = batch.seqs[i]
-            if len(seq.token_ids) != 1:
-                raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
-                                 f"decode's one token, got a chunk of {len(seq.token_ids)}")
-            src[pos] = seq.slot
-        return src
 
     @functools.cached_property
     def _previous(self) -> PreviousSamples:

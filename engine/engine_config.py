@@ -1,0 +1,63 @@
+"""The engine's settings: a frozen, validated EngineConfig, and what its `auto` values stand for on
+the backend at hand (activation dtype, weight quantization). It holds no device arrays and builds
+nothing; engine/runner.py's JaxEngine reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from quantization import MODES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_slots: int = 32
+    page_size: int = 16
+    max_seq_len: int = 2048
+    kv_cache_memory: int = 768 << 20        # bytes for K/V pages (17k f32 tokens of the default model)
+    num_pages: int | None = None            # overrides kv_cache_memory (tests)
+    max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
+    dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
+    kv_cache_dtype: str = "auto"            # auto: the activation dtype; or int8
+    quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
+                                            # or none, q8_0, q8_0-a16 (see quantization/)
+    tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
+
+    def __post_init__(self) -> None:
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.max_num_batched_tokens < self.max_slots:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
+                             f"({self.max_slots}): every running sequence decodes in each step")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.quantize != "auto" and self.quantize not in MODES:
+            raise ValueError(f"quantize must be auto or one of {', '.join(MODES)}, got {self.quantize!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+
+    def weight_mode(self) -> str:
+        """The quantization mode `auto` stands for here: on CPU, group-wise int8 weights with two-part
+        int8 activations (q8_0-a16: perplexity and greedy tokens equal to f32 on the default model,
+        1.1-4x faster matmuls) when its native kernel is built; float weights elsewhere (XLA on
+        GPU/TPU runs bf16 best, and the q8_0 reference is slow on CPU)."""
+        if self.quantize != "auto":
+            return self.quantize
+        from kernels.q8_matmul import native_available
+
+        return "q8_0-a16" if jax.default_backend() == "cpu" and native_available() else "none"
+
+    def activation_dtype(self) -> jnp.dtype:
+        if self.dtype == "auto":
+            # XLA:CPU runs bf16 matmuls several times slower than f32; accelerators want bf16
+            return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+        return jnp.dtype(self.dtype)

@@ -1,0 +1,66 @@
+"""The host side of a ragged step: a StepBatch laid out as the model program's input arrays
+(tokens, positions, KV lengths, page table, cu_q_lens, sample rows), padded to its token bucket.
+Plain numpy; it checks the batch against the engine's limits and touches no device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.api import PREVIOUS_SAMPLE, StepBatch
+from engine.buckets import Buckets
+from engine.kv_cache import pages_needed
+
+
+def step_inputs(batch: StepBatch, buckets: Buckets, *, max_slots: int, max_pages_per_seq: int, max_seq_len: int,
+                page_size: int) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
+    """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)."""
+    seqs = batch.seqs
+    if not 0 < len(seqs) <= max_slots:
+        raise ValueError(f"a step holds 1..{max_slots} sequences, got {len(seqs)}")
+    t = buckets.tokens(batch.num_tokens)
+    s = max_slots
+    tokens = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    kv_lens = np.zeros(s, np.int32)
+    pages = np.zeros((s, max_pages_per_seq), np.int32)
+    cu = np.zeros(s + 1, np.int32)
+    sample_index = np.zeros(buckets.sample_rows(t), np.int32)
+    sample_slots: list[int] = []
+    at = 0
+    for i, seq in enumerate(seqs):
+        n, end = len(seq.token_ids), seq.end_pos
+        if n == 0 or end > max_seq_len:
+            raise ValueError(f"sequence in slot {seq.slot}: {n} tokens ending at {end} "
+                             f"(need 1.., up to max_seq_len {max_seq_len})")
+        if len(seq.page_ids) < pages_needed(end, page_size):
+            raise ValueError(f"sequence in slot {seq.slot}: {len(seq.page_ids)} pages do not cover "
+                             f"{end} tokens")
+        tokens[at:at + n] = seq.token_ids
+        positions[at:at + n] = np.arange(seq.start_pos, end)
+        kv_lens[i] = end
+        k = min(len(seq.page_ids), max_pages_per_seq)
+        pages[i, :k] = seq.page_ids[:k]
+        at += n
+        cu[i + 1] = at
+        if seq.sample:
+            sample_index[len(sample_slots)] = at - 1
+            sample_slots.append(seq.slot)
+    cu[len(seqs) + 1:] = at
+    num_seqs = np.asarray([len(seqs)], np.int32)
+    return t, (tokens, positions, kv_lens, pages, cu, num_seqs, sample_index), sample_slots
+
+
+def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np.ndarray | None:
+    """i32[T]: the slot whose latest sample each PREVIOUS_SAMPLE position feeds, -1 elsewhere;
+    None when the batch feeds none."""
+    where = np.flatnonzero(tokens == PREVIOUS_SAMPLE)
+    if where.size == 0:
+        return None
+    src = np.full(len(tokens), -1, np.int32)
+    for pos, i in zip(where, np.searchsorted(cu, where, side="right") - 1):
+        seq = batch.seqs[i]
+        if len(seq.token_ids) != 1:
+            raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
+                             f"decode's one token, got a chunk of {len(seq.token_ids)}")
+        src[pos] = seq.slot
+    return src
