@@ -1,0 +1,133 @@
+"""What benchmarks/engine_bench.py judges the engine's step against, measured in the same run: a
+jitted program of only the decode step's matmuls on the engine's own weights (the roofline), the
+weight bytes a decode step must read, and this host's copy and read speed. Also the round-robin
+timer every engine_bench number comes from. Nothing here builds or steps an engine.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.layers import linear
+
+
+def median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) -> dict[str, list[float]]:
+    """Round-robin timing: every function sees the same background load, so ratios are fair."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn))
+    return times
+
+
+def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
+    """Median seconds to copy nbytes between two existing buffers (memcpy) and to read them once
+    (an XLA sum). A jitted jnp.copy is no use here: its fresh 256 MB output is page-faulted in on
+    every call, which measured ~1 GB/s on this host instead of the ~10 GB/s memcpy gets."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.zeros_like(src)
+    x = jnp.asarray(src)
+    times = interleaved({"copy": lambda: np.copyto(dst, src), "read": lambda: _read(x)}, reps, warmup=2)
+    return statistics.median(times["copy"]), statistics.median(times["read"])
+
+
+@jax.jit
+def _read(x: jax.Array) -> jax.Array:
+    return jnp.sum(x)
+
+
+def _leaf_bytes(tree) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def weight_bytes_read_per_token(params) -> int:
+    """Bytes a decode step must read (params: the engine's model state): every layer weight and the
+    LM head (the tied embedding table is read whole by the LM head; untied, only a few rows of it)."""
+    head = params["lm_head"] if params.get("lm_head") else params["embed"]
+    return _leaf_bytes(params["blocks"]) + _leaf_bytes(head) + _leaf_bytes(params["final_norm"])
+
+
+_GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up"), ("w_down",))}
+
+
+def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+    """A jitted function doing only the decode step's matmuls (q/k/v, o, gate/up, down for every
+    layer, then the LM head) on the engine's own weights in the engine's form: int8 stacks read at
+    each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
+    is counted. The few adds between them only keep XLA from dropping a matmul.
+    (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
+    from engine.layer_stack import PerLayer, StackedF32, StackedQ8
+
+    def weight(group, name):
+        return params["blocks"][group][name]["w"].get_value()
+
+    def at_layer(value, i):
+        if isinstance(value, PerLayer):
+            return value.layers[i]
+        return jax.tree.map(lambda a: a[i], value)
+
+    def group_call(group, names, i):
+        """(callable x -> outputs of the group at layer i, the arrays it reads)"""
+        first = weight(group, names[0])
+        if isinstance(first, StackedQ8):
+            from kernels.q8_matmul import q8_matmul
+
+            w = first.weight
+
+            def run(x, arrays):
+                q, scale, offset = arrays
+                y = q8_matmul(x, q, scale, offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2, layer=i)
+                return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
+
+            return run, (w.q, w.scale, w.offset)
+        if isinstance(first, StackedF32):
+            from kernels.f32_matmul import f32_matmul
+
+            def run(x, packed):
+                y = f32_matmul(x, packed, n=first.offsets[-1] + first.widths[-1], layer=i)
+                return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
+
+            return run, first.packed
+        ws = [at_layer(weight(group, name), i) for name in names]
+        return (lambda x, arrays: tuple(linear(x, a) for a in arrays)), ws
+
+    head_tied = not params.get("lm_head")
+    head = params["embed"]["table"].get_value() if head_tied else params["lm_head"]["w"].get_value()
+    reps = cfg.num_heads // cfg.num_kv_heads
+    calls = [[group_call(group, names, i) for group in ("attn", "mlp") for names in _GROUPS[group]]
+             for i in range(cfg.num_layers)]
+    fns = [[fn for fn, _ in layer] for layer in calls]
+    arrays = [[a for _, a in layer] for layer in calls]
+
+    @jax.jit
+    def run(arrays, head, x):
+        for (qkv, o, gate_up, down), (a_qkv, a_o, a_gu, a_down) in zip(fns, arrays):
+            q, k, v = qkv(x, a_qkv)
+            o_out = o(q + jnp.tile(k + v, (1, reps)), a_o)[0]
+            gate, up = gate_up(o_out, a_gu)
+            x = x + down(gate * up, a_down)[0]
+        if head_tied:
+            return jnp.einsum("bd,vd->bv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        return linear(x, head)
+
+    return functools.partial(run, arrays, head)
