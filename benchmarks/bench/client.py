@@ -5,7 +5,12 @@ latency ends at the last choice chunk. Output tokens come from the server's `usa
 stream_options.include_usage, read from whichever chunk carries it, which for llama.cpp's server is the
 last choice chunk), else from re-tokenizing the text. One departure: a chat chunk with only a role and
 no content or finish_reason is not a token, so it neither starts TTFT nor adds an ITL sample.
-Connections are reused between requests by default, as vLLM's client (aiohttp) does.
+
+The transport is aiohttp, as in vLLM's client: connections are reused between requests by default, and each
+received piece of the body is split into SSE lines by hand. On a 2-core machine the client shares the CPUs
+with the server, so what it costs per chunk moves the server's numbers: httpx's `aiter_lines` cost ~140 us a
+chunk against aiohttp's ~60 us, and at 8 concurrent the server's steps ran up to 10% slower in half of the
+runs driven by the httpx client (benchmarks/bench_agreement.py).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from benchmarks.bench.datasets import SampleRequest
 
@@ -35,12 +40,13 @@ class RequestOutput:
 
 
 def new_http_client(timeout_s: float = 6 * 3600, *, keep_alive: bool = False,
-                    max_connections: int | None = None) -> httpx.AsyncClient:
-    """keep_alive: reuse connections between requests (up to max_connections idle ones), as vLLM's client
-    (aiohttp) and the OpenAI SDK do; otherwise a fresh connection per request."""
-    pool = (max_connections or 256) if keep_alive else 0
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), trust_env=False,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=pool))
+                    max_connections: int | None = None) -> aiohttp.ClientSession:
+    """keep_alive: reuse connections between requests (at most max_connections open at once), as vLLM's client
+    and the OpenAI SDK do; otherwise a fresh connection per request. Proxies from the environment are ignored."""
+    connector = (aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=60) if keep_alive
+                 else aiohttp.TCPConnector(limit=0, force_close=True))
+    return aiohttp.ClientSession(connector=connector, trust_env=False,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=30.0))
 
 
 def build_payload(kind: str, model: str, req: SampleRequest, *, ignore_eos: bool,
@@ -75,12 +81,26 @@ def _is_token_chunk(kind: str, choice: dict) -> tuple[bool, str]:
 
 
 # What a pooled connection the server has already closed fails with, before any response arrives
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, kind: str, payload: dict[str, Any],
+async def _sse_data(response: aiohttp.ClientResponse):
+    """The payload of each `data:` line of an SSE body, as the pieces of it arrive (comments, event names and
+    blank separators skipped); a line split across two pieces is joined first."""
+    tail = b""
+    async for piece in response.content.iter_any():
+        lines = (tail + piece).split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if tail.startswith(b"data:"):
+        yield tail[5:].strip()
+
+
+async def send_request(client: aiohttp.ClientSession, url: str, kind: str, payload: dict[str, Any],
                        prompt_len: int, request_id: str | None = None,
-                       fresh_client: httpx.AsyncClient | None = None) -> RequestOutput:
+                       fresh_client: aiohttp.ClientSession | None = None) -> RequestOutput:
     """One streamed request. With kept-alive connections, a server that closes each connection after its stream
     (llama.cpp's) can close a pooled one just as it is reused: a request that fails that way, before any
     response, is sent once more on a new connection (fresh_client, one without keep-alive). Its timing still
@@ -93,18 +113,15 @@ async def send_request(client: httpx.AsyncClient, url: str, kind: str, payload: 
     for attempt, http in ((1, client), (2, fresh_client)):
         responded = False
         try:
-            async with http.stream("POST", url, json=payload, headers=_headers(request_id)) as response:
+            async with http.post(url, json=payload, headers=_headers(request_id)) as response:
                 responded = True
-                if response.status_code != 200:
-                    body = (await response.aread()).decode("utf-8", "replace").strip()
-                    out.error = f"HTTP {response.status_code}: {body[:300]}"
+                if response.status != 200:
+                    body = (await response.read()).decode("utf-8", "replace").strip()
+                    out.error = f"HTTP {response.status}: {body[:300]}"
                     return out
                 # read to the end of the body (past [DONE]), so the connection can be reused
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, SSE comments (pings), event names
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for data in _sse_data(response):
+                    if data == b"[DONE]":
                         continue
                     now = time.perf_counter()
                     chunk = json.loads(data)
@@ -132,7 +149,7 @@ async def send_request(client: httpx.AsyncClient, url: str, kind: str, payload: 
                 continue
             out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             return out
-        except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
+        except (aiohttp.ClientError, OSError, TimeoutError, json.JSONDecodeError) as e:
             out.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             return out
     out.generated_text = "".join(text)

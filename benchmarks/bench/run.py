@@ -160,9 +160,9 @@ async def _arrivals(items: Sequence, offsets: Sequence[float]) -> AsyncIterator:
 
 
 async def _first_model(client, base_url: str) -> str:
-    response = await client.get(f"{base_url}/v1/models")
-    response.raise_for_status()
-    data = response.json().get("data") or []
+    async with client.get(f"{base_url}/v1/models") as response:
+        response.raise_for_status()
+        data = (await response.json()).get("data") or []
     if not data:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return data[0]["id"]
