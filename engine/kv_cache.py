@@ -10,11 +10,19 @@ PAD_PAGE = 0  # reserved: padding entries of block tables point here, so it is n
 
 
 class PageAllocator:
-    """Hands out KV pages 1..num_pages-1 and counts references to each.
+    """Hands out KV pages 1..num_pages-1, counts references to each, and places each owner's
+    pages as one ascending run of page ids where it can.
 
-    A page is either free (refcount 0, on the free list) or referenced (refcount >= 1,
-    off the free list); prefix sharing and the prefix cache add references, and the page
-    returns to the free list when the last one is dropped.
+    A page is either free (refcount 0) or referenced (refcount >= 1); prefix sharing and the
+    prefix cache add references, and the page is free again when the last one is dropped.
+
+    Placement: the attention kernel reads a sequence's pages faster when they are consecutive
+    ascending ids (a KV head's keys are then one forward run of memory; int8 KV ~1.6x, see
+    benchmarks/page_placement_bench.py). An owner (a running sequence) that says how many pages it
+    will hold in all gets its first pages at the start of a free run that long (best fit), and the
+    rest of the run is claimed for it, so that its growth takes page last + 1. A claim is soft:
+    other allocations avoid claimed pages, but take them rather than fail, so capacity is the
+    same as without claims.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -24,19 +32,54 @@ class PageAllocator:
                 "raise the KV cache memory budget or lower the page size")
         self._num_pages = num_pages
         self._refcounts = np.zeros(num_pages, dtype=np.int32)
-        # LIFO; reversed so the first allocations get low page ids (easier to read in logs).
-        self._free: list[int] = list(range(num_pages - 1, PAD_PAGE, -1))
+        self._free = np.ones(num_pages, dtype=bool)
+        self._free[PAD_PAGE] = False
+        self._num_free = num_pages - 1
+        self._claim = np.zeros(num_pages, dtype=np.int64)  # owner id per free page, 0: unclaimed
+        self._claims: dict[int, tuple[int, int]] = {}        # owner -> its claimed range [lo, hi)
 
-    def allocate(self, n: int) -> list[int] | None:
-        """`n` fresh pages at refcount 1, or None (nothing taken) if fewer than `n` are free."""
+    def allocate(self, n: int, *, want: int | None = None, owner: int = 0,
+                 after: int | None = None) -> list[int] | None:
+        """`n` fresh pages at refcount 1, or None (nothing taken) if fewer than `n` are free.
+
+        `owner` (> 0) will hold `want` pages from here in all (n now, the rest later through
+        allocate(1, after=its last page)): the first `n` come from the start of a free run of
+        `want` pages where there is one, and the rest of that run is claimed for it. `after`:
+        continue from that page (take after + 1, ... when they are free and not claimed by
+        another owner)."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
-        if n > len(self._free):
+        if owner < 0:
+            raise ValueError(f"owner ids are > 0 (0 means none), got {owner}")
+        if n > self._num_free:
             return None
-        pages = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        self._refcounts[pages] = 1
+        if n == 0:
+            return []
+        want = max(n, want or n)
+        # Growth continues its run; a new owner (after a prefix-cache hit) only where all it wants fits.
+        new = not owner or owner not in self._claims
+        if after is not None and self._mine(after + 1, after + 1 + (want if new else n), owner).all():
+            pages = list(range(after + 1, after + 1 + n))
+            if owner and new:
+                self._claim_run(owner, after + 1 + n, after + 1 + want)
+        else:
+            pages = self._place(n, want, owner)
+        taken = np.asarray(pages)
+        self._free[taken] = False
+        self._claim[taken] = 0
+        self._refcounts[taken] = 1
+        self._num_free -= n
         return pages
+
+    def longest_open_run(self, owner: int = 0) -> int:
+        """The most consecutive free pages not claimed by another owner than `owner`."""
+        return int(self._open_runs(owner)[1].max(initial=0))
+
+    def release_claim(self, owner: int) -> None:
+        """The owner left (finished or preempted): its claimed pages are anybody's again."""
+        lo, hi = self._claims.pop(owner, (0, 0))
+        part = self._claim[lo:hi]
+        part[part == owner] = 0
 
     def incref(self, page: int) -> None:
         """Add a reference to a page that is already in use (sharing, never resurrecting)."""
@@ -52,17 +95,14 @@ class PageAllocator:
             raise ValueError(f"decref of free page {page}: it was already released (double free)")
         self._refcounts[page] -= 1
         if self._refcounts[page] == 0:
-            self._free.append(page)
+            self._free[page] = True
+            self._num_free += 1
             return True
         return False
 
     def free_many(self, pages: Iterable[int]) -> None:
-        """Drop one reference to each page (a sequence releasing its block table). The pages go back on the
-        free list last-first, so the next allocation takes a freed run in its order: a sequence's pages then
-        lie in ascending order where they can, which the attention kernel reads faster than descending ones
-        (one KV head's keys become one forward run of memory; attention_bench --page-order, page_size 64:
-        f32 28.5 ms ascending, 33.8 descending, 33.5 random)."""
-        for page in reversed(list(pages)):
+        """Drop one reference to each page (a sequence releasing its block table)."""
+        for page in pages:
             self.decref(page)
 
     def refcount(self, page: int) -> int:
@@ -72,11 +112,11 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_total - len(self._free)
+        return self.num_total - self._num_free
 
     @property
     def num_total(self) -> int:
@@ -88,6 +128,53 @@ class PageAllocator:
             raise ValueError("page 0 is the reserved padding page; it is never allocated or shared")
         if not 0 < page < self._num_pages:
             raise ValueError(f"page {page} out of range [1, {self._num_pages})")
+
+    def _mine(self, lo: int, hi: int, owner: int) -> np.ndarray:
+        """Per page in [lo, hi) (cut at the end of the pool): free and unclaimed or `owner`'s."""
+        if hi > self._num_pages:
+            return np.zeros(1, dtype=bool)
+        claim = self._claim[lo:hi]
+        return self._free[lo:hi] & ((claim == 0) | (claim == owner))
+
+    def _open_runs(self, owner: int) -> tuple[np.ndarray, np.ndarray]:
+        """Start and length of each run of free pages not claimed by another owner, in page order."""
+        open_ = self._free & ((self._claim == 0) | (self._claim == owner))
+        edges = np.flatnonzero(np.diff(open_.view(np.int8), prepend=0, append=0))
+        return edges[::2], edges[1::2] - edges[::2]
+
+    def _claim_run(self, owner: int, lo: int, hi: int) -> None:
+        """Claim for `owner` the pages from `lo` on, up to `hi`, while they are free and unclaimed."""
+        hi = min(hi, self._num_pages)
+        blocked = np.flatnonzero(~(self._free[lo:hi] & (self._claim[lo:hi] == 0)))
+        hi = max(lo, lo + int(blocked[0]) if blocked.size else hi)
+        self._claim[lo:hi] = owner
+        self._claims[owner] = (lo, hi)  # also when empty: the owner has been placed
+
+    def _place(self, n: int, want: int, owner: int) -> list[int]:
+        """Where `n` pages of an owner that will want `want` go, claiming the rest of their run."""
+        if owner:
+            self.release_claim(owner)  # a new run: pages claimed elsewhere are no use to it now
+        starts, lengths = self._open_runs(0)
+        fits = np.flatnonzero(lengths >= want)
+        if fits.size:  # best fit: the shortest run that holds all of it keeps long runs long
+            start = int(starts[fits[np.argmin(lengths[fits])]])
+            if owner:
+                self._claim_run(owner, start + n, start + want)
+            return list(range(start, start + n))
+        # No run holds all it will want: the longest runs first, the rest of the last one claimed.
+        pages: list[int] = []
+        for i in np.argsort(-lengths, kind="stable"):
+            start, take = int(starts[i]), min(int(lengths[i]), n - len(pages))
+            pages += range(start, start + take)
+            if len(pages) == n:
+                if owner:
+                    self._claim_run(owner, start + take, start + int(lengths[i]))
+                return pages
+        # Only claimed pages are left: claims are soft, take them (the highest ids first).
+        if owner:
+            self._claims[owner] = (0, 0)
+        claimed = np.flatnonzero(self._free & (self._claim != 0))
+        return pages + [int(p) for p in claimed[::-1][:n - len(pages)]]
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
