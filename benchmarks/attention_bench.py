@@ -8,7 +8,8 @@ read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB arra
 Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
 --page-order sequential | descending | shared change the page tables (shared: every sequence reads the
 same pages, so K/V stay in cache and the time is the compute alone). SLIPSTREAM_KV_HUGE_PAGES=0 keeps the
-cache on 4 KiB pages (the kernel's A/B switch).
+cache on 4 KiB pages (the kernel's A/B switch). benchmarks/page_placement_bench.py times `bench` on the page
+tables a serving run's allocator built.
 
 Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512 VNNI, --reps 20), page
 tables in random order. Before the VNNI path, on a quiet machine (load 0.2): f32 KV 29.9 ms/step against
@@ -121,19 +122,24 @@ def make_step(layers: int, *, sm_scale: float, use_reference: bool):
     return jax.jit(step, donate_argnums=0)
 
 
-def bench(kv_dtype: str, args) -> None:
+def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int | None = None) -> float:
+    """Prints the step's times; returns the native kernel's median ms/step. `table` [seqs, pages] and the pool's
+    `num_pages` replace --page-order's tables (benchmarks/page_placement_bench.py passes a served server's)."""
     rng = np.random.default_rng(0)
     s, ctx, kvh, g, hd, ps, nl = args.seqs, args.context, args.kv_heads, args.group, args.head_dim, \
         args.page_size, args.layers
     pages_per_seq = -(-ctx // ps)
-    num_pages = s * pages_per_seq + 1
-    if args.page_order == "shared":  # every sequence reads the same pages: K/V stay in cache, compute only
-        order = np.tile(rng.permutation(pages_per_seq), s)
-    else:
-        order = rng.permutation(s * pages_per_seq) if args.page_order == "random" else np.arange(s * pages_per_seq)
-    table = (1 + order).reshape(s, pages_per_seq).astype(np.int32)
-    if args.page_order == "descending":  # consecutive pages, each sequence's in descending order
-        table = table[:, ::-1].copy()
+    if table is None:
+        num_pages = s * pages_per_seq + 1
+        if args.page_order == "shared":  # every sequence reads the same pages: K/V stay in cache, compute only
+            order = np.tile(rng.permutation(pages_per_seq), s)
+        else:
+            order = rng.permutation(s * pages_per_seq) if args.page_order == "random" else np.arange(s * pages_per_seq)
+        table = (1 + order).reshape(s, pages_per_seq).astype(np.int32)
+        if args.page_order == "descending":  # consecutive pages, each sequence's in descending order
+            table = table[:, ::-1].copy()
+    if table.shape != (s, pages_per_seq) or num_pages is None or table.max() >= num_pages:
+        raise ValueError(f"page table {table.shape} (ids < {num_pages}) does not fit {s} seqs x {pages_per_seq} pages")
     shape = (nl, kvh, num_pages, ps, hd)
     if kv_dtype == "int8":
         cache = {"k": jnp.asarray(rng.integers(-127, 128, shape, dtype=np.int8)),
@@ -155,6 +161,7 @@ def bench(kv_dtype: str, args) -> None:
     bound_ms = step_bytes / bandwidth * 1e3
     print(f"{kv_dtype:>8} read bandwidth (numpy sum of 1 GiB): 1 thread {bw1 / 1e9:.1f} GB/s, {cores} threads "
           f"{bwn / 1e9:.1f} GB/s; the bound uses {bandwidth / 1e9:.1f} GB/s")
+    native_ms = float("nan")
     for name, use_reference in (("native", False), ("reference", True)):
         if name == "reference" and not args.reference:
             continue
@@ -173,6 +180,8 @@ def bench(kv_dtype: str, args) -> None:
         if [a.unsafe_buffer_pointer() for a in cache.values()] != ptrs:
             print(f"{kv_dtype:>8} note: the cache buffers moved between steps")
         ms = float(np.median(times)) * 1e3
+        if name == "native":
+            native_ms = ms
         huge = ""
         if name == "native" and native.load("ragged_paged_attention", "ragged_paged_attention"):
             from kernels import _ragged_paged_attention as ext
@@ -183,6 +192,22 @@ def bench(kv_dtype: str, args) -> None:
         print(f"{kv_dtype:>8} {name:>9}: {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), {ms / nl:6.3f} ms/layer; "
               f"cpu {cpu_ms:7.2f} ms/step; K/V read {step_bytes / 2**20:7.1f} MiB -> bound {bound_ms:7.2f} ms; "
               f"ratio {ms / bound_ms:5.2f}x (min {min(times) * 1e3 / bound_ms:5.2f}x){huge}")
+    return native_ms
+
+
+def machine() -> str:
+    """The CPU, its load and which attention kernel path runs."""
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
+                 platform.processor())
+    isa = "unavailable"
+    if native.load("ragged_paged_attention", "ragged_paged_attention"):
+        from kernels import _ragged_paged_attention
+
+        isa = _ragged_paged_attention.isa()
+    load1 = os.getloadavg()[0]  # other jobs on the cores: the kernel's helper threads then start late or never
+    return (f"cpu: {model}, {os.cpu_count()} cores, load average {load1:.2f}; kernel: {native.kernel_paths()} "
+            f"isa={isa}")
 
 
 def main() -> None:
@@ -202,17 +227,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference", action="store_true", help="also time the pure-JAX reference")
     args = parser.parse_args()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
-                 platform.processor())
-    isa = "unavailable"
-    if native.load("ragged_paged_attention", "ragged_paged_attention"):
-        from kernels import _ragged_paged_attention
-
-        isa = _ragged_paged_attention.isa()
-    load1 = os.getloadavg()[0]  # other jobs on the cores: the kernel's helper threads then start late or never
-    print(f"cpu: {model}, {os.cpu_count()} cores, load average {load1:.2f}; kernel: {native.kernel_paths()} "
-          f"isa={isa}")
+    print(machine())
     print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
           f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}, "
           f"page order {args.page_order}")
