@@ -14,7 +14,8 @@ old and new interleaved. Contiguity: the fraction of page-table neighbours that 
 ascending runs a sequence's table is split into.
 
 Measured (2026-11-30, AMD EPYC, 2 vCPUs shared with other jobs, load 1.3, AVX-512 VNNI; defaults: 400 requests,
-noted after 300, --reps 20, 2 rounds, old = 80e0c42): both pools are full of prefix-cache pages by then.
+noted after 300, --reps 20, old = 80e0c42; 2 rounds, old first in both: before the ABBA order). Both pools are
+full of prefix-cache pages by then.
   f32 KV, pool 1092: neighbours id+1 6.1% (old, 22.6 runs per sequence of 24 pages) -> 100% (new, one run each);
     native attention 42.74, 41.13 -> 31.12, 29.30 ms/step, median 41.94 -> 30.21 (1.39x).
   int8 KV, pool 4112: neighbours id+1 26.6% (17.9 runs) -> 100% (one run each);
