@@ -384,6 +384,7 @@ def test_agreement_counts_what_other_processes_take_and_compares_the_undisturbed
     import time
 
     from benchmarks import bench_agreement as ba
+    from benchmarks.bench import agreement_report as report
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
@@ -400,11 +401,11 @@ def test_agreement_counts_what_other_processes_take_and_compares_the_undisturbed
     assert 1.2 < other < 3.0, other  # the burner's ~1.5 s, plus whatever else ran
 
     def run(who, rnd, share, ttft):
-        return {"who": who, "round": rnd, "other_cpu_share": share, **{k: ttft for k in ba.KEYS}}
+        return {"who": who, "round": rnd, "other_cpu_share": share, **{k: ttft for k in report.KEYS}}
 
     runs = [run("ours", 0, 0.30, 200.0), run("vllm", 0, 0.0, 100.0),  # round 0: ours was disturbed
             run("vllm", 1, 0.01, 100.0), run("ours", 1, 0.0, 104.0)]
-    text = "\n".join(ba.undisturbed(runs, 0.02))
+    text = "\n".join(report.undisturbed(runs, 0.02))
     assert "1 of 2 (1)" in text
     assert "| mean_ttft_ms | 104.00 | 100.00 | +4.0% |" in text
-    assert "0 of 2" in "\n".join(ba.undisturbed(runs, 0.001))
+    assert "0 of 2" in "\n".join(report.undisturbed(runs, 0.001))
