@@ -63,7 +63,9 @@ class Setup:
 
 def build(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
     slots = max(args.slots) + 1                      # + one for prefill chunks
-    longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths))
+    # the scratch slot also takes the mixed step's chunk: up to the whole token budget
+    longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths),
+                  args.max_num_batched_tokens or 0)
     per_seq = pages_needed(longest, args.page_size)
     config = EngineConfig(max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
                           num_pages=slots * per_seq + 1, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
