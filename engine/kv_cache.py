@@ -75,6 +75,10 @@ class PageAllocator:
         """The most consecutive free pages not claimed by another owner than `owner`."""
         return int(self._open_runs(owner)[1].max(initial=0))
 
+    def open_pages(self, owner: int = 0) -> np.ndarray:
+        """Per page id: free and not claimed by another owner than `owner`."""
+        return self._free & ((self._claim == 0) | (self._claim == owner))
+
     def release_claim(self, owner: int) -> None:
         """The owner left (finished or preempted): its claimed pages are anybody's again."""
         lo, hi = self._claims.pop(owner, (0, 0))
@@ -111,6 +115,13 @@ class PageAllocator:
         return int(self._refcounts[page])
 
     @property
+    def refcounts(self) -> np.ndarray:
+        """References per page id, read-only."""
+        view = self._refcounts.view()
+        view.flags.writeable = False
+        return view
+
+    @property
     def num_free(self) -> int:
         return self._num_free
 
@@ -138,7 +149,7 @@ class PageAllocator:
 
     def _open_runs(self, owner: int) -> tuple[np.ndarray, np.ndarray]:
         """Start and length of each run of free pages not claimed by another owner, in page order."""
-        open_ = self._free & ((self._claim == 0) | (self._claim == owner))
+        open_ = self.open_pages(owner)
         edges = np.flatnonzero(np.diff(open_.view(np.int8), prepend=0, append=0))
         return edges[::2], edges[1::2] - edges[::2]
 

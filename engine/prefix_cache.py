@@ -51,7 +51,9 @@ class PrefixCache:
 
     Eviction frees least recently used pages that only the cache references. Within one
     sequence a page is touched after its successors, so the tail of a prefix goes before
-    its head (a page whose parent was evicted can never be matched).
+    its head (a page whose parent was evicted can never be matched). `evict_pages` frees
+    chosen pages instead (a run of page ids for a new sequence) and drops what hangs below
+    them, which could never be matched again.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int,
@@ -65,6 +67,13 @@ class PrefixCache:
         self._max_cached = max_cached_pages
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest first
         self._digest_of: dict[int, bytes] = {}
+        # Chain links of cached pages: a child's digest covers its parent's tokens. A parent
+        # dropped by LRU eviction keeps its children's set, so re-inserting it reconnects them.
+        self._parent: dict[bytes, bytes] = {}
+        self._children: dict[bytes, set[bytes]] = {}
+        self._last_use = np.zeros(allocator.num_total + 1, dtype=np.int64)  # per page; 0: not cached
+        self._parent_page = np.zeros(allocator.num_total + 1, dtype=np.int64)  # 0: none cached
+        self._tick = 0
         self._queries = 0
         self._hits = 0
         self._hit_tokens = 0
@@ -121,7 +130,7 @@ class PrefixCache:
                                  "since it was matched or inserted must not be re-inserted")
         # Touch first so making room for this chain's new pages evicts other chains' pages first.
         self._touch([d for d in digests if d in self._lru])
-        for digest, page in zip(digests, page_ids):
+        for i, (digest, page) in enumerate(zip(digests, page_ids)):
             if digest in self._lru:
                 continue
             if not self._make_room():
@@ -129,6 +138,12 @@ class PrefixCache:
             self._allocator.incref(page)
             self._lru[digest] = page
             self._digest_of[page] = digest
+            if i:
+                self._parent[digest] = digests[i - 1]
+                self._children.setdefault(digests[i - 1], set()).add(digest)
+                self._parent_page[page] = self._lru.get(digests[i - 1], 0)  # 0: made room for this one
+            for child in self._children.get(digest, ()):
+                self._parent_page[self._lru[child]] = page
         self._touch([d for d in digests if d in self._lru])
 
     def evict(self, n: int) -> int:
@@ -142,16 +157,47 @@ class PrefixCache:
             if self._allocator.refcount(page) == 1:
                 victims.append(digest)
         for digest in victims:
-            page = self._lru.pop(digest)
-            del self._digest_of[page]
-            self._allocator.decref(page)
+            self._drop(digest)
         return len(victims)
+
+    def evict_pages(self, pages: Sequence[int]) -> int:
+        """Free these cached pages, which only the cache references, and drop every cached page
+        chained below them (no match can reach those any more; pages that sequences hold stay
+        theirs). How many pages were freed."""
+        doomed = []
+        for page in pages:
+            digest = self._digest_of.get(page)
+            if digest is None or self._allocator.refcount(page) != 1:
+                raise ValueError(f"page {page} is not an idle cached page (cached: "
+                                 f"{digest is not None}, refcount {self._allocator.refcount(page)})")
+            doomed.append(digest)
+        freed = 0
+        while doomed:
+            digest = doomed.pop()
+            doomed.extend(self._children.get(digest, ()))
+            if digest in self._lru:
+                freed += self._drop(digest)
+        return freed
+
+    def evictable_last_use(self) -> np.ndarray:
+        """Per page id: when the cache last used it, where `evict_pages` may take it (cached,
+        no sequence holds it); 0 elsewhere. Larger is more recent."""
+        return np.where(self._allocator.refcounts == 1, self._last_use, 0)
+
+    def follows_parent(self) -> np.ndarray:
+        """Per page id: cached with its parent in the page before it (a prompt's pages in one run),
+        so evicting the page before drops it too."""
+        return self._parent_page == np.arange(len(self._parent_page)) - 1
 
     def clear(self) -> None:
         """Drop every cache reference; pages still used by sequences stay theirs."""
         pages = list(self._lru.values())
         self._lru.clear()
         self._digest_of.clear()
+        self._parent.clear()
+        self._children.clear()
+        self._last_use[:] = 0
+        self._parent_page[:] = 0
         self._allocator.free_many(pages)
 
     @property
@@ -180,6 +226,24 @@ class PrefixCache:
         # Deepest page first, so the head of the prefix ends most recently used.
         for digest in reversed(digests):
             self._lru.move_to_end(digest)
+            self._tick += 1
+            self._last_use[self._lru[digest]] = self._tick
+
+    def _drop(self, digest: bytes) -> bool:
+        """Remove one entry and the cache's reference to its page; True if that freed the page."""
+        page = self._lru.pop(digest)
+        del self._digest_of[page]
+        self._last_use[page] = 0
+        self._parent_page[page] = 0
+        for child in self._children.get(digest, ()):
+            self._parent_page[self._lru[child]] = 0
+        parent = self._parent.pop(digest, None)
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.discard(digest)
+            if not siblings:
+                del self._children[parent]
+        return self._allocator.decref(page)
 
     def _make_room(self) -> bool:
         if self._max_cached is None:

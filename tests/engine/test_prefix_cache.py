@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
@@ -227,6 +228,66 @@ def test_peek_counts_what_match_would_take_and_changes_nothing():
     assert BlockManager(16, PS, enable_prefix_cache=False).cached_prefix_tokens(prompt) == 0
 
 
+def test_evict_pages_frees_the_chosen_pages_and_the_chain_below_them():
+    """Targeted eviction (a run of page ids for a new sequence) must not leave cached pages that
+    no match can reach: the pages chained below the chosen one go too; its siblings stay."""
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    a, b, c, d = [1] * PS, [2] * PS, [3] * PS, [4] * PS
+    abc = _prefill(alloc, cache, a + b + c + [0])
+    ad = _prefill(alloc, cache, a + d + [0])
+    assert ad[0] == abc[0]
+    alloc.free_many(abc + ad)
+    assert cache.evict_pages([abc[1]]) == 2                    # b, and c below it
+    assert [alloc.refcount(p) for p in abc[:3]] == [1, 0, 0]
+    assert cache.num_cached == 2 and cache.num_evictable == 2
+    assert cache.match(a + b + c + [0]) == abc[:1]
+    assert cache.match(a + d + [0]) == ad[:2]
+    free = alloc.allocate(alloc.num_free)
+    assert abc[1] in free and abc[2] in free and ad[1] not in free  # nothing both cached and free
+
+
+def test_evict_pages_leaves_held_pages_below_it_to_their_sequence():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    a, b = [1] * PS, [2] * PS
+    first = _prefill(alloc, cache, a + [0])
+    second = alloc.allocate(3)                # computed `a` itself before `first` was cached
+    cache.insert(a + b + [0], second)         # caches a+b -> second[1], under first[0]
+    alloc.free_many(first)
+    assert cache.evict_pages([first[0]]) == 1
+    assert alloc.refcount(first[0]) == 0
+    assert alloc.refcount(second[1]) == 1 and cache.num_cached == 0  # still second's, no longer cached
+    alloc.free_many(second)
+    assert alloc.num_free == alloc.num_total
+
+
+def test_evict_pages_refuses_pages_in_use_or_not_cached():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    running = _prefill(alloc, cache, [5] * (2 * PS) + [0])
+    with pytest.raises(ValueError, match="not an idle cached page"):
+        cache.evict_pages([running[0]])       # a running sequence holds it
+    with pytest.raises(ValueError, match="not an idle cached page"):
+        cache.evict_pages([running[2]])       # the partial page is never cached
+    assert cache.num_cached == 2 and [alloc.refcount(p) for p in running] == [2, 2, 1]
+
+
+def test_evictable_last_use_orders_idle_pages_as_lru_eviction_does():
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    pages = [_prefill(alloc, cache, [k] * (2 * PS) + [0]) for k in range(4)]
+    alloc.free_many(pages[0] + pages[1] + pages[3])            # pages[2] still running
+    alloc.free_many(cache.match([0] * (2 * PS) + [0]))         # touch chain 0
+    last_use = cache.evictable_last_use()
+    idle = [int(p) for p in np.argsort(last_use) if last_use[p] > 0]
+    assert sorted(idle) == sorted(pages[0][:2] + pages[1][:2] + pages[3][:2])
+    lru_order = []
+    while cache.evict(1):
+        lru_order.append(next(p for p in idle if alloc.refcount(p) == 0 and p not in lru_order))
+    assert lru_order == idle
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Sequences over a 2-token alphabet (so prefixes collide often) admitted the way the
     scheduler does it, against a model of which pages each sequence holds and what they contain."""
@@ -325,6 +386,25 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.cache.num_evictable == evictable
         assert self.cache.evict(n) == min(n, evictable)
         self.sync(may_add=False, may_drop_held=False)
+
+    @precondition(lambda self: any(self.held()[p] == 0 for p in self.cached))
+    @rule(data=st.data())
+    def evict_pages(self, data):
+        held = self.held()
+        page = data.draw(st.sampled_from(sorted(p for p in self.cached if held[p] == 0)))
+        heads = {self.content[p] for p in self.cached}
+        head = self.content[page]
+
+        def below(q):  # chained below `page` through cached pages only: what no match can reach
+            tokens = self.content[q]
+            return tokens[:len(head)] == head and all(
+                tokens[:k] in heads for k in range(len(head), len(tokens), self.PAGE))
+        before = set(self.cached)
+        dropped = {q for q in before if below(q)}
+        freed = self.cache.evict_pages([page])
+        assert freed == sum(1 for q in dropped if held[q] == 0)
+        self.sync(may_add=False, may_drop_held=True)   # held pages below it stay their sequences'
+        assert self.cached == before - dropped
 
     @rule()
     def clear(self):
