@@ -89,7 +89,7 @@ class BlockManager:
     def _allocate(self, n: int, reserve: int = 0, *, want: int = 0, owner: int = 0,
                   after: int | None = None, admitting: bool = False) -> list[int] | None:
         if admitting and self.prefix is not None and self.allocator.longest_open_run(owner) < want:
-            self._evict_window(n + reserve, max(n, want), owner)
+            self._evict_window(n + reserve, max(n, want), owner, after)
         shortfall = n + reserve - self.allocator.num_free
         if shortfall > 0 and self.prefix is not None:
             self.prefix.evict(shortfall)
@@ -97,27 +97,28 @@ class BlockManager:
             return None
         return self.allocator.allocate(n, want=want, owner=owner, after=after)
 
-    def _evict_window(self, needed: int, want: int, owner: int) -> None:
+    def _evict_window(self, needed: int, want: int, owner: int, after: int | None) -> None:
         """Once the prefix cache holds the rest of the pool, no `want` consecutive pages are free:
         evict exactly the cached pages of the window of `want` pages, each free or idle cached,
         that costs the cache least, so the new sequence's pages are one run (without, growth pages
         come one LRU page at a time from all over the pool; benchmarks/page_placement_bench.py).
         Nothing if there is no such window or the admission cannot get its `needed` free pages:
-        the allocator then takes the longest runs, as before."""
+        the allocator then takes the longest runs, as before. After a prefix-cache hit ending at
+        page `after`, the window from after + 1 wins ties, so that hit and new pages are one run."""
         last_use = self.prefix.evictable_last_use()
         if needed > self.allocator.num_free + np.count_nonzero(last_use):
             return
         start = cheapest_window(self.allocator.open_pages(owner), last_use, want,
-                                self.prefix.follows_parent())
+                                self.prefix.follows_parent(), prefer=None if after is None else after + 1)
         if start is not None:
             self.prefix.evict_pages((np.flatnonzero(last_use[start:start + want]) + start).tolist())
 
 
-def cheapest_window(open_: np.ndarray, last_use: np.ndarray, want: int,
-                    follows: np.ndarray) -> int | None:
+def cheapest_window(open_: np.ndarray, last_use: np.ndarray, want: int, follows: np.ndarray,
+                    prefer: int | None = None) -> int | None:
     """Start of the `want` consecutive page ids, each open (`open_`) or an evictable cached page
     (`last_use` > 0, its last use), that loses the fewest cached pages, then the least recently
-    used (the oldest newest use); None if there is none. Lost: the cached pages in the window and
+    used (the oldest newest use), or `prefer` if it loses no more; None if there is none. Lost: the cached pages in the window and
     the run of pages after it chained to it (`follows`: cached, parent in the page before), which
     eviction drops with them. Fewest first: a free page that windows leave out stays free, and
     the cache holds less (benchmarks/page_placement_bench.py, f32 pool, shared heads: 308 idle
@@ -136,4 +137,8 @@ def cheapest_window(open_: np.ndarray, last_use: np.ndarray, want: int,
     ends = starts + want
     lost = cached[ends] - cached[starts] + run_end[ends] - ends
     newest = np.lib.stride_tricks.sliding_window_view(last_use, want)[starts].max(axis=1)
-    return int(starts[np.lexsort((newest, lost))[0]])
+    best = np.lexsort((newest, lost))[0]
+    preferred = np.flatnonzero(starts == prefer)
+    if preferred.size and lost[preferred[0]] <= lost[best]:
+        return int(prefer)
+    return int(starts[best])

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, cheapest_window
 from engine.kv_cache import PageAllocator
 from engine.request import Request, SamplingParams
 from engine.schedule import StepPlanner
@@ -220,3 +220,20 @@ def test_without_a_free_or_idle_window_admission_evicts_lru_and_takes_the_longes
     new = _admit(blocks, [9] * 20, max_tokens=4)               # 5 pages now, 6 in all: no window of 6
     assert sorted(new.pages) == [1, 2, 5, 6, 10]               # the 5 LRU pages (each chain's tail first)
     assert blocks.prefix.num_cached == 7 and blocks.prefix.peek([5] * 8) == 1  # page 9 kept
+
+
+def test_window_after_a_prefix_hit_wins_only_among_the_cheapest():
+    last_use = np.arange(9)                                    # pages 1..8 idle cached, 1 the oldest; 0 padding
+    closed, chained = np.zeros(9, dtype=bool), np.zeros(9, dtype=bool)
+    assert cheapest_window(closed, last_use, 2, chained) == 1
+    assert cheapest_window(closed, last_use, 2, chained, prefer=5) == 5   # same loss: continue the hit's run
+    free_6 = last_use.copy()
+    free_6[6] = 0
+    open_6 = closed.copy()
+    open_6[6] = True
+    assert cheapest_window(open_6, free_6, 2, chained, prefer=3) == 5     # [5, 6] and [6, 7] lose one page
+    free_6[5] = 10                                             # 5 used last: [6, 7] is the older window...
+    assert cheapest_window(open_6, free_6, 2, chained) == 6
+    chained[8] = True                                          # ...but 8 hangs below 7: [6, 7] loses two
+    assert cheapest_window(open_6, free_6, 2, chained) == 5
+    assert cheapest_window(closed, last_use, 9, chained) is None
