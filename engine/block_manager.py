@@ -121,8 +121,8 @@ def cheapest_window(open_: np.ndarray, last_use: np.ndarray, want: int, follows:
     used (the oldest newest use), or `prefer` if it loses no more; None if there is none. Lost: the cached pages in the window and
     the run of pages after it chained to it (`follows`: cached, parent in the page before), which
     eviction drops with them. Fewest first: a free page that windows leave out stays free, and
-    the cache holds less (benchmarks/page_placement_bench.py, f32 pool, shared heads: 308 idle
-    cached pages and 6016 hit tokens when ranked by age first, 354 and 6832 so)."""
+    the cache holds less (benchmarks/page_placement_bench.py, f32 pool, shared heads: 310 idle
+    cached pages and 6912 hit tokens when ranked by age first, 368 and 7552 so)."""
     evictable = last_use > 0
     usable = np.concatenate(([0], np.cumsum(open_ | evictable)))
     if want < 1 or want >= len(usable):
