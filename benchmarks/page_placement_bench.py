@@ -2,27 +2,38 @@
 
 Run from the repo root (serialize timing runs with the other benchmarks):
     flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.page_placement_bench [--requests 400]
-        [--steady 300] [--old-rev 80e0c42] [--simulate-only]
+        [--steady 300] [--old-rev 80e0c42] [--head-rev 00c7880] [--shared 0.5] [--simulate-only]
 A closed loop of `--concurrency` requests (random `--prompt`-token prompts, `--output` tokens, ignore EOS, a new
 request as each one finishes) runs through the real StepPlanner and BlockManager, prefix cache on, with the pool
 the server gets from --kv-cache-memory 768MiB for SmolLM2-135M (f32 KV: 1092 pages, int8: 4112). At the first step
 after `--steady` requests were admitted with every slot busy, the running sequences are noted, and each one's
-page table when it finishes (all `prompt + output` tokens) is kept. That runs once with the page allocator and
-block manager of `--old-rev` (loaded from git: the LIFO free list) and once with today's, and
+page table when it finishes (all `prompt + output` tokens) is kept. That runs with the page allocator and block
+manager of `--old-rev` (loaded from git: the LIFO free list), of `--head-rev` (one run per sequence, admission
+evicting LRU pages until one is open) and today's (evicting the cached pages of one chosen window), and
 benchmarks/attention_bench.py times one decode step over exactly those tables (the cache as large as the pool),
-old and new interleaved. Contiguity: the fraction of page-table neighbours that are page id + 1, and how many
-ascending runs a sequence's table is split into.
+the three interleaved. Contiguity: the fraction of page-table neighbours that are page id + 1, and how many
+ascending runs a sequence's table is split into. A second, untimed loop has `--shared` of the prompts start with
+one of `--shared-k` fixed 128-token heads, for the prefix-cache hit tokens.
 
-Measured (2026-11-30, AMD EPYC, 2 vCPUs shared with other jobs, load 1.3, AVX-512 VNNI; defaults: 400 requests,
-noted after 300, --reps 20, old = 80e0c42; 2 rounds, old first in both: before the ABBA order). Both pools are
-full of prefix-cache pages by then.
-  f32 KV, pool 1092: neighbours id+1 6.1% (old, 22.6 runs per sequence of 24 pages) -> 100% (new, one run each);
-    native attention 42.74, 41.13 -> 31.12, 29.30 ms/step, median 41.94 -> 30.21 (1.39x).
-  int8 KV, pool 4112: neighbours id+1 26.6% (17.9 runs) -> 100% (one run each);
-    18.62, 18.58 -> 12.32, 12.24 ms/step, median 18.60 -> 12.28 (1.51x).
-Scheduling is the same (1679 steps, no preemption, both); the idle prefix-cache pages, mean over the steps after
-the noted one, drop 486 -> 271 (f32) and 3506 -> 2287 (int8): admission evicts enough for one open run. The
-planner's host time per step (admit, plan, advance, finish; this simulation) goes 118 -> 157 us for both pools.
+Measured (2026-11-30 22:05, AMD EPYC, 2 vCPUs shared with other jobs, load 0.8, AVX-512 VNNI; defaults: 400
+requests, noted after 300, --reps 20, 2 rounds old head new / new head old). Both pools are full of prefix-cache
+pages by then; scheduling is the same in all (1679 steps, no preemption). Idle cached: prefix-cache pages no
+sequence holds, mean over the steps after the noted one. Planner: host time per step (admit, plan, advance,
+finish) in this simulation, +-20% from run to run.
+                 neighbours id+1  runs/seq  idle cached  planner us  attention ms/step (rounds; median)
+  f32  old           6.1%          22.59        486          134      39.39, 39.56; 39.47
+       head        100.0%           1.00        271          206      31.46, 29.58; 30.52
+       new         100.0%           1.00        290          195      29.34, 29.37; 29.36
+  int8 old          26.6%          17.88       3506          129      20.87, 18.87; 19.87
+       head        100.0%           1.00       2287          167      11.54, 13.55; 12.54
+       new         100.0%           1.00       2294          253      12.16, 12.54; 12.35
+  50% of prompts on one of 64 shared heads:  idle cached, prompt tokens from the cache, sequences in one run
+  f32  old 498, 7776, 0%; head 213, 6144, 91%; new 368, 7552, 81%
+  int8 old 3518, 16768, 0%; head 2247, 14976, 50%; new 2638, 16128, 78%
+One run per sequence caps what the cache holds: a finished sequence leaves its 16 prompt pages cached and its 8
+decode pages free between them, and a new run of 24 fits those 8-page gaps only by evicting 16 cached pages; so a
+third or more of the pages no sequence holds stay free (old: all but ~16 are cached). Choosing the window
+recovers what over-eviction lost, most where prompts share heads.
 """
 from __future__ import annotations
 
@@ -67,10 +78,14 @@ class Served:
     preemptions: int
     cached: float         # prefix-cache pages nobody holds, mean over the steps after the noted one
     host_us: float        # planner time per step (admit + plan + advance + finish), all steps
+    hit_tokens: int       # prompt tokens taken from the prefix cache, all requests
 
 
-def simulate(blocks_cls: type, *, num_pages: int, args) -> Served:
+def simulate(blocks_cls: type, *, num_pages: int, args, shared: float = 0.0) -> Served:
+    """`shared`: the fraction of prompts that start with one of `--shared-k` fixed `--shared-tokens`-token
+    heads (picked uniformly; the rest of the prompt random), so cached heads come back after a while."""
     rng = np.random.default_rng(args.seed)
+    heads = rng.integers(0, 49152, (args.shared_k, args.shared_tokens)).tolist()
     blocks = blocks_cls(num_pages, args.page_size, not args.no_prefix_cache)
     planner = StepPlanner(blocks, max_slots=args.concurrency, token_budget=args.token_budget)
     submitted = preemptions = steps = 0
@@ -81,6 +96,8 @@ def simulate(blocks_cls: type, *, num_pages: int, args) -> Served:
     def submit() -> None:
         nonlocal submitted
         prompt = rng.integers(0, 49152, args.prompt).tolist()
+        if rng.random() < shared:
+            prompt[:args.shared_tokens] = heads[rng.integers(args.shared_k)]
         request = Request(prompt_ids=prompt, params=SamplingParams(max_tokens=args.output, ignore_eos=True))
         planner.enqueue(Sequence(request, tracker=None, order=submitted))
         submitted += 1
@@ -112,7 +129,7 @@ def simulate(blocks_cls: type, *, num_pages: int, args) -> Served:
     if noted is None:
         raise SystemExit(f"no step with {args.concurrency} running after {args.steady} requests: raise --requests")
     return Served(np.array([final[s.order] for s in noted], dtype=np.int32), num_pages, steps, preemptions,
-                  float(np.mean(cached)), host_us)
+                  float(np.mean(cached)), host_us, blocks.prefix.hit_tokens if blocks.prefix else 0)
 
 
 def contiguity(tables: np.ndarray) -> str:
@@ -133,24 +150,37 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=288, help="the server's --max-num-batched-tokens")
     parser.add_argument("--kv-cache-memory", type=int, default=768 << 20)
     parser.add_argument("--old-rev", default="80e0c42", help="a commit with the LIFO free list allocator")
+    parser.add_argument("--head-rev", default="00c7880",
+                        help="a commit whose admission evicts LRU pages (up to 2x its want) for one run")
+    parser.add_argument("--shared", type=float, default=0.5,
+                        help="a second, untimed workload: this fraction of prompts start with a shared head")
+    parser.add_argument("--shared-k", type=int, default=64, help="how many distinct shared heads")
+    parser.add_argument("--shared-tokens", type=int, default=128, help="tokens in a shared head")
     parser.add_argument("--kv-dtypes", default="float32,int8")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2, help="old/new timing pairs, interleaved (ABBA)")
+    parser.add_argument("--rounds", type=int, default=2, help="timing rounds, interleaved (old head new, new head old, ...)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefix-cache", action="store_true", help="as the server's flag")
     parser.add_argument("--simulate-only", action="store_true")
     args = parser.parse_args()
     print(attention_bench.machine())
-    placements = {"old": old_block_manager(args.old_rev), "new": block_manager.BlockManager}
+    placements = {"old": old_block_manager(args.old_rev), "head": old_block_manager(args.head_rev),
+                  "new": block_manager.BlockManager}
     served: dict[tuple[str, str], Served] = {}
-    for kv_dtype in args.kv_dtypes.split(","):
-        per_token = kv_bytes_per_token(**_MODEL, **_KV_BYTES[kv_dtype])
-        num_pages = num_pages_for_budget(args.kv_cache_memory, page_size=args.page_size, bytes_per_token=per_token)
-        for name, blocks_cls in placements.items():
-            s = served[kv_dtype, name] = simulate(blocks_cls, num_pages=num_pages, args=args)
-            print(f"{kv_dtype:>8} pool {num_pages} pages, {name}: {s.steps} steps, {s.preemptions} preemptions, "
-                  f"{s.cached:.0f} pages cached, planner {s.host_us:.0f} us/step; "
-                  f"{contiguity(s.tables)}")
+    for shared in (0.0, args.shared) if args.shared else (0.0,):
+        print(f"prompts: {shared:.0%} start with one of {args.shared_k} shared {args.shared_tokens}-token heads"
+              + ("" if shared else " (the timed tables)"))
+        for kv_dtype in args.kv_dtypes.split(","):
+            per_token = kv_bytes_per_token(**_MODEL, **_KV_BYTES[kv_dtype])
+            num_pages = num_pages_for_budget(args.kv_cache_memory, page_size=args.page_size,
+                                             bytes_per_token=per_token)
+            for name, blocks_cls in placements.items():
+                s = simulate(blocks_cls, num_pages=num_pages, args=args, shared=shared)
+                if not shared:
+                    served[kv_dtype, name] = s
+                print(f"{kv_dtype:>8} pool {num_pages} pages, {name:>4}: {s.steps} steps, {s.preemptions} preempted, "
+                      f"{s.cached:.0f} pages cached, {s.hit_tokens} hit tokens, planner {s.host_us:.0f} us/step; "
+                      f"{contiguity(s.tables)}")
     if args.simulate_only:
         return
     bench_args = argparse.Namespace(seqs=args.concurrency, context=args.prompt + args.output, layers=30, kv_heads=3,
@@ -159,7 +189,7 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {key: [] for key in served}
     for kv_dtype in args.kv_dtypes.split(","):
         for r in range(args.rounds):
-            for name in list(placements)[::1 if r % 2 == 0 else -1]:  # old new, new old, ...: no side goes first
+            for name in list(placements)[::1 if r % 2 == 0 else -1]:  # ABC, CBA, ...: no side goes first
                 s = served[kv_dtype, name]
                 print(f"{name}:", end=" ")
                 times[kv_dtype, name].append(attention_bench.bench(kv_dtype, bench_args, table=s.tables,
