@@ -10,7 +10,10 @@ from setuptools import Extension, setup
 def _extensions() -> list[Extension]:
     import jax.ffi  # build-system.requires pins jax/jaxlib to the runtime's version
 
-    flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
+    # -fno-wrapv undoes the -fwrapv of Python's own CFLAGS, which setuptools puts first: signed overflow
+    # defined as wrapping costs the attention kernel's loops (AMD Zen 4, f32 32 x 384 step, consecutive
+    # pages: 27.8 -> 24.9 ms; the f32 matmul unchanged)
+    flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-fno-wrapv"]
     if os.environ.get("SLIPSTREAM_KERNELS_DEBUG"):
         flags = ["-O0", "-g", "-std=c++17"]
     return [Extension(f"kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],

@@ -15,11 +15,12 @@ Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H =
   Token t of sequence s sits at position kv_lens[s] - (cu_q_lens[s + 1] - t).
 Padding tokens write nothing and get zeros. Page 0 is a dummy page for padded page-table entries.
 
-Layout inside a page (the kernel's choice): f32 / bf16 K and V, and int8 V, hold a page's rows in order,
-[page_size, hd]. int8 K with hd % 4 == 0 holds them as 4-byte words, word-major: the page's bytes are
-[hd/4, page_size, 4], so word w (columns 4w..4w+3) of consecutive keys lies together and the native
-kernel's vpdpbusd scores read it as it lies, with no transpose. k_page_from_cache / k_page_to_cache
-convert a page between the two; the array shapes do not change.
+Layout inside a page (the kernel's choice): V, and bf16 K, hold a page's rows in order, [page_size, hd].
+f32 K, and int8 K with hd % 4 == 0, hold them as 4-byte words, word-major: the page's bytes are
+[hd * itemsize / 4, page_size, 4], so word w of consecutive keys lies together (int8: columns 4w..4w+3,
+as the native kernel's vpdpbusd scores read them; f32: column w, one vector of 16 keys for broadcast FMAs,
+with no horizontal sums), read as it lies, with no transpose. k_page_from_cache / k_page_to_cache convert
+a page between the two; the array shapes do not change.
 """
 from __future__ import annotations
 
@@ -118,11 +119,11 @@ def write_kv(kv_cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.A
         return flat.at[layer, :, slots].set(new.astype(buf.dtype), mode="drop").reshape(buf.shape)
 
     def put_words_major(buf: jax.Array, new: jax.Array) -> jax.Array:
-        hd = buf.shape[-1]
-        view = buf.reshape(*buf.shape[:3], hd // 4, page_size, 4)      # [L, KV, pages, hd/4, ps, 4]
+        hd, e = buf.shape[-1], _word_elems(buf.dtype)
+        view = buf.reshape(*buf.shape[:3], hd // e, page_size, e)      # [L, KV, pages, hd/e, ps, e]
         page = jnp.where(slots < 0, num_pages, slots // page_size)      # out of range: dropped
-        # advanced indices split by slices: the indexed view is [T, KV, hd/4, 4]
-        new = new.astype(buf.dtype).reshape(*new.shape[:2], hd // 4, 4)
+        # advanced indices split by slices: the indexed view is [T, KV, hd/e, e]
+        new = new.astype(buf.dtype).reshape(*new.shape[:2], hd // e, e)
         return view.at[layer, :, page, :, slots % page_size].set(new, mode="drop").reshape(buf.shape)
 
     out = dict(kv_cache)
@@ -132,26 +133,40 @@ def write_kv(kv_cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.A
         out["v"] = put(kv_cache["v"], vq)
         out["k_scale"], out["v_scale"] = put(kv_cache["k_scale"], ks), put(kv_cache["v_scale"], vs)
     else:
-        out["k"], out["v"] = put(kv_cache["k"], k_new), put(kv_cache["v"], v_new)
+        k_put = put_words_major if k_words_major(kv_cache) else put
+        out["k"], out["v"] = k_put(kv_cache["k"], k_new), put(kv_cache["v"], v_new)
     return out
 
 
+def _word_elems(dtype) -> int:
+    """Elements of `dtype` in a 4-byte word of a word-major K page."""
+    return 4 // jnp.dtype(dtype).itemsize
+
+
+def k_pages_word_major(dtype, head_dim: int) -> bool:
+    """Whether K pages of this cache dtype and head_dim are stored word-major (see the module doc)."""
+    dtype = jnp.dtype(dtype)
+    return dtype == jnp.float32 or (dtype == jnp.int8 and head_dim % 4 == 0)
+
+
 def k_words_major(kv_cache: KVCache) -> bool:
-    """Whether the cache's K pages are stored word-major (int8 K, head_dim % 4 == 0; see the module doc)."""
-    return "k_scale" in kv_cache and kv_cache["k"].shape[-1] % 4 == 0
+    """Whether the cache's K pages are stored word-major (f32 K, or int8 K with head_dim % 4 == 0)."""
+    return k_pages_word_major(kv_cache["k"].dtype, kv_cache["k"].shape[-1])
 
 
 def k_page_to_cache(k):
-    """int8 K pages [..., page_size, hd] in row order -> as the cache stores them (word-major, same shape).
-    Works on numpy and JAX arrays."""
+    """f32 or int8 K pages [..., page_size, hd] in row order -> as the cache stores them (word-major,
+    same shape). Works on numpy and JAX arrays."""
     *lead, ps, hd = k.shape
-    return k.reshape(*lead, ps, hd // 4, 4).swapaxes(-3, -2).reshape(*lead, ps, hd)
+    e = _word_elems(k.dtype)
+    return k.reshape(*lead, ps, hd // e, e).swapaxes(-3, -2).reshape(*lead, ps, hd)
 
 
 def k_page_from_cache(k):
-    """Inverse of k_page_to_cache: stored int8 K pages [..., page_size, hd] -> rows in order."""
+    """Inverse of k_page_to_cache: stored f32 or int8 K pages [..., page_size, hd] -> rows in order."""
     *lead, ps, hd = k.shape
-    return k.reshape(*lead, hd // 4, ps, 4).swapaxes(-3, -2).reshape(*lead, ps, hd)
+    e = _word_elems(k.dtype)
+    return k.reshape(*lead, hd // e, ps, e).swapaxes(-3, -2).reshape(*lead, ps, hd)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels.attention import k_page_from_cache, k_page_to_cache
+from kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None) -> tu
     cache = {k: v.copy() for k, v in c.cache.items()}
     int8 = "k_scale" in cache
     _, kvh, _, ps, hd = cache["k"].shape
-    words_major = int8 and hd % 4 == 0   # int8 K pages as the cache stores them (kernels.attention's doc)
+    words_major = k_pages_word_major(cache["k"].dtype, hd)   # K pages as the cache stores them (kernels.attention's doc)
     if words_major:
         cache["k"] = np.ascontiguousarray(k_page_from_cache(cache["k"]))
     t_len, h, _ = c.q.shape

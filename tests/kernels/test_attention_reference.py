@@ -56,3 +56,27 @@ def test_int8_k_pages_are_word_major():
     np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]))[1, 0, page, off], want)
     rows = np.random.default_rng(0).integers(-127, 128, (3, ps, hd)).astype(np.int8)
     np.testing.assert_array_equal(k_page_from_cache(k_page_to_cache(rows)), rows)
+
+
+def test_f32_k_pages_are_column_major():
+    """f32 K is stored word-major too, a word being one column: column x of key j of a page sits at element
+    x * page_size + j of the page, so 16 keys' column x is one vector load; V and bf16 K stay in row order."""
+    from kernels.attention import k_page_from_cache, k_page_to_cache, write_kv
+
+    shape, page, off = (2, 1, 3, 8, 12), 2, 5                                 # layers, KV, pages, ps, hd
+    ps, hd = shape[3], shape[4]
+    k_new = jnp.arange(1, hd + 1, dtype=jnp.float32).reshape(1, 1, hd)
+    want = np.arange(1, hd + 1, dtype=np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        out = write_kv(cache, jnp.int32(1), k_new, k_new, jnp.asarray([page * ps + off], jnp.int32))
+        k_page = np.asarray(out["k"].astype(jnp.float32))[1, 0, page].reshape(-1)
+        if dtype == jnp.float32:
+            np.testing.assert_array_equal(k_page[np.arange(hd) * ps + off], want)
+            np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]))[1, 0, page, off], want)
+        else:
+            np.testing.assert_array_equal(k_page[off * hd:(off + 1) * hd], want)
+        assert np.count_nonzero(k_page) == hd
+        np.testing.assert_array_equal(np.asarray(out["v"].astype(jnp.float32))[1, 0, page, off], want)
+    rows = np.random.default_rng(0).standard_normal((3, ps, hd)).astype(np.float32)
+    np.testing.assert_array_equal(k_page_from_cache(k_page_to_cache(rows)), rows)
