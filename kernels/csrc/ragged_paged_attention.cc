@@ -805,6 +805,7 @@ struct Item {
   int seq, kh, row_begin, row_end;  // rows r = token * G + g within the sequence
   int key_lo, key_hi;
   int partial;                      // -1: writes the output; else its slot in the partials
+  bool adjacent;                    // its keys' pages are one run of consecutive page ids
 };
 
 struct Group {  // the split items of one (sequence, KV head, row block): partials [first, first + n)
@@ -1017,17 +1018,23 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   QuantRows qq;
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
-  if (t_touched != &it) touch_keys(p, s, it.kh, it.key_lo, it.key_hi);
+  // Pages in one run are one stream per K and V, which the hardware prefetchers follow on their own (the
+  // cache is on 2 MiB pages, so TLB misses are rare): touching and prefetching them only costs (AMD Zen 4,
+  // 32 x 384 step, consecutive pages: int8 11.2 -> 9.9 ms, f32 no clear change; random order: int8 18.4
+  // with them, 20.7 without).
+  if (!it.adjacent) {
+    if (t_touched != &it) touch_keys(p, s, it.kh, it.key_lo, it.key_hi);
+    prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
+  }
   t_touched = nullptr;
-  prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
   for (int key = it.key_lo; key < it.key_hi;) {
     // the chunk kPrefetchChunks ahead (in this item, or the first ones of the thread's next item), requested
     // in 4 parts between the steps below
     const int ahead = key + kPrefetchChunks * kChunk;
     int pf_s = -1, pf_kh = 0, pf_a = 0, pf_b = 0;
     if (ahead < it.key_hi) {
-      pf_s = s, pf_kh = it.kh, pf_a = ahead, pf_b = std::min(it.key_hi, ahead + kChunk);
-    } else if (next) {
+      if (!it.adjacent) pf_s = s, pf_kh = it.kh, pf_a = ahead, pf_b = std::min(it.key_hi, ahead + kChunk);
+    } else if (next && !next->adjacent) {
       if (t_touched != next) {
         touch_keys(p, next->seq, next->kh, next->key_lo, next->key_hi);
         t_touched = next;
@@ -1156,6 +1163,11 @@ void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<G
       part.partial = slots++;
       items.push_back(part);
     }
+  }
+  for (Item& it : items) {
+    it.adjacent = true;
+    for (int key = it.key_lo + p.ps - it.key_lo % p.ps; key < it.key_hi && it.adjacent; key += p.ps)
+      it.adjacent = p.page(it.seq, key) == p.page(it.seq, key - p.ps) + 1;
   }
 }
 

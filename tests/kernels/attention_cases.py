@@ -24,14 +24,18 @@ class Case:
 
 def make_case(rng: np.random.Generator, *, q_lens: list[int], cached: list[int], kv_heads: int, group: int,
               head_dim: int, page_size: int, layers: int = 2, layer: int = 1, pad_seqs: int = 1,
-              pad_tokens: int = 3, int8: bool = False, dtype=np.float32, max_pages: int | None = None) -> Case:
-    """Sequence i feeds q_lens[i] new tokens after cached[i] keys already in its (scattered) pages."""
+              pad_tokens: int = 3, int8: bool = False, dtype=np.float32, max_pages: int | None = None,
+              consecutive: bool = False) -> Case:
+    """Sequence i feeds q_lens[i] new tokens after cached[i] keys already in its pages: scattered, or with
+    `consecutive` each sequence's pages one run of consecutive ids (as the engine's allocator places them)."""
     n = len(q_lens)
     kv_lens = np.asarray([c + q for c, q in zip(cached, q_lens)], np.int32)
     need = [-(-int(k) // page_size) for k in kv_lens]
     p = max_pages or max(need + [1])
     total = sum(need) + 1
-    pages = rng.permutation(np.arange(1, total)).astype(np.int32)   # scattered, page 0 never used
+    pages = np.arange(1, total, dtype=np.int32)                       # page 0 never used
+    if not consecutive:
+        pages = rng.permutation(pages)
     table = np.zeros((n + pad_seqs, p), np.int32)
     at = 0
     for i, k in enumerate(need):
