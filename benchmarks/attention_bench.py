@@ -60,6 +60,24 @@ of both pairs: shared 13.08 -> 12.58 and 14.07 -> 12.75, random 41.2 -> 36.6 and
 the row sums kept as vectors (one horizontal add per item, not per chunk), the p quantization's
 per-row max in pv_i8; reads that overlap the compute (the sums above) and pages of one sequence allocated
 next to each other (sequential is 1.6x faster than random for int8).
+
+Sixth session (same machine kind, load ~1; --page-order sequential, which is what the allocator hands out
+since page placement). Profile first: the kernel's own structure streaming the same bytes with no compute
+(every 64th byte of each chunk's K and V rows loaded) took 19.2 ms against a 17.5 ms bound (1.09x), the
+f32 step 25.2 and its compute alone (shared order) ~10 ms: reads and compute still add up. perf (shared,
+f32): the 16-key scores 43% of the kernel's samples (a 16 x 16 transposing reduction per row and chunk),
+P x V 29%, softmax 13%. Changes, each against the .so before it, interleaved in one run:
+  - -fno-wrapv (Python's CFLAGS carry -fwrapv): f32 27.8, 27.7 -> 24.7, 25.0 ms; int8 12.2, 11.2 -> 11.5, 11.3.
+  - f32 K pages column-major (kernels/attention.py's doc): scores by broadcast FMAs, keys in the lanes, no
+    reductions. Against the main of the session's start: f32 32.4, 28.4 -> 21.5, 20.6 ms (1.33x, 1.31x of
+    the bound); compute alone 9.5, 10.1 -> 8.0, 8.2 ms; int8 13.2, 12.5 -> 11.4, 11.7; random order f32 40.0, 40.1 ->
+    35.0, 38.3.
+  - Items whose pages are one run skip touch_keys and the software prefetches (env-switched first: touch
+    off alone int8 11.2 -> 10.3-11.4, both off 9.9-10.0; f32 within noise; random int8 18.4 -> 20.7 with
+    them off, so they stay for scattered pages): int8 11.4, 12.5 -> 10.4, 10.2 ms; f32 21.5, 17.9 ->
+    19.1, 18.8 (1.24x, 1.17x of bounds of 15.5 and 16.1 ms); random order unchanged.
+int8 stays at ~2.3-2.4x: its compute alone is ~7.5 ms against a 4.3 ms bound, and perf puts P x V's hottest
+samples on the first shuffle after each V load (the loads wait), scores 24%, P x V 28%, softmax 10%.
 """
 from __future__ import annotations
 
