@@ -69,6 +69,20 @@ constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
 constexpr int kPrefetchChunks = 4; // chunks of K/V requested ahead of the one being computed
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Calls fn<R>(args...) with R = rows (1..8) as a compile-time constant, inside the calling function, so
+// each instantiation inherits the caller's target attributes.
+#define RPA_FOR_ROWS(rows, fn, ...)       \
+  switch (rows) {                         \
+    case 1: return fn<1>(__VA_ARGS__);    \
+    case 2: return fn<2>(__VA_ARGS__);    \
+    case 3: return fn<3>(__VA_ARGS__);    \
+    case 4: return fn<4>(__VA_ARGS__);    \
+    case 5: return fn<5>(__VA_ARGS__);    \
+    case 6: return fn<6>(__VA_ARGS__);    \
+    case 7: return fn<7>(__VA_ARGS__);    \
+    default: return fn<8>(__VA_ARGS__);   \
+  }
+
 enum class KvType { kF32, kBF16, kI8 };
 
 // Query rows as two int8 parts for vpdpbusd (int8 KV, head_dim 64 or 128): q ~= scale * (hi + lo / 256),
@@ -139,7 +153,9 @@ void scores_portable(const float* q, int rows, int hd, const float* k, int n, fl
     }
 }
 
-void scores_f32_words_portable(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
+// Inlined into each target's function below, so the compiler vectorizes it for that target.
+__attribute__((always_inline)) inline void scores_f32_words_loop(const float* q, int rows, int hd, const float* k,
+                                                                 int ps, int n, float* s) {
   for (int r = 0; r < rows; ++r) {
     float acc[kChunk] = {};
     for (int x = 0; x < hd; ++x) {
@@ -149,6 +165,10 @@ void scores_f32_words_portable(const float* q, int rows, int hd, const float* k,
     }
     std::copy(acc, acc + n, s + r * kChunk);
   }
+}
+
+void scores_f32_words_portable(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
+  scores_f32_words_loop(q, rows, hd, k, ps, n, s);
 }
 
 // The bookkeeping every path shares: a row's max grows to m_new; returns the shift for its exp.
@@ -337,15 +357,7 @@ RPA_AVX2 void pv_f32_avx2(const float* p, int rows, int hd, const float* v, int 
 // The widening loops and the word-major scores are the portable ones, vectorized by the compiler for the
 // target.
 RPA_AVX2 void scores_f32_words_avx2(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  for (int r = 0; r < rows; ++r) {
-    float acc[kChunk] = {};
-    for (int x = 0; x < hd; ++x) {
-      const float qx = q[r * hd + x];
-      const float* kx = k + int64_t(x) * ps;
-      for (int j = 0; j < n; ++j) acc[j] += qx * kx[j];
-    }
-    std::copy(acc, acc + n, s + r * kChunk);
-  }
+  scores_f32_words_loop(q, rows, hd, k, ps, n, s);
 }
 
 RPA_AVX2 void widen_i8_avx2(const int8_t* src, int n, int hd, float* dst) {
@@ -484,16 +496,7 @@ RPA_AVX512 void pv_rows_avx512(const float* p, int hd, const T* v, int n, float*
 
 template <class T>
 RPA_AVX512 void pv_typed_avx512(const float* p, int rows, int hd, const T* v, int n, float* acc) {
-  switch (rows) {
-    case 1: return pv_rows_avx512<1>(p, hd, v, n, acc);
-    case 2: return pv_rows_avx512<2>(p, hd, v, n, acc);
-    case 3: return pv_rows_avx512<3>(p, hd, v, n, acc);
-    case 4: return pv_rows_avx512<4>(p, hd, v, n, acc);
-    case 5: return pv_rows_avx512<5>(p, hd, v, n, acc);
-    case 6: return pv_rows_avx512<6>(p, hd, v, n, acc);
-    case 7: return pv_rows_avx512<7>(p, hd, v, n, acc);
-    default: return pv_rows_avx512<8>(p, hd, v, n, acc);
-  }
+  RPA_FOR_ROWS(rows, pv_rows_avx512, p, hd, v, n, acc);
 }
 
 RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale,
@@ -547,16 +550,7 @@ RPA_AVX512 void scores_f32_words_rows(const float* q, int hd, const float* k, in
 }
 
 RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  switch (rows) {
-    case 1: return scores_f32_words_rows<1>(q, hd, k, ps, n, s);
-    case 2: return scores_f32_words_rows<2>(q, hd, k, ps, n, s);
-    case 3: return scores_f32_words_rows<3>(q, hd, k, ps, n, s);
-    case 4: return scores_f32_words_rows<4>(q, hd, k, ps, n, s);
-    case 5: return scores_f32_words_rows<5>(q, hd, k, ps, n, s);
-    case 6: return scores_f32_words_rows<6>(q, hd, k, ps, n, s);
-    case 7: return scores_f32_words_rows<7>(q, hd, k, ps, n, s);
-    default: return scores_f32_words_rows<8>(q, hd, k, ps, n, s);
-  }
+  RPA_FOR_ROWS(rows, scores_f32_words_rows, q, hd, k, ps, n, s);
 }
 
 constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
@@ -688,29 +682,11 @@ RPA_VNNI void quantize_rows_vnni(const float* q, int rows, int hd, QuantRows& ou
 }
 
 RPA_VNNI void scores_i8_words_vnni(const QuantRows& q, int rows, int hd, const int8_t* k, int ps, int n, float* s) {
-  switch (rows) {
-    case 1: return scores_i8_words_rows_vnni<1>(q, hd, k, ps, n, s);
-    case 2: return scores_i8_words_rows_vnni<2>(q, hd, k, ps, n, s);
-    case 3: return scores_i8_words_rows_vnni<3>(q, hd, k, ps, n, s);
-    case 4: return scores_i8_words_rows_vnni<4>(q, hd, k, ps, n, s);
-    case 5: return scores_i8_words_rows_vnni<5>(q, hd, k, ps, n, s);
-    case 6: return scores_i8_words_rows_vnni<6>(q, hd, k, ps, n, s);
-    case 7: return scores_i8_words_rows_vnni<7>(q, hd, k, ps, n, s);
-    default: return scores_i8_words_rows_vnni<8>(q, hd, k, ps, n, s);
-  }
+  RPA_FOR_ROWS(rows, scores_i8_words_rows_vnni, q, hd, k, ps, n, s);
 }
 
 RPA_VNNI void pv_i8_vnni(const float* p, int rows, int hd, const int8_t* v, const float* vscale, int n, float* acc) {
-  switch (rows) {
-    case 1: return pv_i8_rows_vnni<1>(p, hd, v, vscale, n, acc);
-    case 2: return pv_i8_rows_vnni<2>(p, hd, v, vscale, n, acc);
-    case 3: return pv_i8_rows_vnni<3>(p, hd, v, vscale, n, acc);
-    case 4: return pv_i8_rows_vnni<4>(p, hd, v, vscale, n, acc);
-    case 5: return pv_i8_rows_vnni<5>(p, hd, v, vscale, n, acc);
-    case 6: return pv_i8_rows_vnni<6>(p, hd, v, vscale, n, acc);
-    case 7: return pv_i8_rows_vnni<7>(p, hd, v, vscale, n, acc);
-    default: return pv_i8_rows_vnni<8>(p, hd, v, vscale, n, acc);
-  }
+  RPA_FOR_ROWS(rows, pv_i8_rows_vnni, p, hd, v, vscale, n, acc);
 }
 
 constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
