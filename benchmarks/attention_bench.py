@@ -76,8 +76,9 @@ P x V 29%, softmax 13%. Changes, each against the .so before it, interleaved in 
     off alone int8 11.2 -> 10.3-11.4, both off 9.9-10.0; f32 within noise; random int8 18.4 -> 20.7 with
     them off, so they stay for scattered pages): int8 11.4, 12.5 -> 10.4, 10.2 ms; f32 21.5, 17.9 ->
     19.1, 18.8 (1.24x, 1.17x of bounds of 15.5 and 16.1 ms); random order unchanged.
-int8 stays at ~2.3-2.4x: its compute alone is ~7.5 ms against a 4.3 ms bound, and perf puts P x V's hottest
-samples on the first shuffle after each V load (the loads wait), scores 24%, P x V 28%, softmax 10%.
+int8 stays at ~2.3-2.5x: its compute alone (shared order, final .so) is 6.2 ms against a 4.1-4.3 ms bound, so
+even a full overlap would leave ~1.5x; perf (consecutive pages) puts P x V's hottest samples on the first
+shuffle after each V load (the loads wait), scores 24%, P x V 28%, softmax 10%.
 """
 from __future__ import annotations
 
