@@ -973,7 +973,7 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   alignas(64) float acc[kMaxRows * kMaxHeadDim];
   alignas(64) float kbuf[kChunk * kMaxHeadDim];
   alignas(64) float vbuf[kChunk * kMaxHeadDim];
-  alignas(64) float sc[kMaxRows * kChunk];
+  alignas(64) float sc[2][kMaxRows * kChunk];  // this chunk's p and the next chunk's scores
   float m[kMaxRows], l[kMaxRows];
   int pos[kMaxRows], lo[kMaxRows];
   int min_pos = std::numeric_limits<int>::max(), max_lo = 0;
@@ -1003,32 +1003,41 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
   }
   t_touched = nullptr;
-  for (int key = it.key_lo; key < it.key_hi;) {
-    // the chunk kPrefetchChunks ahead (in this item, or the first ones of the thread's next item), requested
-    // in 4 parts between the steps below
+  // The chunk kPrefetchChunks ahead of the one at key (in this item, or the first ones of the thread's
+  // next item), requested in 4 parts between the steps below.
+  struct Ahead {
+    int s = -1, kh = 0, a = 0, b = 0;
+  };
+  auto ahead_of = [&](int key) {
+    Ahead pf;
     const int ahead = key + kPrefetchChunks * kChunk;
-    int pf_s = -1, pf_kh = 0, pf_a = 0, pf_b = 0;
     if (ahead < it.key_hi) {
-      if (!it.adjacent) pf_s = s, pf_kh = it.kh, pf_a = ahead, pf_b = std::min(it.key_hi, ahead + kChunk);
+      if (!it.adjacent) pf = {s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk)};
     } else if (next && !next->adjacent) {
       if (t_touched != next) {
         touch_keys(p, next->seq, next->kh, next->key_lo, next->key_hi);
         t_touched = next;
       }
       const int a = next->key_lo + (ahead - it.key_hi) / kChunk * kChunk;
-      if (a >= next->key_lo && a < next->key_hi)
-        pf_s = next->seq, pf_kh = next->kh, pf_a = a, pf_b = std::min(next->key_hi, a + kChunk);
+      if (a >= next->key_lo && a < next->key_hi) pf = {next->seq, next->kh, a, std::min(next->key_hi, a + kChunk)};
     }
-    auto request = [&](bool v, int half) {
-      if (pf_s >= 0) prefetch_part(p, v, pf_s, pf_kh, pf_a, pf_b, half, 2);
-    };
-    request(false, 0);
+    return pf;
+  };
+  auto request = [&](const Ahead& pf, bool v, int half) {
+    if (pf.s >= 0) prefetch_part(p, v, pf.s, pf.kh, pf.a, pf.b, half, 2);
+  };
+  struct Chunk {
+    int key, off, n;
+    int64_t row0;  // element offset of its first (page, slot) row
+  };
+  auto chunk_at = [&](int key) {
     const int off = key % p.ps;
-    const int n = std::min({kChunk, p.ps - off, it.key_hi - key});
-    const int64_t row0 = p.row_offset(it.kh, p.page(s, key), off);
-    const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
-    const void* vc = static_cast<const char*>(p.v) + row0 * hd * width;
-    const float* kc = kbuf;
+    return Chunk{key, off, std::min({kChunk, p.ps - off, it.key_hi - key}), p.row_offset(it.kh, p.page(s, key), off)};
+  };
+  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+  auto scores = [&](const Chunk& c, float* out) {
+    const int64_t row0 = c.row0;
+    const int off = c.off, n = c.n;
     switch (p.type) {
       case KvType::kF32:  // word-major: scores_f32_words reads it as it lies
         break;
@@ -1048,21 +1057,54 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         }
     }
     if (vnni_i8)  // hd 64 or 128: K is word-major
-      isa.scores_i8_words(qq, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, sc);
+      isa.scores_i8_words(qq, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
     else if (p.type == KvType::kF32)
-      isa.scores_f32_words(q, rows, hd, static_cast<const float*>(p.k) + (row0 - off) * hd + off, p.ps, n, sc);
+      isa.scores_f32_words(q, rows, hd, static_cast<const float*>(p.k) + (row0 - off) * hd + off, p.ps, n, out);
     else
-      isa.scores(q, rows, hd, kc, n, sc);
-    request(false, 1);
-    const bool edge = n < kChunk || key + n - 1 > min_pos || key < max_lo;
-    isa.softmax(sc, rows, hd, p.type == KvType::kI8 ? p.k_scale + row0 : nullptr, key, n, edge, pos, lo, m, l, acc);
-    request(true, 0);
+      isa.scores(q, rows, hd, kbuf, n, out);
+  };
+  auto softmax = [&](const Chunk& c, float* sc) {
+    const bool edge = c.n < kChunk || c.key + c.n - 1 > min_pos || c.key < max_lo;
+    isa.softmax(sc, rows, hd, p.type == KvType::kI8 ? p.k_scale + c.row0 : nullptr, c.key, c.n, edge, pos, lo, m, l,
+                acc);
+  };
+  auto pv = [&](const Chunk& c, const float* sc) {
+    const void* vc = static_cast<const char*>(p.v) + c.row0 * hd * width;
     if (vnni_i8)
-      isa.pv_i8(sc, rows, hd, static_cast<const int8_t*>(vc), p.v_scale + row0, n, acc);
+      isa.pv_i8(sc, rows, hd, static_cast<const int8_t*>(vc), p.v_scale + c.row0, c.n, acc);
     else
-      isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + row0 : nullptr, n, acc, vbuf);
-    request(true, 1);
-    key += n;
+      isa.pv(sc, rows, hd, p.type, vc, p.type == KvType::kI8 ? p.v_scale + c.row0 : nullptr, c.n, acc, vbuf);
+  };
+  // Software-pipelined by one chunk: the next chunk's scores come right before this chunk's P x V, so
+  // the core overlaps the two (they are independent; one chunk's steps are too many instructions for the
+  // out-of-order window to reach the next chunk's on its own). The next chunk's softmax comes after this
+  // chunk's P x V, as a max it raises rescales acc.
+  if (it.key_lo < it.key_hi) {
+    Chunk cur = chunk_at(it.key_lo);
+    int b = 0;
+    Ahead pf = ahead_of(cur.key);
+    request(pf, false, 0);
+    scores(cur, sc[0]);
+    request(pf, false, 1);
+    softmax(cur, sc[0]);
+    for (;;) {
+      const bool more = cur.key + cur.n < it.key_hi;
+      Chunk nxt{};
+      request(pf, true, 0);
+      if (more) {
+        nxt = chunk_at(cur.key + cur.n);
+        scores(nxt, sc[b ^ 1]);
+      }
+      pv(cur, sc[b]);
+      request(pf, true, 1);
+      if (!more) break;
+      pf = ahead_of(nxt.key);
+      request(pf, false, 0);
+      request(pf, false, 1);
+      softmax(nxt, sc[b ^ 1]);
+      cur = nxt;
+      b ^= 1;
+    }
   }
   if (vnni_i8) unpermute_vnni(acc, rows, hd);
 
