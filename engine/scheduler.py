@@ -58,6 +58,9 @@ class Scheduler:
         self._records: list[Emit] = []      # this iteration's output, sent once at its end
         self._unbind: list[int] = []        # slots of sequences that left, for engine.free
         self._in_flight: tuple[Plan, StepResult] | None = None  # launched, samples not collected
+        self._arrivals = 0         # requests submitted so far (under _cv)
+        self._skip_waits = 0       # arrival waits to skip (engine thread): backs off after a miss
+        self._wait_misses = 0
         # Counters, from the engine, submit and output threads.
         self._stats_lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -103,6 +106,7 @@ class Scheduler:
             seq = Sequence(request, tracker, next(self._order))
             self._live[request.request_id] = seq
             self._planner.enqueue(seq)
+            self._arrivals += 1
             self._count(self._counts, "prompt_tokens", len(request.prompt_ids))
             self._cv.notify_all()
         return tracker.stream
@@ -246,9 +250,12 @@ class Scheduler:
         self._admit_and_insert(records)
         if self._in_flight is not None:
             with self._cv:
-                overlap = planner.can_overlap()
+                finishing = self._finishing_in_flight()
+                overlap = planner.can_overlap() and not finishing
             if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
                 self._collect(records)
+                if finishing:
+                    self._await_arrivals(finishing, records)
                 self._admit_and_insert(records)
         with self._cv:
             plan = planner.plan()
@@ -264,6 +271,43 @@ class Scheduler:
         self._in_flight = launched
         self._output.put(records)
         return True
+
+    def _finishing_in_flight(self) -> int:
+        """How many sequences the step in flight ends by length, when the next step should wait
+        for their clients' next requests (with _cv held): arrival waits on, nothing waiting."""
+        if self._config.arrival_wait_ms <= 0 or self._planner.waiting or self._in_flight is None:
+            return 0
+        n = sum(1 for seq in self._in_flight[0].sampled if seq.last_in_flight)
+        if n and self._skip_waits:
+            self._skip_waits -= 1
+            return 0
+        return n
+
+    def _await_arrivals(self, finished: int, records: list[Emit]) -> None:
+        """The collected step ended `finished` sequences and nothing waits: send their last tokens
+        now and give new requests up to arrival_wait_ms to come in. A closed-loop client (a fixed
+        number of requests in flight, an agent's next call) sends its next request on the finish;
+        without the wait it misses the step launched meanwhile and waits for that whole step (with a
+        prefill in it, the largest part of its time to first token). The wait ends with the
+        `finished`-th arrival; one that gets none makes the next 1, 2, 4 .. 64 finishing steps skip
+        it, so traffic that does not come back on finishes loses little."""
+        self._output.put(list(records))
+        records.clear()
+        deadline = time.monotonic() + self._config.arrival_wait_ms / 1e3
+        with self._cv:
+            start = self._arrivals
+            while (self._arrivals - start < finished and not self._drops and not self._force_stop
+                   and self._failed is None and self._state == "running"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            got = self._arrivals - start
+        if got:
+            self._wait_misses = 0
+        else:
+            self._skip_waits = min(64, 2 ** self._wait_misses)
+            self._wait_misses += 1
 
     def _admit_and_insert(self, records: list[Emit]) -> None:
         with self._cv:

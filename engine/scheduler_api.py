@@ -31,10 +31,16 @@ class SchedulerConfig:
     max_queue: int = 256                        # waiting requests beyond this -> Overloaded
     max_num_batched_tokens: int | None = None   # tokens per step; None = the engine's largest step
     enable_prefix_cache: bool = True
+    # After a step that ends sequences by length, with nothing waiting: hand their last tokens out
+    # first and wait up to this long for new requests (a client's next one, sent on the finish), so
+    # they join the next step instead of the one after. 0 turns it off. (scheduler.py: _await_arrivals)
+    arrival_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 0 <= self.arrival_wait_ms <= 1000:
+            raise ValueError(f"arrival_wait_ms must be within [0, 1000], got {self.arrival_wait_ms}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
                              f"largest step; got {self.max_num_batched_tokens}")

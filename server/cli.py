@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
     serve.add_argument("--max-queue", type=int, default=int(_env("max-queue", 256)))
     serve.add_argument("--no-prefix-cache", action="store_true", default=bool(_env("no-prefix-cache", "")))
+    serve.add_argument("--arrival-wait-ms", type=float, default=float(_env("arrival-wait-ms", 20)),
+                       help="after a step that ends requests, with none waiting: how long the next step waits "
+                            "for new ones (a client's next request, sent on the finish) before it starts "
+                            "without them; backs off when none come; 0 = never wait")
     serve.add_argument("--api-key", default=_env("api-key", None))
     serve.add_argument("--served-model-name", default=_env("served-model-name", None))
     serve.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown-timeout", 30)),
@@ -267,7 +271,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if joined[0].process_id != 0:
             return run_worker(engine, tokenizer, joined)
         engine, group = lead_group(engine, joined)  # not ready before every worker is
-    config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache)
+    config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache,
+                             arrival_wait_ms=args.arrival_wait_ms)
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
     scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(

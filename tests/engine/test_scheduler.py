@@ -355,3 +355,46 @@ def test_cancel_with_its_decode_in_flight_leaves_the_others_exact():
         assert other.result(timeout=WAIT).token_ids == chain([50], 60)
         assert_all_released(sched, engine)
     assert _overlapped(engine) > 0
+
+
+# ---- arrival wait: a request sent on a finish joins the next step -------------------------------
+
+def _step_of(engine: MockEngine, match) -> int:
+    return next(i for i, step in enumerate(engine.step_log) if any(match(e) for e in step))
+
+
+@pytest.mark.parametrize("wait_ms", [1000.0, 0.0])
+def test_a_request_sent_when_another_finishes_joins_the_next_step(wait_ms):
+    # both slots busy and nothing waiting: without the wait, the step after A's last one is launched
+    # before A's finish is seen, so C (sent on A's finish, as a closed-loop client does) waits for it
+    engine = MockEngine(max_slots=2, step_sleep_s=0.01)
+    with running(engine, arrival_wait_ms=wait_ms) as sched:
+        a, b = sched.submit(req([40], 6)), sched.submit(req([50, 51], 40))
+        assert a.result(timeout=WAIT).token_ids == chain([40], 6)
+        c = sched.submit(req([60, 61, 62, 63, 64], 3))
+        assert c.result(timeout=WAIT).token_ids == chain([60, 61, 62, 63, 64], 3)
+        assert b.result(timeout=WAIT).token_ids == chain([50, 51], 40)
+        assert_all_released(sched, engine)
+    slot_a = next(slot for slot, start, n, _ in engine.step_log[0] if n == 1)
+    last_a = _step_of(engine, lambda e: e[:2] == (slot_a, 5))  # feeds position 5: samples token 6
+    gap = _step_of(engine, lambda e: e[1:3] == (0, 5)) - last_a  # to C's prefill
+    assert gap == 1 if wait_ms else gap >= 2
+
+
+def test_finishes_nobody_follows_stop_the_arrival_wait():
+    # five requests end at five different steps and no new one comes: the first finish waits the
+    # whole arrival_wait_ms, the next is skipped, the third waits again, the last two are skipped
+    engine = MockEngine(max_slots=8, step_sleep_s=0.001)
+    with running(engine, arrival_wait_ms=400.0) as sched:
+        start = time.monotonic()
+        streams = [sched.submit(req([40 + 10 * i], 2 * i + 2)) for i in range(5)]
+        for i, s in enumerate(streams):
+            assert s.result(timeout=WAIT).token_ids == chain([40 + 10 * i], 2 * i + 2)
+        elapsed = time.monotonic() - start
+        assert_all_released(sched, engine)
+    assert 0.8 <= elapsed < 1.9  # two waits, not five (2.0 s)
+
+
+def test_arrival_wait_is_checked():
+    with pytest.raises(ValueError, match="arrival_wait_ms"):
+        SchedulerConfig(arrival_wait_ms=-1)
