@@ -250,12 +250,11 @@ class Scheduler:
         self._admit_and_insert(records)
         if self._in_flight is not None:
             with self._cv:
-                finishing = self._finishing_in_flight()
-                overlap = planner.can_overlap() and not finishing
+                overlap = planner.can_overlap() and not self._finishing_in_flight()
             if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
-                self._collect(records)
-                if finishing:
-                    self._await_arrivals(finishing, records)
+                finished = self._collect(records)
+                if finished and self._should_await():
+                    self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
         with self._cv:
             plan = planner.plan()
@@ -272,19 +271,25 @@ class Scheduler:
         self._output.put(records)
         return True
 
-    def _finishing_in_flight(self) -> int:
-        """How many sequences the step in flight ends by length, when the next step should wait
-        for their clients' next requests (with _cv held): arrival waits on, nothing waiting."""
-        if self._config.arrival_wait_ms <= 0 or self._planner.waiting or self._in_flight is None:
-            return 0
-        n = sum(1 for seq in self._in_flight[0].sampled if seq.last_in_flight)
-        if n and self._skip_waits:
+    def _finishing_in_flight(self) -> bool:
+        """Whether the step in flight ends a sequence by length, while the next step could wait for
+        new requests (with _cv held): then it is collected before the next one is planned."""
+        if self._config.arrival_wait_ms <= 0 or self._planner.waiting or self._skip_waits:
+            return False
+        return any(seq.last_in_flight for seq in self._in_flight[0].sampled)
+
+    def _should_await(self) -> bool:
+        """After a collected step that ended requests: whether the next step waits for new ones."""
+        with self._cv:
+            if self._config.arrival_wait_ms <= 0 or self._planner.waiting:
+                return False
+        if self._skip_waits:
             self._skip_waits -= 1
-            return 0
-        return n
+            return False
+        return True
 
     def _await_arrivals(self, finished: int, records: list[Emit]) -> None:
-        """The collected step ended `finished` sequences and nothing waits: send their last tokens
+        """The collected step ended `finished` requests and nothing waits: send their last tokens
         now and give new requests up to arrival_wait_ms to come in. A closed-loop client (a fixed
         number of requests in flight, an agent's next call) sends its next request on the finish;
         without the wait it misses the step launched meanwhile and waits for that whole step (with a
@@ -320,13 +325,14 @@ class Scheduler:
                     self._retire(seq)
                     records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
 
-    def _collect(self, records: list[Emit]) -> None:
-        """Wait for the step in flight and apply its samples."""
+    def _collect(self, records: list[Emit]) -> int:
+        """Wait for the step in flight and apply its samples; returns how many requests it ended."""
         (plan, result), self._in_flight = self._in_flight, None
         sampled = result.result()
         with self._cv:
-            self._apply(plan, sampled, records)
+            finished = self._apply(plan, sampled, records)
         self._unbind_slots()
+        return finished
 
     def _drop(self, request_id: str, counted: bool, records: list[Emit]) -> None:
         seq = self._live.get(request_id)
@@ -363,14 +369,14 @@ class Scheduler:
         seq.inserted = True
         return None
 
-    def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> None:
-        """The step ran: append the sampled tokens, finish what is done. A sequence that left
-        while the step was in flight drops its sample; a preempted one keeps it."""
+    def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> int:
+        """The step ran: append the sampled tokens, finish what is done (returns how many). A
+        sequence that left while the step was in flight drops its sample; a preempted one keeps it."""
         seqs = plan.sampled
         if len(sampled) != len(seqs):
             raise RuntimeError(f"engine returned {len(sampled)} samples for {len(seqs)} "
                                "sampling sequences")
-        kept = 0
+        kept = finished = 0
         for seq, s in zip(seqs, sampled):
             if seq.status is Status.FINISHED:
                 continue
@@ -383,7 +389,9 @@ class Scheduler:
                                 finish_reason=finish))
             if finish is not None:
                 self._retire(seq)
+                finished += 1
         self._count(self._counts, "generated_tokens", kept)
+        return finished
 
     def _retire(self, seq: Sequence) -> None:
         """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""

@@ -398,3 +398,19 @@ def test_finishes_nobody_follows_stop_the_arrival_wait():
 def test_arrival_wait_is_checked():
     with pytest.raises(ValueError, match="arrival_wait_ms"):
         SchedulerConfig(arrival_wait_ms=-1)
+
+
+def test_a_request_sent_when_another_stops_on_a_token_joins_the_next_step():
+    # a stop token is not known ahead, but with a slot free every step is collected before the next
+    # is planned, and the finish it shows starts the wait as well
+    engine = MockEngine(max_slots=3, step_sleep_s=0.01, eos_token_ids=frozenset({45}))
+    with running(engine, arrival_wait_ms=1000.0) as sched:
+        a, b = sched.submit(req([40], 20)), sched.submit(req([50, 51], 30))
+        assert a.result(timeout=WAIT).finish_reason is FinishReason.STOP
+        c = sched.submit(req([60, 61, 62, 63, 64], 3))
+        assert c.result(timeout=WAIT).token_ids == chain([60, 61, 62, 63, 64], 3)
+        b.result(timeout=WAIT)
+        assert_all_released(sched, engine)
+    slot_a = next(slot for slot, start, n, _ in engine.step_log[0] if n == 1)
+    last_a = _step_of(engine, lambda e: e[:2] == (slot_a, 4))  # feeds position 4: samples 45
+    assert _step_of(engine, lambda e: e[1:3] == (0, 5)) - last_a == 1
