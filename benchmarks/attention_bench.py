@@ -79,7 +79,18 @@ P x V 29%, softmax 13%. Changes, each against the .so before it, interleaved in 
 int8 stays at ~2.3-2.5x: its compute alone (shared order, final .so) is 6.2 ms against a 4.1-4.3 ms bound, so
 even a full overlap would leave ~1.5x; perf (consecutive pages) puts P x V's hottest samples on the first
 shuffle after each V load (the loads wait), scores 24%, P x V 28%, softmax 10%.
-"""
+
+Seventh session (same machine kind; runs alternate the session's starting .so (A) and a changed one (B), the
+VM's noise is +-10% between runs). perf, int8, shared order: P x V 32%, scores 27%, softmax 22% (40% of it
+on the row sum's horizontal add), run 6%, touch_keys 6%. Changes:
+  - the chunk loop software-pipelined by one chunk (the next chunk's scores right before this chunk's
+    P x V; one chunk's three steps are more instructions than the out-of-order window holds): compute
+    alone f32 10.05, 8.85, 8.57 -> 7.65, 7.46, 7.63 ms; int8 6.55, 7.04, 7.12 -> 6.33, 6.38, 7.57;
+    sequential int8 12.10, 10.23, 10.12 -> 10.22, 10.02, 9.93, f32 19.90, 19.78, 19.01 -> 20.11, 18.26, 19.44.
+  - tried, no gain, reverted: the int8 scores' accumulator chains interleaved across rows (rows inner:
+    shared 6.5 -> 6.7-7.9 ms), and the softmax's row sums kept in lanes with one horizontal add per item
+    (shared 6.31, 6.62, 6.38 -> 6.42, 6.61, 6.58): the out-of-order core already hid both.
+
 from __future__ import annotations
 
 import argparse
