@@ -250,10 +250,11 @@ class Scheduler:
         self._admit_and_insert(records)
         if self._in_flight is not None:
             with self._cv:
-                overlap = planner.can_overlap() and not self._finishing_in_flight()
+                expect = self._finishing_in_flight()  # None: the wait's turn was skipped already
+                overlap = planner.can_overlap() and not expect
             if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
                 finished = self._collect(records)
-                if finished and self._should_await():
+                if finished and expect is not None and self._should_await():
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
         with self._cv:
@@ -271,15 +272,22 @@ class Scheduler:
         self._output.put(records)
         return True
 
-    def _finishing_in_flight(self) -> bool:
-        """Whether the step in flight ends a sequence by length, while the next step could wait for
-        new requests (with _cv held): then it is collected before the next one is planned."""
-        if self._config.arrival_wait_ms <= 0 or self._planner.waiting or self._skip_waits:
+    def _finishing_in_flight(self) -> bool | None:
+        """Whether the step in flight ends a sequence by length while the next step could wait for
+        new requests (with _cv held): then it is collected before the next one is planned. None
+        when it would, but this finishing step is one the backoff skips (counted here)."""
+        if self._config.arrival_wait_ms <= 0 or self._planner.waiting:
             return False
-        return any(seq.last_in_flight for seq in self._in_flight[0].sampled)
+        if not any(seq.last_in_flight for seq in self._in_flight[0].sampled):
+            return False
+        if self._skip_waits:
+            self._skip_waits -= 1
+            return None
+        return True
 
     def _should_await(self) -> bool:
-        """After a collected step that ended requests: whether the next step waits for new ones."""
+        """After a collected step that ended requests: whether the next step waits for new ones
+        (a skipped turn counted here when the finish was not known ahead)."""
         with self._cv:
             if self._config.arrival_wait_ms <= 0 or self._planner.waiting:
                 return False

@@ -414,3 +414,23 @@ def test_a_request_sent_when_another_stops_on_a_token_joins_the_next_step():
     slot_a = next(slot for slot, start, n, _ in engine.step_log[0] if n == 1)
     last_a = _step_of(engine, lambda e: e[:2] == (slot_a, 4))  # feeds position 4: samples 45
     assert _step_of(engine, lambda e: e[1:3] == (0, 5)) - last_a == 1
+
+
+def test_the_arrival_wait_comes_back_after_a_miss():
+    # a finish nobody follows makes the next finishing step skip the wait; the one after waits again,
+    # also when every slot is taken (steps launched ahead)
+    engine = MockEngine(max_slots=2, step_sleep_s=0.01)
+    with running(engine, arrival_wait_ms=300.0) as sched:
+        assert sched.submit(req([30], 3)).result(timeout=WAIT).token_ids == chain([30], 3)
+        time.sleep(0.5)  # the wait after it gets nothing
+        a, b = sched.submit(req([40], 6)), sched.submit(req([50, 51], 60))
+        a.result(timeout=WAIT)
+        c = sched.submit(req([60, 61, 62, 63, 64], 3))  # A's finish was the skipped one
+        c.result(timeout=WAIT)
+        d = sched.submit(req([70, 71, 72, 73, 74, 75], 3))
+        assert d.result(timeout=WAIT).token_ids == chain([70, 71, 72, 73, 74, 75], 3)
+        b.result(timeout=WAIT)
+        assert_all_released(sched, engine)
+    slot_c = next(e[0] for step in engine.step_log for e in step if e[1:3] == (0, 5))
+    last_c = _step_of(engine, lambda e: e[:3] == (slot_c, 6, 1))  # feeds position 6: samples its 3rd token
+    assert _step_of(engine, lambda e: e[1:3] == (0, 6)) - last_c == 1  # D's prefill
