@@ -386,3 +386,19 @@ def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_p
     assert allocator.num_used == p.pages_cached
     for step in engine.steps:
         assert sum(n for _, _, n, _ in step) <= budget
+
+
+def test_one_long_prefill_ends_per_step_short_ones_are_not_held():
+    p = planner(budget=16, num_pages=128)
+    d = Driver(p, MockEngine(max_num_batched_tokens=16))
+    x, y = seq(range(40, 46)), seq(range(60, 66))  # 6 tokens each: under half the budget
+    d.submit(x, y)
+    assert shape(d.step()) == [(x.order, 0, 6, True), (y.order, 0, 6, True)]  # both end
+    p = planner(budget=16, num_pages=128)
+    d = Driver(p, MockEngine(max_num_batched_tokens=16))
+    a, b = seq(range(70, 78)), seq(range(80, 88))  # 8 tokens each: half the budget
+    d.submit(a, b)
+    # both fit, but b keeps its last token for the next step, where it ends beside a's decode
+    assert shape(d.step()) == [(a.order, 0, 8, True), (b.order, 0, 7, False)]
+    assert shape(d.step()) == [(a.order, 8, 1, True), (b.order, 7, 1, True)]
+    assert b.output_ids == [88]
