@@ -280,9 +280,14 @@ def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingAr
     greedy = arrays.temperature <= 0
 
     def draw() -> jax.Array:
-        x = penalized / jnp.where(greedy, 1.0, arrays.temperature)[:, None]  # [B, V]
-        x_max = jnp.max(x, -1, keepdims=True)                               # [B, 1]
-        e = jnp.exp(x - x_max)
+        # shifted before the scaling, so the row max is exactly 0 however small the temperature:
+        # with x = logits / T and x_max = max(x) computed apart, XLA's rounding of the two could
+        # differ by an ulp of ~1e16 (T = 3e-16), and exp(x - x_max) lost even the max (token 511
+        # of a 300-token vocab)
+        x = (penalized - jnp.max(penalized, -1, keepdims=True)) / jnp.where(
+            greedy, 1.0, arrays.temperature)[:, None]                       # [B, V], max 0
+        x_max = jnp.zeros((batch, 1), x.dtype)
+        e = jnp.exp(x)
         keep = _keep_mask(x, x_max, e, arrays)
         return _draw(jnp.where(keep, e, 0.0), _row_uniforms(arrays))
 

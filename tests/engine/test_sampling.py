@@ -359,3 +359,11 @@ def test_any_accepted_params_build_sampling_arrays_and_sample_in_vocab(fields, s
     assert float(arrays.repetition_penalty[0]) > 0
     out = run(np.linspace(-3, 3, V)[None], [params], seeds=[seed], steps=[step])
     assert 0 <= int(out.token[0]) < V
+
+
+@pytest.mark.parametrize("temperature", [3.1919527385062316e-16, 1e-45, 1e-8])
+def test_a_tiny_temperature_draws_the_max(temperature):
+    # found by the property test above: at T = 3e-16 the scaled logits reach ~1e16 and the jitted
+    # draw lost its max to rounding, returning a padding index past the vocabulary
+    out = run(np.linspace(-3, 3, V)[None], [SamplingParams(temperature=temperature)])
+    assert int(out.token[0]) == V - 1
