@@ -15,16 +15,17 @@ import time
 from typing import Callable
 
 from engine.api import Engine, SlotState, StepResult
+from engine.arrival_wait import ArrivalWait
 from engine.block_manager import BlockManager
 from engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
 from engine.request import FinishReason, Request
 from engine.schedule import Plan, StepPlanner
 from engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
-                                  SchedulerStats)
+                                  SchedulerStats, generate_all)
 from engine.sequence import Sequence, Status
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
-           "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+           "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "generate_all"]
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,8 @@ class Scheduler:
         self._records: list[Emit] = []      # this iteration's output, sent once at its end
         self._unbind: list[int] = []        # slots of sequences that left, for engine.free
         self._in_flight: tuple[Plan, StepResult] | None = None  # launched, samples not collected
-        self._arrivals = 0         # requests submitted so far (under _cv)
-        self._skip_waits = 0       # arrival waits to skip (engine thread): backs off after a miss
-        self._wait_misses = 0
+        self._arrivals = 0  # requests submitted so far (under _cv)
+        self._arrival_wait = ArrivalWait(config.arrival_wait_ms)  # engine thread
         # Counters, from the engine, submit and output threads.
         self._stats_lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
@@ -249,12 +249,18 @@ class Scheduler:
                 self._drop(request_id, counted, records)
         self._admit_and_insert(records)
         if self._in_flight is not None:
+            # a length finish is known ahead: then a step that will wait for arrivals is not
+            # launched ahead of it
             with self._cv:
-                expect = self._finishing_in_flight()  # None: the wait's turn was skipped already
-                overlap = planner.can_overlap() and not expect
+                ahead = self._may_wait() and any(s.last_in_flight for s in self._in_flight[0].sampled)
+                turn = ahead and self._arrival_wait.take_turn()
+                overlap = planner.can_overlap() and not turn
             if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
                 finished = self._collect(records)
-                if finished and expect is not None and self._should_await():
+                if finished and not ahead:  # a stop token, seen only now
+                    with self._cv:
+                        turn = self._may_wait() and self._arrival_wait.take_turn()
+                if finished and turn:
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
         with self._cv:
@@ -272,55 +278,18 @@ class Scheduler:
         self._output.put(records)
         return True
 
-    def _finishing_in_flight(self) -> bool | None:
-        """Whether the step in flight ends a sequence by length while the next step could wait for
-        new requests (with _cv held): then it is collected before the next one is planned. None
-        when it would, but this finishing step is one the backoff skips (counted here)."""
-        if self._config.arrival_wait_ms <= 0 or self._planner.waiting:
-            return False
-        if not any(seq.last_in_flight for seq in self._in_flight[0].sampled):
-            return False
-        if self._skip_waits:
-            self._skip_waits -= 1
-            return None
-        return True
-
-    def _should_await(self) -> bool:
-        """After a collected step that ended requests: whether the next step waits for new ones
-        (a skipped turn counted here when the finish was not known ahead)."""
-        with self._cv:
-            if self._config.arrival_wait_ms <= 0 or self._planner.waiting:
-                return False
-        if self._skip_waits:
-            self._skip_waits -= 1
-            return False
-        return True
+    def _may_wait(self) -> bool:
+        """Whether the next step may wait for arrivals (with _cv held): on, and nothing waits."""
+        return self._arrival_wait.enabled and not self._planner.waiting
 
     def _await_arrivals(self, finished: int, records: list[Emit]) -> None:
-        """The collected step ended `finished` requests and nothing waits: send their last tokens
-        now and give new requests up to arrival_wait_ms to come in. A closed-loop client (a fixed
-        number of requests in flight, an agent's next call) sends its next request on the finish;
-        without the wait it misses the step launched meanwhile and waits for that whole step (with a
-        prefill in it, the largest part of its time to first token). The wait ends with the
-        `finished`-th arrival; one that gets none makes the next 1, 2, 4 .. 64 finishing steps skip
-        it, so traffic that does not come back on finishes loses little."""
+        """The collected step ended `finished` requests: send their last tokens now, then give new
+        requests a little time to join the next step (engine/arrival_wait.py)."""
         self._output.put(list(records))
         records.clear()
-        deadline = time.monotonic() + self._config.arrival_wait_ms / 1e3
-        with self._cv:
-            start = self._arrivals
-            while (self._arrivals - start < finished and not self._drops and not self._force_stop
-                   and self._failed is None and self._state == "running"):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
-            got = self._arrivals - start
-        if got:
-            self._wait_misses = 0
-        else:
-            self._skip_waits = min(64, 2 ** self._wait_misses)
-            self._wait_misses += 1
+        self._arrival_wait.wait(self._cv, lambda: self._arrivals, finished,
+                                lambda: bool(self._drops) or self._force_stop or self._failed is not None
+                                or self._state != "running")
 
     def _admit_and_insert(self, records: list[Emit]) -> None:
         with self._cv:
@@ -431,19 +400,3 @@ class Scheduler:
         self._output.put([Emit(s.tracker, finish_reason=FinishReason.ERROR, error=message)
                           for s in seqs])
 
-
-def generate_all(submit: Callable[[Request], RequestStream], requests: list[Request]) -> list[Completion]:
-    """Submit every request through `submit` (a Scheduler's or a ReplicaSet's), waiting for the oldest
-    unfinished one whenever the queue is full, and return all results in order."""
-    streams: list[RequestStream] = []
-    for request in requests:
-        while True:
-            try:
-                streams.append(submit(request))
-                break
-            except Overloaded:
-                pending = [s for s in streams if not s.finished]
-                if not pending:
-                    raise
-                pending[0].result()
-    return [s.result() for s in streams]

@@ -1,8 +1,14 @@
 """The scheduler's public types: the errors a submit can raise (the server maps them to HTTP 429, 400
-and 503), its config, and the counters it reports. Plain Python: no JAX here."""
+and 503), its config, the counters it reports, and generate_all over any submit. Plain Python: no
+JAX here."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from engine.output import Completion, RequestStream
+    from engine.request import Request
 
 
 class Overloaded(Exception):
@@ -31,9 +37,9 @@ class SchedulerConfig:
     max_queue: int = 256                        # waiting requests beyond this -> Overloaded
     max_num_batched_tokens: int | None = None   # tokens per step; None = the engine's largest step
     enable_prefix_cache: bool = True
-    # After a step that ends sequences by length, with nothing waiting: hand their last tokens out
-    # first and wait up to this long for new requests (a client's next one, sent on the finish), so
-    # they join the next step instead of the one after. 0 turns it off. (scheduler.py: _await_arrivals)
+    # After a step that ends requests, with nothing waiting: hand their last tokens out first and
+    # wait up to this long for new requests (a client's next one, sent on the finish), so they join
+    # the next step instead of the one after. 0 turns it off. (engine/arrival_wait.py)
     arrival_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
@@ -65,3 +71,20 @@ class SchedulerStats:
     generated_tokens: int
     prefilled_tokens: int
     finished: dict[str, int]     # finish reason value -> count
+
+
+def generate_all(submit: Callable[[Request], RequestStream], requests: list[Request]) -> list[Completion]:
+    """Submit every request through `submit` (a Scheduler's or a ReplicaSet's), waiting for the oldest
+    unfinished one whenever the queue is full, and return all results in order."""
+    streams: list[RequestStream] = []
+    for request in requests:
+        while True:
+            try:
+                streams.append(submit(request))
+                break
+            except Overloaded:
+                pending = [s for s in streams if not s.finished]
+                if not pending:
+                    raise
+                pending[0].result()
+    return [s.result() for s in streams]
