@@ -90,7 +90,7 @@ on the row sum's horizontal add), run 6%, touch_keys 6%. Changes:
   - tried, no gain, reverted: the int8 scores' accumulator chains interleaved across rows (rows inner:
     shared 6.5 -> 6.7-7.9 ms), and the softmax's row sums kept in lanes with one horizontal add per item
     (shared 6.31, 6.62, 6.38 -> 6.42, 6.61, 6.58): the out-of-order core already hid both.
-
+"""
 from __future__ import annotations
 
 import argparse
