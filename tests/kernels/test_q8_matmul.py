@@ -55,6 +55,24 @@ def oracle(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = N
     return y
 
 
+# kernels/csrc/q8_matmul.cc's kF32MinRows: from this many rows, a two-part call on the AVX2 path widens the
+# weights to f32 and multiplies x unquantized (no int8 dot on AVX2 is faster), so it equals exact_product.
+AVX2_F32_MIN_ROWS = 8
+
+
+def exact_product(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """float64 numpy: x times the dequantized weight, w[n, k] = q * d (+ m) of k's group."""
+    k = x.shape[1]
+    w = q.astype(np.float64) * np.repeat(d.astype(np.float64), q8.GROUP, axis=1)[:, :k]
+    if m is not None:
+        w += np.repeat(m.astype(np.float64), q8.GROUP, axis=1)[:, :k]
+    return x.astype(np.float64) @ w.T
+
+
+def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
+    return (isa or ext.isa()) == "avx2" and parts == 2 and rows >= AVX2_F32_MIN_ROWS
+
+
 def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1):
     prev = ext.set_isa(isa) if isa else None
     try:
@@ -93,7 +111,7 @@ def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa, parts, offsets)
     got = run_kernel(x, packed, scales, n, isa, packed_off, parts)
     want = oracle(x, q, d, off, parts)
     assert got.shape == (m, n)
-    assert_close(got, want, x, q, d, off)
+    assert_close(got, exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else want, x, q, d, off)
     # XLA may fuse the reference's max|x| / 127 into a reduction that divides through a reciprocal,
     # one ulp off the true division the kernel and the oracle do; at a rounding tie (x / xs = j + 0.5)
     # that moves one activation by one step. Allow the reference one such step per output.
@@ -112,6 +130,31 @@ def test_two_parts_hold_activations_to_about_15_bits():
     err1 = np.abs(run_kernel(x, packed, scales, 64, parts=1) - exact).max()
     err2 = np.abs(run_kernel(x, packed, scales, 64, parts=2) - exact).max()
     assert err2 < err1 / 100
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("m", [AVX2_F32_MIN_ROWS - 1, AVX2_F32_MIN_ROWS, 64, 65, 200])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
+    # Odd K and N (a partial group and a partial tile). From AVX2_F32_MIN_ROWS rows on the kernel
+    # multiplies the dequantized weights by x itself: as exact as f32 allows, where the two int8
+    # parts of fewer rows keep ~15 bits of each activation.
+    rng = np.random.default_rng(m)
+    k, n = 333, 75
+    q, d = random_weight(rng, k, n)
+    off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    packed, scales, *rest = q8.pack(q, d, off)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 7] = 50.0  # an outlier sets its group's scale: the two parts lose the small values' low bits
+    got = run_kernel(x, packed, scales, n, "avx2", rest[0] if offsets else None, parts=2)
+    exact = exact_product(x, q, d, off)
+    terms = exact_product(np.abs(x), np.abs(q.astype(np.int16)), d, None if off is None else np.abs(off))  # |x| |w|
+    err = np.abs(got - exact).max()
+    if m >= AVX2_F32_MIN_ROWS:
+        assert err <= 1e-6 * terms.max()
+    else:
+        assert_close(got, oracle(x, q, d, off, parts=2), x, q, d, off)
+        assert err > 1e-6 * terms.max()  # the int8 path's quantization shows: the check above can tell
 
 
 @needs_native
