@@ -248,14 +248,15 @@ def test_tensor_parallel_other_architectures(tmp_path_factory, family):
 
 def test_tensor_parallel_default_model(default_model_path):
     """SmolLM2-135M (9 query heads over 3 KV heads, int8 weights as served on CPU): at TP=3 heads
-    split, one KV head per device; at TP=2 and 4 they do not divide, so attention and the KV cache
-    are replicated while the MLP and the vocabulary split."""
-    report = _run(default_model_path, "q8_0-a16", "auto", (1, 2, 3, 4, "2x2"))
+    split, one KV head per device; at TP=2 they do not divide, so attention and the KV cache are
+    replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
+    devices 2 and 3. (TP=4, the same layout as TP=2, is left to the tiny model: each degree compiles
+    the 30 layers again, ~25 s on a 2-core Zen 3.)"""
+    report = _run(default_model_path, "q8_0-a16", "auto", (1, 3, "2x2"))
     _assert_same_tokens_no_recompiles(report)
-    # TP=2 x DP=2: the second replica, on devices 2 and 3, gives the same tokens
     assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
-    for tp in (2, 3, 4):
-        r = report["tp"][str(tp)]
+    for label, tp in (("3", 3), ("2x2", 2)):
+        r = report["tp"][label]
         assert r["kv_layout"] == ("split" if tp == 3 else "replicated")
         heads = 1 if tp == 3 else 3
         assert r["cache"]["k"]["shapes"] == [[30, heads, 64, 16, 64]]
