@@ -43,6 +43,9 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "ffi_targets.h"
+#if defined(F32_X86)
+#include "avx2_fma_block.h"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -222,14 +225,7 @@ void TileAvx2(const Problem& p, int row0, int panel0, Ahead ahead) {
           --ahead.lines;
           countdown = ahead.every;
         }
-        const __m256 b0 = _mm256_loadu_ps(bh);
-        const __m256 b1 = _mm256_loadu_ps(bh + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 av = _mm256_broadcast_ss(ar[r] + kk);
-          acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
-        }
+        FmaRows16Avx2<R>(ar, kk, bh, acc);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {

@@ -60,6 +60,9 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "ffi_targets.h"
+#if defined(Q8_X86)
+#include "avx2_fma_block.h"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -509,15 +512,7 @@ void TileF32Avx2(const Problem& p, const float* buf, int row0, int tile) {
   for (int r = 0; r < R; ++r) xr[r] = p.x + static_cast<size_t>(row0 + r) * p.k;
   const float* b = buf;
 #pragma GCC unroll 4
-  for (int kk = 0; kk < p.k; ++kk, b += kTile) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(xr[r] + kk);
-      acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
-    }
-  }
+  for (int kk = 0; kk < p.k; ++kk, b += kTile) FmaRows16Avx2<R>(xr, kk, b, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
