@@ -1,4 +1,4 @@
-// The AVX2 f32 register block shared by f32_matmul.cc and q8_matmul.cc: R <= 6 rows of x times one
+// AVX2 f32 helpers shared by f32_matmul.cc and q8_matmul.cc. FmaRows16Avx2: R <= 6 rows of x times one
 // k-row of 16 weights, accumulated into R x 2 ymm (12 accumulators + 2 weight vectors + 1 broadcast
 // = 15 of the 16 registers). Callers unroll their k loop around it and keep `acc` in registers
 // (#pragma GCC unroll on every loop over rows: a loop over acc left rolled makes GCC keep acc in
@@ -7,6 +7,20 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+// Stores the first `valid` (<= 8) lanes of v at out; none when valid <= 0 (columns past N).
+__attribute__((target("avx2,fma"), always_inline)) inline void StoreFirstAvx2(float* out, __m256 v, int valid) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(out, v);
+  } else if (valid > 0) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(out, tmp, sizeof(float) * valid);
+  }
+}
 
 template <int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void FmaRows16Avx2(const float* const* rows, int kk,

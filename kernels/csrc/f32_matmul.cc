@@ -165,19 +165,10 @@ void TileAvx512(const Problem& p, int row0, int panel0, Ahead ahead) {
   }
 }
 
-// Stores row `r` (of the tile at row0) columns n0 .. n0 + 7, those below n.
+// Stores one row's columns n0 .. n0 + 7 of y, those below n.
 __attribute__((target("avx2,fma")))
 inline void StoreAvx2(const Problem& p, __m256 v, int row, int n0) {
-  const int valid = std::min(8, p.n - n0);
-  if (valid <= 0) return;
-  float* out = p.y + static_cast<size_t>(row) * p.n + n0;
-  if (valid == 8) {
-    _mm256_storeu_ps(out, v);
-  } else {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    std::memcpy(out, tmp, sizeof(float) * valid);
-  }
+  StoreFirstAvx2(p.y + static_cast<size_t>(row) * p.n + n0, v, p.n - n0);
 }
 
 // AVX2 has 16 ymm registers. Few rows (decode, R <= 3): R x 4 vectors (one whole panel) with the

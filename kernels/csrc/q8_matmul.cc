@@ -452,14 +452,7 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
     const int n0 = (tile0 + v / 2) * kTile + (v % 2) * 8;
     for (int r = 0; r < R; r += p.parts) {
       const __m256 val = p.parts == 2 ? _mm256_add_ps(f[r][v], f[r + 1][v]) : f[r][v];
-      float* out = p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0;
-      if (n0 + 8 <= p.n) {
-        _mm256_storeu_ps(out, val);
-      } else if (n0 < p.n) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, val);
-        std::memcpy(out, tmp, sizeof(float) * (p.n - n0));
-      }
+      StoreFirstAvx2(p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0, val, p.n - n0);
     }
   }
 }
@@ -517,14 +510,7 @@ void TileF32Avx2(const Problem& p, const float* buf, int row0, int tile) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
       const int n0 = tile * kTile + h * 8;
-      float* out = p.y + static_cast<size_t>(row0 + r) * p.n + n0;
-      if (n0 + 8 <= p.n) {
-        _mm256_storeu_ps(out, acc[r][h]);
-      } else if (n0 < p.n) {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc[r][h]);
-        std::memcpy(out, tmp, sizeof(float) * (p.n - n0));
-      }
+      StoreFirstAvx2(p.y + static_cast<size_t>(row0 + r) * p.n + n0, acc[r][h], p.n - n0);
     }
 }
 
@@ -795,7 +781,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.kp = p.kp;
   a.groups = p.groups;
   a.parts = parts;
-  a.Resize(p.m);
+  if (!job->f32_path) a.Resize(p.m);  // the widened AVX2 path reads x itself
   job->row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   job->chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
   job->items = job->row_blocks * job->chunks;
