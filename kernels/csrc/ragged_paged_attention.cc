@@ -23,8 +23,9 @@
 //
 // Instruction sets: each chunk step (scores, softmax, P x V, widening) has a portable loop and AVX2 /
 // AVX-512 versions beside it, chosen at run time from the CPU's features (__builtin_cpu_supports);
-// nothing is compiled with -march. Other architectures use the portable loops. On AVX-512, P x V reads
-// V rows in their cache type (widened in registers, once for all rows of the item). With AVX-512 VNNI,
+// nothing is compiled with -march. Other architectures use the portable loops. On AVX2 and AVX-512, P x V
+// reads V rows in their cache type (widened in registers, once for all rows of the item); on AVX2 the
+// int8 scores read word-major K as it lies too (bytes widened in registers). With AVX-512 VNNI,
 // int8 KV (head_dim 64 or 128) never widens: S = Q K^T and P V run on vpdpbusd, with q and p split into
 // two int8 parts each (~16 bits kept: output errors ~1e-4, far below those of the int8 K/V themselves).
 #include <Python.h>
@@ -126,6 +127,9 @@ struct ChunkSteps {
   // (K word-major: k is word 0 of the chunk's first key, words ps * 4 bytes apart)
   void (*scores_i8_words)(const QuantRows& q, int rows, int hd, const int8_t* k, int ps, int n, float* s);
   void (*pv_i8)(const float* p, int rows, int hd, const int8_t* v, const float* vscale, int n, float* acc);
+  // int8 K word-major, f32 query (null where the path widens K rows first): s[r][j] = q[r] . k[:, j] for
+  // j < n (before k_scale), with the keys in the vector lanes; k and ps as in scores_i8_words
+  void (*scores_i8_words_f32)(const float* q, int rows, int hd, const int8_t* k, int ps, int n, float* s);
 };
 
 inline float bf16_to_f32(uint16_t b) {
@@ -233,7 +237,7 @@ void pv_widening(const float* p, int rows, int hd, KvType type, const void* v, c
 constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   pv_widening<pv_f32_portable, widen_i8_portable, widen_bf16_portable>,
                                   widen_i8_portable, widen_bf16_portable, scores_f32_words_portable, nullptr,
-                                  nullptr, nullptr};
+                                  nullptr, nullptr, nullptr};
 
 #if defined(RPA_X86)
 // ---- AVX2 + FMA: 8 lanes; needs hd % 8 == 0 ----
@@ -322,44 +326,202 @@ RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, const float* kscale, int 
   }
 }
 
-RPA_AVX2 void pv_f32_avx2(const float* p, int rows, int hd, const float* v, int n, float* acc) {
-  for (int r = 0; r < rows; ++r) {
-    const float* pr = p + r * kChunk;
-    float* ar = acc + r * hd;
-    int x = 0;
-    for (; x + 16 <= hd; x += 16) {  // two column blocks x two key phases: 4 independent chains
-      __m256 a0 = _mm256_loadu_ps(ar + x), a1 = _mm256_loadu_ps(ar + x + 8);
-      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-      int j = 0;
-      for (; j + 2 <= n; j += 2) {
-        const __m256 p0 = _mm256_set1_ps(pr[j]), p1 = _mm256_set1_ps(pr[j + 1]);
-        a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x), a0);
-        a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x + 8), a1);
-        b0 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + (j + 1) * hd + x), b0);
-        b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + (j + 1) * hd + x + 8), b1);
-      }
-      if (j < n) {
-        const __m256 p0 = _mm256_set1_ps(pr[j]);
-        a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x), a0);
-        a1 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + j * hd + x + 8), a1);
-      }
-      _mm256_storeu_ps(ar + x, _mm256_add_ps(a0, b0));
-      _mm256_storeu_ps(ar + x + 8, _mm256_add_ps(a1, b1));
+// 8 values of a cache row as f32
+RPA_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+RPA_AVX2 inline __m256 load8(const uint16_t* x) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+RPA_AVX2 inline __m256 load8(const int8_t* x) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
+
+// R <= 6 rows at once (2R accumulators of 16 columns, or R of the last 8): each V row's columns are
+// loaded (and widened) once for all R rows. A = 2 key phases keep >= 4 FMA chains in flight for 1-2 rows.
+template <int R, class T>
+RPA_AVX2 void pv_rows_avx2(const float* p, int hd, const T* v, int n, float* acc) {
+  constexpr int A = R <= 2 ? 2 : 1;
+  int x = 0;
+  for (; x + 16 <= hd; x += 16) {
+    __m256 a[A][R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      a[0][r][0] = _mm256_loadu_ps(acc + r * hd + x), a[0][r][1] = _mm256_loadu_ps(acc + r * hd + x + 8);
+      for (int ph = 1; ph < A; ++ph) a[ph][r][0] = a[ph][r][1] = _mm256_setzero_ps();
     }
-    for (; x < hd; x += 8) {
-      __m256 a = _mm256_loadu_ps(ar + x);
-      for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(pr[j]), _mm256_loadu_ps(v + j * hd + x), a);
-      _mm256_storeu_ps(ar + x, a);
+    int j = 0;
+    for (; j + A <= n; j += A)
+#pragma GCC unroll 2
+      for (int ph = 0; ph < A; ++ph) {
+        const __m256 v0 = load8(v + (j + ph) * hd + x), v1 = load8(v + (j + ph) * hd + x + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 pj = _mm256_broadcast_ss(p + r * kChunk + j + ph);
+          a[ph][r][0] = _mm256_fmadd_ps(pj, v0, a[ph][r][0]);
+          a[ph][r][1] = _mm256_fmadd_ps(pj, v1, a[ph][r][1]);
+        }
+      }
+    for (; j < n; ++j) {
+      const __m256 v0 = load8(v + j * hd + x), v1 = load8(v + j * hd + x + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(p + r * kChunk + j);
+        a[0][r][0] = _mm256_fmadd_ps(pj, v0, a[0][r][0]);
+        a[0][r][1] = _mm256_fmadd_ps(pj, v1, a[0][r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      for (int ph = 1; ph < A; ++ph)
+        a[0][r][0] = _mm256_add_ps(a[0][r][0], a[ph][r][0]), a[0][r][1] = _mm256_add_ps(a[0][r][1], a[ph][r][1]);
+      _mm256_storeu_ps(acc + r * hd + x, a[0][r][0]);
+      _mm256_storeu_ps(acc + r * hd + x + 8, a[0][r][1]);
+    }
+  }
+  if (x < hd) {  // hd % 16 == 8
+    __m256 a[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * hd + x);
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = load8(v + j * hd + x);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kChunk + j), v0, a[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * hd + x, a[r]);
+  }
+}
+
+// More than 6 rows (up to kMaxRows) run as 4 + the rest: 16 registers hold no more accumulators.
+template <class T>
+RPA_AVX2 void pv_typed_avx2(const float* p, int rows, int hd, const T* v, int n, float* acc) {
+  if (rows > 6) {
+    pv_rows_avx2<4>(p, hd, v, n, acc);
+    p += 4 * kChunk, acc += 4 * hd, rows -= 4;
+  }
+  switch (rows) {
+    case 1: return pv_rows_avx2<1>(p, hd, v, n, acc);
+    case 2: return pv_rows_avx2<2>(p, hd, v, n, acc);
+    case 3: return pv_rows_avx2<3>(p, hd, v, n, acc);
+    case 4: return pv_rows_avx2<4>(p, hd, v, n, acc);
+    case 5: return pv_rows_avx2<5>(p, hd, v, n, acc);
+    default: return pv_rows_avx2<6>(p, hd, v, n, acc);
+  }
+}
+
+RPA_AVX2 void pv_avx2(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
+                      float* acc, float*) {
+  switch (type) {
+    case KvType::kF32:
+      return pv_typed_avx2(p, rows, hd, static_cast<const float*>(v), n, acc);
+    case KvType::kBF16:
+      return pv_typed_avx2(p, rows, hd, static_cast<const uint16_t*>(v), n, acc);
+    case KvType::kI8: {  // p[r][j] * vscale[j], then the raw int8 rows
+      alignas(32) float ps[kMaxRows * kChunk] = {};
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < n; ++j) ps[r * kChunk + j] = p[r * kChunk + j] * vscale[j];
+      return pv_typed_avx2(ps, rows, hd, static_cast<const int8_t*>(v), n, acc);
     }
   }
 }
 
-// The widening loops and the word-major scores are the portable ones, vectorized by the compiler for the
-// target.
-RPA_AVX2 void scores_f32_words_avx2(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  scores_f32_words_loop(q, rows, hd, k, ps, n, s);
+// Lanes j < n of 8 keys set (maskload reads nothing past them).
+RPA_AVX2 inline __m256i lanes_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// f32 K word-major (column x of the chunk's keys: ps floats apart): keys in the lanes, two vectors of 8,
+// broadcast FMAs, no horizontal sums. R <= 4 rows; A column phases keep >= 8 FMA chains for 1-2 rows.
+template <int R>
+RPA_AVX2 void scores_f32_words_rows_avx2(const float* q, int hd, const float* k, int ps, int n, float* s) {
+  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8);
+  __m256 acc[A][R][2];
+  for (int a = 0; a < A; ++a)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
+  for (int x = 0; x < hd; x += A)
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) {
+      const float* kx = k + int64_t(x + a) * ps;
+      const __m256 k0 = _mm256_maskload_ps(kx, m0), k1 = _mm256_maskload_ps(kx + 8, m1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 qx = _mm256_broadcast_ss(q + r * hd + x + a);
+        acc[a][r][0] = _mm256_fmadd_ps(qx, k0, acc[a][r][0]);
+        acc[a][r][1] = _mm256_fmadd_ps(qx, k1, acc[a][r][1]);
+      }
+    }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int a = 1; a < A; ++a)
+      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[a][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[a][r][1]);
+    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
+    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
+  }
+}
+
+// int8 K word-major (word w of 8 keys is 32 bytes: key j's columns 4w .. 4w+3 in int32 lane j): column
+// 4w + c of the 8 keys is byte c of each lane, sign-extended by two shifts, then converted and used as
+// in the f32 form. (AVX2 has no int8 dot worth the query's quantization here: cf. q8_matmul's AVX2 note.)
+template <int R>
+RPA_AVX2 void scores_i8_words_rows_avx2(const float* q, int hd, const int8_t* k, int ps, int n, float* s) {
+  constexpr int A = R <= 2 ? 2 : 1;  // column phases (c even / odd)
+  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8);
+  __m256 acc[A][R][2];
+  for (int a = 0; a < A; ++a)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
+  for (int w = 0; w < hd / 4; ++w) {
+    const int* kw = reinterpret_cast<const int*>(k + int64_t(w) * ps * 4);
+    const __m256i k0 = _mm256_maskload_epi32(kw, m0), k1 = _mm256_maskload_epi32(kw + 8, m1);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(k0, 24 - 8 * c), 24));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(k1, 24 - 8 * c), 24));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 qx = _mm256_broadcast_ss(q + r * hd + 4 * w + c);
+        acc[c % A][r][0] = _mm256_fmadd_ps(qx, c0, acc[c % A][r][0]);
+        acc[c % A][r][1] = _mm256_fmadd_ps(qx, c1, acc[c % A][r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    for (int a = 1; a < A; ++a)
+      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[a][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[a][r][1]);
+    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
+    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
+  }
+}
+
+// Rows in blocks of at most 4 (each block reads the chunk's K again, from L1).
+template <class K, void (*Rows1)(const float*, int, const K*, int, int, float*),
+          void (*Rows2)(const float*, int, const K*, int, int, float*),
+          void (*Rows3)(const float*, int, const K*, int, int, float*),
+          void (*Rows4)(const float*, int, const K*, int, int, float*)>
+RPA_AVX2 void words_in_row_blocks(const float* q, int rows, int hd, const K* k, int ps, int n, float* s) {
+  for (; rows > 0; rows -= 4, q += 4 * hd, s += 4 * kChunk)
+    switch (std::min(rows, 4)) {
+      case 1: Rows1(q, hd, k, ps, n, s); break;
+      case 2: Rows2(q, hd, k, ps, n, s); break;
+      case 3: Rows3(q, hd, k, ps, n, s); break;
+      default: Rows4(q, hd, k, ps, n, s);
+    }
+}
+
+RPA_AVX2 void scores_f32_words_avx2(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
+  words_in_row_blocks<float, scores_f32_words_rows_avx2<1>, scores_f32_words_rows_avx2<2>,
+                      scores_f32_words_rows_avx2<3>, scores_f32_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
+}
+
+RPA_AVX2 void scores_i8_words_avx2(const float* q, int rows, int hd, const int8_t* k, int ps, int n, float* s) {
+  words_in_row_blocks<int8_t, scores_i8_words_rows_avx2<1>, scores_i8_words_rows_avx2<2>,
+                      scores_i8_words_rows_avx2<3>, scores_i8_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
+}
+
+// The widening loops are the portable ones, vectorized by the compiler for the target.
 RPA_AVX2 void widen_i8_avx2(const int8_t* src, int n, int hd, float* dst) {
   for (int j = 0; j < n * hd; ++j) dst[j] = float(src[j]);
 }
@@ -371,9 +533,8 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
   }
 }
 
-constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2,
-                              pv_widening<pv_f32_avx2, widen_i8_avx2, widen_bf16_avx2>, widen_i8_avx2,
-                              widen_bf16_avx2, scores_f32_words_avx2, nullptr, nullptr, nullptr};
+constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2,
+                              scores_f32_words_avx2, nullptr, nullptr, nullptr, scores_i8_words_avx2};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
 // s[j] = q . k[j] for a full chunk: one accumulator per key, the 16 reduced together. HD > 0 fixes
@@ -554,7 +715,7 @@ RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const 
 }
 
 constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                widen_bf16_avx512, scores_f32_words_avx512, nullptr, nullptr, nullptr};
+                                widen_bf16_avx512, scores_f32_words_avx512, nullptr, nullptr, nullptr, nullptr};
 
 // ---- AVX-512 VNNI, int8 KV: vpdpbusd (unsigned x signed bytes, 4 products summed per int32 lane) ----
 // Scores: K is word-major in the cache (the page's bytes [hd / 4][ps][4]; k points at word 0 of the
@@ -691,7 +852,7 @@ RPA_VNNI void pv_i8_vnni(const float* p, int rows, int hd, const int8_t* v, cons
 
 constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
                                     widen_bf16_avx512, scores_f32_words_avx512, quantize_rows_vnni,
-                                    scores_i8_words_vnni, pv_i8_vnni};
+                                    scores_i8_words_vnni, pv_i8_vnni, nullptr};
 #endif  // RPA_X86
 
 // pv_i8's column order within each 64 columns: block sub, lane 4L + i holds column 16 L + 4 sub + i.
@@ -1045,7 +1206,7 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
         break;
       case KvType::kI8:
-        if (vnni_i8) break;
+        if (vnni_i8 || (p.k_words && isa.scores_i8_words_f32)) break;
         if (p.k_words) {  // rows in order first, then widened
           alignas(64) int8_t rows_i8[kChunk * kMaxHeadDim];
           const int8_t* w0 = static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4;
@@ -1058,6 +1219,8 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     }
     if (vnni_i8)  // hd 64 or 128: K is word-major
       isa.scores_i8_words(qq, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
+    else if (p.type == KvType::kI8 && p.k_words && isa.scores_i8_words_f32)
+      isa.scores_i8_words_f32(q, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
     else if (p.type == KvType::kF32)
       isa.scores_f32_words(q, rows, hd, static_cast<const float*>(p.k) + (row0 - off) * hd + off, p.ps, n, out);
     else
