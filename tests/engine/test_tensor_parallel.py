@@ -208,12 +208,13 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tmp_path_f
         assert r["kv_layout"] == ("split" if tp == 2 else "repeated")
 
 
-@pytest.mark.parametrize("kernels", ["auto", "reference"])
-def test_tensor_parallel_int8_kv_cache(tmp_path_factory, kernels):
-    """int8 KV pages and their per-token-head scales split on the head axis alike."""
+def test_tensor_parallel_int8_kv_cache(tmp_path_factory):
+    """int8 KV pages and their per-token-head scales split on the head axis alike. (The pure-JAX
+    attention under TP runs in the greedy test's reference cases, with f32 KV; int8 KV with it is left
+    out of the suite's time, ~25 s on 2 cores.)"""
     from tests.conftest import build_tiny_hf
 
-    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp("tp-kv8")), "llama"), "none", kernels,
+    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp("tp-kv8")), "llama"), "none", "auto",
                   kv_cache_dtype="int8")
     _assert_same_tokens_no_recompiles(report)
     for tp in (2, 4):
