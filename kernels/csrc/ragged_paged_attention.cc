@@ -297,33 +297,45 @@ RPA_AVX2 inline __m256 exp_avx2(__m256 x) {  // x <= 0; 0 below -87.3 (and for -
 
 RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
                            const int* pos, const int* lo, float* m, float* l, float* acc) {
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i j0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), j1 = _mm256_add_epi32(j0, _mm256_set1_epi32(8));
+  const __m256i in0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), j0), in1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), j1);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 ks0 = _mm256_set1_ps(1.f), ks1 = ks0;
+  if (kscale) ks0 = _mm256_maskload_ps(kscale, in0), ks1 = _mm256_maskload_ps(kscale + 8, in1);
+  const __m256i k0 = _mm256_add_epi32(j0, _mm256_set1_epi32(key)), k1 = _mm256_add_epi32(j1, _mm256_set1_epi32(key));
   for (int r = 0; r < rows; ++r) {
     float* sr = s + r * kChunk;
-    if (kscale)
-      for (int j = 0; j < n; ++j) sr[j] *= kscale[j];
-    __m256 h[2] = {_mm256_loadu_ps(sr), _mm256_loadu_ps(sr + 8)};
-    if (edge)
-      for (int i = 0; i < 2; ++i) {  // visible: j < n, lo <= key + j <= pos
-        const __m256i j = _mm256_add_epi32(iota, _mm256_set1_epi32(8 * i));
-        const __m256i k = _mm256_add_epi32(j, _mm256_set1_epi32(key));
-        const __m256i hidden = _mm256_or_si256(
-            _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), j) ^ _mm256_set1_epi32(-1),
-                            _mm256_cmpgt_epi32(k, _mm256_set1_epi32(pos[r]))),
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(lo[r]), k));
-        h[i] = _mm256_blendv_ps(h[i], neg_inf, _mm256_castsi256_ps(hidden));
-      }
-    __m256 mx = _mm256_max_ps(h[0], h[1]);
-    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
-    mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
-    const __m256 shift = _mm256_set1_ps(raise_max(r, _mm256_cvtss_f32(mx), hd, m, l, acc));
-    const __m256 p0 = exp_avx2(_mm256_sub_ps(h[0], shift)), p1 = exp_avx2(_mm256_sub_ps(h[1], shift));
+    __m256 h0 = _mm256_mul_ps(_mm256_loadu_ps(sr), ks0), h1 = _mm256_mul_ps(_mm256_loadu_ps(sr + 8), ks1);
+    if (edge) {  // visible: j < n, lo <= key + j <= pos
+      const __m256i pr = _mm256_set1_epi32(pos[r]), lr = _mm256_set1_epi32(lo[r]);
+      const __m256i vis0 = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi32(k0, pr), _mm256_cmpgt_epi32(lr, k0)), in0);
+      const __m256i vis1 = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi32(k1, pr), _mm256_cmpgt_epi32(lr, k1)), in1);
+      h0 = _mm256_blendv_ps(neg_inf, h0, _mm256_castsi256_ps(vis0));
+      h1 = _mm256_blendv_ps(neg_inf, h1, _mm256_castsi256_ps(vis1));
+    }
+    // the row max grows in few chunks: a compare finds out, and the horizontal max runs only then (with
+    // m = -inf and every lane masked nothing is greater, so the shift is 0 and p = exp(-inf) = 0)
+    const __m256 mr = _mm256_set1_ps(m[r]);
+    const bool grows = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(h0, mr, _CMP_GT_OQ), _mm256_cmp_ps(h1, mr, _CMP_GT_OQ)));
+    float shift = m[r] == kNegInf ? 0.f : m[r];
+    if (grows) {
+      __m256 mx = _mm256_max_ps(h0, h1);
+      mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+      mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
+      mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
+      shift = raise_max(r, _mm256_cvtss_f32(mx), hd, m, l, acc);
+    }
+    const __m256 sh = _mm256_set1_ps(shift);
+    const __m256 p0 = exp_avx2(_mm256_sub_ps(h0, sh)), p1 = exp_avx2(_mm256_sub_ps(h1, sh));
     _mm256_storeu_ps(sr, p0);
     _mm256_storeu_ps(sr + 8, p1);
     l[r] += hsum8(_mm256_add_ps(p0, p1));
   }
+}
+
+// Lanes j < n of 8 keys set (maskload reads nothing past them).
+RPA_AVX2 inline __m256i lanes_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // 8 values of a cache row as f32
@@ -417,17 +429,15 @@ RPA_AVX2 void pv_avx2(const float* p, int rows, int hd, KvType type, const void*
     case KvType::kBF16:
       return pv_typed_avx2(p, rows, hd, static_cast<const uint16_t*>(v), n, acc);
     case KvType::kI8: {  // p[r][j] * vscale[j], then the raw int8 rows
-      alignas(32) float ps[kMaxRows * kChunk] = {};
-      for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < n; ++j) ps[r * kChunk + j] = p[r * kChunk + j] * vscale[j];
+      alignas(32) float ps[kMaxRows * kChunk];
+      const __m256 vs0 = _mm256_maskload_ps(vscale, lanes_below(n)), vs1 = _mm256_maskload_ps(vscale + 8, lanes_below(n - 8));
+      for (int r = 0; r < rows; ++r) {
+        _mm256_store_ps(ps + r * kChunk, _mm256_mul_ps(_mm256_loadu_ps(p + r * kChunk), vs0));
+        _mm256_store_ps(ps + r * kChunk + 8, _mm256_mul_ps(_mm256_loadu_ps(p + r * kChunk + 8), vs1));
+      }
       return pv_typed_avx2(ps, rows, hd, static_cast<const int8_t*>(v), n, acc);
     }
   }
-}
-
-// Lanes j < n of 8 keys set (maskload reads nothing past them).
-RPA_AVX2 inline __m256i lanes_below(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // f32 K word-major (column x of the chunk's keys: ps floats apart): keys in the lanes, two vectors of 8,
