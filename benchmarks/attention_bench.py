@@ -90,6 +90,21 @@ on the row sum's horizontal add), run 6%, touch_keys 6%. Changes:
   - tried, no gain, reverted: the int8 scores' accumulator chains interleaved across rows (rows inner:
     shared 6.5 -> 6.7-7.9 ms), and the softmax's row sums kept in lanes with one horizontal add per item
     (shared 6.31, 6.62, 6.38 -> 6.42, 6.61, 6.58): the out-of-order core already hid both.
+
+Ninth session: AMD EPYC Zen 3 (family 25 model 1), AVX2 + FMA only, so the kernel runs its AVX2 path, which
+had never been tuned (--reps 30, old and new .so alternated, ms/step medians; the VM swung up to 1.7x
+between runs). The old AVX2 path: f32 scores by the compiler's vectorization of the portable word-major
+loop, int8 K words copied back to row order and widened, scores reduced across lanes per key, P x V one
+query row at a time. New: keys-in-lanes scores on word-major K for f32 and int8 (bytes sign-extended by
+two shifts in registers), P x V with up to 6 rows per V load (int8 widened in registers), vector k_scale /
+v_scale multiplies and the grows-only horizontal max in the softmax:
+  - shared (compute alone): f32 32.6, 33.8 -> 17.4, 13.1 ms; int8 40.0, 24.6 -> 12.9, 12.4 (then the softmax
+    and scale changes: 13.2, 13.3, 21.8, 15.3 -> 12.7, 12.9, 11.4, 18.0);
+  - sequential: f32 55.9, 54.1 -> 40.1, 47.1 ms (bounds 25-32 ms); int8 39.8, 41.7 -> 18.9, 20.3 (bounds 6-8).
+perf (cpu-clock, int8, shared): scores 34% of the kernel's samples, P x V 33%, softmax 18%, attend / touch /
+run 15%. int8's compute alone (11-13 ms) is ~1.7x its read bound here, so 1.3x needs cheaper int8 arithmetic
+than sign-extend + convert + FMA (e.g. pmaddubsw / pmaddwd on a quantized query, as the VNNI path does with
+vpdpbusd).
 """
 from __future__ import annotations
 
