@@ -157,9 +157,7 @@ void scores_portable(const float* q, int rows, int hd, const float* k, int n, fl
     }
 }
 
-// Inlined into each target's function below, so the compiler vectorizes it for that target.
-__attribute__((always_inline)) inline void scores_f32_words_loop(const float* q, int rows, int hd, const float* k,
-                                                                 int ps, int n, float* s) {
+void scores_f32_words_portable(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
   for (int r = 0; r < rows; ++r) {
     float acc[kChunk] = {};
     for (int x = 0; x < hd; ++x) {
@@ -169,10 +167,6 @@ __attribute__((always_inline)) inline void scores_f32_words_loop(const float* q,
     }
     std::copy(acc, acc + n, s + r * kChunk);
   }
-}
-
-void scores_f32_words_portable(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  scores_f32_words_loop(q, rows, hd, k, ps, n, s);
 }
 
 // The bookkeeping every path shares: a row's max grows to m_new; returns the shift for its exp.
@@ -531,11 +525,8 @@ RPA_AVX2 void scores_i8_words_avx2(const float* q, int rows, int hd, const int8_
                       scores_i8_words_rows_avx2<3>, scores_i8_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
 }
 
-// The widening loops are the portable ones, vectorized by the compiler for the target.
-RPA_AVX2 void widen_i8_avx2(const int8_t* src, int n, int hd, float* dst) {
-  for (int j = 0; j < n * hd; ++j) dst[j] = float(src[j]);
-}
-
+// bf16 K rows are widened for the row-order scores: the portable loop, vectorized by the compiler for the
+// target. (int8 K and V are never widened on AVX2: word-major scores and P x V convert in registers.)
 RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
   for (int j = 0; j < n * hd; ++j) {
     const uint32_t u = uint32_t(src[j]) << 16;
@@ -543,7 +534,7 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
   }
 }
 
-constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_avx2, widen_bf16_avx2,
+constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_portable, widen_bf16_avx2,
                               scores_f32_words_avx2, nullptr, nullptr, nullptr, scores_i8_words_avx2};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
@@ -1162,6 +1153,8 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   }
   std::fill(acc, acc + rows * hd, 0.f);
   const bool vnni_i8 = p.type == KvType::kI8 && isa.scores_i8_words && (hd == 64 || hd == 128);
+  // int8 scores from word-major K and the f32 query, where the path has them (AVX2)
+  const bool words_i8 = p.type == KvType::kI8 && !vnni_i8 && p.k_words && isa.scores_i8_words_f32;
   QuantRows qq;
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
@@ -1216,7 +1209,7 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
         isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
         break;
       case KvType::kI8:
-        if (vnni_i8 || (p.k_words && isa.scores_i8_words_f32)) break;
+        if (vnni_i8 || words_i8) break;
         if (p.k_words) {  // rows in order first, then widened
           alignas(64) int8_t rows_i8[kChunk * kMaxHeadDim];
           const int8_t* w0 = static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4;
@@ -1229,7 +1222,7 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     }
     if (vnni_i8)  // hd 64 or 128: K is word-major
       isa.scores_i8_words(qq, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
-    else if (p.type == KvType::kI8 && p.k_words && isa.scores_i8_words_f32)
+    else if (words_i8)
       isa.scores_i8_words_f32(q, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
     else if (p.type == KvType::kF32)
       isa.scores_f32_words(q, rows, hd, static_cast<const float*>(p.k) + (row0 - off) * hd + off, p.ps, n, out);
