@@ -27,13 +27,14 @@ def _fmt(v: Any, digits: int = 1) -> str:
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = ("| server | conc. | prompts | req/s | output tok/s | total tok/s | TTFT p50 ms | TTFT p99 ms | "
+    head = ("| server | conc. | prompts | req/s | output tok/s | total tok/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | "
             "TPOT p50 ms | ITL p99 ms | E2E p50 ms | failed |")
-    lines = [head, "|---|" + "---:|" * 11]
+    lines = [head, "|---|" + "---:|" * 12]
     for r in rows:
         lines.append(f"| {r['server']} | {r['max_concurrency']} | {r['completed'] + r['failed']} | "
                      f"{_fmt(r['request_throughput'], 2)} | {_fmt(r['output_throughput'])} | "
-                     f"{_fmt(r['total_token_throughput'])} | {_fmt(r['median_ttft_ms'])} | {_fmt(r['p99_ttft_ms'])} | "
+                     f"{_fmt(r['total_token_throughput'])} | {_fmt(r['median_ttft_ms'])} | {_fmt(r.get('p90_ttft_ms', '-'))} | "
+                     f"{_fmt(r['p99_ttft_ms'])} | "
                      f"{_fmt(r['median_tpot_ms'])} | {_fmt(r['p99_itl_ms'])} | {_fmt(r['median_e2el_ms'])} | "
                      f"{r['failed']} |")
     return "\n".join(lines)
