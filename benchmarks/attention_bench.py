@@ -9,7 +9,8 @@ Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 6
 --page-order sequential | descending | shared change the page tables (shared: every sequence reads the
 same pages, so K/V stay in cache and the time is the compute alone). SLIPSTREAM_KV_HUGE_PAGES=0 keeps the
 cache on 4 KiB pages (the kernel's A/B switch). benchmarks/page_placement_bench.py times `bench` on the page
-tables a serving run's allocator built.
+tables a serving run's allocator built. --prefill T times one sequence's T-token prefill chunk instead (its K/V
+written and attended, as a prompt's chunk runs in the engine).
 
 Measured (2026-11-30, AMD EPYC Zen 4, 2 vCPUs shared with other jobs, AVX-512 VNNI, --reps 20), page
 tables in random order. Before the VNNI path, on a quiet machine (load 0.2): f32 KV 29.9 ms/step against
@@ -167,6 +168,49 @@ def make_step(layers: int, *, sm_scale: float, use_reference: bool):
     return jax.jit(step, donate_argnums=0)
 
 
+def time_steps(step, cache, operands, reps: int, label: str) -> tuple[dict, list[float], float]:
+    """Runs the donated step once, then `reps` timed times: (cache, wall seconds per rep, CPU ms per rep)."""
+    cache, _ = step(cache, *operands)
+    jax.block_until_ready(cache)
+    ptrs = [a.unsafe_buffer_pointer() for a in cache.values()]
+    times = []
+    cpu0 = time.process_time()
+    for _ in range(reps):
+        start = time.perf_counter()
+        cache, outs = step(cache, *operands)
+        jax.block_until_ready((cache, outs))
+        times.append(time.perf_counter() - start)
+    if [a.unsafe_buffer_pointer() for a in cache.values()] != ptrs:
+        print(f"{label:>8} note: the cache buffers moved between steps")
+    return cache, times, (time.process_time() - cpu0) / reps * 1e3
+
+
+def bench_prefill(kv_dtype: str, args) -> None:
+    """One sequence's first --prefill tokens as one chunk (a prompt's prefill, as the engine runs it): the
+    kernel writes their K/V and attends each token over the keys up to it. Prints ms per step."""
+    rng = np.random.default_rng(0)
+    t, kvh, g, hd, ps, nl = args.prefill, args.kv_heads, args.group, args.head_dim, args.page_size, args.layers
+    pages = -(-t // ps)
+    shape = (nl, kvh, pages + 1, ps, hd)
+    if kv_dtype == "int8":
+        cache = {"k": jnp.zeros(shape, jnp.int8), "v": jnp.zeros(shape, jnp.int8),
+                 "k_scale": jnp.zeros(shape[:4], jnp.float32), "v_scale": jnp.zeros(shape[:4], jnp.float32)}
+    else:
+        cache = {"k": jnp.zeros(shape, kv_dtype), "v": jnp.zeros(shape, kv_dtype)}
+    q = jnp.asarray(rng.standard_normal((t, kvh * g, hd), dtype=np.float32))
+    kv_new = jnp.asarray(rng.standard_normal((t, kvh, hd), dtype=np.float32))
+    operands = (q, kv_new, kv_new, jnp.asarray([t], jnp.int32), jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+                jnp.asarray([0, t], jnp.int32), jnp.asarray([1], jnp.int32))
+    for name, use_reference in (("native", False), ("reference", True)):
+        if name == "reference" and not args.reference:
+            continue
+        step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
+        cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, kv_dtype)
+        ms = float(np.median(times)) * 1e3
+        print(f"{kv_dtype:>8} {name:>9}: prefill of {t} tokens {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), "
+              f"{ms / nl:6.3f} ms/layer; cpu {cpu_ms:7.2f} ms/step")
+
+
 def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int | None = None) -> float:
     """Prints the step's times; returns the native kernel's median ms/step. `table` [seqs, pages] and the pool's
     `num_pages` replace --page-order's tables (benchmarks/page_placement_bench.py passes a served server's)."""
@@ -211,19 +255,7 @@ def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int |
         if name == "reference" and not args.reference:
             continue
         step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
-        cache, _ = step(cache, *operands)
-        jax.block_until_ready(cache)
-        ptrs = [a.unsafe_buffer_pointer() for a in cache.values()]
-        times = []
-        cpu0 = time.process_time()
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            cache, outs = step(cache, *operands)
-            jax.block_until_ready((cache, outs))
-            times.append(time.perf_counter() - start)
-        cpu_ms = (time.process_time() - cpu0) / args.reps * 1e3
-        if [a.unsafe_buffer_pointer() for a in cache.values()] != ptrs:
-            print(f"{kv_dtype:>8} note: the cache buffers moved between steps")
+        cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, kv_dtype)
         ms = float(np.median(times)) * 1e3
         if name == "native":
             native_ms = ms
@@ -271,8 +303,17 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated: float32, bfloat16, int8")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference", action="store_true", help="also time the pure-JAX reference")
+    parser.add_argument("--prefill", type=int, default=0, metavar="T",
+                        help="time one sequence's T-token prefill chunk instead of the decode step")
     args = parser.parse_args()
     print(machine())
+    if args.prefill > 0:
+        print(f"step: one sequence's {args.prefill}-token prefill chunk, {args.layers} layers, "
+              f"{args.kv_heads * args.group} q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+              f"page_size {args.page_size}")
+        for kv_dtype in args.kv_dtypes.split(","):
+            bench_prefill(kv_dtype, args)
+        return
     print(f"step: {args.seqs} seqs x context {args.context}, {args.layers} layers, {args.kv_heads * args.group} "
           f"q heads / {args.kv_heads} KV heads, head_dim {args.head_dim}, page_size {args.page_size}, "
           f"page order {args.page_order}")
