@@ -185,6 +185,17 @@ def time_steps(step, cache, operands, reps: int, label: str) -> tuple[dict, list
     return cache, times, (time.process_time() - cpu0) / reps * 1e3
 
 
+def timed_paths(args, cache, operands, label: str):
+    """(name, wall seconds per rep, CPU ms per rep) of the native kernel, then (--reference) the pure-JAX
+    reference, over the same donated cache."""
+    for name, use_reference in (("native", False), ("reference", True)):
+        if name == "reference" and not args.reference:
+            continue
+        step = make_step(args.layers, sm_scale=args.head_dim ** -0.5, use_reference=use_reference)
+        cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, label)
+        yield name, times, cpu_ms
+
+
 def bench_prefill(kv_dtype: str, args) -> None:
     """One sequence's first --prefill tokens as one chunk (a prompt's prefill, as the engine runs it): the
     kernel writes their K/V and attends each token over the keys up to it. Prints ms per step."""
@@ -201,11 +212,7 @@ def bench_prefill(kv_dtype: str, args) -> None:
     kv_new = jnp.asarray(rng.standard_normal((t, kvh, hd), dtype=np.float32))
     operands = (q, kv_new, kv_new, jnp.asarray([t], jnp.int32), jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
                 jnp.asarray([0, t], jnp.int32), jnp.asarray([1], jnp.int32))
-    for name, use_reference in (("native", False), ("reference", True)):
-        if name == "reference" and not args.reference:
-            continue
-        step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
-        cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, kv_dtype)
+    for name, times, cpu_ms in timed_paths(args, cache, operands, kv_dtype):
         ms = float(np.median(times)) * 1e3
         print(f"{kv_dtype:>8} {name:>9}: prefill of {t} tokens {ms:8.2f} ms/step (min {min(times) * 1e3:.2f}), "
               f"{ms / nl:6.3f} ms/layer; cpu {cpu_ms:7.2f} ms/step")
@@ -251,11 +258,7 @@ def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int |
     print(f"{kv_dtype:>8} read bandwidth (numpy sum of 1 GiB): 1 thread {bw1 / 1e9:.1f} GB/s, {cores} threads "
           f"{bwn / 1e9:.1f} GB/s; the bound uses {bandwidth / 1e9:.1f} GB/s")
     native_ms = float("nan")
-    for name, use_reference in (("native", False), ("reference", True)):
-        if name == "reference" and not args.reference:
-            continue
-        step = make_step(nl, sm_scale=hd ** -0.5, use_reference=use_reference)
-        cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, kv_dtype)
+    for name, times, cpu_ms in timed_paths(args, cache, operands, kv_dtype):
         ms = float(np.median(times)) * 1e3
         if name == "native":
             native_ms = ms
