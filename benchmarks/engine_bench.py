@@ -151,15 +151,16 @@ def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float,
 
 
 def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
-    """One decode slot, part by part, timed round-robin (ms, medians): the whole step; its model
+    """A decode step of the first --slots count (one slot by default), part by part, timed round-robin (ms, medians): the whole step; its model
     program (with the host's input arrays); the host's input arrays alone; the sampling program
     alone; the matmuls alone (roofline); the attention op alone (all layers); and `stream`, one read
     of the step's weight bytes by the int8 kernel's threads (kernels.q8_matmul.read_probe), the
     floor of the matmuls. With --breakdown-ops, the model program's XLA ops by time (profiler)."""
     engine, cfg = setup.engine, setup.engine.model_cfg
+    slots = args.slots[0]
 
     def batch():
-        return StepBatch(decodes(setup, 1))
+        return StepBatch(decodes(setup, slots))
 
     def step():
         engine.step(batch())
@@ -168,13 +169,13 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     def model():
         return engine._run_model(batch())[1]
 
-    t = engine.buckets.tokens(1)
+    t = engine.buckets.tokens(slots)
     b = engine.buckets.sample_rows(t)
     logits = model()
-    slot_ids, active = np.zeros(b, np.int32), np.ones(b, bool)
+    slot_ids, active = np.arange(b, dtype=np.int32) % engine.max_slots, np.ones(b, bool)
     sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
     sarrays = dataclasses.replace(sarrays, step=engine._slot_steps[slot_ids])
-    bitmask = engine._fill_mask([0], b)
+    bitmask = engine._fill_mask(list(range(slots)), b)
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 
     def sample():
@@ -184,7 +185,7 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
 
     x = jnp.ones((t, cfg.hidden_size), engine.dtype)
     fns = {"step": step, "model": model, "host_inputs": lambda: engine.step_inputs(batch()) and None,
-           "sample": sample, "roofline": lambda: roofline(x), "attention": attention_only(setup, 1)}
+           "sample": sample, "roofline": lambda: roofline(x), "attention": attention_only(setup, slots)}
     weight_bytes = weight_bytes_read_per_token(engine.params)
     if engine.weight_mode != "none":
         from kernels.q8_matmul import read_probe
@@ -193,21 +194,24 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
         probe = jax.jit(read_probe)
         fns["stream"] = lambda: probe(data)
     times = interleaved(fns, args.steps, args.warmup)
-    out = {"slots": 1, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
+    out = {"slots": slots, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
     if args.breakdown_ops:
         from benchmarks.profiling import profile_ops
 
         out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
                             for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
+        out["sample_ops"] = [{"op": name, "ms": ms, "calls": calls}
+                             for name, ms, calls in profile_ops(sample, max(5, args.steps // 2), 15)]
     return out
 
 
 def breakdown_markdown(d: dict) -> str:
-    lines = [f"One decode slot, context {d.get('context', '?')}, weights read per token {d['weight_mb']:.1f} MB "
+    lines = [f"A decode step of {d['slots']} slot(s), context {d.get('context', '?')}, weights read per token {d['weight_mb']:.1f} MB "
              "(ms, medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
     lines += [f"| {k[:-3]} | {v:.3f} |" for k, v in d.items() if k.endswith("_ms")]
-    for op in d.get("model_ops", []):
-        lines.append(f"| op {op['op'][:60]} (x{op['calls']}) | {op['ms']:.3f} |")
+    for program in ("model", "sample"):
+        for op in d.get(f"{program}_ops", []):
+            lines.append(f"| {program} op {op['op'][:60]} (x{op['calls']}) | {op['ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -283,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
-                   help="only the one-slot decode step, part by part (model, sampling, host, matmuls, attention)")
+                   help="only the decode step of the first --slots count, part by part (model, sampling, host, matmuls, attention)")
     p.add_argument("--breakdown-ops", action="store_true", help="with --breakdown: the model program's XLA ops")
     return p.parse_args(argv)
 

@@ -219,11 +219,23 @@ def _top_k_top_p_cutoff(x: jax.Array, x_max: jax.Array, e: jax.Array, k: jax.Arr
     return jnp.where(t_p == 0, -jnp.inf, _key_to_float(t_p))
 
 
+_ARGMAX_BLOCK = 1024
+
+
 def _argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (first index of the max); its variadic reduce is ~4x
-    slower on XLA:CPU than a max and a min."""
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(x == jnp.max(x, -1, keepdims=True), iota, x.shape[-1]), -1)
+    """jnp.argmax over the last axis of [B, V] (the first index of the max), in two levels: each
+    block's max, then the first block holding the row max, then the first index of it inside
+    that block. On XLA:CPU jnp.argmax's variadic reduce, or a max broadcast back over [B, V] and a
+    min of the matching indices, each took ~3 ms at 32 x 49152; this takes ~0.8 ms."""
+    batch, vocab = x.shape
+    nblocks = -(-vocab // _ARGMAX_BLOCK)
+    xb = jnp.pad(x, ((0, 0), (0, nblocks * _ARGMAX_BLOCK - vocab)), constant_values=-jnp.inf)
+    xb = xb.reshape(batch, nblocks, _ARGMAX_BLOCK)
+    block_max = jnp.max(xb, -1)                                              # [B, NB]
+    row_max = jnp.max(block_max, -1, keepdims=True)                          # [B, 1]
+    blk = jnp.argmax(block_max == row_max, -1)                               # first block with it
+    inner = jnp.take_along_axis(xb, blk[:, None, None], 1)[:, 0]             # [B, BLOCK]
+    return (blk * _ARGMAX_BLOCK + jnp.argmax(inner == row_max, -1)).astype(jnp.int32)
 
 
 def _first(cond: jax.Array, positive: jax.Array) -> jax.Array:

@@ -118,6 +118,22 @@ def test_temperature_zero_is_argmax_of_the_logits():
     np.testing.assert_array_equal(out.token, np.argmax(logits, -1))
 
 
+@pytest.mark.parametrize("vocab", [1024, 3000, 49152])
+def test_greedy_takes_the_first_of_tied_maxima_at_large_vocab_sizes(vocab):
+    # vocabularies past one block of the two-level argmax, a size that does not fill its last
+    # block, and maxima tied across blocks and inside one: the first index wins, as np.argmax
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(6, vocab)).astype(np.float32)
+    logits[1, [vocab - 1]] = 9.0                      # in the padded last block
+    logits[2, [5, vocab - 2]] = 9.0                   # tied across blocks
+    logits[3, [vocab // 2, vocab // 2 + 1]] = 9.0     # tied inside one block
+    logits[4] = -np.inf                               # nothing allowed: token 0, as np.argmax
+    logits[5, :] = 1.0                                # all equal
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * 6, [0] * 6, [0] * 6, 6)
+    out = SAMPLE(jnp.asarray(logits), arrays, jnp.zeros((6, vocab), jnp.int32), jnp.zeros((6, vocab), bool))
+    np.testing.assert_array_equal(np.asarray(out.token), np.argmax(logits, -1))
+
+
 def test_greedy_with_penalties_takes_argmax_of_penalized_logits():
     rng = np.random.default_rng(6)
     logits = rng.normal(size=(4, 100)) * 3
