@@ -23,8 +23,9 @@
 // a chunk's weights come from memory once and serve every row block from cache (the LM head's
 // 28 MB does not stay in L3 across row blocks). Items are claimed from an atomic counter by the
 // calling thread and by helpers scheduled on XLA's intra-op pool (a helper that starts late finds
-// no work and returns). The first item to touch a row block quantizes its rows; others wait for
-// that (it is running, so the wait is short). Within an item the weight panel of C tiles
+// no work and returns). The items that touch a row block first quantize its rows, kQuantRows rows
+// per claim, so threads starting on the same block share that work; an item waits only for rows
+// another thread is quantizing (it is running, so the wait is short). Within an item the weight panel of C tiles
 // (C*16 columns x Kp) stays in L1/L2 while R-row micro blocks stream past.
 //
 // With two parts the AVX-512 micro kernel sums each input row's pair exactly in int32 per group
@@ -71,6 +72,7 @@ namespace {
 constexpr int kGroup = 32;      // inputs per scale (Q8_0 block)
 constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
+constexpr int kQuantRows = 4;   // rows per activation-quantization claim (a row block holds 16)
 constexpr int kChunkTiles = 4;  // tiles (of 16 columns) per work item
 constexpr int kPrefetchBytes = 1024;  // how far ahead one-row micro kernels prefetch each weight tile
 constexpr int kPrefetchGroups = kPrefetchBytes / (kGroup * kTile);  // the same distance in groups
@@ -592,21 +594,30 @@ struct Job {
   explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
   bool f32_path = false;  // AVX2, two parts, at least kF32MinRows rows: RunItemF32
-  std::unique_ptr<std::atomic<int>[]> row_state;  // 0 not quantized, 1 in progress, 2 ready
+  int quant_blocks;
+  std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
   std::atomic<int> next{0};
   std::atomic<int> done{0};
   uint64_t generation = 0;  // which call this is (helpers lingering between calls tell them apart)
 
+  // The rows of row block rb, quantized: the caller quantizes every group of kQuantRows rows of
+  // the block that nobody has claimed, then waits for those others are quantizing (they are
+  // running). So the threads that start on one row block (a decode step's 32 rows are one) share
+  // its quantization instead of one doing it while the rest wait.
   void EnsureRows(int rb) {
-    std::atomic<int>& state = row_state[rb];
-    int expected = 0;
-    if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-      const int lo = rb * kRowBlock, hi = std::min(lo + kRowBlock, p.m);
-      for (int row = lo; row < hi; ++row) QuantizeRow(isa, p.x + static_cast<size_t>(row) * p.k, p.k, acts, row);
-      state.store(2, std::memory_order_release);
-      return;
+    const int lo = rb * (kRowBlock / kQuantRows), hi = std::min(lo + kRowBlock / kQuantRows, quant_blocks);
+    for (int qb = lo; qb < hi; ++qb) {
+      int expected = 0;
+      if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
+          !row_state[qb].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
+        continue;
+      const int row_hi = std::min((qb + 1) * kQuantRows, p.m);
+      for (int row = qb * kQuantRows; row < row_hi; ++row)
+        QuantizeRow(isa, p.x + static_cast<size_t>(row) * p.k, p.k, acts, row);
+      row_state[qb].store(2, std::memory_order_release);
     }
-    while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+    for (int qb = lo; qb < hi; ++qb)
+      while (row_state[qb].load(std::memory_order_acquire) != 2) std::this_thread::yield();
   }
 
   void RunItem(int item) {
@@ -785,8 +796,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job->row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
   job->chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
   job->items = job->row_blocks * job->chunks;
-  job->row_state.reset(new std::atomic<int>[job->row_blocks]);
-  for (int i = 0; i < job->row_blocks; ++i) job->row_state[i].store(0);
+  job->quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
+  job->row_state.reset(new std::atomic<int>[job->quant_blocks]);
+  for (int i = 0; i < job->quant_blocks; ++i) job->row_state[i].store(0);
 
   int threads = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items));
   const int cap = g_max_threads.load(std::memory_order_relaxed);
