@@ -275,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slipstream-fast-flags", default="--quantize q8_0 --kv-cache-dtype int8")
+    # The fast mode's step budget: 4 whole 256-token prompts plus 32 decodes per step. Against the
+    # default 288 in one session (Intel Xeon, 128 prompts at 32 concurrent, one run each): out tok/s
+    # 282 -> 318, TTFT p90 5.0 -> 3.7 s, ITL p99 0.32 -> 0.84 s (vLLM CPU with its defaults: 2.4 s).
+    p.add_argument("--slipstream-fast-flags",
+                   default="--quantize q8_0 --kv-cache-dtype int8 --max-num-batched-tokens 1056")
     p.add_argument("--build-jobs", type=int, default=2, help="make -j for the llama.cpp build")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--lock", default="/tmp/slipstream-bench.lock", help="flock held per server run ('' for none)")
