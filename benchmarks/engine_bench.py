@@ -9,7 +9,10 @@ interleaved, because the host is shared. Run from the repo root:
         [--kv-cache-dtype int8] [--out bench.json]
     .venv/bin/python -m benchmarks.engine_bench --slots 1 --quantize q8_0 --breakdown --breakdown-ops
 
---breakdown times the one-slot decode step part by part. Measured 2026-11-30 15:49 UTC (AMD EPYC, 2
+--breakdown times the decode step of the first --slots count part by part. At 32 slots (Intel Xeon,
+2026-12-01, --quantize q8_0 --kv-cache-dtype int8): step 62.8 ms, model 53.1, sampling 10.1, of which
+the greedy argmax's XLA ops took ~6.6; with the two-level argmax (engine/sampling.py) step 57.9,
+sampling 3.8. One slot, measured 2026-11-30 15:49 UTC (AMD EPYC, 2
 logical CPUs, load ~1.8, context 384, q8_0 rounded from floats: 151.4 MB of weights per token; the
 served form, GGUF Q4_1 converted exactly with group offsets, is 164.7 MB; ms): step 7.91, model
 program 6.82, sampling program 0.46, host inputs 0.12, matmuls alone 5.55, attention alone 1.62,
@@ -151,11 +154,12 @@ def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float,
 
 
 def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
-    """A decode step of the first --slots count (one slot by default), part by part, timed round-robin (ms, medians): the whole step; its model
-    program (with the host's input arrays); the host's input arrays alone; the sampling program
-    alone; the matmuls alone (roofline); the attention op alone (all layers); and `stream`, one read
-    of the step's weight bytes by the int8 kernel's threads (kernels.q8_matmul.read_probe), the
-    floor of the matmuls. With --breakdown-ops, the model program's XLA ops by time (profiler)."""
+    """A decode step of the first --slots count (one slot by default), part by part, timed
+    round-robin (ms, medians): the whole step; its model program (with the host's input arrays);
+    the host's input arrays alone; the sampling program alone; the matmuls alone (roofline); the
+    attention op alone (all layers); and `stream`, one read of the step's weight bytes by the int8
+    kernel's threads (kernels.q8_matmul.read_probe), the floor of the matmuls. With
+    --breakdown-ops, the model and sampling programs' XLA ops by time (profiler)."""
     engine, cfg = setup.engine, setup.engine.model_cfg
     slots = args.slots[0]
 
@@ -206,8 +210,8 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
 
 
 def breakdown_markdown(d: dict) -> str:
-    lines = [f"A decode step of {d['slots']} slot(s), context {d.get('context', '?')}, weights read per token {d['weight_mb']:.1f} MB "
-             "(ms, medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
+    lines = [f"A decode step of {d['slots']} slot(s), context {d.get('context', '?')}, weights read per token "
+             f"{d['weight_mb']:.1f} MB (ms, medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
     lines += [f"| {k[:-3]} | {v:.3f} |" for k, v in d.items() if k.endswith("_ms")]
     for program in ("model", "sample"):
         for op in d.get(f"{program}_ops", []):
@@ -287,8 +291,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
-                   help="only the decode step of the first --slots count, part by part (model, sampling, host, matmuls, attention)")
-    p.add_argument("--breakdown-ops", action="store_true", help="with --breakdown: the model program's XLA ops")
+                   help="only the decode step of the first --slots count, part by part (model, sampling, host, "
+                        "matmuls, attention)")
+    p.add_argument("--breakdown-ops", action="store_true",
+                   help="with --breakdown: the model and sampling programs' XLA ops")
     return p.parse_args(argv)
 
 

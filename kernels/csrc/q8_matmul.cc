@@ -25,8 +25,8 @@
 // calling thread and by helpers scheduled on XLA's intra-op pool (a helper that starts late finds
 // no work and returns). The items that touch a row block first quantize its rows, kQuantRows rows
 // per claim, so threads starting on the same block share that work; an item waits only for rows
-// another thread is quantizing (it is running, so the wait is short). Within an item the weight panel of C tiles
-// (C*16 columns x Kp) stays in L1/L2 while R-row micro blocks stream past.
+// another thread is quantizing (it is running, so the wait is short). Within an item the weight
+// panel of C tiles (C*16 columns x Kp) stays in L1/L2 while R-row micro blocks stream past.
 //
 // With two parts the AVX-512 micro kernel sums each input row's pair exactly in int32 per group
 // (254 * acc0 + acc1, scale xs / 254), so the float work per group is one row's, not two.
