@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from kernels import f32_matmul as f32
-from kernels.q8_matmul import TILE, q8_matmul
+from kernels.q8_matmul import TILE, gated_native, q8_matmul
 from models import layers
 from models.base import CausalLM
 from quantization import QuantizedWeight
@@ -132,15 +132,35 @@ class StackedPick:
     index: jax.Array
     stack: StackedQ8 | StackedF32
 
-    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+    def _check_group(self, picks: tuple) -> None:
         widths = self.stack.widths
         if (len(picks) != len(widths) or picks[0] is not self
                 or any(not isinstance(p, FusedMember) or p.index != j for j, p in enumerate(picks[1:], 1))):
             raise ValueError(f"weights fused as a group of {len(widths)} linears are multiplied as that "
                              f"group, in order (got {len(picks)} weights); see engine/layer_stack.FUSED")
+
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        self._check_group(picks)
         y = self.stack.matmul(x.reshape(-1, x.shape[-1]), self.index)
         return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype)
-                     for o, n in zip(self.stack.offsets, widths))
+                     for o, n in zip(self.stack.offsets, self.stack.widths))
+
+    def gated_down(self, x: jax.Array, picks: tuple, down) -> jax.Array | None:
+        """down(silu(gate(x)) * up(x)) for this int8 gate/up group and an int8 down weight: the
+        gate/up output [M, 2F] goes to the down projection's kernel whole, which forms silu(gate) * up
+        per row as it quantizes (kernels.q8_matmul, gated). None where that does not apply (f32
+        stacks, members of other widths, no AVX-512 kernel): the caller then multiplies unfused."""
+        stack = self.stack
+        if not (isinstance(stack, StackedQ8) and isinstance(down, StackedPick) and isinstance(down.stack, StackedQ8)
+                and len(stack.widths) == 2 and stack.widths[0] == stack.widths[1] == stack.offsets[1]
+                and down.stack.weight.logical[0] == stack.widths[0] and gated_native()):
+            return None
+        self._check_group(picks)
+        gate_up = self.stack.matmul(x.reshape(-1, x.shape[-1]), self.index)          # [M, 2F]
+        w = down.stack.weight
+        y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
+                      layer=down.index, gated=True)
+        return y.reshape(*x.shape[:-1], w.logical[1]).astype(x.dtype)
 
 
 def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:

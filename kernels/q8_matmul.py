@@ -10,6 +10,7 @@ math in JAX. `pack` lays weights out for the kernel once, at load time. Imports 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,12 @@ def native_available() -> bool:
     """True when the native CPU kernel is built and registered (logged once either way): a CPU
     default of a q8_0 mode should depend on it, since the reference is several times slower."""
     return native.load("q8_matmul", "q8_matmul")
+
+
+def gated_native() -> bool:
+    """True when a gated q8_matmul runs natively with the AVX-512 path's vector silu: where it does
+    not, a model should form silu(gate) * up itself (XLA's fusion beats the portable loop)."""
+    return native_available() and importlib.import_module("kernels._q8_matmul").isa() == "avx512_vnni"
 
 
 def padded(k: int, n: int) -> tuple[int, int]:
@@ -127,29 +134,40 @@ def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
 
 
 def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, layer: jax.Array, *,
-            n: int, parts: int) -> jax.Array:
+            n: int, parts: int, gated: bool = False) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if offsets is None:
         offsets = jnp.zeros((0,), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts))
+    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts),
+                                         gated=np.int32(gated))
+
+
+def gated_input(x: jax.Array) -> jax.Array:
+    """silu(gate) * up of x = gate | up [..., 2K]: what a gated q8_matmul multiplies."""
+    k = x.shape[-1] // 2
+    return jax.nn.silu(x[..., :k]) * x[..., k:]
 
 
 def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None,
-                  layer: jax.Array, *, n: int, parts: int) -> jax.Array:
+                  layer: jax.Array, *, n: int, parts: int, gated: bool = False) -> jax.Array:
     if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
         pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         packed, scales, offsets = pick(packed), pick(scales), pick(offsets)
-    return reference(x, packed, scales, offsets, n=n, parts=parts)
+    return reference(gated_input(x) if gated else x, packed, scales, offsets, n=n, parts=parts)
 
 
 def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
-              n: int, parts: int = 1, layer: jax.Array | int | None = None) -> jax.Array:
+              n: int, parts: int = 1, layer: jax.Array | int | None = None, gated: bool = False) -> jax.Array:
     """x [..., K] (any float dtype) times a packed weight -> f32 [..., n]. parts: 1 (int8
     activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual).
     With `layer` (an int32 scalar, traced or not), packed / scales / offsets are a stack of weights
     [L, ...] (pack's outputs stacked) and weight `layer` is used: the native kernel reads it where it
-    lies, so a scanned layer loop passes the whole stack and no slice of it is copied."""
-    k = x.shape[-1]
+    lies, so a scanned layer loop passes the whole stack and no slice of it is copied.
+    gated: x is gate | up [..., 2K] (a gated MLP's gate/up output) and the matmul's input is
+    silu(gate) * up (gated_input), which the native kernel forms row by row as it quantizes."""
+    if gated and x.shape[-1] % 2:
+        raise ValueError(f"q8_matmul: a gated x holds gate | up, an even width; got {x.shape}")
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
     kp, np_ = padded(k, n)
     group_shape = (np_ // TILE, kp // GROUP * TILE)
     lead_w = packed.shape[:-2]
@@ -163,12 +181,12 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     if parts not in (1, 2):
         raise ValueError(f"q8_matmul: parts must be 1 or 2, got {parts}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).astype(jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
-    ref = functools.partial(_reference_at, n=n, parts=parts)
+    ref = functools.partial(_reference_at, n=n, parts=parts, gated=gated)
     if native.load("q8_matmul", "q8_matmul"):
         y = jax.lax.platform_dependent(x2, packed, scales, offsets, index,
-                                       cpu=functools.partial(_native, n=n, parts=parts), default=ref)
+                                       cpu=functools.partial(_native, n=n, parts=parts, gated=gated), default=ref)
     else:
         y = ref(x2, packed, scales, offsets, index)
     return y.reshape(*lead, n)

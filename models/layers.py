@@ -207,6 +207,13 @@ class GatedMLP(nnx.Module):
         self.act = cfg.hidden_activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        mods = (self.w_gate, self.w_up, self.w_down)
+        if self.act == "silu" and all(m.b is None for m in mods):
+            # a backend that multiplies the whole MLP with silu(gate) * up formed inside the down
+            # projection (engine/layer_stack.py's int8 stacks on CPU) returns it, else None
+            gate_w, up_w, down_w = (m.w.get_value() for m in mods)
+            if hasattr(gate_w, "gated_down") and (y := gate_w.gated_down(x, (gate_w, up_w), down_w)) is not None:
+                return y
         gate, up = project(x, (self.w_gate, self.w_up))                              # [T,F] each
         return self.w_down(_ACTIVATIONS[self.act](gate) * up)
 

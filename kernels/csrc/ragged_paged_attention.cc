@@ -58,6 +58,9 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "ffi_targets.h"
+#if defined(RPA_X86)
+#include "exp_avx512.h"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -593,24 +596,6 @@ RPA_AVX512 void scores_avx512(const float* q, int rows, int hd, const float* k, 
       s[r * kChunk + j] = _mm512_reduce_add_ps(a);
     }
   }
-}
-
-RPA_AVX512 inline __m512 exp_avx512(__m512 x) {  // x <= 0; 0 below -87.3 (and for -inf)
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
 RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -37,6 +38,9 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
 
     cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path_factory.mktemp(f"stack-{family}")), family))
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
+    # the same math in both forms: the stacks' gated MLP (silu formed in the down kernel) has its own test
+    monkeypatch.setattr(layer_stack, "gated_native", lambda: False)
+    jax.clear_caches()  # traces are shared across engines (models' per-layer jit): trace afresh
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 11)]
     fused = JaxEngine(cfg, model, config, precompile=False)
     attn = fused.params["blocks"]["attn"]
@@ -51,6 +55,30 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
     per_layer = JaxEngine(cfg, model, config, precompile=False)
     assert isinstance(per_layer.params["blocks"]["attn"]["wq"]["w"].get_value(), layer_stack.PerLayer)
     np.testing.assert_array_equal(_logits(per_layer, prompt), want)
+
+
+@needs_native
+@pytest.mark.parametrize("quantize", ["q8_0", "q8_0-a16"])
+def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, monkeypatch, quantize):
+    if not layer_stack.gated_native():
+        pytest.skip("the gated path runs with the AVX-512 kernel only")
+    cfg, model = tiny_model
+    config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 13)]
+    jax.clear_caches()
+    gated = JaxEngine(cfg, model, config, precompile=False)
+    got = _logits(gated, prompt)
+    hlo = gated._model_exe[1].as_text()
+    # the down projection takes gate/up's output whole: no [T, F] product of XLA's in between
+    assert len(re.findall(r"gated = 1", hlo)) == 1
+    monkeypatch.setattr(layer_stack, "gated_native", lambda: False)
+    jax.clear_caches()
+    unfused = JaxEngine(cfg, model, config, precompile=False)
+    want = _logits(unfused, prompt)
+    assert "gated = 1" not in unfused._model_exe[1].as_text()
+    # the kernel's f32 silu is a few ulps from XLA's: an activation may round to the next int8 step
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 @needs_native

@@ -73,10 +73,10 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
     return (isa or ext.isa()) == "avx2" and parts == 2 and rows >= AVX2_F32_MIN_ROWS
 
 
-def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1):
+def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False):
     prev = ext.set_isa(isa) if isa else None
     try:
-        fn = jax.jit(lambda x, p, s, o: q8.q8_matmul(x, p, s, o, n=n, parts=parts))
+        fn = jax.jit(lambda x, p, s, o: q8.q8_matmul(x, p, s, o, n=n, parts=parts, gated=gated))
         return np.asarray(fn(x, packed, scales, offsets))
     finally:
         if prev:
@@ -86,6 +86,13 @@ def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1):
 def run_reference(x, packed, scales, n, offsets=None, parts=1):
     fn = jax.jit(lambda x, p, s, o: q8.reference(x, p, s, o, n=n, parts=parts))
     return np.asarray(fn(x, packed, scales, offsets))
+
+
+def silu_times_up(gate_up: np.ndarray) -> np.ndarray:
+    """float64 numpy: silu(gate) * up of gate | up, rounded to f32 (an oracle for gated calls)."""
+    k = gate_up.shape[1] // 2
+    g, u = gate_up[:, :k].astype(np.float64), gate_up[:, k:].astype(np.float64)
+    return (g / (1 + np.exp(-g)) * u).astype(np.float32)
 
 
 def assert_close(got, want, x, q, d, m=None, slack=0.0):
@@ -117,6 +124,41 @@ def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa, parts, offsets)
     # that moves one activation by one step. Allow the reference one such step per output.
     step = np.abs(x).max(initial=0) / 127 * np.abs(q.astype(np.float32)).max(initial=0) * d.max(initial=0)
     assert_close(run_reference(x, packed, scales, n, packed_off, parts), want, x, q, d, off, slack=step)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 300), k=st.integers(1, 200), n=st.integers(1, 120), seed=st.integers(0, 2**31 - 1),
+       isa=st.sampled_from(ISAS or ["portable"]), parts=st.sampled_from([1, 2]), offsets=st.booleans())
+def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, offsets):
+    """gated: x = gate | up [M, 2K] and the kernel multiplies silu(gate) * up, formed as it
+    quantizes: equal to the oracle on that product (and to the reference's gated path), up to two
+    activation quantization steps per output: the kernel's f32 silu is a few ulps from the oracle's
+    (and from XLA's), which moves an activation by one step where x / xs lands that close to a
+    rounding tie (~1 in 40000 activations here)."""
+    rng = np.random.default_rng(seed)
+    q, d = random_weight(rng, k, n)
+    off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    packed, scales, *rest = q8.pack(q, d, off)
+    packed_off = rest[0] if offsets else None
+    gate_up = (rng.standard_normal((m, 2 * k)) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
+    gate_up[:, :k][rng.random((m, k)) < 0.05] = 0.0
+    x = silu_times_up(gate_up)
+    got = run_kernel(gate_up, packed, scales, n, isa, packed_off, parts, gated=True)
+    assert got.shape == (m, n)
+    step = 2 * np.abs(x).max(initial=0) / 127 * np.abs(q.astype(np.float32)).max(initial=0) * d.max(initial=0)
+    want = exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else oracle(x, q, d, off, parts)
+    assert_close(got, want, x, q, d, off, slack=step)
+    ref = jax.jit(lambda x, p, s, o: q8._reference_at(x, p, s, o, jnp.int32(0), n=n, parts=parts, gated=True))
+    assert_close(np.asarray(ref(gate_up, packed, scales, packed_off)), want, x, q, d, off, slack=step)
+
+
+@needs_native
+def test_gated_call_needs_an_even_width():
+    q, d = random_weight(np.random.default_rng(0), 16, 16)
+    packed, scales = q8.pack(q, d)[:2]
+    with pytest.raises(ValueError, match="even width"):
+        q8.q8_matmul(jnp.zeros((2, 33), jnp.float32), packed, scales, n=16, gated=True)
 
 
 @needs_native
