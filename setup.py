@@ -5,6 +5,16 @@ import glob
 import os
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class ParallelBuildExt(build_ext):
+    """Compiles the kernels side by side, one per core (they are independent translation units)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
 
 
 def _extensions() -> list[Extension]:
@@ -23,4 +33,4 @@ def _extensions() -> list[Extension]:
             for src in sorted(glob.glob("kernels/csrc/*.cc"))]
 
 
-setup(ext_modules=_extensions())
+setup(ext_modules=_extensions(), cmdclass={"build_ext": ParallelBuildExt})
