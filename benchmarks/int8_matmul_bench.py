@@ -193,17 +193,41 @@ def many_rows(rng: np.random.Generator, k: int, n: int, m: int, reps: int) -> li
     return [np.asarray(t) for t in times]
 
 
+def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
+    """The chained decode step at each one-row prefetch setting ("near:far,near:far", bytes into L1 and
+    L2), alternated within each rep; prints medians and the per-rep time ratio to the first setting."""
+    (fn, args, nbytes), pairs = call, [tuple(int(v) for v in s.split(":")) for s in settings.split(",")]
+    prev = ext.prefetch()
+    times = np.empty((len(pairs), reps))
+    try:
+        for rep in range(reps):
+            for i, pair in enumerate(pairs):
+                ext.prefetch(*pair)
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[i, rep] = time.perf_counter() - start
+    finally:
+        ext.prefetch(*prev)
+    for pair, t in zip(pairs, times):
+        print(f"    {form:9} {'  prefetch near %d far %d' % pair:34} {nbytes / 2**20:6.1f} MiB: step "
+              f"{np.median(t) * 1e3:.2f} ms, {nbytes / np.median(t) / 1e9:.1f} GB/s; x{np.median(t / times[0]):.3f} "
+              f"the time at near {pairs[0][0]} far {pairs[0][1]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rows", default="256", help="comma-separated row counts for the f32 comparison")
+    parser.add_argument("--prefetch", default="", metavar="NEAR:FAR,...",
+                        help="also time the chained decode step at these one-row prefetch distances (bytes into "
+                             "L1 and L2; the CPU's own setting is printed first)")
     args = parser.parse_args()
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
     import kernels._q8_matmul as ext
 
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
-          f"{ext.isa()}; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
+          f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
     rng = np.random.default_rng(0)
     probe = probe_call()
     print(f"\n[1] read bandwidth (read_probe, {probe[2] >> 20} MiB) and [2] one row: packed weights + "
@@ -226,6 +250,8 @@ def main() -> None:
               f"{np.median(chain[2] / t['inside'] / t['bw']):4.0%} of the probe ({np.median(t['inside']) * 1e3:.2f} of "
               f"{np.median(t['step']) * 1e3:.2f} ms); between calls {np.median(between) * 1e6:.1f} us per call",
               flush=True)
+        if args.prefetch:
+            prefetch_ab(ext, chain, args.prefetch, args.reps, form)
         del chain
         for name, make in sets:
             ws = make()

@@ -31,7 +31,7 @@
 //
 // With two parts the AVX-512 micro kernel sums each input row's pair exactly in int32 per group
 // (254 * acc0 + acc1, scale xs / 254), so the float work per group is one row's, not two.
-// One-row micro blocks prefetch each weight tile's stream (and its scales) 1 KiB ahead. The
+// One-row micro blocks prefetch each weight tile's stream (and its scales) ahead, by CPU (kShape). The
 // quantized activations live in a per-calling-thread buffer kept between calls, and large outputs
 // are advised to use transparent huge pages (fewer first-touch page faults).
 //
@@ -80,8 +80,6 @@ constexpr int kGroup = 32;      // inputs per scale (Q8_0 block)
 constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
 constexpr int kQuantRows = 4;   // rows per activation-quantization claim (a row block holds 16)
-constexpr int kPrefetchBytes = 1024;  // how far ahead one-row micro kernels prefetch each weight tile
-constexpr int kPrefetchGroups = kPrefetchBytes / (kGroup * kTile);  // the same distance in groups
 
 enum class Isa { kPortable, kAvx2, kAvx512Vnni };
 
@@ -134,6 +132,8 @@ struct Problem {
   const float* wo;  // offsets, or nullptr
   int n, kp, groups, tiles, parts;
   float* y;  // [m, n]
+  // one-row prefetch distances in bytes of each tile's stream: near into L1, far (0: none) into L2
+  int pf_near = 1024, pf_far = 0;
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
 };
@@ -461,12 +461,15 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
   const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
   // Few rows (decode): the weights stream from memory once, so prefetch each tile's stream (and its
-  // scales and offsets) kPrefetchBytes ahead; the first lines of every stream are requested up front.
+  // scales and offsets) p.pf_near bytes ahead into L1 and p.pf_far into L2; the first lines of every
+  // stream are requested up front.
   constexpr bool kStream = Y == 1;
+  constexpr int kGroupBytes = kGroup * kTile;  // weight bytes of one group of one tile
+  const int near = p.pf_near, near_groups = near / kGroupBytes, far = p.pf_far, far_groups = far / kGroupBytes;
   if (kStream) {
     for (int c = 0; c < C; ++c) {
-      for (int b = 0; b < kPrefetchBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + b), _MM_HINT_T0);
-      for (int g = 0; g < kPrefetchGroups; ++g) {
+      for (int b = 0; b < near; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + b), _MM_HINT_T0);
+      for (int g = 0; g < near_groups; ++g) {
         _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + g * kTile), _MM_HINT_T0);
         if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + g * kTile), _MM_HINT_T0);
       }
@@ -475,8 +478,12 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   for (int g = 0; g < p.groups; ++g) {
     if (kStream) {
       for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + kPrefetchGroups) * kTile), _MM_HINT_T0);
-        if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + kPrefetchGroups) * kTile), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
+        if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
+        if (far) {
+          _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + far_groups) * kTile), _MM_HINT_T1);
+          if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + far_groups) * kTile), _MM_HINT_T1);
+        }
       }
     }
     __m512i acc[R][C];
@@ -489,7 +496,10 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
       __m512i wv[C];
       const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
       for (int c = 0; c < C; ++c) {
-        if (kStream) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + kPrefetchBytes), _MM_HINT_T0);
+        if (kStream) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_T0);
+          if (far) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + far), _MM_HINT_T1);
+        }
         wv[c] = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
       }
       for (int r = 0; r < R; ++r) {
@@ -686,21 +696,28 @@ TileFn PickTile(Isa isa, int rows, int tiles, int parts) {
 // on the default model's shapes: 0.86-0.90x the time at 288 rows and 0.84-0.90x at 32 (one part),
 // 0.82-0.89x and 0.80-0.84x (two parts); a 288-token mixed engine step (32 decodes + a 256-token
 // chunk, with the quantizer below) 0.95x in q8_0 and 0.91x in q8_0-a16. Items of 6 tiles hold whole
-// 3-tile blocks. The one-row path (4-tile blocks) is the same on both.
+// 3-tile blocks. The one-row path (4-tile blocks) is the same on both, except how far ahead it
+// prefetches: on the Zen 4 EPYC, 1 KiB ahead into L1 left the one-row calls at 46-52% of the read
+// probe in a decode step's chain of calls; 512 bytes into L1 plus 2 KiB into L2 took the chain to
+// 0.77-0.88x its time (in-process A/B, both forms; L1's few miss buffers capped the reads in flight,
+// L2 holds more).
 struct Avx512Shape {
   int rows, tiles;          // one part
   int a16_rows, a16_tiles;  // two parts: act rows (pairs of an input row) x tiles
   int chunk_tiles;          // tiles (of 16 columns) per work item
+  int pf_near, pf_far;      // one-row prefetch distances: bytes of each tile's stream into L1 and L2
 };
 
 Avx512Shape DetectShape() {
 #if defined(Q8_X86)
-  if (__builtin_cpu_is("amd")) return {4, 2, 4, 2, 4};
+  if (__builtin_cpu_is("amd")) return {4, 2, 4, 2, 4, 512, 2048};
 #endif
-  return {4, 3, 6, 3, 6};
+  return {4, 3, 6, 3, 6, 1024, 0};
 }
 
 const Avx512Shape kShape = DetectShape();
+// The one-row prefetch distances in use (prefetch() changes them, for benchmarks)
+std::atomic<int> g_pf_near{kShape.pf_near}, g_pf_far{kShape.pf_far};
 
 // The AVX2 and portable paths keep 4-tile items.
 int ChunkTiles(Isa isa) { return isa == Isa::kAvx512Vnni ? kShape.chunk_tiles : 4; }
@@ -935,6 +952,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.ws = scales.typed_data() + index * weight_scales;
   p.wo = offsets.element_count() ? offsets.typed_data() + index * weight_scales : nullptr;
   p.y = y->typed_data();
+  p.pf_near = g_pf_near.load(std::memory_order_relaxed);
+  p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   job->isa = g_isa.load(std::memory_order_relaxed);
 #if defined(Q8_X86)
   job->f32_path = job->isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
@@ -1119,6 +1138,23 @@ static PyObject* ThreadingPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// prefetch(near, far) -> the previous (near, far): the one-row path's prefetch distances in bytes of
+// each weight tile's stream, into L1 and into L2 (far 0: none); a negative argument keeps that
+// setting. For benchmarks (benchmarks/int8_matmul_bench.py compares them in one process).
+static PyObject* PrefetchPy(PyObject*, PyObject* args) {
+  int near = -1, far = -1;
+  if (!PyArg_ParseTuple(args, "|ii", &near, &far)) return nullptr;
+  PyObject* prev = Py_BuildValue("(ii)", g_pf_near.load(), g_pf_far.load());
+  if (near > 4096 || far > 16384) {
+    Py_XDECREF(prev);
+    PyErr_SetString(PyExc_ValueError, "prefetch: near <= 4096 and far <= 16384 bytes");
+    return nullptr;
+  }
+  if (near >= 0) g_pf_near.store(near / 64 * 64);
+  if (far >= 0) g_pf_far.store(far / 64 * 64);
+  return prev;
+}
+
 // profile(on) -> the calls recorded since the last profile() call, as (start_ns, end_ns, rows,
 // weight_bytes) tuples; then records from now on if `on`.
 static PyObject* ProfilePy(PyObject*, PyObject* arg) {
@@ -1150,6 +1186,8 @@ static PyMethodDef kMethods[] = {
      "profile(on): the calls recorded so far as (start_ns, end_ns, rows, weight_bytes); records from now on if on."},
     {"threading", ThreadingPy, METH_VARARGS,
      "threading(max_threads, solo_bytes, linger_us): set the thread policy (negative: keep); returns the previous."},
+    {"prefetch", PrefetchPy, METH_VARARGS,
+     "prefetch(near, far): the one-row prefetch distances in bytes, into L1 and L2 (negative: keep); returns the previous."},
     {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
     {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
     {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
