@@ -1,0 +1,56 @@
+"""The q8_matmul kernel's thread and prefetch policies (kernels._q8_matmul.threading / prefetch): which
+thread runs which item, and how far ahead the one-row path prefetches, must not change any output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels import q8_matmul as q8
+from tests.kernels.test_q8_matmul import NATIVE, assert_close, needs_native, oracle, random_weight, run_kernel
+
+if NATIVE:
+    import kernels._q8_matmul as ext
+
+
+@needs_native
+@pytest.mark.parametrize("policy", [(1, 0, 0), (0, 1 << 30, 0), (0, 0, 200), (2, 0, 1000)])
+def test_thread_policy_does_not_change_results(policy):
+    # (max threads, solo bytes, linger us): which thread runs which item must not change any output
+    rng = np.random.default_rng(12)
+    k, n = 576, 960
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = [run_kernel(x[:1], packed, scales, n), run_kernel(x, packed, scales, n, parts=2)]
+    prev = ext.threading(*policy)
+    try:
+        for _ in range(3):  # lingering helpers take later calls
+            np.testing.assert_array_equal(run_kernel(x[:1], packed, scales, n), want[0])
+            np.testing.assert_array_equal(run_kernel(x, packed, scales, n, parts=2), want[1])
+    finally:
+        ext.threading(*prev)
+
+
+@needs_native
+@pytest.mark.parametrize("distances", [(0, 0), (1024, 0), (512, 2048), (4096, 16384)])
+def test_prefetch_distances_do_not_change_results(distances):
+    # the one-row path's prefetches (near into L1, far into L2) run past a tile's end into the next
+    # tile and past the weight's end; they must never change an output
+    rng = np.random.default_rng(13)
+    k, n = 1536, 600
+    q, d = random_weight(rng, k, n)
+    m = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32)
+    packed, scales, offsets = q8.pack(q, d, m)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    want = [run_kernel(x, packed, scales, n), run_kernel(x, packed, scales, n, offsets=offsets, parts=2)]
+    prev = ext.prefetch(*distances)
+    try:
+        assert ext.prefetch() == tuple(distances)
+        np.testing.assert_array_equal(run_kernel(x, packed, scales, n), want[0])
+        np.testing.assert_array_equal(run_kernel(x, packed, scales, n, offsets=offsets, parts=2), want[1])
+    finally:
+        ext.prefetch(*prev)
+    assert_close(want[0], oracle(x, q, d), x, q, d)
+    assert_close(want[1], oracle(x, q, d, m, parts=2), x, q, d, m)
+    with pytest.raises(ValueError, match="near <= 4096"):
+        ext.prefetch(8192, 0)
