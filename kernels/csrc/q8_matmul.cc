@@ -699,8 +699,8 @@ TileFn PickTile(Isa isa, int rows, int tiles, int parts) {
 // 3-tile blocks. The one-row path (4-tile blocks) is the same on both, except how far ahead it
 // prefetches: on the Zen 4 EPYC, 1 KiB ahead into L1 left the one-row calls at 46-52% of the read
 // probe in a decode step's chain of calls; 512 bytes into L1 plus 2 KiB into L2 took the chain to
-// 0.77-0.88x its time (in-process A/B, both forms; L1's few miss buffers capped the reads in flight,
-// L2 holds more).
+// 0.77-0.97x its time and the engine's one-slot decode step to 0.886x (q8_0) and 0.894x (q8_0-a16)
+// (in-process A/Bs; L1's few miss buffers capped the reads in flight, L2 holds more).
 struct Avx512Shape {
   int rows, tiles;          // one part
   int a16_rows, a16_tiles;  // two parts: act rows (pairs of an input row) x tiles
