@@ -15,11 +15,12 @@ Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H =
   Token t of sequence s sits at position kv_lens[s] - (cu_q_lens[s + 1] - t).
 Padding tokens write nothing and get zeros. Page 0 is a dummy page for padded page-table entries.
 
-Layout inside a page (the kernel's choice): V, and bf16 K, hold a page's rows in order, [page_size, hd].
-f32 K, and int8 K with hd % 4 == 0, hold them as 4-byte words, word-major: the page's bytes are
-[hd * itemsize / 4, page_size, 4], so word w of consecutive keys lies together (int8: columns 4w..4w+3,
-as the native kernel's vpdpbusd scores read them; f32: column w, one vector of 16 keys for broadcast FMAs,
-with no horizontal sums), read as it lies, with no transpose. k_page_from_cache / k_page_to_cache convert
+Layout inside a page (the kernel's choice): V holds a page's rows in order, [page_size, hd]. K in f32, in
+bf16 with an even hd, and in int8 with hd % 4 == 0, holds them as 4-byte words, word-major: the page's
+bytes are [hd * itemsize / 4, page_size, 4], so word w of consecutive keys lies together (int8: columns
+4w..4w+3, as the native kernel's vpdpbusd scores read them; f32: column w, one vector of 16 keys for
+broadcast FMAs, with no horizontal sums; bf16: columns 2w, 2w+1, widened in registers for the same FMAs),
+read as it lies, with no transpose. k_page_from_cache / k_page_to_cache convert
 a page between the two; the array shapes do not change.
 """
 from __future__ import annotations
@@ -146,16 +147,18 @@ def _word_elems(dtype) -> int:
 def k_pages_word_major(dtype, head_dim: int) -> bool:
     """Whether K pages of this cache dtype and head_dim are stored word-major (see the module doc)."""
     dtype = jnp.dtype(dtype)
-    return dtype == jnp.float32 or (dtype == jnp.int8 and head_dim % 4 == 0)
+    return (dtype == jnp.float32 or (dtype == jnp.bfloat16 and head_dim % 2 == 0)
+            or (dtype == jnp.int8 and head_dim % 4 == 0))
 
 
 def k_words_major(kv_cache: KVCache) -> bool:
-    """Whether the cache's K pages are stored word-major (f32 K, or int8 K with head_dim % 4 == 0)."""
+    """Whether the cache's K pages are stored word-major (f32 K, bf16 K with an even head_dim, or int8 K
+    with head_dim % 4 == 0)."""
     return k_pages_word_major(kv_cache["k"].dtype, kv_cache["k"].shape[-1])
 
 
 def k_page_to_cache(k):
-    """f32 or int8 K pages [..., page_size, hd] in row order -> as the cache stores them (word-major,
+    """f32, bf16 or int8 K pages [..., page_size, hd] in row order -> as the cache stores them (word-major,
     same shape). Works on numpy and JAX arrays."""
     *lead, ps, hd = k.shape
     e = _word_elems(k.dtype)
@@ -163,7 +166,7 @@ def k_page_to_cache(k):
 
 
 def k_page_from_cache(k):
-    """Inverse of k_page_to_cache: stored f32 or int8 K pages [..., page_size, hd] -> rows in order."""
+    """Inverse of k_page_to_cache: stored f32, bf16 or int8 K pages [..., page_size, hd] -> rows in order."""
     *lead, ps, hd = k.shape
     e = _word_elems(k.dtype)
     return k.reshape(*lead, hd // e, ps, e).swapaxes(-3, -2).reshape(*lead, ps, hd)

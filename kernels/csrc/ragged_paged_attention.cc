@@ -13,10 +13,11 @@
 //     softmax states (max, sum, accumulator) that the caller combines once all items are done.
 //
 // Cache layout (per layer): k, v [KV, num_pages, page_size, hd] f32, bf16 or int8; int8 scales
-// k_scale, v_scale [KV, num_pages, page_size] f32. A page holds its rows in order, except K in f32, and
-// in int8 with hd % 4 == 0: their page bytes are [hd * width / 4][page_size][4] (word-major:
-// kernels/attention.py's doc), so that word w of 16 consecutive keys is one 64-byte load: an int8 word is
-// 4 columns, as vpdpbusd wants them, an f32 word one column, for broadcast FMAs. A chunk of keys is
+// k_scale, v_scale [KV, num_pages, page_size] f32. A page holds its rows in order, except K in f32, in bf16
+// with hd even, and in int8 with hd % 4 == 0: their page bytes are [hd * width / 4][page_size][4]
+// (word-major: kernels/attention.py's doc), so that word w of 16 consecutive keys is one 64-byte load: an
+// int8 word is 4 columns, as vpdpbusd wants them, an f32 word one column, for broadcast FMAs, a bf16 word
+// two columns, widened in registers (a shift and a mask) for the same FMAs. A chunk of keys is
 // n <= 16 consecutive rows of one page. Per chunk: scores S = Q K^T (bf16 / int8 K widened to f32 once into a small buffer that every
 // row then reads from L1; int8 scores times k_scale), the online-softmax step, then acc += P V
 // (int8: P times v_scale). As in the reference, the int8 scales multiply scores and probabilities.
@@ -123,6 +124,9 @@ struct ChunkSteps {
   // f32 K word-major (the page is [hd][ps]: k points at column 0 of the chunk's first key, columns ps
   // floats apart): s[r][j] = q[r] . k[:, j] for j < n, with the keys in the vector lanes
   void (*scores_f32_words)(const float* q, int rows, int hd, const float* k, int ps, int n, float* s);
+  // bf16 K word-major (the page is [hd / 2][ps][2]: k points at word 0 of the chunk's first key, words ps * 2
+  // values apart; a word is columns 2w, 2w + 1 of one key): as scores_f32_words, each bf16 widened exactly
+  void (*scores_bf16_words)(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s);
   // int8 KV with head_dim 64 or 128 on VNNI (null elsewhere): scores from the raw int8 K rows and the
   // two-part query; acc += p v from the raw int8 V rows (p times vscale), with acc's columns in the
   // order of unpermute_vnni (applied once when the item ends)
@@ -170,6 +174,18 @@ void scores_f32_words_portable(const float* q, int rows, int hd, const float* k,
       const float qx = q[r * hd + x];
       const float* kx = k + int64_t(x) * ps;
       for (int j = 0; j < n; ++j) acc[j] += qx * kx[j];
+    }
+    std::copy(acc, acc + n, s + r * kChunk);
+  }
+}
+
+void scores_bf16_words_portable(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
+  for (int r = 0; r < rows; ++r) {
+    float acc[kChunk] = {};
+    for (int x = 0; x < hd; ++x) {
+      const float qx = q[r * hd + x];
+      const uint16_t* kx = k + int64_t(x / 2) * ps * 2 + x % 2;
+      for (int j = 0; j < n; ++j) acc[j] += qx * bf16_to_f32(kx[2 * j]);
     }
     std::copy(acc, acc + n, s + r * kChunk);
   }
@@ -252,7 +268,8 @@ float quantize_kv_row_portable(const float* x, int hd, int8_t* q) {
 
 constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   pv_widening<pv_f32_portable, widen_i8_portable, widen_bf16_portable>,
-                                  widen_i8_portable, widen_bf16_portable, scores_f32_words_portable, nullptr,
+                                  widen_i8_portable, widen_bf16_portable, scores_f32_words_portable,
+                                  scores_bf16_words_portable, nullptr,
                                   nullptr, nullptr, nullptr, quantize_kv_row_portable};
 
 #if defined(RPA_X86)
@@ -522,6 +539,40 @@ RPA_AVX2 void scores_i8_words_rows_avx2(const float* q, int hd, const int8_t* k,
   }
 }
 
+// bf16 K word-major (word w of 8 keys is 32 bytes: key j's columns 2w, 2w+1 in int32 lane j): column 2w is
+// each lane's low half shifted up, column 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32
+// form. P column-parity accumulator sets keep >= 8 FMA chains for 1-2 rows.
+template <int R>
+RPA_AVX2 void scores_bf16_words_rows_avx2(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+  constexpr int P = R <= 2 ? 2 : 1;
+  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8), high = _mm256_set1_epi32(int(0xFFFF0000u));
+  __m256 acc[P][R][2];
+  for (int a = 0; a < P; ++a)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
+  for (int w = 0; w < hd / 2; ++w) {
+    const int* kw = reinterpret_cast<const int*>(k + int64_t(w) * ps * 2);
+    const __m256i k0 = _mm256_maskload_epi32(kw, m0), k1 = _mm256_maskload_epi32(kw + 8, m1);
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16)), e1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(k0, high)), o1 = _mm256_castsi256_ps(_mm256_and_si256(k1, high));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 qe = _mm256_broadcast_ss(q + r * hd + 2 * w), qo = _mm256_broadcast_ss(q + r * hd + 2 * w + 1);
+      acc[0][r][0] = _mm256_fmadd_ps(qe, e0, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(qe, e1, acc[0][r][1]);
+      acc[P - 1][r][0] = _mm256_fmadd_ps(qo, o0, acc[P - 1][r][0]);
+      acc[P - 1][r][1] = _mm256_fmadd_ps(qo, o1, acc[P - 1][r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    if (P == 2)
+      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[P - 1][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[P - 1][r][1]);
+    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
+    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
+  }
+}
+
 // Rows in blocks of at most 4 (each block reads the chunk's K again, from L1).
 template <class K, void (*Rows1)(const float*, int, const K*, int, int, float*),
           void (*Rows2)(const float*, int, const K*, int, int, float*),
@@ -542,6 +593,11 @@ RPA_AVX2 void scores_f32_words_avx2(const float* q, int rows, int hd, const floa
                       scores_f32_words_rows_avx2<3>, scores_f32_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
 }
 
+RPA_AVX2 void scores_bf16_words_avx2(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
+  words_in_row_blocks<uint16_t, scores_bf16_words_rows_avx2<1>, scores_bf16_words_rows_avx2<2>,
+                      scores_bf16_words_rows_avx2<3>, scores_bf16_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
+}
+
 RPA_AVX2 void scores_i8_words_avx2(const float* q, int rows, int hd, const int8_t* k, int ps, int n, float* s) {
   words_in_row_blocks<int8_t, scores_i8_words_rows_avx2<1>, scores_i8_words_rows_avx2<2>,
                       scores_i8_words_rows_avx2<3>, scores_i8_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
@@ -557,7 +613,8 @@ RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
 }
 
 constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_portable, widen_bf16_avx2,
-                              scores_f32_words_avx2, nullptr, nullptr, nullptr, scores_i8_words_avx2,
+                              scores_f32_words_avx2, scores_bf16_words_avx2, nullptr, nullptr, nullptr,
+                              scores_i8_words_avx2,
                               quantize_kv_row_portable};
 
 // ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
@@ -720,6 +777,44 @@ RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const 
   RPA_FOR_ROWS(rows, scores_f32_words_rows, q, hd, k, ps, n, s);
 }
 
+// bf16 K word-major (word w of 16 keys is one 64-byte load: key j's columns 2w, 2w+1 in lane j): column 2w
+// is each lane's low half shifted up, 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32 form,
+// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows.
+template <int R>
+RPA_AVX512 inline void bf16_word_fma(const float* q, int hd, const uint16_t* k, int ps, __mmask16 m, int w,
+                                     __m512* even_acc, __m512* odd_acc, int stride) {
+  const __m512i kw = _mm512_maskz_loadu_epi32(m, k + int64_t(w) * ps * 2);
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(kw, _mm512_set1_epi32(int(0xFFFF0000u))));
+  for (int r = 0; r < R; ++r) {
+    even_acc[r * stride] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + 2 * w]), even, even_acc[r * stride]);
+    odd_acc[r * stride] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + 2 * w + 1]), odd, odd_acc[r * stride]);
+  }
+}
+
+template <int R>
+RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+  constexpr int A = R <= 2 ? 2 : 1;
+  const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512 acc[R][2 * A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < 2 * A; ++a) acc[r][a] = _mm512_setzero_ps();
+  const int words = hd / 2;
+  int w = 0;
+  for (; w + A <= words; w += A)
+    for (int a = 0; a < A; ++a) bf16_word_fma<R>(q, hd, k, ps, m, w + a, &acc[0][2 * a], &acc[0][2 * a + 1], 2 * A);
+  for (; w < words; ++w) bf16_word_fma<R>(q, hd, k, ps, m, w, &acc[0][0], &acc[0][1], 2 * A);
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+    for (int a = 1; a < 2 * A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
+    _mm512_storeu_ps(s + r * kChunk, sum);
+  }
+}
+
+RPA_AVX512 void scores_bf16_words_avx512(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
+  RPA_FOR_ROWS(rows, scores_bf16_words_rows, q, hd, k, ps, n, s);
+}
+
 // quantize_kv_row_portable 16 values at a time (hd % 16 == 0), with the same IEEE division and rounding, so
 // the bytes and the scale are equal. (maxps keeps its second operand where either is NaN, as std::max does.)
 // A 256-token prefill writes 256 x 3 x 2 rows per layer on the calling thread before the attention items
@@ -739,8 +834,8 @@ RPA_AVX512 float quantize_kv_row_avx512(const float* x, int hd, int8_t* q) {
 }
 
 constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                widen_bf16_avx512, scores_f32_words_avx512, nullptr, nullptr, nullptr, nullptr,
-                                quantize_kv_row_avx512};
+                                widen_bf16_avx512, scores_f32_words_avx512, scores_bf16_words_avx512, nullptr,
+                                nullptr, nullptr, nullptr, quantize_kv_row_avx512};
 
 // ---- AVX-512 VNNI, int8 KV: vpdpbusd (unsigned x signed bytes, 4 products summed per int32 lane) ----
 // Scores: K is word-major in the cache (the page's bytes [hd / 4][ps][4]; k points at word 0 of the
@@ -876,7 +971,8 @@ RPA_VNNI void pv_i8_vnni(const float* p, int rows, int hd, const int8_t* v, cons
 }
 
 constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                    widen_bf16_avx512, scores_f32_words_avx512, quantize_rows_vnni,
+                                    widen_bf16_avx512, scores_f32_words_avx512, scores_bf16_words_avx512,
+                                    quantize_rows_vnni,
                                     scores_i8_words_vnni, pv_i8_vnni, nullptr, quantize_kv_row_avx512};
 #endif  // RPA_X86
 
@@ -931,7 +1027,8 @@ struct Problem {
   float sm_scale;
   int window;  // 0: none
   KvType type;
-  bool k_words;  // K pages word-major, bytes [hd * width / 4][ps][4]: int8 with hd % 4 == 0, and f32
+  bool k_words;  // K pages word-major, bytes [hd * width / 4][ps][4]: int8 with hd % 4 == 0, bf16 with hd
+                 // even, and f32
   const float* q;  // [T, H, hd]
   float* out;      // [T, H, hd]
   void* k;         // this layer's [KV, num_pages, ps, hd]
@@ -1014,7 +1111,13 @@ void write_new_kv(const Problem& p, const ChunkSteps& isa, const float* k_new, c
               }
               break;
             case KvType::kBF16:
-              for (int i = 0; i < hd; ++i) static_cast<uint16_t*>(buf)[row * hd + i] = f32_to_bf16(x[i]);
+              if (!which && p.k_words) {  // word-major page: word w (columns 2w, 2w+1) of this key, ps * 2 apart
+                const int off = pos % p.ps;
+                uint16_t* page0 = static_cast<uint16_t*>(buf) + (row - off) * hd + off * 2;
+                for (int i = 0; i < hd; ++i) page0[int64_t(i / 2) * p.ps * 2 + i % 2] = f32_to_bf16(x[i]);
+              } else {
+                for (int i = 0; i < hd; ++i) static_cast<uint16_t*>(buf)[row * hd + i] = f32_to_bf16(x[i]);
+              }
               break;
             case KvType::kI8: {  // kernels.attention.quantize_kv
               alignas(64) int8_t qrow[kMaxHeadDim];
@@ -1217,8 +1320,8 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
     switch (p.type) {
       case KvType::kF32:  // word-major: scores_f32_words reads it as it lies
         break;
-      case KvType::kBF16:
-        isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
+      case KvType::kBF16:  // word-major (hd even): scores_bf16_words reads it as it lies
+        if (!p.k_words) isa.widen_bf16(static_cast<const uint16_t*>(p.k) + row0 * hd, n, hd, kbuf);
         break;
       case KvType::kI8:
         if (vnni_i8 || words_i8) break;
@@ -1238,6 +1341,9 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
       isa.scores_i8_words_f32(q, rows, hd, static_cast<const int8_t*>(p.k) + (row0 - off) * hd + off * 4, p.ps, n, out);
     else if (p.type == KvType::kF32)
       isa.scores_f32_words(q, rows, hd, static_cast<const float*>(p.k) + (row0 - off) * hd + off, p.ps, n, out);
+    else if (p.type == KvType::kBF16 && p.k_words)
+      isa.scores_bf16_words(q, rows, hd, static_cast<const uint16_t*>(p.k) + (row0 - off) * hd + off * 2, p.ps, n,
+                            out);
     else
       isa.scores(q, rows, hd, kbuf, n, out);
   };
@@ -1471,7 +1577,8 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   p.window = std::max(0, int(sliding_window));
   const auto dtype = k_in.element_type();
   p.type = dtype == ffi::DataType::F32 ? KvType::kF32 : dtype == ffi::DataType::BF16 ? KvType::kBF16 : KvType::kI8;
-  p.k_words = (p.type == KvType::kI8 && p.hd % 4 == 0) || p.type == KvType::kF32;
+  p.k_words = (p.type == KvType::kI8 && p.hd % 4 == 0) || (p.type == KvType::kBF16 && p.hd % 2 == 0) ||
+              p.type == KvType::kF32;
   if ((p.type == KvType::kI8) != (ks_in != nullptr) || (dtype != ffi::DataType::F32 &&
       dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8))
     return ffi::Error::InvalidArgument("ragged_paged_attention: KV cache must be f32, bf16, or int8 with scales");

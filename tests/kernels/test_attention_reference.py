@@ -60,23 +60,48 @@ def test_int8_k_pages_are_word_major():
 
 def test_f32_k_pages_are_column_major():
     """f32 K is stored word-major too, a word being one column: column x of key j of a page sits at element
-    x * page_size + j of the page, so 16 keys' column x is one vector load; V and bf16 K stay in row order."""
+    x * page_size + j of the page, so 16 keys' column x is one vector load; V stays in row order."""
     from kernels.attention import k_page_from_cache, k_page_to_cache, write_kv
 
     shape, page, off = (2, 1, 3, 8, 12), 2, 5                                 # layers, KV, pages, ps, hd
     ps, hd = shape[3], shape[4]
     k_new = jnp.arange(1, hd + 1, dtype=jnp.float32).reshape(1, 1, hd)
     want = np.arange(1, hd + 1, dtype=np.float32)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    cache = {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+    out = write_kv(cache, jnp.int32(1), k_new, k_new, jnp.asarray([page * ps + off], jnp.int32))
+    k_page = np.asarray(out["k"])[1, 0, page].reshape(-1)
+    np.testing.assert_array_equal(k_page[np.arange(hd) * ps + off], want)
+    np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]))[1, 0, page, off], want)
+    assert np.count_nonzero(k_page) == hd
+    np.testing.assert_array_equal(np.asarray(out["v"])[1, 0, page, off], want)
+    rows = np.random.default_rng(0).standard_normal((3, ps, hd)).astype(np.float32)
+    np.testing.assert_array_equal(k_page_from_cache(k_page_to_cache(rows)), rows)
+
+
+def test_bf16_k_pages_are_word_major_when_head_dim_is_even():
+    """bf16 K with an even head_dim is stored word-major, a word being two columns: columns 2w, 2w+1 of key j
+    of a page sit at elements (w * page_size + j) * 2 + (0, 1) of the page; an odd head_dim keeps rows in
+    order, and V always does."""
+    from kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major, write_kv
+
+    page, off, ps = 2, 5, 8
+    for hd in (12, 5):
+        shape = (2, 1, 3, ps, hd)                                              # layers, KV, pages, ps, hd
+        k_new = jnp.arange(1, hd + 1, dtype=jnp.float32).reshape(1, 1, hd)   # exact in bf16
+        want = np.arange(1, hd + 1, dtype=np.float32)
+        cache = {"k": jnp.zeros(shape, jnp.bfloat16), "v": jnp.zeros(shape, jnp.bfloat16)}
         out = write_kv(cache, jnp.int32(1), k_new, k_new, jnp.asarray([page * ps + off], jnp.int32))
         k_page = np.asarray(out["k"].astype(jnp.float32))[1, 0, page].reshape(-1)
-        if dtype == jnp.float32:
-            np.testing.assert_array_equal(k_page[np.arange(hd) * ps + off], want)
-            np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]))[1, 0, page, off], want)
+        assert k_pages_word_major(jnp.bfloat16, hd) == (hd % 2 == 0)
+        if hd % 2 == 0:
+            for w in range(hd // 2):
+                at = (w * ps + off) * 2
+                np.testing.assert_array_equal(k_page[at:at + 2], want[2 * w:2 * w + 2])
+            np.testing.assert_array_equal(np.asarray(k_page_from_cache(out["k"]).astype(jnp.float32))[1, 0, page, off],
+                                          want)
+            rows = jnp.asarray(np.random.default_rng(0).standard_normal((3, ps, hd)), jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(k_page_from_cache(k_page_to_cache(rows))), np.asarray(rows))
         else:
             np.testing.assert_array_equal(k_page[off * hd:(off + 1) * hd], want)
         assert np.count_nonzero(k_page) == hd
         np.testing.assert_array_equal(np.asarray(out["v"].astype(jnp.float32))[1, 0, page, off], want)
-    rows = np.random.default_rng(0).standard_normal((3, ps, hd)).astype(np.float32)
-    np.testing.assert_array_equal(k_page_from_cache(k_page_to_cache(rows)), rows)
