@@ -44,12 +44,14 @@ class Mode:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("f32", "none", "auto"),
-    Mode("q8_0", "q8_0", "auto"),
-    Mode("q8_0-a16", "q8_0-a16", "auto"),
+    Mode("f32", "none", "float32"),
+    Mode("q8_0", "q8_0", "float32"),
+    Mode("q8_0-a16", "q8_0-a16", "float32"),
     Mode("q8_0+int8-kv", "q8_0", "int8"),
     Mode("q8_0-a16+int8-kv", "q8_0-a16", "int8"),
+    Mode("q8_0-a16+bf16-kv", "q8_0-a16", "bfloat16"),  # the CPU default (EngineConfig.kv_dtype)
     Mode("int8-kv", "none", "int8"),
+    Mode("bf16-kv", "none", "bfloat16"),
 )}
 
 # Plain continuations and chat turns (ChatML, as SmolLM2-Instruct was trained on).
@@ -167,11 +169,11 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
         engine.free(slot)
     if count != len(tokens) - 1:
         raise RuntimeError(f"scored {count} tokens, expected {len(tokens) - 1}")
-    # q8_0 rounds activations to int8 (per token, per 32 values), and int8 KV rounds each
+    # q8_0 rounds activations to int8 (per token, per 32 values), and int8 (or bf16) KV rounds each
     # row's rewrite of its own K/V again, so a 1e-6 difference in summation order between the prefill
     # and decode programs can flip a rounding somewhere in 30 layers and move a logit by up to ~1;
     # reported in the table, not checked.
-    rounds = engine.config.quantize == "q8_0" or engine.config.kv_cache_dtype == "int8"
+    rounds = engine.config.quantize == "q8_0" or engine.config.kv_cache_dtype in ("int8", "bfloat16")
     if not rounds and max_check > CHECK_TOL:
         raise RuntimeError(f"decode-row logits differ from prefill logits by {max_check:.3g} "
                            f"(> {CHECK_TOL}): the scoring rows no longer read what prefill wrote")
@@ -276,7 +278,7 @@ def print_table(results: list[dict], *, window: int, stride: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="f32,q8_0,q8_0-a16,q8_0-a16+int8-kv", help=f"comma-separated, first is the reference; "
+    parser.add_argument("--modes", default="f32,q8_0,q8_0-a16,q8_0-a16+bf16-kv,q8_0-a16+int8-kv", help=f"comma-separated, first is the reference; "
                         f"from {', '.join(MODES)}")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)

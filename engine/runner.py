@@ -55,7 +55,7 @@ class JaxEngine:
             raise ValueError("model_cfg is not the config the model was built from")
         self.model_cfg, self.config = model_cfg, config
         self.dtype = config.activation_dtype()
-        kv_dtype = jnp.dtype(jnp.int8) if config.kv_cache_dtype == "int8" else self.dtype
+        kv_dtype = config.kv_dtype()
         self.weight_mode = config.weight_mode()
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
@@ -92,7 +92,7 @@ class JaxEngine:
 
         # The KV pages are allocated after compiling: compilation's working memory and the cache
         # then never add up in the peak RSS (the cache is the largest buffer the server holds).
-        self._kv_dtype = kv_dtype
+        self.kv_dtype = kv_dtype  # the K/V pages' dtype (EngineConfig.kv_dtype)
         make_cache = functools.partial(init_kv_cache, cache_cfg, self.num_pages, self.page_size, kv_dtype)
         self._cache_spec = jax.eval_shape(make_cache)
         self.cache = None

@@ -44,7 +44,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=_env("quantize", "auto"),
                    choices=["auto", "none", "q8_0-a16", "q8_0"],
                    help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), none = float")
-    p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "int8"])
+    p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"),
+                   choices=["auto", "float32", "bfloat16", "int8"],
+                   help="K/V page dtype; auto: bfloat16 on CPU with int8 weights (the default), else the "
+                        "activation dtype")
     p.add_argument("--tensor-parallel", type=int, default=int(_env("tensor-parallel", 1)),
                    help="split the model over the first N local devices (a 'model' mesh axis: attention "
                         "heads, MLP hidden, vocabulary); --kv-cache-memory is then per device")
@@ -157,8 +160,8 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                            progress=progress, devices=devices)
         engines.append(engine)
         where = "" if devices is None else f"replica {replica} on {', '.join(map(str, devices))}: "
-        log.info("%scompiled %d programs in %.1fs (%d KV pages of %d tokens; steps of up to %d tokens)", where,
-                 engine.num_programs, engine.compile_seconds, engine.num_pages, engine.page_size,
+        log.info("%scompiled %d programs in %.1fs (%d %s KV pages of %d tokens; steps of up to %d tokens)", where,
+                 engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
                  engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
     return engines, tokenizer, path

@@ -147,7 +147,9 @@ def test_named_tool_call_round_trips(client):
 
 def test_required_tool_call_streams_as_tool_call_deltas(client):
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"]}}}
+        "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"],
+        # closed: with extra properties allowed, the default model (bf16 K/V) goes on adding them past max_tokens
+        "additionalProperties": False}}}
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
                   tools=[WEATHER, clock], tool_choice="required", temperature=0, max_tokens=80)
     whole = client.chat.completions.create(**kwargs).choices[0]
