@@ -1,7 +1,7 @@
 """A launched engine step and the samples it leaves on the device: `LaunchedStep` is JaxEngine's
 StepResult (result() copies the samples to the host once, advances grammar matchers, builds logprobs);
 `PreviousSamples` keeps each slot's latest sample on the device, so a decode can feed a token the host
-has not collected yet (PREVIOUS_SAMPLE, engine/api.py)."""
+has not collected yet (PREVIOUS_SAMPLE, engine/api.py): the model program reads it there."""
 from __future__ import annotations
 
 import functools
@@ -57,11 +57,6 @@ class LaunchedStep:
         return out
 
 
-def _substitute(tokens: jax.Array, src: jax.Array, last: jax.Array) -> jax.Array:
-    """tokens i32[T] with each position whose src i32[T] names a slot replaced by last[slot]."""
-    return jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
-
-
 def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
     """last i32[S+1] with each sampled row's slot set to its token (padding rows hit scratch row S)."""
     return last.at[slot_ids].set(tokens)
@@ -69,8 +64,8 @@ def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Arra
 
 class PreviousSamples:
     """Each slot's latest sample, kept on the device, so that a step can feed a decode the token of
-    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). Two tiny programs: one
-    records a step's samples, one substitutes them into the next step's tokens."""
+    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). A tiny program records a
+    step's samples; the next step's model program takes them from `last` (JaxEngine._model_step)."""
 
     def __init__(self, max_slots: int, sharding: jax.sharding.Sharding | None = None) -> None:
         # on the engine's devices (committed), as the samples it records are: one program per bucket
@@ -78,17 +73,11 @@ class PreviousSamples:
         self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
         self._scratch = max_slots
         self._record = jax.jit(_record, donate_argnums=(0,))
-        self._substitute = jax.jit(_substitute)
 
     def warm(self, buckets: Buckets) -> None:
-        """Compile both programs for every bucket now, so steady state never compiles."""
+        """Compile the recorder for every bucket now, so steady state never compiles."""
         for b in buckets.sample_row_counts:
             self.record(np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32)))
-        for t in buckets.token_counts:
-            self.substitute(np.zeros(t, np.int32), np.full(t, -1, np.int32))
 
     def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
         self.last = self._record(self.last, slot_ids, tokens)
-
-    def substitute(self, tokens: np.ndarray, src: np.ndarray) -> jax.Array:
-        return self._substitute(tokens, src, self.last)

@@ -131,8 +131,11 @@ class JaxEngine:
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
-    def _model_step(self, params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
+    def _model_step(self, params, cache, tokens, src, last, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sample_index):
+        # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
+        # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
+        tokens = jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
         return self._forward(params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
                              sample_index, dtype=self.dtype)
 
@@ -164,8 +167,9 @@ class JaxEngine:
     def _model_args(self, t: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         s = self.max_slots
-        return (self.params, self._cache_spec, i32(t), i32(t), i32(s), i32(s, self.max_pages_per_seq), i32(s + 1),
-                i32(1), i32(self.buckets.sample_rows(t)))
+        last = jax.ShapeDtypeStruct((s + 1,), jnp.int32, sharding=self._replicated)
+        return (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
+                i32(s + 1), i32(1), i32(self.buckets.sample_rows(t)))
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
@@ -243,11 +247,11 @@ class JaxEngine:
                            max_seq_len=self.max_seq_len, page_size=self.page_size)
 
     def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
-        t, inputs, sample_slots = self.step_inputs(batch)
-        if (feed := previous_sources(batch, inputs[0], inputs[4])) is not None:
-            inputs = (self._previous.substitute(inputs[0], feed), *inputs[1:])
+        t, (tokens, *inputs), sample_slots = self.step_inputs(batch)
+        if (src := previous_sources(batch, tokens, inputs[3])) is None:
+            src = np.full(t, -1, np.int32)
         model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        logits, self.cache = model(self.params, self.cache, *inputs)
+        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs)
         return t, logits, sample_slots
 
     @functools.cached_property
@@ -298,10 +302,12 @@ class JaxEngine:
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
         self._slot_steps[slot_ids[:n]] += 1
         self._previous.record(slot_ids, result.token)
-        for leaf in jax.tree.leaves(result):
-            leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
         # what the samples are read with is taken now: the slots may be rebound before result()
         rows = [(int(self._slot_logprobs[slot]), self._matchers.get(slot)) for slot in sample_slots]
+        if all(k < 0 for k, _ in rows):  # no logprobs asked: the tokens are all the host reads
+            result = dataclasses.replace(result, logprob=None, top_ids=None, top_logprobs=None)
+        for leaf in jax.tree.leaves(result):
+            leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
         self._unadvanced.update(m for _, m in rows if m is not None)
         return LaunchedStep(self, result, rows)
 
