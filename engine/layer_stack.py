@@ -177,7 +177,7 @@ def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
 
     offset = None
     if any(w.offset is not None for w in weights):
-        offset = cat([np.zeros(w.scale.shape, np.float32) if w.offset is None else w.offset for w in weights])
+        offset = cat([np.zeros(w.scale.shape, np.float16) if w.offset is None else w.offset for w in weights])
     fused = QuantizedWeight(q=cat([w.q for w in weights]), scale=cat([w.scale for w in weights]),
                             mode=weights[0].mode, offset=offset,
                             logical=(weights[0].logical[0], sum(-(-n // TILE) * TILE for n in widths[:-1]) + widths[-1]))

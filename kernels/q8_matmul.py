@@ -1,5 +1,5 @@
-"""Group-wise int8 matmul in llama.cpp's Q8_0 layout: weights int8 with one f32 scale (and, for
-asymmetric sources such as GGUF Q4_1, one f32 offset) per 32 input channels per output column;
+"""Group-wise int8 matmul in llama.cpp's Q8_0 layout: weights int8 with one f16 scale (and, for
+asymmetric sources such as GGUF Q4_1, one f16 offset) per 32 input channels per output column;
 activations quantized per row and group of 32 at run time, in one int8 part (as llama.cpp does) or
 two (the rounding residual as a second int8 row: ~15-bit activations for twice the multiplies).
 
@@ -43,12 +43,15 @@ def padded(k: int, n: int) -> tuple[int, int]:
 
 
 def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """Weights q int8 [N, K] (row n: output column n, as GGUF stores them) with scales d f32
+    """Weights q int8 [N, K] (row n: output column n, as GGUF stores them) with scales d
     [N, ceil(K/32)] and optional offsets m like d (w = q * d + m per group) -> (packed u8
-    [Np/16, Kp*16], scales f32 [Np/16, Kp/32*16]) plus offsets laid out like scales when m is given.
+    [Np/16, Kp*16], scales f16 [Np/16, Kp/32*16]) plus offsets laid out like scales when m is given.
 
     packed[t] holds tile t (columns 16t..16t+15) as [Kp/4][16][4]: 4 consecutive inputs of one column
     per int32 lane, 16 columns per 64 bytes, q + 128 stored unsigned. Padding is q = 0, d = m = 0.
+    d and m are stored in f16, as GGUF stores its block scales (so those load exactly; the one-row
+    kernel streams 36 bytes per group and column instead of 40 with f32): pass d already rounded to
+    f16 when q was computed from it (quantization.groupwise.quantize_rows does).
     """
     n, k = q.shape
     kp, np_ = padded(k, n)
@@ -60,7 +63,10 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.
     packed = full.reshape(np_ // TILE, TILE, kp // 4, 4).transpose(0, 2, 1, 3).reshape(np_ // TILE, kp * TILE)
 
     def per_group(v: np.ndarray) -> np.ndarray:
-        s = np.zeros((np_, kp // GROUP), np.float32)
+        if not np.all(np.isfinite(v)) or np.abs(v).max(initial=0) > np.finfo(np.float16).max:
+            raise ValueError(f"pack: a weight group's scale or offset is not a finite f16 (max |value| "
+                             f"{np.abs(v).max(initial=0):.3g}, f16 holds up to {np.finfo(np.float16).max:g})")
+        s = np.zeros((np_, kp // GROUP), np.float16)
         s[:n] = v
         return np.ascontiguousarray(s.reshape(np_ // TILE, TILE, kp // GROUP).transpose(0, 2, 1)
                                     .reshape(np_ // TILE, kp // GROUP * TILE))
@@ -81,11 +87,11 @@ def unpack(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def unpack_groups(v: jax.Array) -> jax.Array:
-    """Scales or offsets f32 [..., Np/16, G*16] -> [..., Np, G]."""
+    """Scales or offsets f16 [..., Np/16, G*16] -> f32 [..., Np, G]."""
     tiles, width = v.shape[-2:]
     lead = v.shape[:-2]
     g = width // TILE
-    return jnp.swapaxes(v.reshape(*lead, tiles, g, TILE), -2, -1).reshape(*lead, tiles * TILE, g)
+    return jnp.swapaxes(v.reshape(*lead, tiles, g, TILE), -2, -1).reshape(*lead, tiles * TILE, g).astype(jnp.float32)
 
 
 def quantize_activations(x: jax.Array, kp: int, parts: int = 1) -> tuple[jax.Array, jax.Array]:
@@ -137,7 +143,7 @@ def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Arr
             n: int, parts: int, gated: bool = False) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if offsets is None:
-        offsets = jnp.zeros((0,), jnp.float32)
+        offsets = jnp.zeros((0,), jnp.float16)
     return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts),
                                          gated=np.int32(gated))
 
@@ -178,6 +184,9 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
                          f"[{k}, {n}] weight{'' if layer is None else ' stack [L, ...]'} (expected "
                          f"{(*lead_w, np_ // TILE, kp * TILE)} / {(*lead_w, *group_shape)}, offsets like "
                          "scales); build them with kernels.q8_matmul.pack")
+    if scales.dtype != jnp.float16 or (offsets is not None and offsets.dtype != jnp.float16):
+        raise ValueError(f"q8_matmul: scales and offsets are f16 (kernels.q8_matmul.pack), got {scales.dtype}"
+                         + ("" if offsets is None else f" / {offsets.dtype}"))
     if parts not in (1, 2):
         raise ValueError(f"q8_matmul: parts must be 1 or 2, got {parts}")
     lead = x.shape[:-1]

@@ -1,9 +1,10 @@
-"""Group-wise int8 weights, modes "q8_0" and "q8_0-a16" (llama.cpp's Q8_0): int8 with one f32
-scale, and optionally one f32 offset, per 32 input channels per output column, packed once at load
+"""Group-wise int8 weights, modes "q8_0" and "q8_0-a16" (llama.cpp's Q8_0): int8 with one f16
+scale, and optionally one f16 offset, per 32 input channels per output column, packed once at load
 for kernels.q8_matmul.
 
 Load time only, in numpy, one layer at a time so no second float copy of the model exists. GGUF
-Q8_0, Q4_0, Q4_1 and Q4_K blocks convert exactly (their minimum becomes the group offset); other GGUF
+Q8_0, Q4_0 and Q4_1 blocks convert exactly (a minimum becomes the group offset), Q4_K blocks with
+their scales (products of an f16 and a 6-bit integer) rounded to f16, within 2^-11 relative; other GGUF
 types are decoded by the `gguf` package one tensor at a time and rounded to Q8_0.
 """
 from __future__ import annotations
@@ -18,19 +19,20 @@ from kernels import q8_matmul
 GROUP = q8_matmul.GROUP
 INT8_MAX = 127.0
 # (q int8 [N, K], d f32 [N, G]) or (q, d, m) with offsets m f32 [N, G]: w = q * d (+ m) per group
+# (kernels.q8_matmul.pack stores d and m in f16)
 Rows = tuple
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Float rows w [N, K] (one output column per row, GGUF's order) -> (q int8 [N, K], d f32 [N, G]):
-    per 32 inputs d = max|w| / 127 and q = round(w / d), as llama.cpp's quantize_row_q8_0 (with an
-    f32 rather than f16 scale). An all-zero group gets d = 0."""
+    per 32 inputs d = max|w| / 127, rounded to f16 as llama.cpp's quantize_row_q8_0 stores it, and
+    q = round(w / d) with that d (so the kernel's f16 scales are exact). An all-zero group gets d = 0."""
     n, k = w.shape
     kp = -(-k // GROUP) * GROUP
     wg = np.zeros((n, kp), np.float32)
     wg[:, :k] = w
     wg = wg.reshape(n, kp // GROUP, GROUP)
-    d = (np.abs(wg).max(axis=-1) / np.float32(INT8_MAX)).astype(np.float32)
+    d = (np.abs(wg).max(axis=-1) / np.float32(INT8_MAX)).astype(np.float16).astype(np.float32)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
     q = np.clip(np.round(wg * inv[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8)
     return q.reshape(n, kp)[:, :k], d
@@ -133,10 +135,10 @@ def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str
     from quantization.weights import QuantizedWeight
 
     packed = host_empty((len(layers), *layers[0][0].shape), np.uint8)
-    scales = host_empty((len(layers), *layers[0][1].shape), np.float32)
+    scales = host_empty((len(layers), *layers[0][1].shape), np.float16)
     offsets = None
     if any(len(layer) == 3 for layer in layers):
-        offsets = host_empty((len(layers), *layers[0][1].shape), np.float32)
+        offsets = host_empty((len(layers), *layers[0][1].shape), np.float16)
         offsets.fill(0)
     for i in range(len(layers)):
         packed[i], scales[i] = layers[i][:2]

@@ -80,6 +80,6 @@ def quantize_weight(w, mode: str) -> QuantizedWeight:
 
 
 def weight_bytes(params) -> int:
-    """Bytes held by all leaves of a params pytree (int8 q and f32 scales count as stored)."""
+    """Bytes held by all leaves of a params pytree (int8 q and f16 scales count as stored)."""
     return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
                for leaf in jax.tree_util.tree_leaves(params))

@@ -3,13 +3,15 @@
 //   y[m, n] = sum_g sum_p f32(sum_{k in g} xq_p[m, k] * w[n, k]) * (xs_p[m, g] * ws[n, g])
 //           + sum_g wo[n, g] * sum_{k in g} x[m, k]                          (only with offsets)
 //
-// w: int8 weights with one f32 scale ws (and optionally one f32 offset wo) per 32 input channels
+// w: int8 weights with one f16 scale ws (and optionally one f16 offset wo) per 32 input channels
 // per output column, prepacked at load (kernels/q8_matmul.py, pack()) as
 //   packed   u8  [Np/16][Kp/4][16][4]   w + 128, so 16 columns x 4 inputs fill one 64-byte vector
-//   scales   f32 [Np/16][Kp/32][16]
-//   offsets  f32 [Np/16][Kp/32][16]     or empty (the weight is q * scale, as in Q8_0)
+//   scales   f16 [Np/16][Kp/32][16]
+//   offsets  f16 [Np/16][Kp/32][16]     or empty (the weight is q * scale, as in Q8_0)
 // (Np, Kp: N and K rounded up to 16 and 32; padding is zero weight, zero scale, zero offset).
-// The offsets hold GGUF's asymmetric blocks (Q4_1: d * q + m) exactly.
+// The offsets hold GGUF's asymmetric blocks (Q4_1: d * q + m) exactly; GGUF stores d and m in f16
+// as well, so its blocks load bit for bit. f16 rather than f32 scales and offsets: a group of one
+// column is 36 bytes (Q8_0's 34 with its offset), not 40, of the one-row call's weight stream.
 // x is quantized here, per row and group of 32, as llama.cpp's quantize_row_q8_0 does:
 // xs = max|x| / 127, xq = round-to-nearest-even(x / xs) in [-127, 127]. With parts = 2 the rounding
 // residual is quantized again (scale xs / 254) as a second int8 row, so x is held to ~15 bits for
@@ -89,7 +91,8 @@ Isa DetectIsa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
     return Isa::kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::kAvx2;
 #endif
   return Isa::kPortable;
 }
@@ -128,8 +131,8 @@ struct Problem {
   int m, k;        // the input is [m, k]: x itself, or silu(gate) * up of x [m, 2k] when gated
   bool gated = false;
   const uint8_t* w;
-  const float* ws;
-  const float* wo;  // offsets, or nullptr
+  const uint16_t* ws;  // f16 scales
+  const uint16_t* wo;  // f16 offsets, or nullptr
   int n, kp, groups, tiles, parts;
   float* y;  // [m, n]
   // one-row prefetch distances in bytes of each tile's stream: near into L1, far (0: none) into L2
@@ -137,6 +140,25 @@ struct Problem {
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
 };
+
+// IEEE half -> float, for the portable path (the vector paths convert with vcvtph2ps).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: value man * 2^-24
+    float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // ---- activation quantization: per row and group of 32 -----------------------------------------
 // All paths compute d = amax / 127, id = 1 / d (0 for an all-zero group), q = round-half-even(x * id),
@@ -418,16 +440,16 @@ void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
       const int8_t* xq = a.q.data() + static_cast<size_t>(row0 + r) * p.kp + g * kGroup;
       for (int c = 0; c < C; ++c) {
         const uint8_t* w = p.w + (tile0 + c) * p.tile_bytes() + static_cast<size_t>(g) * kGroup * kTile;
-        const float* ws = p.ws + (tile0 + c) * p.tile_scales() + g * kTile;
+        const uint16_t* ws = p.ws + (tile0 + c) * p.tile_scales() + g * kTile;
         int32_t acc[kTile];
         for (int j = 0; j < kTile; ++j) acc[j] = a.bias[ag];
         for (int k4 = 0; k4 < kGroup / 4; ++k4)
           for (int j = 0; j < kTile; ++j)
             for (int i = 0; i < 4; ++i) acc[j] += int32_t(w[(k4 * kTile + j) * 4 + i]) * xq[k4 * 4 + i];
-        for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (ws[j] * a.scale[ag]);
+        for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (HalfToFloat(ws[j]) * a.scale[ag]);
         if (p.wo) {
-          const float* wo = p.wo + (tile0 + c) * p.tile_scales() + g * kTile;
-          for (int j = 0; j < kTile; ++j) f[r][c][j] += wo[j] * a.sum[ag];
+          const uint16_t* wo = p.wo + (tile0 + c) * p.tile_scales() + g * kTile;
+          for (int j = 0; j < kTile; ++j) f[r][c][j] += HalfToFloat(wo[j]) * a.sum[ag];
         }
       }
     }
@@ -454,8 +476,8 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   for (int y = 0; y < Y; ++y)
     for (int c = 0; c < C; ++c) f[y][c] = _mm512_setzero_ps();
   const uint8_t* w = p.w + tile0 * p.tile_bytes();
-  const float* ws = p.ws + tile0 * p.tile_scales();
-  const float* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
+  const uint16_t* ws = p.ws + tile0 * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
   const int8_t* xq = a.q.data() + static_cast<size_t>(row0) * p.kp;
   const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
   const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
@@ -510,7 +532,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 sc = _mm512_loadu_ps(ws + c * p.tile_scales() + g * kTile);
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + c * p.tile_scales() + g * kTile)));
       for (int y = 0; y < Y; ++y) {
         __m512i total = acc[y * P][c];
         if (P == 2)  // 254 * acc0 + acc1
@@ -521,7 +543,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     }
     if (wo) {
       for (int c = 0; c < C; ++c) {
-        const __m512 oc = _mm512_loadu_ps(wo + c * p.tile_scales() + g * kTile);
+        const __m512 oc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + c * p.tile_scales() + g * kTile)));
         for (int y = 0; y < Y; ++y) f[y][c] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[y * P * p.groups + g]), f[y][c]);
       }
     }
@@ -534,8 +556,12 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   }
 }
 
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256 LoadHalf8(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
 template <int R, int C>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
   constexpr int V = 2 * C;
   __m256 f[R][V];
@@ -544,8 +570,8 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* w = p.w + tile0 * p.tile_bytes();
-  const float* ws = p.ws + tile0 * p.tile_scales();
-  const float* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
+  const uint16_t* ws = p.ws + tile0 * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
   for (int g = 0; g < p.groups; ++g) {
     __m256i acc[R][V];
     for (int r = 0; r < R; ++r)
@@ -570,12 +596,12 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
     }
     for (int v = 0; v < V; ++v) {
       const size_t so = (v / 2) * p.tile_scales() + g * kTile + (v % 2) * 8;
-      const __m256 sc = _mm256_loadu_ps(ws + so);
+      const __m256 sc = LoadHalf8(ws + so);
       for (int r = 0; r < R; ++r) {
         const size_t ag = static_cast<size_t>(row0 + r) * p.groups + g;
         const __m256 s = _mm256_mul_ps(sc, _mm256_set1_ps(a.scale[ag]));
         f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]), s, f[r][v]);
-        if (wo) f[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(wo + so), _mm256_set1_ps(a.sum[ag]), f[r][v]);
+        if (wo) f[r][v] = _mm256_fmadd_ps(LoadHalf8(wo + so), _mm256_set1_ps(a.sum[ag]), f[r][v]);
       }
     }
   }
@@ -596,11 +622,11 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
 constexpr int kF32MinRows = 8;  // input rows from which a two-part call takes this path on AVX2
 constexpr int kF32Rows = 6;     // rows per micro block: 12 accumulators + 2 weight vectors + 1 broadcast
 
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 void DequantTileAvx2(const Problem& p, int tile, float* buf) {
   const uint8_t* w = p.w + tile * p.tile_bytes();
-  const float* ws = p.ws + tile * p.tile_scales();
-  const float* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
+  const uint16_t* ws = p.ws + tile * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
   // 32 bytes = 8 columns x 4 inputs ([col][input]); per 128-bit lane, a 4 x 4 byte transpose to
   // [input][col], then dwords (0,4,1,5,2,6,3,7) put input i's 8 columns in 64-bit piece i.
   const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
@@ -610,8 +636,8 @@ void DequantTileAvx2(const Problem& p, int tile, float* buf) {
   for (int k4 = 0; k4 < p.kp / 4; ++k4) {
     const int g = k4 * 4 / kGroup;
     for (int half = 0; half < 2; ++half) {
-      const __m256 sc = _mm256_loadu_ps(ws + g * kTile + half * 8);
-      const __m256 of = wo ? _mm256_loadu_ps(wo + g * kTile + half * 8) : _mm256_setzero_ps();
+      const __m256 sc = LoadHalf8(ws + g * kTile + half * 8);
+      const __m256 of = wo ? LoadHalf8(wo + g * kTile + half * 8) : _mm256_setzero_ps();
       __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k4 * 64 + half * 32));
       raw = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(raw, transpose), order);
       const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
@@ -908,7 +934,7 @@ void AdviseHugePages(void* data, size_t bytes) {
 }
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> layer,
+                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::S32> layer,
                         ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   // packed and scales (and offsets) are one weight [T, W], or a stack of L weights [L, T, W] of which
@@ -1086,8 +1112,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [Np/16, Kp/32*16]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // offsets like scales, or [0]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [Np/16, Kp/32*16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // offsets like scales, or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int32_t>("parts")        // int8 parts per activation

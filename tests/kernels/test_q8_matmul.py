@@ -25,9 +25,14 @@ ISAS = runnable_isas(ext, ("avx512_vnni", "avx2", "portable")) if NATIVE else []
 needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._q8_matmul is not built")
 
 
+def f16(a: np.ndarray) -> np.ndarray:
+    """a rounded to the f16 values pack stores scales and offsets in (as GGUF's blocks hold them), in f32."""
+    return a.astype(np.float16).astype(np.float32)
+
+
 def random_weight(rng, k, n, *, scale=1e-2):
     q = rng.integers(-128, 128, (n, k)).astype(np.int8)  # -128 too: GGUF Q8_0 files may hold it
-    d = (rng.random((n, -(-k // q8.GROUP))) * scale).astype(np.float32)
+    d = f16(rng.random((n, -(-k // q8.GROUP))) * scale)
     return q, d
 
 
@@ -110,7 +115,7 @@ def assert_close(got, want, x, q, d, m=None, slack=0.0):
 def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa, parts, offsets):
     rng = np.random.default_rng(seed)
     q, d = random_weight(rng, k, n)
-    off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
     packed, scales, *rest = q8.pack(q, d, off)
     packed_off = rest[0] if offsets else None
     x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
@@ -138,7 +143,7 @@ def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, 
     rounding tie (~1 in 40000 activations here)."""
     rng = np.random.default_rng(seed)
     q, d = random_weight(rng, k, n)
-    off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
     packed, scales, *rest = q8.pack(q, d, off)
     packed_off = rest[0] if offsets else None
     gate_up = (rng.standard_normal((m, 2 * k)) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
@@ -184,7 +189,7 @@ def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
     rng = np.random.default_rng(m)
     k, n = 333, 75
     q, d = random_weight(rng, k, n)
-    off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+    off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
     packed, scales, *rest = q8.pack(q, d, off)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[:, 7] = 50.0  # an outlier sets its group's scale: the two parts lose the small values' low bits
@@ -281,7 +286,7 @@ def test_stacked_weights_at_a_traced_layer_equal_each_weight_alone(offsets, part
     weights = []
     for _ in range(layers):
         q, d = random_weight(rng, k, n)
-        off = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
+        off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
         weights.append(q8.pack(q, d, off))
     stack = [jnp.asarray(np.stack([w[i] for w in weights])) for i in range(len(weights[0]))]
     x = rng.standard_normal((layers, m, k)).astype(np.float32)
@@ -359,3 +364,22 @@ def test_profile_records_each_call():
     assert [(rows, nbytes) for _, _, rows, nbytes in calls] == [(2, packed.nbytes), (1, packed.nbytes)]
     assert all(end >= start for start, end, _, _ in calls) and calls[0][1] <= calls[1][0]
     assert ext.profile(False) == []  # recording stopped
+
+
+def test_scales_and_offsets_are_stored_in_f16_and_other_dtypes_are_refused():
+    # 16 bits per scale and offset: a 32-input group of one column streams 36 bytes, not 40; GGUF's
+    # f16 block scales pass through unchanged
+    rng = np.random.default_rng(21)
+    q, d = random_weight(rng, 64, 20)
+    m = f16(rng.standard_normal(d.shape) * 1e-2)
+    packed, scales, offsets = q8.pack(q, d, m)
+    assert scales.dtype == np.float16 and offsets.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(q8.unpack_groups(jnp.asarray(scales)))[:20], d)
+    np.testing.assert_array_equal(np.asarray(q8.unpack_groups(jnp.asarray(offsets)))[:20], m)
+    x = jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="f16"):
+        q8.q8_matmul(x, packed, scales.astype(np.float32), n=20)
+    with pytest.raises(ValueError, match="f16"):
+        q8.q8_matmul(x, packed, scales, offsets.astype(np.float32), n=20)
+    with pytest.raises(ValueError, match="not a finite f16"):
+        q8.pack(q, d * 1e7)
