@@ -315,12 +315,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1 if server.engine_failed else 0
 
 
+def check_kernels_package() -> str | None:
+    """Why Slipstream's native kernels package cannot be imported, or None. Hugging Face's `kernels`
+    distribution (a dependency of transformers >= 5.25) has the same import name; where it comes
+    first on sys.path, `import kernels` finds it instead of ours."""
+    import importlib.util
+    from pathlib import Path
+
+    ours = Path(__file__).resolve().parents[1] / "kernels"
+    spec = importlib.util.find_spec("kernels")
+    found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+    if found == ours:
+        return None
+    return (f"the package `kernels` resolves to {found or 'nothing'}, not Slipstream's native kernels ({ours}): "
+            "another distribution named `kernels` (Hugging Face's, installed with transformers >= 5.25) shadows "
+            "it; `pip uninstall kernels`, or run Slipstream in a virtual environment without it")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
+    if argv[:1] == ["bench"]:  # the benchmark client runs no model: it needs no kernels
         from benchmarks.bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if (problem := check_kernels_package()) is not None:
+        print(f"slipstream: error: {problem}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
