@@ -1,5 +1,6 @@
-"""The q8_matmul kernel's thread and prefetch policies (kernels._q8_matmul.threading / prefetch): which
-thread runs which item, and how far ahead the one-row path prefetches, must not change any output."""
+"""The q8_matmul kernel's thread and prefetch policies (kernels._q8_matmul.threading / prefetch /
+nontemporal): which thread runs which item, and how far ahead and with which cache hint the one-row path
+prefetches, must not change any output."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,3 +55,25 @@ def test_prefetch_distances_do_not_change_results(distances):
     assert_close(want[1], oracle(x, q, d, m, parts=2), x, q, d, m)
     with pytest.raises(ValueError, match="near <= 4096"):
         ext.prefetch(8192, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("on", [False, True])
+def test_nontemporal_prefetches_do_not_change_results(on):
+    # the one-row path's weight prefetches with the non-temporal hint (the AMD default) or without
+    rng = np.random.default_rng(14)
+    k, n = 1536, 600
+    q, d = random_weight(rng, k, n)
+    packed, scales = q8.pack(q, d)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    prev = ext.nontemporal(on)
+    try:
+        assert ext.nontemporal(on) is on  # returns the previous setting: the one just set
+        got = [run_kernel(x, packed, scales, n), run_kernel(x, packed, scales, n, parts=2)]
+        ext.nontemporal(not on)
+        np.testing.assert_array_equal(run_kernel(x, packed, scales, n), got[0])
+        np.testing.assert_array_equal(run_kernel(x, packed, scales, n, parts=2), got[1])
+    finally:
+        ext.nontemporal(prev)
+    assert_close(got[0], oracle(x, q, d), x, q, d)
+    assert_close(got[1], oracle(x, q, d, parts=2), x, q, d)
