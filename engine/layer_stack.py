@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from kernels import f32_matmul as f32
-from kernels.q8_matmul import TILE, gated_native, q8_matmul
+from kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
 from models import layers
 from models.base import CausalLM
 from quantization import QuantizedWeight
@@ -170,6 +170,8 @@ def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
         return StackedQ8(weights[0], widths)
     def cat(arrays):  # along the tile axis, in numpy (jnp would compile a program per shape)
         arrays = [np.asarray(a) for a in arrays]
+        if len({a.shape[-1] for a in arrays}) > 1:  # 4- and 8-bit members: all at 8 bits
+            arrays = [a if a.shape[-1] == max(b.shape[-1] for b in arrays) else widen(a) for a in arrays]
         shape = (*arrays[0].shape[:-2], sum(a.shape[-2] for a in arrays), arrays[0].shape[-1])
         out = host_empty(shape, arrays[0].dtype)  # huge pages: the decode step streams it
         np.concatenate(arrays, axis=-2, out=out)

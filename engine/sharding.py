@@ -167,8 +167,8 @@ class TensorParallel:
         hold whole tiles or groups, stays whole: the packed layout cannot split it."""
         k, n_out = w.logical
         lead = tuple(self._axis(a) for a in axes[:-2])
-        tiles, width = w.q.shape[-2:]
-        kp = width // TILE
+        tiles = w.q.shape[-2]
+        kp = w.scale.shape[-1] // TILE * GROUP  # whatever the bits per packed weight
         out_ax, in_ax = self._axis(axes[-1]), self._axis(axes[-2])
         if out_ax is not None and n_out == tiles * TILE and tiles % self.n == 0:
             return P(*lead, out_ax, None), P(*lead, out_ax, None)

@@ -5,7 +5,9 @@ two (the rounding residual as a second int8 row: ~15-bit activations for twice t
 
 `q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/csrc/q8_matmul.cc,
 through XLA's FFI); elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same
-math in JAX. `pack` lays weights out for the kernel once, at load time. Imports none of our packages.
+math in JAX. `pack` lays weights out for the kernel once, at load time. Weights whose values all lie
+in 0..15 (GGUF's 4-bit blocks) may be packed two to a byte (`bits=4`): the same products from half
+the bytes; the packed array's width tells the two apart. Imports none of our packages.
 """
 from __future__ import annotations
 
@@ -42,7 +44,17 @@ def padded(k: int, n: int) -> tuple[int, int]:
     return -(-k // GROUP) * GROUP, -(-n // TILE) * TILE
 
 
-def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+def packed_bits(packed_width: int, scales_width: int) -> int:
+    """8 or 4: the bits per weight of a packed weight, from its packed and scales widths (Kp*16 or
+    Kp*8 bytes against Kp/32*16 scales)."""
+    ratio, rest = divmod(packed_width, scales_width) if scales_width else (0, 1)
+    if rest or ratio not in (GROUP, GROUP // 2):
+        raise ValueError(f"q8_matmul: packed width {packed_width} against scales width {scales_width} is "
+                         "neither 8 nor 4 bits per weight (kernels.q8_matmul.pack)")
+    return 8 if ratio == GROUP else 4
+
+
+def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None, *, bits: int = 8) -> tuple[np.ndarray, ...]:
     """Weights q int8 [N, K] (row n: output column n, as GGUF stores them) with scales d
     [N, ceil(K/32)] and optional offsets m like d (w = q * d + m per group) -> (packed u8
     [Np/16, Kp*16], scales f16 [Np/16, Kp/32*16]) plus offsets laid out like scales when m is given.
@@ -52,15 +64,25 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.
     d and m are stored in f16, as GGUF stores its block scales (so those load exactly; the one-row
     kernel streams 36 bytes per group and column instead of 40 with f32): pass d already rounded to
     f16 when q was computed from it (quantization.groupwise.quantize_rows does).
+
+    bits=4 (every q in 0..15): packed [Np/16, Kp*8], each 64 bytes two of the 64-byte vectors above,
+    byte b = q of vector 2i's byte b | q of vector 2i+1's byte b << 4.
     """
     n, k = q.shape
     kp, np_ = padded(k, n)
     if q.dtype != np.int8 or d.shape != (n, kp // GROUP) or (m is not None and m.shape != d.shape):
         raise ValueError(f"pack expects int8 q [N, K] and f32 d (and m) [N, ceil(K/32)]; got q {q.dtype} "
                          f"{q.shape}, d {d.shape}" + ("" if m is None else f", m {m.shape}"))
+    if bits not in (8, 4):
+        raise ValueError(f"pack: bits must be 8 or 4, got {bits}")
+    if bits == 4 and q.size and (q.min() < 0 or q.max() > 15):
+        raise ValueError(f"pack: 4-bit packing needs every q in 0..15 (got {q.min()}..{q.max()})")
     full = np.full((np_, kp), SHIFT, np.uint8)
     full[:n, :k] = (q.astype(np.int16) + SHIFT).astype(np.uint8)
     packed = full.reshape(np_ // TILE, TILE, kp // 4, 4).transpose(0, 2, 1, 3).reshape(np_ // TILE, kp * TILE)
+    if bits == 4:
+        pairs = (packed - np.uint8(SHIFT)).reshape(np_ // TILE, kp // 8, 2, 64)
+        packed = (pairs[:, :, 0] | (pairs[:, :, 1] << np.uint8(4))).reshape(np_ // TILE, kp * TILE // 2)
 
     def per_group(v: np.ndarray) -> np.ndarray:
         if not np.all(np.isfinite(v)) or np.abs(v).max(initial=0) > np.finfo(np.float16).max:
@@ -75,12 +97,29 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.
     return out if m is None else (*out, per_group(m))
 
 
+def widen(packed: np.ndarray) -> np.ndarray:
+    """A 4-bit packed weight (or stack of them) [..., Np/16, Kp*8] -> the same weight at 8 bits
+    [..., Np/16, Kp*16], in numpy (to stack or fuse it with 8-bit weights)."""
+    pairs = np.asarray(packed).reshape(*packed.shape[:-1], packed.shape[-1] // 64, 1, 64)
+    out = np.concatenate([pairs & np.uint8(0x0F), pairs >> np.uint8(4)], axis=-2) + np.uint8(SHIFT)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def pack_bits(q: np.ndarray) -> int:
+    """4 when every value of q lies in 0..15 (it packs two to a byte), else 8."""
+    return 4 if q.size and q.min() >= 0 and q.max() <= 15 else 8
+
+
 def unpack(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of pack, padding kept: (q int32 [..., Np, Kp], d f32 [..., Np, Kp/32]); offsets unpack
-    like scales (unpack_groups)."""
+    """Inverse of pack (8 or 4 bits), padding kept: (q int32 [..., Np, Kp], d f32 [..., Np, Kp/32]);
+    offsets unpack like scales (unpack_groups)."""
     tiles, width = packed.shape[-2:]
-    kp = width // TILE
     lead = packed.shape[:-2]
+    if packed_bits(width, scales.shape[-1]) == 4:
+        pairs = packed.reshape(*lead, tiles, width // 64, 1, 64)
+        packed = jnp.concatenate([pairs & 0x0F, pairs >> 4], axis=-2).astype(jnp.int32) + SHIFT
+        width *= 2
+    kp = width // TILE
     q = packed.reshape(*lead, tiles, kp // 4, TILE, 4)
     q = jnp.swapaxes(q, -3, -2).reshape(*lead, tiles * TILE, kp).astype(jnp.int32) - SHIFT
     return q, unpack_groups(scales)
@@ -145,7 +184,8 @@ def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Arr
     if offsets is None:
         offsets = jnp.zeros((0,), jnp.float16)
     return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts),
-                                         gated=np.int32(gated))
+                                         gated=np.int32(gated),
+                                         bits=np.int32(packed_bits(packed.shape[-1], scales.shape[-1])))
 
 
 def gated_input(x: jax.Array) -> jax.Array:
@@ -177,12 +217,13 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     kp, np_ = padded(k, n)
     group_shape = (np_ // TILE, kp // GROUP * TILE)
     lead_w = packed.shape[:-2]
-    if (len(lead_w) != (0 if layer is None else 1) or packed.shape[-2:] != (np_ // TILE, kp * TILE)
+    if (len(lead_w) != (0 if layer is None else 1)
+            or packed.shape[-2:] not in ((np_ // TILE, kp * TILE), (np_ // TILE, kp * TILE // 2))
             or scales.shape != (*lead_w, *group_shape)
             or (offsets is not None and offsets.shape != (*lead_w, *group_shape))):
         raise ValueError(f"q8_matmul: packed {packed.shape} / scales {scales.shape} do not hold a "
                          f"[{k}, {n}] weight{'' if layer is None else ' stack [L, ...]'} (expected "
-                         f"{(*lead_w, np_ // TILE, kp * TILE)} / {(*lead_w, *group_shape)}, offsets like "
+                         f"{(*lead_w, np_ // TILE, kp * TILE)} (4 bits: half as wide) / {(*lead_w, *group_shape)}, offsets like "
                          "scales); build them with kernels.q8_matmul.pack")
     if scales.dtype != jnp.float16 or (offsets is not None and offsets.dtype != jnp.float16):
         raise ValueError(f"q8_matmul: scales and offsets are f16 (kernels.q8_matmul.pack), got {scales.dtype}"

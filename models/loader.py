@@ -72,10 +72,9 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     (only when a group-wise `quantize` asks for them)."""
     from flax import nnx
 
-    from kernels.q8_matmul import pack
     from models.architectures import build_abstract
     from models.layers import Linear
-    from quantization.groupwise import dequantize_rows, pack_one, stack_packed
+    from quantization.groupwise import dequantize_rows, pack_one, pack_rows, stack_packed
 
     if quantize not in ("none", *GROUPWISE):
         raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
@@ -107,7 +106,7 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
             if isinstance(arr, tuple) and not w.linear:  # a Q8_0 embedding: the gather table is float
                 arr = dequantize_rows(*arr)
             if groupwise and w.linear:  # packed now: the unpacked rows go at once
-                tensors.append(pack(*_q8_rows(arr)) if w.per_layer else _q8_rows(arr))
+                tensors.append(pack_rows(_q8_rows(arr)) if w.per_layer else _q8_rows(arr))
             else:
                 tensors.append(arr.T if w.linear else arr)
             bar.update()

@@ -9,6 +9,12 @@
 //   scales   f16 [Np/16][Kp/32][16]
 //   offsets  f16 [Np/16][Kp/32][16]     or empty (the weight is q * scale, as in Q8_0)
 // (Np, Kp: N and K rounded up to 16 and 32; padding is zero weight, zero scale, zero offset).
+// Weights whose values all lie in 0..15 (GGUF's Q4_1 and Q4_K blocks, Q4_0's with its -8 as an
+// offset) may be packed at 4 bits (bits = 4), two 64-byte vectors of the layout above in one:
+//   packed   u8  [Np/16][Kp/8][64]      byte b = vector 2i's byte b - 128 | (vector 2i+1's - 128) << 4
+// which the kernel widens back to w + 128 in registers ((nibble) | 128): the same products from
+// half the bytes, so the one-row (decode) call, which streams its weights, reads 20 bytes per group
+// and column instead of 36.
 // The offsets hold GGUF's asymmetric blocks (Q4_1: d * q + m) exactly; GGUF stores d and m in f16
 // as well, so its blocks load bit for bit. f16 rather than f32 scales and offsets: a group of one
 // column is 36 bytes (Q8_0's 34 with its offset), not 40, of the one-row call's weight stream.
@@ -134,11 +140,12 @@ struct Problem {
   const uint16_t* ws;  // f16 scales
   const uint16_t* wo;  // f16 offsets, or nullptr
   int n, kp, groups, tiles, parts;
+  int bits = 8;  // 8, or 4: two weights per byte (see the top of the file)
   float* y;  // [m, n]
   // one-row prefetch distances in bytes of each tile's stream: near into L1, far (0: none) into L2
   int pf_near = 1024, pf_far = 0;
   bool pf_nta = false;
-  size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
+  size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile * bits / 8; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
 };
 
@@ -428,6 +435,26 @@ void QuantizeRow(Isa isa, const float* x, int k, Acts& a, int row) {
   QuantizeRowPortable(x, k, a, row);
 }
 
+// ---- the packed weights' bytes, 8 or 4 bits -------------------------------------------------------
+// Byte b (0..63) of 64-byte vector v (4 inputs x 16 columns: v = k / 4) of a tile whose weights start
+// at w, as w + 128 whatever the packing.
+inline uint8_t WeightByte(const Problem& p, const uint8_t* w, int v, int b) {
+  if (p.bits == 8) return w[static_cast<size_t>(v) * 64 + b];
+  const uint8_t pair = w[static_cast<size_t>(v / 2) * 64 + b];
+  return static_cast<uint8_t>(((v & 1) ? pair >> 4 : pair & 0x0F) | 0x80);
+}
+
+#if defined(Q8_X86)
+// Bytes [32 * half, 32 * half + 32) of vector v, as WeightByte.
+__attribute__((target("avx2"), always_inline)) inline __m256i LoadWeights32Avx2(const Problem& p, const uint8_t* w,
+                                                                                   int v, int half) {
+  if (p.bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + static_cast<size_t>(v) * 64 + half * 32));
+  __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + static_cast<size_t>(v / 2) * 64 + half * 32));
+  if (v & 1) pair = _mm256_srli_epi16(pair, 4);
+  return _mm256_or_si256(_mm256_and_si256(pair, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+#endif
+
 // ---- micro kernels: R act rows x C tiles over all of K ------------------------------------------
 // Act rows row0 .. row0 + R - 1 (row0 and R multiples of p.parts); each writes the output rows
 // (row0 + r) / parts, summing its parts, for columns below p.n.
@@ -440,13 +467,14 @@ void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
       const size_t ag = static_cast<size_t>(row0 + r) * p.groups + g;
       const int8_t* xq = a.q.data() + static_cast<size_t>(row0 + r) * p.kp + g * kGroup;
       for (int c = 0; c < C; ++c) {
-        const uint8_t* w = p.w + (tile0 + c) * p.tile_bytes() + static_cast<size_t>(g) * kGroup * kTile;
+        const uint8_t* w = p.w + (tile0 + c) * p.tile_bytes();
         const uint16_t* ws = p.ws + (tile0 + c) * p.tile_scales() + g * kTile;
         int32_t acc[kTile];
         for (int j = 0; j < kTile; ++j) acc[j] = a.bias[ag];
         for (int k4 = 0; k4 < kGroup / 4; ++k4)
           for (int j = 0; j < kTile; ++j)
-            for (int i = 0; i < 4; ++i) acc[j] += int32_t(w[(k4 * kTile + j) * 4 + i]) * xq[k4 * 4 + i];
+            for (int i = 0; i < 4; ++i)
+              acc[j] += int32_t(WeightByte(p, w, g * (kGroup / 4) + k4, j * 4 + i)) * xq[k4 * 4 + i];
         for (int j = 0; j < kTile; ++j) f[r][c][j] += float(acc[j]) * (HalfToFloat(ws[j]) * a.scale[ag]);
         if (p.wo) {
           const uint16_t* wo = p.wo + (tile0 + c) * p.tile_scales() + g * kTile;
@@ -468,9 +496,12 @@ void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
 // P = p.parts. With two parts the act rows come in pairs (xq0, xq1) of one input row, with scales
 // d and d1 = d / 254: the pair's int32 sums combine exactly as 254 * acc0 + acc1 (|.| < 2^31 for
 // 32 inputs) and then take one scale d1, so the float work per group is that of one row.
-template <int R, int C, int P>
+// B = p.bits: with 4, each 64-byte load holds two vectors (4 inputs x 16 columns each), widened to
+// w + 128 with a shift and one vpternlogd each.
+template <int R, int C, int P, int B>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
+  static_assert(B == 8 || B == 4, "8 or 4 bits per weight");
   static_assert(R % P == 0, "act rows come in whole input rows");
   constexpr int Y = R / P;  // output rows
   __m512 f[Y][C];
@@ -487,7 +518,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   // scales and offsets) p.pf_near bytes ahead into L1 and p.pf_far into L2; the first lines of every
   // stream are requested up front.
   constexpr bool kStream = Y == 1;
-  constexpr int kGroupBytes = kGroup * kTile;  // weight bytes of one group of one tile
+  constexpr int kGroupBytes = kGroup * kTile * B / 8;  // weight bytes of one group of one tile
   const int near = p.pf_near, near_groups = near / kGroupBytes, far = p.pf_far, far_groups = far / kGroupBytes;
   // Non-temporal (p.pf_nta): the weights are read once per step, so they need not evict what the step
   // reads again from cache, the K/V of a few sequences above all (AMD Zen 4, one-slot decode step,
@@ -521,10 +552,12 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
       const __m512i b = _mm512_set1_epi32(xb[r * p.groups + g]);
       for (int c = 0; c < C; ++c) acc[r][c] = b;
     }
+    constexpr int kLoads = kGroup / 4 * B / 8;  // 64-byte weight loads per group and tile
+    constexpr int kVectors = 8 / B;             // 4-input vectors per load
 #pragma GCC unroll 8  // GCC leaves the loop rolled for some blocks, the accumulators then in memory
-    for (int k4 = 0; k4 < kGroup / 4; ++k4) {
-      __m512i wv[C];
-      const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
+    for (int ld = 0; ld < kLoads; ++ld) {
+      __m512i wv[kVectors][C];
+      const size_t off = (static_cast<size_t>(g) * kLoads + ld) * 64;
       for (int c = 0; c < C; ++c) {
         if (kStream) {
           if (nta) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_NTA);
@@ -534,14 +567,22 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
             else _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + far), _MM_HINT_T1);
           }
         }
-        wv[c] = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
+        const __m512i raw = _mm512_loadu_si512(w + c * p.tile_bytes() + off);
+        if constexpr (B == 8) {
+          wv[0][c] = raw;
+        } else {  // (nibble & 0x0F) | 0x80: ternary-logic table (A & B) | C = 0xEA
+          const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
+          wv[0][c] = _mm512_ternarylogic_epi32(raw, low, top, 0xEA);
+          wv[1][c] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, top, 0xEA);
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, xq + static_cast<size_t>(r) * p.kp + g * kGroup + k4 * 4, 4);
-        const __m512i xv = _mm512_set1_epi32(x4);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
-      }
+      for (int v = 0; v < kVectors; ++v)
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xq + static_cast<size_t>(r) * p.kp + g * kGroup + (ld * kVectors + v) * 4, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[v][c], xv);
+        }
     }
     for (int c = 0; c < C; ++c) {
       const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + c * p.tile_scales() + g * kTile)));
@@ -592,7 +633,7 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
       __m256i wsgn[V], wabs[V];
       const size_t off = (static_cast<size_t>(g) * (kGroup / 4) + k4) * 64;
       for (int v = 0; v < V; ++v) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (v / 2) * p.tile_bytes() + off + (v % 2) * 32));
+        const __m256i raw = LoadWeights32Avx2(p, w + (v / 2) * p.tile_bytes(), g * (kGroup / 4) + k4, v % 2);
         wsgn[v] = _mm256_xor_si256(raw, flip);
         wabs[v] = _mm256_abs_epi8(wsgn[v]);
       }
@@ -650,7 +691,7 @@ void DequantTileAvx2(const Problem& p, int tile, float* buf) {
     for (int half = 0; half < 2; ++half) {
       const __m256 sc = LoadHalf8(ws + g * kTile + half * 8);
       const __m256 of = wo ? LoadHalf8(wo + g * kTile + half * 8) : _mm256_setzero_ps();
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k4 * 64 + half * 32));
+      __m256i raw = LoadWeights32Avx2(p, w, k4, half);
       raw = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(raw, transpose), order);
       const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
       const __m128i pieces[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
@@ -694,13 +735,13 @@ constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
 
 template <int R, int C>
-TileFn Pick(Isa isa, int parts) {
+TileFn Pick(Isa isa, int parts, int bits) {
 #if defined(Q8_X86)
   if (isa == Isa::kAvx512Vnni) {
     if constexpr (R % 2 == 0) {
-      if (parts == 2) return &TileAvx512<R, C, 2>;
+      if (parts == 2) return bits == 4 ? &TileAvx512<R, C, 2, 4> : &TileAvx512<R, C, 2, 8>;
     }
-    return &TileAvx512<R, C, 1>;
+    return bits == 4 ? &TileAvx512<R, C, 1, 4> : &TileAvx512<R, C, 1, 8>;
   }
   if constexpr (R <= 4) {
     if (isa == Isa::kAvx2) return &TileAvx2<R, C>;
@@ -714,17 +755,20 @@ TileFn Pick(Isa isa, int parts) {
 constexpr int kMaxRows = 8;
 constexpr int kMaxTiles = 4;
 
-TileFn PickTile(Isa isa, int rows, int tiles, int parts) {
-  static const TileFn table[3][2][kMaxRows][kMaxTiles] = {
-#define Q8_ROW(I, P, R) {Pick<R, 1>(I, P), Pick<R, 2>(I, P), Pick<R, 3>(I, P), Pick<R, 4>(I, P)}
-#define Q8_PARTS(I, P) {Q8_ROW(I, P, 1), Q8_ROW(I, P, 2), Q8_ROW(I, P, 3), Q8_ROW(I, P, 4), Q8_ROW(I, P, 5), Q8_ROW(I, P, 6), Q8_ROW(I, P, 7), Q8_ROW(I, P, 8)}
+TileFn PickTile(Isa isa, int rows, int tiles, int parts, int bits) {
+  static const TileFn table[3][2][2][kMaxRows][kMaxTiles] = {
+#define Q8_ROW(I, P, B, R) {Pick<R, 1>(I, P, B), Pick<R, 2>(I, P, B), Pick<R, 3>(I, P, B), Pick<R, 4>(I, P, B)}
+#define Q8_BITS(I, P, B) {Q8_ROW(I, P, B, 1), Q8_ROW(I, P, B, 2), Q8_ROW(I, P, B, 3), Q8_ROW(I, P, B, 4), \
+                          Q8_ROW(I, P, B, 5), Q8_ROW(I, P, B, 6), Q8_ROW(I, P, B, 7), Q8_ROW(I, P, B, 8)}
+#define Q8_PARTS(I, P) {Q8_BITS(I, P, 8), Q8_BITS(I, P, 4)}
 #define Q8_ISA(I) {Q8_PARTS(I, 1), Q8_PARTS(I, 2)}
       Q8_ISA(Isa::kPortable), Q8_ISA(Isa::kAvx2), Q8_ISA(Isa::kAvx512Vnni)
 #undef Q8_ISA
 #undef Q8_PARTS
+#undef Q8_BITS
 #undef Q8_ROW
   };
-  return table[static_cast<int>(isa)][parts - 1][rows - 1][tiles - 1];
+  return table[static_cast<int>(isa)][parts - 1][bits == 4][rows - 1][tiles - 1];
 }
 
 // AVX-512 micro blocks (act rows x tiles, for one and for two parts) and tiles per work item, by
@@ -840,7 +884,7 @@ struct Job {
       c = std::min(c, tile_hi - t);
       for (int row = row_lo; row < row_hi; row += r) {
         const int rows = std::min(r, row_hi - row);
-        PickTile(isa, rows, c, p.parts)(p, acts, row, t);
+        PickTile(isa, rows, c, p.parts, p.bits)(p, acts, row, t);
       }
     }
   }
@@ -949,7 +993,7 @@ void AdviseHugePages(void* data, size_t bytes) {
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
                         ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated) {
+                        ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   // packed and scales (and offsets) are one weight [T, W], or a stack of L weights [L, T, W] of which
   // `layer` picks one (a scanned layer loop passes the whole stack: no slice of it is copied)
@@ -958,6 +1002,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     return ffi::Error::InvalidArgument(
         "q8_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales [(L,) Np/16, Kp/2], layer [] or [1], y [M,N]");
   if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("q8_matmul: parts must be 1 or 2");
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("q8_matmul: bits must be 8 or 4");
   if (gated != 0 && (gated != 1 || xd[1] % 2))
     return ffi::Error::InvalidArgument("q8_matmul: gated must be 0 or 1, and a gated x [M, 2K]");
   const int64_t stack = rank == 3 ? wd[0] : 1;
@@ -975,11 +1020,12 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.k = static_cast<int>(gated ? xd[1] / 2 : xd[1]);
   p.gated = gated != 0;
   p.tiles = static_cast<int>(wd[lw]);
-  p.kp = static_cast<int>(wd[lw + 1] / kTile);
+  p.bits = bits;
+  p.kp = static_cast<int>(wd[lw + 1] * 8 / bits / kTile);
   p.groups = p.kp / kGroup;
   p.n = static_cast<int>(yd[1]);
   p.parts = parts;
-  if (yd[0] != xd[0] || wd[lw + 1] % (kTile * kGroup) || sd[lw] != wd[lw] || sd[lw + 1] != int64_t(p.groups) * kTile ||
+  if (yd[0] != xd[0] || (wd[lw + 1] * 8 / bits) % (kTile * kGroup) || sd[lw] != wd[lw] || sd[lw + 1] != int64_t(p.groups) * kTile ||
       (rank == 3 && sd[0] != wd[0]) || p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile ||
       p.n + kTile <= p.tiles * kTile ||
       (offsets.element_count() != 0 && offsets.element_count() != scales.element_count()))
@@ -1132,7 +1178,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int32_t>("parts")        // int8 parts per activation
-                                  .Attr<int32_t>("gated"));      // 1: x is gate | up, the input silu(gate) * up
+                                  .Attr<int32_t>("gated")        // 1: x is gate | up, the input silu(gate) * up
+                                  .Attr<int32_t>("bits"));       // 8, or 4: two weights per packed byte
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamReadProbe, ReadProbeImpl,
                               ffi::Ffi::Bind()

@@ -153,3 +153,20 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
     assert up.tensor_type == gguf.GGMLQuantizationType.Q4_1
     want = quants.dequantize(up.data, up.tensor_type).reshape(cfg.intermediate_size, cfg.hidden_size).T
     np.testing.assert_allclose(np.asarray(w_up.dequantize()[3]), want, rtol=1e-6, atol=1e-7)
+    # ... and packed two to a byte (their q lie in 0..15), the Q8_0 LM head at 8 bits
+    assert w_up.q.shape[-1] * 2 == w_up.scale.shape[-1] * 32
+    assert model.lm_head.w.get_value().q.shape[-1] == model.lm_head.w.get_value().scale.shape[-1] * 32
+
+
+def test_stacking_four_and_eight_bit_layers_widens_to_eight_bits():
+    from kernels import q8_matmul
+
+    rng = np.random.default_rng(5)
+    d = rng.random((48, 2)).astype(np.float16).astype(np.float32)
+    nibbles = (rng.integers(0, 16, (48, 64)).astype(np.int8), d)
+    bytes_ = (rng.integers(-127, 128, (48, 64)).astype(np.int8), d)
+    w = groupwise.pack_layers([nibbles, bytes_, nibbles])
+    assert w.q.shape == (3, 3, 64 * 16)
+    want = [q8_matmul.pack(*r) for r in (nibbles, bytes_, nibbles)]
+    np.testing.assert_array_equal(np.asarray(w.q), np.stack([p[0] for p in want]))
+    assert groupwise.pack_layers([nibbles, nibbles]).q.shape == (2, 3, 64 * 8)
