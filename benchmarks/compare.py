@@ -33,7 +33,8 @@ from benchmarks.bench import peers, report  # noqa: E402
 from benchmarks.bench import run as bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_SERVERS = ("slipstream", "slipstream-fast", "llamacpp-q8_0", "llamacpp-bf16", "vllm-bf16", "vllm-f32")
+ALL_SERVERS = ("slipstream", "slipstream-fast", "llamacpp-q8_0", "llamacpp-q4_1", "llamacpp-bf16", "vllm-bf16",
+               "vllm-f32")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
@@ -76,7 +77,8 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
         elif name.startswith("llamacpp-"):
             qtype = name.split("-", 1)[1].upper()
             model = peers.ensure_gguf(gguf, qtype, bin_dir)
-            specs.append(peers.ServerSpec(name, f"llama.cpp server, {qtype} GGUF (llama-quantize from the default GGUF)",
+            origin = "the default GGUF as shipped" if model == Path(gguf) else "llama-quantize from the default GGUF"
+            specs.append(peers.ServerSpec(name, f"llama.cpp server, {qtype} GGUF ({origin})",
                                           [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
                                            "--port", "{port}", "-t", "2", "-tb", "2", "-np", "32", "-c", "16384",
                                            "-no-kvu", "-cb"]))

@@ -67,7 +67,10 @@ def ensure_llama_cpp(jobs: int = 2) -> Path:
 
 
 def ensure_gguf(src_gguf: str, qtype: str, bin_dir: Path) -> Path:
-    """The default GGUF re-quantized to Q8_0 / BF16 / F32 with llama-quantize."""
+    """The default GGUF re-quantized to Q8_0 / BF16 / F32 with llama-quantize; the file itself when it
+    already is that type (Q4_1 for the default model)."""
+    if Path(src_gguf).stem.split(".")[-1].upper() == qtype:
+        return Path(src_gguf)
     out = PEERS / "models" / f"{Path(src_gguf).stem.split('.')[0]}.{qtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
