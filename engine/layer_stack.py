@@ -171,7 +171,8 @@ def _fuse(weights: list[QuantizedWeight]) -> StackedQ8:
     def cat(arrays):  # along the tile axis, in numpy (jnp would compile a program per shape)
         arrays = [np.asarray(a) for a in arrays]
         if len({a.shape[-1] for a in arrays}) > 1:  # 4- and 8-bit members: all at 8 bits
-            arrays = [a if a.shape[-1] == max(b.shape[-1] for b in arrays) else widen(a) for a in arrays]
+            widest = max(a.shape[-1] for a in arrays)
+            arrays = [a if a.shape[-1] == widest else widen(a) for a in arrays]
         shape = (*arrays[0].shape[:-2], sum(a.shape[-2] for a in arrays), arrays[0].shape[-1])
         out = host_empty(shape, arrays[0].dtype)  # huge pages: the decode step streams it
         np.concatenate(arrays, axis=-2, out=out)

@@ -75,7 +75,7 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None, *, bits: int
                          f"{q.shape}, d {d.shape}" + ("" if m is None else f", m {m.shape}"))
     if bits not in (8, 4):
         raise ValueError(f"pack: bits must be 8 or 4, got {bits}")
-    if bits == 4 and q.size and (q.min() < 0 or q.max() > 15):
+    if bits == 4 and pack_bits(q) != 4:
         raise ValueError(f"pack: 4-bit packing needs every q in 0..15 (got {q.min()}..{q.max()})")
     full = np.full((np_, kp), SHIFT, np.uint8)
     full[:n, :k] = (q.astype(np.int16) + SHIFT).astype(np.uint8)
@@ -97,12 +97,18 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None, *, bits: int
     return out if m is None else (*out, per_group(m))
 
 
+def _widened(xp, packed):
+    """4-bit packed bytes [..., W] -> the same weights' 8-bit packing [..., 2W] (u8, q + 128), with
+    xp = numpy or jax.numpy: each 64 bytes become their low nibbles' vector, then their high ones'."""
+    pairs = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 64, 1, 64)
+    out = xp.concatenate([pairs & xp.uint8(0x0F), pairs >> xp.uint8(4)], axis=-2) + xp.uint8(SHIFT)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def widen(packed: np.ndarray) -> np.ndarray:
     """A 4-bit packed weight (or stack of them) [..., Np/16, Kp*8] -> the same weight at 8 bits
     [..., Np/16, Kp*16], in numpy (to stack or fuse it with 8-bit weights)."""
-    pairs = np.asarray(packed).reshape(*packed.shape[:-1], packed.shape[-1] // 64, 1, 64)
-    out = np.concatenate([pairs & np.uint8(0x0F), pairs >> np.uint8(4)], axis=-2) + np.uint8(SHIFT)
-    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return _widened(np, np.asarray(packed))
 
 
 def pack_bits(q: np.ndarray) -> int:
@@ -116,8 +122,7 @@ def unpack(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     tiles, width = packed.shape[-2:]
     lead = packed.shape[:-2]
     if packed_bits(width, scales.shape[-1]) == 4:
-        pairs = packed.reshape(*lead, tiles, width // 64, 1, 64)
-        packed = jnp.concatenate([pairs & 0x0F, pairs >> 4], axis=-2).astype(jnp.int32) + SHIFT
+        packed = _widened(jnp, jnp.asarray(packed))
         width *= 2
     kp = width // TILE
     q = packed.reshape(*lead, tiles, kp // 4, TILE, 4)
