@@ -71,7 +71,7 @@ constexpr int kMaxRows = 8;        // query rows per work item
 constexpr int kChunk = 16;         // keys per online-softmax step
 constexpr int kMaxHeadDim = 512;
 constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
-constexpr int kPrefetchChunks = 4; // chunks of K/V requested ahead of the one being computed
+constexpr int kLoadChunks = 8;     // chunks of K/V loaded ahead of their compute, as one block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Calls fn<R>(args...) with R = rows (1..8) as a compile-time constant, inside the calling function, so
@@ -1064,7 +1064,6 @@ struct Item {
   int seq, kh, row_begin, row_end;  // rows r = token * G + g within the sequence
   int key_lo, key_hi;
   int partial;                      // -1: writes the output; else its slot in the partials
-  bool adjacent;                    // its keys' pages are one run of consecutive page ids
 };
 
 struct Group {  // the split items of one (sequence, KV head, row block): partials [first, first + n)
@@ -1140,111 +1139,38 @@ void write_new_kv(const Problem& p, const ChunkSteps& isa, const float* k_new, c
   }
 }
 
-// Requests keys [a, b) of a sequence's K/V rows into L2 (more misses in flight than L1 allows). Pages
-// lie anywhere, so the hardware prefetchers, which stop at 4 KiB boundaries, cannot run ahead on their
-// own. The pages' TLB entries (and the int8 scale lines) come from touch_keys, beforehand. (f32 32 x 384
-// step on AMD Zen 4: prefetching into L2 rather than L1, 4 chunks ahead, 39 -> 30 ms.)
-void prefetch_keys(const Problem& p, int s, int kh, int a, int b) {
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
-  for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
-    const char* kr = static_cast<const char*>(p.k) + row0 * p.hd * width;
-    const char* vr = static_cast<const char*>(p.v) + row0 * p.hd * width;
-    if (p.k_words) {  // word-major K: the bytes from word 0 of key off to the last word of key off + n - 1
-      int64_t bytes;
-      const char* kw = p.segment(false, kh, p.page(s, key), off, n, &bytes);
-      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(kw + o, 0, 2);
-      for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) __builtin_prefetch(vr + o, 0, 2);
-      key += n;
-      continue;
-    }
-    for (int64_t o = 0; o < int64_t(n) * p.hd * width; o += 64) {
-      __builtin_prefetch(kr + o, 0, 2);
-      __builtin_prefetch(vr + o, 0, 2);
-    }
-    key += n;
-  }
-}
-
-// One part of prefetch_keys, for K or V alone: lines [part, part + 1) * lines / parts of the rows of keys
-// [a, b). The chunk loop requests the chunk ahead in 4 such parts, between its steps: a burst of a whole
-// chunk's prefetches (128 lines for f32, head_dim 64) fills the core's miss buffers, and the prefetches
-// past them then stall the core like loads. (Random 4 KiB blocks on AMD Zen 4, 2 threads, with compute
-// per line: 22.2 ms per 512 MiB with a burst per block, 18.8 ms spread over the block, 14.3 in order.)
-// prefetch_part for word-major K: each page segment's lines from word 0 of its first key to the last
-// word of its last key (p.segment).
-void prefetch_part_words(const Problem& p, int s, int kh, int a, int b, int part, int parts) {
-  int64_t total = 0;  // about the lines of [a, b)
-  for (int key = a; key < b;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    int64_t bytes;
-    p.segment(false, kh, 0, off, n, &bytes);
-    total += (bytes + 63) / 64;
-    key += n;
-  }
-  const int64_t first = part * total / parts, last = (part + 1) * total / parts;
-  int64_t line = 0;
-  for (int key = a; key < b && line < last;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    int64_t bytes;
-    const char* r = p.segment(false, kh, p.page(s, key), off, n, &bytes);
-    const int64_t seg = (bytes + 63) / 64;
-    for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
-      __builtin_prefetch(r + i * 64, 0, 2);
-    line += seg;
-    key += n;
-  }
-}
-
-void prefetch_part(const Problem& p, bool v, int s, int kh, int a, int b, int part, int parts) {
-  if (!v && p.k_words) return prefetch_part_words(p, s, kh, a, b, part, parts);
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
-  const int64_t row_bytes = int64_t(p.hd) * width;
-  const int64_t total = (int64_t(b - a) * row_bytes + 63) / 64;  // about the lines of [a, b)
-  const int64_t first = part * total / parts, last = (part + 1) * total / parts;
-  const char* base = static_cast<const char*>(v ? p.v : p.k);
-  int64_t line = 0;
-  for (int key = a; key < b && line < last;) {
-    const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const char* r = base + p.row_offset(kh, p.page(s, key), off) * row_bytes;
-    const int64_t seg = (int64_t(n) * row_bytes + 63) / 64;
-    for (int64_t i = std::max<int64_t>(0, first - line); i < std::min(seg, last - line); ++i)
-      __builtin_prefetch(r + i * 64, 0, 2);
-    line += seg;
-    key += n;
-  }
-}
-
-// Loads one byte of each page segment of keys [a, b) of K and V, and each int8 scale line: a software
-// prefetch that misses the TLB is dropped, so every page of an item is touched with a real load before
-// its lines are prefetched. The loads are independent and issued together, so that their TLB and cache
-// misses overlap: one touch per chunk, as each chunk came up, stalled once per chunk (AMD Zen 4,
-// 32 x 384 int8 KV step: CPU time 33 -> 26 ms/step; f32 unchanged).
-void touch_keys(const Problem& p, int s, int kh, int a, int b) {
-  const int width = p.type == KvType::kF32 ? 4 : p.type == KvType::kBF16 ? 2 : 1;
+// Loads one byte of every 64-byte line of keys [a, b) of a sequence's K and V (and the ends of their int8
+// scale rows), so that the block's chunks then compute from L1/L2. The loads are independent and the loop
+// is short, so the core keeps many misses in flight; software prefetches (into L2, chunks ahead, with the
+// pages touched first), mixed into the chunk steps, kept far fewer (AMD EPYC Zen 5, 32 x 384 step, random
+// page order, attention_bench: bf16 21.7 -> 13.6 ms, int8 20.7 -> 11.6, f32 24.7 -> 21.4; consecutive
+// pages, where the prefetches were skipped: bf16 16.7 -> 10.2, int8 14.1 -> 9.8, f32 19.3 -> 16.7; the
+// same lines loaded one chunk at a time a few chunks ahead measured 15-17 ms for bf16, a whole item at
+// once as blocks of 8 chunks).
+void load_keys(const Problem& p, int s, int kh, int a, int b) {
   unsigned sum = 0;
   for (int key = a; key < b;) {
     const int off = key % p.ps, n = std::min(p.ps - off, b - key);
-    const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
-    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.k) + row0 * p.hd * width);
-    sum += *reinterpret_cast<const volatile unsigned char*>(static_cast<const char*>(p.v) + row0 * p.hd * width);
+    for (bool v : {false, true}) {
+      int64_t bytes;
+      const char* r = p.segment(v, kh, p.page(s, key), off, n, &bytes);
+      for (int64_t o = 0; o < bytes; o += 64) sum += *reinterpret_cast<const volatile unsigned char*>(r + o);
+      sum += *reinterpret_cast<const volatile unsigned char*>(r + bytes - 1);
+    }
     if (p.type == KvType::kI8) {
+      const int64_t row0 = p.row_offset(kh, p.page(s, key), off);
       const volatile unsigned char* ks = reinterpret_cast<const volatile unsigned char*>(p.k_scale + row0);
       const volatile unsigned char* vs = reinterpret_cast<const volatile unsigned char*>(p.v_scale + row0);
-      for (int o = 0; o < n * 4; o += 64) sum += ks[o] + vs[o];
-      sum += ks[n * 4 - 1] + vs[n * 4 - 1];
+      sum += ks[0] + vs[0] + ks[n * 4 - 1] + vs[n * 4 - 1];
     }
     key += n;
   }
   asm volatile("" : : "r"(sum));
 }
 
-thread_local const Item* t_touched = nullptr;  // the next item, once this thread has touched its pages
-
-// One work item: its rows' online softmax over keys [key_lo, key_hi) of its sequence's pages. Its
-// last chunks request the first chunks of the thread's next item.
-void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps& isa, Partials& partials) {
+// One work item: its rows' online softmax over keys [key_lo, key_hi) of its sequence's pages, loaded
+// kLoadChunks chunks at a time right before they are computed.
+void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& partials) {
   const int hd = p.hd, s = it.seq, rows = it.row_end - it.row_begin;
   alignas(64) float q[kMaxRows * kMaxHeadDim];
   alignas(64) float acc[kMaxRows * kMaxHeadDim];
@@ -1273,54 +1199,9 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   QuantRows qq;
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
-  // Pages in one run are one stream per K and V, which the hardware prefetchers follow on their own (the
-  // cache is on 2 MiB pages, so TLB misses are rare): touching and prefetching them only costs (AMD Zen 4,
-  // 32 x 384 step, consecutive pages: int8 11.2 -> 9.9 ms, f32 no clear change; random order: int8 18.4
-  // with them, 20.7 without).
-  if (!it.adjacent) {
-    if (t_touched != &it) touch_keys(p, s, it.kh, it.key_lo, it.key_hi);
-    prefetch_keys(p, s, it.kh, it.key_lo, std::min(it.key_hi, it.key_lo + kPrefetchChunks * kChunk));
-  }
-  t_touched = nullptr;
-  // int8 pages in one run still gain from the chunk kPrefetchChunks ahead requested whole, K and V
-  // (32 lines for head_dim 64), as one linear range of the run: the prefetchers alone ramp up too late
-  // for its short rows (AMD Zen 4, 32 x 384 step, consecutive pages, in-process A/B: 10.59 -> 9.30 ms,
-  // and 15.4 -> 13.3 ms in a slower hour; 2 or 8 chunks ahead: 9.95, 10.00; the same for bf16:
-  // 12.7 -> 18.1 ms, so not there).
-  const bool run_ahead = it.adjacent && p.type == KvType::kI8;
-  const int64_t run0 = run_ahead ? p.row_offset(it.kh, p.page(s, it.key_lo), it.key_lo % p.ps) : 0;
-  auto request_run = [&](int key) {
-    const int ahead = key + kPrefetchChunks * kChunk;
-    if (!run_ahead || ahead >= it.key_hi) return;
-    const int64_t offset = (run0 + ahead - it.key_lo) * p.hd;  // int8: a byte per element
-    const int64_t bytes = int64_t(std::min(kChunk, it.key_hi - ahead)) * p.hd;
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(static_cast<const char*>(p.k) + offset + o, 0, 2);
-      __builtin_prefetch(static_cast<const char*>(p.v) + offset + o, 0, 2);
-    }
-  };
-  // The chunk kPrefetchChunks ahead of the one at key (in this item, or the first ones of the thread's
-  // next item), requested in 4 parts between the steps below.
-  struct Ahead {
-    int s = -1, kh = 0, a = 0, b = 0;
-  };
-  auto ahead_of = [&](int key) {
-    Ahead pf;
-    const int ahead = key + kPrefetchChunks * kChunk;
-    if (ahead < it.key_hi) {
-      if (!it.adjacent) pf = {s, it.kh, ahead, std::min(it.key_hi, ahead + kChunk)};
-    } else if (next && !next->adjacent) {
-      if (t_touched != next) {
-        touch_keys(p, next->seq, next->kh, next->key_lo, next->key_hi);
-        t_touched = next;
-      }
-      const int a = next->key_lo + (ahead - it.key_hi) / kChunk * kChunk;
-      if (a >= next->key_lo && a < next->key_hi) pf = {next->seq, next->kh, a, std::min(next->key_hi, a + kChunk)};
-    }
-    return pf;
-  };
-  auto request = [&](const Ahead& pf, bool v, int half) {
-    if (pf.s >= 0) prefetch_part(p, v, pf.s, pf.kh, pf.a, pf.b, half, 2);
+  auto load_block = [&](int key) {
+    if ((key - it.key_lo) % (kLoadChunks * kChunk) == 0)
+      load_keys(p, s, it.kh, key, std::min(it.key_hi, key + kLoadChunks * kChunk));
   };
   struct Chunk {
     int key, off, n;
@@ -1383,26 +1264,19 @@ void attend(const Problem& p, const Item& it, const Item* next, const ChunkSteps
   if (it.key_lo < it.key_hi) {
     Chunk cur = chunk_at(it.key_lo);
     int b = 0;
-    Ahead pf = ahead_of(cur.key);
-    request(pf, false, 0);
+    load_block(cur.key);
     scores(cur, sc[0]);
-    request(pf, false, 1);
     softmax(cur, sc[0]);
     for (;;) {
       const bool more = cur.key + cur.n < it.key_hi;
       Chunk nxt{};
-      request(pf, true, 0);
-      request_run(cur.key);
       if (more) {
         nxt = chunk_at(cur.key + cur.n);
+        load_block(nxt.key);
         scores(nxt, sc[b ^ 1]);
       }
       pv(cur, sc[b]);
-      request(pf, true, 1);
       if (!more) break;
-      pf = ahead_of(nxt.key);
-      request(pf, false, 0);
-      request(pf, false, 1);
       softmax(nxt, sc[b ^ 1]);
       cur = nxt;
       b ^= 1;
@@ -1483,11 +1357,6 @@ void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<G
       part.partial = slots++;
       items.push_back(part);
     }
-  }
-  for (Item& it : items) {
-    it.adjacent = true;
-    for (int key = it.key_lo + p.ps - it.key_lo % p.ps; key < it.key_hi && it.adjacent; key += p.ps)
-      it.adjacent = p.page(it.seq, key) == p.page(it.seq, key - p.ps) + 1;
   }
 }
 
@@ -1640,9 +1509,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   int slots = 0;
   for (const Group& g : groups) slots += g.n;
   partials.data.resize(size_t(slots) * partials.stride());
-  parallel_for(pool, int64_t(items.size()), [&](int64_t i, int64_t next) {
-    attend(p, items[i], next < int64_t(items.size()) ? &items[next] : nullptr, isa, partials);
-  });
+  parallel_for(pool, int64_t(items.size()), [&](int64_t i, int64_t) { attend(p, items[i], isa, partials); });
   for (const Group& g : groups) combine(p, g, partials);
   return ffi::Error::Success();
 }
