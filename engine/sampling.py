@@ -141,6 +141,22 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.any(bitmask != jnp.uint32(0xFFFFFFFF)), masked, lambda: logits)
 
 
+def constrain(logits: jax.Array, bitmask: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
+              prompt_mask: jax.Array, slot_ids: jax.Array) -> jax.Array:
+    """The logits a batch picks from: apply_token_bitmask, then apply_penalties with the rows
+    `slot_ids` of the per-slot counts and prompt masks. A batch with neither a constrained nor a
+    penalized row passes through one cond (one copy of the logits): the [slots, V] state is
+    read only inside it."""
+    def adjusted() -> jax.Array:
+        allowed = apply_token_bitmask(logits, bitmask)
+        return jax.lax.cond(penalties_active(arrays),
+                            lambda: apply_penalties(allowed, arrays, output_counts[slot_ids], prompt_mask[slot_ids]),
+                            lambda: allowed)
+
+    needed = jnp.any(bitmask != jnp.uint32(0xFFFFFFFF)) | penalties_active(arrays)
+    return jax.lax.cond(needed, adjusted, lambda: logits)
+
+
 def _ordered_key(x: jax.Array) -> jax.Array:
     """uint32 keys that sort like the floats x (the radix-sort trick), for exact bisection."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -325,7 +341,8 @@ def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingAr
     return SampleResult(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
-def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
-    """Add one at each active row's sampled token, for the next step's penalties."""
-    rows = jnp.arange(output_counts.shape[0])
-    return output_counts.at[rows, tokens].add(active.astype(output_counts.dtype))
+def update_counts(output_counts: jax.Array, slot_ids: jax.Array, tokens: jax.Array,
+                  active: jax.Array) -> jax.Array:
+    """Add one at (slot, sampled token) for each active row, for later steps' penalties: B
+    elements written in place (rows of the [slots, V] counts neither gathered nor copied)."""
+    return output_counts.at[slot_ids, tokens].add(active.astype(output_counts.dtype))

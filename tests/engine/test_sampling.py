@@ -253,11 +253,11 @@ def test_repetition_penalty_matches_transformers():
 
 
 def test_update_counts_adds_only_for_active_rows():
-    counts = jnp.zeros((3, 10), jnp.int32)
-    counts = update_counts(counts, jnp.array([4, 4, 9]), jnp.array([True, False, True]))
-    counts = update_counts(counts, jnp.array([4, 1, 9]), jnp.array([True, True, True]))
-    expected = np.zeros((3, 10), np.int32)
-    expected[0, 4], expected[1, 1], expected[2, 9] = 2, 1, 2
+    counts = jnp.zeros((4, 10), jnp.int32)
+    counts = update_counts(counts, jnp.array([2, 0, 1]), jnp.array([4, 4, 9]), jnp.array([True, False, True]))
+    counts = update_counts(counts, jnp.array([2, 0, 1]), jnp.array([4, 1, 9]), jnp.array([True, True, True]))
+    expected = np.zeros((4, 10), np.int32)
+    expected[2, 4], expected[0, 1], expected[1, 9] = 2, 1, 2
     np.testing.assert_array_equal(np.asarray(counts), expected)
 
 
