@@ -12,8 +12,8 @@ trees whose flag names differ still run one mode (--tree-flags old="--quantize w
 
 Each (mode, tree) pair: start `slipstream serve` from that tree (its own code through PYTHONPATH,
 this venv's packages), wait for a completion, run the client (random 256 in / 128 out, ignore EOS,
-greedy by default), stop the server. Runs alternate trees within a mode so drift in the host's load
-hits both. Prints the vLLM-named metrics per run and the new/old ratios; writes JSON per run.
+greedy unless --sampling says otherwise), stop the server. Runs alternate trees within a mode so
+drift in the host's load hits both. Prints the vLLM-named metrics per run and the new/old ratios; writes JSON per run.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def run_client(base_url: str, out_dir: Path, name: str, args: argparse.Namespace
     argv = [sys.executable, "-m", "benchmarks.bench", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--temperature", "0",
+            "--max-concurrency", str(args.max_concurrency), "--ignore-eos", *shlex.split(args.sampling),
             "--num-warmups", str(args.num_warmups), "--seed", str(args.seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", default="--temperature 0",
+                   help='the client\'s sampling flags (default greedy), e.g. "--temperature 0.7 --top-p 0.95"')
     p.add_argument("--port", type=int, default=8395)
     p.add_argument("--result-dir", default=f"/tmp/ab-serving-{time.strftime('%Y%m%d-%H%M%S')}")
     args = p.parse_args(argv)
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[(mode, label)]
             print(f"{s.name}: " + ", ".join(f"{k}={r[k]:.1f}" for k in METRICS), flush=True)
     print(f"\nCPU: {cpu_model()}; {args.num_prompts} prompts at concurrency {args.max_concurrency}, "
-          f"random {args.input_len} in / {args.output_len} out, ignore EOS, greedy; load {os.getloadavg()}")
+          f"random {args.input_len} in / {args.output_len} out, ignore EOS, sampling {args.sampling!r}; "
+          f"load {os.getloadavg()}")
     header = "| mode | tree | out tok/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms |"
     print(header + "\n|" + "---|" * 9)
     for (mode, label), r in results.items():
