@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.request import MAX_TOP_LOGPROBS, SamplingParams
-from kernels.sampling import sample_tokens
+from kernels.sampling import sample_tokens, top_logprobs
 
 _GREEDY = SamplingParams(temperature=0.0)
 Array = jax.Array | np.ndarray  # numpy from the host-side builder, jax.Array inside jit
@@ -184,19 +184,16 @@ def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingAr
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - n_top))
 
     def logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        log_z = jax.nn.logsumexp(logits, -1)                                 # [B]
-        chosen = jnp.take_along_axis(logits, token[:, None], 1)[:, 0]
-        top_vals, top_ids = jax.lax.top_k(logits, n_top)                     # [B, n_top]
-        return (chosen - log_z, jnp.pad(top_ids.astype(jnp.int32), pad),
-                jnp.pad(top_vals - log_z[:, None], pad, constant_values=-jnp.inf))
+        chosen, top_ids, top_vals = top_logprobs(logits, token, n_top)
+        return chosen, jnp.pad(top_ids, pad), jnp.pad(top_vals, pad, constant_values=-jnp.inf)
 
     def no_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        # a top-20 over the whole vocab costs ~10 ms at 32 rows on XLA:CPU: only when asked
+        # only when asked: XLA's top-20 over the whole vocab (the reference) costs ~4 ms at 32 rows
         return (jnp.zeros(batch, jnp.float32), jnp.zeros((batch, MAX_TOP_LOGPROBS), jnp.int32),
                 jnp.full((batch, MAX_TOP_LOGPROBS), -jnp.inf, jnp.float32))
 
-    logprob, top_ids, top_logprobs = jax.lax.cond(jnp.any(arrays.logprobs), logprobs, no_logprobs)
-    return SampleResult(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+    logprob, top_ids, top_lps = jax.lax.cond(jnp.any(arrays.logprobs), logprobs, no_logprobs)
+    return SampleResult(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_lps)
 
 
 def update_counts(output_counts: jax.Array, slot_ids: jax.Array, tokens: jax.Array,

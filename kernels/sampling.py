@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from kernels import native
 
 TARGET = "slipstream_sample_tokens"
+LOGPROBS_TARGET = "slipstream_top_logprobs"
 # Candidates searched for top-k/top-p cut-offs before falling back to a full-vocab bisection;
 # covers top_k <= 128 and top_p reached within the 128 best tokens (the usual case).
 _CANDIDATES = 128
@@ -198,3 +199,31 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     if native_available():
         return jax.lax.platform_dependent(*args, cpu=_native, default=reference)
     return reference(*args)
+
+
+def top_logprobs_reference(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """top_logprobs in JAX."""
+    log_z = jax.nn.logsumexp(logits, -1)                                     # [B]
+    chosen = jnp.take_along_axis(logits, token[:, None], 1)[:, 0]
+    top_vals, top_ids = jax.lax.top_k(logits, n)                             # [B, n]
+    return chosen - log_z, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
+
+
+def top_logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The model's log-probabilities from logits [B, V] (cast to f32): of each row's `token` [B], and
+    the n <= V largest with their ids ([B, n], best first, ties lower id first, as lax.top_k)."""
+    if logits.ndim != 2 or token.shape != logits.shape[:1] or not 0 < n <= logits.shape[1]:
+        raise ValueError(f"top_logprobs: logits must be [B, V], token [B] and 0 < n <= V, got {logits.shape}, "
+                         f"{token.shape} and n={n}")
+    args = (logits.astype(jnp.float32), token.astype(jnp.int32))
+    b = logits.shape[0]
+
+    def call(x: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        out = (jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, n), jnp.int32),
+               jax.ShapeDtypeStruct((b, n), jnp.float32))
+        return tuple(jax.ffi.ffi_call(LOGPROBS_TARGET, out)(x, t))
+
+    ref = lambda x, t: top_logprobs_reference(x, t, n)  # noqa: E731
+    if native_available():
+        return jax.lax.platform_dependent(*args, cpu=call, default=ref)
+    return ref(*args)

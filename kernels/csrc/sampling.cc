@@ -30,9 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -391,21 +393,52 @@ int sample_row(const float* l, int v, float t, int top_k, float top_p, float min
   return last >= 0 ? last : ops.first_equal(l, v, rm.max);
 }
 
-struct Job {
-  const float *logits, *temperature, *top_p, *min_p, *u;
-  const int32_t* top_k;
-  int32_t* out;
-  int rows, vocab;
-  std::atomic<int> next{0}, done{0};
-
-  void Work() {
-    Scratch s;
-    int ran = 0;
-    for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows; ++ran)
-      out[r] = sample_row(logits + int64_t(r) * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], u[r], s);
-    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
+// The model's logprobs of a row: the sampled token's, and the n_top largest (ties: lower id first,
+// as lax.top_k orders them) with their ids; n_top <= 16 * blocks uses the block maxima's bound.
+void logprobs_row(const float* l, int v, int token, int n_top, float* chosen, int32_t* ids, float* vals,
+                  Scratch& s) {
+  const RowOps& ops = row_ops();
+  const RowMax rm = ops.row_max(l, v);
+  s.x.resize(v);
+  s.e.resize(v);
+  const double log_z = double(rm.max) + std::log(ops.exp_shifted(l, v, rm.max, 1.f, s.x.data(), s.e.data()));
+  *chosen = float(double(l[std::min(std::max(token, 0), v - 1)]) - log_z);
+  const int nb = (v + 15) / 16;
+  s.bmax.resize(nb);
+  ops.block_max(l, v, s.bmax.data());
+  s.idx.resize(v);
+  int32_t* idx = s.idx.data();
+  const int n = ops.compact(l, v, block_bound(s.bmax.data(), nb, double(n_top), false, s), idx);
+  const int m = std::min(n, n_top);
+  std::partial_sort(idx, idx + m, idx + n, [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+  for (int j = 0; j < n_top; ++j) {
+    ids[j] = j < m ? idx[j] : 0;
+    vals[j] = j < m ? float(double(l[idx[j]]) - log_z) : kNegInf;
   }
-};
+}
+
+// Rows claimed from an atomic counter by the calling thread and pool helpers; fn(row, scratch).
+template <class F>
+void for_rows(ffi::ThreadPool& pool, int rows, F fn) {
+  struct Shared {
+    F fn;
+    int rows;
+    std::atomic<int> next{0}, done{0};
+    explicit Shared(F f, int n) : fn(std::move(f)), rows(n) {}
+    void Work() {
+      Scratch s;
+      int ran = 0;
+      for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows; ++ran) fn(r, s);
+      if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
+    }
+  };
+  auto job = std::make_shared<Shared>(std::move(fn), rows);
+  const int threads = std::max<int>(1, std::min<int64_t>(pool.num_threads(), rows));
+  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  // rows claimed by helpers are running now; wait for them (never for a helper that has not started)
+  while (job->done.load(std::memory_order_acquire) != rows) std::this_thread::yield();
+}
 
 ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
                       ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p, ffi::Buffer<ffi::F32> min_p,
@@ -419,21 +452,38 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::B
   if (b == 0) return ffi::Error::Success();
   if (v <= 0 || v > std::numeric_limits<int>::max())
     return ffi::Error::InvalidArgument("sample_tokens: vocab size out of range");
-  auto job = std::make_shared<Job>();
-  job->logits = logits.typed_data();
-  job->temperature = temperature.typed_data();
-  job->top_k = top_k.typed_data();
-  job->top_p = top_p.typed_data();
-  job->min_p = min_p.typed_data();
-  job->u = u.typed_data();
-  job->out = token->typed_data();
-  job->rows = int(b);
-  job->vocab = int(v);
-  const int threads = std::max<int>(1, std::min<int64_t>(pool.num_threads(), b));
-  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // rows claimed by helpers are running now; wait for them (never for a helper that has not started)
-  while (job->done.load(std::memory_order_acquire) != job->rows) std::this_thread::yield();
+  const float *l = logits.typed_data(), *t = temperature.typed_data(), *p = top_p.typed_data(),
+              *mp = min_p.typed_data(), *uu = u.typed_data();
+  const int32_t* k = top_k.typed_data();
+  int32_t* out = token->typed_data();
+  const int vocab = int(v);
+  for_rows(pool, int(b), [=](int r, Scratch& s) {
+    out[r] = sample_row(l + int64_t(r) * vocab, vocab, t[r], k[r], p[r], mp[r], uu[r], s);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> token,
+                        ffi::ResultBuffer<ffi::F32> chosen, ffi::ResultBuffer<ffi::S32> top_ids,
+                        ffi::ResultBuffer<ffi::F32> top_vals) {
+  const auto ld = logits.dimensions(), td = top_ids->dimensions();
+  if (ld.size() != 2 || td.size() != 2 || top_vals->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("top_logprobs: logits [B, V], top ids and values [B, N]");
+  const int64_t b = ld[0], v = ld[1], n_top = td[1];
+  if (token.element_count() != b || chosen->element_count() != b || td[0] != b ||
+      top_vals->element_count() != b * n_top)
+    return ffi::Error::InvalidArgument("top_logprobs: token and chosen [B], top ids and values [B, N]");
+  if (b == 0) return ffi::Error::Success();
+  if (v <= 0 || v > std::numeric_limits<int>::max() || n_top > v)
+    return ffi::Error::InvalidArgument("top_logprobs: vocab size out of range, or N above it");
+  const float* l = logits.typed_data();
+  const int32_t* tok = token.typed_data();
+  float *c = chosen->typed_data(), *tv = top_vals->typed_data();
+  int32_t* ti = top_ids->typed_data();
+  const int vocab = int(v), n = int(n_top);
+  for_rows(pool, int(b), [=](int r, Scratch& s) {
+    logprobs_row(l + int64_t(r) * vocab, vocab, tok[r], n, c + r, ti + int64_t(r) * n, tv + int64_t(r) * n, s);
+  });
   return ffi::Error::Success();
 }
 
@@ -450,8 +500,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamSampleTokens, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B], in [0, 1)
                                   .Ret<ffi::Buffer<ffi::S32>>());  // token [B]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamTopLogprobs, LogprobsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // logits [B, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // the token's logprob [B]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // top ids [B, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // top logprobs [B, N]
+
 static PyObject* Targets(PyObject*, PyObject*) {
-  return FfiTargetsDict({{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)}});
+  return FfiTargetsDict({{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)},
+                         {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}});
 }
 
 static PyObject* IsaPy(PyObject*, PyObject*) {

@@ -141,3 +141,29 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         ks.sample_tokens(jnp.zeros((2, 5)), jnp.ones(3), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),
                          jnp.zeros(2))
+
+
+@needs_native
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("b,v,n", [(3, 1, 1), (5, 7, 7), (4, 33, 20), (8, 1000, 20), (4, 49152, 20), (2, 49152, 5)])
+def test_top_logprobs_equal_the_reference(b, v, n, portable):
+    rng = np.random.default_rng(v + n)
+    logits = (rng.normal(size=(b, v)) * 3).astype(np.float32)
+    logits[0, : min(v, 4)] = logits[0].max()  # ties at the top: lower ids first, as lax.top_k
+    token = rng.integers(0, v, b).astype(np.int32)
+    prev = ext.portable(portable)
+    try:
+        got = jax.jit(lambda x, t: ks.top_logprobs(x, t, n))(logits, token)
+    finally:
+        ext.portable(prev)
+    want = jax.jit(lambda x, t: ks.top_logprobs_reference(x, t, n))(logits, token)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(got[0]), logits[np.arange(b), token] - lse, rtol=1e-5, atol=1e-5)
+
+
+def test_top_logprobs_refuse_n_above_the_vocab():
+    with pytest.raises(ValueError, match="n <= V"):
+        ks.top_logprobs(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), 6)
