@@ -40,7 +40,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "ffi_targets.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SAMPLING_PORTABLE_ONLY)  // the macro: test builds
 #define SAMPLING_X86 1
 #include "exp_avx512.h"
 #endif
@@ -470,8 +470,8 @@ ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   if (ld.size() != 2 || td.size() != 2 || top_vals->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("top_logprobs: logits [B, V], top ids and values [B, N]");
   const int64_t b = ld[0], v = ld[1], n_top = td[1];
-  if (token.element_count() != b || chosen->element_count() != b || td[0] != b ||
-      top_vals->element_count() != b * n_top)
+  if (int64_t(token.element_count()) != b || int64_t(chosen->element_count()) != b || td[0] != b ||
+      int64_t(top_vals->element_count()) != b * n_top)
     return ffi::Error::InvalidArgument("top_logprobs: token and chosen [B], top ids and values [B, N]");
   if (b == 0) return ffi::Error::Success();
   if (v <= 0 || v > std::numeric_limits<int>::max() || n_top > v)
