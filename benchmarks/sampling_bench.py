@@ -2,8 +2,10 @@
 the engine), with the native sampling kernel and with its JAX reference, compiled in one process and
 timed in alternation, per sampling setting and row count. Rows are N(0, --scale) logits over the
 default model's vocab (49152); flatter rows (smaller scale) put the top-p nucleus past more tokens.
-Run from the repo root:
-    .venv/bin/python -m benchmarks.sampling_bench [--rows 1,32] [--scale 3] [--reps 30]
+With --logits model the rows are instead the default model's next-token logits after 32 passages of
+benchmarks/data/eval.txt (64 tokens each), and the table also gives how many tokens the top-p 0.9
+nucleus spans at temperature 1 (median and max over the rows). Run from the repo root:
+    .venv/bin/python -m benchmarks.sampling_bench [--rows 1,32] [--scale 3] [--reps 30] [--logits model]
 """
 from __future__ import annotations
 
@@ -46,20 +48,57 @@ def compiled(args, native: bool):
         ks.native_available = saved
 
 
+def model_logits(n: int) -> np.ndarray:
+    """The default model's (q8_0-a16, bf16 K/V: the CPU default) logits after n 64-token passages."""
+    from pathlib import Path
+
+    from benchmarks.perplexity import MODES, PAGE_SIZE, build_engine, load_default_model
+    from engine.api import SlotState, StepBatch, StepSeq
+
+    cfg, params, tokenizer = load_default_model("q8_0-a16")
+    engine = build_engine(cfg, params, MODES["q8_0-a16+bf16-kv"], dtype="float32", max_slots=n,
+                          max_num_batched_tokens=64 * n)
+    text = (Path(__file__).parent / "data" / "eval.txt").read_text()
+    ids = tokenizer.encode(text)
+    length, pages = 64, 64 // PAGE_SIZE
+    passages = [ids[i * length:(i + 1) * length] for i in range(n)]
+    for slot, prompt in enumerate(passages):
+        engine.insert(slot, SlotState(prompt, [], SamplingParams(temperature=0.0)))
+    batch = StepBatch([StepSeq(s, p, 0, list(range(1 + s * pages, 1 + (s + 1) * pages)), True)
+                       for s, p in enumerate(passages)])
+    return engine.model_logits(batch).astype(np.float32)
+
+
+def nucleus(logits: np.ndarray, top_p: float) -> tuple[int, int]:
+    """Tokens in each row's top-p nucleus at temperature 1: (median, max)."""
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    p = np.sort(np.exp(z) / np.exp(z).sum(-1, keepdims=True), -1)[:, ::-1]
+    sizes = (np.cumsum(p, -1) < top_p).sum(-1) + 1
+    return int(np.median(sizes)), int(sizes.max())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,32")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--scale", type=float, default=3.0)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--logits", choices=("normal", "model"), default="normal")
     args = p.parse_args(argv)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()}; "
           f"sampling kernel native: {ks.native_available()}", flush=True)
-    v, slots = args.vocab, 33
+    rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
+    model_rows = model_logits(max(rows)) if args.logits == "model" else None
+    v = model_rows.shape[1] if model_rows is not None else args.vocab
+    slots = 33
+    if model_rows is not None:
+        print(f"model logits: top-p 0.9 nucleus at temperature 1 spans {nucleus(model_rows, 0.9)} tokens "
+              f"(median, max over {len(model_rows)} rows)")
     print("| setting | rows | native ms | reference ms | ratio |\n|---|---:|---:|---:|---:|")
-    for b in (int(r) for r in args.rows.split(",")):
-        logits = jnp.asarray((rng.normal(size=(b, v)) * args.scale).astype(np.float32))
+    for b in rows:
+        logits = jnp.asarray(model_rows[:b] if model_rows is not None else
+                             (rng.normal(size=(b, v)) * args.scale).astype(np.float32))
         slot_ids, active = jnp.arange(b, dtype=jnp.int32), jnp.ones(b, bool)
         no_mask = jnp.full((b, mask_words(v)), 0xFFFFFFFF, jnp.uint32)
         for name, params in SETTINGS.items():
