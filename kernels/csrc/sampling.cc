@@ -19,9 +19,9 @@
 // reaches the target), so the selects and the draw run over the tokens above that bound, compacted
 // in token order; a draw with no cut-off goes by sums of 16-token blocks.
 //
-// Instruction sets: the row passes (max, exp, block maxima and sums, compaction) have AVX-512
-// versions chosen at run time (__builtin_cpu_supports) beside portable loops; nothing is compiled
-// with -march. Sums are in double (the reference's in f32), so a draw whose u lies within rounding
+// Instruction sets: the row passes (max, exp, block maxima and sums, compaction) have AVX-512 and
+// AVX2 versions chosen at run time (__builtin_cpu_supports) beside portable loops; nothing is
+// compiled with -march. Sums are in double (the reference's in f32), so a draw whose u lies within rounding
 // of a token boundary may pick the neighbouring token.
 #include <Python.h>
 
@@ -42,6 +42,7 @@
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(SAMPLING_PORTABLE_ONLY)  // the macro: test builds
 #define SAMPLING_X86 1
+#include "exp_avx2.h"
 #include "exp_avx512.h"
 #endif
 
@@ -65,9 +66,7 @@ inline float key_to_float(uint32_t k) {
   return x;
 }
 
-// ---- row passes: AVX-512 where the CPU has it (chosen at run time), else portable loops ----
-
-bool use_avx512();
+// ---- row passes: AVX-512 or AVX2 where the CPU has them (chosen at run time), else portable loops ----
 
 struct RowMax {
   float max;
@@ -197,9 +196,105 @@ SAMPLING_AVX512 void block_sum_avx512(const float* e, int v, float min_p, double
     out[i / 16] = _mm512_reduce_add_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, mp, _CMP_GE_OQ), a));
   }
 }
+
+#define SAMPLING_AVX2 __attribute__((target("avx2,fma")))
+
+// AVX2: whole 8-float vectors, the tail by the portable loops
+SAMPLING_AVX2 RowMax row_max_avx2(const float* l, int v) {
+  __m256 mx = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 a = _mm256_loadu_ps(l + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, a);
+  }
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mx);
+  RowMax r = row_max_portable(l + i, v - i);
+  for (float x : m) r.max = std::max(r.max, x);
+  r.nan |= _mm256_movemask_ps(nan) != 0;
+  return r;
+}
+
+SAMPLING_AVX2 int first_equal_avx2(const float* l, int v, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  int i = 0;
+  for (; i + 8 <= v; i += 8)
+    if (const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + i), mv, _CMP_EQ_OQ))) return i + __builtin_ctz(eq);
+  for (; i < v; ++i)
+    if (l[i] == m) return i;
+  return 0;
+}
+
+SAMPLING_AVX2 double exp_shifted_avx2(const float* l, int v, float m, float t, float* x, float* e) {
+  const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  int i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xi = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv), tv);
+    const __m256 ei = exp_avx2(xi);
+    _mm256_storeu_ps(x + i, xi);
+    _mm256_storeu_ps(e + i, ei);
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(ei)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(ei, 1)));
+  }
+  alignas(32) double d[4];
+  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
+  return d[0] + d[1] + d[2] + d[3] + exp_shifted_portable(l + i, v - i, m, t, x + i, e + i);
+}
+
+SAMPLING_AVX2 void block_max_avx2(const float* x, int v, float* out) {
+  int b = 0;
+  for (; b * 16 + 16 <= v; ++b) {
+    const __m256 m = _mm256_max_ps(_mm256_loadu_ps(x + b * 16), _mm256_loadu_ps(x + b * 16 + 8));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    out[b] = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  if (b * 16 < v) block_max_portable(x + b * 16, v - b * 16, out + b);
+}
+
+SAMPLING_AVX2 int compact_avx2(const float* x, int v, float tau, int32_t* idx) {
+  const __m256 tv = _mm256_set1_ps(tau);
+  int n = 0, i = 0;
+  for (; i + 8 <= v; i += 8)
+    for (int ge = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ)); ge; ge &= ge - 1)
+      idx[n++] = i + __builtin_ctz(ge);
+  for (; i < v; ++i)
+    if (x[i] >= tau) idx[n++] = i;
+  return n;
+}
+
+SAMPLING_AVX2 void block_sum_avx2(const float* e, int v, float min_p, double* out) {
+  const __m256 mp = _mm256_set1_ps(min_p);
+  int b = 0;
+  for (; b * 16 + 16 <= v; ++b) {
+    const __m256 a = _mm256_loadu_ps(e + b * 16), c = _mm256_loadu_ps(e + b * 16 + 8);
+    const __m256 s = _mm256_add_ps(_mm256_and_ps(a, _mm256_cmp_ps(a, mp, _CMP_GE_OQ)),
+                                   _mm256_and_ps(c, _mm256_cmp_ps(c, mp, _CMP_GE_OQ)));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    out[b] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  if (b * 16 < v) block_sum_portable(e + b * 16, v - b * 16, min_p, out + b);
+}
 #endif
 
-std::atomic<bool> g_portable{false};  // tests: force the portable loops
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
+Isa detect_isa() {
+#if defined(SAMPLING_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
+const Isa kBestIsa = detect_isa();
+std::atomic<Isa> g_isa{kBestIsa};  // lowered only by set_isa(), to test every path on one machine
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "portable"; }
 
 struct RowOps {
   RowMax (*row_max)(const float*, int);
@@ -214,20 +309,17 @@ const RowOps& row_ops() {
   static const RowOps portable = {row_max_portable, first_equal_portable, exp_shifted_portable,
                                   block_max_portable, compact_portable, block_sum_portable};
 #if defined(SAMPLING_X86)
+  static const RowOps avx2 = {row_max_avx2, first_equal_avx2, exp_shifted_avx2,
+                              block_max_avx2, compact_avx2, block_sum_avx2};
   static const RowOps avx512 = {row_max_avx512, first_equal_avx512, exp_shifted_avx512,
                                 block_max_avx512, compact_avx512, block_sum_avx512};
-  if (use_avx512() && !g_portable.load(std::memory_order_relaxed)) return avx512;
+  switch (g_isa.load(std::memory_order_relaxed)) {
+    case Isa::kAvx512: return avx512;
+    case Isa::kAvx2: return avx2;
+    case Isa::kPortable: break;
+  }
 #endif
   return portable;
-}
-
-bool use_avx512() {
-#if defined(SAMPLING_X86)
-  static const bool ok = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
-  return ok;
-#else
-  return false;
-#endif
 }
 
 struct Scratch {
@@ -532,21 +624,29 @@ static PyObject* Targets(PyObject*, PyObject*) {
                          {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}});
 }
 
-static PyObject* IsaPy(PyObject*, PyObject*) {
-  return PyUnicode_FromString(use_avx512() && !g_portable.load() ? "avx512" : "portable");
-}
+static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(g_isa.load())); }
 
-// portable(on) -> the previous setting: the portable exp even where AVX-512 runs (tests).
-static PyObject* PortablePy(PyObject*, PyObject* arg) {
-  const int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  return PyBool_FromLong(g_portable.exchange(on != 0));
+// set_isa(name): use `name` ("avx512", "avx2" or "portable") if this CPU has it; returns the
+// previous choice. For tests of the slower paths on a machine that has the faster one.
+static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (!name) return nullptr;
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    if (std::strcmp(name, isa_name(isa)) != 0) continue;
+    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
+      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, isa_name(kBestIsa));
+      return nullptr;
+    }
+    return PyUnicode_FromString(isa_name(g_isa.exchange(isa)));
+  }
+  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
+  return nullptr;
 }
 
 static PyMethodDef kMethods[] = {
     {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-    {"isa", IsaPy, METH_NOARGS, "Instruction set of the kernel's exp on this CPU."},
-    {"portable", PortablePy, METH_O, "portable(on): force the portable exp; returns the previous setting."},
+    {"isa", IsaPy, METH_NOARGS, "Instruction set of the kernel's row passes on this CPU."},
+    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
     {nullptr, nullptr, 0, nullptr},
 };
 

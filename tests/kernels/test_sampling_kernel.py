@@ -1,7 +1,7 @@
 """The native sampling kernel (kernels/csrc/sampling.cc) against a float64 numpy oracle of the
 contract in kernels/sampling.py and against the JAX reference: greedy rows, temperature, top-k,
-top-p, min-p and the draw, on both of its paths (AVX-512 where the CPU has it, portable), over odd
-vocab sizes, ties, masked (-inf) tokens and NaN rows."""
+top-p, min-p and the draw, on every instruction-set path this CPU has (AVX-512, AVX2, portable),
+over odd vocab sizes, ties, masked (-inf) tokens and NaN rows."""
 from __future__ import annotations
 
 import jax
@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from kernels import sampling as ks
+from tests.kernels.isas import runnable_isas
 
 NATIVE = ks.native_available()
 if NATIVE:
     import kernels._sampling as ext
+
+ISAS = runnable_isas(ext, ("avx512", "avx2", "portable")) if NATIVE else []
 
 needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._sampling is not built")
 native = jax.jit(ks._native)
@@ -65,18 +68,18 @@ def consistent(l, t, k, p, mp, u, token) -> bool:
 
 
 @needs_native
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("b,v,scale", [(9, 1, 1.0), (9, 7, 2.0), (16, 17, 3.0), (32, 300, 1.0),
                                        (16, 1000, 4.0), (8, 49152, 3.0), (4, 49152, 0.2)])
-def test_draws_follow_the_contract_and_the_reference(b, v, scale, portable):
+def test_draws_follow_the_contract_and_the_reference(b, v, scale, isa):
     rng = np.random.default_rng(v * 10 + b)
     logits = (rng.normal(size=(b, v)) * scale).astype(np.float32)
     args = (logits, *settings(rng, b, v))
-    prev = ext.portable(portable)
+    prev = ext.set_isa(isa)
     try:
         got = draws(native, *args)
     finally:
-        ext.portable(prev)
+        ext.set_isa(prev)
     want = draws(reference, *args)
     for r in range(b):
         row = (logits[r], *(a[r] for a in args[1:]))
@@ -144,18 +147,18 @@ def test_bad_shapes_are_refused():
 
 
 @needs_native
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("b,v,n", [(3, 1, 1), (5, 7, 7), (4, 33, 20), (8, 1000, 20), (4, 49152, 20), (2, 49152, 5)])
-def test_top_logprobs_equal_the_reference(b, v, n, portable):
+def test_top_logprobs_equal_the_reference(b, v, n, isa):
     rng = np.random.default_rng(v + n)
     logits = (rng.normal(size=(b, v)) * 3).astype(np.float32)
     logits[0, : min(v, 4)] = logits[0].max()  # ties at the top: lower ids first, as lax.top_k
     token = rng.integers(0, v, b).astype(np.int32)
-    prev = ext.portable(portable)
+    prev = ext.set_isa(isa)
     try:
         got = jax.jit(lambda x, t: ks.top_logprobs(x, t, n))(logits, token)
     finally:
-        ext.portable(prev)
+        ext.set_isa(prev)
     want = jax.jit(lambda x, t: ks.top_logprobs_reference(x, t, n))(logits, token)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
