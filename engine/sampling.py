@@ -1,8 +1,8 @@
 """Batched, jittable token sampling: penalties, token masks, per-row seeds, logprobs.
 
 Every per-request setting is a [B] array, so new settings never recompile. The token itself
-(greedy, temperature, top-k/top-p/min-p and the draw) is kernels.sampling.sample_tokens: a native
-kernel on CPU, its JAX reference elsewhere.
+(greedy, temperature, top-k/top-p/min-p and the draw) is kernels.sampling.sample_tokens and the
+logprobs kernels.sampling.top_logprobs: a native kernel on CPU, its JAX reference elsewhere.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from engine.structured import mask_words
 from kernels.sampling import sample_tokens, top_logprobs
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -166,10 +167,10 @@ def sample(logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
            prompt_mask: jax.Array) -> SampleResult:
     """One token per row from logits f32[B, V]; temperature-0 rows take the penalized argmax."""
     logits = logits.astype(jnp.float32)
-    penalized = jax.lax.cond(penalties_active(arrays),
-                             lambda: apply_penalties(logits, arrays, output_counts, prompt_mask),
-                             lambda: logits)
-    return sample_penalized(logits, penalized, arrays)
+    batch, vocab = logits.shape
+    no_mask = jnp.full((batch, mask_words(vocab)), 0xFFFFFFFF, jnp.uint32)
+    rows = jnp.arange(batch, dtype=jnp.int32)
+    return sample_penalized(logits, constrain(logits, no_mask, arrays, output_counts, prompt_mask, rows), arrays)
 
 
 def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays) -> SampleResult:

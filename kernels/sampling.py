@@ -1,9 +1,10 @@
 """Token sampling from logits [B, V]: one token per row, greedy or drawn (temperature, top-k, top-p,
-min-p, then an inverse-CDF draw with a given uniform per row).
+min-p, then an inverse-CDF draw with a given uniform per row), and the model's logprobs.
 
-`sample_tokens` is the one entry point. On CPU it runs the native kernel (kernels/csrc/sampling.cc)
-through XLA's FFI; elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same in JAX.
-Per row, with x = (logits - max) / T and e = exp(x):
+Two entry points, `sample_tokens` and `top_logprobs`. On CPU they run the native kernel
+(kernels/csrc/sampling.cc) through XLA's FFI; elsewhere, or with SLIPSTREAM_KERNELS=reference,
+`reference` and `top_logprobs_reference` do the same in JAX. sample_tokens' contract:
+per row, with x = (logits - max) / T and e = exp(x):
   - temperature <= 0: the first index of the row max (a row holding NaN: 0);
   - kept tokens: x >= the k-th largest x (top_k <= 0 or >= V: off), then x >= the largest value
     whose tokens (x >= it) hold top_p of the top-k mass (1: off), then e >= min_p (0: off); cut-offs

@@ -21,8 +21,8 @@
 //
 // Instruction sets: the row passes (max, exp, block maxima and sums, compaction) have AVX-512 and
 // AVX2 versions chosen at run time (__builtin_cpu_supports) beside portable loops; nothing is
-// compiled with -march. Sums are in double (the reference's in f32), so a draw whose u lies within rounding
-// of a token boundary may pick the neighbouring token.
+// compiled with -march. Sums are in double (the reference's in f32), so a draw whose u lies within
+// rounding of a token boundary may pick the neighbouring token.
 #include <Python.h>
 
 #include <algorithm>
@@ -464,7 +464,7 @@ int sample_row(const float* l, int v, float t, int top_k, float top_p, float min
     restrict_to(cutoff);
   }
   // the draw: the first kept token whose running mass exceeds u * the kept mass
-  int last = -1;
+  int last = -1;  // the last kept token seen (the list's draw falls back to it)
   if (all) {  // no cut-off: blocks of 16 first, then the tokens of one block
     s.bsum.resize(nb);
     ops.block_sum(e, v, min_p, s.bsum.data());
@@ -480,7 +480,6 @@ int sample_row(const float* l, int v, float t, int top_k, float top_p, float min
       for (int i = b * 16; i < std::min(v, b * 16 + 16); ++i) {
         if (!(e[i] >= min_p && e[i] > 0.f)) continue;
         cum += e[i];
-        last = i;
         if (cum > target) return i;
       }
     }
