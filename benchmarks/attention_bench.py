@@ -8,7 +8,10 @@ read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB arra
 Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
 --page-order sequential | descending | shared change the page tables (shared: every sequence reads the
 same pages, so K/V stay in cache and the time is the compute alone). SLIPSTREAM_KV_HUGE_PAGES=0 keeps the
-cache on 4 KiB pages (the kernel's A/B switch). benchmarks/page_placement_bench.py times `bench` on the page
+cache on 4 KiB pages (the kernel's A/B switch). --load-ahead all,scattered times the kernel's two
+load-ahead modes against each other in this run (rounds of reps alternated): every block of K/V touched
+right before its compute, or only blocks not on one run of page ids (left to the hardware prefetchers;
+SLIPSTREAM_KV_LOAD_AHEAD sets the server's). benchmarks/page_placement_bench.py times `bench` on the page
 tables a serving run's allocator built. --prefill T times one sequence's T-token prefill chunk instead (its K/V
 written and attended, as a prompt's chunk runs in the engine).
 
@@ -187,9 +190,27 @@ def time_steps(step, cache, operands, reps: int, label: str) -> tuple[dict, list
 
 def timed_paths(args, cache, operands, label: str):
     """(name, wall seconds per rep, CPU ms per rep) of the native kernel, then (--reference) the pure-JAX
-    reference, over the same donated cache."""
+    reference, over the same donated cache. With --load-ahead A,B the native kernel runs under each mode,
+    alternating rounds of reps (so both see the same machine), as native[A], native[B]."""
+    modes = [m for m in (getattr(args, "load_ahead", "") or "").split(",") if m]
+    if modes and native.load("ragged_paged_attention", "ragged_paged_attention"):
+        from kernels import _ragged_paged_attention as ext
+
+        step = make_step(args.layers, sm_scale=args.head_dim ** -0.5, use_reference=False)
+        times = {m: [] for m in modes}
+        cpu = {m: 0.0 for m in modes}
+        per_round = max(5, args.reps // 4)
+        for _ in range(-(-args.reps // per_round)):
+            for m in modes:
+                ext.load_ahead(m)
+                cache, t, cpu_ms = time_steps(step, cache, operands, per_round, label)
+                times[m] += t
+                cpu[m] += cpu_ms * per_round
+        ext.load_ahead("default")
+        for m in modes:
+            yield f"native[{m}]", times[m], cpu[m] / len(times[m])
     for name, use_reference in (("native", False), ("reference", True)):
-        if name == "reference" and not args.reference:
+        if (name == "reference" and not args.reference) or (name == "native" and modes):
             continue
         step = make_step(args.layers, sm_scale=args.head_dim ** -0.5, use_reference=use_reference)
         cache, times, cpu_ms = time_steps(step, cache, operands, args.reps, label)
@@ -260,10 +281,10 @@ def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int |
     native_ms = float("nan")
     for name, times, cpu_ms in timed_paths(args, cache, operands, kv_dtype):
         ms = float(np.median(times)) * 1e3
-        if name == "native":
+        if name.startswith("native") and np.isnan(native_ms):
             native_ms = ms
         huge = ""
-        if name == "native" and native.load("ragged_paged_attention", "ragged_paged_attention"):
+        if name.startswith("native") and native.load("ragged_paged_attention", "ragged_paged_attention"):
             from kernels import _ragged_paged_attention as ext
 
             if hasattr(ext, "huge_pages"):  # builds before it lack it
@@ -285,6 +306,8 @@ def machine() -> str:
         from kernels import _ragged_paged_attention
 
         isa = _ragged_paged_attention.isa()
+        if hasattr(_ragged_paged_attention, "load_ahead"):
+            isa += f" load_ahead={_ragged_paged_attention.load_ahead()}"
     load1 = os.getloadavg()[0]  # other jobs on the cores: the kernel's helper threads then start late or never
     return (f"cpu: {model}, {os.cpu_count()} cores, load average {load1:.2f}; kernel: {native.kernel_paths()} "
             f"isa={isa}")
@@ -306,6 +329,10 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated: float32, bfloat16, int8")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--reference", action="store_true", help="also time the pure-JAX reference")
+    parser.add_argument("--load-ahead", default="", metavar="MODES",
+                        help="comma-separated kernel load-ahead modes to time against each other in this run: all "
+                             "(every block of K/V loaded right before its compute), scattered (only blocks not on "
+                             "one run of page ids); default: the kernel's choice for this CPU")
     parser.add_argument("--prefill", type=int, default=0, metavar="T",
                         help="time one sequence's T-token prefill chunk instead of the decode step")
     args = parser.parse_args()

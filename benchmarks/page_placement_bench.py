@@ -54,7 +54,7 @@ from engine.sequence import Sequence
 
 # SmolLM2-135M, the server's default model: 30 layers, 3 KV heads, head_dim 64.
 _MODEL = dict(num_layers=30, n_kv_heads=3, head_dim=64)
-_KV_BYTES = {"float32": dict(dtype_bytes=4), "int8": dict(dtype_bytes=1, scale_bytes=4)}
+_KV_BYTES = {"float32": dict(dtype_bytes=4), "bfloat16": dict(dtype_bytes=2), "int8": dict(dtype_bytes=1, scale_bytes=4)}
 
 
 def old_block_manager(rev: str) -> type:
@@ -159,13 +159,18 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", default="float32,int8")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds, interleaved (old head new, new head old, ...)")
+    parser.add_argument("--placements", default="old,head,new",
+                        help="allocators to simulate and time: old (LIFO free list), head (--head-rev), new (this tree)")
+    parser.add_argument("--load-ahead", default="", metavar="MODES",
+                        help="time the kernel under each load-ahead mode (attention_bench --load-ahead)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefix-cache", action="store_true", help="as the server's flag")
     parser.add_argument("--simulate-only", action="store_true")
     args = parser.parse_args()
     print(attention_bench.machine())
-    placements = {"old": old_block_manager(args.old_rev), "head": old_block_manager(args.head_rev),
-                  "new": block_manager.BlockManager}
+    choices = {"old": lambda: old_block_manager(args.old_rev), "head": lambda: old_block_manager(args.head_rev),
+               "new": lambda: block_manager.BlockManager}
+    placements = {name: choices[name]() for name in args.placements.split(",")}
     served: dict[tuple[str, str], Served] = {}
     for shared in (0.0, args.shared) if args.shared else (0.0,):
         print(f"prompts: {shared:.0%} start with one of {args.shared_k} shared {args.shared_tokens}-token heads"
@@ -185,7 +190,7 @@ def main() -> None:
         return
     bench_args = argparse.Namespace(seqs=args.concurrency, context=args.prompt + args.output, layers=30, kv_heads=3,
                                     group=3, head_dim=64, page_size=args.page_size, reps=args.reps, reference=False,
-                                    page_order="served")
+                                    page_order="served", load_ahead=args.load_ahead)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in served}
     for kv_dtype in args.kv_dtypes.split(","):
         for r in range(args.rounds):

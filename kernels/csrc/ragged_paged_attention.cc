@@ -60,6 +60,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "ffi_targets.h"
 #if defined(RPA_X86)
+#include <cpuid.h>
 #include "exp_avx2.h"
 #include "exp_avx512.h"
 #endif
@@ -1020,11 +1021,20 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* page_indices;  // [S, P]
   const int32_t* cu;            // [S + 1]
+  bool load_runs;               // load_keys also for blocks on one run of page ids (load_ahead_mode)
 
   int q_begin(int s) const { return std::clamp(cu[s], 0, T); }
   int q_end(int s) const { return std::clamp(cu[s + 1], q_begin(s), T); }
   int kv_len(int s) const { return std::clamp(kv_lens[s], 0, P * ps); }
   int page(int s, int key) const { return std::clamp(page_indices[int64_t(s) * P + key / ps], 0, num_pages - 1); }
+  // Whether keys [a, b) of sequence s lie on consecutive page ids (so each KV head's K and V of them are
+  // one contiguous byte range each).
+  bool one_run(int s, int a, int b) const {
+    const int first = page(s, a);
+    for (int key = a - a % ps + ps, i = 1; key < b; key += ps, ++i)
+      if (page(s, key) != first + i) return false;
+    return true;
+  }
   int64_t row_offset(int kh, int page, int off) const {  // element offset of a (page, slot) row
     return (int64_t(kh) * num_pages + page) * ps + off;
   }
@@ -1129,6 +1139,43 @@ void write_new_kv(const Problem& p, const ChunkSteps& isa, const float* k_new, c
 // pages, where the prefetches were skipped: bf16 16.7 -> 10.2, int8 14.1 -> 9.8, f32 19.3 -> 16.7; the
 // same lines loaded one chunk at a time a few chunks ahead measured 15-17 ms for bf16, a whole item at
 // once as blocks of 8 chunks).
+//
+// Blocks on one run of page ids are a plain stream per KV head, which the hardware prefetchers follow
+// while the chunks compute; whether touching them first still pays depends on the core. AMD Zen 5, pages
+// in order: bf16 16.7 -> 10.2 ms with the touch (above). AMD Zen 4, 32 x 384 decode step on the page
+// tables of a simulated server (page_placement_bench --placements new --load-ahead all,scattered), touch
+// on runs -> not: f32 22.4 -> 16.9 ms, bf16 15.8 -> 10.8, int8 10.7 -> 8.7 (the hardware streams a run
+// during the compute; the touch loop stalls it); random page order there: bf16 ~20 with the touch, ~23.5
+// without (every block is scattered, so both modes touch it). A 256-token prefill chunk: f32 29.6 -> 26.6.
+// load_ahead_mode(): 0 touches every block, 1 only blocks whose pages are not one run; the
+// default is 1 on AMD family 19h models 10h+ (Zen 4), 0 elsewhere (Zen 5; Intel unmeasured);
+// SLIPSTREAM_KV_LOAD_AHEAD=all | scattered overrides it.
+std::atomic<int> g_load_ahead{-1};  // -1: choose on first use
+
+int load_ahead_default() {
+#if defined(RPA_X86)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+  const unsigned family = ((eax >> 8) & 0xf) + ((eax >> 20) & 0xff);
+  const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
+  return family == 0x19 && model >= 0x10 ? 1 : 0;  // Zen 3 is family 19h models 00h-0Fh, 20h-5Fh
+#else
+  return 0;
+#endif
+}
+
+int load_ahead_mode() {
+  int mode = g_load_ahead.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* env = std::getenv("SLIPSTREAM_KV_LOAD_AHEAD");
+    mode = env && std::string(env) == "all" ? 0 : env && std::string(env) == "scattered" ? 1 : load_ahead_default();
+    g_load_ahead.store(mode);
+  }
+  return mode;
+}
+
 void load_keys(const Problem& p, int s, int kh, int a, int b) {
   unsigned sum = 0;
   for (int key = a; key < b;) {
@@ -1182,8 +1229,10 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
   auto load_block = [&](int key) {
-    if ((key - it.key_lo) % (kLoadChunks * kChunk) == 0)
-      load_keys(p, s, it.kh, key, std::min(it.key_hi, key + kLoadChunks * kChunk));
+    if ((key - it.key_lo) % (kLoadChunks * kChunk) == 0) {
+      const int end = std::min(it.key_hi, key + kLoadChunks * kChunk);
+      if (p.load_runs || !p.one_run(s, key, end)) load_keys(p, s, it.kh, key, end);
+    }
   };
   struct Chunk {
     int key, off, n;
@@ -1444,6 +1493,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   p.num_seqs = std::clamp(num_seqs.typed_data()[0], 0, p.S);
   p.sm_scale = sm_scale;
   p.window = std::max(0, int(sliding_window));
+  p.load_runs = load_ahead_mode() == 0;
   const auto dtype = k_in.element_type();
   p.type = dtype == ffi::DataType::F32 ? KvType::kF32 : dtype == ffi::DataType::BF16 ? KvType::kBF16 : KvType::kI8;
   p.k_words = (p.type == KvType::kI8 && p.hd % 4 == 0) || (p.type == KvType::kBF16 && p.hd % 2 == 0) ||
@@ -1605,10 +1655,30 @@ PyObject* huge_pages(PyObject*, PyObject* args) {
                        "seconds", g_collapse_ns.load() * 1e-9);
 }
 
+const char* const kLoadAheadNames[] = {"all", "scattered"};
+
+PyObject* load_ahead(PyObject*, PyObject* args) {
+  const char* name = nullptr;
+  if (!PyArg_ParseTuple(args, "|s", &name)) return nullptr;
+  if (name) {
+    const std::string n(name);
+    if (n != "all" && n != "scattered" && n != "default") {
+      PyErr_SetString(PyExc_ValueError, "load_ahead: one of 'all', 'scattered', 'default'");
+      return nullptr;
+    }
+    g_load_ahead.store(n == "all" ? 0 : n == "scattered" ? 1 : load_ahead_default());
+  }
+  return PyUnicode_FromString(kLoadAheadNames[load_ahead_mode()]);
+}
+
 PyMethodDef kMethods[] = {
     {"targets", targets, METH_NOARGS, "XLA FFI target name -> handler capsule"},
     {"isa", isa, METH_NOARGS, "instruction set the kernel uses on this CPU (head_dim % 16 for avx512*, % 8 for avx2)"},
     {"force_isa", force_isa, METH_O, "use at most this instruction set ('best' undoes it); returns isa()"},
+    {"load_ahead", load_ahead, METH_VARARGS,
+     "load_ahead([mode]) -> mode: which blocks of K/V an item loads right before computing them: 'all', or "
+     "'scattered' (not those on one run of page ids, which the hardware prefetchers stream); 'default' is "
+     "this CPU's choice (SLIPSTREAM_KV_LOAD_AHEAD sets the first)"},
     {"huge_pages", huge_pages, METH_VARARGS,
      "huge_pages([enable]) -> {enabled, advised_bytes, collapsed_bytes, seconds}: KV cache buffers on 2 MiB "
      "pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE the first time the kernel sees each)"},

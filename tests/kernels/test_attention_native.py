@@ -108,6 +108,37 @@ def test_consecutive_pages_match_oracle(kv_dtype):
                         _tolerance(kv_dtype, isa, 64))
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_load_ahead_modes_read_the_same_keys(kv_dtype):
+    """Touching a block's K/V before computing it, or leaving runs of pages to the hardware prefetchers
+    (load_ahead 'all' / 'scattered'), changes only timing: outputs are bitwise equal and match the oracle,
+    on pages in one run, scattered, and a table mixing both (a run broken mid-sequence)."""
+    rng = np.random.default_rng(5)
+    fn = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale",))
+    try:
+        for layout in ("consecutive", "scattered", "mixed"):
+            case = make_case(rng, q_lens=[1, 1, 1, 9], cached=[383, 260, 31, 150], kv_heads=3, group=3,
+                             head_dim=64, page_size=16, int8=kv_dtype == "int8",
+                             dtype=jnp.dtype(kv_dtype) if kv_dtype != "int8" else np.float32,
+                             consecutive=layout != "scattered")
+            if layout == "mixed":  # sequence 0's second half moves to the pages of sequence 1's first half
+                a, b = case.page_indices[0, 12:18].copy(), case.page_indices[1, :6].copy()
+                case.page_indices[0, 12:18], case.page_indices[1, :6] = b, a
+            want, want_cache = oracle(case, sm_scale=0.125)
+            outs = {}
+            for mode in ("all", "scattered"):
+                assert ext.load_ahead(mode) == mode
+                out, cache = fn(*_args(case), sm_scale=0.125)
+                _assert_matches(out, cache, want, want_cache, case, kv_dtype, f"{layout} {kv_dtype} {mode}",
+                                _tolerance(kv_dtype, ext.isa(), 64))
+                outs[mode] = np.asarray(out)
+            np.testing.assert_array_equal(outs["all"], outs["scattered"], err_msg=f"{layout} {kv_dtype}")
+    finally:
+        ext.load_ahead("default")
+    with pytest.raises(ValueError, match="load_ahead"):
+        ext.load_ahead("sometimes")
+
+
 def test_random_ragged_batches_match_reference():
     """Random ragged batches through the seam (kernels.attention) against the pure-JAX reference."""
     rng = np.random.default_rng(7)
