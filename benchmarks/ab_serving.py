@@ -8,7 +8,8 @@ one) in one run, with the same `slipstream bench` client and workload against ea
 --tree-flags label="flags" adds serve flags to one tree only (after the mode's): the same tree under
 two labels compares settings (--tree b288=. --tree-flags b288="--max-num-batched-tokens 288"), and
 trees whose flag names differ still run one mode (--tree-flags old="--quantize w8a8"
---tree-flags new="--quantize q8_0").
+--tree-flags new="--quantize q8_0"). --tree-env label="NAME=value ..." sets environment variables for one
+tree's server (a kernel's A/B switch: --tree-env all="SLIPSTREAM_KV_LOAD_AHEAD=all").
 
 Each (mode, tree) pair: start `slipstream serve` from that tree (its own code through PYTHONPATH,
 this venv's packages), wait for a completion, run the client (random 256 in / 128 out, ignore EOS,
@@ -33,12 +34,13 @@ METRICS = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", 
            "median_itl_ms", "p99_itl_ms")
 
 
-def spec(label: str, tree: str, mode: str, flags: str, port_flags: list[str]) -> peers.ServerSpec:
+def spec(label: str, tree: str, mode: str, flags: str, port_flags: list[str],
+         env: dict[str, str] | None = None) -> peers.ServerSpec:
     tree = os.path.abspath(tree)
     argv = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "serve",
             "--host", "127.0.0.1", "--port", "{port}", *port_flags, *shlex.split(flags)]
     return peers.ServerSpec(f"{label}-{mode}", f"{label} ({tree}) {flags or 'default flags'}", argv,
-                            env={"PYTHONPATH": tree}, cwd=tree)
+                            env={"PYTHONPATH": tree, **(env or {})}, cwd=tree)
 
 
 def run_client(base_url: str, out_dir: Path, name: str, args: argparse.Namespace) -> dict:
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", action="append", required=True, help="label=path (first is the baseline)")
     p.add_argument("--mode", action="append", default=None, help='label="serve flags" (default f32=)')
     p.add_argument("--tree-flags", action="append", default=[], help='label="serve flags" for one tree only')
+    p.add_argument("--tree-env", action="append", default=[],
+                   help='label="NAME=value ..." environment variables for one tree\'s server only')
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)
@@ -72,16 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     trees = [t.split("=", 1) for t in args.tree]
     modes = [m.split("=", 1) for m in (args.mode or ["f32="])]
     tree_flags = dict(f.split("=", 1) for f in args.tree_flags)
-    unknown = set(tree_flags) - {label for label, _ in trees}
+    tree_env = {label: dict(v.split("=", 1) for v in shlex.split(values))
+                for label, values in (e.split("=", 1) for e in args.tree_env)}
+    unknown = (set(tree_flags) | set(tree_env)) - {label for label, _ in trees}
     if unknown:
-        p.error(f"--tree-flags for unknown tree label(s) {sorted(unknown)}")
+        p.error(f"--tree-flags / --tree-env for unknown tree label(s) {sorted(unknown)}")
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
     results: dict[tuple[str, str], dict] = {}
     for mode, flags in modes:
         for label, tree in trees:
-            s = spec(label, tree, mode, f"{flags} {tree_flags.get(label, '')}".strip(), [])
+            s = spec(label, tree, mode, f"{flags} {tree_flags.get(label, '')}".strip(), [], tree_env.get(label))
             server = peers.RunningServer(s, args.port, out_dir / f"{s.name}.log")
             try:
                 ready = server.wait_ready()
