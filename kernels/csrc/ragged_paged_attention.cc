@@ -74,6 +74,7 @@ constexpr int kChunk = 16;         // keys per online-softmax step
 constexpr int kMaxHeadDim = 512;
 constexpr int kMinSplitKeys = 128; // a split KV range is never shorter
 constexpr int kLoadChunks = 8;     // chunks of K/V loaded ahead of their compute, as one block
+constexpr int kStreamAhead = 2;    // chunks of int8 K/V prefetched ahead on a streamed run
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Calls fn<R>(args...) with R = rows (1..8) as a compile-time constant, inside the calling function, so
@@ -1228,11 +1229,28 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
   QuantRows qq;
   if (vnni_i8) isa.quantize_q(q, rows, hd, qq);
 
+  // int8 K/V on a run the hardware streams (not touched): the K and V lines of the chunk kStreamAhead
+  // chunks ahead are prefetched into L2 as well (int8 is compute-bound here, so the stream falls behind
+  // less; AMD Zen 4, 32 x 384 step, pages in order: 8.8-9.1 -> 7.8-8.7 ms; the same for f32 and bf16 was
+  // slower: f32 18-19 -> 22-25 ms with L1 hints, bf16 no gain).
+  bool streamed = false;  // the current block is on one run and was not touched
   auto load_block = [&](int key) {
     if ((key - it.key_lo) % (kLoadChunks * kChunk) == 0) {
       const int end = std::min(it.key_hi, key + kLoadChunks * kChunk);
-      if (p.load_runs || !p.one_run(s, key, end)) load_keys(p, s, it.kh, key, end);
+      streamed = !p.load_runs && p.one_run(s, key, end);
+      if (!streamed) load_keys(p, s, it.kh, key, end);
     }
+#if defined(RPA_X86)
+    const int ahead = key + kStreamAhead * kChunk;
+    if (streamed && p.type == KvType::kI8 && ahead < it.key_hi) {
+      const int off = ahead % p.ps, n = std::min({kChunk, p.ps - off, it.key_hi - ahead});
+      for (bool v : {false, true}) {
+        int64_t bytes;
+        const char* r = p.segment(v, it.kh, p.page(s, ahead), off, n, &bytes);
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+      }
+    }
+#endif
   };
   struct Chunk {
     int key, off, n;
