@@ -32,6 +32,8 @@ def load(kernel: str, module: str) -> bool:
         if ok:
             ext = importlib.import_module(f"kernels._{module}")
             isa = ext.isa() if hasattr(ext, "isa") else "?"
+            if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
+                isa += f", load_ahead={ext.load_ahead()}"
             log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
     _paths[kernel] = "native" if ok else "reference"
     return ok
