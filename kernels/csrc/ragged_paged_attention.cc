@@ -738,56 +738,71 @@ RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst
 // in the 16 lanes by broadcast FMAs, with no horizontal sums (row-order K needs a 16 x 16 transposing
 // reduction per row and chunk). A accumulators per row keep >= 8 FMA chains in flight for few rows.
 // (AMD Zen 4, 32 x 384 f32 step, consecutive pages: 26.8 -> 21.7 ms; K/V in cache: 9.5 -> 8.0 ms.)
-template <int R>
-RPA_AVX512 void scores_f32_words_rows(const float* q, int hd, const float* k, int ps, int n, float* s) {
-  constexpr int A = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // hd % 16 == 0 here
+template <int R, int HD>
+RPA_AVX512 void scores_f32_words_rows_hd(const float* q, int hd_arg, const float* k, int ps, int n, float* s) {
+  const int hd = HD > 0 ? HD : hd_arg;  // as in scores_bf16_words_rows_hd
+  constexpr int A = R <= 2 ? 4 : 2;  // hd % 16 == 0 here
   const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-  __m512 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+  __m512 acc[R * A];  // flat: as acc[R][A], gcc kept the 8 rows' accumulators in registers but also
+                      // stored them to the stack on every column
+  for (int i = 0; i < R * A; ++i) acc[i] = _mm512_setzero_ps();
   for (int x = 0; x < hd; x += A)
     for (int a = 0; a < A; ++a) {
       const __m512 kx = _mm512_maskz_loadu_ps(m, k + int64_t(x + a) * ps);
-      for (int r = 0; r < R; ++r) acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + x + a]), kx, acc[r][a]);
+      for (int r = 0; r < R; ++r) acc[r * A + a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + x + a]), kx, acc[r * A + a]);
     }
   for (int r = 0; r < R; ++r) {
-    __m512 sum = acc[r][0];
-    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
+    __m512 sum = acc[r * A];
+    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r * A + a]);
     _mm512_storeu_ps(s + r * kChunk, sum);
   }
 }
 
+template <int R>
+RPA_AVX512 void scores_f32_words_rows(const float* q, int hd, const float* k, int ps, int n, float* s) {
+  scores_f32_words_rows_hd<R, 0>(q, hd, k, ps, n, s);
+}
+template <int R>
+RPA_AVX512 void scores_f32_words_rows64(const float* q, int hd, const float* k, int ps, int n, float* s) {
+  scores_f32_words_rows_hd<R, 64>(q, hd, k, ps, n, s);
+}
+template <int R>
+RPA_AVX512 void scores_f32_words_rows128(const float* q, int hd, const float* k, int ps, int n, float* s) {
+  scores_f32_words_rows_hd<R, 128>(q, hd, k, ps, n, s);
+}
+
 RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
+  if (hd == 64) RPA_FOR_ROWS(rows, scores_f32_words_rows64, q, hd, k, ps, n, s);
+  if (hd == 128) RPA_FOR_ROWS(rows, scores_f32_words_rows128, q, hd, k, ps, n, s);
   RPA_FOR_ROWS(rows, scores_f32_words_rows, q, hd, k, ps, n, s);
 }
 
 // bf16 K word-major (word w of 16 keys is one 64-byte load: key j's columns 2w, 2w+1 in lane j): column 2w
 // is each lane's low half shifted up, 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32 form,
-// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows.
-template <int R>
-RPA_AVX512 inline void bf16_word_fma(const float* q, int hd, const uint16_t* k, int ps, __mmask16 m, int w,
-                                     __m512* even_acc, __m512* odd_acc, int stride) {
-  const __m512i kw = _mm512_maskz_loadu_epi32(m, k + int64_t(w) * ps * 2);
-  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
-  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(kw, _mm512_set1_epi32(int(0xFFFF0000u))));
-  for (int r = 0; r < R; ++r) {
-    even_acc[r * stride] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + 2 * w]), even, even_acc[r * stride]);
-    odd_acc[r * stride] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + 2 * w + 1]), odd, odd_acc[r * stride]);
-  }
-}
-
-template <int R>
-RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows. The
+// accumulators are indexed by constants in this one body: passed by pointer to a helper, gcc kept all 16
+// of 8 rows in registers but also stored them to the stack every word (16 stores per 16 FMAs; a 256-token
+// prefill's scores were 2.3x its P x V's samples).
+template <int R, int HD>
+RPA_AVX512 void scores_bf16_words_rows_hd(const float* q, int hd_arg, const uint16_t* k, int ps, int n, float* s) {
+  const int hd = HD > 0 ? HD : hd_arg;  // a constant head_dim addresses the R query rows off one register
   constexpr int A = R <= 2 ? 2 : 1;
   const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   __m512 acc[R][2 * A];
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < 2 * A; ++a) acc[r][a] = _mm512_setzero_ps();
-  const int words = hd / 2;
-  int w = 0;
-  for (; w + A <= words; w += A)
-    for (int a = 0; a < A; ++a) bf16_word_fma<R>(q, hd, k, ps, m, w + a, &acc[0][2 * a], &acc[0][2 * a + 1], 2 * A);
-  for (; w < words; ++w) bf16_word_fma<R>(q, hd, k, ps, m, w, &acc[0][0], &acc[0][1], 2 * A);
+  for (int w = 0; w < hd / 2; w += A)  // hd % 16 == 0: words is a multiple of A
+    for (int a = 0; a < A; ++a) {
+      const __m512i kw = _mm512_maskz_loadu_epi32(m, k + int64_t(w + a) * ps * 2);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(kw, high));
+      const float* qw = q + 2 * (w + a);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * a] = _mm512_fmadd_ps(_mm512_set1_ps(qw[r * hd]), even, acc[r][2 * a]);
+        acc[r][2 * a + 1] = _mm512_fmadd_ps(_mm512_set1_ps(qw[r * hd + 1]), odd, acc[r][2 * a + 1]);
+      }
+    }
   for (int r = 0; r < R; ++r) {
     __m512 sum = acc[r][0];
     for (int a = 1; a < 2 * A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
@@ -795,7 +810,22 @@ RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd, const uint16_t* k
   }
 }
 
+template <int R>
+RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+  scores_bf16_words_rows_hd<R, 0>(q, hd, k, ps, n, s);
+}
+template <int R>
+RPA_AVX512 void scores_bf16_words_rows64(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+  scores_bf16_words_rows_hd<R, 64>(q, hd, k, ps, n, s);
+}
+template <int R>
+RPA_AVX512 void scores_bf16_words_rows128(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
+  scores_bf16_words_rows_hd<R, 128>(q, hd, k, ps, n, s);
+}
+
 RPA_AVX512 void scores_bf16_words_avx512(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
+  if (hd == 64) RPA_FOR_ROWS(rows, scores_bf16_words_rows64, q, hd, k, ps, n, s);
+  if (hd == 128) RPA_FOR_ROWS(rows, scores_bf16_words_rows128, q, hd, k, ps, n, s);
   RPA_FOR_ROWS(rows, scores_bf16_words_rows, q, hd, k, ps, n, s);
 }
 
