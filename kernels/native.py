@@ -34,6 +34,10 @@ def load(kernel: str, module: str) -> bool:
             isa = ext.isa() if hasattr(ext, "isa") else "?"
             if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
                 isa += f", load_ahead={ext.load_ahead()}"
+                asked = os.environ.get("SLIPSTREAM_KV_LOAD_AHEAD")
+                if asked is not None and asked not in ("all", "scattered"):
+                    log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all' or 'scattered': using this CPU's "
+                                "default (%s)", asked, ext.load_ahead())
             log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
     _paths[kernel] = "native" if ok else "reference"
     return ok

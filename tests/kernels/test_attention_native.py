@@ -139,6 +139,27 @@ def test_load_ahead_modes_read_the_same_keys(kv_dtype):
         ext.load_ahead("sometimes")
 
 
+@pytest.mark.parametrize("env, mode, warned", [("all", "all", False), ("scattered", "scattered", False),
+                                                ("sometimes", None, True)])
+def test_load_ahead_environment_sets_the_mode(env, mode, warned):
+    """SLIPSTREAM_KV_LOAD_AHEAD picks the mode the kernel starts with; a value it does not know keeps this CPU's
+    default, and the start-up log says so."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+            "from kernels import native, _ragged_paged_attention as ext\n"
+            "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
+            "print('MODE', ext.load_ahead(), 'DEFAULT', ext.load_ahead('default'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SLIPSTREAM_KV_LOAD_AHEAD": env}).stdout
+    got, default = out.split("MODE ")[1].split()[0], out.split("DEFAULT ")[1].split()[0]
+    assert got == (mode or default), out
+    assert ("is not 'all' or 'scattered'" in out) == warned, out
+    assert f"load_ahead={got}" in out, out
+
+
 def test_random_ragged_batches_match_reference():
     """Random ragged batches through the seam (kernels.attention) against the pure-JAX reference."""
     rng = np.random.default_rng(7)
