@@ -91,6 +91,27 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     default: return fn<8>(__VA_ARGS__);   \
   }
 
+// Calls fn<R, HD>(args...) with R as above and HD = head_dim when it is 64 or 128 (else 0: fn reads the
+// head_dim argument). A constant head_dim addresses the R query rows off one register: with a run-time
+// one gcc ran short of registers for 8 rows' addresses and kept their accumulators on the stack.
+#define RPA_FOR_ROWS_T(rows, fn, HD, ...)     \
+  switch (rows) {                             \
+    case 1: return fn<1, HD>(__VA_ARGS__);    \
+    case 2: return fn<2, HD>(__VA_ARGS__);    \
+    case 3: return fn<3, HD>(__VA_ARGS__);    \
+    case 4: return fn<4, HD>(__VA_ARGS__);    \
+    case 5: return fn<5, HD>(__VA_ARGS__);    \
+    case 6: return fn<6, HD>(__VA_ARGS__);    \
+    case 7: return fn<7, HD>(__VA_ARGS__);    \
+    default: return fn<8, HD>(__VA_ARGS__);   \
+  }
+#define RPA_FOR_ROWS_HD(rows, hd, fn, ...)                        \
+  do {                                                            \
+    if ((hd) == 64) RPA_FOR_ROWS_T(rows, fn, 64, __VA_ARGS__);    \
+    if ((hd) == 128) RPA_FOR_ROWS_T(rows, fn, 128, __VA_ARGS__);  \
+    RPA_FOR_ROWS_T(rows, fn, 0, __VA_ARGS__);                     \
+  } while (0)
+
 enum class KvType { kF32, kBF16, kI8 };
 
 // Query rows as two int8 parts for vpdpbusd (int8 KV, head_dim 64 or 128): q ~= scale * (hi + lo / 256),
@@ -738,54 +759,40 @@ RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst
 // in the 16 lanes by broadcast FMAs, with no horizontal sums (row-order K needs a 16 x 16 transposing
 // reduction per row and chunk). A accumulators per row keep >= 8 FMA chains in flight for few rows.
 // (AMD Zen 4, 32 x 384 f32 step, consecutive pages: 26.8 -> 21.7 ms; K/V in cache: 9.5 -> 8.0 ms.)
+// Rows > 4 also take 2 column phases: with one, gcc stored every row's accumulator to the stack on each
+// column (objdump), which cost a prefill chunk's 8-row items more than their FMAs.
 template <int R, int HD>
-RPA_AVX512 void scores_f32_words_rows_hd(const float* q, int hd_arg, const float* k, int ps, int n, float* s) {
-  const int hd = HD > 0 ? HD : hd_arg;  // as in scores_bf16_words_rows_hd
+RPA_AVX512 void scores_f32_words_rows(const float* q, int hd_arg, const float* k, int ps, int n, float* s) {
+  const int hd = HD > 0 ? HD : hd_arg;  // RPA_FOR_ROWS_HD
   constexpr int A = R <= 2 ? 4 : 2;  // hd % 16 == 0 here
   const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-  __m512 acc[R * A];  // flat: as acc[R][A], gcc kept the 8 rows' accumulators in registers but also
-                      // stored them to the stack on every column
-  for (int i = 0; i < R * A; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
   for (int x = 0; x < hd; x += A)
     for (int a = 0; a < A; ++a) {
       const __m512 kx = _mm512_maskz_loadu_ps(m, k + int64_t(x + a) * ps);
-      for (int r = 0; r < R; ++r) acc[r * A + a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + x + a]), kx, acc[r * A + a]);
+      for (int r = 0; r < R; ++r) acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + x + a]), kx, acc[r][a]);
     }
   for (int r = 0; r < R; ++r) {
-    __m512 sum = acc[r * A];
-    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r * A + a]);
+    __m512 sum = acc[r][0];
+    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
     _mm512_storeu_ps(s + r * kChunk, sum);
   }
 }
 
-template <int R>
-RPA_AVX512 void scores_f32_words_rows(const float* q, int hd, const float* k, int ps, int n, float* s) {
-  scores_f32_words_rows_hd<R, 0>(q, hd, k, ps, n, s);
-}
-template <int R>
-RPA_AVX512 void scores_f32_words_rows64(const float* q, int hd, const float* k, int ps, int n, float* s) {
-  scores_f32_words_rows_hd<R, 64>(q, hd, k, ps, n, s);
-}
-template <int R>
-RPA_AVX512 void scores_f32_words_rows128(const float* q, int hd, const float* k, int ps, int n, float* s) {
-  scores_f32_words_rows_hd<R, 128>(q, hd, k, ps, n, s);
-}
-
 RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  if (hd == 64) RPA_FOR_ROWS(rows, scores_f32_words_rows64, q, hd, k, ps, n, s);
-  if (hd == 128) RPA_FOR_ROWS(rows, scores_f32_words_rows128, q, hd, k, ps, n, s);
-  RPA_FOR_ROWS(rows, scores_f32_words_rows, q, hd, k, ps, n, s);
+  RPA_FOR_ROWS_HD(rows, hd, scores_f32_words_rows, q, hd, k, ps, n, s);
 }
 
 // bf16 K word-major (word w of 16 keys is one 64-byte load: key j's columns 2w, 2w+1 in lane j): column 2w
 // is each lane's low half shifted up, 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32 form,
-// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows. The
-// accumulators are indexed by constants in this one body: passed by pointer to a helper, gcc kept all 16
-// of 8 rows in registers but also stored them to the stack every word (16 stores per 16 FMAs; a 256-token
-// prefill's scores were 2.3x its P x V's samples).
+// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows. (With a
+// run-time head_dim, 8 rows' accumulators went to the stack on every word: 16 stores per 16 FMAs, and a
+// 256-token prefill's scores took 2.3x its P x V's samples.)
 template <int R, int HD>
-RPA_AVX512 void scores_bf16_words_rows_hd(const float* q, int hd_arg, const uint16_t* k, int ps, int n, float* s) {
-  const int hd = HD > 0 ? HD : hd_arg;  // a constant head_dim addresses the R query rows off one register
+RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd_arg, const uint16_t* k, int ps, int n, float* s) {
+  const int hd = HD > 0 ? HD : hd_arg;  // RPA_FOR_ROWS_HD
   constexpr int A = R <= 2 ? 2 : 1;
   const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
@@ -810,23 +817,8 @@ RPA_AVX512 void scores_bf16_words_rows_hd(const float* q, int hd_arg, const uint
   }
 }
 
-template <int R>
-RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
-  scores_bf16_words_rows_hd<R, 0>(q, hd, k, ps, n, s);
-}
-template <int R>
-RPA_AVX512 void scores_bf16_words_rows64(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
-  scores_bf16_words_rows_hd<R, 64>(q, hd, k, ps, n, s);
-}
-template <int R>
-RPA_AVX512 void scores_bf16_words_rows128(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
-  scores_bf16_words_rows_hd<R, 128>(q, hd, k, ps, n, s);
-}
-
 RPA_AVX512 void scores_bf16_words_avx512(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
-  if (hd == 64) RPA_FOR_ROWS(rows, scores_bf16_words_rows64, q, hd, k, ps, n, s);
-  if (hd == 128) RPA_FOR_ROWS(rows, scores_bf16_words_rows128, q, hd, k, ps, n, s);
-  RPA_FOR_ROWS(rows, scores_bf16_words_rows, q, hd, k, ps, n, s);
+  RPA_FOR_ROWS_HD(rows, hd, scores_bf16_words_rows, q, hd, k, ps, n, s);
 }
 
 // quantize_kv_row_portable 16 values at a time (hd % 16 == 0), with the same IEEE division and rounding, so
