@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.compare            # installs the peers once (~/.cache/slipstream/peers)
 
 Each server in turn: start on a loopback port, wait until a completion succeeds, run `slipstream bench`
-at each concurrency, stop it. Writes benchmarks/RESULTS.md, a PNG plot and the per-run JSON files.
+at each concurrency, stop it. Writes this machine's report (benchmarks/results.d/<machine>.compare.md, then
+rebuilds benchmarks/RESULTS.md), a PNG plot and the per-run JSON files.
 Every server run holds /tmp/slipstream-bench.lock, so timing runs on a shared machine stay serialized.
 `--check-vllm-bench` instead runs our client and `vllm bench serve` on one server, for agreement (on a
 Slipstream server through benchmarks/bench_agreement.py, which also times each request by the server's clock).
@@ -29,6 +30,7 @@ import httpx
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import results  # noqa: E402
 from benchmarks.bench import peers, report  # noqa: E402
 from benchmarks.bench import run as bench  # noqa: E402
 
@@ -189,6 +191,8 @@ def _finish(args, rows, servers_info, commands, notes, versions, concurrencies, 
                  bench_commands=commands, workload=workload, plot_file=plot_file, started=started,
                  finished=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), notes=notes)
     peers.log(f"wrote {args.output}" + (f" and {plot_file}" if plot_file else "") + f"; raw results in {result_dir}")
+    if Path(args.output).resolve().parent == results.SECTIONS:
+        results.main([])
 
 
 def check_vllm_bench(args) -> int:
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--lock", default="/tmp/slipstream-bench.lock", help="flock held per server run ('' for none)")
     p.add_argument("--hold-lock", action="store_true", help="hold the lock for the whole run, not per server")
-    p.add_argument("--output", default=str(REPO / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--output", default=None, help="the report (default: benchmarks/results.d/<this machine>"
+                   ".compare.md, after which benchmarks/RESULTS.md is rebuilt from results.d/)")
     p.add_argument("--result-dir", default=None, help="per-run JSON and server logs (default benchmarks/results/DATE)")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--check-vllm-bench", metavar="SERVER", default=None,
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--include-agreement", metavar="FILE", default=None,
                    help="agreement.md written by an earlier --check-vllm-bench, copied into RESULTS.md")
     args = p.parse_args(argv)
+    if args.output is None:
+        args.output = str(results.SECTIONS / f"{results.this_machine()}.compare.md")
     # SIGTERM unwinds like Ctrl-C, so the `finally` that stops a running server always runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.check_vllm_bench:

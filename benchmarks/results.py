@@ -29,11 +29,8 @@ generated: after a run has replaced its file in `benchmarks/results.d/`, rebuild
 .venv/bin/python -m benchmarks.results
 ```
 
-The serving comparison against llama.cpp and vLLM writes its report for this machine with
-
-```
-.venv/bin/python -m benchmarks.compare --output benchmarks/results.d/$(.venv/bin/python -m benchmarks.results --machine).compare.md
-```
+The serving comparison against llama.cpp and vLLM (`.venv/bin/python -m benchmarks.compare`) writes its report
+for the machine it runs on to `results.d/<machine>.compare.md` and rebuilds this file.
 
 Commands of engine and kernel micro-benchmarks are recorded as they were run; see `benchmarks/` for today's tools.
 """
@@ -55,6 +52,10 @@ def machine_name(cpuinfo: str) -> str:
         return known
     short = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower() or "cpu")
     return f"{short}-family{family}-model{model}"
+
+
+def this_machine() -> str:
+    return machine_name(Path("/proc/cpuinfo").read_text())
 
 
 def _relink(m: re.Match) -> str:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=str(OUTPUT))
     args = p.parse_args(argv)
     if args.machine:
-        print(machine_name(Path("/proc/cpuinfo").read_text()))
+        print(this_machine())
         return 0
     Path(args.output).write_text(build(Path(args.sections)))
     print(f"wrote {args.output}")
