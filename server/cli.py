@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
 
-    # Listed for --help only: main() hands `bench ...` to benchmarks/bench before parsing, so serving
+    # Listed for --help only: main() hands `bench ...` to server/bench before parsing, so serving
     # never imports the benchmark code and its flags are defined in one place.
     sub.add_parser("bench", add_help=False,
                    help="load-test a running OpenAI-compatible server (vllm bench serve's flags; bench --help)")
@@ -335,7 +335,7 @@ def check_kernels_package() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark client runs no model: it needs no kernels
-        from benchmarks.bench.run import main as bench_main
+        from server.bench.run import main as bench_main
 
         return bench_main(argv[1:])
     if (problem := check_kernels_package()) is not None:

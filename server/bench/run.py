@@ -106,7 +106,7 @@ def load_tokenizer(name: str):
 
 
 def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
-    from benchmarks.bench import datasets
+    from server.bench import datasets
 
     name = "prefix" if args.dataset_name == "prefix_repetition" else args.dataset_name
     if name not in ("sharegpt", "custom") and args.dataset_path:
@@ -171,8 +171,8 @@ async def _first_model(client, base_url: str) -> str:
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from benchmarks.bench import client as http
-    from benchmarks.bench import metrics as m
+    from server.bench import client as http
+    from server.bench import metrics as m
     from models.registry import DEFAULT_MODEL
 
     if args.max_concurrency is not None and args.max_concurrency <= 0:
@@ -314,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slipstream bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        import aiohttp  # noqa: F401 - the transport; an optional dependency of the serving install
+    except ModuleNotFoundError:
+        print("slipstream bench: error: the benchmark client needs aiohttp: pip install 'slipstream[bench]'",
+              file=sys.stderr)
+        return 2
     try:
         return run(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.bench.datasets import SampleRequest
+from server.bench.datasets import SampleRequest
 
 
 @dataclass
