@@ -142,8 +142,9 @@ def test_grpc_over_a_unix_socket_decodes(live, tmp_path) -> None:
 # ---- slipstream bench ----------------------------------------------------------------------------
 
 
-def test_bench_over_a_unix_socket_agrees_with_tcp(make_live, tmp_path, default_model_path) -> None:
+def test_bench_over_a_unix_socket_agrees_with_tcp(make_live, tmp_path, default_model_path, monkeypatch) -> None:
     tokenizer = bench.load_tokenizer(default_model_path)
+    monkeypatch.setattr(bench, "load_tokenizer", lambda name: tokenizer)  # loading the GGUF takes seconds
     config = dict(step_sleep_s=0.002, max_seq_len=256, num_pages=300)
     tcp, uds = make_live(**config), make_live(uds=str(tmp_path / "b.sock"), **config)
 
@@ -153,12 +154,7 @@ def test_bench_over_a_unix_socket_agrees_with_tcp(make_live, tmp_path, default_m
         args = parser.parse_args([*where, "--tokenizer", default_model_path, "--disable-tqdm", "--num-prompts", "8",
                                   "--random-input-len", "8", "--random-output-len", "12", "--ignore-eos",
                                   "--temperature", "0", "--max-concurrency", "4", "--seed", "3"])
-        original = bench.load_tokenizer
-        bench.load_tokenizer = lambda name: tokenizer  # loading the GGUF takes seconds
-        try:
-            return asyncio.run(bench.benchmark(args))
-        finally:
-            bench.load_tokenizer = original
+        return asyncio.run(bench.benchmark(args))
 
     over_tcp = run("--base-url", tcp.url)
     for where in (("--base-url", f"unix:{uds.uds}"), ("--unix-socket", uds.uds, "--base-url", "http://localhost")):
