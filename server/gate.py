@@ -1,9 +1,11 @@
 """The HTTP edge, before and around the routes: RequestGate (API key 401, body size 413, body read
-timeout 408), a uvicorn protocol with a request-head read timeout (slowloris), and the handlers
-that answer every error in OpenAI's shape {"error": {message, type, param, code}}."""
+timeout 408, compressed 415, unparseable JSON 400), a uvicorn protocol with a request-head read
+timeout (slowloris), and the handlers that answer every error in OpenAI's shape
+{"error": {message, type, param, code}}."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from typing import Any
@@ -16,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import ServiceError, bearer_token, check_api_key, retry_after, service_error
+from engine.request import InvalidParam
+from server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
 from server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
         return error_response(exc)
 
+    # Registered by class, not left to the Exception handler: Starlette re-raises what reaches that
+    # one after answering, and uvicorn then closes the client's keep-alive connection.
+    @app.exception_handler(InvalidParam)
+    async def _invalid_param(_: Request, exc: InvalidParam) -> JSONResponse:
+        return error_response(service_error(exc))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
@@ -111,6 +120,7 @@ class RequestGate:
                                        code="request_timeout") from None
                 if body is None:
                     return  # the client left while sending
+                _check_body(headers, body)
                 receive = _replay(body, receive)
         except ServiceError as exc:
             response = error_response(exc)
@@ -140,6 +150,37 @@ class RequestGate:
     def _too_large(self, size: int) -> ServiceError:
         return ServiceError(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             code="request_too_large")
+
+
+def _check_body(headers: Headers, body: bytes) -> None:
+    """Refuse what FastAPI would misread: a compressed body (it does not decode one, so gzip bytes
+    are "not JSON" while plain JSON labelled gzip passes), and JSON that Python's json reads only
+    with a crash (too deep, too many digits) or as non-finite floats (NaN, Infinity)."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ServiceError(415, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed "
+                           "(Content-Encoding: identity)", code="unsupported_media_type")
+    if body and _is_json(headers.get("content-type")):
+        try:
+            parse_input("request body", "JSON", _strict_json, body)
+        except InvalidParam as exc:
+            raise ServiceError(400, exc.message, code="invalid_json") from None
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule: no Content-Type, application/json, or application/*+json is read as JSON."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _strict_json(body: bytes) -> object:
+    return json.loads(body, parse_constant=_non_finite)
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"{name} is not allowed: JSON numbers must be finite")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

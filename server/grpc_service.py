@@ -13,7 +13,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 
 from engine.output import Delta
-from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, retry_after, service_error
+from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
 from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
 from server.service import Generation, Prepared, Service
@@ -85,9 +85,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         # No API key needed, like HTTP /ready: probes and load balancers cannot send one.
         return pb.HealthCheckResponse(is_live=self._service.ready)
 
-    async def Decode(self, request: pb.DecodeRequest,
+    async def Decode(self, request: pb.DecodeRequest | bytes,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         try:
+            if isinstance(request, bytes):  # the wire form (see add_servicer): parsed here, so bad bytes are a 400
+                request = parse_input("request", "DecodeRequest protobuf", pb.DecodeRequest.FromString, request)
             check_api_key(self._api_key, _bearer(context.invocation_metadata()))
             prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
             gen = self._service.submit(prepared)
@@ -157,6 +159,25 @@ def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 # ---- server --------------------------------------------------------------------------------------
 
 
+def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    """The generated add_OrchestratorServicer_to_server, except that Decode takes the request's bytes:
+    grpc answers a request its deserializer refuses with UNKNOWN, the exception in the details and a
+    traceback in the log; Decode parses them itself and answers INVALID_ARGUMENT."""
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode, request_deserializer=None, response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            servicer.HealthCheck, request_deserializer=_health_request,
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("jetstream_proto.Orchestrator", handlers),))
+
+
+def _health_request(raw: bytes) -> pb.HealthCheckRequest:
+    # An empty message: nothing a probe sends needs reading (bad bytes must not fail the probe).
+    return pb.HealthCheckRequest()
+
+
 @dataclasses.dataclass(frozen=True)
 class GrpcServer:
     """A started grpc.aio server and the port it is bound to (useful when asked for port 0)."""
@@ -178,7 +199,7 @@ async def start_grpc_server(service: Service, *, host: str, port: int, api_key: 
     # SO_REUSEPORT (grpc's default on Linux) would let a second server share a busy port silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", max_message_bytes)])
-    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(service, api_key=api_key), server)
+    add_servicer(OrchestratorServicer(service, api_key=api_key), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

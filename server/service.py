@@ -15,7 +15,7 @@ from engine.api import Engine
 from engine.output import Delta
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestStream, Scheduler
-from server.errors import ServiceError, service_error
+from server.errors import ServiceError, parse_input, service_error
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +201,16 @@ class Service:
     def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages") -> list[int]:
         """Apply the model's chat template (with the assistant turn opened) and tokenize."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = parse_input(param, "chat template input", self._render, messages)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. a template demanding alternating roles
             log.info("chat template rejected a request: %s", exc)
             raise ServiceError(400, "the model's chat template rejected these messages (check the order of roles)",
                                param=param, code="invalid_value") from None
         # The template already carries BOS and friends; adding them again would double them.
         return self.encode(text, add_special_tokens=False, param=param)
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def sampling_params(self, *, param_names: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
         """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""

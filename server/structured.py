@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.request import InvalidParam
 from engine.structured import Constraint, Grammar, GrammarCompiler
-from server.errors import ServiceError
+from server.errors import ServiceError, parse_input
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -67,12 +67,13 @@ def request_constraint(req: Any) -> Constraint | None:
 
 
 def json_source(value: Any, field: str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise _bad(field, f"{field} is not valid JSON: {e}") from None
-    return value
+    """A schema sent as JSON text, parsed (a 400 naming `field` however the text fails)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_input(field, "JSON", json.loads, value)
+    except InvalidParam as e:
+        raise _bad(field, e.message) from None
 
 
 def compile_constraint(service: Any, constraint: Constraint) -> Grammar:
@@ -88,7 +89,7 @@ def compile_constraint(service: Any, constraint: Constraint) -> Grammar:
                                    param=constraint.field, code="unsupported") from None
             _compilers[service] = compiler
     try:
-        return compiler.compile(constraint)
+        return parse_input(constraint.field, constraint.kind, compiler.compile, constraint)
     except InvalidParam as e:
         raise ServiceError(400, e.message, param=e.field, code="invalid_value") from None
 
@@ -111,7 +112,7 @@ class ToolPlan:
         if self.mode == "required":
             calls, defs = [], {}
             for i, t in enumerate(self.tools):
-                params = _hoist_defs(_parameters(t), f"tool{i}_", defs)
+                params = _hoist_defs(_parameters(t), f"tool{i}_", defs, f"tools.{i}.function.parameters")
                 calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                               "properties": {"name": {"const": t["name"]}, "arguments": params}})
             return Constraint("json_schema", {"anyOf": calls, **({"$defs": defs} if defs else {})},
@@ -119,11 +120,16 @@ class ToolPlan:
         return None
 
 
-def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
     """The schema without its local $defs, which move into `defs` under prefixed names (so that
     several functions' schemas fit under one root and their "#/$defs/..." references still resolve)."""
     schema = dict(schema)
-    local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+    local = {}
+    for key in ("definitions", "$defs"):
+        found = schema.pop(key, {})
+        if not isinstance(found, dict):
+            raise _bad(f"{field}.{key}", f"{field}.{key} must be an object of schemas, got {type(found).__name__}")
+        local.update(found)
 
     def fix(node: Any) -> Any:
         if isinstance(node, dict):
@@ -166,7 +172,8 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
         return ToolPlan(functions, "auto")
     if tool_choice == "required":
         return ToolPlan(functions, "required")
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise _bad("tool_choice", "tool_choice must be none, auto, required or "
                                   "{'type': 'function', 'function': {'name': ...}}")
@@ -188,14 +195,16 @@ def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[di
     """Messages any template can render: the tools in the system prompt, earlier calls and their
     results as text in the same convention."""
     out = []
-    for m in messages:
+    for index, m in enumerate(messages):
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
+            field = f"messages.{index}.tool_calls"
             m["content"] = "\n".join([m.get("content") or ""] + [
                 f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                          "arguments": _arguments(c["function"].get("arguments"))},
-                                         ensure_ascii=False) + f"\n{CLOSE}" for c in calls]).strip()
+                                          "arguments": _arguments(c["function"].get("arguments"),
+                                                                  f"{field}.{j}.function.arguments")},
+                                         ensure_ascii=False) + f"\n{CLOSE}" for j, c in enumerate(calls)]).strip()
         if m["role"] == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         m.pop("tool_call_id", None)
@@ -209,13 +218,19 @@ def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[di
     return out
 
 
-def _arguments(raw: Any) -> Any:
+def _arguments(raw: Any, field: str) -> Any:
+    """An earlier call's arguments as JSON when they parse, else as the text the client sent (OpenAI
+    accepts any string); text Python's json cannot even read (too deep, too many digits) is a 400."""
     if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
+        return parse_input(field, "JSON", _json_or_text, raw)
     return raw if raw is not None else {}
+
+
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def new_call_id() -> str:
