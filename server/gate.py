@@ -20,6 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.request import InvalidParam
 from server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
+from server.metrics import ResponseCounts
 from server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,49 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # service_error logs the traceback; the client gets no exception text.
         return error_response(service_error(exc))
+
+
+class CountResponses:
+    """Outermost ASGI middleware: counts every HTTP response (route template, status class, error
+    code) and answers an exception no handler caught with a 500 itself. Starlette's last-resort
+    handler answers too, but then re-raises, and uvicorn closes the keep-alive connection."""
+
+    def __init__(self, app: ASGIApp, *, counts: ResponseCounts) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen: dict[str, Any] = {"status": None, "code": None, "error_body": False}
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                seen["error_body"] = message["status"] >= 400
+            elif message["type"] == "http.response.body" and seen["error_body"]:
+                seen["error_body"] = False  # our error bodies are one small JSON message
+                seen["code"] = _error_code(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as exc:  # noqa: BLE001 - last resort: logged by service_error, answered here
+            if seen["status"] is not None:
+                raise  # the response has started: nothing else can be sent
+            await error_response(service_error(exc))(scope, receive, counted)
+        finally:
+            if seen["status"] is not None:
+                self.counts.count_http(scope["path"], seen["status"], seen["code"])
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 class RequestGate:

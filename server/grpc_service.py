@@ -94,7 +94,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
             gen = self._service.submit(prepared)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, internals logged
-            await _abort(context, service_error(exc))
+            await self._abort(context, service_error(exc))
             return
         context.add_done_callback(lambda _: gen.cancel())
         queue: asyncio.Queue[Delta | Exception | object] = asyncio.Queue(maxsize=gen.num_choices)
@@ -109,13 +109,21 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                     yield _stream_content(deltas, gen.num_choices)
                 errors = [item for item in batch if isinstance(item, Exception)]
                 if errors:
-                    await _abort(context, service_error(errors[0]))
+                    await self._abort(context, service_error(errors[0]))
                     return
                 if _END in batch:
+                    self._service.responses.count_grpc("Decode", "OK")
                     return
+        except asyncio.CancelledError:
+            self._service.responses.count_grpc("Decode", "CANCELLED")  # the client went away
+            raise
         finally:
             pump.cancel()
             gen.cancel()
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+        self._service.responses.count_grpc("Decode", grpc_code(err).name)
+        await _abort(context, err)
 
 
 async def _pump(gen: Generation, queue: asyncio.Queue) -> None:

@@ -16,6 +16,7 @@ from engine.output import Delta
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestStream, Scheduler
 from server.errors import ServiceError, parse_input, service_error
+from server.metrics import ResponseCounts
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Service:
         # the sampler indexes, not the tokenizer's (which may count added tokens differently).
         self.vocab_size: int = engine.vocab_size
         self._draining = False
+        self.responses = ResponseCounts()  # what both front ends answered (exported by /metrics)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
