@@ -176,6 +176,13 @@ class Service:
         if num_prompts * n > limit:
             raise ServiceError(400, f"{num_prompts} prompt(s) x n={n} exceeds this server's limit of {limit} "
                                "choices per request", param="n", code="invalid_value")
+        # Each choice waits in the scheduler's queue: a request with more choices than the queue holds
+        # would get 429 Retry-After on an idle server forever.
+        queue = self.scheduler.max_queue
+        if num_prompts * n > queue:
+            raise ServiceError(400, f"this request needs {num_prompts * n} queue places ({num_prompts} prompt(s) x "
+                               f"n={n}); the server's queue holds {queue} (--max-queue)",
+                               param="n" if n > 1 else prompt_param, code="invalid_value")
 
     def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True,
                param: str = "prompt") -> list[int]:
