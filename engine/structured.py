@@ -17,6 +17,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
 from engine.request import InvalidParam
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class GrammarCompiler:
         if len(source) > MAX_SOURCE_CHARS:
             raise InvalidParam(field, f"{field}: the {constraint.kind} is {len(source)} characters; "
                                       f"the limit is {MAX_SOURCE_CHARS}")
+        if constraint.kind == "json_schema" and (depth := nesting_depth(constraint.source)) > MAX_SCHEMA_DEPTH:
+            raise InvalidParam(field, f"{field}: the JSON schema is nested {depth} levels deep; the limit is "
+                                      f"{MAX_SCHEMA_DEPTH}")
+        costly = too_costly(constraint.kind, constraint.source)
+        if costly is not None:  # masks would cost milliseconds a token, on every step, for the whole batch
+            raise InvalidParam(field, f"{field}: {costly}")
         try:
             text = _grammar_text(constraint)
         except ValueError as e:
