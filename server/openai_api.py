@@ -101,10 +101,14 @@ def _message_text(message: ChatMessage, index: int) -> str:
         return content or ""
     texts = []
     param = f"messages.{index}.content"
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
             raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
                                param=param, code="unsupported")
+        if not isinstance(part.get("text"), str):
+            got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
+            raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
+                               param=f"{param}.{j}.text", code="invalid_value")
         try:
             texts.append(valid_unicode(part["text"]))
         except ValueError as exc:

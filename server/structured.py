@@ -147,6 +147,25 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
     return fix(schema)
 
 
+def _check_unicode(value: Any, field: str) -> None:
+    """Tool definitions go into the prompt as JSON: a lone surrogate there would be blamed on
+    `messages` at an index into the rendered template. Name the tool's field instead."""
+    stack = [(field, value)]
+    while stack:  # iterative: parameters can nest deeply
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in node.items())
+            stack.extend((f"{path} (a key)", k) for k in node if isinstance(k, str))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{j}", v) for j, v in enumerate(node))
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise _bad(path, f"{path} must be valid Unicode: lone surrogate {node[exc.start]!r} at index "
+                                 f"{exc.start}") from None
+
+
 def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
@@ -167,6 +186,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
             raise _bad("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        _check_unicode(fn, f"tools.{i}.function")
         functions.append(fn)
     if tool_choice in (None, "auto"):
         return ToolPlan(functions, "auto")
