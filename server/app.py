@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from engine.output import Delta
 from server.errors import ServiceError, service_error
-from server.gate import CountResponses, RequestGate, error_body, head_timeout_protocol, install_error_handlers
+from server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
+                         install_error_handlers)
 from server.grpc_service import GrpcServer, start_grpc_server
 from server.metrics import Metrics
 from server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
@@ -112,7 +113,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body))
+        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body), client_of(request, body.user))
         fmt = CompletionFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))
@@ -121,7 +122,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body))
+        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body), client_of(request, body.user))
         fmt = ChatFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))

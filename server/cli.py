@@ -288,7 +288,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(path)))
     service = Service(scheduler, engine, tokenizer,
-                      ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size))
+                      ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
+                                    max_requests_per_client=args.max_requests_per_client))
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503

@@ -5,6 +5,7 @@ timeout (slowloris), and the handlers that answer every error in OpenAI's shape
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -194,6 +195,17 @@ class RequestGate:
     def _too_large(self, size: int) -> ServiceError:
         return ServiceError(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             code="request_too_large")
+
+
+def client_of(request: Request, user: str | None) -> str:
+    """Who a request counts against for --max-requests-per-client: its `user` field, else the API
+    key it presents, else its address (the key is hashed so that it is never held as a dict key)."""
+    if user:
+        return f"user:{user}"
+    token = bearer_token(request.headers.get("authorization"))
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return f"addr:{request.client.host if request.client else 'unknown'}"
 
 
 def _check_body(headers: Headers, body: bytes) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 from typing import AsyncIterator, Sequence
 
 import grpc
@@ -92,7 +93,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 request = parse_input("request", "DecodeRequest protobuf", pb.DecodeRequest.FromString, request)
             check_api_key(self._api_key, _bearer(context.invocation_metadata()))
             prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
-            gen = self._service.submit(prepared)
+            gen = self._service.submit(prepared, _client(context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, internals logged
             await self._abort(context, service_error(exc))
             return
@@ -155,6 +156,14 @@ async def _abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
     if err.retry_after_s is not None:
         trailers = (("retry-after", retry_after(err.retry_after_s)),)  # the hint HTTP sends as Retry-After
     await context.abort(grpc_code(err), err.message, trailing_metadata=trailers)
+
+
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """As HTTP's client_of, without a `user` field: the API key, else the peer's address."""
+    token = _bearer(context.invocation_metadata())
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return "addr:" + context.peer().rsplit(":", 1)[0]  # "ipv4:127.0.0.1:50123" without the port
 
 
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
