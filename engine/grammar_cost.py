@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import re._constants as sre_constants
 import re._parser as sre_parser
+import warnings
 from typing import Any, Iterator
 
 # Positions of a regex unrolled (a{1000}: 1000; (a{50}){50}: 2500). Mask time grows about linearly
@@ -29,7 +30,9 @@ def regex_size(pattern: str) -> int:
     A pattern Python's parser cannot read (llguidance takes Rust syntax, e.g. \\p{L}) is bounded by
     the product of every count in it, as if each nested in the next: never an underestimate."""
     try:
-        return _size(sre_parser.parse(pattern))
+        with warnings.catch_warnings():  # "possible nested set" and friends: not the client's concern here
+            warnings.simplefilter("ignore")
+            return _size(sre_parser.parse(pattern))
     except (re.error, RecursionError, OverflowError, ValueError):
         total = 1
         for low, high in _COUNT.findall(pattern):
@@ -85,7 +88,8 @@ def too_costly(kind: str, source: Any) -> str | None:
     """Why the constraint's regexes are too large to serve, or None."""
     for where, pattern in regexes(kind, source):
         size = regex_size(pattern)
-        if size > MAX_REGEX_SIZE:
+        # No longer unrolled than written (a long literal or alternation): MAX_SOURCE_CHARS bounds it.
+        if size > max(MAX_REGEX_SIZE, len(pattern)):
             return (f"the regex{where} unrolls to more than {MAX_REGEX_SIZE} positions (nested counted "
                     f"repetitions multiply: (a{{50}}){{50}} is 2500); the limit is {MAX_REGEX_SIZE}")
     return None

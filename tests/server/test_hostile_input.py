@@ -11,7 +11,10 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
+from engine.structured import Constraint
+from server.errors import ServiceError
 from server.proto import jetstream_pb2 as pb
+from server.structured import compile_constraint
 from tests.server.conftest import LiveServer
 from tests.server.grpc_helpers import GrpcLive, start_grpc, text_request
 
@@ -99,6 +102,42 @@ def test_unparseable_body_is_400_invalid_json_and_keeps_the_connection(conn, bod
 def test_non_finite_numbers_are_named_at_body_parse(conn) -> None:
     status, reply = _post(conn, "/v1/completions", b'{"prompt": "a", "temperature": NaN}')
     assert status == 400 and "NaN" in reply["error"]["message"] and "finite" in reply["error"]["message"]
+
+
+# ---- the grammar compiler itself (the mock server above has no tokenizer llguidance can read) ------
+
+
+class _ServedModel:
+    """What compile_constraint reads of a Service: the default model's tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = 49152
+        self.engine = type("Engine", (), {"eos_token_ids": tuple(tokenizer.eos_token_ids)})()
+
+
+@pytest.fixture(scope="module")
+def served_model(default_model_path) -> _ServedModel:
+    from models.registry import load_tokenizer
+
+    return _ServedModel(load_tokenizer(default_model_path))
+
+
+PAREN = "(" * 5000 + "a" + ")" * 5000
+
+
+@pytest.mark.parametrize("kind, source", [
+    *[(kind, text) for kind in ("regex", "grammar") for text in (DEEP, LONG, PAREN, "start: " + PAREN)],
+    *[("choice", [text]) for text in (DEEP, LONG)],
+    *[("json_schema", schema) for schema in ({"type": "string", "pattern": PAREN}, {"enum": [int(LONG[:4000])]},
+                                             {"type": "integer", "maximum": 1e308}, {"const": DEEP},
+                                             {"$ref": "#/" + "a/" * 2000})],
+])
+def test_hostile_grammars_compile_or_are_400_naming_the_field(served_model, kind: str, source: Any) -> None:
+    try:
+        compile_constraint(served_model, Constraint(kind, source, field="the_field"))
+    except ServiceError as exc:
+        assert (exc.status, exc.param) == (400, "the_field"), exc.message
 
 
 # ---- gRPC ------------------------------------------------------------------------------------------
