@@ -262,26 +262,31 @@ def _call(name: str, arguments: Any) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _model_json(text: str) -> Any:
+    """The model's JSON, or None. A prompt can make a model write what Python's json cannot read
+    (5000 nested brackets: RecursionError): that is plain text, not a 500 after generating."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished reply."""
     if plan.mode == "named":
         return None, [_call(plan.named, text)]
     if plan.mode == "required":
-        try:
-            call = json.loads(text)
-            return None, [_call(call["name"], call["arguments"])]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        call = _model_json(text)
+        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
             return text, []  # cut short by max_tokens: no complete call to report
+        return None, [_call(call["name"], call["arguments"])]
     names = {f["name"] for f in plan.tools}
     calls, content, rest = [], [], text
     while OPEN in rest:
         before, _, after = rest.partition(OPEN)
         body, closed, rest = after.partition(CLOSE)
-        try:
-            call = json.loads(body)
-            ok = isinstance(call, dict) and call.get("name") in names
-        except json.JSONDecodeError:
-            ok = False
+        call = _model_json(body)
+        ok = isinstance(call, dict) and call.get("name") in names
         content.append(before)
         if ok:
             calls.append(_call(call["name"], call.get("arguments", {})))
