@@ -14,6 +14,7 @@ import uuid
 import weakref
 from typing import Any
 
+from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
 from engine.request import InvalidParam
 from engine.structured import Constraint, Grammar, GrammarCompiler
 from server.errors import ServiceError, parse_input
@@ -106,6 +107,11 @@ class ToolPlan:
 
     def constraint(self) -> Constraint | None:
         """Forced calls are constrained: the arguments of the named function, or one call of any."""
+        if self.mode != "auto":
+            for i, t in enumerate(self.tools):  # before _hoist_defs, which recurses through them
+                if (depth := nesting_depth(_parameters(t))) > MAX_SCHEMA_DEPTH:
+                    field = f"tools.{i}.function.parameters"
+                    raise _bad(field, f"{field} is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
         if self.mode == "named":
             fn = next(t for t in self.tools if t["name"] == self.named)
             return Constraint("json_schema", _parameters(fn), field="tool_choice")

@@ -48,6 +48,18 @@ CASES = [
        f"tools.0.function.parameters.{key}")
       for key in ("$defs", "definitions") for defs in ([1], "x")],
 ]
+
+def _nested_arrays(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# Tool parameters as deep as a JSON body can carry: the forced-call grammar is built by recursion.
+CASES += [("/v1/chat/completions", {"messages": USER, "tools": [
+    {"type": "function", "function": {"name": "f", "parameters": _nested_arrays(900)}}], "tool_choice": choice},
+    "tools.0.function.parameters") for choice in ("required", {"type": "function", "function": {"name": "f"}})]
 CASE_IDS = [f"{'chat' if 'chat' in path else 'cmpl'}-{param}-{i}" for i, (path, _, param) in enumerate(CASES)]
 
 
