@@ -29,7 +29,8 @@ MAX_CHOICES = 256
 # longer than this to validate and yield its first mask is refused rather than slowing the server.
 MAX_COMPILE_SECONDS = 2.0
 # Bounds on what one grammar may cost llguidance. Compiling touches only the first two; the
-# lexer states and step fuel bound the mask time of one token (each a 400 when exceeded).
+# lexer states and step fuel bound the mask time of one token (each a 400 when exceeded), but not
+# that of a regex with nested counted repetition: engine/grammar_cost.py sizes those before compiling.
 LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, max_lexer_states=100_000,
               step_lexer_fuel=200_000, step_max_items=50_000)
 # Compact JSON with the separators json.dumps uses: small models otherwise loop on whitespace.
