@@ -65,6 +65,9 @@ def _is_type_tag(part: str) -> bool:
     return bool(_TYPE_TAG.match(part))
 
 
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
@@ -82,7 +85,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(ServiceError(exc.status_code, str(exc.detail), code=None))
+        # Starlette's own refusals (no such route, wrong method; FastAPI: a body it cannot parse)
+        code = _HTTP_CODES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error")
+        response = error_response(ServiceError(exc.status_code, str(exc.detail), code=code))
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response

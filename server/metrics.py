@@ -100,7 +100,8 @@ HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/mod
 ERROR_CODES = frozenset({
     "invalid_value", "invalid_json", "unsupported", "context_length_exceeded", "model_not_found", "invalid_api_key",
     "request_timeout", "request_too_large", "unsupported_media_type", "overloaded", "too_many_requests",
-    "client_disconnected", "shutting_down", "engine_unavailable", "engine_error", "cancelled", "internal_error"})
+    "client_disconnected", "shutting_down", "engine_unavailable", "engine_error", "cancelled", "internal_error",
+    "not_found", "method_not_allowed", "invalid_request"})
 
 
 def route_template(path: str) -> str:

@@ -47,7 +47,7 @@ def test_every_status_class_and_code_is_counted_per_route(make_live) -> None:
     assert _count(live, "/v1/chat/completions", "4xx", "invalid_api_key") == 1
     # the route template, not the raw path: label values stay bounded
     assert _count(live, "/v1/models/{model}", "4xx", "model_not_found") == 1
-    assert _count(live, "other", "4xx", "none") == 1
+    assert _count(live, "other", "4xx", "not_found") == 1  # every error body has a code
     labels = {dict(key[1]).get("route") for key in live.metrics() if key[0] == HTTP}
     assert labels <= {"/v1/completions", "/v1/chat/completions", "/v1/models/{model}", "/metrics", "other"}
 
