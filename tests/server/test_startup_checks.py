@@ -27,6 +27,9 @@ def test_a_port_in_use_fails_before_loading(capsys) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+        # a multi-host worker serves nothing: process 0 may hold the port on the same host
+        check_args(build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", str(port), "--process-id", "1",
+                                              "--num-processes", "2"]))
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in capsys.readouterr().err
 
 
