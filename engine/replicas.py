@@ -48,6 +48,11 @@ class ReplicaSet:
     def max_num_batched_tokens(self) -> int:
         return self.replicas[0].max_num_batched_tokens
 
+    @property
+    def max_queue(self) -> int:
+        """Requests that may wait at once over all replicas (each refuses past its own queue)."""
+        return sum(s.max_queue for s in self.replicas)
+
     def submit(self, request: Request) -> RequestStream:
         with self._lock:  # held across the submit: concurrent callers see each other's load
             if request.request_id in self._owner:

@@ -86,6 +86,11 @@ class Scheduler:
         """Tokens per step: the config's budget, or the engine's largest step."""
         return self._planner.token_budget
 
+    @property
+    def max_queue(self) -> int:
+        """Requests that may wait at once; more are refused (Overloaded)."""
+        return self._config.max_queue
+
     def submit(self, request: Request) -> RequestStream:
         if not request.prompt_ids:
             raise ValueError("prompt must contain at least one token")

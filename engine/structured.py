@@ -17,6 +17,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
 from engine.request import InvalidParam
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ MAX_CHOICES = 256
 # longer than this to validate and yield its first mask is refused rather than slowing the server.
 MAX_COMPILE_SECONDS = 2.0
 # Bounds on what one grammar may cost llguidance. Compiling touches only the first two; the
-# lexer states and step fuel bound the mask time of one token (each a 400 when exceeded).
+# lexer states and step fuel bound the mask time of one token (each a 400 when exceeded), but not
+# that of a regex with nested counted repetition: engine/grammar_cost.py sizes those before compiling.
 LIMITS = dict(max_grammar_size=200_000, initial_lexer_fuel=1_000_000, max_lexer_states=100_000,
               step_lexer_fuel=200_000, step_max_items=50_000)
 # Compact JSON with the separators json.dumps uses: small models otherwise loop on whitespace.
@@ -108,6 +110,12 @@ class GrammarCompiler:
         if len(source) > MAX_SOURCE_CHARS:
             raise InvalidParam(field, f"{field}: the {constraint.kind} is {len(source)} characters; "
                                       f"the limit is {MAX_SOURCE_CHARS}")
+        if constraint.kind == "json_schema" and (depth := nesting_depth(constraint.source)) > MAX_SCHEMA_DEPTH:
+            raise InvalidParam(field, f"{field}: the JSON schema is nested {depth} levels deep; the limit is "
+                                      f"{MAX_SCHEMA_DEPTH}")
+        costly = too_costly(constraint.kind, constraint.source)
+        if costly is not None:  # masks would cost milliseconds a token, on every step, for the whole batch
+            raise InvalidParam(field, f"{field}: {costly}")
         try:
             text = _grammar_text(constraint)
         except ValueError as e:

@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from engine.output import Delta
 from server.errors import ServiceError, service_error
-from server.gate import RequestGate, error_body, head_timeout_protocol, install_error_handlers
+from server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
+                         install_error_handlers)
 from server.grpc_service import GrpcServer, start_grpc_server
 from server.metrics import Metrics
 from server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
@@ -47,6 +48,7 @@ _V1_ERRORS: dict[int | str, dict[str, Any]] = {
     404: _error("The `model` field names a model this server does not serve."),
     408: _error("The request body did not arrive within the body read timeout."),
     413: _error("The request body exceeds the size limit."),
+    415: _error("The body is compressed (Content-Encoding other than identity); send it uncompressed."),
     429: _error("The waiting queue is full; retry after the Retry-After header's seconds.",
                 headers={"Retry-After": {"description": "Seconds to wait before retrying (whole, rounded up).",
                                          "schema": {"type": "integer"}}}),
@@ -76,8 +78,9 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     app = FastAPI(title="Slipstream", docs_url=None, redoc_url=None)
     app.state.service = service
     app.state.api_key = api_key  # the gRPC front end checks the same key
-    app.state.metrics = metrics = Metrics(service.scheduler, lambda: service.engine.compile_count)
+    app.state.metrics = metrics = Metrics(service.scheduler, lambda: service.engine.compile_count, service.responses)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(CountResponses, counts=service.responses)  # outermost: sees the gate's answers too
     install_error_handlers(app)
     created = int(time.time())
 
@@ -111,7 +114,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body))
+        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body), client_of(request, body.user))
         fmt = CompletionFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))
@@ -120,7 +123,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body))
+        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body), client_of(request, body.user))
         fmt = ChatFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))

@@ -13,6 +13,7 @@ import time
 
 from models.registry import DEFAULT_MODEL
 from server.unix_socket import check_path, parse_mode, strip_scheme
+from server.startup_checks import check_args
 
 log = logging.getLogger("slipstream")
 
@@ -100,7 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after a step that ends requests, with none waiting: how long the next step waits "
                             "for new ones (a client's next request, sent on the finish) before it starts "
                             "without them; backs off when none come; 0 = never wait")
-    serve.add_argument("--api-key", default=_env("api-key", None))
+    serve.add_argument("--api-key", default=_env("api-key", None),
+                       help="visible in `ps`: prefer --api-key-file or SLIPSTREAM_API_KEY")
+    serve.add_argument("--api-key-file", default=_env("api-key-file", None),
+                       help="read the API key from this file (one line), e.g. a mounted Kubernetes Secret")
+    serve.add_argument("--max-requests-per-client", type=int, default=int(_env("max-requests-per-client", 0)),
+                       help="queued plus running requests per client (API key, else the `user` field); the "
+                            "excess gets 429; 0 = no limit")
     serve.add_argument("--served-model-name", default=_env("served-model-name", None))
     serve.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown-timeout", 30)),
                        help="seconds in-flight requests may run after SIGTERM (/ready answers 503 meanwhile)")
@@ -291,7 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(path)))
     service = Service(scheduler, engine, tokenizer,
-                      ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size))
+                      ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
+                                    max_requests_per_client=args.max_requests_per_client))
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
@@ -366,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipstream: error: {problem}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"slipstream: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)  # "no TPU found" notices on CPU hosts

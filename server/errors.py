@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+from typing import Any, Callable, TypeVar
 
 import grpc
 
@@ -15,6 +16,7 @@ from engine.request import InvalidParam
 from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServiceError(Exception):
@@ -55,6 +57,32 @@ def service_error(exc: BaseException, *, prompt_param: str = "prompt") -> Servic
                             code="engine_unavailable")
     log.error("unexpected error while serving a request", exc_info=exc)
     return ServiceError(500, "internal server error", code="internal_error")
+
+
+def parse_input(field: str, what: str, parse: Callable[..., T], *args: Any) -> T:
+    """The one way text a client sent is parsed (JSON arguments, schemas, grammars, templates,
+    protobuf): whatever the parser raises is the client's 400 naming `field` (InvalidParam), never
+    a 500. Python's parsers raise more than their documented errors on hostile text: RecursionError
+    on a 5000-deep [[[...]]], ValueError past the int-string digit limit, TypeError on a list
+    where a dict was assumed."""
+    try:
+        return parse(*args)
+    except (InvalidParam, ServiceError):
+        raise
+    except RecursionError:
+        raise InvalidParam(field, f"{field}: the {what} is nested too deeply to parse") from None
+    except Exception as exc:  # noqa: BLE001 - any parser failure on client text is the client's error
+        log.info("%s: %s rejected (%s)", field, what, type(exc).__name__)
+        raise InvalidParam(field, f"{field}: invalid {what}: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "integer string conversion" in text:  # Python's own wording names sys.set_int_max_str_digits
+        return "a number has too many digits"
+    if isinstance(exc, ValueError) and text:  # parsers' ValueErrors describe the input, not the server
+        return text[:300]
+    return "it could not be parsed"
 
 
 _GRPC_CODES = {

@@ -1,9 +1,12 @@
 """The HTTP edge, before and around the routes: RequestGate (API key 401, body size 413, body read
-timeout 408), a uvicorn protocol with a request-head read timeout (slowloris), and the handlers
-that answer every error in OpenAI's shape {"error": {message, type, param, code}}."""
+timeout 408, compressed 415, unparseable JSON 400), a uvicorn protocol with a request-head read
+timeout (slowloris), and the handlers that answer every error in OpenAI's shape
+{"error": {message, type, param, code}}."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import re
 from typing import Any
@@ -16,7 +19,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import ServiceError, bearer_token, check_api_key, retry_after, service_error
+from engine.request import InvalidParam
+from server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
+from server.metrics import ResponseCounts
 from server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -60,10 +65,19 @@ def _is_type_tag(part: str) -> bool:
     return bool(_TYPE_TAG.match(part))
 
 
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
         return error_response(exc)
+
+    # Registered by class, not left to the Exception handler: Starlette re-raises what reaches that
+    # one after answering, and uvicorn then closes the client's keep-alive connection.
+    @app.exception_handler(InvalidParam)
+    async def _invalid_param(_: Request, exc: InvalidParam) -> JSONResponse:
+        return error_response(service_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -71,7 +85,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = error_response(ServiceError(exc.status_code, str(exc.detail), code=None))
+        # Starlette's own refusals (no such route, wrong method; FastAPI: a body it cannot parse)
+        code = _HTTP_CODES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error")
+        response = error_response(ServiceError(exc.status_code, str(exc.detail), code=code))
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         return response
@@ -80,6 +96,49 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # service_error logs the traceback; the client gets no exception text.
         return error_response(service_error(exc))
+
+
+class CountResponses:
+    """Outermost ASGI middleware: counts every HTTP response (route template, status class, error
+    code) and answers an exception no handler caught with a 500 itself. Starlette's last-resort
+    handler answers too, but then re-raises, and uvicorn closes the keep-alive connection."""
+
+    def __init__(self, app: ASGIApp, *, counts: ResponseCounts) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen: dict[str, Any] = {"status": None, "code": None, "error_body": False}
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                seen["error_body"] = message["status"] >= 400
+            elif message["type"] == "http.response.body" and seen["error_body"]:
+                seen["error_body"] = False  # our error bodies are one small JSON message
+                seen["code"] = _error_code(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as exc:  # noqa: BLE001 - last resort: logged by service_error, answered here
+            if seen["status"] is not None:
+                raise  # the response has started: nothing else can be sent
+            await error_response(service_error(exc))(scope, receive, counted)
+        finally:
+            if seen["status"] is not None:
+                self.counts.count_http(scope["path"], seen["status"], seen["code"])
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 class RequestGate:
@@ -111,6 +170,7 @@ class RequestGate:
                                        code="request_timeout") from None
                 if body is None:
                     return  # the client left while sending
+                _check_body(headers, body)
                 receive = _replay(body, receive)
         except ServiceError as exc:
             response = error_response(exc)
@@ -140,6 +200,48 @@ class RequestGate:
     def _too_large(self, size: int) -> ServiceError:
         return ServiceError(413, f"request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             code="request_too_large")
+
+
+def client_of(request: Request, user: str | None) -> str:
+    """Who a request counts against for --max-requests-per-client: its `user` field, else the API
+    key it presents, else its address (the key is hashed so that it is never held as a dict key)."""
+    if user:
+        return f"user:{user}"
+    token = bearer_token(request.headers.get("authorization"))
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return f"addr:{request.client.host if request.client else 'unknown'}"
+
+
+def _check_body(headers: Headers, body: bytes) -> None:
+    """Refuse what FastAPI would misread: a compressed body (it does not decode one, so gzip bytes
+    are "not JSON" while plain JSON labelled gzip passes), and JSON that Python's json reads only
+    with a crash (too deep, too many digits) or as non-finite floats (NaN, Infinity)."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ServiceError(415, f"Content-Encoding {encoding!r} is not supported; send the body uncompressed "
+                           "(Content-Encoding: identity)", code="unsupported_media_type")
+    if body and _is_json(headers.get("content-type")):
+        try:
+            parse_input("request body", "JSON", _strict_json, body)
+        except InvalidParam as exc:
+            raise ServiceError(400, exc.message, code="invalid_json") from None
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule: no Content-Type, application/json, or application/*+json is read as JSON."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _strict_json(body: bytes) -> object:
+    return json.loads(body, parse_constant=_non_finite)
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"{name} is not allowed: JSON numbers must be finite")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 from typing import AsyncIterator, Sequence
 
 import grpc
 
 from engine.output import Delta
-from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, retry_after, service_error
+from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
 from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
 from server.service import Generation, Prepared, Service
@@ -86,14 +87,16 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         # No API key needed, like HTTP /ready: probes and load balancers cannot send one.
         return pb.HealthCheckResponse(is_live=self._service.ready)
 
-    async def Decode(self, request: pb.DecodeRequest,
+    async def Decode(self, request: pb.DecodeRequest | bytes,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         try:
+            if isinstance(request, bytes):  # the wire form (see add_servicer): parsed here, so bad bytes are a 400
+                request = parse_input("request", "DecodeRequest protobuf", pb.DecodeRequest.FromString, request)
             check_api_key(self._api_key, _bearer(context.invocation_metadata()))
             prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
-            gen = self._service.submit(prepared)
+            gen = self._service.submit(prepared, _client(context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, internals logged
-            await _abort(context, service_error(exc))
+            await self._abort(context, service_error(exc))
             return
         context.add_done_callback(lambda _: gen.cancel())
         queue: asyncio.Queue[Delta | Exception | object] = asyncio.Queue(maxsize=gen.num_choices)
@@ -108,13 +111,21 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                     yield _stream_content(deltas, gen.num_choices)
                 errors = [item for item in batch if isinstance(item, Exception)]
                 if errors:
-                    await _abort(context, service_error(errors[0]))
+                    await self._abort(context, service_error(errors[0]))
                     return
                 if _END in batch:
+                    self._service.responses.count_grpc("Decode", "OK")
                     return
+        except asyncio.CancelledError:
+            self._service.responses.count_grpc("Decode", "CANCELLED")  # the client went away
+            raise
         finally:
             pump.cancel()
             gen.cancel()
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+        self._service.responses.count_grpc("Decode", grpc_code(err).name)
+        await _abort(context, err)
 
 
 async def _pump(gen: Generation, queue: asyncio.Queue) -> None:
@@ -148,6 +159,14 @@ async def _abort(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
     await context.abort(grpc_code(err), err.message, trailing_metadata=trailers)
 
 
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """As HTTP's client_of, without a `user` field: the API key, else the peer's address."""
+    token = _bearer(context.invocation_metadata())
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return "addr:" + context.peer().rsplit(":", 1)[0]  # "ipv4:127.0.0.1:50123" without the port
+
+
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
@@ -156,6 +175,25 @@ def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 
 
 # ---- server --------------------------------------------------------------------------------------
+
+
+def add_servicer(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    """The generated add_OrchestratorServicer_to_server, except that Decode takes the request's bytes:
+    grpc answers a request its deserializer refuses with UNKNOWN, the exception in the details and a
+    traceback in the log; Decode parses them itself and answers INVALID_ARGUMENT."""
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode, request_deserializer=None, response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            servicer.HealthCheck, request_deserializer=_health_request,
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("jetstream_proto.Orchestrator", handlers),))
+
+
+def _health_request(raw: bytes) -> pb.HealthCheckRequest:
+    # An empty message: nothing a probe sends needs reading (bad bytes must not fail the probe).
+    return pb.HealthCheckRequest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +228,7 @@ async def start_grpc_server(service: Service, *, host: str, port: int, api_key: 
     # SO_REUSEPORT (grpc's default on Linux) would let a second server share a busy port silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", max_message_bytes)])
-    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(service, api_key=api_key), server)
+    add_servicer(OrchestratorServicer(service, api_key=api_key), server)
     if uds is not None:
         # grpc would silently unlink whatever is at the path: create_with_mode refuses a live server's
         # socket or a file first, and grpc creates the socket file (at add_insecure_port) under its umask

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -94,13 +94,58 @@ class _StatsCollector(Collector):
                       lambda s: s.prefilled_tokens)
 
 
+# Label values are bounded: the route template (never the raw path), and codes from fixed sets.
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/ready",
+               "/metrics", "/openapi.json")
+ERROR_CODES = frozenset({
+    "invalid_value", "invalid_json", "unsupported", "context_length_exceeded", "model_not_found", "invalid_api_key",
+    "request_timeout", "request_too_large", "unsupported_media_type", "overloaded", "too_many_requests",
+    "client_disconnected", "shutting_down", "engine_unavailable", "engine_error", "cancelled", "internal_error",
+    "not_found", "method_not_allowed", "invalid_request"})
+
+
+def route_template(path: str) -> str:
+    if path in HTTP_ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class ResponseCounts:
+    """Every answer of both front ends: HTTP by route, status class and error code, gRPC by method
+    and status code. Owned by the Service (both front ends see it); each app's Metrics exports it."""
+
+    def __init__(self) -> None:
+        self.http = Counter("slipstream_http_responses", "HTTP responses by route template, status class "
+                            "(2xx, 4xx, 5xx) and error code (none for a success).",
+                            ["route", "status_class", "code"], registry=None)
+        self.grpc = Counter("slipstream_grpc_responses", "gRPC calls by method and status code.",
+                            ["method", "code"], registry=None)
+        # Zero series up front, so that rate() and the 5xx alert see the series before the first error.
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            self.http.labels(route, "2xx", "none")
+            self.http.labels(route, "5xx", "internal_error")
+        for code in ("OK", "INTERNAL"):
+            self.grpc.labels("Decode", code)
+
+    def count_http(self, path: str, status: int, code: str | None) -> None:
+        code = "none" if code is None else code if code in ERROR_CODES else "other"
+        self.http.labels(route_template(path), f"{status // 100}xx", code).inc()
+
+    def count_grpc(self, method: str, code: str) -> None:
+        self.grpc.labels(method, code).inc()
+
+
 class Metrics:
     """One registry per app: scrape-time stats plus listener-fed histograms."""
 
-    def __init__(self, scheduler: Scheduler | ReplicaSet, compile_count: Callable[[], int]) -> None:
+    def __init__(self, scheduler: Scheduler | ReplicaSet, compile_count: Callable[[], int],
+                 responses: ResponseCounts | None = None) -> None:
         self.registry = CollectorRegistry()
         self._startup_latency_s: float | None = None
         self.registry.register(_StatsCollector(scheduler, compile_count, lambda: self._startup_latency_s))
+        self.responses = responses or ResponseCounts()
+        self.registry.register(self.responses.http)
+        self.registry.register(self.responses.grpc)
         r = self.registry
         self.ttft = Histogram("jetstream_time_to_first_token", "Seconds from arrival to the first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)

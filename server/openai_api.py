@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from engine.output import Delta
 from engine.request import SamplingParams, TokenLogprob
-from server.errors import ServiceError
+from server.errors import ServiceError, parse_input
 from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -50,11 +50,12 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     _reject_unsupported(req.logit_bias, "logit_bias")
     plan = tool_plan(req.tools, req.tool_choice)
     constraint = request_constraint(req)
-    if plan is not None and plan.constraint() is not None:
+    forced = parse_input("tools", "tool definitions", plan.constraint) if plan is not None else None
+    if forced is not None:
         if constraint is not None:
             raise ServiceError(400, f"tool_choice {plan.mode} constrains the reply already; drop {constraint.field}",
                                param=constraint.field, code="invalid_value")
-        constraint = plan.constraint()
+        constraint = forced
     if req.top_logprobs is not None and not req.logprobs:
         raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     service.check_choices(1, req.n, "messages")
@@ -101,10 +102,14 @@ def _message_text(message: ChatMessage, index: int) -> str:
         return content or ""
     texts = []
     param = f"messages.{index}.content"
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
             raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
                                param=param, code="unsupported")
+        if not isinstance(part.get("text"), str):
+            got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
+            raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
+                               param=f"{param}.{j}.text", code="invalid_value")
         try:
             texts.append(valid_unicode(part["text"]))
         except ValueError as exc:

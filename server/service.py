@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from typing import Any, AsyncIterator, Sequence
+import threading
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import jinja2
 
@@ -15,7 +16,8 @@ from engine.api import Engine
 from engine.output import Delta
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestStream, Scheduler
-from server.errors import ServiceError, service_error
+from server.errors import ServiceError, parse_input, service_error
+from server.metrics import ResponseCounts
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ class ServiceConfig:
     default_max_tokens: int = 16     # completions without max_tokens (OpenAI's default); chat: rest of the context
     max_choices: int = 64            # prompts x n per request; more would let one request fill the queue
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of one text prompt: tokenization is bounded before it starts
+    max_requests_per_client: int = 0  # queued + running API requests per client (429 beyond); 0: no limit
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -33,6 +36,8 @@ class ServiceConfig:
         for name in ("default_max_tokens", "max_choices", "max_prompt_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_requests_per_client < 0:
+            raise ValueError(f"max_requests_per_client must be >= 0 (0: no limit), got {self.max_requests_per_client}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +58,14 @@ class Generation:
     task cancelled) cancels every unfinished sub-request, which frees their slots and pages.
     """
 
-    def __init__(self, gen_id: str, streams: list[RequestStream], prompt_tokens: int) -> None:
+    def __init__(self, gen_id: str, streams: list[RequestStream], prompt_tokens: int,
+                 on_done: Callable[[], None] | None = None) -> None:
         self.id = gen_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self._streams = streams
         self._open = set(range(len(streams)))
+        self._on_done = on_done  # called once, when the generation ends or is cancelled
 
     @property
     def num_choices(self) -> int:
@@ -69,6 +76,9 @@ class Generation:
         for i in sorted(self._open):
             self._streams[i].cancel()
         self._open.clear()
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of all choices in arrival order; raises ServiceError if a choice fails."""
@@ -143,6 +153,9 @@ class Service:
         # the sampler indexes, not the tokenizer's (which may count added tokens differently).
         self.vocab_size: int = engine.vocab_size
         self._draining = False
+        self.responses = ResponseCounts()  # what both front ends answered (exported by /metrics)
+        self._per_client: dict[str, int] = {}  # client -> its API requests queued or running
+        self._per_client_lock = threading.Lock()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -174,6 +187,13 @@ class Service:
         if num_prompts * n > limit:
             raise ServiceError(400, f"{num_prompts} prompt(s) x n={n} exceeds this server's limit of {limit} "
                                "choices per request", param="n", code="invalid_value")
+        # Each choice waits in the scheduler's queue: a request with more choices than the queue holds
+        # would get 429 Retry-After on an idle server forever.
+        queue = self.scheduler.max_queue
+        if num_prompts * n > queue:
+            raise ServiceError(400, f"this request needs {num_prompts * n} queue places ({num_prompts} prompt(s) x "
+                               f"n={n}); the server's queue holds {queue} (--max-queue)",
+                               param="n" if n > 1 else prompt_param, code="invalid_value")
 
     def encode(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True,
                param: str = "prompt") -> list[int]:
@@ -201,13 +221,16 @@ class Service:
     def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages") -> list[int]:
         """Apply the model's chat template (with the assistant turn opened) and tokenize."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = parse_input(param, "chat template input", self._render, messages)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. a template demanding alternating roles
             log.info("chat template rejected a request: %s", exc)
             raise ServiceError(400, "the model's chat template rejected these messages (check the order of roles)",
                                param=param, code="invalid_value") from None
         # The template already carries BOS and friends; adding them again would double them.
         return self.encode(text, add_special_tokens=False, param=param)
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def sampling_params(self, *, param_names: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
         """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""
@@ -226,10 +249,11 @@ class Service:
 
     # ---- submission -------------------------------------------------------------------------
 
-    def submit(self, prepared: Prepared) -> Generation:
+    def submit(self, prepared: Prepared, client: str | None = None) -> Generation:
         """Submit len(prompts) x params.n sub-requests; choice index = prompt_index * n + sample.
 
         All or nothing: if one sub-request is refused, the ones already admitted are cancelled.
+        `client` identifies the caller for --max-requests-per-client (None: not limited).
         Call it on the event loop that will consume the Generation.
         """
         prompts, params = prepared.prompts, prepared.params
@@ -237,6 +261,37 @@ class Service:
             raise ServiceError(503, "the server is shutting down", code="shutting_down")
         n = params.n
         self.check_choices(len(prompts), n, prepared.prompt_param)
+        release = self._hold_client_place(client)
+        try:
+            return self._submit(prepared, release)
+        except BaseException:
+            release()
+            raise
+
+    def _hold_client_place(self, client: str | None) -> Callable[[], None]:
+        """Count one more request for `client` (429 past the limit); returns what gives it back."""
+        limit = self.config.max_requests_per_client
+        if not limit or client is None:
+            return lambda: None
+        with self._per_client_lock:
+            held = self._per_client.get(client, 0)
+            if held >= limit:
+                raise ServiceError(429, f"this client has {held} requests queued or running; the limit is {limit} "
+                                   "per client (--max-requests-per-client)", code="too_many_requests",
+                                   retry_after_s=1.0)
+            self._per_client[client] = held + 1
+
+        def release() -> None:
+            with self._per_client_lock:
+                left = self._per_client.pop(client) - 1
+                if left:
+                    self._per_client[client] = left
+
+        return release
+
+    def _submit(self, prepared: Prepared, release: Callable[[], None]) -> Generation:
+        prompts, params = prepared.prompts, prepared.params
+        n = params.n
         gen_id = f"{prepared.id_prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -251,4 +306,4 @@ class Service:
             if len(streams) != len(prompts) * n:
                 for stream in streams:
                     stream.cancel()
-        return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts))
+        return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=release)

@@ -14,9 +14,10 @@ import uuid
 import weakref
 from typing import Any
 
+from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
 from engine.request import InvalidParam
 from engine.structured import Constraint, Grammar, GrammarCompiler
-from server.errors import ServiceError
+from server.errors import ServiceError, parse_input
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -67,12 +68,13 @@ def request_constraint(req: Any) -> Constraint | None:
 
 
 def json_source(value: Any, field: str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise _bad(field, f"{field} is not valid JSON: {e}") from None
-    return value
+    """A schema sent as JSON text, parsed (a 400 naming `field` however the text fails)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_input(field, "JSON", json.loads, value)
+    except InvalidParam as e:
+        raise _bad(field, e.message) from None
 
 
 def compile_constraint(service: Any, constraint: Constraint) -> Grammar:
@@ -88,7 +90,7 @@ def compile_constraint(service: Any, constraint: Constraint) -> Grammar:
                                    param=constraint.field, code="unsupported") from None
             _compilers[service] = compiler
     try:
-        return compiler.compile(constraint)
+        return parse_input(constraint.field, constraint.kind, compiler.compile, constraint)
     except InvalidParam as e:
         raise ServiceError(400, e.message, param=e.field, code="invalid_value") from None
 
@@ -105,13 +107,18 @@ class ToolPlan:
 
     def constraint(self) -> Constraint | None:
         """Forced calls are constrained: the arguments of the named function, or one call of any."""
+        if self.mode != "auto":
+            for i, t in enumerate(self.tools):  # before _hoist_defs, which recurses through them
+                if (depth := nesting_depth(_parameters(t))) > MAX_SCHEMA_DEPTH:
+                    field = f"tools.{i}.function.parameters"
+                    raise _bad(field, f"{field} is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
         if self.mode == "named":
             fn = next(t for t in self.tools if t["name"] == self.named)
             return Constraint("json_schema", _parameters(fn), field="tool_choice")
         if self.mode == "required":
             calls, defs = [], {}
             for i, t in enumerate(self.tools):
-                params = _hoist_defs(_parameters(t), f"tool{i}_", defs)
+                params = _hoist_defs(_parameters(t), f"tool{i}_", defs, f"tools.{i}.function.parameters")
                 calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                               "properties": {"name": {"const": t["name"]}, "arguments": params}})
             return Constraint("json_schema", {"anyOf": calls, **({"$defs": defs} if defs else {})},
@@ -119,11 +126,16 @@ class ToolPlan:
         return None
 
 
-def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
     """The schema without its local $defs, which move into `defs` under prefixed names (so that
     several functions' schemas fit under one root and their "#/$defs/..." references still resolve)."""
     schema = dict(schema)
-    local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+    local = {}
+    for key in ("definitions", "$defs"):
+        found = schema.pop(key, {})
+        if not isinstance(found, dict):
+            raise _bad(f"{field}.{key}", f"{field}.{key} must be an object of schemas, got {type(found).__name__}")
+        local.update(found)
 
     def fix(node: Any) -> Any:
         if isinstance(node, dict):
@@ -139,6 +151,25 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
 
     defs.update({prefix + name: fix(d) for name, d in local.items()})
     return fix(schema)
+
+
+def _check_unicode(value: Any, field: str) -> None:
+    """Tool definitions go into the prompt as JSON: a lone surrogate there would be blamed on
+    `messages` at an index into the rendered template. Name the tool's field instead."""
+    stack = [(field, value)]
+    while stack:  # iterative: parameters can nest deeply
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in node.items())
+            stack.extend((f"{path} (a key)", k) for k in node if isinstance(k, str))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{j}", v) for j, v in enumerate(node))
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise _bad(path, f"{path} must be valid Unicode: lone surrogate {node[exc.start]!r} at index "
+                                 f"{exc.start}") from None
 
 
 def _parameters(fn: dict) -> dict:
@@ -161,12 +192,14 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
             raise _bad("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise _bad("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        _check_unicode(fn, f"tools.{i}.function")
         functions.append(fn)
     if tool_choice in (None, "auto"):
         return ToolPlan(functions, "auto")
     if tool_choice == "required":
         return ToolPlan(functions, "required")
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise _bad("tool_choice", "tool_choice must be none, auto, required or "
                                   "{'type': 'function', 'function': {'name': ...}}")
@@ -188,14 +221,16 @@ def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[di
     """Messages any template can render: the tools in the system prompt, earlier calls and their
     results as text in the same convention."""
     out = []
-    for m in messages:
+    for index, m in enumerate(messages):
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
+            field = f"messages.{index}.tool_calls"
             m["content"] = "\n".join([m.get("content") or ""] + [
                 f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                          "arguments": _arguments(c["function"].get("arguments"))},
-                                         ensure_ascii=False) + f"\n{CLOSE}" for c in calls]).strip()
+                                          "arguments": _arguments(c["function"].get("arguments"),
+                                                                  f"{field}.{j}.function.arguments")},
+                                         ensure_ascii=False) + f"\n{CLOSE}" for j, c in enumerate(calls)]).strip()
         if m["role"] == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         m.pop("tool_call_id", None)
@@ -209,13 +244,19 @@ def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[di
     return out
 
 
-def _arguments(raw: Any) -> Any:
+def _arguments(raw: Any, field: str) -> Any:
+    """An earlier call's arguments as JSON when they parse, else as the text the client sent (OpenAI
+    accepts any string); text Python's json cannot even read (too deep, too many digits) is a 400."""
     if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
+        return parse_input(field, "JSON", _json_or_text, raw)
     return raw if raw is not None else {}
+
+
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def new_call_id() -> str:
@@ -227,26 +268,31 @@ def _call(name: str, arguments: Any) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _model_json(text: str) -> Any:
+    """The model's JSON, or None. A prompt can make a model write what Python's json cannot read
+    (5000 nested brackets: RecursionError): that is plain text, not a 500 after generating."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished reply."""
     if plan.mode == "named":
         return None, [_call(plan.named, text)]
     if plan.mode == "required":
-        try:
-            call = json.loads(text)
-            return None, [_call(call["name"], call["arguments"])]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        call = _model_json(text)
+        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
             return text, []  # cut short by max_tokens: no complete call to report
+        return None, [_call(call["name"], call["arguments"])]
     names = {f["name"] for f in plan.tools}
     calls, content, rest = [], [], text
     while OPEN in rest:
         before, _, after = rest.partition(OPEN)
         body, closed, rest = after.partition(CLOSE)
-        try:
-            call = json.loads(body)
-            ok = isinstance(call, dict) and call.get("name") in names
-        except json.JSONDecodeError:
-            ok = False
+        call = _model_json(body)
+        ok = isinstance(call, dict) and call.get("name") in names
         content.append(before)
         if ok:
             calls.append(_call(call["name"], call.get("arguments", {})))

@@ -94,14 +94,18 @@ def test_server_settings_become_env_vars():
     assert e["SLIPSTREAM_MAX_SLOTS"] == "32"
     assert e["SLIPSTREAM_KV_CACHE_MEMORY"] == "768MiB"
     assert e["SLIPSTREAM_GRPC_PORT"] == "9000"
-    assert e["SLIPSTREAM_API_KEY"] == {"secretKeyRef": {"name": "slipstream-api", "key": "token"}}
+    # The key arrives as a file from the Secret, never as an environment variable.
+    assert "SLIPSTREAM_API_KEY" not in e
+    volumes = {v["name"]: v for v in manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-key"]["secret"] == {"secretName": "slipstream-api", "items": [{"key": "token", "path": "key"}]}
     assert e["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
     assert container(manifests)["args"] == ["--max-queue", "64"]
     mounts = {m["name"]: m for m in container(manifests)["volumeMounts"]}
     assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
     assert e["SLIPSTREAM_COMPILE_CACHE"] == mounts["compile-cache"]["mountPath"]
+    assert e["SLIPSTREAM_API_KEY_FILE"] == mounts["api-key"]["mountPath"] + "/key" and mounts["api-key"]["readOnly"]
     # Without a Secret the key is absent, not empty (an empty key would mean "no auth" by accident).
-    assert "SLIPSTREAM_API_KEY" not in env(render({}))
+    assert "SLIPSTREAM_API_KEY" not in env(render({})) and "SLIPSTREAM_API_KEY_FILE" not in env(render({}))
     assert env(render({"grpc": {"enabled": False}}))["SLIPSTREAM_GRPC_PORT"] == "0"
 
 

@@ -16,6 +16,7 @@ from tests.deploy.exported_metrics import exposed_samples
 
 DASHBOARD = json.loads((DEPLOY / "grafana" / "slipstream.json").read_text())
 PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS_YML = DEPLOY / "prometheus" / "alerts.yml"
 METRIC = re.compile(r"\b(?:jetstream|slipstream)_[a-zA-Z0-9_]+")
 
 
@@ -137,9 +138,30 @@ def test_prometheus_config_passes_promtool(tmp_path):
             job["static_configs"] = [{"targets": ["10.1.2.3:8000"]}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
+    shutil.copy(ALERTS_YML, tmp_path / "alerts.yml")  # rule_files resolve next to the config
     out = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
     broken = tmp_path / "broken.yml"
     config["scrape_configs"][0]["scrape_interval"] = "often"
     broken.write_text(yaml.safe_dump(config))
     assert subprocess.run(["promtool", "check", "config", str(broken)], capture_output=True).returncode != 0
+
+
+def test_alert_rules_watch_the_5xx_rate_with_metrics_the_server_exposes():
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    rules = [r for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]]
+    samples = exposed_samples()
+    for rule in rules:
+        for name in METRIC.findall(rule["expr"]):
+            assert name in samples, f"alert {rule['alert']}: {name} is not on /metrics"
+            assert re.search(rf"rate\({name}\b", rule["expr"]), f"alert {rule['alert']}: {name} without rate()"
+    assert any('status_class="5xx"' in r["expr"] for r in rules), "no alert on the HTTP 5xx rate"
+    assert any(re.search(r'rate\(slipstream_http_responses_total\{[^}]*status_class="5xx"', e)
+               for _, e in dashboard_exprs()), "no dashboard panel shows the 5xx rate"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian package 'prometheus')")
+def test_alert_rules_pass_promtool():
+    out = subprocess.run(["promtool", "check", "rules", str(ALERTS_YML)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -265,3 +265,18 @@ def test_unexpected_errors_are_500_without_exception_text(make_live) -> None:
     assert err["code"] == "internal_error" and err["type"] == "server_error"
     assert "secret" not in err["message"] and "RuntimeError" not in err["message"]
     assert httpx.get(f"{live.url}/ready").status_code == 200
+
+
+def test_a_request_larger_than_the_queue_is_400_not_429_forever(make_live) -> None:
+    # 8 prompts x n=8 is within max_choices (64) but can never fit a queue of 32: a 429 with
+    # Retry-After would send the client back forever, even on an idle server.
+    live = make_live(max_queue=32)
+    with live.http() as http:
+        for _ in range(2):
+            reply = http.post("/v1/completions", json={"prompt": ["abc"] * 8, "n": 8, "max_tokens": 1})
+            err = _error(reply, 400)
+            assert "retry-after" not in reply.headers
+            assert err["param"] == "n" and "64 queue places" in err["message"] and "holds 32" in err["message"]
+        # what fits the queue still runs
+        assert len(http.post("/v1/completions", json={"prompt": ["abc"] * 4, "n": 8, "max_tokens": 1}
+                             ).json()["choices"]) == 32

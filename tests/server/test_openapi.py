@@ -17,7 +17,7 @@ def test_generation_routes_list_every_status_they_send(live: LiveServer) -> None
     spec = _spec(live)
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = spec["paths"][path]["post"]["responses"]
-        assert {"200", "400", "401", "404", "408", "413", "429", "500", "503"} == set(responses), path
+        assert {"200", "400", "401", "404", "408", "413", "415", "429", "500", "503"} == set(responses), path
         for status in ("400", "401", "413", "429", "503"):
             schema = responses[status]["content"]["application/json"]["schema"]
             assert schema == {"$ref": "#/components/schemas/ErrorResponse"}

@@ -141,3 +141,11 @@ def test_streamed_named_call_sends_id_and_name_first_then_argument_pieces():
     assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
     assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Rome"}
     assert len(stream.calls) == 1
+
+
+def test_model_text_python_cannot_read_as_json_is_content_not_a_crash():
+    deep = "[" * 5000 + "]" * 5000
+    plan = tool_plan([WEATHER], "auto")
+    assert parse_reply(plan, f"{OPEN}{deep}{CLOSE}") == (f"{OPEN}{deep}{CLOSE}", [])
+    assert parse_reply(tool_plan([WEATHER], "required"), deep) == (deep, [])
+    assert parse_reply(tool_plan([WEATHER], "required"), "1" * 5000) == ("1" * 5000, [])

@@ -94,11 +94,9 @@ spec:
         {{- include "slipstream.distributedEnv" (dict "root" $root "role" $role) | nindent 8 }}
         {{- end }}
         {{- if $v.apiKey.existingSecret }}
-        - name: SLIPSTREAM_API_KEY
-          valueFrom:
-            secretKeyRef:
-              name: {{ $v.apiKey.existingSecret }}
-              key: {{ $v.apiKey.key }}
+        # A file, not the key itself in the environment (which every child process inherits).
+        - name: SLIPSTREAM_API_KEY_FILE
+          value: /etc/slipstream/api-key/key
         {{- end }}
         {{- with $v.server.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -172,12 +170,25 @@ spec:
           mountPath: {{ $v.model.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if $v.apiKey.existingSecret }}
+        - name: api-key
+          mountPath: /etc/slipstream/api-key
+          readOnly: true
+        {{- end }}
   volumes:
     - name: compile-cache
       {{- toYaml $v.compileCache.volume | nindent 6 }}
     {{- if $v.model.volume }}
     - name: models
       {{- toYaml $v.model.volume | nindent 6 }}
+    {{- end }}
+    {{- if $v.apiKey.existingSecret }}
+    - name: api-key
+      secret:
+        secretName: {{ $v.apiKey.existingSecret }}
+        items:
+          - key: {{ $v.apiKey.key }}
+            path: key
     {{- end }}
   {{- with $v.nodeSelector }}
   nodeSelector:
