@@ -61,23 +61,44 @@ class Setup:
     engine: JaxEngine
     pages: list[list[int]]     # slot -> its pages (slot max_slots - 1 is the prefill scratch sequence)
     context: int
-    step: int = 0              # decode steps taken: positions advance from context
+    step: int = 0              # decode steps taken in this phase: positions advance from context
+
+    def rewind(self) -> None:
+        """Start a phase at `context` again (its decodes overwrite the last phase's K/V there): every
+        phase measures the same context, and the pages per sequence need not grow with the phases."""
+        self.step = 0
 
 
-def build(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
-    slots = max(args.slots) + 1                      # + one for prefill chunks
-    # the scratch slot also takes the mixed step's chunk: up to the whole token budget
-    longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths),
-                  args.max_num_batched_tokens or 0)
-    per_seq = pages_needed(longest, args.page_size)
-    config = EngineConfig(max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-                          num_pages=slots * per_seq + 1, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens)
+def positions_per_phase(steps: int, warmup: int) -> int:
+    """Decode positions one phase may advance: the mixed phase's two variants each take one per round."""
+    return 2 * (steps + warmup)
+
+
+def build(cfg: ModelConfig, params, *, slots: int, longest: int, page_size: int | None, max_seq_len: int,
+          dtype: str, kv_cache_dtype: str, quantize: str, max_num_batched_tokens: int,
+          context: int) -> Setup:
+    """An engine with `slots` decode slots plus one scratch slot for prefill chunks, each holding
+    `longest` tokens in its own pages (page_size None: the engine's default)."""
+    sizes = {} if page_size is None else {"page_size": page_size}
+    page = page_size or EngineConfig().page_size
+    per_seq = pages_needed(longest, page)
+    config = EngineConfig(max_slots=slots + 1, max_seq_len=max(max_seq_len, longest), num_pages=(slots + 1) * per_seq + 1,
+                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantize=quantize,
+                          max_num_batched_tokens=max_num_batched_tokens, **sizes)
     start = time.perf_counter()
     engine = JaxEngine(cfg, params, config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
-    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots)]
-    return Setup(engine, pages, args.context)
+    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots + 1)]
+    return Setup(engine, pages, context)
+
+
+def build_from_args(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
+    # the scratch slot also takes the mixed step's chunk: up to the whole token budget
+    longest = max(args.context + positions_per_phase(args.steps, args.warmup) + 1, max(args.prefill_lengths),
+                  args.max_num_batched_tokens)
+    return build(cfg, params, slots=max(args.slots), longest=longest, page_size=args.page_size,
+                 max_seq_len=args.max_seq_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                 quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens, context=args.context)
 
 
 def fill(setup: Setup, seed: int) -> None:
@@ -136,6 +157,7 @@ def kv_read_bytes(setup: Setup, batch: int) -> int:
 
 def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float, args) -> dict:
     engine, cfg = setup.engine, setup.engine.model_cfg
+    setup.rewind()
 
     def step():
         engine.step(StepBatch(decodes(setup, batch)))
@@ -162,6 +184,7 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     --breakdown-ops, the model and sampling programs' XLA ops by time (profiler)."""
     engine, cfg = setup.engine, setup.engine.model_cfg
     slots = args.slots[0]
+    setup.rewind()
 
     def batch():
         return StepBatch(decodes(setup, slots))
@@ -236,6 +259,7 @@ def measure_mixed(setup: Setup, batch: int, args) -> dict:
     """`batch` decodes plus a prefill chunk filling the rest of the budget in one step, against the
     same decodes and the same chunk as two separate steps."""
     engine, rng = setup.engine, np.random.default_rng(2)
+    setup.rewind()
     slot = engine.max_slots - 1
     n = engine.max_num_batched_tokens - batch
     prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
@@ -305,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     # offset), not rounded from floats: the weights and bytes the served decode step streams
     int8 = args.quantize if args.quantize in QUANTIZED_MODES else "none"
     cfg, params = load_model(resolve_model(args.model), quantize=int8)
-    setup = build(cfg, params, args)
+    setup = build_from_args(cfg, params, args)
     engine = setup.engine
     fill(setup, seed=0)
     _, read_s = copy_seconds(256 << 20, reps=5)
