@@ -44,7 +44,7 @@ def spec(label: str, tree: str, mode: str, flags: str, port_flags: list[str],
 
 
 def run_client(base_url: str, out_dir: Path, name: str, args: argparse.Namespace) -> dict:
-    argv = [sys.executable, "-m", "benchmarks.bench", "--base-url", base_url, "--endpoint", "/v1/completions",
+    argv = [sys.executable, "-m", "server.cli", "bench", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--ignore-eos", *shlex.split(args.sampling),

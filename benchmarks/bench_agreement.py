@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         def dataset(label: str, seed: int, num: int) -> list[str]:
             if not args.same_prompts:
                 return random
-            from benchmarks.bench.datasets import random_dataset
-            from benchmarks.bench.run import load_tokenizer
+            from server.bench.datasets import random_dataset
+            from server.bench.run import load_tokenizer
 
             path = result_dir / f"{label}-prompts.jsonl"
             reqs = random_dataset(load_tokenizer(gguf), num_prompts=num, input_len=args.input_len,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--custom-output-len", str(args.output_len)]
 
         def ours(label: str, seed: int, num: int, warmups: int) -> list[str]:
-            return [sys.executable, "-m", "benchmarks.bench", "--base-url", base, "--model", model,
+            return [sys.executable, "-m", "server.cli", "bench", "--base-url", base, "--model", model,
                     "--tokenizer", gguf, *dataset(label, seed, num + warmups), *common, "--num-prompts", str(num),
                     "--num-warmups", str(warmups), "--seed", str(seed), "--result-filename", f"{label}.json", "--request-id-prefix", f"{label}-",
                     *shlex.split(args.ours_flags)]

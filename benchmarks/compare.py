@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench import peers, report  # noqa: E402
-from benchmarks.bench import run as bench  # noqa: E402
+from server.bench import run as bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_SERVERS = ("slipstream", "slipstream-fast", "llamacpp-q8_0", "llamacpp-q4_1", "llamacpp-bf16", "vllm-bf16",

@@ -29,6 +29,7 @@ from server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepar
 from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              ErrorResponse, ModelCard, ModelList)
 from server.service import Generation, Service
+from server.unix_socket import DEFAULT_MODE, bind_stream, remove
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -233,14 +234,21 @@ class SlipstreamServer(uvicorn.Server):
 
     If the engine thread dies after having been ready, the server shuts itself down and sets
     `engine_failed`, so the process can exit non-zero and be restarted instead of idling unready.
+
+    `uds`: listen on this unix socket path instead of host:port (no TCP socket is made), the file created
+    with `uds_mode` and removed on shutdown; `grpc_uds` likewise for gRPC instead of `grpc_port`.
     """
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, *, shutdown_timeout_s: float,
-                 started_at: float | None, exit_on_engine_failure: bool, grpc_port: int = 0) -> None:
+                 started_at: float | None, exit_on_engine_failure: bool, grpc_port: int = 0,
+                 uds: str | None = None, grpc_uds: str | None = None, uds_mode: int = DEFAULT_MODE) -> None:
         super().__init__(config)
         self._service: Service = app.state.service
         self._api_key: str | None = app.state.api_key
         self._grpc_port = grpc_port
+        self.uds, self._grpc_uds, self._uds_mode = uds, grpc_uds, uds_mode
+        self._uds_inode: int | None = None
+        self.on_started: Callable[[], None] | None = None  # called once listening (the "ready on" line)
         self.grpc: GrpcServer | None = None
         self._metrics: Metrics = app.state.metrics
         self._shutdown_timeout_s = shutdown_timeout_s
@@ -251,14 +259,19 @@ class SlipstreamServer(uvicorn.Server):
         self.drain_seconds: float | None = None  # how long the last drain took, listener open
 
     async def startup(self, sockets: list | None = None) -> None:
-        if self._grpc_port:
+        if self._grpc_port or self._grpc_uds:
             # before HTTP, so a busy gRPC port fails the start before any traffic is accepted
             self.grpc = await start_grpc_server(self._service, host=self.config.host, port=self._grpc_port,
-                                                api_key=self._api_key,
+                                                uds=self._grpc_uds, uds_mode=self._uds_mode, api_key=self._api_key,
                                                 max_message_bytes=self._service.config.max_prompt_bytes + 4096)
+        if self.uds is not None and sockets is None:
+            sock, self._uds_inode = bind_stream(self.uds, self._uds_mode, "--uds")
+            sockets = [sock]
         await super().startup(sockets=sockets)
         if self._started_at is not None:
             self._metrics.set_startup_latency(time.monotonic() - self._started_at)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def on_tick(self, counter: int) -> bool:
         ready = self._service.scheduler.ready
@@ -286,6 +299,8 @@ class SlipstreamServer(uvicorn.Server):
             log.info("drained in %.2f s; closing the listener", self.drain_seconds)
             await super().shutdown(sockets=sockets)
         finally:
+            if self._uds_inode is not None:
+                remove(self.uds, self._uds_inode)
             if grpc_stop is not None:
                 await grpc_stop
 
@@ -293,8 +308,10 @@ class SlipstreamServer(uvicorn.Server):
 def make_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = 30.0, log_level: str = "info",
                 started_at: float | None = None, exit_on_engine_failure: bool = True, grpc_port: int = 0,
                 header_timeout_s: float = 10.0, keep_alive_s: float = 5.0,
-                max_connections: int | None = 1024) -> SlipstreamServer:
+                max_connections: int | None = 1024, uds: str | None = None, grpc_uds: str | None = None,
+                uds_mode: int = DEFAULT_MODE) -> SlipstreamServer:
     """`started_at`: a time.monotonic() stamp from process start, exported as startup latency.
+    `uds` / `grpc_uds`: unix socket paths to serve HTTP / gRPC on instead of host:port (see SlipstreamServer).
     `shutdown_timeout_s`: how long in-flight requests may run after SIGTERM before they fail.
     `header_timeout_s`: deadline for each request head (slowloris); `keep_alive_s`: idle time
     between requests on a connection; `max_connections`: connections beyond it get 503."""
@@ -307,4 +324,5 @@ def make_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float
                             # this margin only covers writing those last events out
                             timeout_graceful_shutdown=shutdown_timeout_s + 5.0)
     return SlipstreamServer(config, app, shutdown_timeout_s=shutdown_timeout_s, started_at=started_at,
-                            exit_on_engine_failure=exit_on_engine_failure, grpc_port=grpc_port)
+                            exit_on_engine_failure=exit_on_engine_failure, grpc_port=grpc_port, uds=uds,
+                            grpc_uds=grpc_uds, uds_mode=uds_mode)

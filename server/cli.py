@@ -12,6 +12,7 @@ import sys
 import time
 
 from models.registry import DEFAULT_MODEL
+from server.unix_socket import check_path, parse_mode, strip_scheme
 
 log = logging.getLogger("slipstream")
 
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=_env("host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(_env("port", 8000)))
     serve.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 0)), help="0 disables gRPC")
+    serve.add_argument("--uds", default=_env("uds", "") or None, metavar="PATH",
+                       help="serve HTTP on this unix socket instead of --host/--port (no TCP socket is opened); "
+                            "a dead server's socket there is replaced, and the file is removed on exit")
+    serve.add_argument("--grpc-uds", default=_env("grpc-uds", "") or None, metavar="PATH",
+                       help="serve gRPC on this unix socket (PATH or unix:PATH) instead of --grpc-port")
+    serve.add_argument("--uds-mode", type=parse_mode, default=parse_mode(_env("uds-mode", "0600")), metavar="MODE",
+                       help="permissions of the socket files, octal (default 0600: this user only; 0660 lets "
+                            "the group in, e.g. a proxy's)")
     serve.add_argument("--max-queue", type=int, default=int(_env("max-queue", 256)))
     serve.add_argument("--no-prefix-cache", action="store_true", default=bool(_env("no-prefix-cache", "")))
     serve.add_argument("--arrival-wait-ms", type=float, default=float(_env("arrival-wait-ms", 20)),
@@ -112,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
 
-    # Listed for --help only: main() hands `bench ...` to benchmarks/bench before parsing, so serving
+    # Listed for --help only: main() hands `bench ...` to server/bench before parsing, so serving
     # never imports the benchmark code and its flags are defined in one place.
     sub.add_parser("bench", add_help=False,
                    help="load-test a running OpenAI-compatible server (vllm bench serve's flags; bench --help)")
@@ -266,6 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.service import Service, ServiceConfig
 
     started = time.monotonic()
+    uds, grpc_uds = check_socket_paths(args)  # before the slow load
     joined = join_group(args)
     engines, tokenizer, path = build_engines(args, data_parallel=args.data_parallel)
     engine = engines[0]
@@ -293,10 +303,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler.start()
     server = make_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout,
                          log_level=args.log_level, started_at=started, grpc_port=args.grpc_port,
-                         header_timeout_s=args.header_timeout, max_connections=args.max_connections)
-    grpc_note = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
-    print(f"slipstream: ready on http://{args.host}:{args.port}{grpc_note} (model {name}, "
-          f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)
+                         header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                         uds=uds, grpc_uds=grpc_uds, uds_mode=args.uds_mode)
+    grpc_note = (f", gRPC on unix:{grpc_uds}" if grpc_uds else
+                 f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else "")
+    where = f"unix:{uds}" if uds else f"http://{args.host}:{args.port}"
+    server.on_started = lambda: print(f"slipstream: ready on {where}{grpc_note} (model {name}, "
+                                      f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)
 
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a drained shutdown is a clean exit
     def clean_exit(signum, frame):
@@ -313,6 +326,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             group.close()
             exit_now(1 if server.engine_failed or group.lost else 0)
     return 1 if server.engine_failed else 0
+
+
+def check_socket_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """--uds and --grpc-uds as paths, checked (ValueError naming the flag) before the model loads."""
+    uds = check_path(strip_scheme(args.uds), "--uds") if args.uds is not None else None
+    grpc_uds = check_path(strip_scheme(args.grpc_uds), "--grpc-uds") if args.grpc_uds is not None else None
+    if grpc_uds is not None and args.grpc_port:
+        raise ValueError(f"--grpc-port {args.grpc_port} and --grpc-uds {grpc_uds}: choose one")
+    if uds is not None and grpc_uds is not None and os.path.abspath(uds) == os.path.abspath(grpc_uds):
+        raise ValueError(f"--uds and --grpc-uds are both {uds}: each needs its own path")
+    return uds, grpc_uds
 
 
 def check_kernels_package() -> str | None:
@@ -335,7 +359,7 @@ def check_kernels_package() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark client runs no model: it needs no kernels
-        from benchmarks.bench.run import main as bench_main
+        from server.bench.run import main as bench_main
 
         return bench_main(argv[1:])
     if (problem := check_kernels_package()) is not None:
@@ -349,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_serve(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing model file, a busy port, a bad socket path
         print(f"slipstream: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,7 @@ from server.proto import jetstream_pb2 as pb
 from server.proto import jetstream_pb2_grpc as pb_grpc
 from server.service import Generation, Prepared, Service
 from server.structured import Constraint, compile_constraint, json_source
+from server.unix_socket import DEFAULT_MODE, create_with_mode, remove
 
 # SamplingParams names a rejected field; these are the request fields to blame.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
@@ -159,26 +160,49 @@ def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class GrpcServer:
-    """A started grpc.aio server and the port it is bound to (useful when asked for port 0)."""
+    """A started grpc.aio server and the port it is bound to (useful when asked for port 0), or its unix
+    socket path (port 0) and that file's inode."""
 
     server: grpc.aio.Server
     port: int
+    uds: str | None = None
+    uds_inode: int | None = None
 
     async def stop(self, grace: float | None) -> None:
         """Refuse new RPCs now; let running ones finish for `grace` seconds, then cancel them."""
-        await self.server.stop(grace)
+        try:
+            await self.server.stop(grace)
+        finally:
+            if self.uds is not None and self.uds_inode is not None:
+                remove(self.uds, self.uds_inode)  # grpc removes it too; not if the stop failed
 
 
 async def start_grpc_server(service: Service, *, host: str, port: int, api_key: str | None = None,
-                            max_message_bytes: int = 4 << 20) -> GrpcServer:
-    """Start serving Orchestrator on host:port (0: any free port) on the running event loop.
+                            max_message_bytes: int = 4 << 20, uds: str | None = None,
+                            uds_mode: int = DEFAULT_MODE) -> GrpcServer:
+    """Start serving Orchestrator on host:port (0: any free port), or on the unix socket `uds` (a path; no
+    TCP socket then) created with `uds_mode`, on the running event loop.
     `max_message_bytes` bounds a request as HTTP's body limit does (grpc answers RESOURCE_EXHAUSTED)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"gRPC port must be in [0, 65535], got {port}")
+    if uds is not None and port:
+        raise ValueError(f"gRPC listens on a port ({port}) or a unix socket ({uds}), not both")
     # SO_REUSEPORT (grpc's default on Linux) would let a second server share a busy port silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(service, api_key=api_key), server)
+    if uds is not None:
+        # grpc would silently unlink whatever is at the path: create_with_mode refuses a live server's
+        # socket or a file first, and grpc creates the socket file (at add_insecure_port) under its umask
+        def bind() -> int:
+            try:
+                return server.add_insecure_port(f"unix:{uds}")
+            except RuntimeError as exc:
+                raise OSError(f"--grpc-uds {uds}: cannot listen there ({exc})") from exc
+
+        _, inode = create_with_mode(uds, uds_mode, "--grpc-uds", bind)
+        await server.start()
+        return GrpcServer(server, 0, uds, inode)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

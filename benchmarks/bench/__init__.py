@@ -1,3 +1,2 @@
-"""`slipstream bench`: a streaming load generator for any OpenAI-compatible server, with the flag
-names, metric definitions and JSON keys of `vllm bench serve`. It talks HTTP only and never imports
-the engine, so it can measure Slipstream, vLLM or llama.cpp's server alike."""
+"""Lab tools around `slipstream bench` (server/bench/): peer servers, reports, plots and the server-side
+request trace used by the side-by-side comparisons; not installed by the wheel."""

@@ -80,19 +80,25 @@ class LiveServer:
     thread: threading.Thread
     api_key: str | None
     engines: list[MockEngine] = dataclasses.field(default_factory=list)  # one per replica
+    uds: str | None = None  # the unix socket it serves on (`url` then only names the Host)
 
     def client(self, api_key: str | None = None) -> openai.OpenAI:
         # max_retries=0: the client would otherwise retry 429/503 itself and hide them.
+        transport = {"http_client": httpx.Client(transport=httpx.HTTPTransport(uds=self.uds))} if self.uds else {}
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused",
-                             max_retries=0, timeout=10)
+                             max_retries=0, timeout=10, **transport)
 
     def http(self, **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.uds:
+            kwargs.setdefault("transport", httpx.HTTPTransport(uds=self.uds))
         return httpx.Client(base_url=self.url, headers=headers, timeout=10, **kwargs)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample from /metrics, keyed by (name, sorted labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        with httpx.Client(base_url=self.url, transport=transport, timeout=5) as http:
+            text = http.get("/metrics").text
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -124,9 +130,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, interval: floa
 def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
                body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
-               service_config: dict[str, Any] | None = None, replicas: int = 1, **engine_kwargs: Any
-               ) -> LiveServer:
-    """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers."""
+               service_config: dict[str, Any] | None = None, replicas: int = 1, uds: str | None = None,
+               uds_mode: int = 0o600, **engine_kwargs: Any) -> LiveServer:
+    """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers.
+    `uds`: serve on this unix socket path (as `serve --uds`) instead of a loopback port."""
     engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
                      "max_seq_len": 128, "max_slots": 4, "num_pages": 128, **engine_kwargs}
     engines = [MockEngine(**engine_kwargs) for _ in range(replicas)]
@@ -138,17 +145,21 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+    sockets, port = None, 0
+    if uds is None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sockets, port = [sock], sock.getsockname()[1]
     server = make_server(app, "127.0.0.1", port, log_level="warning", shutdown_timeout_s=shutdown_timeout_s,
                          started_at=time.monotonic(), exit_on_engine_failure=exit_on_engine_failure,
-                         header_timeout_s=header_timeout_s, max_connections=max_connections)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+                         header_timeout_s=header_timeout_s, max_connections=max_connections, uds=uds,
+                         uds_mode=uds_mode)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
-    if not wait_for(lambda: server.started, timeout=10):
+    if not wait_for(lambda: server.started or not thread.is_alive(), timeout=10) or not server.started:
         raise RuntimeError("test server did not start within 10 s")
-    return LiveServer(f"http://127.0.0.1:{port}", engine, scheduler, service, server, thread, api_key, engines)
+    url = "http://localhost" if uds else f"http://127.0.0.1:{port}"
+    return LiveServer(url, engine, scheduler, service, server, thread, api_key, engines, uds)
 
 
 @pytest.fixture

@@ -131,7 +131,7 @@ class FakeServer:
 
     def __init__(self, tokenizer_path: str, trace_path: str | None = None) -> None:
         # trace_path: the app is wrapped in benchmarks/bench/trace_server's per-request trace, written there
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.benchmarks.fake_server", tokenizer_path,
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.server.bench_fake_server", tokenizer_path,
                                        *([trace_path] if trace_path else [])],
                                       stdout=subprocess.PIPE, text=True,
                                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--backend", "--endpoint-type", dest="backend", choices=["openai", "openai-chat"],
                         default=None, help="request format (default: openai-chat if --endpoint ends in "
                                            "chat/completions, else openai)")
-    server.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    server.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000, or unix:PATH for a server on "
+                                                         "a unix socket (serve --uds PATH); overrides --host/--port")
+    server.add_argument("--unix-socket", default=None, metavar="PATH",
+                        help="connect through this unix socket, as curl --unix-socket does (the URL then only "
+                             "names the Host header)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--endpoint", default="/v1/completions")
@@ -106,7 +110,7 @@ def load_tokenizer(name: str):
 
 
 def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
-    from benchmarks.bench import datasets
+    from server.bench import datasets
 
     name = "prefix" if args.dataset_name == "prefix_repetition" else args.dataset_name
     if name not in ("sharegpt", "custom") and args.dataset_path:
@@ -159,20 +163,34 @@ async def _arrivals(items: Sequence, offsets: Sequence[float]) -> AsyncIterator:
         yield item
 
 
-async def _first_model(client, base_url: str) -> str:
+def server_address(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(base URL, unix socket path or None) from --base-url (unix:PATH), --host/--port and --unix-socket."""
+    from server.unix_socket import strip_scheme
+
+    base_url, path = args.base_url or f"http://{args.host}:{args.port}", args.unix_socket
+    if base_url.startswith("unix:"):
+        if path is not None:
+            raise ValueError("--base-url unix:... and --unix-socket both name a socket: give one")
+        base_url, path = "http://localhost", strip_scheme(base_url)
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"unix socket {path!r} does not exist (is the server running with --uds {path}?)")
+    return base_url.rstrip("/"), path
+
+
+async def _first_model(client, base_url: str, where: str) -> str:
     async with client.get(f"{base_url}/v1/models") as response:
         response.raise_for_status()
         data = (await response.json()).get("data") or []
     if not data:
-        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"{where}/v1/models lists no model; pass --model")
     return data[0]["id"]
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from benchmarks.bench import client as http
-    from benchmarks.bench import metrics as m
+    from server.bench import client as http
+    from server.bench import metrics as m
     from models.registry import DEFAULT_MODEL
 
     if args.max_concurrency is not None and args.max_concurrency <= 0:
@@ -182,7 +200,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_len is not None:
         args.random_output_len = args.sharegpt_output_len = args.prefix_repetition_output_len = args.output_len
         args.custom_output_len = args.output_len
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    base_url, unix_socket = server_address(args)
+    where = f"unix:{unix_socket}" if unix_socket else base_url  # for messages
     url = base_url + args.endpoint
     backend = args.backend or ("openai-chat" if args.endpoint.rstrip("/").endswith("chat/completions") else "openai")
     kind = "chat" if backend == "openai-chat" else "completions"
@@ -193,9 +212,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--percentile-metrics takes {', '.join(m.METRICS)}; got {', '.join(sorted(unknown))}")
 
-    async with (http.new_http_client(keep_alive=args.keep_alive, max_connections=args.max_concurrency) as client,
-                http.new_http_client() as fresh):
-        model_id = args.model or args.served_model_name or await _first_model(client, base_url)
+    async with (http.new_http_client(keep_alive=args.keep_alive, max_connections=args.max_concurrency,
+                                     unix_socket=unix_socket) as client,
+                http.new_http_client(unix_socket=unix_socket) as fresh):
+        model_id = args.model or args.served_model_name or await _first_model(client, base_url, where)
         tokenizer_id = args.tokenizer or model_id
         try:
             tok = load_tokenizer(tokenizer_id)
@@ -239,7 +259,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 if test.success:
                     break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} did not answer within {args.ready_check_timeout_sec}s: {test.error}")
+                    raise RuntimeError(f"{where}{args.endpoint} did not answer within {args.ready_check_timeout_sec}s: {test.error}")
                 await asyncio.sleep(2)
         if args.num_warmups > 0:
             print(f"warming up with {args.num_warmups} requests", file=sys.stderr)
@@ -314,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slipstream bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        import aiohttp  # noqa: F401 - the transport; an optional dependency of the serving install
+    except ModuleNotFoundError:
+        print("slipstream bench: error: the benchmark client needs aiohttp: pip install 'slipstream[bench]'",
+              file=sys.stderr)
+        return 2
     try:
         return run(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

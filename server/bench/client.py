@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.bench.datasets import SampleRequest
+from server.bench.datasets import SampleRequest
 
 
 @dataclass
@@ -39,12 +39,14 @@ class RequestOutput:
     request_id: str | None = None     # sent as x-request-id, as vLLM does
 
 
-def new_http_client(timeout_s: float = 6 * 3600, *, keep_alive: bool = False,
-                    max_connections: int | None = None) -> aiohttp.ClientSession:
+def new_http_client(timeout_s: float = 6 * 3600, *, keep_alive: bool = False, max_connections: int | None = None,
+                    unix_socket: str | None = None) -> aiohttp.ClientSession:
     """keep_alive: reuse connections between requests (at most max_connections open at once), as vLLM's client
-    and the OpenAI SDK do; otherwise a fresh connection per request. Proxies from the environment are ignored."""
-    connector = (aiohttp.TCPConnector(limit=max_connections or 0, keepalive_timeout=60) if keep_alive
-                 else aiohttp.TCPConnector(limit=0, force_close=True))
+    and the OpenAI SDK do; otherwise a fresh connection per request. Proxies from the environment are ignored.
+    unix_socket: connect to this path (`serve --uds`) instead of the URL's host and port."""
+    pool = (dict(limit=max_connections or 0, keepalive_timeout=60) if keep_alive
+            else dict(limit=0, force_close=True))
+    connector = aiohttp.UnixConnector(unix_socket, **pool) if unix_socket else aiohttp.TCPConnector(**pool)
     return aiohttp.ClientSession(connector=connector, trust_env=False,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=30.0))
 

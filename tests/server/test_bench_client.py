@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.bench import run as bench
-from tests.benchmarks.fake_server import FakeServer, Schedule
+from server.bench import run as bench
+from tests.server.bench_fake_server import FakeServer, Schedule
 
 REL = 0.04   # "within a few percent": means, medians, totals and throughputs
 TAIL = 0.10  # p90/p99 of 84 ITL gaps: a client wake-up delayed ~10 ms on a loaded 2-core host stretches one gap
@@ -128,7 +128,7 @@ def test_every_metric_matches_the_schedule(fake, default_model_path, endpoint, u
 
 
 def test_prompt_and_output_lengths_are_token_exact(fake, default_model_path, tokenizer):
-    from benchmarks.bench.datasets import random_dataset
+    from server.bench.datasets import random_dataset
 
     fake.configure(Schedule(ttft_s=0.005, itl_s=0.001))
     r = run_bench(fake, default_model_path, "--num-prompts", "24", "--random-input-len", "200",
@@ -145,7 +145,7 @@ def test_prompt_and_output_lengths_are_token_exact(fake, default_model_path, tok
 
 
 def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
-    from benchmarks.bench.datasets import prefix_dataset, random_dataset
+    from server.bench.datasets import prefix_dataset, random_dataset
 
     def count(text):
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -164,7 +164,7 @@ def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
 
 
 def test_sharegpt_is_filtered_as_vllm_does(tokenizer, tmp_path):
-    from benchmarks.bench.datasets import sharegpt_dataset
+    from server.bench.datasets import sharegpt_dataset
 
     words = lambda k: " ".join(["word"] * k)  # noqa: E731 ("word word ..." is k tokens or so)
     convs = [{"conversations": [{"from": "human", "value": words(20)}, {"from": "gpt", "value": words(30)}]},
@@ -350,27 +350,3 @@ def test_custom_dataset_sends_the_files_prompts_as_vllm_reads_them(fake, default
                for p in prompts}
     assert r["completed"] == 9 and set(sent) <= set(wrapped) and len(set(sent)) == 6  # 3 drawn again
     assert all(n == 3 for n in fake.stats().max_tokens)
-
-
-def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tmp_path):
-    # bench_agreement compares each client's numbers with the server's own (trace_server's stamps, joined by
-    # x-request-id): on a server with a fixed schedule those are the schedule, and the client adds only its
-    # transport on top
-    from benchmarks.bench import trace_server
-
-    trace = tmp_path / "trace.jsonl"
-    server = FakeServer(default_model_path, str(trace))
-    try:
-        server.configure(Schedule(ttft_s=0.15, itl_s=0.03))
-        r = run_bench(server, default_model_path, "--num-prompts", "8", "--random-input-len", "16",
-                      "--random-output-len", "6", "--max-concurrency", "4", "--request-id-prefix", "run-a-")
-    finally:
-        server.close()
-    joined = trace_server.join_trace(r, "run-a-", trace_server.read_trace(trace, "run-a-"))
-    assert sorted(j["i"] for j in joined) == list(range(8))
-    assert all(abs(j["server_ms"] - 150) < 15 for j in joined), [j["server_ms"] for j in joined]
-    assert all(len(j["server_itl_ms"]) == 5 and all(abs(g - 30) < 10 for g in j["server_itl_ms"]) for j in joined)
-    view = trace_server.server_view(joined, r)
-    assert near(view["server_median_ttft_ms"], 150, 0.05) and near(view["server_median_itl_ms"], 30, 0.1)
-    assert 0 <= view["client_minus_server_median_ttft_ms"] < 10
-    assert abs(view["client_minus_server_median_itl_ms"]) < 3

@@ -1,0 +1,29 @@
+"""benchmarks/bench/trace_server (the server-side request trace bench_agreement joins with the client's
+results) against the fixed-schedule fake server: its stamps are the schedule."""
+from __future__ import annotations
+
+from benchmarks.bench import trace_server
+from tests.server.bench_fake_server import FakeServer, Schedule
+from tests.server.test_bench_client import near, run_bench, shared_tokenizer, tokenizer  # noqa: F401 - fixtures
+
+
+def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tmp_path):
+    # bench_agreement compares each client's numbers with the server's own (trace_server's stamps, joined by
+    # x-request-id): on a server with a fixed schedule those are the schedule, and the client adds only its
+    # transport on top
+    trace = tmp_path / "trace.jsonl"
+    server = FakeServer(default_model_path, str(trace))
+    try:
+        server.configure(Schedule(ttft_s=0.15, itl_s=0.03))
+        r = run_bench(server, default_model_path, "--num-prompts", "8", "--random-input-len", "16",
+                      "--random-output-len", "6", "--max-concurrency", "4", "--request-id-prefix", "run-a-")
+    finally:
+        server.close()
+    joined = trace_server.join_trace(r, "run-a-", trace_server.read_trace(trace, "run-a-"))
+    assert sorted(j["i"] for j in joined) == list(range(8))
+    assert all(abs(j["server_ms"] - 150) < 15 for j in joined), [j["server_ms"] for j in joined]
+    assert all(len(j["server_itl_ms"]) == 5 and all(abs(g - 30) < 10 for g in j["server_itl_ms"]) for j in joined)
+    view = trace_server.server_view(joined, r)
+    assert near(view["server_median_ttft_ms"], 150, 0.05) and near(view["server_median_itl_ms"], 30, 0.1)
+    assert 0 <= view["client_minus_server_median_ttft_ms"] < 10
+    assert abs(view["client_minus_server_median_itl_ms"]) < 3
