@@ -108,7 +108,7 @@ def record(args: argparse.Namespace, section: str, value, shown=None) -> None:
 
 def _g(x: float) -> str:
     """Three significant digits, whatever the scale (a tiny CPU model or an 8B model on a TPU)."""
-    return f"{x:.3g}"
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
 def read_results(path: str) -> dict:
