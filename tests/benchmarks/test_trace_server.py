@@ -1,5 +1,5 @@
-"""benchmarks/bench/trace_server (the server-side request trace bench_agreement joins with the client's
-results) against the fixed-schedule fake server: its stamps are the schedule."""
+"""benchmarks/bench/trace_server (a server-side trace of each request, joined with a client's results) against
+the fixed-schedule fake server: its stamps are the schedule; and its per-step trace."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,8 @@ from tests.server.test_bench_client import near, run_bench, shared_tokenizer, to
 
 
 def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tmp_path):
-    # bench_agreement compares each client's numbers with the server's own (trace_server's stamps, joined by
-    # x-request-id): on a server with a fixed schedule those are the schedule, and the client adds only its
-    # transport on top
+    # a client's numbers against the server's own (trace_server's stamps, joined by x-request-id): on a
+    # server with a fixed schedule those are the schedule, and the client adds only its transport on top
     trace = tmp_path / "trace.jsonl"
     server = FakeServer(default_model_path, str(trace))
     try:
