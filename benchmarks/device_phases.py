@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.device import parse_args, record
-from benchmarks.engine_bench import build, decodes, fill, kv_read_bytes, positions_per_phase
-from benchmarks.engine_roofline import interleaved, median_ms, weight_bytes_read_per_token
-from benchmarks.startup_bench import cpu_model
+from benchmarks.engine import build, decodes, fill, kv_read_bytes, positions_per_phase
+from benchmarks.measure import cpu_model, interleaved, median_ms, weight_bytes_read_per_token
 from engine.api import StepBatch, StepSeq
 from engine.runner import EngineConfig
 from models.config import ModelConfig

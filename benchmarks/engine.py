@@ -1,26 +1,17 @@
-"""Engine speed on the default model, one ragged step at a time: decode steps against a matmul-only
-roofline and the KV read floor, the attention op alone, prefill chunks, and mixed steps (decodes
-plus a prefill chunk in one program) against the same work run as separate steps.
+"""The engine tool: its speed one ragged step at a time, through JaxEngine's Engine protocol.
 
-Drives JaxEngine through its Engine protocol; the references (matmul roofline, weight bytes, read
-speed) are benchmarks/engine_roofline.py's. Every ratio compares numbers measured in the same run,
-interleaved, because the host is shared. Run from the repo root:
-    .venv/bin/python -m benchmarks.engine_bench [--slots 1,8,32] [--context 384] [--quantize q8_0]
-        [--kv-cache-dtype int8] [--out bench.json]
-    .venv/bin/python -m benchmarks.engine_bench --slots 1 --quantize q8_0 --breakdown --breakdown-ops
+    python -m benchmarks.engine [step] [--slots 1,8,32] [--context 384] [--quantize q8_0]
+        [--kv-cache-dtype int8] [--out bench.json]      decode steps against a matmul-only roofline and
+                                                        the KV read floor, the attention op alone, prefill
+                                                        chunks, and a mixed step (decodes + a chunk in one
+                                                        program) against the same work as two steps
+    python -m benchmarks.engine step --slots 1 --breakdown [--breakdown-ops]
+                                                        one decode step part by part (model, sampling,
+                                                        host inputs, matmuls, attention; XLA ops)
+    python -m benchmarks.engine structured [--slots 32] decode with no, one and every row constrained
 
---breakdown times the decode step of the first --slots count part by part. At 32 slots (Intel Xeon,
-2026-12-01, --quantize q8_0 --kv-cache-dtype int8): step 62.8 ms, model 53.1, sampling 10.1, of which
-the greedy argmax's XLA ops took ~6.6; with the two-level argmax (engine/sampling.py) step 57.9,
-sampling 3.8. One slot, measured 2026-11-30 15:49 UTC (AMD EPYC, 2
-logical CPUs, load ~1.8, context 384, q8_0 rounded from floats: 151.4 MB of weights per token; the
-served form, GGUF Q4_1 converted exactly with group offsets, is 164.7 MB; ms): step 7.91, model
-program 6.82, sampling program 0.46, host inputs 0.12, matmuls alone 5.55, attention alone 1.62,
-one read of the weight bytes 4.59. Inside the model program (profiler, 30 layers): gate/up 2.01,
-attention 1.39, LM head 0.99, down 0.98, q/k/v 0.72, o 0.49, the small XLA ops between them ~0.3.
-Before q/k/v and gate/up were fused into stacks read at the layer index (per-layer buffers under a
-lax.switch, 7 calls per layer), the same model program measured 8.01 vs 6.92 ms in one process
-(interleaved, huge pages included).
+The references (matmul roofline, weight bytes, read speed) are benchmarks/measure.py's. Every ratio
+compares numbers measured in the same run, interleaved, because the host is shared.
 """
 from __future__ import annotations
 
@@ -38,9 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.engine_roofline import (copy_seconds, interleaved, matmul_roofline, median_ms,
-                                        weight_bytes_read_per_token)
-from benchmarks.startup_bench import cpu_model
+from benchmarks.measure import (copy_seconds, cpu_model, interleaved, matmul_roofline, median_ms, profile_ops,
+                                weight_bytes_read_per_token)
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -223,8 +213,6 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     times = interleaved(fns, args.steps, args.warmup)
     out = {"slots": slots, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
     if args.breakdown_ops:
-        from benchmarks.profiling import profile_ops
-
         out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
                             for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
         out["sample_ops"] = [{"op": name, "ms": ms, "calls": calls}
@@ -323,7 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["structured"]:
+        from benchmarks.engine_structured import main as structured
+
+        return structured(argv[1:])
+    args = parse_args(argv[1:] if argv[:1] == ["step"] else argv)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}; load {os.getloadavg()}", flush=True)
     # int8 modes load as the server does (GGUF blocks converted exactly, Q4_1's minimum as a group
     # offset), not rounded from floats: the weights and bytes the served decode step streams
@@ -366,4 +359,4 @@ def _kernel_paths() -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
