@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model and engine (the same for the in-process phases and the server)")
     model.add_argument("--model", default="smollm2-135m-instruct")
-    model.add_argument("--load-format", default="auto", help="dummy: random weights of an architecture preset")
+    model.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="dummy: random weights for --model's config (an architecture preset or an HF directory)")
     model.add_argument("--dtype", default="auto")
     model.add_argument("--quantize", default="auto")
     model.add_argument("--kv-cache-dtype", default="auto")
@@ -203,11 +204,15 @@ def _tail(path: str, n: int = 3000) -> str:
 
 
 def run_client(args: argparse.Namespace, uds: str) -> dict:
+    from models.registry import resolve_model  # no JAX: this process must not open the device
+
     out_name = "serving-bench.json"
+    # the file whose tokenizer the server uses (an architecture preset's config for --load-format dummy)
+    tokenizer = resolve_model(args.model, args.load_format)
     cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"unix:{uds}", "--dataset-name", "random",
            "--random-input-len", str(args.serving_input_len), "--random-output-len", str(args.serving_output_len),
            "--ignore-eos", "--num-prompts", str(args.serving_prompts),
-           "--max-concurrency", str(args.serving_concurrency), "--tokenizer", args.model, "--disable-tqdm",
+           "--max-concurrency", str(args.serving_concurrency), "--tokenizer", tokenizer, "--disable-tqdm",
            "--save-result", "--result-dir", args.output_dir, "--result-filename", out_name]
     done = subprocess.run(cmd, env=_cpu_env(), timeout=args.phase_timeout, capture_output=True, text=True)
     print(done.stdout[-4000:], flush=True)

@@ -117,15 +117,17 @@ def linear_flops_per_token(cfg: ModelConfig) -> int:
 
 
 def load(args: argparse.Namespace, config: EngineConfig):
-    """(model config, weights) as `slipstream serve` loads them for these flags."""
+    """(model config, weights) as `slipstream serve` loads them for these flags (server/cli.py)."""
     from models.loader import load_model
-    from models.registry import resolve_model
+    from models.registry import load_dummy, resolve_model
     from quantization.weights import QUANTIZED_MODES
 
-    if args.load_format != "auto":
-        raise SystemExit(f"--load-format {args.load_format}: not supported by this checkout's loader")
+    path = resolve_model(args.model, args.load_format)
     mode = config.weight_mode()
-    return load_model(resolve_model(args.model), quantize=mode if mode in QUANTIZED_MODES else "none")
+    quantize = mode if mode in QUANTIZED_MODES else "none"
+    if args.load_format == "dummy":  # drawn on the device, int8 ones directly
+        return load_dummy(path, dtype=config.activation_dtype(), quantize=quantize)
+    return load_model(path, quantize=quantize)
 
 
 def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: float | None) -> None:
