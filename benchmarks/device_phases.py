@@ -102,11 +102,15 @@ def matmul(args: argparse.Namespace, cfg: ModelConfig, float_dtype) -> dict:
     return {"k": k, "n": n, "layers": layers, "rows": rows}
 
 
+# weight modes whose prefill multiplies int8 activations (int8-channel: per-token scales in prefill chunks)
+INT8_ACTIVATIONS = ("q8_0", "int8-channel")
+
+
 def matmul_kind(weight_mode: str, float_dtype) -> str:
-    """Which matmul of the matmul phase the engine's linear layers run."""
+    """Which matmul of the matmul phase the engine's linear layers run in a prefill chunk."""
     if weight_mode == "none":
         return "f32" if jnp.dtype(float_dtype) == jnp.float32 else "bf16"
-    return "w8a16" if weight_mode.endswith("a16") else "w8a8"
+    return "w8a8" if weight_mode in INT8_ACTIVATIONS else "w8a16"
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
@@ -132,9 +136,10 @@ def load(args: argparse.Namespace, config: EngineConfig):
 
 def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: float | None) -> None:
     budget = max(args.prefill_tokens, max(args.slots) + 1)
-    longest = max(args.context + positions_per_phase(args.steps, args.warmup) + 1, budget)
+    longest = args.context + positions_per_phase(args.steps, args.warmup) + 1
     start = time.perf_counter()
-    setup = build(cfg, params, slots=max(args.slots), longest=longest, page_size=args.page_size,
+    # decode slots hold their context; only the scratch slot holds a whole prefill chunk
+    setup = build(cfg, params, slots=max(args.slots), longest=longest, scratch=budget, page_size=args.page_size,
                   max_seq_len=longest, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   quantize=args.quantize, max_num_batched_tokens=budget, context=args.context)
     engine = setup.engine

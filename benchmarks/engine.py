@@ -64,29 +64,39 @@ def positions_per_phase(steps: int, warmup: int) -> int:
     return 2 * (steps + warmup)
 
 
-def build(cfg: ModelConfig, params, *, slots: int, longest: int, page_size: int | None, max_seq_len: int,
-          dtype: str, kv_cache_dtype: str, quantize: str, max_num_batched_tokens: int,
+def engine_page_size(page_size: int | None) -> int:
+    """The page size an engine built with this --page-size uses (None: its default for the backend)."""
+    if page_size:
+        return page_size
+    if EngineConfig().page_size:
+        return EngineConfig().page_size
+    from kernels.attention import kv_layout  # the backend's attention layout chooses
+
+    return kv_layout(jax.default_backend()).page_size
+
+
+def build(cfg: ModelConfig, params, *, slots: int, longest: int, scratch: int, page_size: int | None,
+          max_seq_len: int, dtype: str, kv_cache_dtype: str, quantize: str, max_num_batched_tokens: int,
           context: int) -> Setup:
-    """An engine with `slots` decode slots plus one scratch slot for prefill chunks, each holding
-    `longest` tokens in its own pages (page_size None: the engine's default)."""
-    sizes = {} if page_size is None else {"page_size": page_size}
-    page = page_size or EngineConfig().page_size
-    per_seq = pages_needed(longest, page)
-    config = EngineConfig(max_slots=slots + 1, max_seq_len=max(max_seq_len, longest), num_pages=(slots + 1) * per_seq + 1,
-                          dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantize=quantize,
-                          max_num_batched_tokens=max_num_batched_tokens, **sizes)
+    """An engine with `slots` decode slots of `longest` tokens each plus one scratch slot of `scratch`
+    tokens for prefill chunks, every slot in its own pages."""
+    page = engine_page_size(page_size)
+    per_seq, per_scratch = pages_needed(longest, page), pages_needed(max(scratch, longest), page)
+    config = EngineConfig(max_slots=slots + 1, max_seq_len=max(max_seq_len, longest, scratch), page_size=page,
+                          num_pages=slots * per_seq + per_scratch + 1, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                          quantize=quantize, max_num_batched_tokens=max_num_batched_tokens)
     start = time.perf_counter()
     engine = JaxEngine(cfg, params, config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
-    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots + 1)]
+    pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots)]
+    pages.append(list(range(1 + slots * per_seq, 1 + slots * per_seq + per_scratch)))
     return Setup(engine, pages, context)
 
 
 def build_from_args(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
     # the scratch slot also takes the mixed step's chunk: up to the whole token budget
-    longest = max(args.context + positions_per_phase(args.steps, args.warmup) + 1, max(args.prefill_lengths),
-                  args.max_num_batched_tokens)
-    return build(cfg, params, slots=max(args.slots), longest=longest, page_size=args.page_size,
+    return build(cfg, params, slots=max(args.slots), longest=args.context + positions_per_phase(args.steps, args.warmup)
+                 + 1, scratch=max(max(args.prefill_lengths), args.max_num_batched_tokens), page_size=args.page_size,
                  max_seq_len=args.max_seq_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                  quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens, context=args.context)
 
