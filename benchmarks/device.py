@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import importlib.util
 import json
 import os
 import shutil
@@ -228,6 +229,8 @@ def run_client(args: argparse.Namespace, uds: str) -> dict:
 
 
 def serving_phase(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("aiohttp") is None:  # before a server start that costs minutes
+        raise RuntimeError("the serving phase runs slipstream bench, which needs aiohttp (pip install -e '.[bench]')")
     # a short path: unix socket paths are limited to ~107 bytes
     work = tempfile.mkdtemp(prefix="slip-dev-")
     uds, cache = os.path.join(work, "serve.sock"), os.path.join(work, "jax-cache")
