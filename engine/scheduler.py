@@ -272,8 +272,8 @@ class Scheduler:
         with self._cv:
             started, listeners = time.perf_counter(), self._step_listeners
             plan = planner.plan()
-            event = listeners and StepEvent(started, time.perf_counter() - started, plan, len(planner.running),
-                                            tuple(s.request_id for s in planner.waiting))
+            event = StepEvent(started, time.perf_counter() - started, plan, len(planner.running),
+                              tuple(s.request_id for s in planner.waiting)) if listeners else None
             self._unbind.extend(plan.freed_slots)
             planner.advance(plan)
         for listener in listeners:
