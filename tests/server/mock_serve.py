@@ -1,5 +1,5 @@
-"""`slipstream serve` (server.cli.main, the real command) over MockEngine and the byte tokenizer, in a child
-process where Python cannot make a TCP or UDP socket, as on the lent TPU machine:
+"""`slipstream serve` (server.cli.main, the real command) over MockEngine and the byte tokenizer, for tests that
+run it in a child process (test_unix_socket.py runs it where TCP sockets fail, as on the lent TPU machine):
 
     python -m tests.server.mock_serve [--step-sleep-s S] serve --uds PATH ...
 
@@ -7,20 +7,10 @@ Everything after the model load is the product's code: flags, path checks, liste
 """
 from __future__ import annotations
 
-import socket
 import sys
 
 from engine.mock_engine import MockEngine
 from tests.server.conftest import EOS, ByteTokenizer
-
-_INET = {socket.AF_INET, socket.AF_INET6}
-
-
-class _NoInetSocket(socket.socket):
-    def __init__(self, family: int = -1, *args, **kwargs) -> None:
-        if family in _INET or (family == -1 and not args and not kwargs.get("fileno")):
-            raise PermissionError(f"this test forbids TCP/UDP sockets (family {family})")
-        super().__init__(family, *args, **kwargs)
 
 
 def main(argv: list[str]) -> int:
@@ -31,13 +21,11 @@ def main(argv: list[str]) -> int:
         step_sleep_s, argv = float(argv[1]), argv[2:]
 
     def build_engines(args, *, max_slots=None, data_parallel=1):
-        print("slipstream-test: loading the model", file=sys.stderr, flush=True)
         engine = MockEngine(vocab_size=ByteTokenizer.vocab_size, eos_token_ids=frozenset({EOS}), max_seq_len=128,
                             max_slots=4, num_pages=128, step_sleep_s=step_sleep_s)
         return [engine], ByteTokenizer(), "mock-model"
 
     server.cli.build_engines = build_engines
-    socket.socket = _NoInetSocket  # type: ignore[misc]
     return server.cli.main(argv)
 
 
