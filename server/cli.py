@@ -141,6 +141,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
+    log.info("device: %s", device_summary())
     path = resolve_model(args.model, args.load_format)
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
@@ -173,7 +174,31 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                  engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
                  engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
+    log.info("kernels on %s: %s", jax_backend(), ", ".join(f"{k} {v}" for k, v in sorted(kernel_paths_here().items())))
     return engines, tokenizer, path
+
+
+def jax_backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def device_summary() -> str:
+    """What serves: jax's default backend (an accelerator when one is installed) and its devices."""
+    import jax
+
+    devices = jax.devices()
+    return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()} backend, {jax.__version__})"
+
+
+def kernel_paths_here() -> dict[str, str]:
+    """Each kernel's path on the default backend: kernels.native's "native" kernels are CPU-only (the
+    programs pick them with lax.platform_dependent), so elsewhere that op runs the pure-JAX reference."""
+    from kernels import kernel_paths
+
+    cpu = jax_backend() == "cpu"
+    return {k: v if cpu or v != "native" else "reference" for k, v in kernel_paths().items()}
 
 
 def join_group(args: argparse.Namespace):
