@@ -2,9 +2,10 @@
 
 Each tensor is drawn on the default device with jax.random, in the activation dtype or directly in
 the quantized format (group-wise int8: random int8 and one scale per tensor, packed on the host), so
-no float copy of the model ever exists; a stacked weight's other layers are rotations of its first. Scales follow the usual init: linears
-N(0, 1/fan_in) (int8 ones uniform with that spread), embeddings uniform with spread 0.02, norms 1, biases 0, so
-activations stay finite and the logits vary.
+no float copy of the model ever exists; a stacked weight's other layers are rotations of its first.
+Spreads follow the usual init: linears 1/sqrt(fan_in) (normal, or uniform int8), embeddings 0.02
+(uniform int8 times a scale, so a tied int8 head is exact), norms 1, biases 0: activations stay
+finite and the logits vary.
 """
 from __future__ import annotations
 

@@ -133,6 +133,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
     own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
+    from server.device_info import device_summary, kernel_summary
     from engine.runner import EngineConfig, JaxEngine
     from engine.sharding import replica_devices
     from models.loader import load_model, read_gguf
@@ -174,31 +175,8 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                  engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
                  engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
-    log.info("kernels on %s: %s", jax_backend(), ", ".join(f"{k} {v}" for k, v in sorted(kernel_paths_here().items())))
+    log.info("kernels on %s", kernel_summary())
     return engines, tokenizer, path
-
-
-def jax_backend() -> str:
-    import jax
-
-    return jax.default_backend()
-
-
-def device_summary() -> str:
-    """What serves: jax's default backend (an accelerator when one is installed) and its devices."""
-    import jax
-
-    devices = jax.devices()
-    return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()} backend, {jax.__version__})"
-
-
-def kernel_paths_here() -> dict[str, str]:
-    """Each kernel's path on the default backend: kernels.native's "native" kernels are CPU-only (the
-    programs pick them with lax.platform_dependent), so elsewhere that op runs the pure-JAX reference."""
-    from kernels import kernel_paths
-
-    cpu = jax_backend() == "cpu"
-    return {k: v if cpu or v != "native" else "reference" for k, v in kernel_paths().items()}
 
 
 def join_group(args: argparse.Namespace):
