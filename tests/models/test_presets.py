@@ -122,8 +122,13 @@ def test_synthetic_tokenizer_has_the_vocabulary_and_round_trips(name):
 
 
 def test_preset_tokenizer_is_what_serving_loads():
+    """`slipstream bench --model qwen3-0.6b` counts tokens with the tokenizer the dummy server uses."""
+    from benchmarks.bench.run import load_tokenizer as bench_tokenizer
+
     path = resolve_model("qwen3-0.6b", "dummy")
-    assert load_tokenizer(path).vocab_size == 151936
+    served, counted = load_tokenizer(path), bench_tokenizer("qwen3-0.6b")
+    assert served.vocab_size == counted.vocab_size == 151936
+    assert served.encode("some text") == counted.encode("some text")
 
 
 def test_preset_without_dummy_load_format_fails_clearly(capsys):
