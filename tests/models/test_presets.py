@@ -157,7 +157,9 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
     want = {path: leaf.shape for path, leaf in _weights(abstract).items()}
     got = {path: leaf.shape for path, leaf in _weights(model).items()}
     if cfg.tie_embeddings and quantize != "none":
-        assert got.pop("lm_head.w") == (cfg.hidden_size, cfg.vocab_size)  # int8 rows of the table
+        assert got.pop("lm_head.w") == (cfg.hidden_size, cfg.vocab_size)  # int8 rows of the table, exact
+        head = np.asarray(model.lm_head.w.get_value().dequantize())[:, :256]
+        np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
     assert got == want
     if quantize != "none":
         from quantization import QuantizedWeight
