@@ -2,9 +2,10 @@
 
 Each tensor is drawn on the default device with jax.random, in the activation dtype or directly in
 the quantized format (group-wise int8: random int8 and one scale per tensor, packed on the host), so
-no float copy of the model ever exists; a stacked weight's other layers are rotations of its first. Scales follow the usual init: linears
-N(0, 1/fan_in) (int8 ones uniform with that spread), embeddings uniform with spread 0.02, norms 1, biases 0, so
-activations stay finite and the logits vary.
+no float copy of the model ever exists; a stacked weight's other layers are rotations of its first.
+Spreads follow the usual init: linears 1/sqrt(fan_in) (normal, or uniform int8), embeddings 0.02
+(uniform int8 times a scale, so a tied int8 head is exact), norms 1, biases 0: activations stay
+finite and the logits vary.
 """
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
     undeclared = sorted(set(variables) - set(declared))
     if undeclared:  # a module weight without a declaration is a bug in the architecture file
         raise RuntimeError(f"{type(model).__name__} declares no weight for {undeclared}")
-    key = jax.random.key(seed)
+    key, embed_q = jax.random.key(seed), None
     bar = tqdm(sorted(variables), unit="tensor", desc=f"dummy weights ({quantize})", file=sys.stderr,
                disable=not progress, leave=False)
     for index, path in enumerate(bar):
@@ -143,8 +144,10 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         elif weight.linear and quantize != "none":
             value = _draw_quantized(tensor_key, shape, quantize, dtype)
         elif path == ("embed", "table"):  # int8 times one scale: a tied int8 LM head is exact
-            embed_q = _int8_device(tensor_key, shape)
-            value = embed_q.astype(dtype) * jnp.asarray(_embed_scale(), dtype)
+            q = _int8_device(tensor_key, shape)
+            value = q.astype(dtype) * jnp.asarray(_embed_scale(), dtype)
+            embed_q = q if cfg.tie_embeddings and quantize in GROUPWISE else None
+            del q
         else:
             value = _draw(tensor_key, path, weight, shape, dtype, offsets)
         var.set_value(value)
@@ -154,7 +157,7 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         from quantization.groupwise import GROUP, pack_one
 
         head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
-        q = np.asarray(embed_q)
+        q, embed_q = np.asarray(embed_q), None
         scales = np.full((cfg.vocab_size, -(-cfg.hidden_size // GROUP)), _embed_scale(), np.float32)
         head.w.set_value(pack_one((q, scales), quantize))
         model.lm_head = head

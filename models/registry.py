@@ -75,6 +75,13 @@ def load_tokenizer(path: str, reader=None):
     return Tokenizer.from_gguf_metadata(gguf_metadata(reader or read_gguf(path)))
 
 
+def tokenizer_for(name_or_path: str):
+    """The tokenizer a model name stands for, as `slipstream bench` counts tokens: an architecture
+    preset's is the synthetic one its dummy serving uses."""
+    load_format = "dummy" if name_or_path in architecture_presets() else "auto"
+    return load_tokenizer(resolve_model(name_or_path, load_format))
+
+
 def _read_config(config_path: str) -> dict:
     try:
         with open(config_path) as f:

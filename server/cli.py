@@ -142,6 +142,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
     own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
+    from server.device_info import device_summary, kernel_summary
     from engine.runner import EngineConfig, JaxEngine
     from engine.sharding import replica_devices
     from models.loader import load_model, read_gguf
@@ -150,6 +151,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
+    log.info("device: %s", device_summary())
     path = resolve_model(args.model, args.load_format)
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
@@ -182,6 +184,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                  engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
                  engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
+    log.info("kernels on %s", kernel_summary())
     return engines, tokenizer, path
 
 

@@ -122,8 +122,13 @@ def test_synthetic_tokenizer_has_the_vocabulary_and_round_trips(name):
 
 
 def test_preset_tokenizer_is_what_serving_loads():
+    """`slipstream bench --model qwen3-0.6b` counts tokens with the tokenizer the dummy server uses."""
+    from benchmarks.bench.run import load_tokenizer as bench_tokenizer
+
     path = resolve_model("qwen3-0.6b", "dummy")
-    assert load_tokenizer(path).vocab_size == 151936
+    served, counted = load_tokenizer(path), bench_tokenizer("qwen3-0.6b")
+    assert served.vocab_size == counted.vocab_size == 151936
+    assert served.encode("some text") == counted.encode("some text")
 
 
 def test_preset_without_dummy_load_format_fails_clearly(capsys):
@@ -143,8 +148,8 @@ def test_dummy_needs_a_config(tmp_path):
         resolve_model("qwen3-0.6b", "safetensors")
 
 
-@pytest.mark.parametrize("name", sorted(PUBLIC))
-@pytest.mark.parametrize("quantize", ["none", "q8_0-a16"])
+@pytest.mark.parametrize("name, quantize", [*((n, "q8_0-a16") for n in sorted(PUBLIC)),
+                                            ("gemma-3-1b", "none"), ("qwen3-0.6b", "none")])
 def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
     cfg = ModelConfig.from_hf_json(os.path.join(shrunk_dir(tmp_path, name), "config.json"))
     abstract = build_abstract(cfg)
@@ -152,7 +157,9 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
     want = {path: leaf.shape for path, leaf in _weights(abstract).items()}
     got = {path: leaf.shape for path, leaf in _weights(model).items()}
     if cfg.tie_embeddings and quantize != "none":
-        assert got.pop("lm_head.w") == (cfg.hidden_size, cfg.vocab_size)  # int8 rows of the table
+        assert got.pop("lm_head.w") == (cfg.hidden_size, cfg.vocab_size)  # int8 rows of the table, exact
+        head = np.asarray(model.lm_head.w.get_value().dequantize())[:, :256]
+        np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
     assert got == want
     if quantize != "none":
         from quantization import QuantizedWeight
@@ -163,6 +170,18 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
     assert np.isfinite(logits).all()
     assert 0.1 < logits.std() < 100
     assert len(set(logits.argmax(-1).ravel().tolist())) > 4  # not one token everywhere
+
+
+def test_other_int8_formats_are_drawn_a_layer_at_a_time():
+    """A quantized format other than the group-wise one goes through quantization's public
+    quantize_weight one layer at a time (here q8_0 itself, the path a TPU format takes)."""
+    from models.dummy import _draw_quantized
+
+    w = _draw_quantized(jax.random.key(0), (3, 64, 32), "q8_0", jnp.float32)
+    assert w.shape == (3, 64, 32)
+    dense = np.asarray(w.dequantize())
+    assert not np.allclose(dense[0], dense[1])  # each layer its own weights
+    assert dense.std() == pytest.approx(1 / 8, rel=0.1)  # N(0, 1/fan_in)
 
 
 def _weights(model) -> dict:

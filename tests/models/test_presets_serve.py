@@ -79,3 +79,4 @@ def test_generate_runs_a_dummy_preset_directory(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), out.stderr[-3000:]
     assert "random: --load-format dummy" in out.stderr
+    assert "device: 1 x cpu (cpu backend" in out.stderr and "kernels on cpu: " in out.stderr
