@@ -31,9 +31,9 @@ serve: $(RUNTIME_STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-# The full fault soak (benchmarks/soak.py): about 11 minutes on loopback.
+# The full fault soak (tests/soak/soak.py): about 11 minutes on loopback.
 soak: $(TEST_STAMP)
-	$(PY) -m benchmarks.soak
+	$(PY) -m tests.soak.soak
 
 # Builds the image with buildah on a debootstrapped base and runs it (needs root, buildah,
 # debootstrap, curl; caches under ~/.cache/slipstream). About 8 min cold, under 1 min warm.

@@ -6,8 +6,7 @@ Each server in turn: start on a loopback port, wait until a completion succeeds,
 at each concurrency, stop it. Writes this machine's report (benchmarks/results.d/<machine>.compare.md, then
 rebuilds benchmarks/RESULTS.md), a PNG plot and the per-run JSON files.
 Every server run holds /tmp/slipstream-bench.lock, so timing runs on a shared machine stay serialized.
-`--check-vllm-bench` instead runs our client and `vllm bench serve` on one server, for agreement (on a
-Slipstream server through benchmarks/bench_agreement.py, which also times each request by the server's clock).
+`--check-vllm-bench` instead runs our client and `vllm bench serve` on one server, for agreement.
 Takes minutes and builds peers: not part of `make test`.
 """
 from __future__ import annotations
@@ -199,19 +198,6 @@ def check_vllm_bench(args) -> int:
     """Our client and `vllm bench serve` against one server, same workload, alternating: A B B A."""
     from models.registry import DEFAULT_MODEL, resolve_model
 
-    if args.check_vllm_bench in ("slipstream", "slipstream-fast"):
-        # bench_agreement also times every request by the server's own clock: a statistic that moves between
-        # runs (the median TTFT at 32 concurrent flips by a whole step) is then compared within each run
-        from benchmarks import bench_agreement
-
-        c = int(args.concurrency.split(",")[0])
-        flags = "--max-slots 32" + (f" {args.slipstream_fast_flags}" if args.check_vllm_bench == "slipstream-fast" else "")
-        argv = ["--rounds", str(args.repeats), "--concurrency", str(c),
-                "--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * c)),
-                "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", str(args.seed),
-                "--port", str(args.base_port), "--server-args", flags]
-        with bench_lock(args.lock):
-            return bench_agreement.main(argv + (["--result-dir", args.result_dir] if args.result_dir else []))
     gguf = resolve_model(DEFAULT_MODEL)
     (spec,), _ = server_specs([args.check_vllm_bench], args, gguf)
     vllm_bin = peers.ensure_vllm()

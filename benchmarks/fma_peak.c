@@ -1,6 +1,6 @@
 /* This machine's f32 FMA peak: every core runs independent AVX-512 (or AVX2) FMA chains at once.
  * Each thread's rate is its flops over its own CPU time (CLOCK_THREAD_CPUTIME_ID), so other load on a
- * shared host lowers the wall-clock rate but not this one. Built and run by benchmarks/ttft_bound.py:
+ * shared host lowers the wall-clock rate but not this one. Built and run by benchmarks/measure.py:
  *     gcc -O2 -march=native -pthread fma_peak.c -o fma_peak && ./fma_peak <threads> */
 #include <immintrin.h>
 #include <pthread.h>

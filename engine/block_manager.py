@@ -101,7 +101,7 @@ class BlockManager:
         """Once the prefix cache holds the rest of the pool, no `want` consecutive pages are free:
         evict exactly the cached pages of the window of `want` pages, each free or idle cached,
         that costs the cache least, so the new sequence's pages are one run (without, growth pages
-        come one LRU page at a time from all over the pool; benchmarks/page_placement_bench.py).
+        come one LRU page at a time from all over the pool; git show 7a65341:benchmarks/page_placement_bench.py).
         Nothing if there is no such window or the admission cannot get its `needed` free pages:
         the allocator then takes the longest runs, as before. After a prefix-cache hit ending at
         page `after`, the window from after + 1 wins ties, so that hit and new pages are one run."""
@@ -121,7 +121,7 @@ def cheapest_window(open_: np.ndarray, last_use: np.ndarray, want: int, follows:
     used (the oldest newest use), or `prefer` if it loses no more; None if there is none. Lost: the cached pages in the window and
     the run of pages after it chained to it (`follows`: cached, parent in the page before), which
     eviction drops with them. Fewest first: a free page that windows leave out stays free, and
-    the cache holds less (benchmarks/page_placement_bench.py, f32 pool, shared heads: 310 idle
+    the cache holds less (git show 7a65341:benchmarks/page_placement_bench.py, f32 pool, shared heads: 310 idle
     cached pages and 6912 hit tokens when ranked by age first, 368 and 7552 so)."""
     evictable = last_use > 0
     usable = np.concatenate(([0], np.cumsum(open_ | evictable)))

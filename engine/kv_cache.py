@@ -18,7 +18,7 @@ class PageAllocator:
 
     Placement: the attention kernel reads a sequence's pages faster when they are consecutive
     ascending ids (a KV head's keys are then one forward run of memory; int8 KV ~1.6x, see
-    benchmarks/page_placement_bench.py). An owner (a running sequence) that says how many pages it
+    git show 7a65341:benchmarks/page_placement_bench.py). An owner (a running sequence) that says how many pages it
     will hold in all gets its first pages at the start of a free run that long (best fit), and the
     rest of the run is claimed for it, so that its growth takes page last + 1. A claim is soft:
     other allocations avoid claimed pages, but take them rather than fail, so capacity is the

@@ -21,11 +21,11 @@ from engine.output import Completion, Emit, OutputProcessor, RequestMetrics, Req
 from engine.request import FinishReason, Request
 from engine.schedule import Plan, StepPlanner
 from engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
-                                  SchedulerStats, generate_all)
+                                  SchedulerStats, StepEvent, generate_all)
 from engine.sequence import Sequence, Status
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
-           "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "generate_all"]
+           "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class Scheduler:
         self._output = OutputProcessor(tokenizer, self._release, self._on_finish)
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._listeners: list[Callable[[RequestMetrics], None]] = []
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
         # Guarded by _cv: shared with submitters, cancel(), stats() and the output thread. The
         # engine thread holds it for host bookkeeping only, never across an engine call.
         self._cv = threading.Condition()
@@ -156,6 +157,11 @@ class Scheduler:
 
     def add_listener(self, fn: Callable[[RequestMetrics], None]) -> None:
         self._listeners = [*self._listeners, fn]  # copy: the output thread iterates it unlocked
+
+    def add_step_listener(self, fn: Callable[[StepEvent], None]) -> None:
+        """Call fn with every planned step, on the engine thread before the step launches (tracing,
+        benchmarks): it must return quickly, and what it raises fails the engine."""
+        self._step_listeners = [*self._step_listeners, fn]
 
     def shutdown(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -269,9 +275,14 @@ class Scheduler:
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
         with self._cv:
+            started, listeners = time.perf_counter(), self._step_listeners
             plan = planner.plan()
+            event = StepEvent(started, time.perf_counter() - started, plan, len(planner.running),
+                              tuple(s.request_id for s in planner.waiting)) if listeners else None
             self._unbind.extend(plan.freed_slots)
             planner.advance(plan)
+        for listener in listeners:
+            listener(event)
         if plan.preempted:
             self._count(self._counts, "preemptions", len(plan.preempted))
         self._count(self._counts, "prefilled_tokens", plan.prefill_tokens)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     from engine.output import Completion, RequestStream
     from engine.request import Request
+    from engine.schedule import Plan
 
 
 class Overloaded(Exception):
@@ -50,6 +51,16 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
                              f"largest step; got {self.max_num_batched_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEvent:
+    """One planned step, as step listeners see it (Scheduler.add_step_listener)."""
+    planned_at: float             # time.perf_counter() when the planner was asked
+    plan_seconds: float           # how long planning took
+    plan: Plan                    # what the step runs: its chunks, preemptions, freed slots
+    running: int                  # sequences running after planning
+    waiting: tuple[str, ...]      # request ids still waiting
 
 
 @dataclasses.dataclass(frozen=True)

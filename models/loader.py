@@ -54,11 +54,29 @@ def trim_host_heap() -> None:
         pass
 
 
+_ROWS_AT_ONCE = 1 << 22  # weights rounded per quantize_rows call: its f32 temporaries stay ~16 MiB each
+
+
 def _q8_rows(arr) -> Q8Rows:
-    """A checkpoint linear [out, in], float or already Q8 rows -> Q8 rows."""
+    """A checkpoint linear [out, in], float (any dtype) or already Q8 rows -> Q8 rows. Rounded a block
+    of rows at a time (each row's groups are its own), so a vocabulary-sized LM head needs no f32 copy
+    of itself and of quantize_rows' temporaries next to it."""
     from quantization.groupwise import quantize_rows
 
-    return arr if isinstance(arr, tuple) else quantize_rows(arr)
+    if isinstance(arr, tuple):
+        return arr
+    n, k = arr.shape
+    step = max(1, _ROWS_AT_ONCE // max(k, 1))
+    if n <= step:
+        return quantize_rows(arr)
+    q = np.empty((n, k), np.int8)
+    d = None
+    for start in range(0, n, step):
+        q_part, d_part = quantize_rows(arr[start:start + step])
+        if d is None:
+            d = np.empty((n, d_part.shape[1]), d_part.dtype)
+        q[start:start + step], d[start:start + step] = q_part, d_part
+    return q, d
 
 
 # get(checkpoint name, declaration, expected checkpoint shape) -> the tensor, Q8 rows, or None
@@ -152,33 +170,30 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, str, np.ndarray]]:
-    from safetensors import SafetensorError, safe_open
-
-    for file in files:
-        try:
-            with safe_open(file, framework="flax") as f:
-                for name in f.keys():
-                    yield file, name, np.asarray(f.get_tensor(name).astype("float32"))
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"{file}: cannot read safetensors file ({e})") from None
-
-
 def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
                 quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
+    """Tensors are read one at a time as _assemble asks for them (models/safetensors_file.py): with a
+    group-wise `quantize`, host memory holds the int8 model plus one float tensor being rounded."""
+    from models.safetensors_file import SafetensorsError, index_files
+
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model directory)")
     cfg = ModelConfig.from_hf_json(cfg_path)
-    tensors: dict[str, tuple[str, np.ndarray]] = {}
-    for file, name, arr in _iter_safetensors(_safetensors_files(path)):
-        tensors[name] = (file, arr)
+    try:
+        where = index_files(_safetensors_files(path))
+    except SafetensorsError as e:
+        raise ModelLoadError(str(e)) from None
 
     def get(name: str, w: Weight, shape: tuple[int, ...]) -> np.ndarray | None:
-        if name not in tensors:
+        if name not in where:
             return None
-        file, arr = tensors[name]
-        return _check_shape(file, name, arr, shape)
+        file = where[name]
+        try:
+            arr = file.read(name)
+        except SafetensorsError as e:
+            raise ModelLoadError(str(e)) from None
+        return _check_shape(file.path, name, arr, shape)
 
     return cfg, _assemble(cfg, get, lambda w: w.hf, path, dtype, progress, quantize)
 

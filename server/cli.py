@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from models.registry import DEFAULT_MODEL
+from models.registry import DEFAULT_MODEL, architecture_presets
 from server.unix_socket import check_path, parse_mode, strip_scheme
 from server.startup_checks import check_args
 
@@ -35,6 +35,10 @@ def _env(name: str, default):
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_env("model", DEFAULT_MODEL),
                    help=f"preset name or path to an HF directory / .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--load-format", default=_env("load-format", "auto"), choices=["auto", "dummy"],
+                   help="dummy: random weights for --model's config (an architecture preset: "
+                        f"{', '.join(architecture_presets())}; or an HF directory with a config.json), "
+                        "no checkpoint read")
     p.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-slots", type=int, default=int(_env("max-slots", 32)))
     p.add_argument("--max-seq-len", type=int, default=int(_env("max-seq-len", 2048)))
@@ -145,15 +149,17 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
     own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
     from engine.compile_count import enable_compilation_cache
+    from server.device_info import device_summary, kernel_summary
     from engine.runner import EngineConfig, JaxEngine
     from engine.sharding import replica_devices
     from models.loader import load_model, read_gguf
-    from models.registry import load_tokenizer, resolve_model
+    from models.registry import load_dummy, load_tokenizer, resolve_model
     from quantization.weights import QUANTIZED_MODES
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
-    path = resolve_model(args.model)
+    log.info("device: %s", device_summary())
+    path = resolve_model(args.model, args.load_format)
     config = EngineConfig(max_slots=max_slots or args.max_slots, page_size=args.page_size,
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -163,13 +169,18 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     slices = replica_devices(args.tensor_parallel, data_parallel) if data_parallel > 1 else [None]
     start = time.perf_counter()
     mode = config.weight_mode()
-    # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
-    reader = None if os.path.isdir(path) else read_gguf(path)  # parsed once for weights and tokenizer
-    model_cfg, model = load_model(path, dtype="float32", progress=progress,
-                                  quantize=mode if mode in QUANTIZED_MODES else "none", reader=reader)
-    tokenizer = load_tokenizer(path, reader)
-    del reader
-    log.info("loaded %s in %.1fs (weights: %s)", path, time.perf_counter() - start, mode)
+    quantize = mode if mode in QUANTIZED_MODES else "none"
+    if args.load_format == "dummy":  # drawn tensor by tensor, int8 ones directly: no float model either
+        model_cfg, model = load_dummy(path, dtype=config.activation_dtype(), quantize=quantize, progress=progress)
+        tokenizer = load_tokenizer(path)
+    else:
+        # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole
+        reader = None if os.path.isdir(path) else read_gguf(path)  # parsed once for weights and tokenizer
+        model_cfg, model = load_model(path, dtype="float32", progress=progress, quantize=quantize, reader=reader)
+        tokenizer = load_tokenizer(path, reader)
+        del reader
+    log.info("loaded %s in %.1fs (weights: %s%s)", path, time.perf_counter() - start, mode,
+             ", random: --load-format dummy" if args.load_format == "dummy" else "")
     engines = []
     for replica, devices in enumerate(slices):
         engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
@@ -180,6 +191,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                  engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
                  engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
+    log.info("kernels on %s", kernel_summary())
     return engines, tokenizer, path
 
 
@@ -295,8 +307,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              arrival_wait_ms=args.arrival_wait_ms)
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
     scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
-    name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
-        os.path.normpath(path)))
+    named = args.model == DEFAULT_MODEL or args.model in architecture_presets()
+    name = args.served_model_name or (args.model if named else os.path.basename(os.path.normpath(args.model)))
     service = Service(scheduler, engine, tokenizer,
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
                                     max_requests_per_client=args.max_requests_per_client))

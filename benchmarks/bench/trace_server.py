@@ -13,8 +13,7 @@ With SLIPSTREAM_TRACE_STEPS=FILE it also appends one JSON line per planned step:
 (perf_counter), its decodes, its prefill chunks (request id, start, length, whether it samples) and the
 requests still waiting, so a request's TTFT can be split into the steps it waited for.
 
-read_trace / join_trace / server_view read a trace back against a client's --save-detailed results
-(benchmarks/bench_agreement.py).
+read_trace / join_trace / server_view read a trace back against a client's --save-detailed results.
 """
 from __future__ import annotations
 
@@ -23,8 +22,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+
+from engine.scheduler import StepEvent
 
 
 class TraceRequests:
@@ -113,24 +115,18 @@ def server_view(joined: list[dict], client: dict) -> dict[str, float]:
     return out
 
 
-def trace_steps(path: str) -> None:
-    """Wrap StepPlanner.plan to append one JSON line per plan (see the module docstring)."""
-    from engine import schedule
-
+def step_writer(path: str) -> Callable[[StepEvent], None]:
+    """A scheduler step listener appending one JSON line per planned step (see the module docstring)."""
     out = open(path, "a", buffering=1, encoding="utf-8")
-    plan = schedule.StepPlanner.plan
 
-    def traced_plan(self, *args, **kwargs):
-        t = time.perf_counter()
-        result = plan(self, *args, **kwargs)
-        chunks = [c for c in result.chunks if c.length > 1 or c.start < c.seq.prefill_end]
+    def write(event: StepEvent) -> None:
+        chunks = [c for c in event.plan.chunks if c.length > 1 or c.start < c.seq.prefill_end]
         out.write(json.dumps({
-            "t": t, "decodes": len(result.chunks) - len(chunks), "running": len(self.running),
+            "t": event.planned_at, "decodes": len(event.plan.chunks) - len(chunks), "running": event.running,
             "prefill": [[c.seq.request_id, c.start, c.length, c.sample] for c in chunks],
-            "waiting": [s.request_id for s in self.waiting]}) + "\n")
-        return result
+            "waiting": list(event.waiting)}) + "\n")
 
-    schedule.StepPlanner.plan = traced_plan
+    return write
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     create_app = server.app.create_app
 
-    def traced_create_app(*args, **kwargs):
-        app = create_app(*args, **kwargs)
+    steps = os.environ.get("SLIPSTREAM_TRACE_STEPS")
+
+    def traced_create_app(service, *args, **kwargs):
+        app = create_app(service, *args, **kwargs)
         app.add_middleware(TraceRequests, path=path)
+        if steps:
+            for scheduler in service.scheduler.replicas:
+                scheduler.add_step_listener(step_writer(steps))
         return app
 
-    if os.environ.get("SLIPSTREAM_TRACE_STEPS"):
-        trace_steps(os.environ["SLIPSTREAM_TRACE_STEPS"])
     server.app.create_app = traced_create_app  # cmd_serve imports it from server.app when it runs
     return cli.main(argv)
 

@@ -104,9 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(name: str):
-    from models.registry import load_tokenizer as load, resolve_model
+    from models.registry import tokenizer_for
 
-    return load(resolve_model(name))
+    return tokenizer_for(name)
 
 
 def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:

@@ -1,6 +1,8 @@
-"""benchmarks/bench/trace_server (the server-side request trace bench_agreement joins with the client's
-results) against the fixed-schedule fake server: its stamps are the schedule."""
+"""benchmarks/bench/trace_server (a server-side trace of each request, joined with a client's results) against
+the fixed-schedule fake server: its stamps are the schedule; and its per-step trace."""
 from __future__ import annotations
+
+import json
 
 from benchmarks.bench import trace_server
 from tests.server.bench_fake_server import FakeServer, Schedule
@@ -8,9 +10,8 @@ from tests.server.test_bench_client import near, run_bench, shared_tokenizer, to
 
 
 def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tmp_path):
-    # bench_agreement compares each client's numbers with the server's own (trace_server's stamps, joined by
-    # x-request-id): on a server with a fixed schedule those are the schedule, and the client adds only its
-    # transport on top
+    # a client's numbers against the server's own (trace_server's stamps, joined by x-request-id): on a
+    # server with a fixed schedule those are the schedule, and the client adds only its transport on top
     trace = tmp_path / "trace.jsonl"
     server = FakeServer(default_model_path, str(trace))
     try:
@@ -27,3 +28,22 @@ def test_the_server_trace_times_each_request_as_the_server_did(default_model_pat
     assert near(view["server_median_ttft_ms"], 150, 0.05) and near(view["server_median_itl_ms"], 30, 0.1)
     assert 0 <= view["client_minus_server_median_ttft_ms"] < 10
     assert abs(view["client_minus_server_median_itl_ms"]) < 3
+
+
+def test_step_trace_lists_each_step_prefill_chunks_and_decodes(tmp_path):
+    # SLIPSTREAM_TRACE_STEPS: one line per planned step, from the scheduler's step listener
+    from engine.mock_engine import MockEngine
+    from tests.engine.scheduler_helpers import WAIT, chain, req, running
+
+    path = tmp_path / "steps.jsonl"
+    engine = MockEngine(max_slots=2, page_size=4, max_num_batched_tokens=8, step_sleep_s=0.001)
+    with running(engine, enable_prefix_cache=False) as sched:
+        sched.add_step_listener(trace_server.step_writer(str(path)))
+        stream = sched.submit(req(list(range(40, 52)), 3))
+        assert stream.result(timeout=WAIT).token_ids == chain(list(range(40, 52)), 3)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    ran = [line for line in lines if line["prefill"] or line["decodes"]]
+    rid = ran[0]["prefill"][0][0]
+    assert [line["prefill"] for line in ran[:2]] == [[[rid, 0, 8, False]], [[rid, 8, 4, True]]]
+    assert [line["decodes"] for line in ran] == [0, 0, 1, 1]
+    assert all(a["t"] <= b["t"] for a, b in zip(lines, lines[1:]))

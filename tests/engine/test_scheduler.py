@@ -11,7 +11,7 @@ import pytest
 
 from engine.mock_engine import MockEngine
 from engine.request import FinishReason
-from engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig
+from engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StepEvent
 from tests.engine.scheduler_helpers import (WAIT, ByteTokenizer, ascii_prompt, assert_all_released,
                                             chain, req, running, text_of, wait_for)
 
@@ -308,6 +308,25 @@ def test_metrics_listener_gets_queue_time_ttft_and_token_latencies():
     assert m2.ttft_s >= m2.queue_time_s
     assert len(m1.tpot_s) == 9 and all(t >= 0.004 for t in m1.tpot_s)
     assert m1.finish_reason is FinishReason.LENGTH
+
+
+def test_step_listener_sees_every_step_the_engine_runs():
+    engine = MockEngine(max_slots=1, page_size=4, max_num_batched_tokens=8, step_sleep_s=0.002)
+    got: list[StepEvent] = []
+    with running(engine, enable_prefix_cache=False) as sched:
+        sched.add_step_listener(got.append)
+        first = sched.submit(req(list(range(40, 52)), 3))   # 12 tokens: chunks of 8 and 4
+        second = sched.submit(req([60, 61], 2))            # waits for the only slot
+        assert first.result(timeout=WAIT).token_ids == chain(list(range(40, 52)), 3)
+        assert second.result(timeout=WAIT).token_ids == chain([60, 61], 2)
+    ran = [e for e in got if e.plan.chunks]
+    # each step the engine ran, in order, as the listener saw its plan
+    assert [[(c.start, c.length) for c in e.plan.chunks] for e in ran] == \
+        [[(s, n) for _, s, n, _ in step] for step in engine.steps]
+    assert [(c.start, c.length) for c in ran[0].plan.chunks] == [(0, 8)]
+    assert any(e.running == 1 and len(e.waiting) == 1 for e in ran)  # the second one waited for the slot
+    assert ran[-1].waiting == () and all(e.plan_seconds >= 0 for e in got)
+    assert all(a.planned_at <= b.planned_at for a, b in zip(got, got[1:]))
 
 
 # ---- one step in flight while the next is planned -------------------------------------------------

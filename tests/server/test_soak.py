@@ -1,4 +1,4 @@
-"""The short fault soak (benchmarks/soak.py --short, ~20 s) as part of the suite: disconnects, a 10x
+"""The short fault soak (tests/soak/soak.py --short, ~20 s) as part of the suite: disconnects, a 10x
 flood, a slow reader and a SIGTERM drain against a MockEngine server in a child process."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_short_soak_passes_its_checks() -> None:
-    run = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--short"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "tests.soak.soak", "--short"], cwd=ROOT, capture_output=True,
                          text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)

@@ -1,28 +1,51 @@
-"""The engine's sampling program alone (JaxEngine._sample_step, its [slots, V] state donated as in
+"""The kernel tool: each hot op of kernels/ alone, against what bounds it, measured in the same run.
+
+    python -m benchmarks.kernel attention [--seqs 32] [--context 384] [--kv-dtypes float32,int8] [--prefill T]
+    python -m benchmarks.kernel int8 [--reps 20] [--rows 256]       the group-wise int8 matmul
+    python -m benchmarks.kernel f32 [--rows 256 1 32] [--layers 30]  the native f32 matmul
+    python -m benchmarks.kernel sampling [--rows 1,32] [--scale 3] [--logits model]
+    python -m benchmarks.kernel SUBCOMMAND --help
+
+attention and int8 live in benchmarks/kernel_attention.py and kernel_int8.py; their docstrings say
+what they measure.
+
+sampling: The engine's sampling program alone (JaxEngine._sample_step, its [slots, V] state donated as in
 the engine), with the native sampling kernel and with its JAX reference, compiled in one process and
 timed in alternation, per sampling setting and row count. Rows are N(0, --scale) logits over the
 default model's vocab (49152); flatter rows (smaller scale) put the top-p nucleus past more tokens.
 With --logits model the rows are instead the default model's next-token logits after 32 passages of
 benchmarks/data/eval.txt (64 tokens each), and the table also gives how many tokens the top-p 0.9
-nucleus spans at temperature 1 (median and max over the rows). Run from the repo root:
-    .venv/bin/python -m benchmarks.sampling_bench [--rows 1,32] [--scale 3] [--reps 30] [--logits model]
+nucleus spans at temperature 1 (median and max over the rows).
+
+f32: The native f32 matmul (kernels/f32_matmul.py) against XLA's f32 dot on the default model's linear
+shapes, in GFLOP/s and as a share of the cores' f32 FMA peak (benchmarks/fma_peak.c).
+
+Each case multiplies one input by L distinct weights of one shape in one program (L = the model's
+layer count, so the weights stream from memory as they do in a step: the layers' weights together
+exceed the last-level cache). Each product is written out whole (an optimization barrier keeps XLA
+from fusing its dot into the reduction that follows, which would skip writing the output), and each
+product's input depends on the one before, so one output buffer at a time is live, as in the model.
+Times: median wall, and the process's CPU time per call spread over the cores (what a quiet machine
+would reach; other load on a shared host lowers only the wall rate).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.startup_bench import cpu_model
+from benchmarks.measure import cpu_model, cpu_timed, fma_peak_gflops
 from engine.request import SamplingParams
 from engine.runner import JaxEngine
 from engine.sampling import SamplingArrays
 from engine.structured import mask_words
+from kernels import f32_matmul as fm
 from kernels import sampling as ks
 
 SETTINGS = {
@@ -77,8 +100,9 @@ def nucleus(logits: np.ndarray, top_p: float) -> tuple[int, int]:
     return int(np.median(sizes)), int(sizes.max())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def sampling(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel sampling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,32")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--scale", type=float, default=3.0)
@@ -119,5 +143,81 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads x 64 (q 576), 3 KV heads x 64 (k/v 192)
+SHAPES = {"q/k/v fused": (576, 960), "q, o": (576, 576), "k, v": (576, 192),
+          "gate/up fused": (576, 3072), "gate, up": (576, 1536), "down": (1536, 576)}
+
+
+def f32(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel f32", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[256, 1, 32])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--reps", type=int, default=7)
+    args = p.parse_args(argv)
+    if not fm.native_available():
+        print("kernels._f32_matmul is not built (or SLIPSTREAM_KERNELS=reference)")
+        return 1
+    import kernels._f32_matmul as ext
+
+    cores = os.cpu_count() or 1
+    peak = fma_peak_gflops(cores)
+    print(f"CPU: {cpu_model()}, {cores} cores; kernel isa {ext.isa()}; jax {jax.__version__}; "
+          f"load {os.getloadavg()}; f32 FMA peak {peak:.0f} GFLOP/s" if peak else "")
+    rng = np.random.default_rng(0)
+    print(f"{'shape':>14} {'K':>5} {'N':>5} {'M':>4} | {'XLA wall':>9} {'cpu':>9} {'GF/s':>6} {'%pk':>4} | "
+          f"{'native wall':>11} {'cpu':>9} {'GF/s':>6} {'%pk':>4} | {'GB/s':>5} | speed-up (cpu)")
+    for m in args.rows:
+        for label, (k, n) in SHAPES.items():
+            ws = rng.standard_normal((args.layers, k, n), np.float32) * 0.02
+            dense = [jnp.asarray(w) for w in ws]
+            packed = jnp.asarray(fm.pack(ws))
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+
+            def chain(matmul, x):
+                # each product's input depends on the previous product, so they run in order and each
+                # output dies before the next is written (as in the model's layer loop)
+                total = jnp.zeros((), jnp.float32)
+                for i in range(args.layers):
+                    y = jax.lax.optimization_barrier(matmul(x + total * 0.0, i))
+                    total = total + y.sum()
+                return total
+
+            xla = jax.jit(lambda ws, x: chain(lambda x, i: jnp.dot(x, ws[i]), x))
+            native = jax.jit(lambda packed, x: chain(lambda x, i: fm.f32_matmul(x, packed, n=n, layer=i), x))
+
+            flops = 2.0 * m * k * n * args.layers
+            xw, xc = cpu_timed(lambda: xla(dense, x), args.reps)
+            nw, nc = cpu_timed(lambda: native(packed, x), args.reps)
+            pk = lambda s: f"{flops / s / 1e9 / peak:4.0%}" if peak else "   -"  # noqa: E731
+            print(f"{label:>14} {k:5d} {n:5d} {m:4d} | {xw * 1e3:7.2f}ms {xc * 1e3:7.2f}ms {flops / xc / 1e9:6.1f} {pk(xc)} | "
+                  f"{nw * 1e3:9.2f}ms {nc * 1e3:7.2f}ms {flops / nc / 1e9:6.1f} {pk(nc)} | "
+                  f"{ws.nbytes / nw / 1e9:5.1f} | x{xc / nc:.2f} (wall x{xw / nw:.2f})")
+    return 0
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "attention":
+        from benchmarks.kernel_attention import main as attention
+
+        attention(rest)
+        return 0
+    if command == "int8":
+        from benchmarks.kernel_int8 import main as int8
+
+        int8(rest)
+        return 0
+    if command == "f32":
+        return f32(rest)
+    if command == "sampling":
+        return sampling(rest)
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

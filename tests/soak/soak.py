@@ -8,11 +8,11 @@ mid-stream. Bounded in request count and time. It asserts at the end that
 - /metrics reconciles with the client's counts (successes, cancellations, 429s, no errors);
 - SIGTERM drains: /ready answers 503 while the listener is open, streams finish, exit code 0.
 
-    python -m benchmarks.soak                # about 10 minutes of load
-    python -m benchmarks.soak --short        # ~20 s, what `make test` runs (tests/server/test_soak.py)
+    python -m tests.soak.soak                # about 10 minutes of load
+    python -m tests.soak.soak --short        # ~20 s, what `make test` runs (tests/server/test_soak.py)
 
 MockEngine continues a prompt byte by byte ("A" -> "BCD..."), so every text is known in advance.
-The server side is benchmarks/soak_server.py, the clients benchmarks/soak_traffic.py; this file runs
+The server side is tests/soak/soak_server.py, the clients tests/soak/soak_traffic.py; this file runs
 the phases and checks the outcome.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.soak_server import rss_bytes, serve, start_server, wait_idle
-from benchmarks.soak_traffic import Counts, flood, load, one_request, sigterm_drain
+from tests.soak.soak_server import rss_bytes, serve, start_server, wait_idle
+from tests.soak.soak_traffic import Counts, flood, load, one_request, sigterm_drain
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def check(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.soak.soak", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command")
     srv = sub.add_parser("serve", help="(internal) the MockEngine server the soak drives")
     srv.add_argument("--port", type=int, required=True)

@@ -15,44 +15,19 @@ Three measurements in one run, so their ratios share the machine's state:
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts).
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
-Run from the repo root, serialized with other timing runs:
-    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.int8_matmul_bench [--reps 20]
-
-Measured 2026-11-30 15:42 UTC, AMD EPYC (2 logical CPUs, Zen 4 class, AVX512-VNNI), load ~2 from other
-jobs, --reps 15: decode step share q8_0 73% (24.2 of 30.4 GB/s), q8_0-a16 71% (with random offsets);
-per shape (q8_0): q/k/v 70%, o 57%, gate/up 77%, down 77%, LM head 84%. Each call pays ~5-7 us
-beyond its streaming time (the pool's wake-up of the helper, the tail of the last item), which
-the small shapes feel most; a helper lingering between calls (threading(linger_us=100)) measured
-worse on this shared host (x1.19 step time), one thread alone x1.46.
-
-Fourth session (same machine kind, 2 vCPUs shared with two other engineers' jobs, load 1.8-3; the probe
-swung 26-48 GB/s between reps, so only same-rep ratios mean anything). Per-call profile (profile(), new):
-  - one_row_call's calls are independent, so XLA runs two at once, each on one thread (a helper ran in
-    ~5% of the calls): the "decode step" share above is not how the engine runs them; its share was
-    75-80% today (3-15 reps) at load ~2, 57% in a rep set where the probe jumped to 46 GB/s;
-  - in sequence (the new line), the helper starts 0.1-0.5 us after it is scheduled (median; XLA's pool
-    threads spin before they sleep) and finishes within ~1.5 us of the caller: the wake-up is not the
-    ~5-7 us per call it was thought to be. Inside the 121 calls the kernel read at 81-87% of the probe
-    (quiet reps), and the step share was 65-69%: the rest is between the calls, 11.5-12.6 us per call
-    here, against 3.3 us per link for a chain of tiny kernel calls (0.2 us inside them) and 0.8 us for a
-    chain of XLA adds. Tried and dropped (same-process A/B, interleaved, no gain that held up across
-    runs): claiming each thread's next item early and prefetching its first 2 KiB per tile into L2
-    (x1.04 step / x1.12 576x576 at load 2, x0.99-1.00 at load 3), prefetchnta for the weight stream
-    (between-call time 11.8 -> 11.6 us, step share unchanged), a helper lingering 100 us (x0.84-0.92).
-  Next: find what XLA does for ~9 us after a large kernel call that it does not after a tiny one.
+    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.measure import cpu_model
 from kernels import native
 from kernels import q8_matmul as q8
 
@@ -63,17 +38,6 @@ LM_HEAD = (576, 49152)
 N_LAYERS = 30
 PREFILL_SHAPES = {"q/k/v 576x960": (576, 960), "o 576x576": (576, 576), "k/v 576x192": (576, 192),
                   "gate/up 576x3072": (576, 3072), "down 1536x576": (1536, 576), "lm_head 576x49152": LM_HEAD}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def l3_bytes() -> int:
@@ -214,14 +178,15 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
               f"the time at near {pairs[0][0]} far {pairs[0][1]}", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel int8", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rows", default="256", help="comma-separated row counts for the f32 comparison")
     parser.add_argument("--prefetch", default="", metavar="NEAR:FAR,...",
                         help="also time the chained decode step at these one-row prefetch distances (bytes into "
                              "L1 and L2; the CPU's own setting is printed first)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
     import kernels._q8_matmul as ext
@@ -277,6 +242,3 @@ def main() -> None:
             print(f"    {name:20} {m:>4} | {np.median(t_f32) * 1e3:8.3f} {ops / np.median(t_f32) / 1e9:8.1f} | {row}",
                   flush=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -3,17 +3,16 @@ and every row constrained to a JSON schema, and the host time of the grammars pe
 
 The engine holds 3N slots: each mode owns N sequences (own slots, pages and grammar state), and the
 modes take turns step by step, so every mode sees the same background load. Run from the repo root:
-    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.structured_bench [--slots 32]
+    flock /tmp/slipstream-bench.lock .venv/bin/python -m benchmarks.engine structured [--slots 32]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 
+from benchmarks.measure import cpu_model
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -65,12 +64,12 @@ class Group:
         return seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.engine structured", description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=32, help="sequences per mode (the engine holds 3x)")
     ap.add_argument("--steps", type=int, default=60, help="timed decode steps per mode")
     ap.add_argument("--out", help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     path = resolve_model(DEFAULT_MODEL)
     tokenizer = load_tokenizer(path)
@@ -106,8 +105,8 @@ def main() -> None:
             after = (engine.mask_seconds, engine.advance_seconds, engine.masked_rows)
             host[name] = [h + a - b for h, a, b in zip(host[name], after, before)]
 
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout.strip()
-    results = {"machine": cpu or platform.processor(), "slots": n, "model": DEFAULT_MODEL, "steps": args.steps}
+    cpu = cpu_model()
+    results = {"machine": cpu, "slots": n, "model": DEFAULT_MODEL, "steps": args.steps}
     base = n / statistics.median(times["unconstrained"])
     print(f"{cpu}\ndefault model, {n} rows per step, {args.steps} decode steps per mode taken in turns "
           "(median step time)")

@@ -1,6 +1,6 @@
 """The soak's clients: requests whose every text is known in advance (MockEngine continues a prompt
 byte by byte), sent closed-loop, as an open-loop flood, or as streams in flight through a SIGTERM;
-each outcome is tallied in Counts. What must hold afterwards is benchmarks/soak.py's check().
+each outcome is tallied in Counts. What must hold afterwards is tests/soak/soak.py's check().
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.soak_server import scrape
+from tests.soak.soak_server import scrape
 
 
 def expected(prompt: str, max_tokens: int) -> str:

@@ -1,26 +1,17 @@
-"""Engine speed on the default model, one ragged step at a time: decode steps against a matmul-only
-roofline and the KV read floor, the attention op alone, prefill chunks, and mixed steps (decodes
-plus a prefill chunk in one program) against the same work run as separate steps.
+"""The engine tool: its speed one ragged step at a time, through JaxEngine's Engine protocol.
 
-Drives JaxEngine through its Engine protocol; the references (matmul roofline, weight bytes, read
-speed) are benchmarks/engine_roofline.py's. Every ratio compares numbers measured in the same run,
-interleaved, because the host is shared. Run from the repo root:
-    .venv/bin/python -m benchmarks.engine_bench [--slots 1,8,32] [--context 384] [--quantize q8_0]
-        [--kv-cache-dtype int8] [--out bench.json]
-    .venv/bin/python -m benchmarks.engine_bench --slots 1 --quantize q8_0 --breakdown --breakdown-ops
+    python -m benchmarks.engine [step] [--slots 1,8,32] [--context 384] [--quantize q8_0]
+        [--kv-cache-dtype int8] [--out bench.json]      decode steps against a matmul-only roofline and
+                                                        the KV read floor, the attention op alone, prefill
+                                                        chunks, and a mixed step (decodes + a chunk in one
+                                                        program) against the same work as two steps
+    python -m benchmarks.engine step --slots 1 --breakdown [--breakdown-ops]
+                                                        one decode step part by part (model, sampling,
+                                                        host inputs, matmuls, attention; XLA ops)
+    python -m benchmarks.engine structured [--slots 32] decode with no, one and every row constrained
 
---breakdown times the decode step of the first --slots count part by part. At 32 slots (Intel Xeon,
-2026-12-01, --quantize q8_0 --kv-cache-dtype int8): step 62.8 ms, model 53.1, sampling 10.1, of which
-the greedy argmax's XLA ops took ~6.6; with the two-level argmax (engine/sampling.py) step 57.9,
-sampling 3.8. One slot, measured 2026-11-30 15:49 UTC (AMD EPYC, 2
-logical CPUs, load ~1.8, context 384, q8_0 rounded from floats: 151.4 MB of weights per token; the
-served form, GGUF Q4_1 converted exactly with group offsets, is 164.7 MB; ms): step 7.91, model
-program 6.82, sampling program 0.46, host inputs 0.12, matmuls alone 5.55, attention alone 1.62,
-one read of the weight bytes 4.59. Inside the model program (profiler, 30 layers): gate/up 2.01,
-attention 1.39, LM head 0.99, down 0.98, q/k/v 0.72, o 0.49, the small XLA ops between them ~0.3.
-Before q/k/v and gate/up were fused into stacks read at the layer index (per-layer buffers under a
-lax.switch, 7 calls per layer), the same model program measured 8.01 vs 6.92 ms in one process
-(interleaved, huge pages included).
+The references (matmul roofline, weight bytes, read speed) are benchmarks/measure.py's. Every ratio
+compares numbers measured in the same run, interleaved, because the host is shared.
 """
 from __future__ import annotations
 
@@ -38,9 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.engine_roofline import (copy_seconds, interleaved, matmul_roofline, median_ms,
-                                        weight_bytes_read_per_token)
-from benchmarks.startup_bench import cpu_model
+from benchmarks.measure import (copy_seconds, cpu_model, interleaved, matmul_roofline, median_ms, profile_ops,
+                                weight_bytes_read_per_token)
 from engine.api import SlotState, StepBatch, StepSeq
 from engine.kv_cache import pages_needed
 from engine.request import SamplingParams
@@ -61,23 +51,54 @@ class Setup:
     engine: JaxEngine
     pages: list[list[int]]     # slot -> its pages (slot max_slots - 1 is the prefill scratch sequence)
     context: int
-    step: int = 0              # decode steps taken: positions advance from context
+    step: int = 0              # decode steps taken in this phase: positions advance from context
+
+    def rewind(self) -> None:
+        """Start a phase at `context` again (its decodes overwrite the last phase's K/V there): every
+        phase measures the same context, and the pages per sequence need not grow with the phases."""
+        self.step = 0
 
 
-def build(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
-    slots = max(args.slots) + 1                      # + one for prefill chunks
-    # the scratch slot also takes the mixed step's chunk: up to the whole token budget
-    longest = max(args.context + args.warmup * 4 + args.steps * 4 + 2, max(args.prefill_lengths),
-                  args.max_num_batched_tokens or 0)
-    per_seq = pages_needed(longest, args.page_size)
-    config = EngineConfig(max_slots=slots, page_size=args.page_size, max_seq_len=args.max_seq_len,
-                          num_pages=slots * per_seq + 1, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens)
+def positions_per_phase(steps: int, warmup: int) -> int:
+    """Decode positions one phase may advance: the mixed phase's two variants each take one per round."""
+    return 2 * (steps + warmup)
+
+
+def engine_page_size(page_size: int | None) -> int:
+    """The page size an engine built with this --page-size uses (None: its default for the backend)."""
+    if page_size:
+        return page_size
+    if EngineConfig().page_size:
+        return EngineConfig().page_size
+    from kernels.attention import kv_layout  # the backend's attention layout chooses
+
+    return kv_layout(jax.default_backend()).page_size
+
+
+def build(cfg: ModelConfig, params, *, slots: int, longest: int, scratch: int, page_size: int | None,
+          max_seq_len: int, dtype: str, kv_cache_dtype: str, quantize: str, max_num_batched_tokens: int,
+          context: int) -> Setup:
+    """An engine with `slots` decode slots of `longest` tokens each plus one scratch slot of `scratch`
+    tokens for prefill chunks, every slot in its own pages."""
+    page = engine_page_size(page_size)
+    per_seq, per_scratch = pages_needed(longest, page), pages_needed(max(scratch, longest), page)
+    config = EngineConfig(max_slots=slots + 1, max_seq_len=max(max_seq_len, longest, scratch), page_size=page,
+                          num_pages=slots * per_seq + per_scratch + 1, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                          quantize=quantize, max_num_batched_tokens=max_num_batched_tokens)
     start = time.perf_counter()
     engine = JaxEngine(cfg, params, config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
     pages = [list(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots)]
-    return Setup(engine, pages, args.context)
+    pages.append(list(range(1 + slots * per_seq, 1 + slots * per_seq + per_scratch)))
+    return Setup(engine, pages, context)
+
+
+def build_from_args(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup:
+    # the scratch slot also takes the mixed step's chunk: up to the whole token budget
+    return build(cfg, params, slots=max(args.slots), longest=args.context + positions_per_phase(args.steps, args.warmup)
+                 + 1, scratch=max(max(args.prefill_lengths), args.max_num_batched_tokens), page_size=args.page_size,
+                 max_seq_len=args.max_seq_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                 quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens, context=args.context)
 
 
 def fill(setup: Setup, seed: int) -> None:
@@ -136,6 +157,7 @@ def kv_read_bytes(setup: Setup, batch: int) -> int:
 
 def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float, args) -> dict:
     engine, cfg = setup.engine, setup.engine.model_cfg
+    setup.rewind()
 
     def step():
         engine.step(StepBatch(decodes(setup, batch)))
@@ -162,6 +184,7 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     --breakdown-ops, the model and sampling programs' XLA ops by time (profiler)."""
     engine, cfg = setup.engine, setup.engine.model_cfg
     slots = args.slots[0]
+    setup.rewind()
 
     def batch():
         return StepBatch(decodes(setup, slots))
@@ -200,8 +223,6 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     times = interleaved(fns, args.steps, args.warmup)
     out = {"slots": slots, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
     if args.breakdown_ops:
-        from benchmarks.profiling import profile_ops
-
         out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
                             for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
         out["sample_ops"] = [{"op": name, "ms": ms, "calls": calls}
@@ -236,6 +257,7 @@ def measure_mixed(setup: Setup, batch: int, args) -> dict:
     """`batch` decodes plus a prefill chunk filling the rest of the budget in one step, against the
     same decodes and the same chunk as two separate steps."""
     engine, rng = setup.engine, np.random.default_rng(2)
+    setup.rewind()
     slot = engine.max_slots - 1
     n = engine.max_num_batched_tokens - batch
     prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
@@ -299,13 +321,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["structured"]:
+        from benchmarks.engine_structured import main as structured
+
+        return structured(argv[1:])
+    args = parse_args(argv[1:] if argv[:1] == ["step"] else argv)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}; load {os.getloadavg()}", flush=True)
     # int8 modes load as the server does (GGUF blocks converted exactly, Q4_1's minimum as a group
     # offset), not rounded from floats: the weights and bytes the served decode step streams
     int8 = args.quantize if args.quantize in QUANTIZED_MODES else "none"
     cfg, params = load_model(resolve_model(args.model), quantize=int8)
-    setup = build(cfg, params, args)
+    setup = build_from_args(cfg, params, args)
     engine = setup.engine
     fill(setup, seed=0)
     _, read_s = copy_seconds(256 << 20, reps=5)
@@ -342,4 +369,4 @@ def _kernel_paths() -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

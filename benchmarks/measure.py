@@ -1,12 +1,22 @@
-"""What benchmarks/engine_bench.py judges the engine's step against, measured in the same run: a
-jitted program of only the decode step's matmuls on the engine's own weights (the roofline), the
-weight bytes a decode step must read, and this host's copy and read speed. Also the round-robin
-timer every engine_bench number comes from. Nothing here builds or steps an engine.
+"""How the lab measures: the round-robin timer every engine and kernel number comes from, CPU-time
+rates, this host's copy and read speed, its name and f32 FMA peak, XLA ops by time (profiler), and
+what the engine's step is judged against in the same run: a jitted program of only the decode step's
+matmuls on the engine's own weights (the roofline) and the weight bytes a decode step must read.
+Nothing here builds or steps an engine.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import glob
+import gzip
+import json
+import os
+import platform
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from typing import Callable
 
@@ -40,6 +50,40 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int, warmup: int) ->
     return times
 
 
+def cpu_timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """(median wall seconds, CPU seconds per call / cores): the second ignores other processes."""
+    jax.block_until_ready(fn())
+    times = []
+    cpu = time.process_time()
+    for _ in range(reps):
+        times.append(_timed(fn))
+    return statistics.median(times), (time.process_time() - cpu) / reps / (os.cpu_count() or 1)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def fma_peak_gflops(threads: int) -> float | None:
+    """This machine's f32 FMA peak over `threads` cores (benchmarks/fma_peak.c, per CPU-second); None
+    without a C compiler."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "fma_peak")
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+        subprocess.run([cc, "-O2", "-march=native", "-pthread", src, "-o", exe], check=True)
+        return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
+
+
 def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
     """Median seconds to copy nbytes between two existing buffers (memcpy) and to read them once
     (an XLA sum). A jitted jnp.copy is no use here: its fresh 256 MB output is page-faulted in on
@@ -54,6 +98,29 @@ def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
 @jax.jit
 def _read(x: jax.Array) -> jax.Array:
     return jnp.sum(x)
+
+
+# Host-side runtime events, not XLA ops
+_HOST = ("$", "Thunk", "Pjit", "PjRt", "Allocate", "Handle", "Parse", "Execute", "Await")
+
+
+def profile_ops(fn: Callable[[], object], reps: int, top: int) -> list[tuple[str, float, int]]:
+    """XLA ops by total time per call, from a profiler trace: (name, ms per call, calls per step).
+    Ops on the two host threads overlap, so the sum exceeds the step's wall time."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(fn())
+        with gzip.open(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and not any(k in e["name"] for k in _HOST):
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+    return [(name, us / reps / 1e3, count[name] // reps) for name, us in total.most_common(top)]
 
 
 def _leaf_bytes(tree) -> int:

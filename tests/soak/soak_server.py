@@ -1,4 +1,4 @@
-"""The soak's server under test: a MockEngine server in a child process (`python -m benchmarks.soak
+"""The soak's server under test: a MockEngine server in a child process (`python -m tests.soak.soak
 serve`, run by start_server), and what the soak reads of it from outside: /metrics, the process's
 RSS, and when it holds no request, slot or page any more. No load is generated here.
 """
@@ -74,9 +74,9 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "benchmarks.soak", "serve", "--port", str(port), "--max-slots", str(args.max_slots),
+    cmd = [sys.executable, "-m", "tests.soak.soak", "serve", "--port", str(port), "--max-slots", str(args.max_slots),
            "--max-queue", str(args.max_queue), "--step-sleep", str(args.step_sleep), "--shutdown-timeout", "20"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
     proc = subprocess.Popen(cmd, cwd=root)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -1,0 +1,221 @@
+"""The phases of benchmarks/device.py that hold the device, in one process: HBM read rate, matmul
+rates at the model's [hidden, intermediate] shape, the engine's decode step against (weights + KV)
+over that HBM rate, and a prefill chunk against that matmul rate. Run by benchmarks/device.py.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.device import parse_args, record
+from benchmarks.engine import build, decodes, fill, kv_read_bytes, positions_per_phase
+from benchmarks.measure import cpu_model, interleaved, median_ms, weight_bytes_read_per_token
+from engine.api import StepBatch, StepSeq
+from engine.runner import EngineConfig
+from models.config import ModelConfig
+
+
+def machine(args: argparse.Namespace, mode: str) -> dict:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
+            "device_memory": stats.get("bytes_limit"), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "jax": jax.__version__, "model": args.model, "load_format": args.load_format, "mode": mode}
+
+
+def hbm(args: argparse.Namespace) -> dict:
+    """Read rate of device memory: a jitted sum over one large f32 array (one read, a scalar out)."""
+    dev = jax.devices()[0]
+    if args.hbm_bytes:
+        nbytes = args.hbm_bytes
+    elif dev.platform == "cpu":
+        nbytes = 256 << 20
+    else:
+        nbytes = min(2 << 30, (dev.memory_stats() or {}).get("bytes_limit", 8 << 30) // 4)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    seconds = statistics.median(interleaved({"sum": lambda: total(x)}, reps=10, warmup=2)["sum"])
+    del x
+    return {"bytes": nbytes, "ms": seconds * 1e3, "read_gbs": nbytes / seconds / 1e9}
+
+
+def _scan_of(op):
+    """op(a, w, scale) over a stack of layer weights under one lax.scan: one dispatch for them all.
+    Each layer's product is an output of the scan, so none can be dropped."""
+    def run(a, ws, scale):
+        return jax.lax.scan(lambda carry, w: (carry, op(a, w, scale)), 0, ws)[1]
+
+    return jax.jit(run)
+
+
+MATMULS = {
+    # float weights and activations
+    "bf16": lambda a, w, s: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype),
+    # int8 weights converted in the dot, the per-channel scale after
+    "w8a16": lambda a, w, s: jnp.dot(a, w.astype(a.dtype), preferred_element_type=jnp.float32).astype(a.dtype) * s,
+    # int8 x int8 -> int32, then the scale
+    "w8a8": lambda a, w, s: jax.lax.dot_general(a, w, (((1,), (0,)), ((), ())),
+                                                preferred_element_type=jnp.int32).astype(s.dtype) * s,
+}
+
+
+def matmul(args: argparse.Namespace, cfg: ModelConfig, float_dtype) -> dict:
+    """Time [m, hidden] x [hidden, intermediate] per layer for each kind (bf16; w8a16; w8a8; and f32
+    when the engine runs f32), over --matmul-layers random weights drawn on the device."""
+    k, n, layers = cfg.hidden_size, cfg.intermediate_size, args.matmul_layers
+    key = jax.random.PRNGKey(0)
+    dtypes = {"bf16": jnp.bfloat16, "w8a16": jnp.bfloat16, "w8a8": jnp.bfloat16}
+    if jnp.dtype(float_dtype) == jnp.float32:
+        dtypes = {"f32": jnp.float32, **dtypes}
+    rows = []
+    for m in args.matmul_m:
+        kinds = {}
+        for kind, act in dtypes.items():
+            if kind in ("bf16", "f32"):
+                w = jax.random.normal(key, (layers, k, n), act)
+                a = jax.random.normal(key, (m, k), act)
+                op = MATMULS["bf16"]
+            else:
+                w = jax.random.randint(key, (layers, k, n), -127, 128, jnp.int8)
+                a = jax.random.normal(key, (m, k), act)
+                if kind == "w8a8":
+                    a = (a * 30).astype(jnp.int8)
+                op = MATMULS[kind]
+            scale = jnp.full((n,), 0.01, act)
+            run = _scan_of(op)
+            seconds = statistics.median(
+                interleaved({kind: lambda: run(a, w, scale)}, reps=max(3, args.steps), warmup=2)[kind]) / layers
+            kinds[kind] = {"ms": seconds * 1e3, "tflops": 2 * m * k * n / seconds / 1e12,
+                           "weight_gbs": w.nbytes / layers / seconds / 1e9}
+            del w, a
+        rows.append({"m": m, "kinds": kinds})
+        print(f"  matmul m={m}: " + ", ".join(f"{kk} {v['ms']:.3f} ms {v['tflops']:.1f} TFLOP/s"
+                                             for kk, v in kinds.items()), flush=True)
+    return {"k": k, "n": n, "layers": layers, "rows": rows}
+
+
+# weight modes whose prefill multiplies int8 activations (int8-channel: per-token scales in prefill chunks)
+INT8_ACTIVATIONS = ("q8_0", "int8-channel")
+
+
+def matmul_kind(weight_mode: str, float_dtype) -> str:
+    """Which matmul of the matmul phase the engine's linear layers run in a prefill chunk."""
+    if weight_mode == "none":
+        return "f32" if jnp.dtype(float_dtype) == jnp.float32 else "bf16"
+    return "w8a8" if weight_mode in INT8_ACTIVATIONS else "w8a16"
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> int:
+    """Multiply-adds x 2 of one token through every layer's linear weights (q/k/v/o, gate/up/down)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    return 2 * cfg.num_layers * per_layer
+
+
+def load(args: argparse.Namespace, config: EngineConfig):
+    """(model config, weights) as `slipstream serve` loads them for these flags (server/cli.py)."""
+    from models.loader import load_model
+    from models.registry import load_dummy, resolve_model
+    from quantization.weights import QUANTIZED_MODES
+
+    path = resolve_model(args.model, args.load_format)
+    mode = config.weight_mode()
+    quantize = mode if mode in QUANTIZED_MODES else "none"
+    if args.load_format == "dummy":  # drawn on the device, int8 ones directly
+        return load_dummy(path, dtype=config.activation_dtype(), quantize=quantize)
+    return load_model(path, quantize=quantize)
+
+
+def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: float | None) -> None:
+    budget = max(args.prefill_tokens, max(args.slots) + 1)
+    longest = args.context + positions_per_phase(args.steps, args.warmup) + 1
+    start = time.perf_counter()
+    # decode slots hold their context; only the scratch slot holds a whole prefill chunk
+    setup = build(cfg, params, slots=max(args.slots), longest=longest, scratch=budget, page_size=args.page_size,
+                  max_seq_len=longest, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  quantize=args.quantize, max_num_batched_tokens=budget, context=args.context)
+    engine = setup.engine
+    ready = time.perf_counter() - start
+    weights = weight_bytes_read_per_token(engine.params)
+    record(args, "engine", {"weight_mb": weights / 1e6, "weight_mode": engine.weight_mode,
+                            "kv_dtype": engine.kv_dtype.name, "kv_bytes_per_token": engine.bytes_per_token,
+                            "page_size": engine.page_size, "context": args.context, "ready_s": ready,
+                            "programs": engine.num_programs, "token_budget": budget})
+    fill(setup, seed=0)
+    results = []
+    for batch in args.slots:
+        setup.rewind()
+
+        def step():
+            engine.step(StepBatch(decodes(setup, batch)))
+            setup.step += 1
+
+        ms = median_ms(interleaved({"step": step}, args.steps, args.warmup)["step"])
+        row = {"slots": batch, "step_ms": ms, "tok_s": batch / ms * 1e3,
+               "kv_read_mb": kv_read_bytes(setup, batch) / 1e6}
+        if hbm_gbs:
+            row["floor_ms"] = (weights + kv_read_bytes(setup, batch)) / (hbm_gbs * 1e9) * 1e3
+            row["step_over_floor"] = ms / row["floor_ms"]
+        results.append(row)
+        record(args, "decode", results, shown=row)
+    prefill(args, setup, cfg)
+
+
+def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
+    """One chunk of --prefill-tokens (at most the token budget) as a fresh sequence's first step."""
+    from benchmarks.device import read_results, results_path
+
+    engine, rng = setup.engine, np.random.default_rng(1)
+    n = min(args.prefill_tokens, engine.max_num_batched_tokens)
+    slot = engine.max_slots - 1
+    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
+    batch = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
+    seconds = statistics.median(interleaved({"prefill": lambda: engine.step(batch)}, max(3, args.steps // 2),
+                                            warmup=1)["prefill"])
+    flops = n * linear_flops_per_token(cfg) + 2 * cfg.hidden_size * cfg.vocab_size  # + the sampled row's head
+    row = {"tokens": n, "ms": seconds * 1e3, "tok_s": n / seconds, "matmul_flops": flops,
+           "matmul_tflops": flops / seconds / 1e12,
+           "matmul_kind": matmul_kind(engine.weight_mode, engine.dtype)}
+    mm = read_results(results_path(args)).get("matmul")
+    if mm:
+        # the measured rate at the row count nearest the chunk's (log scale)
+        nearest = min(mm["rows"], key=lambda r: abs(math.log(r["m"]) - math.log(n)))
+        rate = nearest["kinds"][row["matmul_kind"]]["tflops"] if row["matmul_kind"] in nearest["kinds"] else None
+        if rate:
+            row.update(rate_m=nearest["m"], rate_tflops=rate, floor_ms=flops / (rate * 1e12) * 1e3)
+            row["over_floor"] = row["ms"] / row["floor_ms"]
+    record(args, "prefill", row)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = EngineConfig(dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype)
+    mode = f"dtype={config.activation_dtype().name} weights={config.weight_mode()} kv={args.kv_cache_dtype}"
+    record(args, "machine", machine(args, mode))
+    hbm_gbs = None
+    if "hbm" in args.phases:
+        result = hbm(args)
+        hbm_gbs = result["read_gbs"]
+        record(args, "hbm", result)
+    if not {"matmul", "engine"} & set(args.phases):
+        return 0
+    start = time.perf_counter()
+    cfg, params = load(args, config)
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", flush=True)
+    if "matmul" in args.phases:
+        record(args, "matmul", matmul(args, cfg, config.activation_dtype()))
+    if "engine" in args.phases:
+        engine_phases(args, cfg, params, hbm_gbs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

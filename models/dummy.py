@@ -1,0 +1,164 @@
+"""Random weights for a ModelConfig (`--load-format dummy`): real model sizes with no checkpoint.
+
+Each tensor is drawn on the default device with jax.random, in the activation dtype or directly in
+the quantized format (group-wise int8: random int8 and one scale per tensor, packed on the host), so
+no float copy of the model ever exists; a stacked weight's other layers are rotations of its first.
+Spreads follow the usual init: linears 1/sqrt(fan_in) (normal, or uniform int8), embeddings 0.02
+(uniform int8 times a scale, so a tied int8 head is exact), norms 1, biases 0: activations stay
+finite and the logits vary.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from models.architectures import build_abstract
+from models.base import CausalLM, Weight
+from models.config import ModelConfig
+from models.layers import Linear, RMSNorm
+
+GROUPWISE = ("q8_0", "q8_0-a16")
+EMBED_STD = 0.02
+# the spread of an integer drawn uniformly from [-127, 127]: sqrt((255^2 - 1) / 12)
+_INT8_UNIFORM_STD = math.sqrt((255 ** 2 - 1) / 12)
+
+
+def _norm_offsets(model: CausalLM) -> dict[tuple, float]:
+    """Path of each RMSNorm weight -> the norm's offset (Gemma's 1 + w scales: w = 0 is scale 1)."""
+    return {(*path, "w"): node.offset for path, node in nnx.iter_graph(model) if isinstance(node, RMSNorm)}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _int8_device(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    size = math.prod(shape)
+    words = jax.random.bits(key, (-(-size // 4),), jnp.uint32)
+    q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(-1)[:size]
+    return jnp.maximum(q, -127).reshape(shape)
+
+
+def _int8(key: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
+    """Uniform int8 in [-127, 127] (four per drawn 32-bit word), on the host for packing."""
+    return np.asarray(_int8_device(key, shape))
+
+
+@jax.jit
+def _rotations(one: jax.Array, shifts: jax.Array) -> jax.Array:
+    """[L, ...]: `one` rotated (flat) by each shift."""
+    return jax.vmap(lambda s: jnp.roll(one.reshape(-1), s).reshape(one.shape))(shifts)
+
+
+def _embed_scale() -> np.float32:
+    return np.float32(np.float16(EMBED_STD / _INT8_UNIFORM_STD))
+
+
+def _shifts(key: jax.Array, layers: int, size: int) -> list[int]:
+    """Layer i's weight is the drawn one rotated by shifts[i] elements (layer 0: itself). Drawing every
+    layer with jax.random costs minutes for an 8B model on a CPU; a rotation costs a copy."""
+    return [0, *(int(s) for s in np.asarray(jax.random.randint(key, (layers - 1,), 1, max(size, 2))))]
+
+
+def _draw_groupwise(key: jax.Array, shape: tuple[int, ...], mode: str):
+    """A group-wise int8 weight [L?, in, out]: int8 rows [out, in] (as checkpoints hold them) drawn
+    directly with one scale for the tensor, packed on the host like a loaded weight."""
+    from kernels.q8_matmul import TILE
+    from quantization.groupwise import GROUP, pack_one, pack_rows, stack_packed
+
+    k, n = shape[-2:]
+    d = np.float32(np.float16(1 / math.sqrt(k) / _INT8_UNIFORM_STD))
+    scales = np.full((n, -(-k // GROUP)), d, np.float32)  # one per 32 inputs per output column
+    draw_key, shift_key = jax.random.split(key)
+    if len(shape) == 2:
+        return pack_one((_int8(draw_key, (n, k)), scales), mode)
+    if k % GROUP or n % TILE:  # padded packing: rotating it would move weights into the padding
+        return stack_packed([pack_rows((_int8(jax.random.fold_in(draw_key, i), (n, k)), scales))
+                             for i in range(shape[0])], k, n, mode)
+    base = pack_rows((_int8(draw_key, (n, k)), scales))
+    # the packed layout is a permutation of the int8 weights (stored q + 128) and every scale is the
+    # same, so a rotation of the packed bytes is another uniform int8 weight, already packed
+    packed, packed_scales = base
+    flat = packed.reshape(-1)
+    layers = []
+    for shift in _shifts(shift_key, shape[0], flat.size):
+        out = np.empty_like(flat)
+        out[:shift], out[shift:] = flat[flat.size - shift:], flat[:flat.size - shift]
+        layers.append((out.reshape(packed.shape), packed_scales))
+    return stack_packed(layers, k, n, mode)
+
+
+def _draw_quantized(key: jax.Array, shape: tuple[int, ...], mode: str, dtype):
+    """Another quantized format: one layer drawn in `dtype`, each layer (a rotation of it) rounded by
+    quantization's public function before the next is made, then the layers stacked."""
+    from quantization import quantize_weight
+
+    draw_key, shift_key = jax.random.split(key)
+    one = jax.random.normal(draw_key, shape[-2:], dtype) * jnp.asarray(1 / math.sqrt(shape[-2]), dtype)
+    if len(shape) == 2:
+        return quantize_weight(one, mode)
+    parts = [quantize_weight(_rotations(one, jnp.asarray([shift]))[0], mode)
+             for shift in _shifts(shift_key, shape[0], one.size)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+
+
+def _draw(key: jax.Array, path: tuple, weight: Weight, shape: tuple[int, ...], dtype,
+          offsets: dict[tuple, float]) -> jax.Array:
+    if path in offsets:
+        return jnp.full(shape, 1.0 - offsets[path], dtype)
+    if path[-1] == "b":
+        return jnp.zeros(shape, dtype)
+    std = jnp.asarray(1 / math.sqrt(shape[-2]) if weight.linear else EMBED_STD, dtype)
+    if not weight.per_layer:
+        return jax.random.normal(key, shape, dtype) * std
+    draw_key, shift_key = jax.random.split(key)
+    one = jax.random.normal(draw_key, shape[1:], dtype) * std
+    return _rotations(one, jnp.asarray(_shifts(shift_key, shape[0], one.size), jnp.int32))
+
+
+def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", seed: int = 0,
+                progress: bool = False) -> CausalLM:
+    """The architecture's module with every weight random (quantize: "none", or a quantization mode
+    whose linears, the LM head included, are drawn already quantized)."""
+    model = build_abstract(cfg)
+    offsets = _norm_offsets(model)
+    graphdef, state = nnx.split(model)
+    variables = dict(nnx.to_flat_state(state))
+    declared = {tuple(w.path.split(".")): w for w in type(model).WEIGHTS}
+    undeclared = sorted(set(variables) - set(declared))
+    if undeclared:  # a module weight without a declaration is a bug in the architecture file
+        raise RuntimeError(f"{type(model).__name__} declares no weight for {undeclared}")
+    key, embed_q = jax.random.key(seed), None
+    bar = tqdm(sorted(variables), unit="tensor", desc=f"dummy weights ({quantize})", file=sys.stderr,
+               disable=not progress, leave=False)
+    for index, path in enumerate(bar):
+        var, weight = variables[path], declared[path]
+        shape = tuple(var.get_value().shape)
+        tensor_key = jax.random.fold_in(key, index)
+        if weight.linear and quantize in GROUPWISE:
+            value = _draw_groupwise(tensor_key, shape, quantize)
+        elif weight.linear and quantize != "none":
+            value = _draw_quantized(tensor_key, shape, quantize, dtype)
+        elif path == ("embed", "table"):  # int8 times one scale: a tied int8 LM head is exact
+            q = _int8_device(tensor_key, shape)
+            value = q.astype(dtype) * jnp.asarray(_embed_scale(), dtype)
+            embed_q = q if cfg.tie_embeddings and quantize in GROUPWISE else None
+            del q
+        else:
+            value = _draw(tensor_key, path, weight, shape, dtype, offsets)
+        var.set_value(value)
+    model = nnx.merge(graphdef, state)
+    if cfg.tie_embeddings and quantize in GROUPWISE:
+        # the tied LM head: int8 rows of the table, exact (the table is int8 times one scale)
+        from quantization.groupwise import GROUP, pack_one
+
+        head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
+        q, embed_q = np.asarray(embed_q), None
+        scales = np.full((cfg.vocab_size, -(-cfg.hidden_size // GROUP)), _embed_scale(), np.float32)
+        head.w.set_value(pack_one((q, scales), quantize))
+        model.lm_head = head
+    return model

@@ -1,0 +1,75 @@
+"""benchmarks/device on CPU with a tiny model and minimal sizes: every phase lands in device.json with
+positive numbers, and every ratio is taken against this run's own measurements."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import device
+from tests.conftest import build_tiny_hf
+from tests.server.test_serve_hf_models import _save_word_tokenizer
+
+SMALL = ["--hbm-bytes", str(8 << 20), "--matmul-m", "1,8", "--matmul-layers", "2", "--slots", "1,3",
+         "--context", "24", "--prefill-tokens", "32", "--steps", "2", "--warmup", "1", "--quantize", "none"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = build_tiny_hf(str(tmp_path_factory.mktemp("device-tiny")), "llama")
+    _save_word_tokenizer(path)
+    return path
+
+
+def _report(out) -> dict:
+    return json.loads((out / "device.json").read_text())
+
+
+def test_in_process_phases(tiny_dir, tmp_path):
+    # random weights for the directory's config, as the TPU run draws a preset's
+    out = tmp_path / "out"
+    assert device.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--skip-serving",
+                        "--output-dir", str(out)]) == 0
+    r = _report(out)
+    assert r["machine"]["platform"] == "cpu" and r["machine"]["device_kind"]
+    assert r["machine"]["load_format"] == "dummy"
+    assert r["hbm"]["bytes"] == 8 << 20 and r["hbm"]["read_gbs"] > 0
+    assert r["matmul"]["k"] == 64 and r["matmul"]["n"] == 128
+    assert [row["m"] for row in r["matmul"]["rows"]] == [1, 8]
+    for row in r["matmul"]["rows"]:
+        assert set(row["kinds"]) == {"f32", "bf16", "w8a16", "w8a8"}
+        assert all(k["ms"] > 0 and k["tflops"] > 0 for k in row["kinds"].values())
+    assert r["engine"]["context"] == 24 and r["engine"]["kv_bytes_per_token"] > 0
+    assert [d["slots"] for d in r["decode"]] == [1, 3]
+    for d in r["decode"]:
+        # the floor is this run's bytes over this run's HBM rate
+        want = (r["engine"]["weight_mb"] * 1e6 + d["kv_read_mb"] * 1e6) / (r["hbm"]["read_gbs"] * 1e9) * 1e3
+        assert d["floor_ms"] == pytest.approx(want) and d["step_ms"] > 0
+        assert d["step_over_floor"] == pytest.approx(d["step_ms"] / d["floor_ms"])
+    p = r["prefill"]
+    assert p["tokens"] == 32 and p["matmul_kind"] == "f32" and p["rate_m"] == 8
+    assert p["rate_tflops"] == r["matmul"]["rows"][1]["kinds"]["f32"]["tflops"] and p["over_floor"] > 0
+    table = (out / "device.md").read_text()
+    assert "HBM read" in table and "| 3 |" in table and "Prefill of 32 tokens" in table
+    assert "serving" not in r and "errors" not in r
+
+
+def _serve_has_uds() -> bool:
+    from server.cli import build_parser
+
+    _, unknown = build_parser().parse_known_args(["serve", "--uds", "/tmp/x.sock"])
+    return not unknown
+
+
+@pytest.mark.skipif(not _serve_has_uds(), reason="needs `slipstream serve --uds` (branch h-uds)")
+def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert device.main(["--model", tiny_dir, *SMALL, "--phases", "serving", "--startup", "--serving-prompts", "6",
+                        "--serving-concurrency", "3", "--serving-input-len", "16", "--serving-output-len", "8",
+                        "--output-dir", str(out)]) == 0
+    r = _report(out)
+    s = r["serving"]
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["tpot_p50_ms"] > 0
+    assert r["startup"]["cold_s"] > 0 and r["startup"]["warm_s"] > 0
+    assert "Serving (6 prompts" in (out / "device.md").read_text()

@@ -1,0 +1,190 @@
+"""Architecture presets with dummy weights: every shipped config parses to the public model's numbers,
+every weight's shape follows from them (abstractly, nothing allocated), the synthetic tokenizer has
+exactly vocab_size tokens, random weights give finite, varied logits, and a preset without
+--load-format dummy fails with a message that says what to do."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.architectures import build_abstract
+from models.base import dense_logits
+from models.config import ModelConfig
+from models.dummy import dummy_model
+from models.dummy_tokenizer import IM_END, IM_START, synthetic_tokenizer
+from models.registry import PRESET_DIR, architecture_presets, load_tokenizer, resolve_model
+
+# name: (architecture, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, tied, full layers)
+PUBLIC = {
+    "llama-3.1-8b": ("llama", 32, 4096, 32, 8, 128, 14336, 128256, False, 32),
+    "llama-3.2-1b": ("llama", 16, 2048, 32, 8, 64, 8192, 128256, True, 16),
+    "qwen3-0.6b": ("qwen3", 28, 1024, 16, 8, 128, 3072, 151936, True, 28),
+    "qwen3-8b": ("qwen3", 36, 4096, 32, 8, 128, 12288, 151936, False, 36),
+    "gemma-3-1b": ("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, True, 4),
+    "gemma-3-4b": ("gemma3", 34, 2560, 8, 4, 256, 10240, 262208, True, 5),
+    "mistral-7b": ("llama", 32, 4096, 32, 8, 128, 14336, 32768, False, 32),
+}
+# parameters of the public models (embedding counted once when tied), from their model cards
+PARAMS_BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.2-1b": 1.24, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
+                   "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "mistral-7b": 7.25}
+
+
+def preset(name: str) -> ModelConfig:
+    return ModelConfig.from_hf_json(os.path.join(PRESET_DIR, f"{name}.json"))
+
+
+def shrunk_dir(tmp_path, name: str) -> str:
+    """The preset's config.json with few layers and a small width: its architecture, head_dim,
+    vocabulary, RoPE, layer kinds and special ids kept (Gemma 3: 6 layers, one of them global)."""
+    with open(os.path.join(PRESET_DIR, f"{name}.json")) as f:
+        cfg = json.load(f)
+    ratio = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    heads = min(cfg["num_attention_heads"], 4)
+    cfg.update(num_hidden_layers=6 if cfg["model_type"] == "gemma3_text" else 2, hidden_size=64,
+               intermediate_size=128, num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio))
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_every_public_architecture_is_shipped():
+    assert architecture_presets() == sorted(PUBLIC)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_preset_config_has_the_public_numbers(name):
+    cfg = preset(name)
+    arch, layers, hidden, heads, kv, hd, inter, vocab, tied, full = PUBLIC[name]
+    got = (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+           cfg.intermediate_size, cfg.vocab_size, cfg.tie_embeddings, cfg.layer_types.count("full"))
+    assert got == PUBLIC[name]
+    if arch == "gemma3":  # every 6th layer global, the rest sliding
+        assert cfg.layer_types[5] == "full" and cfg.layer_types[0] == "sliding" and cfg.sliding_window
+        assert cfg.rope_local_theta == 10000 and cfg.final_logit_softcap is None
+    if name.startswith("llama-3"):
+        assert cfg.rope_scaling.kind == "llama3" and cfg.rope_theta == 500000
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_every_weight_shape_follows_from_the_config(name):
+    """Abstract module state (no memory): each checkpoint tensor's [out, in] shape against the config."""
+    cfg = preset(name)
+    model = build_abstract(cfg)
+    d, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    q, kv, f = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    expected = {"q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d),
+                "o_proj.weight": (d, q), "gate_proj.weight": (f, d), "up_proj.weight": (f, d),
+                "down_proj.weight": (d, f), "q_norm.weight": (hd,), "k_norm.weight": (hd,),
+                "layernorm.weight": (d,), "embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
+                "lm_head.weight": (cfg.vocab_size, d)}
+    state = _weights(model)
+    params = sum(math.prod(leaf.shape) for leaf in state.values())
+    seen = 0
+    for w in type(model).WEIGHTS:
+        leaf = state.get(w.path)
+        if leaf is None:
+            continue
+        seen += 1
+        want = next(shape for suffix, shape in expected.items() if w.hf.endswith(suffix))
+        one = tuple(leaf.shape[1:] if w.per_layer else leaf.shape)
+        assert (tuple(reversed(one)) if w.linear else one) == want, w.hf
+        if w.per_layer:
+            assert leaf.shape[0] == layers
+    assert seen >= 11
+    assert params / 1e9 == pytest.approx(PARAMS_BILLIONS[name], rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b", "llama-3.1-8b", "qwen3-8b", "mistral-7b"])
+def test_synthetic_tokenizer_has_the_vocabulary_and_round_trips(name):
+    cfg = preset(name)
+    tok = synthetic_tokenizer(cfg)
+    assert tok.vocab_size == cfg.vocab_size
+    assert len({tok.id_to_token(i) for i in range(cfg.vocab_size)}) == cfg.vocab_size
+    text = "Hello, world!\n  Ünïcode 日本語 🚀\ttabs and spaces  "
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merged tokens, not one per byte
+    assert set(cfg.eos_token_ids) <= tok.eos_token_ids
+    assert tok.bos_token_id == cfg.bos_token_id
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == f"{IM_START}user\nhi{IM_END}\n{IM_START}assistant\n"
+    chat_ids = tok.encode(chat, add_special_tokens=False)
+    assert chat_ids[0] == tok._hf.token_to_id(IM_START) and cfg.eos_token_ids[0] in chat_ids
+    rng = np.random.default_rng(0)
+    assert tok.decode(rng.integers(0, cfg.vocab_size, 50).tolist())  # random ids decode to text
+
+
+def test_preset_tokenizer_is_what_serving_loads():
+    """`slipstream bench --model qwen3-0.6b` counts tokens with the tokenizer the dummy server uses."""
+    from benchmarks.bench.run import load_tokenizer as bench_tokenizer
+
+    path = resolve_model("qwen3-0.6b", "dummy")
+    served, counted = load_tokenizer(path), bench_tokenizer("qwen3-0.6b")
+    assert served.vocab_size == counted.vocab_size == 151936
+    assert served.encode("some text") == counted.encode("some text")
+
+
+def test_preset_without_dummy_load_format_fails_clearly(capsys):
+    with pytest.raises(FileNotFoundError, match="--load-format dummy"):
+        resolve_model("llama-3.1-8b")
+    from server.cli import main
+
+    assert main(["generate", "--model", "llama-3.1-8b", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "architecture preset" in err and "--load-format dummy" in err
+
+
+def test_dummy_needs_a_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path), "dummy")
+    with pytest.raises(ValueError, match="load format"):
+        resolve_model("qwen3-0.6b", "safetensors")
+
+
+@pytest.mark.parametrize("name, quantize", [*((n, "q8_0-a16") for n in sorted(PUBLIC)),
+                                            ("gemma-3-1b", "none"), ("qwen3-0.6b", "none")])
+def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
+    cfg = ModelConfig.from_hf_json(os.path.join(shrunk_dir(tmp_path, name), "config.json"))
+    abstract = build_abstract(cfg)
+    model = dummy_model(cfg, quantize=quantize)
+    want = {path: leaf.shape for path, leaf in _weights(abstract).items()}
+    got = {path: leaf.shape for path, leaf in _weights(model).items()}
+    if cfg.tie_embeddings and quantize != "none":
+        assert got.pop("lm_head.w") == (cfg.hidden_size, cfg.vocab_size)  # int8 rows of the table, exact
+        head = np.asarray(model.lm_head.w.get_value().dequantize())[:, :256]
+        np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
+    assert got == want
+    if quantize != "none":
+        from quantization import QuantizedWeight
+
+        assert isinstance(model.blocks.mlp.w_up.w.get_value(), QuantizedWeight)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    logits = np.asarray(dense_logits(model, tokens))
+    assert np.isfinite(logits).all()
+    assert 0.1 < logits.std() < 100
+    assert len(set(logits.argmax(-1).ravel().tolist())) > 4  # not one token everywhere
+
+
+def test_other_int8_formats_are_drawn_a_layer_at_a_time():
+    """A quantized format other than the group-wise one goes through quantization's public
+    quantize_weight one layer at a time (here q8_0 itself, the path a TPU format takes)."""
+    from models.dummy import _draw_quantized
+
+    w = _draw_quantized(jax.random.key(0), (3, 64, 32), "q8_0", jnp.float32)
+    assert w.shape == (3, 64, 32)
+    dense = np.asarray(w.dequantize())
+    assert not np.allclose(dense[0], dense[1])  # each layer its own weights
+    assert dense.std() == pytest.approx(1 / 8, rel=0.1)  # N(0, 1/fan_in)
+
+
+def _weights(model) -> dict:
+    from flax import nnx
+
+    return {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
