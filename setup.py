@@ -28,7 +28,7 @@ def _extensions() -> list[Extension]:
         flags = ["-O0", "-g", "-std=c++17"]
     return [Extension(f"kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
                       include_dirs=[jax.ffi.include_dir()], extra_compile_args=flags,
-                      depends=sorted(glob.glob("kernels/csrc/*.h")),
+                      depends=sorted(glob.glob("kernels/csrc/**/*.h", recursive=True)),
                       language="c++", optional=True)
             for src in sorted(glob.glob("kernels/csrc/*.cc"))]
 

@@ -246,11 +246,3 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
         y = ref(x2, packed, scales, offsets, index)
     return y.reshape(*lead, n)
 
-
-def read_probe(data: jax.Array) -> jax.Array:
-    """Reads a u8 buffer once with the kernel's threads and vectors (a read-bandwidth yardstick for
-    benchmarks); returns one checksum per 256 KiB so the read cannot be skipped. CPU, native only."""
-    if not native.load("q8_matmul", "q8_matmul"):
-        raise RuntimeError("read_probe needs the native kernels._q8_matmul module")
-    lanes = -(-data.size // (1 << 18))
-    return jax.ffi.ffi_call("slipstream_read_probe", jax.ShapeDtypeStruct((lanes,), jnp.uint32))(data.reshape(-1))

@@ -20,33 +20,34 @@
 // in token order; a draw with no cut-off goes by sums of 16-token blocks.
 //
 // Instruction sets: the row passes (max, exp, block maxima and sums, compaction) have AVX-512 and
-// AVX2 versions chosen at run time (__builtin_cpu_supports) beside portable loops; nothing is
+// AVX2 versions chosen at run time (runtime/isa.h) beside portable loops; nothing is
 // compiled with -march. Sums are in double (the reference's in f32), so a draw whose u lies within
 // rounding of a token boundary may pick the neighbouring token.
 #include <Python.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "ffi_targets.h"
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SAMPLING_PORTABLE_ONLY)  // the macro: test builds
-#define SAMPLING_X86 1
+#if defined(SLIPSTREAM_X86)
 #include "exp_avx2.h"
 #include "exp_avx512.h"
 #endif
 
 namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
 
 namespace {
 
@@ -126,7 +127,7 @@ void block_sum_portable(const float* e, int v, float min_p, double* out) {
   }
 }
 
-#if defined(SAMPLING_X86)
+#if defined(SLIPSTREAM_X86)
 #define SAMPLING_AVX512 __attribute__((target("avx512f")))
 
 SAMPLING_AVX512 inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
@@ -280,21 +281,7 @@ SAMPLING_AVX2 void block_sum_avx2(const float* e, int v, float min_p, double* ou
 }
 #endif
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-Isa detect_isa() {
-#if defined(SAMPLING_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kPortable;
-}
-
-const Isa kBestIsa = detect_isa();
-std::atomic<Isa> g_isa{kBestIsa};  // lowered only by set_isa(), to test every path on one machine
-
-const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "portable"; }
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512};
 
 struct RowOps {
   RowMax (*row_max)(const float*, int);
@@ -308,15 +295,15 @@ struct RowOps {
 const RowOps& row_ops() {
   static const RowOps portable = {row_max_portable, first_equal_portable, exp_shifted_portable,
                                   block_max_portable, compact_portable, block_sum_portable};
-#if defined(SAMPLING_X86)
+#if defined(SLIPSTREAM_X86)
   static const RowOps avx2 = {row_max_avx2, first_equal_avx2, exp_shifted_avx2,
                               block_max_avx2, compact_avx2, block_sum_avx2};
   static const RowOps avx512 = {row_max_avx512, first_equal_avx512, exp_shifted_avx512,
                                 block_max_avx512, compact_avx512, block_sum_avx512};
-  switch (g_isa.load(std::memory_order_relaxed)) {
+  switch (g_isa.get()) {
     case Isa::kAvx512: return avx512;
     case Isa::kAvx2: return avx2;
-    case Isa::kPortable: break;
+    default: break;
   }
 #endif
   return portable;
@@ -526,27 +513,13 @@ void logprobs_row(const float* l, int v, int token, int n_top, float* chosen, in
   }
 }
 
-// Rows claimed from an atomic counter by the calling thread and pool helpers; fn(row, scratch).
+// Rows split across the calling thread and XLA's pool (runtime/parallel.h), one Scratch per thread.
 template <class F>
 void for_rows(ffi::ThreadPool& pool, int rows, F fn) {
-  struct Shared {
-    F fn;
-    int rows;
-    std::atomic<int> next{0}, done{0};
-    explicit Shared(F f, int n) : fn(std::move(f)), rows(n) {}
-    void Work() {
-      Scratch s;
-      int ran = 0;
-      for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows; ++ran) fn(r, s);
-      if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
-    }
-  };
-  auto job = std::make_shared<Shared>(std::move(fn), rows);
-  const int threads = std::max<int>(1, std::min<int64_t>(pool.num_threads(), rows));
-  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // rows claimed by helpers are running now; wait for them (never for a helper that has not started)
-  while (job->done.load(std::memory_order_acquire) != rows) std::this_thread::yield();
+  rt::ParallelFor(pool, rows, 0, [&fn](int64_t r) {
+    thread_local Scratch s;
+    fn(int(r), s);
+  });
 }
 
 ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
@@ -618,39 +591,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamTopLogprobs, LogprobsImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // top ids [B, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // top logprobs [B, N]
 
-static PyObject* Targets(PyObject*, PyObject*) {
-  return FfiTargetsDict({{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)},
-                         {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}});
+PyMODINIT_FUNC PyInit__sampling() {
+  static rt::ModuleSpec spec{
+      "_sampling", "Token sampling (greedy, temperature, top-k/top-p/min-p) for XLA:CPU through the FFI.",
+      {{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)},
+       {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}},
+      &g_isa,
+      {}};
+  return rt::CreateModule(spec);
 }
-
-static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(g_isa.load())); }
-
-// set_isa(name): use `name` ("avx512", "avx2" or "portable") if this CPU has it; returns the
-// previous choice. For tests of the slower paths on a machine that has the faster one.
-static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (!name) return nullptr;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
-    if (std::strcmp(name, isa_name(isa)) != 0) continue;
-    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
-      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, isa_name(kBestIsa));
-      return nullptr;
-    }
-    return PyUnicode_FromString(isa_name(g_isa.exchange(isa)));
-  }
-  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
-  return nullptr;
-}
-
-static PyMethodDef kMethods[] = {
-    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-    {"isa", IsaPy, METH_NOARGS, "Instruction set of the kernel's row passes on this CPU."},
-    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_sampling",
-                              "Token sampling (greedy, temperature, top-k/top-p/min-p) for XLA:CPU through the FFI.",
-                              -1, kMethods};
-
-PyMODINIT_FUNC PyInit__sampling() { return PyModule_Create(&kModule); }
