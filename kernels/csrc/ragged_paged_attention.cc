@@ -36,7 +36,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -1158,7 +1157,7 @@ void write_new_kv(const Problem& p, const ChunkSteps& isa, const float* k_new, c
 // without (every block is scattered, so both modes touch it). A 256-token prefill chunk: f32 29.6 -> 26.6.
 // load_ahead_mode(): 0 touches every block, 1 only blocks whose pages are not one run; the
 // default is 1 on AMD family 19h models 10h+ (Zen 4), 0 elsewhere (Zen 5; Intel unmeasured);
-// SLIPSTREAM_KV_LOAD_AHEAD=all | scattered overrides it.
+// load_ahead() sets it (kernels/native.py passes SLIPSTREAM_KV_LOAD_AHEAD=all | scattered).
 std::atomic<int> g_load_ahead{-1};  // -1: choose on first use
 
 int load_ahead_default() {
@@ -1169,8 +1168,7 @@ int load_ahead_default() {
 int load_ahead_mode() {
   int mode = g_load_ahead.load(std::memory_order_relaxed);
   if (mode < 0) {
-    const char* env = std::getenv("SLIPSTREAM_KV_LOAD_AHEAD");
-    mode = env && std::string(env) == "all" ? 0 : env && std::string(env) == "scattered" ? 1 : load_ahead_default();
+    mode = load_ahead_default();
     g_load_ahead.store(mode);
   }
   return mode;
@@ -1414,23 +1412,15 @@ void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<G
 // time a cache buffer is seen, its 2 MiB-aligned part is madvise(MADV_HUGEPAGE)d (future faults, and
 // khugepaged) and MADV_COLLAPSE'd (Linux >= 6.1: now, synchronously, ~0.1 s per GB; elsewhere that call
 // fails and the buffer stays as it was). Buffers under 2 MiB are left alone; the memory was touched
-// already, so RSS does not change. SLIPSTREAM_KV_HUGE_PAGES=0 turns it off. (AMD Zen 4, 32 x 384 step,
+// already, so RSS does not change. huge_pages(False) turns it off (kernels/native.py, for SLIPSTREAM_KV_HUGE_PAGES=0). (AMD Zen 4, 32 x 384 step,
 // random page order: f32 page_size 64 36.1 -> 33.4 ms, 128 35.1 -> 31.0, consecutive pages of 16
 // 49.6 -> 26.4; page_size 16 random and int8 KV: no clear change.)
-std::atomic<int> g_huge_pages{-1};          // -1: read the environment on first use; 0 off; 1 on
+std::atomic<int> g_huge_pages{1};           // 0 off; 1 on
 std::atomic<int64_t> g_huge_bytes{0};       // bytes madvised so far (MADV_HUGEPAGE accepted)
 std::atomic<int64_t> g_collapsed_bytes{0};  // of those, bytes MADV_COLLAPSE accepted
 std::atomic<int64_t> g_collapse_ns{0};      // time spent in those madvise calls
 
-bool huge_pages_on() {
-  int on = g_huge_pages.load(std::memory_order_relaxed);
-  if (on < 0) {
-    const char* env = std::getenv("SLIPSTREAM_KV_HUGE_PAGES");
-    on = env && std::string(env) == "0" ? 0 : 1;
-    g_huge_pages.store(on);
-  }
-  return on == 1;
-}
+bool huge_pages_on() { return g_huge_pages.load(std::memory_order_relaxed) == 1; }
 
 void advise_huge_pages(const void* buf, size_t bytes) {
   const rt::HugeRange r = rt::HugeAligned(buf, bytes);

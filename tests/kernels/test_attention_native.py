@@ -161,6 +161,22 @@ def test_load_ahead_environment_sets_the_mode(env, mode, warned):
     assert f"load_ahead={got}" in out, out
 
 
+@pytest.mark.parametrize("env, enabled", [("0", False), ("1", True)])
+def test_huge_pages_environment_sets_the_switch(env, enabled):
+    """SLIPSTREAM_KV_HUGE_PAGES=0 keeps the K/V cache off 2 MiB pages (kernels.native passes it to the kernel
+    at load); any other value leaves them on."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kernels import native, _ragged_paged_attention as ext\n"
+            "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
+            "print('ENABLED', ext.huge_pages()['enabled'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SLIPSTREAM_KV_HUGE_PAGES": env}).stdout
+    assert f"ENABLED {enabled}" in out, out
+
+
 def test_random_ragged_batches_match_reference():
     """Random ragged batches through the seam (kernels.attention) against the pure-JAX reference."""
     rng = np.random.default_rng(7)
