@@ -1,4 +1,4 @@
-"""Loads the native CPU kernels (extension modules built from kernels/csrc) and registers their XLA
+"""Loads the native CPU kernels (extension modules built from kernels/cpu/csrc) and registers their XLA
 FFI targets. Which path each kernel takes is logged once and exposed through kernel_paths(), so a
 failed build or an explicit SLIPSTREAM_KERNELS=reference is never silent."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ asymmetric sources such as GGUF Q4_1, one f16 offset) per 32 input channels per 
 activations quantized per row and group of 32 at run time, in one int8 part (as llama.cpp does) or
 two (the rounding residual as a second int8 row: ~15-bit activations for twice the multiplies).
 
-`q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/csrc/q8_matmul.cc,
+`q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/cpu/csrc/q8_matmul.cc,
 through XLA's FFI); elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same
 math in JAX. `pack` lays weights out for the kernel once, at load time. Weights whose values all lie
 in 0..15 (GGUF's 4-bit blocks) may be packed two to a byte (`bits=4`): the same products from half
