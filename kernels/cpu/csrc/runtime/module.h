@@ -1,7 +1,8 @@
 // The Python side of a kernel extension module: targets() (FFI target name -> PyCapsule of its XLA
 // FFI handler, what kernels/native.py registers with XLA), isa() and set_isa(name), plus the
-// kernel's own methods. Each kernel .cc is its own extension module, so the state here (one per
-// translation unit) is that module's.
+// kernel's own methods. Each kernel .cc is its own extension module, so the state here is that
+// module's: it has internal linkage (an unnamed namespace), so that no build's symbol visibility can
+// merge two modules' copies.
 #pragma once
 
 #include <Python.h>
@@ -27,14 +28,14 @@ struct ModuleSpec {
   std::vector<PyMethodDef> methods;  // the kernel's own (tuning setters), without the sentinel
 };
 
-namespace module_detail {
+namespace {
 
-inline ModuleSpec*& Spec() {
+ModuleSpec*& Spec() {
   static ModuleSpec* spec = nullptr;
   return spec;
 }
 
-inline PyObject* Targets(PyObject*, PyObject*) {
+PyObject* Targets(PyObject*, PyObject*) {
   PyObject* dict = PyDict_New();
   if (!dict) return nullptr;
   for (const FfiTarget& t : Spec()->targets) {
@@ -49,9 +50,9 @@ inline PyObject* Targets(PyObject*, PyObject*) {
   return dict;
 }
 
-inline PyObject* GetIsa(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(Spec()->isa->get())); }
+PyObject* GetIsa(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(Spec()->isa->get())); }
 
-inline PyObject* SetIsa(PyObject*, PyObject* arg) {
+PyObject* SetIsa(PyObject*, PyObject* arg) {
   const char* name = PyUnicode_AsUTF8(arg);
   if (!name) return nullptr;
   IsaChoice& choice = *Spec()->isa;
@@ -67,16 +68,14 @@ inline PyObject* SetIsa(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
-}  // namespace module_detail
-
 // PyInit_<name>'s body: `spec` must outlive the module (a function-local static).
-inline PyObject* CreateModule(ModuleSpec& spec) {
-  module_detail::Spec() = &spec;
+PyObject* CreateModule(ModuleSpec& spec) {
+  Spec() = &spec;
   static std::vector<PyMethodDef> methods;
   methods = {
-      {"targets", module_detail::Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-      {"isa", module_detail::GetIsa, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
-      {"set_isa", module_detail::SetIsa, METH_O,
+      {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
+      {"isa", GetIsa, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
+      {"set_isa", SetIsa, METH_O,
        "Choose a (not faster than detected) instruction set; returns the previous."},
   };
   methods.insert(methods.end(), spec.methods.begin(), spec.methods.end());
@@ -85,4 +84,5 @@ inline PyObject* CreateModule(ModuleSpec& spec) {
   return PyModule_Create(&def);
 }
 
+}  // namespace
 }  // namespace slipstream::runtime
