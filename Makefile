@@ -9,8 +9,8 @@ TEST_STAMP    := $(VENV)/.slipstream-test
 
 .PHONY: serve test soak container-test clean
 
-# the native kernels (kernels/csrc) are built by pip: rebuild when they change
-$(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard kernels/csrc/*.cc)
+# the native kernels (kernels/cpu/csrc) are built by pip: rebuild when they change
+$(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cc kernels/cpu/csrc/*.h kernels/cpu/csrc/runtime/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .

@@ -1,4 +1,4 @@
-"""Builds the native CPU kernels (kernels/csrc/*.cc, one extension module each) against the XLA FFI
+"""Builds the native CPU kernels (kernels/cpu/csrc/*.cc, one extension module each) against the XLA FFI
 headers that jaxlib ships. The build is optional: a failure is reported here and again, loudly, at
 run time (kernels.native logs which path each kernel takes), and the pure-JAX references run."""
 import glob
@@ -28,9 +28,9 @@ def _extensions() -> list[Extension]:
         flags = ["-O0", "-g", "-std=c++17"]
     return [Extension(f"kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
                       include_dirs=[jax.ffi.include_dir()], extra_compile_args=flags,
-                      depends=sorted(glob.glob("kernels/csrc/*.h")),
+                      depends=sorted(glob.glob("kernels/cpu/csrc/**/*.h", recursive=True)),
                       language="c++", optional=True)
-            for src in sorted(glob.glob("kernels/csrc/*.cc"))]
+            for src in sorted(glob.glob("kernels/cpu/csrc/*.cc"))]
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": ParallelBuildExt})

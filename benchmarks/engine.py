@@ -179,8 +179,8 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     """A decode step of the first --slots count (one slot by default), part by part, timed
     round-robin (ms, medians): the whole step; its model program (with the host's input arrays);
     the host's input arrays alone; the sampling program alone; the matmuls alone (roofline); the
-    attention op alone (all layers); and `stream`, one read of the step's weight bytes by the int8
-    kernel's threads (kernels.q8_matmul.read_probe), the floor of the matmuls. With
+    attention op alone (all layers); and `stream`, one read of the step's weight bytes (an XLA
+    max-reduction), the floor of the matmuls. With
     --breakdown-ops, the model and sampling programs' XLA ops by time (profiler)."""
     engine, cfg = setup.engine, setup.engine.model_cfg
     slots = args.slots[0]
@@ -215,10 +215,8 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
            "sample": sample, "roofline": lambda: roofline(x), "attention": attention_only(setup, slots)}
     weight_bytes = weight_bytes_read_per_token(engine.params)
     if engine.weight_mode != "none":
-        from kernels.q8_matmul import read_probe
-
         data = jax.device_put(np.ones(weight_bytes, np.uint8))
-        probe = jax.jit(read_probe)
+        probe = jax.jit(jnp.max)
         fns["stream"] = lambda: probe(data)
     times = interleaved(fns, args.steps, args.warmup)
     out = {"slots": slots, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}

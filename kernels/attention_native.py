@@ -1,4 +1,4 @@
-"""The native CPU ragged paged attention (kernels/csrc/ragged_paged_attention.cc) behind the signature and
+"""The native CPU ragged paged attention (kernels/cpu/csrc/ragged_paged_attention.cc) behind the signature and
 semantics of kernels.attention.ragged_paged_attention_reference. The KV cache buffers are operands
 aliased to results, so the kernel writes the new K/V in place: donate the cache (or carry it through a
 scan) and XLA makes no copy of it. Call it only after kernels.native.load registered the targets."""

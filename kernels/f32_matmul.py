@@ -1,5 +1,5 @@
 """f32 matmul over weights prepacked in column panels: x [M, K] @ w [K, N] with w stored as
-[N/32][K][32] (kernels/csrc/f32_matmul.cc streams one panel contiguously; N padded with zero columns).
+[N/32][K][32] (kernels/cpu/csrc/f32_matmul.cc streams one panel contiguously; N padded with zero columns).
 
 `f32_matmul` is the one entry point. On CPU it runs the native kernel through XLA's FFI; elsewhere,
 or with SLIPSTREAM_KERNELS=reference, `reference` does the same product in JAX (an f32 dot at

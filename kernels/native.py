@@ -1,4 +1,4 @@
-"""Loads the native CPU kernels (extension modules built from kernels/csrc) and registers their XLA
+"""Loads the native CPU kernels (extension modules built from kernels/cpu/csrc) and registers their XLA
 FFI targets. Which path each kernel takes is logged once and exposed through kernel_paths(), so a
 failed build or an explicit SLIPSTREAM_KERNELS=reference is never silent."""
 from __future__ import annotations
@@ -33,14 +33,24 @@ def load(kernel: str, module: str) -> bool:
             ext = importlib.import_module(f"kernels._{module}")
             isa = ext.isa() if hasattr(ext, "isa") else "?"
             if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
+                _attention_env(ext)
                 isa += f", load_ahead={ext.load_ahead()}"
-                asked = os.environ.get("SLIPSTREAM_KV_LOAD_AHEAD")
-                if asked is not None and asked not in ("all", "scattered"):
-                    log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all' or 'scattered': using this CPU's "
-                                "default (%s)", asked, ext.load_ahead())
             log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
     _paths[kernel] = "native" if ok else "reference"
     return ok
+
+
+def _attention_env(ext) -> None:
+    """The attention kernel's K/V settings from the environment (the C++ reads none):
+    SLIPSTREAM_KV_LOAD_AHEAD=all|scattered and SLIPSTREAM_KV_HUGE_PAGES=0."""
+    asked = os.environ.get("SLIPSTREAM_KV_LOAD_AHEAD")
+    if asked in ("all", "scattered"):
+        ext.load_ahead(asked)
+    elif asked is not None:
+        log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all' or 'scattered': using this CPU's default (%s)",
+                    asked, ext.load_ahead())
+    if os.environ.get("SLIPSTREAM_KV_HUGE_PAGES") == "0":
+        ext.huge_pages(False)
 
 
 def _register(module: str) -> bool:

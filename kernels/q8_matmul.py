@@ -3,7 +3,7 @@ asymmetric sources such as GGUF Q4_1, one f16 offset) per 32 input channels per 
 activations quantized per row and group of 32 at run time, in one int8 part (as llama.cpp does) or
 two (the rounding residual as a second int8 row: ~15-bit activations for twice the multiplies).
 
-`q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/csrc/q8_matmul.cc,
+`q8_matmul` is the one entry point. On CPU it runs the native kernel (kernels/cpu/csrc/q8_matmul.cc,
 through XLA's FFI); elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same
 math in JAX. `pack` lays weights out for the kernel once, at load time. Weights whose values all lie
 in 0..15 (GGUF's 4-bit blocks) may be packed two to a byte (`bits=4`): the same products from half
@@ -246,11 +246,3 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
         y = ref(x2, packed, scales, offsets, index)
     return y.reshape(*lead, n)
 
-
-def read_probe(data: jax.Array) -> jax.Array:
-    """Reads a u8 buffer once with the kernel's threads and vectors (a read-bandwidth yardstick for
-    benchmarks); returns one checksum per 256 KiB so the read cannot be skipped. CPU, native only."""
-    if not native.load("q8_matmul", "q8_matmul"):
-        raise RuntimeError("read_probe needs the native kernels._q8_matmul module")
-    lanes = -(-data.size // (1 << 18))
-    return jax.ffi.ffi_call("slipstream_read_probe", jax.ShapeDtypeStruct((lanes,), jnp.uint32))(data.reshape(-1))

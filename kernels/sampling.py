@@ -2,7 +2,7 @@
 min-p, then an inverse-CDF draw with a given uniform per row), and the model's logprobs.
 
 Two entry points, `sample_tokens` and `top_logprobs`. On CPU they run the native kernel
-(kernels/csrc/sampling.cc) through XLA's FFI; elsewhere, or with SLIPSTREAM_KERNELS=reference,
+(kernels/cpu/csrc/sampling.cc) through XLA's FFI; elsewhere, or with SLIPSTREAM_KERNELS=reference,
 `reference` and `top_logprobs_reference` do the same in JAX. sample_tokens' contract:
 per row, with x = (logits - max) / T and e = exp(x):
   - temperature <= 0: the first index of the row max (a row holding NaN: 0);

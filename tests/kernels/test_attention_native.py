@@ -13,6 +13,7 @@ import pytest
 from kernels import attention, native
 from kernels.attention import k_page_from_cache
 from tests.kernels.attention_cases import make_case, oracle
+from tests.kernels.isas import runnable_isas
 
 if native.reference_forced():
     pytest.skip("SLIPSTREAM_KERNELS=reference: the native kernel is off", allow_module_level=True)
@@ -22,8 +23,7 @@ if not native.load("ragged_paged_attention", "ragged_paged_attention"):
 from kernels import _ragged_paged_attention as ext  # noqa: E402  (built extension, loaded above)
 from kernels.attention_native import ragged_paged_attention_cpu  # noqa: E402
 
-_ALL_ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
-ISAS = _ALL_ISAS[:_ALL_ISAS.index(ext.isa()) + 1]   # every path this CPU can run
+ISAS = runnable_isas(ext, ("portable", "avx2", "avx512", "avx512_vnni"))   # every path this CPU can run
 
 # (q_lens, cached keys before the step, KV heads, group, head_dim, page_size)
 SHAPES = {
@@ -49,8 +49,9 @@ def _args(case):
 
 @pytest.fixture(autouse=True)
 def _best_isa_after():
+    best = ext.isa()
     yield
-    ext.force_isa("best")
+    ext.set_isa(best)
 
 
 def _tolerance(kv_dtype: str, isa: str, head_dim: int) -> float:
@@ -84,7 +85,7 @@ def test_native_matches_oracle(shape, kv_dtype, window):
     want, want_cache = oracle(case, sm_scale=scale, sliding_window=window)
     fn = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale", "sliding_window"))
     for isa in ISAS:
-        ext.force_isa(isa)
+        ext.set_isa(isa)
         out, cache = fn(*_args(case), sm_scale=scale, sliding_window=window)
         _assert_matches(out, cache, want, want_cache, case, kv_dtype, f"{shape} {kv_dtype} window={window} {isa}",
                         _tolerance(kv_dtype, isa, hd))
@@ -102,7 +103,7 @@ def test_consecutive_pages_match_oracle(kv_dtype):
     want, want_cache = oracle(case, sm_scale=0.125)
     fn = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale",))
     for isa in ISAS:
-        ext.force_isa(isa)
+        ext.set_isa(isa)
         out, cache = fn(*_args(case), sm_scale=0.125)
         _assert_matches(out, cache, want, want_cache, case, kv_dtype, f"consecutive {kv_dtype} {isa}",
                         _tolerance(kv_dtype, isa, 64))
@@ -158,6 +159,22 @@ def test_load_ahead_environment_sets_the_mode(env, mode, warned):
     assert got == (mode or default), out
     assert ("is not 'all' or 'scattered'" in out) == warned, out
     assert f"load_ahead={got}" in out, out
+
+
+@pytest.mark.parametrize("env, enabled", [("0", False), ("1", True)])
+def test_huge_pages_environment_sets_the_switch(env, enabled):
+    """SLIPSTREAM_KV_HUGE_PAGES=0 keeps the K/V cache off 2 MiB pages (kernels.native passes it to the kernel
+    at load); any other value leaves them on."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from kernels import native, _ragged_paged_attention as ext\n"
+            "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
+            "print('ENABLED', ext.huge_pages()['enabled'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SLIPSTREAM_KV_HUGE_PAGES": env}).stdout
+    assert f"ENABLED {enabled}" in out, out
 
 
 def test_random_ragged_batches_match_reference():

@@ -60,7 +60,7 @@ def oracle(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = N
     return y
 
 
-# kernels/csrc/q8_matmul.cc's kF32MinRows: from this many rows, a two-part call on the AVX2 path widens the
+# kernels/cpu/csrc/q8_matmul.cc's kF32MinRows: from this many rows, a two-part call on the AVX2 path widens the
 # weights to f32 and multiplies x unquantized (no int8 dot on AVX2 is faster), so it equals exact_product.
 AVX2_F32_MIN_ROWS = 8
 

@@ -1,4 +1,4 @@
-"""The native sampling kernel (kernels/csrc/sampling.cc) against a float64 numpy oracle of the
+"""The native sampling kernel (kernels/cpu/csrc/sampling.cc) against a float64 numpy oracle of the
 contract in kernels/sampling.py and against the JAX reference: greedy rows, temperature, top-k,
 top-p, min-p and the draw, on every instruction-set path this CPU has (AVX-512, AVX2, portable),
 over odd vocab sizes, ties, masked (-inf) tokens and NaN rows."""

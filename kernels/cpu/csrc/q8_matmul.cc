@@ -63,24 +63,19 @@
 #include <thread>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-// -DQ8_PORTABLE_ONLY builds the portable path alone (what aarch64 gets), to test it on x86.
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(Q8_PORTABLE_ONLY)
-#include <immintrin.h>
-#define Q8_X86 1
-#endif
-
 #include "xla/ffi/api/ffi.h"
-#include "ffi_targets.h"
-#if defined(Q8_X86)
+#include "runtime/huge_pages.h"
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
+#if defined(SLIPSTREAM_X86)
 #include "avx2_fma_block.h"
 #include "exp_avx512.h"
 #endif
 
 namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
 
 namespace {
 
@@ -89,30 +84,7 @@ constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
 constexpr int kQuantRows = 4;   // rows per activation-quantization claim (a row block holds 16)
 
-enum class Isa { kPortable, kAvx2, kAvx512Vnni };
-
-Isa DetectIsa() {
-#if defined(Q8_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return Isa::kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::kAvx2;
-#endif
-  return Isa::kPortable;
-}
-
-const Isa kBestIsa = DetectIsa();
-std::atomic<Isa> g_isa{kBestIsa};  // lowered only by set_isa(), to test every path on one machine
-
-const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Vnni: return "avx512_vnni";
-    case Isa::kAvx2: return "avx2";
-    default: return "portable";
-  }
-}
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni};
 
 // Quantized activations: `parts` int8 rows per input row (act row m * parts + p), Kp bytes each,
 // and per act row and group its scale, the accumulator's starting value -128 * sum(xq), and the
@@ -231,7 +203,7 @@ __attribute__((always_inline)) inline void QuantizeRowPortable(const float* x, i
   }
 }
 
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
 
 // Sixteen groups at a time: each group's 16-lane vector (its max |x|, its sums) is reduced by a
 // transpose tree, two vectors into one holding both at half the lanes, to one vector of the 16
@@ -389,7 +361,7 @@ void QuantizeRowAvx2(const float* x, int k, Acts& a, int row) {
   }
 }
 
-#endif  // Q8_X86
+#endif  // SLIPSTREAM_X86
 
 // ---- gated input: out[i] = silu(g[i]) * u[i], g = gu[0 .. k), u = gu[k .. 2k) --------------------
 // silu(g) = g * sigmoid(g) as jax.nn.silu computes it; sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e)
@@ -402,7 +374,7 @@ void GatedRowPortable(const float* gu, int k, float* out) {
   }
 }
 
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
 __attribute__((target("avx512f")))
 void GatedRowAvx512(const float* gu, int k, float* out) {
   const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
@@ -421,14 +393,14 @@ void GatedRowAvx512(const float* gu, int k, float* out) {
 #endif
 
 void GatedRow(Isa isa, const float* gu, int k, float* out) {
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
   if (isa == Isa::kAvx512Vnni) return GatedRowAvx512(gu, k, out);
 #endif
   GatedRowPortable(gu, k, out);
 }
 
 void QuantizeRow(Isa isa, const float* x, int k, Acts& a, int row) {
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
   if (isa == Isa::kAvx512Vnni) return QuantizeRowAvx512(x, k, a, row);
   if (isa == Isa::kAvx2) return QuantizeRowAvx2(x, k, a, row);
 #endif
@@ -444,7 +416,7 @@ inline uint8_t WeightByte(const Problem& p, const uint8_t* w, int v, int b) {
   return static_cast<uint8_t>(((v & 1) ? pair >> 4 : pair & 0x0F) | 0x80);
 }
 
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
 // Bytes [32 * half, 32 * half + 32) of vector v, as WeightByte.
 __attribute__((target("avx2"), always_inline)) inline __m256i LoadWeights32Avx2(const Problem& p, const uint8_t* w,
                                                                                    int v, int half) {
@@ -491,7 +463,7 @@ void TilePortable(const Problem& p, const Acts& a, int row0, int tile0) {
     }
 }
 
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
 
 // P = p.parts. With two parts the act rows come in pairs (xq0, xq1) of one input row, with scales
 // d and d1 = d / 254: the pair's int32 sums combine exactly as 254 * acc0 + acc1 (|.| < 2^31 for
@@ -728,7 +700,7 @@ using TileF32Fn = void (*)(const Problem&, const float*, int, int);
 constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, &TileF32Avx2<3>,
                                               &TileF32Avx2<4>, &TileF32Avx2<5>, &TileF32Avx2<6>};
 
-#endif  // Q8_X86
+#endif  // SLIPSTREAM_X86
 
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
@@ -736,7 +708,7 @@ using TileFn = void (*)(const Problem&, const Acts&, int, int);
 
 template <int R, int C>
 TileFn Pick(Isa isa, int parts, int bits) {
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
   if (isa == Isa::kAvx512Vnni) {
     if constexpr (R % 2 == 0) {
       if (parts == 2) return bits == 4 ? &TileAvx512<R, C, 2, 4> : &TileAvx512<R, C, 2, 8>;
@@ -756,13 +728,13 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxTiles = 4;
 
 TileFn PickTile(Isa isa, int rows, int tiles, int parts, int bits) {
-  static const TileFn table[3][2][2][kMaxRows][kMaxTiles] = {
+  static const TileFn table[4][2][2][kMaxRows][kMaxTiles] = {
 #define Q8_ROW(I, P, B, R) {Pick<R, 1>(I, P, B), Pick<R, 2>(I, P, B), Pick<R, 3>(I, P, B), Pick<R, 4>(I, P, B)}
 #define Q8_BITS(I, P, B) {Q8_ROW(I, P, B, 1), Q8_ROW(I, P, B, 2), Q8_ROW(I, P, B, 3), Q8_ROW(I, P, B, 4), \
                           Q8_ROW(I, P, B, 5), Q8_ROW(I, P, B, 6), Q8_ROW(I, P, B, 7), Q8_ROW(I, P, B, 8)}
 #define Q8_PARTS(I, P) {Q8_BITS(I, P, 8), Q8_BITS(I, P, 4)}
 #define Q8_ISA(I) {Q8_PARTS(I, 1), Q8_PARTS(I, 2)}
-      Q8_ISA(Isa::kPortable), Q8_ISA(Isa::kAvx2), Q8_ISA(Isa::kAvx512Vnni)
+      Q8_ISA(Isa::kPortable), Q8_ISA(Isa::kAvx2), Q8_ISA(Isa::kAvx512), Q8_ISA(Isa::kAvx512Vnni)
 #undef Q8_ISA
 #undef Q8_PARTS
 #undef Q8_BITS
@@ -780,7 +752,7 @@ TileFn PickTile(Isa isa, int rows, int tiles, int parts, int bits) {
 // chunk, with the quantizer below) 0.95x in q8_0 and 0.91x in q8_0-a16. Items of 6 tiles hold whole
 // 3-tile blocks. The one-row path (4-tile blocks) is the same on both, except how far ahead it
 // prefetches: on the Zen 4 EPYC, 1 KiB ahead into L1 left the one-row calls at 46-52% of the read
-// probe in a decode step's chain of calls; 512 bytes into L1 plus 2 KiB into L2 took the chain to
+// bandwidth of the kernel's threads in a decode step's chain of calls; 512 bytes into L1 plus 2 KiB into L2 took the chain to
 // 0.77-0.97x its time and the engine's one-slot decode step to 0.886x (q8_0) and 0.894x (q8_0-a16)
 // (in-process A/Bs; L1's few miss buffers capped the reads in flight, L2 holds more).
 struct Avx512Shape {
@@ -792,8 +764,8 @@ struct Avx512Shape {
 };
 
 Avx512Shape DetectShape() {
-#if defined(Q8_X86)
-  if (__builtin_cpu_is("amd")) return {4, 2, 4, 2, 4, 512, 2048, true};
+#if defined(SLIPSTREAM_X86)
+  if (rt::Cpu().amd) return {4, 2, 4, 2, 4, 512, 2048, true};
 #endif
   return {4, 3, 6, 3, 6, 1024, 0, false};
 }
@@ -836,9 +808,6 @@ struct Job {
   bool f32_path = false;  // AVX2, two parts, at least kF32MinRows rows: RunItemF32
   int quant_blocks;
   std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  uint64_t generation = 0;  // which call this is (helpers lingering between calls tell them apart)
 
   // The rows of row block rb, quantized: the caller quantizes every group of kQuantRows rows of
   // the block that nobody has claimed, then waits for those others are quantizing (they are
@@ -870,7 +839,7 @@ struct Job {
 
   void RunItem(int item) {
     const int chunk = item / row_blocks, rb = item % row_blocks;
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
 #endif
     EnsureRows(rb);
@@ -889,7 +858,7 @@ struct Job {
     }
   }
 
-#if defined(Q8_X86)
+#if defined(SLIPSTREAM_X86)
   // The AVX2 two-part path (see DequantTileAvx2): x unquantized, each tile widened once per item.
   void RunItemF32(int chunk, int rb) {
     thread_local std::vector<float> buf;
@@ -910,12 +879,6 @@ struct Job {
   }
 #endif
 
-  // Claims items until none are left.
-  void Work() {
-    int ran = 0;
-    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) RunItem(item);
-    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
-  }
 };
 
 // profile(True) records each call's (start, end) on the steady clock in ns, its rows and its weight
@@ -930,65 +893,13 @@ inline int64_t NowNs() {
       .count();
 }
 
-// Helpers. A helper runs a call's items, then lingers for up to g_linger_us polling for the next
-// call's job (posted in g_posted), as llama.cpp's spinning pool does: the decode step's calls come a
-// few microseconds apart, and a helper that is still running takes the next one without the wake-up
-// of a freshly scheduled task. g_lingering counts helpers running or lingering, so a call schedules
-// only the helpers it lacks. If a lingering helper gives up just as a call counted it, that call runs
-// with fewer threads (its caller takes the items): never a wait on a helper that is not there.
-std::shared_ptr<Job> g_posted;                // the latest multi-threaded call's job
-std::atomic<uint64_t> g_generation{0};
-std::atomic<int> g_lingering{0};
-std::atomic<int> g_linger_us{0};
-std::atomic<int> g_max_threads{0};            // 0: the pool's thread count (a test and benchmark knob)
-std::atomic<size_t> g_solo_bytes{0};          // one-row calls with fewer weight bytes stay on the caller
-
-inline void Pause() {
-#if defined(Q8_X86)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-void Helper(std::shared_ptr<Job> job) {
-  uint64_t seen = job->generation;
-  for (;;) {
-    job->Work();
-    job.reset();
-    const int linger = g_linger_us.load(std::memory_order_relaxed);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(linger);
-    for (int spins = 0;; ++spins) {
-      std::shared_ptr<Job> next = std::atomic_load_explicit(&g_posted, std::memory_order_acquire);
-      if (next && next->generation != seen) {
-        seen = next->generation;
-        job = std::move(next);
-        break;
-      }
-      if ((spins & 63) == 0 && std::chrono::steady_clock::now() >= deadline) {
-        g_lingering.fetch_sub(1, std::memory_order_acq_rel);
-        return;
-      }
-      Pause();
-    }
-  }
-}
+std::atomic<int> g_max_threads{0};  // 0: the pool's thread count (a test and benchmark knob)
 
 // A large output (the LM head over many rows: 256 x 49152 f32 is 50 MB) is usually fresh memory
 // from mmap, so the first write to each 4 KiB page faults; asking for transparent huge pages turns
-// ~12k faults into ~25. Only a hint: memory that is already mapped, or a kernel without THP, is
-// left as it is.
+// ~12k faults into ~25.
 void AdviseHugePages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 8 * kHuge) return;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
+  if (bytes >= 8 * rt::kHugePage) rt::AdviseHugePages(rt::HugeAligned(data, bytes));
 }
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
@@ -1014,8 +925,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const bool profile = g_profile.load(std::memory_order_relaxed);
   const int64_t start = profile ? NowNs() : 0;
   thread_local Acts tl_acts;
-  auto job = std::make_shared<Job>(tl_acts);
-  Problem& p = job->p;
+  Job job(tl_acts);
+  Problem& p = job.p;
   p.m = static_cast<int>(xd[0]);
   p.k = static_cast<int>(gated ? xd[1] / 2 : xd[1]);
   p.gated = gated != 0;
@@ -1041,128 +952,40 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
-  job->isa = g_isa.load(std::memory_order_relaxed);
-#if defined(Q8_X86)
-  job->f32_path = job->isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
+  job.isa = g_isa.get();
+#if defined(SLIPSTREAM_X86)
+  job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
 #endif
   AdviseHugePages(p.y, static_cast<size_t>(p.m) * p.n * sizeof(float));
-  Acts& a = job->acts;
+  Acts& a = job.acts;
   a.kp = p.kp;
   a.groups = p.groups;
   a.parts = parts;
-  if (!job->f32_path) a.Resize(p.m);  // the widened AVX2 path reads x itself
-#if defined(Q8_X86)
+  if (!job.f32_path) a.Resize(p.m);  // the widened AVX2 path reads x itself
+#if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
-  if (job->f32_path && p.gated) {
+  if (job.f32_path && p.gated) {
     gated_x.resize(static_cast<size_t>(p.m) * p.k);
     for (int row = 0; row < p.m; ++row)
-      GatedRow(job->isa, p.x + static_cast<size_t>(row) * 2 * p.k, p.k, gated_x.data() + static_cast<size_t>(row) * p.k);
+      GatedRow(job.isa, p.x + static_cast<size_t>(row) * 2 * p.k, p.k, gated_x.data() + static_cast<size_t>(row) * p.k);
     p.x = gated_x.data();
     p.gated = false;
   }
 #endif
-  job->row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
-  job->chunks = (p.tiles + ChunkTiles(job->isa) - 1) / ChunkTiles(job->isa);
-  job->items = job->row_blocks * job->chunks;
-  job->quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
-  job->row_state.reset(new std::atomic<int>[job->quant_blocks]);
-  for (int i = 0; i < job->quant_blocks; ++i) job->row_state[i].store(0);
+  job.row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  job.chunks = (p.tiles + ChunkTiles(job.isa) - 1) / ChunkTiles(job.isa);
+  job.items = job.row_blocks * job.chunks;
+  job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
+  job.row_state.reset(new std::atomic<int>[job.quant_blocks]);
+  for (int i = 0; i < job.quant_blocks; ++i) job.row_state[i].store(0);
 
-  int threads = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items));
-  const int cap = g_max_threads.load(std::memory_order_relaxed);
-  if (cap > 0) threads = std::min(threads, cap);
-  // A small one-row call stays on the calling thread: waking a helper costs more than it saves.
-  if (p.m <= 2 && weight_bytes < g_solo_bytes.load(std::memory_order_relaxed)) threads = 1;
-  if (threads > 1) {
-    job->generation = g_generation.fetch_add(1, std::memory_order_relaxed) + 1;
-    std::atomic_store_explicit(&g_posted, job, std::memory_order_release);  // lingering helpers take it
-    const int wanted = threads - 1 - g_lingering.load(std::memory_order_acquire);
-    for (int i = 0; i < wanted; ++i) {
-      g_lingering.fetch_add(1, std::memory_order_acq_rel);
-      pool.Schedule([job] { Helper(job); });
-    }
-  }
-  job->Work();
-  // Items claimed by helpers are running now; wait for them (never for a helper that has not started).
-  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
+  rt::ParallelFor(pool, job.items, g_max_threads.load(std::memory_order_relaxed),
+                  [&job](int64_t item) { job.RunItem(static_cast<int>(item)); });
   if (profile) {
     const int64_t end = NowNs();
     std::lock_guard<std::mutex> lock(g_profile_mu);
     g_calls.push_back({start, end, p.m, static_cast<int64_t>(weight_bytes)});
   }
-  return ffi::Error::Success();
-}
-
-// Reads `data` once with the threads and vector width the matmul uses: the bandwidth the one-row
-// path is judged against (benchmarks/int8_matmul_bench.py). Each 256 KiB item is read as 4
-// concurrent streams, as a 4-tile matmul item reads its weights. Output: one checksum per item.
-constexpr size_t kProbeChunk = 1 << 18;
-
-#if defined(Q8_X86)
-__attribute__((target("avx512f")))
-uint64_t ReadChunkAvx512(const uint8_t* d, size_t n) {
-  const size_t quarter = n / 4 / 64 * 64;
-  __m512i acc0 = _mm512_setzero_si512(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  for (size_t i = 0; i < quarter; i += 64) {
-    acc0 = _mm512_xor_si512(acc0, _mm512_loadu_si512(d + i));
-    acc1 = _mm512_xor_si512(acc1, _mm512_loadu_si512(d + quarter + i));
-    acc2 = _mm512_xor_si512(acc2, _mm512_loadu_si512(d + 2 * quarter + i));
-    acc3 = _mm512_xor_si512(acc3, _mm512_loadu_si512(d + 3 * quarter + i));
-  }
-  acc0 = _mm512_xor_si512(_mm512_xor_si512(acc0, acc1), _mm512_xor_si512(acc2, acc3));
-  alignas(64) uint64_t lanes[8];
-  _mm512_store_si512(lanes, acc0);
-  uint64_t s = 0;
-  for (uint64_t v : lanes) s ^= v;
-  for (size_t i = 4 * quarter; i < n; ++i) s ^= d[i];
-  return s;
-}
-#endif
-
-uint64_t ReadChunk(const uint8_t* d, size_t n) {
-#if defined(Q8_X86)
-  if (kBestIsa == Isa::kAvx512Vnni) return ReadChunkAvx512(d, n);
-#endif
-  uint64_t s = 0;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t v;
-    std::memcpy(&v, d + i, 8);
-    s ^= v;
-  }
-  for (; i < n; ++i) s ^= d[i];
-  return s;
-}
-
-struct ProbeJob {
-  const uint8_t* data;
-  size_t bytes;
-  uint32_t* out;
-  int items;
-  std::atomic<int> next{0}, done{0};
-  void Work() {
-    int ran = 0;
-    for (int item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) {
-      const size_t lo = item * kProbeChunk, n = std::min(kProbeChunk, bytes - lo);
-      const uint64_t s = ReadChunk(data + lo, n);
-      out[item] = static_cast<uint32_t>(s ^ (s >> 32));
-    }
-    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
-  }
-};
-
-ffi::Error ReadProbeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> data, ffi::ResultBuffer<ffi::U32> out) {
-  auto job = std::make_shared<ProbeJob>();
-  job->data = data.typed_data();
-  job->bytes = data.size_bytes();
-  job->items = static_cast<int>((job->bytes + kProbeChunk - 1) / kProbeChunk);
-  if (out->element_count() != static_cast<size_t>(job->items))
-    return ffi::Error::InvalidArgument("read probe: the output needs one lane per 256 KiB chunk");
-  job->out = out->typed_data();
-  const int helpers = static_cast<int>(std::min<int64_t>(pool.num_threads(), job->items) - 1);
-  for (int i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) != job->items) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -1181,49 +1004,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Attr<int32_t>("gated")        // 1: x is gate | up, the input silu(gate) * up
                                   .Attr<int32_t>("bits"));       // 8, or 4: two weights per packed byte
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamReadProbe, ReadProbeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>());
+// ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the tuning setters --------
 
-// ---- Python module: targets() -> {name: capsule}, isa() -> the path chosen on this CPU ----------
-
-static PyObject* Targets(PyObject*, PyObject*) {
-  return FfiTargetsDict({{"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)},
-                         {"slipstream_read_probe", reinterpret_cast<void*>(SlipstreamReadProbe)}});
-}
-
-static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }
-
-// set_isa(name): use `name` ("avx512_vnni", "avx2" or "portable") if this CPU has it; returns the
-// previous choice. For tests of the slower paths on a machine that has the faster one.
-static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (!name) return nullptr;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni}) {
-    if (std::strcmp(name, IsaName(isa)) != 0) continue;
-    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
-      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, IsaName(kBestIsa));
-      return nullptr;
-    }
-    return PyUnicode_FromString(IsaName(g_isa.exchange(isa)));
-  }
-  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
-  return nullptr;
-}
-
-// threading(max_threads, solo_bytes, linger_us) -> the previous (max_threads, solo_bytes, linger_us);
-// a negative argument keeps that setting. For tests and benchmarks of the thread policy.
+// threading(max_threads) -> the previous max_threads (0: the pool's size); negative keeps it. For tests
+// of the thread policy: which thread runs which item must not change an output.
 static PyObject* ThreadingPy(PyObject*, PyObject* args) {
-  long long max_threads = -1, solo_bytes = -1, linger_us = -1;
-  if (!PyArg_ParseTuple(args, "|LLL", &max_threads, &solo_bytes, &linger_us)) return nullptr;
-  PyObject* prev = Py_BuildValue("(iKi)", g_max_threads.load(), static_cast<unsigned long long>(g_solo_bytes.load()),
-                                 g_linger_us.load());
-  if (max_threads >= 0) g_max_threads.store(static_cast<int>(max_threads));
-  if (solo_bytes >= 0) g_solo_bytes.store(static_cast<size_t>(solo_bytes));
-  if (linger_us >= 0) g_linger_us.store(static_cast<int>(std::min<long long>(linger_us, 1000000)));
-  return prev;
+  int max_threads = -1;
+  if (!PyArg_ParseTuple(args, "|i", &max_threads)) return nullptr;
+  const int prev = g_max_threads.load();
+  if (max_threads >= 0) g_max_threads.store(max_threads);
+  return PyLong_FromLong(prev);
 }
 
 // prefetch(near, far) -> the previous (near, far): the one-row path's prefetch distances in bytes of
@@ -1276,22 +1066,22 @@ static PyObject* ProfilePy(PyObject*, PyObject* arg) {
   return list;
 }
 
-static PyMethodDef kMethods[] = {
-    {"profile", ProfilePy, METH_O,
-     "profile(on): the calls recorded so far as (start_ns, end_ns, rows, weight_bytes); records from now on if on."},
-    {"threading", ThreadingPy, METH_VARARGS,
-     "threading(max_threads, solo_bytes, linger_us): set the thread policy (negative: keep); returns the previous."},
-    {"prefetch", PrefetchPy, METH_VARARGS,
-     "prefetch(near, far): the one-row prefetch distances in bytes, into L1 and L2 (negative: keep); returns the previous."},
-    {"nontemporal", NontemporalPy, METH_O,
-     "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the previous."},
-    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-    {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
-    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_q8_matmul",
-                              "Group-wise int8 (Q8_0) matmul for XLA:CPU through the FFI.", -1, kMethods};
-
-PyMODINIT_FUNC PyInit__q8_matmul() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__q8_matmul() {
+  static rt::ModuleSpec spec{
+      "_q8_matmul", "Group-wise int8 (Q8_0) matmul for XLA:CPU through the FFI.",
+      {{"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)}},
+      &g_isa,
+      {{"profile", ProfilePy, METH_O,
+        "profile(on): the calls recorded so far as (start_ns, end_ns, rows, weight_bytes); records from now on "
+        "if on."},
+       {"threading", ThreadingPy, METH_VARARGS,
+        "threading(max_threads): at most this many threads per call (0: the pool's; negative: keep); returns "
+        "the previous."},
+       {"prefetch", PrefetchPy, METH_VARARGS,
+        "prefetch(near, far): the one-row prefetch distances in bytes, into L1 and L2 (negative: keep); returns "
+        "the previous."},
+       {"nontemporal", NontemporalPy, METH_O,
+        "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
+        "previous."}}};
+  return rt::CreateModule(spec);
+}

@@ -19,34 +19,36 @@
 // reaches the target), so the selects and the draw run over the tokens above that bound, compacted
 // in token order; a draw with no cut-off goes by sums of 16-token blocks.
 //
-// Instruction sets: the row passes (max, exp, block maxima and sums, compaction) have AVX-512 and
-// AVX2 versions chosen at run time (__builtin_cpu_supports) beside portable loops; nothing is
+// Instruction sets: the row passes (max, exp, block maxima and sums, compaction) are written once over a
+// vector type (sampling_rows.h), compiled for AVX-512 and for AVX2 and chosen at run time (runtime/isa.h)
+// beside portable loops; nothing is
 // compiled with -march. Sums are in double (the reference's in f32), so a draw whose u lies within
 // rounding of a token boundary may pick the neighbouring token.
 #include <Python.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "ffi_targets.h"
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SAMPLING_PORTABLE_ONLY)  // the macro: test builds
-#define SAMPLING_X86 1
+#if defined(SLIPSTREAM_X86)
 #include "exp_avx2.h"
 #include "exp_avx512.h"
 #endif
 
 namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
 
 namespace {
 
@@ -126,176 +128,6 @@ void block_sum_portable(const float* e, int v, float min_p, double* out) {
   }
 }
 
-#if defined(SAMPLING_X86)
-#define SAMPLING_AVX512 __attribute__((target("avx512f")))
-
-SAMPLING_AVX512 inline __mmask16 tail_mask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
-
-SAMPLING_AVX512 RowMax row_max_avx512(const float* l, int v) {
-  __m512 mx = _mm512_set1_ps(kNegInf);
-  __mmask16 nan = 0;
-  for (int i = 0; i < v; i += 16) {
-    const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(v - i), l + i);
-    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(mx, a);
-  }
-  return {_mm512_reduce_max_ps(mx), nan != 0};
-}
-
-SAMPLING_AVX512 int first_equal_avx512(const float* l, int v, float m) {
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int i = 0; i < v; i += 16) {
-    const __mmask16 in = tail_mask(v - i);
-    const __mmask16 eq = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, l + i), mv, _CMP_EQ_OQ);
-    if (eq) return i + __builtin_ctz(eq);
-  }
-  return 0;
-}
-
-SAMPLING_AVX512 double exp_shifted_avx512(const float* l, int v, float m, float t, float* x, float* e) {
-  const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(t);
-  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
-  int i = 0;
-  for (; i + 16 <= v; i += 16) {
-    const __m512 xi = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(l + i), mv), tv);
-    const __m512 ei = exp_avx512(xi);
-    _mm512_storeu_ps(x + i, xi);
-    _mm512_storeu_ps(e + i, ei);
-    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(ei)));
-    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ei), 1))));
-  }
-  return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)) + exp_shifted_portable(l + i, v - i, m, t, x + i, e + i);
-}
-
-SAMPLING_AVX512 void block_max_avx512(const float* x, int v, float* out) {
-  for (int i = 0; i < v; i += 16)
-    out[i / 16] = _mm512_reduce_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail_mask(v - i), x + i));
-}
-
-SAMPLING_AVX512 int compact_avx512(const float* x, int v, float tau, int32_t* idx) {
-  const __m512 tv = _mm512_set1_ps(tau);
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int n = 0;
-  for (int i = 0; i < v; i += 16, iota = _mm512_add_epi32(iota, step)) {
-    const __mmask16 in = tail_mask(v - i);
-    const __mmask16 ge = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, x + i), tv, _CMP_GE_OQ);
-    if (!ge) continue;
-    // compress in a register, then one full store (idx has 16 entries of slack): the compress-to-memory
-    // form is microcoded on AMD Zen 4 (this pass took 11% of a flat top-p row's samples with it)
-    _mm512_storeu_si512(idx + n, _mm512_maskz_compress_epi32(ge, iota));
-    n += __builtin_popcount(ge);
-  }
-  return n;
-}
-
-SAMPLING_AVX512 void block_sum_avx512(const float* e, int v, float min_p, double* out) {
-  const __m512 mp = _mm512_set1_ps(min_p);
-  for (int i = 0; i < v; i += 16) {
-    const __m512 a = _mm512_maskz_loadu_ps(tail_mask(v - i), e + i);
-    out[i / 16] = _mm512_reduce_add_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, mp, _CMP_GE_OQ), a));
-  }
-}
-
-#define SAMPLING_AVX2 __attribute__((target("avx2,fma")))
-
-// AVX2: whole 8-float vectors, the tail by the portable loops
-SAMPLING_AVX2 RowMax row_max_avx2(const float* l, int v) {
-  __m256 mx = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= v; i += 8) {
-    const __m256 a = _mm256_loadu_ps(l + i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    mx = _mm256_max_ps(mx, a);
-  }
-  alignas(32) float m[8];
-  _mm256_store_ps(m, mx);
-  RowMax r = row_max_portable(l + i, v - i);
-  for (float x : m) r.max = std::max(r.max, x);
-  r.nan |= _mm256_movemask_ps(nan) != 0;
-  return r;
-}
-
-SAMPLING_AVX2 int first_equal_avx2(const float* l, int v, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  int i = 0;
-  for (; i + 8 <= v; i += 8)
-    if (const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + i), mv, _CMP_EQ_OQ))) return i + __builtin_ctz(eq);
-  for (; i < v; ++i)
-    if (l[i] == m) return i;
-  return 0;
-}
-
-SAMPLING_AVX2 double exp_shifted_avx2(const float* l, int v, float m, float t, float* x, float* e) {
-  const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(t);
-  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-  int i = 0;
-  for (; i + 8 <= v; i += 8) {
-    const __m256 xi = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv), tv);
-    const __m256 ei = exp_avx2(xi);
-    _mm256_storeu_ps(x + i, xi);
-    _mm256_storeu_ps(e + i, ei);
-    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(ei)));
-    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(ei, 1)));
-  }
-  alignas(32) double d[4];
-  _mm256_store_pd(d, _mm256_add_pd(s0, s1));
-  return d[0] + d[1] + d[2] + d[3] + exp_shifted_portable(l + i, v - i, m, t, x + i, e + i);
-}
-
-SAMPLING_AVX2 void block_max_avx2(const float* x, int v, float* out) {
-  int b = 0;
-  for (; b * 16 + 16 <= v; ++b) {
-    const __m256 m = _mm256_max_ps(_mm256_loadu_ps(x + b * 16), _mm256_loadu_ps(x + b * 16 + 8));
-    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    out[b] = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
-  if (b * 16 < v) block_max_portable(x + b * 16, v - b * 16, out + b);
-}
-
-SAMPLING_AVX2 int compact_avx2(const float* x, int v, float tau, int32_t* idx) {
-  const __m256 tv = _mm256_set1_ps(tau);
-  int n = 0, i = 0;
-  for (; i + 8 <= v; i += 8)
-    for (int ge = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ)); ge; ge &= ge - 1)
-      idx[n++] = i + __builtin_ctz(ge);
-  for (; i < v; ++i)
-    if (x[i] >= tau) idx[n++] = i;
-  return n;
-}
-
-SAMPLING_AVX2 void block_sum_avx2(const float* e, int v, float min_p, double* out) {
-  const __m256 mp = _mm256_set1_ps(min_p);
-  int b = 0;
-  for (; b * 16 + 16 <= v; ++b) {
-    const __m256 a = _mm256_loadu_ps(e + b * 16), c = _mm256_loadu_ps(e + b * 16 + 8);
-    const __m256 s = _mm256_add_ps(_mm256_and_ps(a, _mm256_cmp_ps(a, mp, _CMP_GE_OQ)),
-                                   _mm256_and_ps(c, _mm256_cmp_ps(c, mp, _CMP_GE_OQ)));
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    out[b] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
-  if (b * 16 < v) block_sum_portable(e + b * 16, v - b * 16, min_p, out + b);
-}
-#endif
-
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-Isa detect_isa() {
-#if defined(SAMPLING_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kPortable;
-}
-
-const Isa kBestIsa = detect_isa();
-std::atomic<Isa> g_isa{kBestIsa};  // lowered only by set_isa(), to test every path on one machine
-
-const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "portable"; }
-
 struct RowOps {
   RowMax (*row_max)(const float*, int);
   int (*first_equal)(const float*, int, float);
@@ -305,18 +137,140 @@ struct RowOps {
   void (*block_sum)(const float*, int, float, double*);
 };
 
+#if defined(SLIPSTREAM_X86)
+// The vector types of sampling_rows.h, one per ISA, each compiled under its own target pragma.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+struct V {
+  static constexpr int W = 16;
+  using F = __m512;
+  using M = __mmask16;
+  using D = __m512d;  // 8 double lanes
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F exp(F x) { return exp_avx512(x); }
+  static M none() { return 0; }
+  static M unordered(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static M either(M a, M b) { return a | b; }
+  static bool any(M m) { return m != 0; }
+  static float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static unsigned equal_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static D zero_d() { return _mm512_setzero_pd(); }
+  static void add_halves_d(F e, D& s0, D& s1) {
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+  }
+  static double reduce_d(D s0, D s1) { return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1)); }
+  static float max16(const float* x) { return _mm512_reduce_max_ps(_mm512_loadu_ps(x)); }
+  // the tokens i.. i + 15 with x >= tau, appended to idx (which has 16 entries of slack): compressed in a
+  // register, then one full store; the compress-to-memory form is microcoded on AMD Zen 4 (this pass took
+  // 11% of a flat top-p row's samples with it)
+  static int compact(const float* x, F tv, int i, int32_t* idx, int n) {
+    const __mmask16 ge = _mm512_cmp_ps_mask(_mm512_loadu_ps(x), tv, _CMP_GE_OQ);
+    if (!ge) return n;
+    const __m512i iota = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(i));
+    _mm512_storeu_si512(idx + n, _mm512_maskz_compress_epi32(ge, iota));
+    return n + __builtin_popcount(ge);
+  }
+  static float sum_kept(__mmask16 in, const float* e, float min_p) {
+    const __m512 a = _mm512_maskz_loadu_ps(in, e);
+    return _mm512_reduce_add_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(min_p), _CMP_GE_OQ), a));
+  }
+  static double sum16_kept(const float* e, float min_p) { return sum_kept(0xFFFF, e, min_p); }
+  static void tail_block_sum(const float* e, int n, float min_p, double* out) {
+    *out = sum_kept(__mmask16((1u << n) - 1), e, min_p);
+  }
+};
+#include "sampling_rows.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct V {
+  static constexpr int W = 8;
+  using F = __m256;
+  using M = __m256;   // compare results, all-ones lanes
+  using D = __m256d;  // 4 double lanes
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F exp(F x) { return exp_avx2(x); }
+  static M none() { return _mm256_setzero_ps(); }
+  static M unordered(F a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+  static M either(M a, M b) { return _mm256_or_ps(a, b); }
+  static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
+  static float reduce_max(F a) {
+    alignas(32) float m[8];
+    _mm256_store_ps(m, a);
+    float r = kNegInf;
+    for (float x : m) r = std::max(r, x);  // NaN lanes fall out, as in the portable loop
+    return r;
+  }
+  static unsigned equal_bits(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+  static D zero_d() { return _mm256_setzero_pd(); }
+  static void add_halves_d(F e, D& s0, D& s1) {
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  static double reduce_d(D s0, D s1) {
+    alignas(32) double d[4];
+    _mm256_store_pd(d, _mm256_add_pd(s0, s1));
+    return d[0] + d[1] + d[2] + d[3];
+  }
+  static float max16(const float* x) {
+    const __m256 m = _mm256_max_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  static int compact(const float* x, F tv, int i, int32_t* idx, int n) {
+    for (int ge = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), tv, _CMP_GE_OQ)); ge; ge &= ge - 1)
+      idx[n++] = i + __builtin_ctz(ge);
+    return n;
+  }
+  static double sum16_kept(const float* e, float min_p) {
+    const __m256 mp = _mm256_set1_ps(min_p);
+    const __m256 a = _mm256_loadu_ps(e), c = _mm256_loadu_ps(e + 8);
+    const __m256 s = _mm256_add_ps(_mm256_and_ps(a, _mm256_cmp_ps(a, mp, _CMP_GE_OQ)),
+                                   _mm256_and_ps(c, _mm256_cmp_ps(c, mp, _CMP_GE_OQ)));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+  static void tail_block_sum(const float* e, int n, float min_p, double* out) { block_sum_portable(e, n, min_p, out); }
+};
+#include "sampling_rows.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512};
+
+
 const RowOps& row_ops() {
   static const RowOps portable = {row_max_portable, first_equal_portable, exp_shifted_portable,
                                   block_max_portable, compact_portable, block_sum_portable};
-#if defined(SAMPLING_X86)
-  static const RowOps avx2 = {row_max_avx2, first_equal_avx2, exp_shifted_avx2,
-                              block_max_avx2, compact_avx2, block_sum_avx2};
-  static const RowOps avx512 = {row_max_avx512, first_equal_avx512, exp_shifted_avx512,
-                                block_max_avx512, compact_avx512, block_sum_avx512};
-  switch (g_isa.load(std::memory_order_relaxed)) {
+#if defined(SLIPSTREAM_X86)
+  // the tables are built here, in code for any x86 CPU (a function compiled for AVX-512 would not run on others)
+  static const RowOps avx2 = {avx2::row_max, avx2::first_equal, avx2::exp_shifted,
+                              avx2::block_max, avx2::compact, avx2::block_sum};
+  static const RowOps avx512 = {avx512::row_max, avx512::first_equal, avx512::exp_shifted,
+                                avx512::block_max, avx512::compact, avx512::block_sum};
+  switch (g_isa.get()) {
     case Isa::kAvx512: return avx512;
     case Isa::kAvx2: return avx2;
-    case Isa::kPortable: break;
+    default: break;
   }
 #endif
   return portable;
@@ -526,27 +480,13 @@ void logprobs_row(const float* l, int v, int token, int n_top, float* chosen, in
   }
 }
 
-// Rows claimed from an atomic counter by the calling thread and pool helpers; fn(row, scratch).
+// Rows split across the calling thread and XLA's pool (runtime/parallel.h), one Scratch per thread.
 template <class F>
 void for_rows(ffi::ThreadPool& pool, int rows, F fn) {
-  struct Shared {
-    F fn;
-    int rows;
-    std::atomic<int> next{0}, done{0};
-    explicit Shared(F f, int n) : fn(std::move(f)), rows(n) {}
-    void Work() {
-      Scratch s;
-      int ran = 0;
-      for (int r; (r = next.fetch_add(1, std::memory_order_relaxed)) < rows; ++ran) fn(r, s);
-      if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
-    }
-  };
-  auto job = std::make_shared<Shared>(std::move(fn), rows);
-  const int threads = std::max<int>(1, std::min<int64_t>(pool.num_threads(), rows));
-  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // rows claimed by helpers are running now; wait for them (never for a helper that has not started)
-  while (job->done.load(std::memory_order_acquire) != rows) std::this_thread::yield();
+  rt::ParallelFor(pool, rows, 0, [&fn](int64_t r) {
+    thread_local Scratch s;
+    fn(int(r), s);
+  });
 }
 
 ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
@@ -618,39 +558,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamTopLogprobs, LogprobsImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()   // top ids [B, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // top logprobs [B, N]
 
-static PyObject* Targets(PyObject*, PyObject*) {
-  return FfiTargetsDict({{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)},
-                         {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}});
+PyMODINIT_FUNC PyInit__sampling() {
+  static rt::ModuleSpec spec{
+      "_sampling", "Token sampling (greedy, temperature, top-k/top-p/min-p) for XLA:CPU through the FFI.",
+      {{"slipstream_sample_tokens", reinterpret_cast<void*>(SlipstreamSampleTokens)},
+       {"slipstream_top_logprobs", reinterpret_cast<void*>(SlipstreamTopLogprobs)}},
+      &g_isa,
+      {}};
+  return rt::CreateModule(spec);
 }
-
-static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(isa_name(g_isa.load())); }
-
-// set_isa(name): use `name` ("avx512", "avx2" or "portable") if this CPU has it; returns the
-// previous choice. For tests of the slower paths on a machine that has the faster one.
-static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (!name) return nullptr;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
-    if (std::strcmp(name, isa_name(isa)) != 0) continue;
-    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
-      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, isa_name(kBestIsa));
-      return nullptr;
-    }
-    return PyUnicode_FromString(isa_name(g_isa.exchange(isa)));
-  }
-  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
-  return nullptr;
-}
-
-static PyMethodDef kMethods[] = {
-    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-    {"isa", IsaPy, METH_NOARGS, "Instruction set of the kernel's row passes on this CPU."},
-    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_sampling",
-                              "Token sampling (greedy, temperature, top-k/top-p/min-p) for XLA:CPU through the FFI.",
-                              -1, kMethods};
-
-PyMODINIT_FUNC PyInit__sampling() { return PyModule_Create(&kModule); }

@@ -32,22 +32,19 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
-
-// -DF32_PORTABLE_ONLY builds the portable path alone (what aarch64 gets), to test it on x86.
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(F32_PORTABLE_ONLY)
-#include <immintrin.h>
-#define F32_X86 1
-#endif
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "ffi_targets.h"
-#if defined(F32_X86)
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
+#if defined(SLIPSTREAM_X86)
 #include "avx2_fma_block.h"
 #endif
 
 namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
 
 namespace {
 
@@ -56,30 +53,10 @@ constexpr int kFewRows = 3;         // up to this many rows: the streaming (deco
 constexpr int kStreamPanels = 4;    // panels per streaming micro kernel
 constexpr int kPrefetchBytes = 1024;
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
-
-Isa DetectIsa() {
-#if defined(F32_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  return Isa::kPortable;
-}
-
-const Isa kBestIsa = DetectIsa();
-std::atomic<Isa> g_isa{kBestIsa};       // lowered only by set_isa(), to test every path on one machine
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512};
 std::atomic<int> g_max_threads{0};      // 0: the pool's threads (a test and benchmark knob)
 std::atomic<int> g_rows_per_block{0};   // 0: chosen per call (a benchmark knob)
 std::atomic<int> g_panels_per_chunk{0};
-
-const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "portable";
-  }
-}
 
 // A range of the next panel to pull into L2 while a micro kernel runs: `lines` 64-byte lines from
 // `next`, one every `every` steps of k (each micro block of a panel takes its share, so the next
@@ -119,7 +96,7 @@ void TilePortable(const Problem& p, int row0, int panel0, Ahead) {
   }
 }
 
-#if defined(F32_X86)
+#if defined(SLIPSTREAM_X86)
 
 template <int R, int P>
 __attribute__((target("avx512f")))
@@ -227,7 +204,7 @@ void TileAvx2(const Problem& p, int row0, int panel0, Ahead ahead) {
   }
 }
 
-#endif  // F32_X86
+#endif  // SLIPSTREAM_X86
 
 // ---- dispatch over (ISA, rows, panels) -----------------------------------------------------------
 
@@ -240,7 +217,7 @@ int MaxRows(Isa isa) { return isa == Isa::kAvx512 ? kMaxRows : isa == Isa::kAvx2
 
 template <int R>
 TileFn Pick(Isa isa, int panels) {
-#if defined(F32_X86)
+#if defined(SLIPSTREAM_X86)
   if (isa == Isa::kAvx512) {
     if constexpr (R <= kFewRows) {
       if (panels == kStreamPanels) return &TileAvx512<R, kStreamPanels>;
@@ -271,35 +248,33 @@ TileFn PickTile(Isa isa, int rows, int panels) {
 
 // ---- the work queue ------------------------------------------------------------------------------
 
+struct Claim {
+  int rb, lo, hi;  // row block rb, panels [lo, hi)
+};
+
 struct Job {
   Problem p;
   Isa isa;
   int threads, rows_per_block, row_blocks, panels_per_chunk, chunks, items;
-  std::atomic<int> next{0};  // one row block: the first unclaimed panel; else the next item
-  std::atomic<int> done{0};  // panels run, summed over row blocks (the call is done at panels x blocks)
 
-  // A claim: row block rb, panels [lo, hi). With one row block, claims shrink as the panels run out
-  // (each takes 1/(2 x threads) of what is left, at least panels_per_chunk), so the threads finish
+  // The claims, in the order threads take them. With one row block, claims shrink as the panels run
+  // out (each takes 1/(2 x threads) of what is left, at least panels_per_chunk), so the threads finish
   // together: big claims first keep each thread's panels adjacent (Ahead), small ones last even out.
-  bool Claim(int* rb, int* lo, int* hi) {
+  std::vector<Claim> Claims() const {
+    std::vector<Claim> out;
     if (row_blocks == 1) {
-      int cur = next.load(std::memory_order_relaxed), take;
-      do {
-        if (cur >= p.panels) return false;
-        take = std::max(panels_per_chunk, (p.panels - cur) / (2 * threads));
-      } while (!next.compare_exchange_weak(cur, cur + take, std::memory_order_relaxed));
-      *rb = 0;
-      *lo = cur;
-      *hi = std::min(cur + take, p.panels);
-      return true;
+      for (int cur = 0; cur < p.panels;) {
+        const int take = std::max(panels_per_chunk, (p.panels - cur) / (2 * threads));
+        out.push_back({0, cur, std::min(cur + take, p.panels)});
+        cur += take;
+      }
+      return out;
     }
-    const int item = next.fetch_add(1, std::memory_order_relaxed);
-    if (item >= items) return false;
-    const int chunk = item / row_blocks;
-    *rb = item % row_blocks;
-    *lo = chunk * panels_per_chunk;
-    *hi = std::min(*lo + panels_per_chunk, p.panels);
-    return true;
+    for (int item = 0; item < items; ++item) {
+      const int lo = item / row_blocks * panels_per_chunk;
+      out.push_back({item % row_blocks, lo, std::min(lo + panels_per_chunk, p.panels)});
+    }
+    return out;
   }
 
   void Run(int rb, int panel_lo, int panel_hi) {
@@ -331,21 +306,12 @@ struct Job {
     }
   }
 
-  // Claims work until none is left.
-  void Work() {
-    int ran = 0;
-    for (int rb, lo, hi; Claim(&rb, &lo, &hi);) {
-      Run(rb, lo, hi);
-      ran += hi - lo;
-    }
-    if (ran) done.fetch_add(ran, std::memory_order_acq_rel);
-  }
 };
 
 // Row blocks and panel chunks: few rows are one block whose claims take at least 4 panels (each
 // a set of streams); more rows are blocks of at most 256 (x's block, 256 x K floats, stays in L2 or
 // L3 while the panels pass: each panel comes from memory once per row block). One row block is
-// claimed in shrinking runs of adjacent panels (Job::Claim); several are items of (row block, chunk
+// claimed in shrinking runs of adjacent panels (Job::Claims); several are items of (row block, chunk
 // of panels/threads adjacent panels): a thread pulls the next panel of its own run into its L2
 // (Ahead), and a thread that starts late still finds work.
 void Split(Job& job, int threads) {
@@ -375,8 +341,8 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t stack = rank == 3 ? wd[0] : 1;
   const int64_t index = rank == 3 ? layer.typed_data()[0] : 0;
   if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("f32_matmul: layer index out of range");
-  auto job = std::make_shared<Job>();
-  Problem& p = job->p;
+  Job job;
+  Problem& p = job.p;
   p.m = static_cast<int>(xd[0]);
   p.k = static_cast<int>(xd[1]);
   p.n = static_cast<int>(yd[1]);
@@ -392,17 +358,15 @@ ffi::Error F32MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     std::memset(p.y, 0, sizeof(float) * static_cast<size_t>(p.m) * p.n);
     return ffi::Error::Success();
   }
-  job->isa = g_isa.load(std::memory_order_relaxed);
-  int threads = static_cast<int>(pool.num_threads());
+  job.isa = g_isa.get();
+  int threads = std::max(1, static_cast<int>(pool.num_threads()));
   const int cap = g_max_threads.load(std::memory_order_relaxed);
   if (cap > 0) threads = std::min(threads, cap);
-  Split(*job, threads);
-  threads = std::max(1, std::min(threads, job->items));
-  for (int i = 0; i < threads - 1; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // Work claimed by helpers is running now; wait for it (never for a helper that has not started).
-  const int total = job->row_blocks * p.panels;
-  while (job->done.load(std::memory_order_acquire) != total) std::this_thread::yield();
+  Split(job, threads);
+  const std::vector<Claim> claims = job.Claims();
+  rt::ParallelFor(pool, static_cast<int64_t>(claims.size()), threads, [&](int64_t i) {
+    job.Run(claims[i].rb, claims[i].lo, claims[i].hi);
+  });
   return ffi::Error::Success();
 }
 
@@ -416,30 +380,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamF32Matmul, F32MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
-// ---- Python module: targets(), isa(), set_isa(), threading() -------------------------------------
-
-static PyObject* Targets(PyObject*, PyObject*) {
-  return FfiTargetsDict({{"slipstream_f32_matmul", reinterpret_cast<void*>(SlipstreamF32Matmul)}});
-}
-
-static PyObject* IsaPy(PyObject*, PyObject*) { return PyUnicode_FromString(IsaName(g_isa.load())); }
-
-// set_isa(name): use `name` ("avx512", "avx2" or "portable") if this CPU has it; returns the
-// previous choice. For tests of the slower paths on a machine that has the faster one.
-static PyObject* SetIsaPy(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (!name) return nullptr;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
-    if (std::strcmp(name, IsaName(isa)) != 0) continue;
-    if (static_cast<int>(isa) > static_cast<int>(kBestIsa)) {
-      PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, IsaName(kBestIsa));
-      return nullptr;
-    }
-    return PyUnicode_FromString(IsaName(g_isa.exchange(isa)));
-  }
-  PyErr_Format(PyExc_ValueError, "unknown instruction set %s", name);
-  return nullptr;
-}
+// ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and threading() ---------------
 
 // threading(max_threads, rows_per_block, panels_per_chunk) -> the previous three; a negative
 // argument keeps that setting, 0 restores the default. For tests and benchmarks of the work split.
@@ -453,18 +394,13 @@ static PyObject* ThreadingPy(PyObject*, PyObject* args) {
   return prev;
 }
 
-static PyMethodDef kMethods[] = {
-    {"targets", Targets, METH_NOARGS, "FFI target name -> PyCapsule of its XLA FFI handler."},
-    {"isa", IsaPy, METH_NOARGS, "Instruction set the kernel uses on this CPU."},
-    {"set_isa", SetIsaPy, METH_O, "Choose a (not faster than detected) instruction set; returns the previous."},
-    {"threading", ThreadingPy, METH_VARARGS,
-     "threading(max_threads, rows_per_block, panels_per_chunk): set the work split (negative: keep, 0: "
-     "default); returns the previous."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_f32_matmul",
-                              "f32 matmul over column-panel-packed weights for XLA:CPU through the FFI.", -1,
-                              kMethods};
-
-PyMODINIT_FUNC PyInit__f32_matmul() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__f32_matmul() {
+  static rt::ModuleSpec spec{
+      "_f32_matmul", "f32 matmul over column-panel-packed weights for XLA:CPU through the FFI.",
+      {{"slipstream_f32_matmul", reinterpret_cast<void*>(SlipstreamF32Matmul)}},
+      &g_isa,
+      {{"threading", ThreadingPy, METH_VARARGS,
+        "threading(max_threads, rows_per_block, panels_per_chunk): set the work split (negative: keep, 0: "
+        "default); returns the previous."}}};
+  return rt::CreateModule(spec);
+}

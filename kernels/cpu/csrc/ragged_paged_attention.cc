@@ -36,7 +36,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -45,27 +44,26 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) && !defined(RPA_PORTABLE_ONLY)  // -DRPA_PORTABLE_ONLY builds what aarch64 gets
-#include <immintrin.h>
-#define RPA_X86 1
+#include "xla/ffi/api/ffi.h"
+#include "runtime/huge_pages.h"
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
+
+#if defined(SLIPSTREAM_X86)
 #define RPA_AVX2 __attribute__((target("avx2,fma")))
 #define RPA_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define RPA_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #endif
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-#include "ffi_targets.h"
-#if defined(RPA_X86)
-#include <cpuid.h>
+#if defined(SLIPSTREAM_X86)
 #include "exp_avx2.h"
 #include "exp_avx512.h"
 #endif
 
 namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
 
 namespace {
 
@@ -296,7 +294,7 @@ constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   scores_bf16_words_portable, nullptr,
                                   nullptr, nullptr, nullptr, quantize_kv_row_portable};
 
-#if defined(RPA_X86)
+#if defined(SLIPSTREAM_X86)
 // ---- AVX2 + FMA: 8 lanes; needs hd % 8 == 0 ----
 RPA_AVX2 inline __m256 hsum8x8(const __m256* a) {  // lane i = sum of a[i]'s lanes
   __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -980,7 +978,7 @@ constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512
                                     widen_bf16_avx512, scores_f32_words_avx512, scores_bf16_words_avx512,
                                     quantize_rows_vnni,
                                     scores_i8_words_vnni, pv_i8_vnni, nullptr, quantize_kv_row_avx512};
-#endif  // RPA_X86
+#endif  // SLIPSTREAM_X86
 
 // pv_i8's column order within each 64 columns: block sub, lane 4L + i holds column 16 L + 4 sub + i.
 // Swapping L and sub is its own inverse: this maps acc to natural order (and back).
@@ -996,26 +994,13 @@ void unpermute_vnni(float* acc, int rows, int hd) {
     }
 }
 
-// The best instruction set of this CPU; tests may force a lower one (force_isa).
-std::atomic<int> g_forced{-1};  // -1: best; else 0 portable, 1 avx2, 2 avx512, 3 avx512_vnni
-
-int best_isa() {
-#if defined(RPA_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vnni"))
-    return 3;
-  if (__builtin_cpu_supports("avx512f")) return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
-  return 0;
-}
+// The kernel's paths; set_isa() lowers the choice in tests. Each path needs head_dim % 16 (AVX-512) or % 8
+// (AVX2): a head_dim that does not fit takes the next path down.
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni};
 
 const ChunkSteps& steps_for(int hd) {
-  static const int best = best_isa();
-  const int forced = g_forced.load(std::memory_order_relaxed);
-  const int isa = forced >= 0 ? std::min(forced, best) : best;
-#if defined(RPA_X86)
+  const int isa = static_cast<int>(g_isa.get());
+#if defined(SLIPSTREAM_X86)
   if (isa >= 3 && hd % 16 == 0) return kAvx512Vnni;
   if (isa >= 2 && hd % 16 == 0) return kAvx512;
   if (isa >= 1 && hd % 8 == 0) return kAvx2;
@@ -1172,28 +1157,18 @@ void write_new_kv(const Problem& p, const ChunkSteps& isa, const float* k_new, c
 // without (every block is scattered, so both modes touch it). A 256-token prefill chunk: f32 29.6 -> 26.6.
 // load_ahead_mode(): 0 touches every block, 1 only blocks whose pages are not one run; the
 // default is 1 on AMD family 19h models 10h+ (Zen 4), 0 elsewhere (Zen 5; Intel unmeasured);
-// SLIPSTREAM_KV_LOAD_AHEAD=all | scattered overrides it.
+// load_ahead() sets it (kernels/native.py passes SLIPSTREAM_KV_LOAD_AHEAD=all | scattered).
 std::atomic<int> g_load_ahead{-1};  // -1: choose on first use
 
 int load_ahead_default() {
-#if defined(RPA_X86)
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
-  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
-  const unsigned family = ((eax >> 8) & 0xf) + ((eax >> 20) & 0xff);
-  const unsigned model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
-  return family == 0x19 && model >= 0x10 ? 1 : 0;  // Zen 3 is family 19h models 00h-0Fh, 20h-5Fh
-#else
-  return 0;
-#endif
+  const rt::CpuInfo& cpu = rt::Cpu();
+  return cpu.amd && cpu.family == 0x19 && cpu.model >= 0x10 ? 1 : 0;  // Zen 3 is family 19h models 00h-0Fh, 20h-5Fh
 }
 
 int load_ahead_mode() {
   int mode = g_load_ahead.load(std::memory_order_relaxed);
   if (mode < 0) {
-    const char* env = std::getenv("SLIPSTREAM_KV_LOAD_AHEAD");
-    mode = env && std::string(env) == "all" ? 0 : env && std::string(env) == "scattered" ? 1 : load_ahead_default();
+    mode = load_ahead_default();
     g_load_ahead.store(mode);
   }
   return mode;
@@ -1262,7 +1237,7 @@ void attend(const Problem& p, const Item& it, const ChunkSteps& isa, Partials& p
       streamed = !p.load_runs && p.one_run(s, key, end);
       if (!streamed) load_keys(p, s, it.kh, key, end);
     }
-#if defined(RPA_X86)
+#if defined(SLIPSTREAM_X86)
     const int ahead = key + kStreamAhead * kChunk;
     if (streamed && p.type == KvType::kI8 && ahead < it.key_hi) {
       const int off = ahead % p.ps, n = std::min({kChunk, p.ps - off, it.key_hi - ahead});
@@ -1437,75 +1412,34 @@ void plan(const Problem& p, int threads, std::vector<Item>& items, std::vector<G
 // time a cache buffer is seen, its 2 MiB-aligned part is madvise(MADV_HUGEPAGE)d (future faults, and
 // khugepaged) and MADV_COLLAPSE'd (Linux >= 6.1: now, synchronously, ~0.1 s per GB; elsewhere that call
 // fails and the buffer stays as it was). Buffers under 2 MiB are left alone; the memory was touched
-// already, so RSS does not change. SLIPSTREAM_KV_HUGE_PAGES=0 turns it off. (AMD Zen 4, 32 x 384 step,
+// already, so RSS does not change. huge_pages(False) turns it off (kernels/native.py, for SLIPSTREAM_KV_HUGE_PAGES=0). (AMD Zen 4, 32 x 384 step,
 // random page order: f32 page_size 64 36.1 -> 33.4 ms, 128 35.1 -> 31.0, consecutive pages of 16
 // 49.6 -> 26.4; page_size 16 random and int8 KV: no clear change.)
-std::atomic<int> g_huge_pages{-1};          // -1: read the environment on first use; 0 off; 1 on
+std::atomic<int> g_huge_pages{1};           // 0 off; 1 on
 std::atomic<int64_t> g_huge_bytes{0};       // bytes madvised so far (MADV_HUGEPAGE accepted)
 std::atomic<int64_t> g_collapsed_bytes{0};  // of those, bytes MADV_COLLAPSE accepted
 std::atomic<int64_t> g_collapse_ns{0};      // time spent in those madvise calls
 
-bool huge_pages_on() {
-  int on = g_huge_pages.load(std::memory_order_relaxed);
-  if (on < 0) {
-    const char* env = std::getenv("SLIPSTREAM_KV_HUGE_PAGES");
-    on = env && std::string(env) == "0" ? 0 : 1;
-    g_huge_pages.store(on);
-  }
-  return on == 1;
-}
+bool huge_pages_on() { return g_huge_pages.load(std::memory_order_relaxed) == 1; }
 
 void advise_huge_pages(const void* buf, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(buf) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(buf) + bytes) & ~(kHuge - 1);
-  if (hi <= lo || !huge_pages_on()) return;
+  const rt::HugeRange r = rt::HugeAligned(buf, bytes);
+  if (!r.bytes() || !huge_pages_on()) return;
   // The buffers advised lately, by exact range: a new buffer that reuses part of a freed one's addresses is
   // a new mapping (malloc unmaps large blocks), so it is advised again. Only a new buffer of the very same
   // range as one of these goes unnoticed (the engine allocates its cache once).
   static std::mutex mu;
   static std::vector<std::pair<uintptr_t, uintptr_t>> done;
   std::lock_guard<std::mutex> lock(mu);
-  if (std::find(done.begin(), done.end(), std::make_pair(lo, hi)) != done.end()) return;
+  if (std::find(done.begin(), done.end(), std::make_pair(r.lo, r.hi)) != done.end()) return;
   if (done.size() >= 16) done.erase(done.begin());
-  done.emplace_back(lo, hi);
+  done.emplace_back(r.lo, r.hi);
   const auto t0 = std::chrono::steady_clock::now();
-  if (madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0) {
-    g_huge_bytes.fetch_add(int64_t(hi - lo));
-    constexpr int kCollapse = 25;  // MADV_COLLAPSE, which older headers lack
-    if (madvise(reinterpret_cast<void*>(lo), hi - lo, kCollapse) == 0) g_collapsed_bytes.fetch_add(int64_t(hi - lo));
+  if (rt::AdviseHugePages(r)) {
+    g_huge_bytes.fetch_add(int64_t(r.bytes()));
+    if (rt::CollapseHugePages(r)) g_collapsed_bytes.fetch_add(int64_t(r.bytes()));
   }
   g_collapse_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-#else
-  (void)buf;
-  (void)bytes;
-#endif
-}
-
-// Runs fn(i, next) for i in 0..n-1 on the calling thread and up to threads-1 pool helpers, all claiming
-// indices from one atomic counter, and returns when every index is done. A thread claims its next index
-// before it runs the current one (next = n when none is left), so fn can start fetching its data.
-// Helpers that start late find nothing left and touch nothing but the counters, which they co-own.
-template <class F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct Counters {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto c = std::make_shared<Counters>();
-  auto work = [c, n, f = &fn] {
-    int64_t i = c->next.fetch_add(1, std::memory_order_relaxed);
-    while (i < n) {
-      const int64_t next = std::min(n, c->next.fetch_add(1, std::memory_order_relaxed));
-      (*f)(i, next);
-      c->done.fetch_add(1, std::memory_order_release);
-      i = next;
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
@@ -1581,7 +1515,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F
   int slots = 0;
   for (const Group& g : groups) slots += g.n;
   partials.data.resize(size_t(slots) * partials.stride());
-  parallel_for(pool, int64_t(items.size()), [&](int64_t i, int64_t) { attend(p, items[i], isa, partials); });
+  rt::ParallelFor(pool, int64_t(items.size()), 0, [&](int64_t i) { attend(p, items[i], isa, partials); });
   for (const Group& g : groups) combine(p, g, partials);
   return ffi::Error::Success();
 }
@@ -1655,36 +1589,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionInt8, run_int8,
                                   .Ret<ffi::AnyBuffer>());
 
 // ---------------------------------------------------------------------------------------------
-// Python module: targets() for kernels.native, isa() for logs, force_isa() for tests.
+// Python module: targets(), isa(), set_isa() (runtime/module.h), huge_pages() and load_ahead().
 // ---------------------------------------------------------------------------------------------
 namespace {
-
-PyObject* targets(PyObject*, PyObject*) {
-  return FfiTargetsDict(
-      {{"slipstream_ragged_paged_attention", reinterpret_cast<void*>(RaggedPagedAttentionFloat)},
-       {"slipstream_ragged_paged_attention_int8", reinterpret_cast<void*>(RaggedPagedAttentionInt8)}});
-}
-
-const char* const kIsaNames[] = {"portable", "avx2", "avx512", "avx512_vnni"};
-
-PyObject* isa(PyObject*, PyObject*) {
-  const int forced = g_forced.load();
-  return PyUnicode_FromString(kIsaNames[forced >= 0 ? std::min(forced, best_isa()) : best_isa()]);
-}
-
-PyObject* force_isa(PyObject*, PyObject* arg) {
-  const char* name = PyUnicode_AsUTF8(arg);
-  if (!name) return nullptr;
-  int value = -1;
-  for (int i = 0; i < 4; ++i)
-    if (std::string(name) == kIsaNames[i]) value = i;
-  if (value < 0 && std::string(name) != "best") {
-    PyErr_SetString(PyExc_ValueError, "force_isa: one of 'portable', 'avx2', 'avx512', 'avx512_vnni', 'best'");
-    return nullptr;
-  }
-  g_forced.store(value);
-  return isa(nullptr, nullptr);
-}
 
 PyObject* huge_pages(PyObject*, PyObject* args) {
   int enable = -1;
@@ -1711,22 +1618,20 @@ PyObject* load_ahead(PyObject*, PyObject* args) {
   return PyUnicode_FromString(kLoadAheadNames[load_ahead_mode()]);
 }
 
-PyMethodDef kMethods[] = {
-    {"targets", targets, METH_NOARGS, "XLA FFI target name -> handler capsule"},
-    {"isa", isa, METH_NOARGS, "instruction set the kernel uses on this CPU (head_dim % 16 for avx512*, % 8 for avx2)"},
-    {"force_isa", force_isa, METH_O, "use at most this instruction set ('best' undoes it); returns isa()"},
-    {"load_ahead", load_ahead, METH_VARARGS,
-     "load_ahead([mode]) -> mode: which blocks of K/V an item loads right before computing them: 'all', or "
-     "'scattered' (not those on one run of page ids, which the hardware prefetchers stream); 'default' is "
-     "this CPU's choice (SLIPSTREAM_KV_LOAD_AHEAD sets the first)"},
-    {"huge_pages", huge_pages, METH_VARARGS,
-     "huge_pages([enable]) -> {enabled, advised_bytes, collapsed_bytes, seconds}: KV cache buffers on 2 MiB "
-     "pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE the first time the kernel sees each)"},
-    {nullptr, nullptr, 0, nullptr}};
-
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_ragged_paged_attention",
-                       "Ragged paged attention, native CPU kernel (XLA FFI)", -1, kMethods};
-
 }  // namespace
 
-PyMODINIT_FUNC PyInit__ragged_paged_attention() { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__ragged_paged_attention() {
+  static rt::ModuleSpec spec{
+      "_ragged_paged_attention", "Ragged paged attention, native CPU kernel (XLA FFI)",
+      {{"slipstream_ragged_paged_attention", reinterpret_cast<void*>(RaggedPagedAttentionFloat)},
+       {"slipstream_ragged_paged_attention_int8", reinterpret_cast<void*>(RaggedPagedAttentionInt8)}},
+      &g_isa,
+      {{"load_ahead", load_ahead, METH_VARARGS,
+        "load_ahead([mode]) -> mode: which blocks of K/V an item loads right before computing them: 'all', or "
+        "'scattered' (not those on one run of page ids, which the hardware prefetchers stream); 'default' is "
+        "this CPU's choice (SLIPSTREAM_KV_LOAD_AHEAD sets the first)"},
+       {"huge_pages", huge_pages, METH_VARARGS,
+        "huge_pages([enable]) -> {enabled, advised_bytes, collapsed_bytes, seconds}: KV cache buffers on 2 MiB "
+        "pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE the first time the kernel sees each)"}}};
+  return rt::CreateModule(spec);
+}

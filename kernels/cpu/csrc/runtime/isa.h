@@ -1,0 +1,104 @@
+// The instruction sets the native kernels choose from at run time, detected once with cpuid and xgetbv
+// (the CPU has the instructions and the OS saves their registers). Nothing is compiled with -march: each
+// vector path carries its own __attribute__((target(...))), and a kernel runs the highest level it has
+// code for that this CPU reaches (lowered by set_isa() in tests, to run every path on one machine).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+
+// -DSLIPSTREAM_PORTABLE_ONLY builds the portable paths alone (what other architectures get), to test them on x86.
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SLIPSTREAM_PORTABLE_ONLY)
+#define SLIPSTREAM_X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace slipstream::runtime {
+
+// Ordered levels: each implies the ones below it. kAvx2 is AVX2 + FMA + F16C; kAvx512 adds AVX-512 F;
+// kAvx512Vnni adds BW, VL and VNNI (vpdpbusd). AMX would come next (CpuInfo::amx says whether it is there).
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+
+inline const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kPortable: break;
+  }
+  return "portable";
+}
+
+struct CpuInfo {
+  Isa level = Isa::kPortable;
+  bool avx512_bf16 = false;  // vdpbf16ps
+  bool amx = false;          // AMX tiles with int8 and bf16 (the OS must still grant the tile state per process)
+  bool amd = false;          // "AuthenticAMD": a few tunings differ by vendor
+  unsigned family = 0, model = 0;  // cpuid leaf 1, with the extended fields folded in
+};
+
+inline CpuInfo DetectCpu() {
+  CpuInfo c;
+#if defined(SLIPSTREAM_X86)
+  unsigned a, b, cx, d;
+  if (!__get_cpuid(0, &a, &b, &cx, &d)) return c;
+  const unsigned max_leaf = a;
+  c.amd = b == 0x68747541 && d == 0x69746e65 && cx == 0x444d4163;  // "Auth" "enti" "cAMD"
+  __cpuid(1, a, b, cx, d);
+  c.family = ((a >> 8) & 0xf) + ((a >> 20) & 0xff);
+  c.model = ((a >> 4) & 0xf) | (((a >> 16) & 0xf) << 4);
+  const bool fma = cx >> 12 & 1, f16c = cx >> 29 & 1, osxsave = cx >> 27 & 1, avx = cx >> 28 & 1;
+  if (!osxsave || !avx || max_leaf < 7) return c;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool os_ymm = (xcr0_lo & 0x6) == 0x6;             // SSE and AVX state
+  const bool os_zmm = os_ymm && (xcr0_lo & 0xe0) == 0xe0;  // opmask, ZMM0-15 upper halves, ZMM16-31
+  const bool os_amx = (xcr0_lo & 0x60000) == 0x60000;      // XTILECFG, XTILEDATA
+  unsigned b7, c7, d7, a71 = 0, unused;
+  __cpuid_count(7, 0, a, b7, c7, d7);
+  const unsigned max_sub7 = a;
+  if (max_sub7 >= 1) __cpuid_count(7, 1, a71, unused, unused, unused);
+  const bool avx2 = b7 >> 5 & 1, avx512f = b7 >> 16 & 1, avx512bw = b7 >> 30 & 1, avx512vl = b7 >> 31 & 1;
+  const bool vnni = c7 >> 11 & 1;
+  if (!(os_ymm && avx2 && fma && f16c)) return c;
+  c.level = Isa::kAvx2;
+  if (!(os_zmm && avx512f)) return c;
+  c.level = avx512bw && avx512vl && vnni ? Isa::kAvx512Vnni : Isa::kAvx512;
+  c.avx512_bf16 = a71 >> 5 & 1;
+  c.amx = os_amx && (d7 >> 24 & 1) && (d7 >> 25 & 1) && (d7 >> 22 & 1);  // amx-tile, amx-int8, amx-bf16
+#endif
+  return c;
+}
+
+inline const CpuInfo& Cpu() {
+  static const CpuInfo info = DetectCpu();
+  return info;
+}
+
+// One kernel's choice among the levels it has code for: the best this CPU runs, unless set() lowered it.
+class IsaChoice {
+ public:
+  IsaChoice(std::initializer_list<Isa> paths) {
+    for (Isa isa : paths) {
+      paths_ |= 1u << static_cast<int>(isa);
+      if (static_cast<int>(isa) <= static_cast<int>(Cpu().level) && static_cast<int>(isa) > static_cast<int>(best_))
+        best_ = isa;
+    }
+    current_.store(best_);
+  }
+  Isa get() const { return current_.load(std::memory_order_relaxed); }
+  Isa best() const { return best_; }
+  bool has(Isa isa) const { return paths_ >> static_cast<int>(isa) & 1; }
+
+  // Chooses `isa`, which has(isa) and isa <= best(); returns the previous choice.
+  Isa set(Isa isa) { return current_.exchange(isa); }
+
+ private:
+  unsigned paths_ = 0;
+  Isa best_ = Isa::kPortable;
+  std::atomic<Isa> current_{Isa::kPortable};
+};
+
+}  // namespace slipstream::runtime

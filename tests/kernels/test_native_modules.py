@@ -1,0 +1,48 @@
+"""Every native kernel module has the shared module glue (kernels/cpu/csrc/runtime/module.h): targets() for
+kernels.native, isa() and set_isa() over the instruction sets its kernel has paths for."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from kernels import native
+
+MODULES = {  # module -> (FFI targets, its instruction sets, slowest first)
+    "sampling": ({"slipstream_sample_tokens", "slipstream_top_logprobs"}, ("portable", "avx2", "avx512")),
+    "f32_matmul": ({"slipstream_f32_matmul"}, ("portable", "avx2", "avx512")),
+    "q8_matmul": ({"slipstream_q8_matmul"}, ("portable", "avx2", "avx512_vnni")),
+    "ragged_paged_attention": ({"slipstream_ragged_paged_attention", "slipstream_ragged_paged_attention_int8"},
+                               ("portable", "avx2", "avx512", "avx512_vnni")),
+}
+
+if native.reference_forced():
+    pytest.skip("SLIPSTREAM_KERNELS=reference: the native kernels are off", allow_module_level=True)
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_module_glue(module):
+    try:
+        ext = importlib.import_module(f"kernels._{module}")
+    except ImportError:
+        pytest.fail(f"kernels._{module} did not build: run `pip install -e .`", pytrace=False)
+    targets, isas = MODULES[module]
+    assert set(ext.targets()) == targets
+    best = ext.isa()
+    assert best in isas
+    assert ext.set_isa("portable") == best  # returns the previous choice
+    try:
+        assert ext.isa() == "portable"
+        for isa in isas[:isas.index(best) + 1]:
+            ext.set_isa(isa)
+            assert ext.isa() == isa
+        for isa in isas[isas.index(best) + 1:]:  # above what this CPU runs: refused, the choice kept
+            with pytest.raises(ValueError, match="cannot run"):
+                ext.set_isa(isa)
+            assert ext.isa() == best
+        for name in {"sse9", "portable", "avx2", "avx512", "avx512_vnni"} - set(isas):  # no path of that name
+            with pytest.raises(ValueError, match="unknown instruction set"):
+                ext.set_isa(name)
+    finally:
+        ext.set_isa(best)
+    assert ext.isa() == best
