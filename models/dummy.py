@@ -58,6 +58,13 @@ def _embed_scale() -> np.float32:
     return np.float32(np.float16(EMBED_STD / _INT8_UNIFORM_STD))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _embedding(key: jax.Array, shape: tuple[int, ...], dtype, with_int8: bool):
+    """(the table in `dtype`, its int8 values or None) in one program: no float temporaries."""
+    q = _int8_device(key, shape)
+    return q.astype(dtype) * jnp.asarray(_embed_scale(), dtype), (q if with_int8 else None)
+
+
 def _shifts(key: jax.Array, layers: int, size: int) -> list[int]:
     """Layer i's weight is the drawn one rotated by shifts[i] elements (layer 0: itself). Drawing every
     layer with jax.random costs minutes for an 8B model on a CPU; a rotation costs a copy."""
@@ -81,14 +88,13 @@ def _draw_groupwise(key: jax.Array, shape: tuple[int, ...], mode: str):
                              for i in range(shape[0])], k, n, mode)
     base = pack_rows((_int8(draw_key, (n, k)), scales))
     # the packed layout is a permutation of the int8 weights (stored q + 128) and every scale is the
-    # same, so a rotation of the packed bytes is another uniform int8 weight, already packed
+    # same, so a rotation of the packed bytes is another uniform int8 weight, already packed. Each
+    # rotation is a view into the bytes twice over: one layer's extra memory, not L.
     packed, packed_scales = base
-    flat = packed.reshape(-1)
-    layers = []
-    for shift in _shifts(shift_key, shape[0], flat.size):
-        out = np.empty_like(flat)
-        out[:shift], out[shift:] = flat[flat.size - shift:], flat[:flat.size - shift]
-        layers.append((out.reshape(packed.shape), packed_scales))
+    size = packed.size
+    twice = np.concatenate([packed.reshape(-1), packed.reshape(-1)])
+    layers = [(twice[size - shift:2 * size - shift].reshape(packed.shape), packed_scales)
+              for shift in _shifts(shift_key, shape[0], size)]
     return stack_packed(layers, k, n, mode)
 
 
@@ -133,7 +139,10 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
     if undeclared:  # a module weight without a declaration is a bug in the architecture file
         raise RuntimeError(f"{type(model).__name__} declares no weight for {undeclared}")
     key, embed_q = jax.random.key(seed), None
-    bar = tqdm(sorted(variables), unit="tensor", desc=f"dummy weights ({quantize})", file=sys.stderr,
+    # the declaration's order (embedding and LM head first): their packing temporaries come and go
+    # while the model is still empty, as in the loader
+    order = [path for path in declared if path in variables]
+    bar = tqdm(order, unit="tensor", desc=f"dummy weights ({quantize})", file=sys.stderr,
                disable=not progress, leave=False)
     for index, path in enumerate(bar):
         var, weight = variables[path], declared[path]
@@ -144,10 +153,8 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         elif weight.linear and quantize != "none":
             value = _draw_quantized(tensor_key, shape, quantize, dtype)
         elif path == ("embed", "table"):  # int8 times one scale: a tied int8 LM head is exact
-            q = _int8_device(tensor_key, shape)
-            value = q.astype(dtype) * jnp.asarray(_embed_scale(), dtype)
-            embed_q = q if cfg.tie_embeddings and quantize in GROUPWISE else None
-            del q
+            tied_int8 = cfg.tie_embeddings and quantize in GROUPWISE
+            value, embed_q = _embedding(tensor_key, shape, jnp.dtype(dtype), tied_int8)
         else:
             value = _draw(tensor_key, path, weight, shape, dtype, offsets)
         var.set_value(value)

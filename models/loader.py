@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
