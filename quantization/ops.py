@@ -9,11 +9,14 @@ import jax
 import jax.numpy as jnp
 
 from kernels.q8_matmul import q8_matmul
+from quantization import int8
 from quantization.weights import QuantizedWeight
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | int8.Int8Weight) -> jax.Array:
     """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (per group of 32 inputs
-    in int32 for the group-wise int8 modes: kernels.q8_matmul, native on CPU)."""
+    in int32 for the group-wise int8 modes: kernels.q8_matmul, native on CPU; quantization/int8.py's
+    dots for the MXU modes)."""
     if w.ndim != 2:
         raise ValueError(
             f"linear expects a 2-D weight [in, out], got shape {tuple(w.shape)}; "
@@ -23,6 +26,8 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
         raise ValueError(
             f"linear: input feature size {x.shape[-1]} does not match weight shape {tuple(w.shape)}"
         )
+    if isinstance(w, int8.Int8Weight):
+        return int8.matmul(x, w).astype(x.dtype)
     if not isinstance(w, QuantizedWeight):
         y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
