@@ -162,3 +162,9 @@ def test_auto_keeps_q8_0_a16_on_cpu(monkeypatch):
     monkeypatch.setattr(q8_matmul, "native_available", lambda: False)
     assert EngineConfig().weight_mode("cpu") == "none"
     assert EngineConfig(quantize="int8").weight_mode("cpu") == "int8"
+
+
+def test_int8_channel_under_tensor_parallel_is_refused_by_name():
+    with pytest.raises(ValueError, match="int8-channel.*tensor_parallel 2"):
+        EngineConfig(quantize="int8-channel", tensor_parallel=2)
+    EngineConfig(quantize="int8", tensor_parallel=2)  # int8's per-32 scales split with the weight
