@@ -52,6 +52,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("q8_0-a16+bf16-kv", "q8_0-a16", "bfloat16"),  # the CPU default (EngineConfig.kv_dtype)
     Mode("int8-kv", "none", "int8"),
     Mode("bf16-kv", "none", "bfloat16"),
+    # the TPU/GPU modes (quantization/int8.py), here in f32 activations on CPU
+    Mode("int8", "int8", "float32"),
+    Mode("int8+int8-kv", "int8", "int8"),
+    Mode("int8+bf16-kv", "int8", "bfloat16"),
+    Mode("int8-channel", "int8-channel", "float32"),
 )}
 
 # Plain continuations and chat turns (ChatML, as SmolLM2-Instruct was trained on).
@@ -169,11 +174,14 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
         engine.free(slot)
     if count != len(tokens) - 1:
         raise RuntimeError(f"scored {count} tokens, expected {len(tokens) - 1}")
-    # q8_0 rounds activations to int8 (per token, per 32 values), and int8 (or bf16) KV rounds each
+    # q8_0 rounds activations to int8 (per token, per 32 values), int8-channel too in its prefill
+    # chunks (per token), and int8 (or bf16) KV rounds each
     # row's rewrite of its own K/V again, so a 1e-6 difference in summation order between the prefill
     # and decode programs can flip a rounding somewhere in 30 layers and move a logit by up to ~1;
     # reported in the table, not checked.
-    rounds = engine.config.quantize == "q8_0" or engine.config.kv_cache_dtype in ("int8", "bfloat16")
+    # int8-channel's prefill chunk multiplies int8 activations where the rows multiply float ones
+    rounds = (engine.config.quantize in ("q8_0", "int8-channel")
+              or engine.config.kv_cache_dtype in ("int8", "bfloat16"))
     if not rounds and max_check > CHECK_TOL:
         raise RuntimeError(f"decode-row logits differ from prefill logits by {max_check:.3g} "
                            f"(> {CHECK_TOL}): the scoring rows no longer read what prefill wrote")

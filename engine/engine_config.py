@@ -13,6 +13,7 @@ from quantization import MODES
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")  # jax.default_backend() names whose `auto` weights are "int8"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,8 +26,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: see kv_dtype(); or float32, bfloat16, int8
-    quantize: str = "auto"                  # auto: q8_0-a16 on CPU with the native kernel, else none;
-                                            # or none, q8_0, q8_0-a16 (see quantization/)
+    quantize: str = "auto"                  # auto: see weight_mode(); or none, q8_0, q8_0-a16, int8,
+                                            # int8-channel (see quantization/)
     tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
 
     def __post_init__(self) -> None:
@@ -47,17 +48,28 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.quantize == "int8-channel" and self.tensor_parallel > 1:
+            # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
+            raise ValueError(f"quantize int8-channel runs on one device, not with tensor_parallel "
+                             f"{self.tensor_parallel}; use int8")
 
-    def weight_mode(self) -> str:
-        """The quantization mode `auto` stands for here: on CPU, group-wise int8 weights with two-part
-        int8 activations (q8_0-a16: perplexity and greedy tokens equal to f32 on the default model,
-        1.1-4x faster matmuls) when its native kernel is built; float weights elsewhere (XLA on
-        GPU/TPU runs bf16 best, and the q8_0 reference is slow on CPU)."""
+    def weight_mode(self, backend: str | None = None) -> str:
+        """The quantization mode `auto` stands for on `backend` (default: JAX's): on CPU, group-wise
+        int8 weights with two-part int8 activations (q8_0-a16: perplexity and greedy tokens equal to
+        f32 on the default model, 1.1-4x faster matmuls) when its native kernel is built, else float
+        (the q8_0 reference is slow on CPU); on TPU and GPU "int8" (int8 weights dequantized inside the
+        MXU's / tensor cores' dot, 1.25 bytes a weight; quantization/int8.py: on the default model
+        perplexity 19.0858 as f32's, 20/20 greedy prompts equal to f32 in f32 activations on CPU)."""
         if self.quantize != "auto":
             return self.quantize
+        backend = backend or jax.default_backend()
+        if backend in ACCELERATORS:
+            return "int8"
+        if backend != "cpu":
+            return "none"
         from kernels.q8_matmul import native_available
 
-        return "q8_0-a16" if jax.default_backend() == "cpu" and native_available() else "none"
+        return "q8_0-a16" if native_available() else "none"
 
     def kv_dtype(self) -> jnp.dtype:
         """The KV cache dtype `auto` stands for here: bf16 on CPU with int8 weights and the native attention

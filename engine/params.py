@@ -12,23 +12,28 @@ from tqdm import tqdm
 
 from models.base import CausalLM
 from models.layers import Linear
-from quantization import QuantizedWeight, quantize_weight
-from quantization.weights import check_mode
+from quantization import Int8Weight, QuantizedWeight, quantize_weight
+from quantization.weights import QUANTIZED_MODES, check_mode
 
 
 def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) -> CausalLM:
     """Round the declared linear weights (models/base.Weight.linear, the LM head included) to `mode`
     and cast the remaining float weights to `dtype`, in place. A tied LM head gets int8 rows of the
     embedding table (the float table stays for the token lookup). Weights the loader already built
-    as group-wise int8 (models.loader with quantize="q8_0") are kept: their floats never exist."""
+    as group-wise int8 (models.loader with quantize="q8_0") are kept: their floats never exist.
+    quantization.int8's modes round each weight on its device, one tensor at a time."""
     check_mode(mode)
     if mode != "none":
         if model.lm_head is None:
-            from quantization.groupwise import pack_one, quantize_rows
-
             cfg = model.cfg
+            table = model.embed.table.get_value()                                    # [vocab, embed]
             head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
-            head.w.set_value(pack_one(quantize_rows(np.asarray(model.embed.table.get_value(), np.float32)), mode))
+            if mode in QUANTIZED_MODES:
+                from quantization.groupwise import pack_one, quantize_rows
+
+                head.w.set_value(pack_one(quantize_rows(np.asarray(table, np.float32)), mode))
+            else:
+                head.w.set_value(quantize_weight(jnp.asarray(table).T, mode))
             model.lm_head = head
         state = nnx.state(model, nnx.Param)
         flat = dict(nnx.to_flat_state(state))
@@ -41,9 +46,9 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
     state = nnx.state(model, nnx.Param)
 
     def cast(x):
-        if isinstance(x, QuantizedWeight) or not jnp.issubdtype(x.dtype, jnp.floating):
+        if isinstance(x, QuantizedWeight | Int8Weight) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         return x.astype(dtype)
 
-    nnx.update(model, jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    nnx.update(model, jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, QuantizedWeight | Int8Weight)))
     return model

@@ -3,8 +3,9 @@ attention, gated MLP) over pure functions (RoPE, norms), and the scan over a sta
 
 Every weight is an `nnx.Param` with logical axis names (`sharding_names`), stacked layers first
 ("layers"). Norms, softmax and matmul accumulation run in f32 whatever the activation dtype.
-Backend tricks live elsewhere: a weight may be any object with `linears` (engine/layer_stack.py
-gives XLA:CPU per-layer buffers that way) and attention is an `AttentionOp` the caller passes in.
+Backend tricks live elsewhere: every weight matmul goes through quantization.ops, whatever form the
+weight takes (float, int8, XLA:CPU's per-layer buffers and stacks), and attention is an `AttentionOp`
+the caller passes in.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig, RopeScaling
+from quantization import ops
 
 LAYERS = "layers"  # the logical axis of stacked per-layer weights
 
@@ -34,22 +36,7 @@ def _stack(layers: int | None, shape: tuple[int, ...], axes: tuple[str, ...]):
 
 # ---- matmuls ---------------------------------------------------------------------------------
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x @ w [in, out] with f32 accumulation; int8 weights go to the quantization ops."""
-    if isinstance(w, jax.Array | np.ndarray):
-        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-        return y.astype(x.dtype)
-    from quantization import ops  # int8 weights are a pytree, not an array
-
-    return ops.linear(x, w)
-
-
-def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
-    """x @ each weight. Weights that multiply themselves (a `linears` method) get the whole group at
-    once, so a backend that picks per-layer buffers does it once per group."""
-    if hasattr(weights[0], "linears"):
-        return weights[0].linears(x, tuple(weights))
-    return tuple(linear(x, w) for w in weights)
+linear = ops.linear  # x [..., in] @ w [in, out] -> [..., out], f32 accumulation, any weight form
 
 
 class Linear(nnx.Module):
@@ -66,7 +53,7 @@ class Linear(nnx.Module):
 
 def project(x: jax.Array, mods: Sequence[Linear]) -> tuple[jax.Array, ...]:
     """Several Linears over one input (q/k/v, gate/up), as one group for the backend."""
-    ys = linears(x, [m.w.get_value() for m in mods])
+    ys = ops.linears(x, [m.w.get_value() for m in mods])
     return tuple(y if m.b is None else y + m.b.get_value().astype(y.dtype) for m, y in zip(mods, ys))
 
 
@@ -209,10 +196,9 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         mods = (self.w_gate, self.w_up, self.w_down)
         if self.act == "silu" and all(m.b is None for m in mods):
-            # a backend that multiplies the whole MLP with silu(gate) * up formed inside the down
-            # projection (engine/layer_stack.py's int8 stacks on CPU) returns it, else None
-            gate_w, up_w, down_w = (m.w.get_value() for m in mods)
-            if hasattr(gate_w, "gated_down") and (y := gate_w.gated_down(x, (gate_w, up_w), down_w)) is not None:
+            # a weight form that multiplies the whole MLP (silu(gate) * up formed inside the down
+            # projection) returns it, else None
+            if (y := ops.gated_down(x, *(m.w.get_value() for m in mods))) is not None:
                 return y
         gate, up = project(x, (self.w_gate, self.w_up))                              # [T,F] each
         return self.w_down(_ACTIVATIONS[self.act](gate) * up)
@@ -220,23 +206,18 @@ class GatedMLP(nnx.Module):
 
 # ---- the layer stack -------------------------------------------------------------------------
 
-def _per_layer(leaf: Any) -> bool:
-    # a weight kept as L separate buffers, picked by the traced layer index (engine/layer_stack.py)
-    return hasattr(leaf, "pick")
-
-
 def scan_layers(blocks: nnx.Module, body: Callable[[nnx.Module, Any, jax.Array], Any], carry: Any,
                 num_layers: int) -> Any:
     """carry = body(block_i, carry, i) for each layer i under lax.scan (compile time flat in depth).
     `blocks` holds every weight stacked [L, ...]; a weight the engine split into per-layer buffers is
     not sliced but picked by index."""
     graphdef, state = nnx.split(blocks)
-    leaves, treedef = jax.tree.flatten(state, is_leaf=_per_layer)
-    stacked = [None if _per_layer(leaf) else leaf for leaf in leaves]
+    leaves, treedef = jax.tree.flatten(state, is_leaf=ops.per_layer)
+    stacked = [None if ops.per_layer(leaf) else leaf for leaf in leaves]
 
     def step(carry, xs):
         sliced, i = xs
-        layer = [leaf.pick(i) if _per_layer(leaf) else s for leaf, s in zip(leaves, sliced)]
+        layer = [ops.pick(leaf, i) if ops.per_layer(leaf) else s for leaf, s in zip(leaves, sliced)]
         return body(nnx.merge(graphdef, jax.tree.unflatten(treedef, layer)), carry, i), None
 
     carry, _ = jax.lax.scan(step, carry, (stacked, jnp.arange(num_layers, dtype=jnp.int32)))

@@ -1,15 +1,16 @@
-"""int8 weights and int8 KV: an offline params transform plus the matching runtime ops."""
+"""Weight formats per backend (group-wise int8 for CPU, int8 for TPU/GPU, XLA:CPU's stacked forms) and
+the one linear-weight op the models call (quantization.ops). The int8 KV format is the attention
+kernels' (kernels.attention.quantize_kv)."""
 
-from quantization.kv import dequantize_kv, quantize_kv
+from quantization.int8 import Int8Weight
 from quantization.ops import linear
 from quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
 
 __all__ = [
+    "Int8Weight",
     "MODES",
     "QuantizedWeight",
-    "dequantize_kv",
     "linear",
-    "quantize_kv",
     "quantize_weight",
     "weight_bytes",
 ]

@@ -1,19 +1,26 @@
-"""Runtime matmul for float or int8 weights: `linear` is the only matmul the model calls.
+"""The one linear-weight seam: every matmul by a weight the model makes goes through `linear`,
+`linears` (a group one input feeds), `gated_down` and, in the layer scan, `per_layer` / `pick`.
 
-The model passes whatever params holds (array or QuantizedWeight) and never branches on it.
+The model passes whatever its params hold (a float array, a group-wise QuantizedWeight, an
+Int8Weight, or a per-backend stacked form of quantization/layer_forms.py) and never branches on it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from kernels.q8_matmul import q8_matmul
+from quantization import int8
 from quantization.weights import QuantizedWeight
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | int8.Int8Weight) -> jax.Array:
     """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (per group of 32 inputs
-    in int32 for the group-wise int8 modes: kernels.q8_matmul, native on CPU)."""
+    in int32 for the group-wise int8 modes: kernels.q8_matmul, native on CPU; quantization/int8.py's
+    dots for the MXU modes)."""
     if w.ndim != 2:
         raise ValueError(
             f"linear expects a 2-D weight [in, out], got shape {tuple(w.shape)}; "
@@ -23,6 +30,8 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
         raise ValueError(
             f"linear: input feature size {x.shape[-1]} does not match weight shape {tuple(w.shape)}"
         )
+    if isinstance(w, int8.Int8Weight):
+        return int8.matmul(x, w).astype(x.dtype)
     if not isinstance(w, QuantizedWeight):
         y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
@@ -30,3 +39,32 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array:
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
     y = q8_matmul(x2, w.q, w.scale, w.offset, n=w.shape[1], parts=1 if w.mode == "q8_0" else 2)
     return y.reshape(*lead, w.shape[1]).astype(x.dtype)
+
+
+def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
+    """x @ each weight of a group one input feeds (q/k/v, gate/up), in the model's order. A form that
+    multiplies a whole group (a `linears` method: layer_forms' picks, engine/sharding.py's weights)
+    gets it at once, so a per-layer switch or a fused stack serves the group with one call."""
+    if hasattr(weights[0], "linears"):
+        return weights[0].linears(x, tuple(weights))
+    return tuple(linear(x, w) for w in weights)
+
+
+def gated_down(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array | None:
+    """down(silu(gate(x)) * up(x)) where the weights' form multiplies the whole MLP at once (int8
+    stacks on CPU form silu(gate) * up inside the down projection's kernel); None elsewhere, and the
+    caller multiplies the three linears itself."""
+    if hasattr(gate, "gated_down"):
+        return gate.gated_down(x, (gate, up), down)
+    return None
+
+
+def per_layer(leaf: Any) -> bool:
+    """A stacked weight the layer scan must pick by the traced layer index (L separate buffers, or a
+    stack a kernel reads in place) instead of slicing it along its leading axis."""
+    return hasattr(leaf, "pick")
+
+
+def pick(leaf: Any, layer: jax.Array) -> Any:
+    """Layer `layer`'s weight of a per_layer leaf, inside the scanned layer body."""
+    return leaf.pick(layer)

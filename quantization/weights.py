@@ -12,8 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES: tuple[str, ...] = ("none", "q8_0", "q8_0-a16")
+from quantization import int8
+
+# QUANTIZED_MODES: the group-wise ones (quantization/groupwise.py), which the loader can build from
+# checkpoint blocks; int8.MODES round a float weight on its device (quantization/int8.py)
 QUANTIZED_MODES: tuple[str, ...] = ("q8_0", "q8_0-a16")
+MODES: tuple[str, ...] = ("none", *QUANTIZED_MODES, *int8.MODES)
 
 
 @jax.tree_util.register_dataclass
@@ -65,9 +69,18 @@ def check_mode(mode: str, allowed: tuple[str, ...] = MODES) -> None:
         raise ValueError(f"unknown quantization mode {mode!r}; allowed modes: {', '.join(allowed)}")
 
 
-def quantize_weight(w, mode: str) -> QuantizedWeight:
-    """A float weight [..., in, out] -> group-wise int8 (a weight already in this form: its mode is set)."""
-    check_mode(mode, QUANTIZED_MODES)
+def quantize_weight(w, mode: str) -> QuantizedWeight | int8.Int8Weight:
+    """A float weight [..., in, out] -> int8 in `mode`: group-wise (numpy, on the host; a weight already
+    in this form: its mode is set) or an int8.MODES one (JAX on w's device: a jax.Array never leaves it)."""
+    check_mode(mode, MODES[1:])
+    if mode in int8.MODES:
+        if isinstance(w, int8.Int8Weight):
+            return w  # rounded already (a tied LM head)
+        if isinstance(w, QuantizedWeight):  # the loader's group-wise blocks, dequantized on the device
+            w = w.dequantize()
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"expected a floating-point weight, got dtype {w.dtype}")
+        return int8.quantize(w, mode)
     if isinstance(w, QuantizedWeight):
         return dataclasses.replace(w, mode=mode)  # built by the loader straight from checkpoint blocks
     if w.ndim < 2:

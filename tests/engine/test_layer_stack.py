@@ -1,4 +1,4 @@
-"""XLA:CPU's forms of the layer weights (engine/layer_stack.py): int8 stacks read at the layer index,
+"""XLA:CPU's forms of the layer weights (quantization/layer_forms.py, chosen by engine/layer_stack.py): int8 stacks read at the layer index,
 q/k/v and gate/up fused into one kernel call each, give the same logits as per-layer buffers picked
 by a switch, and the compiled decode step has no switch and no copy of a weight."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import SamplingParams
 from engine.runner import EngineConfig, JaxEngine
 from kernels import native
+from quantization import layer_forms
 from tests.conftest import TINY_ENGINE, build_tiny_hf
 
 needs_native = pytest.mark.skipif(not native.load("q8_matmul", "q8_matmul"), reason="kernels._q8_matmul is not built")
@@ -39,7 +40,7 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
     cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path_factory.mktemp(f"stack-{family}")), family))
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
     # the same math in both forms: the stacks' gated MLP (silu formed in the down kernel) has its own test
-    monkeypatch.setattr(layer_stack, "gated_native", lambda: False)
+    monkeypatch.setattr(layer_forms, "gated_native", lambda: False)
     jax.clear_caches()  # traces are shared across engines (models' per-layer jit): trace afresh
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 256, 11)]
     fused = JaxEngine(cfg, model, config, precompile=False)
@@ -60,7 +61,7 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
 @needs_native
 @pytest.mark.parametrize("quantize", ["q8_0", "q8_0-a16"])
 def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, monkeypatch, quantize):
-    if not layer_stack.gated_native():
+    if not layer_forms.gated_native():
         pytest.skip("the gated path runs with the AVX-512 kernel only")
     cfg, model = tiny_model
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
@@ -71,7 +72,7 @@ def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, mo
     hlo = gated._model_exe[1].as_text()
     # the down projection takes gate/up's output whole: no [T, F] product of XLA's in between
     assert len(re.findall(r"gated = 1", hlo)) == 1
-    monkeypatch.setattr(layer_stack, "gated_native", lambda: False)
+    monkeypatch.setattr(layer_forms, "gated_native", lambda: False)
     jax.clear_caches()
     unfused = JaxEngine(cfg, model, config, precompile=False)
     want = _logits(unfused, prompt)

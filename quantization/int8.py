@@ -1,0 +1,136 @@
+"""int8 weights for the MXU and GPU tensor cores, quantized on the device in JAX: "int8" (one scale and
+offset per 32 inputs per output channel, dequantized to the activation dtype inside the dot) and
+"int8-channel" (one symmetric scale per output channel; int8 x int8 dots for steps of many rows)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+MODES: tuple[str, ...] = ("int8", "int8-channel")
+GROUP = 32        # inputs per scale and offset in mode "int8" (a GGUF block: Q4_1/Q8_0 sources round exactly)
+A8_MIN_ROWS = 256  # "int8-channel": steps of this many rows or more quantize activations (prefill chunks)
+LEVELS = 255.0    # asymmetric: q in -128..127 spans [min, max] of a group
+INT8_MAX = 127.0  # symmetric: q in -127..127 spans [-max|w|, max|w|]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """An int8 weight w [..., in, out] = q * scale + offset, per block of `block` inputs per output
+    channel: q int8 [..., in, out], scale f32 [..., G, out] with G = ceil(in / block), offset like scale
+    or None (symmetric). Leading axes (stacked layers L) are sliced by lax.scan like any leaf.
+    a8_rows (static): a matmul of at least this many rows rounds each row of activations to int8
+    (one scale per row) and multiplies in int32; None: always float activations (w8a16)."""
+
+    q: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None = None
+    block: int = dataclasses.field(default=GROUP, metadata=dict(static=True))
+    a8_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The float weight [..., in, out] (f32 math, then `dtype`)."""
+        k = self.q.shape[-2]
+        scale = jnp.repeat(self.scale.astype(jnp.float32), self.block, axis=-2)[..., :k, :]
+        w = self.q.astype(jnp.float32) * scale
+        if self.offset is not None:
+            w = w + jnp.repeat(self.offset.astype(jnp.float32), self.block, axis=-2)[..., :k, :]
+        return w.astype(dtype)
+
+
+def quantize(w: jax.Array, mode: str = "int8") -> Int8Weight:
+    """A float weight [..., in, out] (a jax.Array stays on its device: no host copy) -> Int8Weight."""
+    if mode not in MODES:
+        raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
+    if w.ndim < 2:
+        raise ValueError(f"expected a weight of shape [..., in, out], got shape {tuple(w.shape)}")
+    if mode == "int8":
+        q, scale, offset = _quantize_asymmetric(jnp.asarray(w), GROUP)
+        return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
+    q, scale = _quantize_symmetric(jnp.asarray(w))
+    return Int8Weight(q=q, scale=scale, block=int(w.shape[-2]), a8_rows=A8_MIN_ROWS)
+
+
+def _blocks(w: jax.Array, block: int) -> jax.Array:
+    """w [..., K, N] -> f32 [..., G, block, N], K zero-padded to whole blocks."""
+    *lead, k, n = w.shape
+    g = -(-k // block)
+    w = w.astype(jnp.float32)
+    if g * block != k:
+        w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, g * block - k), (0, 0)])
+    return w.reshape(*lead, g, block, n)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_asymmetric(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per block and output channel the better of two roundings (smaller largest error): over
+    [min, max] (q = -128 at the minimum: exact for GGUF Q4_1 blocks) or symmetric over +-max|w| with
+    a zero offset (exact for Q8_0 blocks). q is rounded against the stored scale and offset."""
+    k = w.shape[-2]
+    g = _blocks(w, block)                                                   # [..., G, B, N]
+    lo, hi = g.min(axis=-2), g.max(axis=-2)                                 # [..., G, N]
+    amax = jnp.maximum(-lo, hi)
+
+    def rounded(scale, offset, q_min, q_max):
+        inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+        q = jnp.clip(jnp.round((g - offset[..., None, :]) * inv[..., None, :]), q_min, q_max)
+        err = jnp.max(jnp.abs(q * scale[..., None, :] + offset[..., None, :] - g), axis=-2)
+        return q, err
+
+    a_scale = (hi - lo) / LEVELS
+    a_offset = lo + 128.0 * a_scale
+    q_a, err_a = rounded(a_scale, a_offset, -128, 127)
+    s_scale = amax / INT8_MAX
+    q_s, err_s = rounded(s_scale, jnp.zeros_like(s_scale), -INT8_MAX, INT8_MAX)
+    sym = err_s <= err_a                                                    # [..., G, N]
+    q = jnp.where(sym[..., None, :], q_s, q_a).astype(jnp.int8)
+    scale, offset = jnp.where(sym, s_scale, a_scale), jnp.where(sym, 0.0, a_offset)
+    return q.reshape(*w.shape[:-2], -1, w.shape[-1])[..., :k, :], scale, offset
+
+
+@jax.jit
+def _quantize_symmetric(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    wf = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(wf), axis=-2, keepdims=True) / INT8_MAX         # [..., 1, N]
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    q = jnp.clip(jnp.round(wf * inv), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Activations x [M, K] -> (int8 [M, K], f32 scale [M]): one symmetric scale per row (token)."""
+    xf = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(xf), axis=-1) / INT8_MAX
+    inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
+    return jnp.clip(jnp.round(xf * inv[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
+
+
+def matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
+    """x [..., in] @ w [in, out] -> f32 [..., out]. Per output channel: the dot of x (or of its int8
+    rows, from w.a8_rows rows on: the step's row count is static) with q, then the scale. Per block: q
+    dequantized to x's dtype inside the dot (one float rounding of each weight, as a float model has)."""
+    k, n = w.q.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)                                                   # [M, K]
+    if w.offset is None and w.scale.shape[-2] == 1:
+        if w.a8_rows is not None and x2.shape[0] >= w.a8_rows:
+            xq, xs = quantize_rows(x2)
+            acc = jax.lax.dot_general(xq, w.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+            y = acc.astype(jnp.float32) * xs[:, None] * w.scale[0]
+        else:
+            y = jnp.einsum("mk,kn->mn", x2, w.q.astype(x2.dtype), preferred_element_type=jnp.float32) * w.scale[0]
+    else:
+        y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
+    return y.reshape(*lead, n)
+

@@ -1,0 +1,170 @@
+"""quantization/int8.py (the TPU/GPU modes): matmuls against a float64 oracle of the stored weight,
+rounding on the device, the exactness that keeps the default model's accuracy, and `auto` per backend."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.engine_config import EngineConfig
+from quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes
+
+SHAPES = [(1, 70, 33), (5, 64, 40), (3, 96, 17), (7, 33, 129)]  # K not a multiple of 32, N odd
+
+
+def make(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k) + 0.02 * rng.standard_normal(n)).astype(np.float32)
+    return x, w
+
+
+def stored(qw: Int8Weight) -> np.ndarray:
+    """The weight qw stands for, in float64 from its int8 and scales (not through its own code)."""
+    k = qw.q.shape[-2]
+    rep = lambda a: np.repeat(np.asarray(a, np.float64), qw.block, axis=-2)[..., :k, :]  # noqa: E731
+    w = np.asarray(qw.q, np.float64) * rep(qw.scale)
+    return w if qw.offset is None else w + rep(qw.offset)
+
+
+def linear(x, w):
+    return jax.jit(ops.linear)(x, w)
+
+
+@pytest.mark.parametrize("mode", int8.MODES)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k, n):
+    x, w = make(m, k, n)
+    qw = quantize_weight(jnp.asarray(w), mode)
+    got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
+    ref = x.astype(np.float64) @ stored(qw)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    # and the stored weight is the float one within half a step of its block
+    step = np.repeat(np.asarray(qw.scale), qw.block, axis=-2)[:k]
+    assert np.all(np.abs(stored(qw) - w) <= 0.5 * step + 1e-6)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_w8a8_matmul_equals_the_float64_product_of_int8_rows_and_weights(m, k, n):
+    x, w = make(m, k, n, seed=1)
+    qw = dataclasses.replace(quantize_weight(jnp.asarray(w), "int8-channel"), a8_rows=m)  # w8a8 from m rows
+    got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
+    # the oracle: each row rounded to int8 with its own scale max|x| / 127
+    xs = np.abs(x).max(axis=1, keepdims=True).astype(np.float64) / 127
+    xq = np.clip(np.round(x / xs), -127, 127)
+    ref = (xq * xs) @ stored(qw)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    # the int8 rows are what ran: the float-activation product differs by more than the tolerance
+    w8a16 = x.astype(np.float64) @ stored(qw)
+    assert np.abs(got - w8a16).max() > 1e-3 * np.abs(ref).max()
+    # below a8_rows the same weight multiplies float activations
+    fewer = dataclasses.replace(qw, a8_rows=m + 1)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), fewer)), w8a16, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_int8_channel_uses_int8_activations_from_prefill_sized_steps():
+    qw = quantize_weight(jnp.ones((16, 4)), "int8-channel")
+    assert qw.a8_rows == int8.A8_MIN_ROWS and quantize_weight(jnp.ones((16, 4)), "int8").a8_rows is None
+
+
+@pytest.mark.parametrize("mode", int8.MODES)
+def test_leading_dims_scan_and_bf16_activations(mode):
+    n_layers, d = 3, 64
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((n_layers, d, d)) / np.sqrt(d)).astype(np.float32)
+    x = rng.standard_normal((2, 3, d)).astype(np.float32)
+    qw = quantize_weight(jnp.asarray(w), mode)
+
+    @jax.jit
+    def run(h, stacked):
+        return jax.lax.scan(lambda h, layer_w: (jnp.tanh(ops.linear(h, layer_w)), None), h, stacked)[0]
+
+    got = run(jnp.asarray(x), qw)
+    assert got.shape == (2, 3, d) and got.dtype == jnp.float32
+    ref = x.astype(np.float64)
+    for layer in range(n_layers):
+        ref = np.tanh(ref @ stored(qw)[layer])
+    np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5)
+    y16 = run(jnp.asarray(x, jnp.bfloat16), qw)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), ref, atol=0.05)
+
+
+@pytest.mark.parametrize("mode,groups", [("int8", 3), ("int8-channel", 1)])
+def test_quantize_on_device_returns_int8_and_scales_without_a_host_copy(mode, groups):
+    w = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (4, 96, 40), jnp.bfloat16))
+    with jax.transfer_guard("disallow"):  # any host <-> device copy raises
+        qw = quantize_weight(w, mode)
+    assert isinstance(qw, Int8Weight)
+    assert qw.q.shape == (4, 96, 40) and qw.q.dtype == jnp.int8
+    assert qw.scale.shape == (4, groups, 40) and qw.scale.dtype == jnp.float32
+    assert (qw.offset is not None) == (mode == "int8")
+    if qw.offset is not None:
+        assert qw.offset.shape == qw.scale.shape
+    assert qw.q.devices() == w.devices()
+    assert qw.shape == (4, 96, 40) and qw.ndim == 3
+    # int8 plus an f32 scale and offset per 32 inputs, or one f32 scale per 96
+    per_weight = 1 + 8 / 32 if mode == "int8" else 1 + 4 / 96
+    assert weight_bytes(qw) == pytest.approx(w.size * per_weight)
+
+
+def test_groups_of_gguf_4_and_8_bit_blocks_round_exactly():
+    """A weight whose 32-input groups are Q4_1 (d * k + m, k in 0..15) or Q8_0 (d * q, q in -127..127
+    with |q| = 127 present) blocks, as the default model's GGUF holds them, is stored within f32 rounding:
+    the "int8" mode loses nothing on such checkpoints."""
+    rng = np.random.default_rng(3)
+    k, n = 128, 24
+    d = rng.uniform(0.001, 0.05, (k // 32, n)).astype(np.float32)
+    m = rng.uniform(-0.4, 0.1, (k // 32, n)).astype(np.float32)
+    q4 = rng.integers(0, 16, (k, n))
+    q4[::32] = 0
+    q4[1::32] = 15
+    w4 = q4 * np.repeat(d, 32, axis=0) + np.repeat(m, 32, axis=0)
+    q8 = rng.integers(-127, 128, (k, n))
+    q8[::32] = 127
+    w8 = q8 * np.repeat(d, 32, axis=0)
+    for w in (w4, w8):
+        qw = quantize_weight(jnp.asarray(w, jnp.float32), "int8")
+        np.testing.assert_allclose(stored(qw), w, rtol=0, atol=2e-6)
+
+
+def test_constant_and_zero_groups_are_kept():
+    w = np.zeros((64, 3), np.float32)
+    w[:32, 1] = 0.25
+    qw = quantize_weight(jnp.asarray(w), "int8")
+    np.testing.assert_allclose(stored(qw), w, atol=1e-7)
+    assert np.all(np.isfinite(np.asarray(qw.scale)))
+
+
+def test_int8_weight_passes_through_jit_and_slices_like_an_array():
+    qw = quantize_weight(jnp.ones((2, 64, 32)), "int8")
+    back = jax.jit(lambda p: p)(qw)
+    assert isinstance(back, Int8Weight) and back.block == qw.block and back.shape == (2, 64, 32)
+    layer = jax.tree.map(lambda a: a[1], qw)
+    assert layer.shape == (64, 32) and layer.scale.shape == (2, 32)
+
+
+@pytest.mark.parametrize("backend,mode", [("tpu", "int8"), ("gpu", "int8"), ("cuda", "int8"), ("rocm", "int8"),
+                                          ("METAL", "none")])
+def test_auto_picks_int8_on_accelerators(backend, mode):
+    assert EngineConfig().weight_mode(backend) == mode
+    assert EngineConfig(quantize="q8_0").weight_mode(backend) == "q8_0"  # an explicit mode stays
+
+
+def test_auto_keeps_q8_0_a16_on_cpu(monkeypatch):
+    from kernels import q8_matmul
+
+    monkeypatch.setattr(q8_matmul, "native_available", lambda: True)
+    assert EngineConfig().weight_mode("cpu") == "q8_0-a16"
+    monkeypatch.setattr(q8_matmul, "native_available", lambda: False)
+    assert EngineConfig().weight_mode("cpu") == "none"
+    assert EngineConfig(quantize="int8").weight_mode("cpu") == "int8"
+
+
+def test_int8_channel_under_tensor_parallel_is_refused_by_name():
+    with pytest.raises(ValueError, match="int8-channel.*tensor_parallel 2"):
+        EngineConfig(quantize="int8-channel", tensor_parallel=2)
+    EngineConfig(quantize="int8", tensor_parallel=2)  # int8's per-32 scales split with the weight
