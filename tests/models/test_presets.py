@@ -123,7 +123,7 @@ def test_synthetic_tokenizer_has_the_vocabulary_and_round_trips(name):
 
 def test_preset_tokenizer_is_what_serving_loads():
     """`slipstream bench --model qwen3-0.6b` counts tokens with the tokenizer the dummy server uses."""
-    from benchmarks.bench.run import load_tokenizer as bench_tokenizer
+    from server.bench.run import load_tokenizer as bench_tokenizer
 
     path = resolve_model("qwen3-0.6b", "dummy")
     served, counted = load_tokenizer(path), bench_tokenizer("qwen3-0.6b")
