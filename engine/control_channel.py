@@ -16,10 +16,8 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from engine.multihost import DistributedConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +27,38 @@ _HELLO = struct.Struct(f">{TOKEN_BYTES}sI")
 _FRAME = struct.Struct(">Q")
 _BEAT = ("beat",)
 _STOP = ("stop",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Where the group meets and how long its members wait for each other."""
+
+    coordinator_address: str          # host:port of process 0 (jax.distributed's coordinator)
+    num_processes: int
+    process_id: int
+    control_port: int | None = None   # process 0's lockstep channel; None: the coordinator's port + 1
+    peer_timeout_s: float = 10.0      # a peer silent this long is lost
+    connect_timeout_s: float = 600.0  # how long the processes wait for each other at start-up
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.coordinator_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"coordinator address must be host:port, got {self.coordinator_address!r}")
+        if self.num_processes < 2:
+            raise ValueError(f"num_processes must be >= 2 for multi-host serving, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+        if self.control_port is not None and not 0 < self.control_port < 65536:
+            raise ValueError(f"control_port must be a TCP port, got {self.control_port}")
+        if not self.peer_timeout_s > HEARTBEAT_S:
+            raise ValueError(f"peer_timeout_s must exceed the {HEARTBEAT_S} s heartbeat, got {self.peer_timeout_s}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+    @property
+    def control_address(self) -> tuple[str, int]:
+        host, _, port = self.coordinator_address.rpartition(":")
+        return host.strip("[]"), self.control_port or int(port) + 1
 
 
 class PeerLost(RuntimeError):

@@ -8,6 +8,8 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+from engine.errors import InvalidParam
+
 if TYPE_CHECKING:
     from engine.structured import Grammar
 
@@ -20,18 +22,6 @@ MAX_STOP_CHARS = 1024            # the stop matcher scans every stop string per 
 MAX_TEMPERATURE = 100.0          # far past any useful value; float32 holds it exactly
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided by it: keep it a normal float32
 _ids = itertools.count()
-
-
-class InvalidParam(ValueError):
-    """A request field is out of its documented range: the client's error, naming the field.
-
-    The front ends map it to 400 / INVALID_ARGUMENT with `field` as the parameter to blame.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
 
 
 def _check_int(field: str, value: object, low: int, high: int, note: str = "") -> None:

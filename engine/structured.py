@@ -18,7 +18,7 @@ import llguidance.numpy
 import numpy as np
 
 from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
-from engine.request import InvalidParam
+from engine.errors import InvalidParam
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 
-from engine.request import InvalidParam
+from engine.errors import InvalidParam
 from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
 
 log = logging.getLogger(__name__)

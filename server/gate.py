@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.request import InvalidParam
+from engine.errors import InvalidParam
 from server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
 from server.metrics import ResponseCounts
 from server.protocol import ErrorDetail, ErrorResponse

@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
-from engine.request import InvalidParam
+from engine.errors import InvalidParam
 from engine.structured import Constraint, Grammar, GrammarCompiler
 from server.errors import ServiceError, parse_input
 

@@ -51,7 +51,7 @@ def _nested_arrays(levels: int) -> dict:
 
 
 def test_a_deep_schema_is_refused_as_too_deep_naming_the_limit(compiler) -> None:
-    from engine.request import InvalidParam
+    from engine.errors import InvalidParam
     from engine.structured import Constraint
 
     compiler.compile(Constraint("json_schema", _nested_arrays(90)))  # within the limit: compiles
@@ -66,7 +66,7 @@ def test_a_deep_schema_is_refused_as_too_deep_naming_the_limit(compiler) -> None
     ("grammar", 'start: /((a{50}){50}){50}/'),
 ])
 def test_a_grammar_whose_masks_would_be_slow_is_refused_at_compile_time(compiler, kind, source) -> None:
-    from engine.request import InvalidParam
+    from engine.errors import InvalidParam
     from engine.structured import Constraint
 
     with pytest.raises(InvalidParam) as info:
