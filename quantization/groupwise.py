@@ -9,18 +9,66 @@ types are decoded by the `gguf` package one tensor at a time and rounded to Q8_0
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kernels import q8_matmul
 
 GROUP = q8_matmul.GROUP
+QUANTIZED_MODES: tuple[str, ...] = ("q8_0", "q8_0-a16")
 INT8_MAX = 127.0
 # (q int8 [N, K], d f32 [N, G]) or (q, d, m) with offsets m f32 [N, G]: w = q * d (+ m) per group
 # (kernels.q8_matmul.pack stores d and m in f16)
 Rows = tuple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """Group-wise int8 weight (llama.cpp's Q8_0, see quantization/groupwise.py): one scale per 32
+    inputs per output column, packed for kernels.q8_matmul: q u8[..., Np/16, Kp*16], scale
+    f32[..., Np/16, Kp/32*16]; offset: None or like scale (w = q * scale + offset per group, GGUF's
+    asymmetric blocks); logical = (in, out), the float weight's shape (static).
+    mode (static): "q8_0" rounds activations to int8 per 32 values (llama.cpp's w8a8); "q8_0-a16"
+    adds their int8 residual. Leading axes (stacked layers L) are sliced by lax.scan like any leaf.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    mode: str = dataclasses.field(metadata=dict(static=True))
+    offset: jax.Array | None = None
+    logical: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        # Only the static field is checked: JAX rebuilds this node with placeholder leaves
+        # (tracers, None, axis specs) during transformations.
+        if self.mode not in QUANTIZED_MODES:
+            raise ValueError(f"QuantizedWeight mode must be one of {QUANTIZED_MODES}, got {self.mode!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape of the float weight this stands for ([..., in, out])."""
+        return (*self.q.shape[:-2], *self.logical)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The float weight [..., in, out] (materialized; for tests and debugging, not the hot path)."""
+        from kernels.q8_matmul import GROUP, unpack, unpack_groups
+
+        k, n = self.logical
+        q, d = unpack(self.q, self.scale)  # [..., Np, Kp], [..., Np, Kp/32]
+        w = q.astype(jnp.float32) * jnp.repeat(d, GROUP, axis=-1)
+        if self.offset is not None:
+            w = w + jnp.repeat(unpack_groups(self.offset), GROUP, axis=-1)
+        return jnp.swapaxes(w[..., :n, :k], -1, -2).astype(dtype)
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -141,10 +189,6 @@ def stack_packed(layers: list[tuple[np.ndarray, ...]], k: int, n: int, mode: str
     """Per-layer kernels.q8_matmul.pack outputs -> one QuantizedWeight [L, K, N]; empties `layers`
     as it goes, so at most one extra host copy of this weight exists at a time. Layers with and
     without offsets may mix (zero offsets fill in)."""
-    import jax
-
-    from quantization.weights import QuantizedWeight
-
     if len({layer[0].shape for layer in layers}) > 1:  # 4- and 8-bit layers: all at 8 bits
         layers[:] = [(q8_matmul.widen(packed), *rest) if q8_matmul.packed_bits(packed.shape[-1], rest[0].shape[-1]) == 4
                      else (packed, *rest) for packed, *rest in layers]
@@ -173,10 +217,6 @@ def pack_layers(rows: Sequence[Rows], mode: str = "q8_0"):
 
 def pack_one(rows: Rows, mode: str = "q8_0"):
     """Rows (q [N, K], d [N, G][, m]) -> a QuantizedWeight of logical shape [K, N]."""
-    import jax
-
-    from quantization.weights import QuantizedWeight
-
     packed, scales, *offset = pack_rows(rows)
     return QuantizedWeight(q=jax.device_put(host_copy(packed)), scale=jax.device_put(host_copy(scales)), mode=mode,
                            logical=(rows[0].shape[1], rows[0].shape[0]),

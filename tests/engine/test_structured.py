@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
-from engine.errors import InvalidParam, Request, SamplingParams
+from engine.errors import InvalidParam
+from engine.request import Request, SamplingParams
 from engine.sampling import apply_token_bitmask
 from engine.structured import MAX_SOURCE_CHARS, Constraint, GrammarCompiler, MaskFiller
 
