@@ -139,17 +139,32 @@ def ignored(relpath: str, rules: list[Pattern]) -> bool:
     return result
 
 
+def walks_into(reldir: str, rules: list[Pattern]) -> bool:
+    """Whether the builder looks inside directory RELDIR: an ignored one only when a `!` pattern
+    names a path below it literally. The classic builder skips it otherwise, whatever wildcards
+    could match (BuildKit may look), so this is the side a Dockerfile's inputs can rely on."""
+    if not ignored(reldir, rules):
+        return True
+    below = go_clean(reldir) + "/"
+    return any(rule.exception and (rule.text + "/").startswith(below) for rule in rules)
+
+
+def in_context(relpath: str, rules: list[Pattern]) -> bool:
+    """Whether file RELPATH reaches the build: not ignored, and under no directory the builder skips."""
+    parts = go_clean(relpath).split("/")
+    return (all(walks_into("/".join(parts[:n]), rules) for n in range(1, len(parts)))
+            and not ignored(relpath, rules))
+
+
 def digest(context: Path, extra: list[str]) -> str:
     rules = load_ignore(context)
     h = hashlib.sha256()
     for item in extra:
         h.update(b"extra\0" + item.encode() + b"\0")
-    has_exceptions = any(rule.exception for rule in rules)
     for root, dirs, files in os.walk(context):
         rel_root = Path(root).relative_to(context).as_posix()
-        # Without `!` patterns nothing under an ignored directory can come back: skip .venv, .git.
-        dirs[:] = sorted(d for d in dirs if has_exceptions
-                         or not ignored(d if rel_root == "." else f"{rel_root}/{d}", rules))
+        # as the builder walks: .venv and .git are skipped unopened, deploy/ is entered for the lock
+        dirs[:] = sorted(d for d in dirs if walks_into(d if rel_root == "." else f"{rel_root}/{d}", rules))
         for name in sorted(files):
             full = Path(root) / name
             rel = full.relative_to(context).as_posix()

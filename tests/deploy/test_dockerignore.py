@@ -68,7 +68,7 @@ def test_every_file_the_dockerfile_reads_enters_the_build_context():
     assert {"pyproject.toml", "setup.py", "server/cli.py"} <= inputs
     assert any(p.startswith("kernels/csrc/") and p.endswith(".cc") for p in inputs)
     rules = context_digest.load_ignore(REPO_ROOT)
-    left_out = sorted(p for p in inputs if context_digest.ignored(p, rules))
+    left_out = sorted(p for p in inputs if not context_digest.in_context(p, rules))
     assert left_out == [], f".dockerignore leaves out files the Dockerfile reads: {left_out}"
 
 
@@ -76,7 +76,9 @@ def test_the_context_stays_small():
     rules = context_digest.load_ignore(REPO_ROOT)
     for path in (".git/HEAD", ".venv/bin/python", "tests/deploy/conftest.py", "deploy/helm/slipstream/Chart.yaml",
                  "deploy/container-test.sh", "server/__pycache__/cli.cpython-311.pyc", "benchmarks/results/x.json"):
-        assert context_digest.ignored(path, rules), path
+        assert not context_digest.in_context(path, rules), path
+    assert not context_digest.walks_into(".venv", rules)  # not even listed
+    assert context_digest.walks_into("deploy", rules)     # entered for the lock alone
 
 
 @pytest.mark.parametrize("patterns, path, expected", [
@@ -112,6 +114,14 @@ def test_the_context_stays_small():
 def test_matcher_follows_the_builders_rules(patterns, path, expected):
     rules = context_digest.parse_ignore("\n".join(patterns))
     assert context_digest.ignored(path, rules) is expected
+
+
+def test_an_ignored_directory_is_entered_only_for_a_literal_exception_below_it():
+    rules = context_digest.parse_ignore("deploy\n!deploy/requirements.lock\ndocs\n!**/keep.md\n")
+    assert context_digest.in_context("deploy/requirements.lock", rules)
+    assert not context_digest.in_context("deploy/helm/Chart.yaml", rules)
+    assert not context_digest.ignored("docs/keep.md", rules)     # the pattern alone would keep it,
+    assert not context_digest.in_context("docs/keep.md", rules)  # but the classic builder skips docs/
 
 
 def test_comments_blank_lines_and_bad_patterns():
