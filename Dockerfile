@@ -11,7 +11,7 @@ ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
 ARG JAX_PACKAGE=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
-# The native kernels are C++ (kernels/csrc): a compiler, and Python's headers where the base lacks
+# The native kernels are C++ (kernels/cpu/csrc): a compiler, and Python's headers where the base lacks
 # them (python:3.11-slim has them, a plain Debian base needs python3-dev), in this stage only.
 RUN apt-get update -qq \
     && apt-get install -y -qq --no-install-recommends g++ $(python3 -c 'import os, sysconfig; \
@@ -33,7 +33,7 @@ COPY . .
 # setup.py's extensions are optional, so a kernel that failed to build fails the image here.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install -v --no-deps --no-build-isolation . \
-    && for src in kernels/csrc/*.cc; do \
+    && for src in kernels/cpu/csrc/*.cc; do \
         (cd / && python -c "import kernels._$(basename "$src" .cc)") || exit 1; done \
     && if [ -n "$JAX_PACKAGE" ]; then pip install "$JAX_PACKAGE"; fi \
     && slipstream serve --help >/dev/null

@@ -200,7 +200,7 @@ build_image() {
 }
 
 kernel_compile_lines() {  # the compiler command of each native kernel, from the (pip -v) build log
-    grep -oE '[^ ]*(gcc|g\+\+|c\+\+) .* -c kernels/csrc/[a-z0-9_]+\.cc .*' "$LOG_DIR/build.log" \
+    grep -oE '[^ ]*(gcc|g\+\+|c\+\+) .* -c kernels/cpu/csrc/[a-z0-9_]+\.cc .*' "$LOG_DIR/build.log" \
         || die "no kernel compile commands in the build log (pip install -v in the Dockerfile?)"
 }
 
@@ -209,8 +209,8 @@ check_kernel_build() {
     # -march): an image built on one CPU runs on any x86-64 host.
     [ -s "$KERNEL_FLAGS" ] || die "no record of the kernel build ($KERNEL_FLAGS)"
     local want got
-    want=$(cd "$REPO_ROOT" && ls kernels/csrc/*.cc | sort)
-    got=$(grep -oE 'kernels/csrc/[a-z0-9_]+\.cc' "$KERNEL_FLAGS" | sort -u)
+    want=$(cd "$REPO_ROOT" && ls kernels/cpu/csrc/*.cc | sort)
+    got=$(grep -oE 'kernels/cpu/csrc/[a-z0-9_]+\.cc' "$KERNEL_FLAGS" | sort -u)
     [ "$want" = "$got" ] || die "kernel sources compiled: $(echo $got), expected: $(echo $want)"
     ! grep -q -- '-march=' "$KERNEL_FLAGS" || die "a kernel was compiled with -march: $(grep -o -- '-march=[^ ]*' "$KERNEL_FLAGS" | sort -u)"
     grep -q -- '-O3' "$KERNEL_FLAGS" || die "kernels not compiled with -O3"
@@ -280,13 +280,13 @@ problems = [text for bad, text in (
     (str(os.getuid()) != user or os.getuid() == 0, f"runs as uid {os.getuid()}, the image says USER {sys.argv[1]}"),
     (compilers, "compilers on PATH in the runtime image"),
     (test_packages, "test dependencies in the venv"),
-    (len(kernels) != sources, f"{len(kernels)} native kernel modules, kernels/csrc has {sources} sources")) if bad]
+    (len(kernels) != sources, f"{len(kernels)} native kernel modules, kernels/cpu/csrc has {sources} sources")) if bad]
 sys.exit("; ".join(problems) if problems else 0)'
 
 check_image_contents() {
     CONTAINER=$("${BUILDAH[@]}" from --pull=never "$IMAGE")
     local sources
-    sources=$(cd "$REPO_ROOT" && ls kernels/csrc/*.cc | wc -l)
+    sources=$(cd "$REPO_ROOT" && ls kernels/cpu/csrc/*.cc | wc -l)
     "${BUILDAH[@]}" run --isolation chroot "$CONTAINER" -- \
         python3 -c "$IMAGE_PROBE" "$(image_config User | tr -d '"')" "$sources" >"$LOG_DIR/contents.log" 2>&1 \
         || { cat "$LOG_DIR/contents.log" >&2; die "the image's contents (above)"; }

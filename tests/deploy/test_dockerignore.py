@@ -66,7 +66,7 @@ def test_every_file_the_dockerfile_reads_enters_the_build_context():
     # the parse found what the build needs: the lock, the project, the native kernels' sources
     assert "deploy/requirements.lock" in inputs
     assert {"pyproject.toml", "setup.py", "server/cli.py"} <= inputs
-    assert any(p.startswith("kernels/csrc/") and p.endswith(".cc") for p in inputs)
+    assert any(p.startswith("kernels/cpu/csrc/") and p.endswith(".cc") for p in inputs)
     rules = context_digest.load_ignore(REPO_ROOT)
     left_out = sorted(p for p in inputs if not context_digest.in_context(p, rules))
     assert left_out == [], f".dockerignore leaves out files the Dockerfile reads: {left_out}"
