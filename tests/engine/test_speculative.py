@@ -1,0 +1,68 @@
+"""The n-gram proposer, greedy acceptance and --speculative-config parsing (engine/speculative.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.request import SamplingParams
+from engine.speculative import NgramProposer, SpeculativeConfig, accepted_length, may_speculate
+
+
+def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
+    p = NgramProposer(2, 4)
+    # "1 2" occurs at 0 (followed by 3 4 5) and at 5 (followed by 9 8): the most recent wins
+    tokens = [1, 2, 3, 4, 5, 1, 2, 9, 8, 7, 1, 2]
+    assert p.propose(tokens, 3) == [9, 8, 7]
+    assert p.propose(tokens, 1) == [9]
+
+
+def test_ngram_prefers_the_longest_suffix():
+    p = NgramProposer(1, 3)
+    # suffix "5 6 7" occurs once (followed by 8); the 1-gram "7" occurs later followed by 0
+    tokens = [5, 6, 7, 8, 1, 7, 0, 5, 6, 7]
+    assert p.propose(tokens, 2) == [8, 1]
+
+
+def test_ngram_proposes_nothing_without_a_match_or_below_min():
+    p = NgramProposer(2, 4)
+    assert p.propose([1, 2, 3, 4], 4) == []
+    assert p.propose([1, 2, 3, 1], 4) == []  # only a 1-gram matches; min is 2
+    assert NgramProposer(1, 4).propose([1, 2, 3, 1], 4) == [2, 3, 1]
+    assert p.propose([], 4) == [] and p.propose([7], 4) == []
+    assert p.propose([1, 2, 1, 2], 0) == []
+
+
+def test_ngram_proposal_may_run_into_the_suffix_itself():
+    # a repeating run: the match just before the end proposes the run continuing
+    assert NgramProposer(2, 2).propose([3, 3, 3, 3], 4) == [3]
+    assert NgramProposer(2, 2).propose([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+
+
+def test_accepted_length_is_the_matching_prefix():
+    assert accepted_length([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_length([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_length([4, 5, 6], [1, 5, 6, 7]) == 0
+    assert accepted_length([], [3]) == 0
+
+
+def test_config_parses_vllm_form_and_refuses_bad_values_by_name():
+    c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
+                                    '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 5, 2)
+    for text, needle in (("{", "not valid JSON"), ("[1]", "JSON object"), ('{"num_speculative_tokens": 2}', "method"),
+                         ('{"method": "eagle"}', "method must be one of"),
+                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                         ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
+                         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+                         ('{"method": "ngram", "draft_model": "x"}', "unknown key(s) draft_model")):
+        with pytest.raises(ValueError, match="speculative config") as err:
+            SpeculativeConfig.from_json(text)
+        assert needle in str(err.value)
+
+
+def test_only_plain_greedy_requests_speculate():
+    assert may_speculate(SamplingParams(temperature=0.0))
+    assert not may_speculate(SamplingParams(temperature=0.7))
+    assert not may_speculate(SamplingParams(temperature=0.0, logprobs=1))
+    assert not may_speculate(SamplingParams(temperature=0.0, presence_penalty=0.5))
+    assert not may_speculate(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not may_speculate(SamplingParams(temperature=0.0, n=2))
