@@ -66,3 +66,15 @@ def test_only_plain_greedy_requests_speculate():
     assert not may_speculate(SamplingParams(temperature=0.0, presence_penalty=0.5))
     assert not may_speculate(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     assert not may_speculate(SamplingParams(temperature=0.0, n=2))
+
+
+def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
+    from server.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).speculative_config is None
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
+    assert "--speculative-config: speculative config: num_speculative_tokens must be" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from engine.api import SlotState, StepBatch, StepSeq
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculative import SpeculativeConfig
+from server.metrics import Metrics
 from tests.conftest import TINY_ENGINE
 from tests.engine.test_scheduler_real import _Detok, _greedy_alone, _SmallBudget
 
@@ -27,13 +28,16 @@ def spec_engine(tiny_model):
     return JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}))
 
 
-def _run(engine, requests, spec, **config):
+def _run(engine, requests, spec, *, metrics=None, **config):
     scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec, **config))
+    registry = Metrics(scheduler, lambda: 0)
     scheduler.start()
     try:
         # resubmitted copies: a Request may be submitted once per scheduler
         results = scheduler.generate([Request(r.prompt_ids, r.params, request_id=r.request_id + "-x")
                                       for r in requests])
+        if metrics is not None:
+            metrics.append(registry.render().decode())
         return results, scheduler.stats()
     finally:
         scheduler.shutdown(timeout=5)
@@ -78,7 +82,8 @@ def test_greedy_equal_with_and_without_speculation_mixed_with_sampled(spec_engin
                                 ignore_eos=True)
         requests.append(Request(prompt, params))
     base, base_stats = _run(spec_engine, requests, None)
-    spec, stats = _run(spec_engine, requests, SPEC)
+    scraped = []
+    spec, stats = _run(spec_engine, requests, SPEC, metrics=scraped)
     for req, a, b in zip(requests, base, spec):
         assert b.error is None and b.finish_reason == FinishReason.LENGTH
         assert len(b.token_ids) == req.params.max_tokens
@@ -88,8 +93,13 @@ def test_greedy_equal_with_and_without_speculation_mixed_with_sampled(spec_engin
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
     assert sum(stats.spec_accepted_per_pos.values()) == stats.spec_accepted_tokens
     assert set(stats.spec_accepted_per_pos) <= {"0", "1", "2"}
-    # every accepted draft is one more generated token from a step: fewer decode steps were needed
     assert stats.generated_tokens == base_stats.generated_tokens
+    text = scraped[0]
+    assert f'slipstream_spec_decode_num_draft_tokens_total{{replica="0"}} {float(stats.spec_draft_tokens)}' in text
+    assert (f'slipstream_spec_decode_num_accepted_tokens_total{{replica="0"}} '
+            f'{float(stats.spec_accepted_tokens)}') in text
+    assert (f'slipstream_spec_decode_num_accepted_tokens_per_pos_total{{position="0",replica="0"}} '
+            f'{float(stats.spec_accepted_per_pos["0"])}') in text
 
 
 def test_speculation_with_prefix_hits_and_preemption_matches_greedy_alone(spec_engine, tiny_model):
