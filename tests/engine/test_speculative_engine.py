@@ -146,3 +146,35 @@ def test_large_batches_do_not_speculate(spec_engine):
     off = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=1)
     _, stats = _run(spec_engine, requests, off)
     assert stats.spec_draft_tokens == 0
+
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
+           "and a cloth for the great lens. He counted the steps aloud, one hundred and twelve of them, and "
+           "when he reached the lamp room he wiped the glass until it shone.")
+
+
+def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_model_path):
+    from models.registry import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path)
+    asks = ["Repeat the following text exactly.", "Copy this paragraph word for word.",
+            "Write the text below again, unchanged."]
+    requests = [Request(tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{ask}\n\n{PASSAGE}"}]), add_special_tokens=False),
+        SamplingParams(temperature=0.0, max_tokens=40)) for ask in asks]
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
+    base, _ = _run_tok(default_engine, tokenizer, requests, None)
+    fast, stats = _run_tok(default_engine, tokenizer, requests, spec)
+    for a, b in zip(base, fast):
+        assert b.token_ids == a.token_ids and b.text == a.text
+    # the answers quote the passage: most drafts are right
+    assert stats.spec_accepted_tokens > stats.spec_draft_tokens / 2 > 0
+
+
+def _run_tok(engine, tokenizer, requests, spec):
+    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(speculative=spec))
+    scheduler.start()
+    try:
+        return scheduler.generate([Request(r.prompt_ids, r.params) for r in requests]), scheduler.stats()
+    finally:
+        scheduler.shutdown(timeout=5)
