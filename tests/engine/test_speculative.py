@@ -78,3 +78,19 @@ def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
     assert "--speculative-config: speculative config: num_speculative_tokens must be" in capsys.readouterr().err
+
+
+def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
+    from models.registry import DEFAULT_MODEL, tokenizer_for
+    from server.bench.datasets import repeat_dataset
+
+    tok = tokenizer_for(DEFAULT_MODEL)
+    reqs = repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)
+    assert reqs == repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)  # seeded
+    for r in reqs:
+        passage = r.prompt.split("\n\n", 1)[1].split("<|im_end|>")[0]
+        assert 110 <= len(tok.encode(passage, add_special_tokens=False)) == r.expected_output_len <= 120
+        assert r.prompt.startswith("<|im_start|>") and "Repeat the following text exactly" in r.prompt
+    assert len({r.prompt for r in reqs}) == 3
+    with pytest.raises(ValueError, match="--repeat-passage-len"):
+        repeat_dataset(tok, num_prompts=1, passage_len=2)
