@@ -23,7 +23,7 @@ from engine.schedule import Plan, StepPlanner
 from engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
                                   SchedulerStats, StepEvent, generate_all)
 from engine.sequence import Sequence, Status
-from engine.speculative import accepted_length
+from engine.speculative import SpecCounters, accepted_length
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
@@ -69,7 +69,7 @@ class Scheduler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._rejections: collections.Counter[str] = collections.Counter()
         self._finished: collections.Counter[str] = collections.Counter()
-        self._spec_per_pos: collections.Counter[str] = collections.Counter()  # accepted drafts by position
+        self._spec = SpecCounters()
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -137,8 +137,8 @@ class Scheduler:
         with self._stats_lock:
             counts = dict(self._counts)
             rejections, finished = dict(self._rejections), dict(self._finished)
-            per_pos = dict(self._spec_per_pos)
         prefix = self._blocks.prefix
+        drafts, accepted, per_pos = self._spec.snapshot()
         return SchedulerStats(
             waiting=waiting, running=running, slots_used=slots_used,
             max_slots=self._engine.max_slots, pages_used=pages_used, pages_cached=pages_cached,
@@ -151,8 +151,7 @@ class Scheduler:
             prompt_tokens=counts.get("prompt_tokens", 0),
             generated_tokens=counts.get("generated_tokens", 0),
             prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished,
-            spec_draft_tokens=counts.get("spec_draft_tokens", 0),
-            spec_accepted_tokens=counts.get("spec_accepted_tokens", 0), spec_accepted_per_pos=per_pos)
+            spec_draft_tokens=drafts, spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
 
     def abort(self, message: str) -> None:
         """Fail every live request with `message` and stop serving (ready turns false), from any
@@ -409,10 +408,7 @@ class Scheduler:
         which equal them, and the bonus token after them); the accepted drafts' KV counts as computed."""
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, [s.token_id for s in samples])
-        self._count(self._counts, "spec_draft_tokens", len(draft))
-        self._count(self._counts, "spec_accepted_tokens", accepted)
-        for i in range(accepted):
-            self._count(self._spec_per_pos, str(i))
+        self._spec.record(len(draft), accepted)
         if seq.status is Status.RUNNING and seq.num_computed == chunk.known_end:
             # rejected drafts' KV stays in the pages past num_computed, overwritten by later steps
             seq.num_computed += accepted

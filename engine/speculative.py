@@ -3,8 +3,10 @@ speculate, the n-gram (prompt lookup) proposer and greedy acceptance. Plain Pyth
 the planner (engine/schedule.py) drafts, the scheduler (engine/scheduler.py) accepts."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 from typing import Protocol, Sequence
 
 from engine.request import SamplingParams
@@ -99,3 +101,23 @@ def accepted_length(drafts: Sequence[int], samples: Sequence[int]) -> int:
     while a < len(drafts) and drafts[a] == samples[a]:
         a += 1
     return a
+
+
+class SpecCounters:
+    """What verification accepted, vLLM's metrics: drafts verified, drafts accepted, and accepted drafts
+    by their position in the draft; written on the engine thread, read by stats() from any."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drafts = self._accepted = 0
+        self._per_pos: collections.Counter[str] = collections.Counter()
+
+    def record(self, drafts: int, accepted: int) -> None:
+        with self._lock:
+            self._drafts += drafts
+            self._accepted += accepted
+            self._per_pos.update(str(i) for i in range(accepted))
+
+    def snapshot(self) -> tuple[int, int, dict[str, int]]:
+        with self._lock:
+            return self._drafts, self._accepted, dict(self._per_pos)
