@@ -94,3 +94,70 @@ def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
     assert len({r.prompt for r in reqs}) == 3
     with pytest.raises(ValueError, match="--repeat-passage-len"):
         repeat_dataset(tok, num_prompts=1, passage_len=2)
+
+
+def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
+    import itertools
+
+    from engine.block_manager import BlockManager
+    from engine.request import Request
+    from engine.schedule import StepPlanner
+    from engine.sequence import Sequence
+
+    order = itertools.count()
+
+    def seq(prompt, **params):
+        return Sequence(Request(list(prompt), SamplingParams(**params)), tracker=None, order=next(order))
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2,
+                             disable_by_batch_size=4)
+    p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=32, speculative=spec, max_seq_len=64)
+    a = seq([1, 2, 3, 1, 2, 3, 1, 2], temperature=0.0, max_tokens=20)
+    b = seq([5, 6, 5, 6, 5], temperature=0.0, max_tokens=20)
+    c = seq([9, 8, 9, 8, 9], temperature=1.0, max_tokens=20)  # sampled: never drafts
+    for s in (a, b, c):
+        p.enqueue(s)
+    assert p.admit().admitted == [a, b, c]
+    p.advance(p.plan())  # the three prompts
+    for s, token in ((a, 3), (b, 6), (c, 8)):
+        s.add_sample(token)
+    assert not p.can_overlap()  # drafting reads the latest tokens on the host
+    p.token_budget = 8
+    plan = p.plan()
+    # a: 1 + 3 drafts ("2 3" last seen before at 4: 1 2 3 followed); b: 1 + 2 (the 4 tokens left keep
+    # one for c); c: its one token. 8 tokens: the budget.
+    assert [(c_.seq, c_.length, c_.draft) for c_ in plan.chunks] == [(a, 4, (1, 2, 3)), (b, 3, (5, 6)), (c, 1, ())]
+    batch = plan.batch()
+    assert batch.num_tokens == 8
+    assert [(s.token_ids, s.start_pos, s.num_samples) for s in batch.seqs] == [
+        ((3, 1, 2, 3), 8, 4), ((6, 5, 6), 5, 3), ((8,), 5, 1)]
+    p.advance(plan)
+    # drafts count as computed only once accepted: each sequence has its known tokens computed
+    assert [(s.num_computed, s.in_flight) for s in (a, b, c)] == [(9, 1), (6, 1), (6, 1)]
+
+    # sample rows: at most max_slots per step, the running sequences' own rows first
+    p2 = StepPlanner(BlockManager(64, 4, True), max_slots=4, token_budget=32, speculative=spec, max_seq_len=64)
+    d, e = seq([1, 2, 1, 2, 1], temperature=0.0, max_tokens=3), seq([7, 8, 7, 8, 7], temperature=0.0)
+    for s in (d, e):
+        p2.enqueue(s)
+    p2.admit()
+    p2.advance(p2.plan())
+    d.add_sample(2)
+    e.add_sample(8)
+    plan = p2.plan()
+    # d: max_tokens 3 leaves room for 1 draft (its bonus token is the 3rd); e: 4 rows - 2 seqs - 1 = 1
+    assert [c_.draft for c_ in plan.chunks] == [(1,), (7,)]
+
+    # a batch of disable_by_batch_size decodes or more does not speculate (and may overlap)
+    off = StepPlanner(BlockManager(64, 4, True), max_slots=2, token_budget=32, max_seq_len=64,
+                      speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                                    disable_by_batch_size=2))
+    f, g = seq([1, 2, 1, 2, 1], temperature=0.0), seq([3, 4, 3, 4, 3], temperature=0.0)
+    for s in (f, g):
+        off.enqueue(s)
+    off.admit()
+    off.advance(off.plan())
+    f.add_sample(2)
+    g.add_sample(4)
+    assert off.can_overlap()
+    assert [c_.draft for c_ in off.plan().chunks] == [(), ()]
