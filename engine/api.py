@@ -3,7 +3,7 @@
 The scheduler owns page bookkeeping and passes page ids in; the engine owns device arrays. A step
 is a flat batch of sequences, each feeding some tokens: a decode feeds one (its last sampled
 token), a prefill chunk feeds many. Every sequence whose chunk reaches the end of its known tokens
-gets one sample. Sampling settings are bound to a slot with `insert` before the sequence's first
+gets one sample (or several: speculative verification). Sampling settings are bound to a slot with `insert` before the sequence's first
 step and forgotten with `free`.
 
 `launch` dispatches a step and returns at once; its samples come back with `result()`. A step may
@@ -42,6 +42,10 @@ class StepSeq:
     start_pos: int             # positions [0, start_pos) are already in its pages
     page_ids: Sequence[int]    # covering at least start_pos + len(token_ids)
     sample: bool               # the chunk ends at its last known token: sample the next one
+    # Speculative verification: samples at the chunk's last num_samples positions (its last known
+    # token and the drafts after it), in position order. A slot's PREVIOUS_SAMPLE after such a step
+    # is its last row's sample, not the accepted one: collect the step before feeding that slot.
+    num_samples: int = 1
 
     @property
     def end_pos(self) -> int:
@@ -67,8 +71,8 @@ class Sampled:
 
 class StepResult(Protocol):
     def result(self) -> list[Sampled]:
-        """Block until the step ran; one sample per `sample` sequence, in batch order. Collect
-        launched steps in launch order."""
+        """Block until the step ran; num_samples samples per `sample` sequence, in batch order.
+        Collect launched steps in launch order."""
 
 
 class Engine(Protocol):

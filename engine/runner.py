@@ -293,7 +293,11 @@ class JaxEngine:
         result, (self.output_counts, self.prompt_mask) = sampler(
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
         self._slot_steps[slot_ids[:n]] += 1
-        self._previous.record(slot_ids, result.token)
+        # a slot's latest sample is its last row's (several rows when verifying drafts; a scatter
+        # with repeated indices keeps an unspecified one): the earlier rows write the scratch row
+        record = slot_ids.copy()
+        record[:n][np.append(slot_ids[:n][1:] == slot_ids[:n][:-1], False)] = self.max_slots
+        self._previous.record(record, result.token)
         # what the samples are read with is taken now: the slots may be rebound before result()
         rows = [(int(self._slot_logprobs[slot]), self._matchers.get(slot)) for slot in sample_slots]
         if all(k < 0 for k, _ in rows):  # no logprobs asked: the tokens are all the host reads

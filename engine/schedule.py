@@ -14,6 +14,7 @@ from engine.api import StepBatch, StepSeq
 from engine.block_manager import BlockManager
 from engine.kv_cache import pages_needed
 from engine.sequence import Sequence, Status
+from engine.speculative import SpeculativeConfig, may_speculate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,15 +25,24 @@ class Chunk:
     start: int
     length: int
     sample: bool  # the chunk reaches the sequence's last known token
+    # speculative drafts fed after a decode's one known token (length counts them): the step
+    # samples at the known token and at every draft, and the scheduler accepts a prefix of them
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
+    @property
+    def known_end(self) -> int:
+        """The end of its known tokens: drafts are computed but count only once accepted."""
+        return self.end - len(self.draft)
+
     def step_seq(self) -> StepSeq:
         seq = self.seq
-        return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.end),
-                       start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample)
+        return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.known_end) + self.draft,
+                       start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample,
+                       num_samples=1 + len(self.draft))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +69,7 @@ class Plan:
     def prefill_tokens(self) -> int:
         """Tokens the step computes that were known at admission (prompt, or a preempted
         sequence's recompute), as opposed to decodes of freshly sampled tokens."""
-        return sum(max(0, min(c.end, c.seq.prefill_end) - c.start) for c in self.chunks)
+        return sum(max(0, min(c.known_end, c.seq.prefill_end) - c.start) for c in self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +81,16 @@ class Admission:
 class StepPlanner:
     """Waiting and running sequences, free slots and pages; decides what each step runs."""
 
-    def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int) -> None:
+    def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
+                 speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if speculative is not None and max_seq_len is None:
+            raise ValueError("speculative decoding needs the engine's max_seq_len")
         self.blocks = blocks
+        self.speculative = speculative
+        self.proposer = speculative.proposer() if speculative is not None else None
+        self.max_seq_len = max_seq_len
         self.token_budget = token_budget
         self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self.running: list[Sequence] = []  # in admission order
@@ -161,11 +177,18 @@ class StepPlanner:
         # token of a prompt whose other tokens were cached); one each, oldest first (they get pages
         # first). A sequence whose sample in flight is its last waits for it to end it.
         completes = False  # a prefill ends in this step
-        for seq in [s for s in self.running if s.remaining == 1 and not s.last_in_flight]:
+        decodes = [s for s in self.running if s.remaining == 1 and not s.last_in_flight]
+        spec = self.speculative is not None and len(decodes) < self.speculative.disable_by_batch_size
+        drafted = 0  # draft tokens so far: each is one more sampled row of the step
+        for i, seq in enumerate(decodes):
             if left() == 0:
                 break
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
-                chunks.append(Chunk(seq, seq.num_computed, 1, sample=True))
+                # every later decode keeps its one token; the step samples at most max_slots rows
+                room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
+                draft = self._draft(seq, room) if spec else ()
+                drafted += len(draft)
+                chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
                 completes |= seq.num_computed < seq.prefill_end
         # The oldest prompt always advances (no starvation); the rest go shortest-remaining first,
         # so a short request does not wait behind every long prompt admitted before it.
@@ -186,19 +209,42 @@ class StepPlanner:
                 completes |= n == seq.remaining
         return Plan(chunks, preempted, freed)
 
+    def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """Drafts to verify after `seq`'s one decode token, at most `room`: only for a greedy request
+        whose tokens are all on the host (none in flight), within max_tokens, the context and the
+        pages it can get without preempting anyone."""
+        if seq.in_flight or not may_speculate(seq.request.params):
+            return ()
+        k = min(self.speculative.num_speculative_tokens, room,
+                seq.request.params.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
+        if k < 1:
+            return ()
+        draft = self.proposer.propose(seq.tokens, k)
+        if draft:
+            self.blocks.grow(seq, seq.num_tokens + len(draft))  # may stop short: no preemption for drafts
+            draft = draft[:len(seq.pages) * self.page_size - seq.num_tokens]
+        return tuple(draft)
+
+    def speculating(self) -> bool:
+        """Whether the next step may draft for some running sequence (its tokens must be on the
+        host, so the step in flight is collected before planning it)."""
+        return (self.speculative is not None and len(self.running) < self.speculative.disable_by_batch_size
+                and any(may_speculate(s.request.params) for s in self.running))
+
     def advance(self, plan: Plan) -> bool:
         """The step is launched: its tokens' KV is written before any later step reads it, and each
-        sampling chunk has one sample in flight. Registers finished prefills with the prefix cache;
+        sampling chunk has one sample in flight (a drafting chunk's KV counts once its drafts are
+        accepted: Scheduler._apply). Registers finished prefills with the prefix cache;
         True when that may let waiting siblings in."""
         registered = False
         for c in plan.chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING:
                 continue
-            seq.num_computed = c.end
+            seq.num_computed = c.known_end
             if c.sample:
                 seq.in_flight += 1
-            if c.start < seq.prefill_end <= c.end and self.blocks.register(seq):
+            if c.start < seq.prefill_end <= c.known_end and self.blocks.register(seq):
                 registered = True
         if registered:
             self._epoch += 1
@@ -212,6 +258,10 @@ class StepPlanner:
         so only when every slot is taken (an arrival could not start anyway), or when one sequence
         runs alone (its steps are the shortest, and host time the largest share of them)."""
         if self.waiting or any(s.request.params.constraint is not None for s in self.running):
+            return False
+        if self.speculating():
+            # drafting reads the sequence's latest tokens on the host, and its verified step returns
+            # several samples, of which only the accepted ones exist: no step is planned ahead of it
             return False
         return not self.free_slots or len(self.running) == 1
 

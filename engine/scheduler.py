@@ -4,7 +4,9 @@ the step and hands the sampled tokens to the output side. Plain Python: no JAX h
 
 One step stays in flight while the next is planned and launched, when the planner allows it: the
 device then runs step N+1 while this thread collects step N's samples and hands them on (decodes
-of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE)."""
+of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE). Not with speculative decoding
+(engine/speculative.py): drafting needs each sequence's latest tokens on the host, and a verified
+step's samples past the first are tokens only once accepted, so such steps are collected first."""
 from __future__ import annotations
 
 import collections
@@ -23,6 +25,7 @@ from engine.schedule import Plan, StepPlanner
 from engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
                                   SchedulerStats, StepEvent, generate_all)
 from engine.sequence import Sequence, Status
+from engine.speculative import SpecCounters, accepted_length
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
@@ -49,7 +52,8 @@ class Scheduler:
         # Guarded by _cv: shared with submitters, cancel(), stats() and the output thread. The
         # engine thread holds it for host bookkeeping only, never across an engine call.
         self._cv = threading.Condition()
-        self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget)
+        self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
+                                    speculative=config.speculative, max_seq_len=engine.max_seq_len)
         self._state = "new"  # -> running -> closing -> stopped
         self._failed: str | None = None
         self._force_stop = False
@@ -67,6 +71,7 @@ class Scheduler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._rejections: collections.Counter[str] = collections.Counter()
         self._finished: collections.Counter[str] = collections.Counter()
+        self._spec = SpecCounters()
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -135,6 +140,7 @@ class Scheduler:
             counts = dict(self._counts)
             rejections, finished = dict(self._rejections), dict(self._finished)
         prefix = self._blocks.prefix
+        drafts, accepted, per_pos = self._spec.snapshot()
         return SchedulerStats(
             waiting=waiting, running=running, slots_used=slots_used,
             max_slots=self._engine.max_slots, pages_used=pages_used, pages_cached=pages_cached,
@@ -146,7 +152,8 @@ class Scheduler:
             cancellations=counts.get("cancellations", 0),
             prompt_tokens=counts.get("prompt_tokens", 0),
             generated_tokens=counts.get("generated_tokens", 0),
-            prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished)
+            prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished,
+            spec_draft_tokens=drafts, spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
 
     def abort(self, message: str) -> None:
         """Fail every live request with `message` and stop serving (ready turns false), from any
@@ -265,7 +272,8 @@ class Scheduler:
             with self._cv:
                 ahead = self._may_wait() and any(s.last_in_flight for s in self._in_flight[0].sampled)
                 turn = ahead and self._arrival_wait.take_turn()
-                overlap = planner.can_overlap() and not turn
+                # a step verifying drafts is collected first: only its accepted samples exist
+                overlap = planner.can_overlap() and not turn and not any(c.draft for c in self._in_flight[0].chunks)
             if not overlap:  # collect first: what it finishes frees room, and what arrived goes next
                 finished = self._collect(records)
                 if finished and not ahead:  # a stop token, seen only now
@@ -364,27 +372,49 @@ class Scheduler:
 
     def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> int:
         """The step ran: append the sampled tokens, finish what is done (returns how many). A
-        sequence that left while the step was in flight drops its sample; a preempted one keeps it."""
-        seqs = plan.sampled
-        if len(sampled) != len(seqs):
-            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(seqs)} "
-                               "sampling sequences")
-        kept = finished = 0
-        for seq, s in zip(seqs, sampled):
+        sequence that left while the step was in flight drops its sample; a preempted one keeps it.
+        A chunk with drafts gets its accepted drafts plus the bonus token, each checked for a finish."""
+        chunks = [c for c in plan.chunks if c.sample]
+        rows = sum(1 + len(c.draft) for c in chunks)
+        if len(sampled) != rows:
+            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(chunks)} "
+                               f"sampling sequences ({rows} rows)")
+        kept = finished = at = 0
+        for c in chunks:
+            seq, samples = c.seq, sampled[at:at + 1 + len(c.draft)]
+            at += len(samples)
+            if c.draft:
+                samples = self._verify(c, samples)
             if seq.status is Status.FINISHED:
                 continue
-            kept += 1
-            seq.add_sample(s.token_id)
-            finish = seq.check_finish(s.token_id, self._engine.eos_token_ids,
-                                      self._engine.max_seq_len)
+            finish = None
+            for i, s in enumerate(samples):
+                seq.add_sample(s.token_id, in_flight=i == 0)
+                kept += 1
+                finish = seq.check_finish(s.token_id, self._engine.eos_token_ids, self._engine.max_seq_len)
+                if finish is not None:
+                    samples = samples[:i + 1]
+                    break
             want_logprobs = seq.request.params.logprobs is not None
-            records.append(Emit(seq.tracker, (s.token_id,), (s.logprob,) if want_logprobs else None,
+            records.append(Emit(seq.tracker, tuple(s.token_id for s in samples),
+                                tuple(s.logprob for s in samples) if want_logprobs else None,
                                 finish_reason=finish))
             if finish is not None:
                 self._retire(seq)
                 finished += 1
         self._count(self._counts, "generated_tokens", kept)
         return finished
+
+    def _verify(self, chunk, samples: list) -> list:
+        """Greedy verification of a drafting chunk: the samples it keeps (the accepted drafts' argmaxes,
+        which equal them, and the bonus token after them); the accepted drafts' KV counts as computed."""
+        seq, draft = chunk.seq, chunk.draft
+        accepted = accepted_length(draft, [s.token_id for s in samples])
+        self._spec.record(len(draft), accepted)
+        if seq.status is Status.RUNNING and seq.num_computed == chunk.known_end:
+            # rejected drafts' KV stays in the pages past num_computed, overwritten by later steps
+            seq.num_computed += accepted
+        return samples[:accepted + 1]
 
     def _retire(self, seq: Sequence) -> None:
         """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""

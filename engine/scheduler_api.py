@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
+from engine.speculative import SpeculativeConfig
+
 if TYPE_CHECKING:
     from engine.output import Completion, RequestStream
     from engine.request import Request
@@ -42,6 +44,7 @@ class SchedulerConfig:
     # wait up to this long for new requests (a client's next one, sent on the finish), so they join
     # the next step instead of the one after. 0 turns it off. (engine/arrival_wait.py)
     arrival_wait_ms: float = 20.0
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding (engine/speculative.py)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -82,6 +85,11 @@ class SchedulerStats:
     generated_tokens: int
     prefilled_tokens: int
     finished: dict[str, int]     # finish reason value -> count
+    # speculative decoding (vLLM's meanings): drafts verified, drafts accepted, and accepted drafts by
+    # their position in the draft ("0".."K-1")
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def generate_all(submit: Callable[[Request], RequestStream], requests: list[Request]) -> list[Completion]:

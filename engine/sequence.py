@@ -60,10 +60,11 @@ class Sequence:
         """Its sample in flight reaches max_tokens: no step may feed it (it ends the sequence)."""
         return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.request.params.max_tokens
 
-    def add_sample(self, token_id: int) -> None:
-        """The oldest sample in flight came back."""
+    def add_sample(self, token_id: int, in_flight: bool = True) -> None:
+        """The oldest sample in flight came back (in_flight=False: an accepted speculative token after
+        it, from the same step)."""
         self.output_ids.append(token_id)
-        self.in_flight -= 1
+        self.in_flight -= in_flight
 
     @property
     def remaining(self) -> int:

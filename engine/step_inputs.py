@@ -43,8 +43,12 @@ def step_inputs(batch: StepBatch, buckets: Buckets, *, max_slots: int, max_pages
         at += n
         cu[i + 1] = at
         if seq.sample:
-            sample_index[len(sample_slots)] = at - 1
-            sample_slots.append(seq.slot)
+            rows = seq.num_samples
+            if not 1 <= rows <= n or len(sample_slots) + rows > len(sample_index):
+                raise ValueError(f"sequence in slot {seq.slot}: {rows} samples of a {n}-token chunk "
+                                 f"(1..{n}; the step samples at most {len(sample_index)} rows)")
+            sample_index[len(sample_slots):len(sample_slots) + rows] = np.arange(at - rows, at)
+            sample_slots.extend([seq.slot] * rows)
     cu[len(seqs) + 1:] = at
     num_seqs = np.asarray([len(seqs)], np.int32)
     return t, (tokens, positions, kv_lens, pages, cu, num_seqs, sample_index), sample_slots

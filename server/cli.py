@@ -28,6 +28,18 @@ def parse_bytes(text: str) -> int:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
+def parse_speculative(text: str):
+    """--speculative-config JSON -> engine.speculative.SpeculativeConfig ('' -> None: off)."""
+    from engine.speculative import SpeculativeConfig
+
+    if not text.strip():
+        return None
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {exc}") from None
+
+
 def _env(name: str, default):
     return os.environ.get(f"SLIPSTREAM_{name.upper().replace('-', '_')}", default)
 
@@ -107,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after a step that ends requests, with none waiting: how long the next step waits "
                             "for new ones (a client's next request, sent on the finish) before it starts "
                             "without them; backs off when none come; 0 = never wait")
+    serve.add_argument("--speculative-config", type=parse_speculative, metavar="JSON",
+                       default=parse_speculative(_env("speculative-config", "")),
+                       help='speculative decoding, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (greedy requests only; off by default)')
     serve.add_argument("--api-key", default=_env("api-key", None),
                        help="visible in `ps`: prefer --api-key-file or SLIPSTREAM_API_KEY")
     serve.add_argument("--api-key-file", default=_env("api-key-file", None),
@@ -306,7 +322,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return run_worker(engine, tokenizer, joined)
         engine, group = lead_group(engine, joined)  # not ready before every worker is
     config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache,
-                             arrival_wait_ms=args.arrival_wait_ms)
+                             arrival_wait_ms=args.arrival_wait_ms, speculative=args.speculative_config)
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
     scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
     named = args.model == DEFAULT_MODEL or args.model in architecture_presets()

@@ -92,6 +92,17 @@ class _StatsCollector(Collector):
         yield counter("slipstream_prompt_tokens", "Prompt tokens of admitted requests.", lambda s: s.prompt_tokens)
         yield counter("slipstream_prefilled_tokens", "Prompt tokens actually prefilled (after prefix reuse).",
                       lambda s: s.prefilled_tokens)
+        yield counter("slipstream_spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+                      lambda s: s.spec_draft_tokens)
+        yield counter("slipstream_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                      lambda s: s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("slipstream_spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative draft tokens accepted, by position in the draft.",
+                                      labels=["replica", "position"])
+        for i, s in replicas:
+            for pos, n in sorted(s.spec_accepted_per_pos.items(), key=lambda kv: int(kv[0])):
+                per_pos.add_metric([str(i), pos], n)
+        yield per_pos
 
 
 # Label values are bounded: the route template (never the raw path), and codes from fixed sets.

@@ -162,3 +162,37 @@ def custom_dataset(tok, path: str, *, num_prompts: int, output_len: int | None, 
             raise ValueError(f"{path}: {len(out)} prompts, {num_prompts} asked")
         out += random.Random(seed).choices(out, k=num_prompts - len(out))
     return out
+
+
+_SUBJECTS = ("the old sailor", "a young baker", "the village doctor", "my neighbour", "the tall gardener",
+             "a quiet student", "the night guard", "our teacher", "the river pilot", "a tired painter")
+_VERBS = ("carried", "painted", "repaired", "found", "counted", "cleaned", "measured", "sold", "wrapped", "watched")
+_OBJECTS = ("a wooden chair", "the blue lantern", "seven copper coins", "the broken clock", "a basket of pears",
+            "the narrow bridge", "an old map", "the garden gate", "a box of letters", "the iron kettle")
+_PLACES = ("near the harbour", "before sunrise", "in the market", "behind the mill", "after the storm",
+           "on the hill road", "beside the well", "under the bridge", "at the station", "during the fair")
+
+
+def repeat_dataset(tok, *, num_prompts: int, passage_len: int = 200, output_len: int | None = None,
+                   seed: int = 0, chat_template: bool = True) -> list[SampleRequest]:
+    """Prompts asking to repeat a passage of about passage_len tokens word for word (seeded, plain English
+    sentences): output that copies its input, where speculative decoding's prompt lookup pays off.
+    max_tokens is output_len, by default the passage's length."""
+    if passage_len < 8:
+        raise ValueError(f"--repeat-passage-len must be >= 8, got {passage_len}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        words: list[str] = []
+        while len(tok.encode(" ".join(words), add_special_tokens=False)) < passage_len:
+            sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
+            words += (sentence[0].upper() + sentence[1:]).split()
+        while len(tok.encode(" ".join(words), add_special_tokens=False)) > passage_len:
+            words.pop()
+        passage = " ".join(words)
+        prompt = f"Repeat the following text exactly, with nothing before or after it.\n\n{passage}"
+        if chat_template:
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        n_out = output_len if output_len is not None else len(tok.encode(passage, add_special_tokens=False))
+        out.append(SampleRequest(prompt, len(tok.encode(prompt, add_special_tokens=False)), n_out))
+    return out

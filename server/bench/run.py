@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix", "prefix_repetition",
-                                                                  "custom"])
+                                                                  "custom", "repeat"])
     data.add_argument("--dataset-path", default=None,
                       help="ShareGPT-format JSON file (sharegpt), or JSONL of {\"prompt\": ...} lines (custom)")
     data.add_argument("--num-prompts", type=int, default=1000)
@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    data.add_argument("--repeat-passage-len", type=int, default=200,
+                      help="repeat: tokens of the passage each prompt asks to repeat (output: as long, or --output-len)")
     data.add_argument("--custom-output-len", type=int, default=256,
                       help="custom: output tokens per request (-1: each line's \"output_tokens\")")
     data.add_argument("--skip-chat-template", action="store_true",
@@ -124,6 +126,10 @@ def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
                                        suffix_len=args.prefix_repetition_suffix_len,
                                        num_prefixes=args.prefix_repetition_num_prefixes,
                                        output_len=args.prefix_repetition_output_len, seed=args.seed)
+    if name == "repeat":
+        return datasets.repeat_dataset(tok, num_prompts=num_prompts, passage_len=args.repeat_passage_len,
+                                       output_len=args.output_len, seed=args.seed,
+                                       chat_template=not args.skip_chat_template)
     if not args.dataset_path:
         raise ValueError(f"--dataset-name {name} needs --dataset-path FILE")
     if name == "custom":

@@ -1,0 +1,163 @@
+"""The n-gram proposer, greedy acceptance and --speculative-config parsing (engine/speculative.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.request import SamplingParams
+from engine.speculative import NgramProposer, SpeculativeConfig, accepted_length, may_speculate
+
+
+def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
+    p = NgramProposer(2, 4)
+    # "1 2" occurs at 0 (followed by 3 4 5) and at 5 (followed by 9 8): the most recent wins
+    tokens = [1, 2, 3, 4, 5, 1, 2, 9, 8, 7, 1, 2]
+    assert p.propose(tokens, 3) == [9, 8, 7]
+    assert p.propose(tokens, 1) == [9]
+
+
+def test_ngram_prefers_the_longest_suffix():
+    p = NgramProposer(1, 3)
+    # suffix "5 6 7" occurs once (followed by 8); the 1-gram "7" occurs later followed by 0
+    tokens = [5, 6, 7, 8, 1, 7, 0, 5, 6, 7]
+    assert p.propose(tokens, 2) == [8, 1]
+
+
+def test_ngram_proposes_nothing_without_a_match_or_below_min():
+    p = NgramProposer(2, 4)
+    assert p.propose([1, 2, 3, 4], 4) == []
+    assert p.propose([1, 2, 3, 1], 4) == []  # only a 1-gram matches; min is 2
+    assert NgramProposer(1, 4).propose([1, 2, 3, 1], 4) == [2, 3, 1]
+    assert p.propose([], 4) == [] and p.propose([7], 4) == []
+    assert p.propose([1, 2, 1, 2], 0) == []
+
+
+def test_ngram_proposal_may_run_into_the_suffix_itself():
+    # a repeating run: the match just before the end proposes the run continuing
+    assert NgramProposer(2, 2).propose([3, 3, 3, 3], 4) == [3]
+    assert NgramProposer(2, 2).propose([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+
+
+def test_accepted_length_is_the_matching_prefix():
+    assert accepted_length([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_length([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_length([4, 5, 6], [1, 5, 6, 7]) == 0
+    assert accepted_length([], [3]) == 0
+
+
+def test_config_parses_vllm_form_and_refuses_bad_values_by_name():
+    c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, '
+                                    '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 5, 2)
+    for text, needle in (("{", "not valid JSON"), ("[1]", "JSON object"), ('{"num_speculative_tokens": 2}', "method"),
+                         ('{"method": "eagle"}', "method must be one of"),
+                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                         ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
+                         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
+                         ('{"method": "ngram", "draft_model": "x"}', "unknown key(s) draft_model")):
+        with pytest.raises(ValueError, match="speculative config") as err:
+            SpeculativeConfig.from_json(text)
+        assert needle in str(err.value)
+
+
+def test_only_plain_greedy_requests_speculate():
+    assert may_speculate(SamplingParams(temperature=0.0))
+    assert not may_speculate(SamplingParams(temperature=0.7))
+    assert not may_speculate(SamplingParams(temperature=0.0, logprobs=1))
+    assert not may_speculate(SamplingParams(temperature=0.0, presence_penalty=0.5))
+    assert not may_speculate(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not may_speculate(SamplingParams(temperature=0.0, n=2))
+
+
+def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
+    from server.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).speculative_config is None
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert args.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'])
+    assert "--speculative-config: speculative config: num_speculative_tokens must be" in capsys.readouterr().err
+
+
+def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
+    from models.registry import DEFAULT_MODEL, tokenizer_for
+    from server.bench.datasets import repeat_dataset
+
+    tok = tokenizer_for(DEFAULT_MODEL)
+    reqs = repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)
+    assert reqs == repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)  # seeded
+    for r in reqs:
+        passage = r.prompt.split("\n\n", 1)[1].split("<|im_end|>")[0]
+        assert 110 <= len(tok.encode(passage, add_special_tokens=False)) == r.expected_output_len <= 120
+        assert r.prompt.startswith("<|im_start|>") and "Repeat the following text exactly" in r.prompt
+    assert len({r.prompt for r in reqs}) == 3
+    with pytest.raises(ValueError, match="--repeat-passage-len"):
+        repeat_dataset(tok, num_prompts=1, passage_len=2)
+
+
+def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
+    import itertools
+
+    from engine.block_manager import BlockManager
+    from engine.request import Request
+    from engine.schedule import StepPlanner
+    from engine.sequence import Sequence
+
+    order = itertools.count()
+
+    def seq(prompt, **params):
+        return Sequence(Request(list(prompt), SamplingParams(**params)), tracker=None, order=next(order))
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2,
+                             disable_by_batch_size=4)
+    p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=32, speculative=spec, max_seq_len=64)
+    a = seq([1, 2, 3, 1, 2, 3, 1, 2], temperature=0.0, max_tokens=20)
+    b = seq([5, 6, 5, 6, 5], temperature=0.0, max_tokens=20)
+    c = seq([9, 8, 9, 8, 9], temperature=1.0, max_tokens=20)  # sampled: never drafts
+    for s in (a, b, c):
+        p.enqueue(s)
+    assert p.admit().admitted == [a, b, c]
+    p.advance(p.plan())  # the three prompts
+    for s, token in ((a, 3), (b, 6), (c, 8)):
+        s.add_sample(token)
+    assert not p.can_overlap()  # drafting reads the latest tokens on the host
+    p.token_budget = 8
+    plan = p.plan()
+    # a: 1 + 3 drafts ("2 3" last seen before at 4: 1 2 3 followed); b: 1 + 2 (the 4 tokens left keep
+    # one for c); c: its one token. 8 tokens: the budget.
+    assert [(c_.seq, c_.length, c_.draft) for c_ in plan.chunks] == [(a, 4, (1, 2, 3)), (b, 3, (5, 6)), (c, 1, ())]
+    batch = plan.batch()
+    assert batch.num_tokens == 8
+    assert [(s.token_ids, s.start_pos, s.num_samples) for s in batch.seqs] == [
+        ((3, 1, 2, 3), 8, 4), ((6, 5, 6), 5, 3), ((8,), 5, 1)]
+    p.advance(plan)
+    # drafts count as computed only once accepted: each sequence has its known tokens computed
+    assert [(s.num_computed, s.in_flight) for s in (a, b, c)] == [(9, 1), (6, 1), (6, 1)]
+
+    # sample rows: at most max_slots per step, the running sequences' own rows first
+    p2 = StepPlanner(BlockManager(64, 4, True), max_slots=4, token_budget=32, speculative=spec, max_seq_len=64)
+    d, e = seq([1, 2, 1, 2, 1], temperature=0.0, max_tokens=3), seq([7, 8, 7, 8, 7], temperature=0.0)
+    for s in (d, e):
+        p2.enqueue(s)
+    p2.admit()
+    p2.advance(p2.plan())
+    d.add_sample(2)
+    e.add_sample(8)
+    plan = p2.plan()
+    # d: max_tokens 3 leaves room for 1 draft (its bonus token is the 3rd); e: 4 rows - 2 seqs - 1 = 1
+    assert [c_.draft for c_ in plan.chunks] == [(1,), (7,)]
+
+    # a batch of disable_by_batch_size decodes or more does not speculate (and may overlap)
+    off = StepPlanner(BlockManager(64, 4, True), max_slots=2, token_budget=32, max_seq_len=64,
+                      speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                                    disable_by_batch_size=2))
+    f, g = seq([1, 2, 1, 2, 1], temperature=0.0), seq([3, 4, 3, 4, 3], temperature=0.0)
+    for s in (f, g):
+        off.enqueue(s)
+    off.admit()
+    off.advance(off.plan())
+    f.add_sample(2)
+    g.add_sample(4)
+    assert off.can_overlap()
+    assert [c_.draft for c_ in off.plan().chunks] == [(), ()]
