@@ -90,7 +90,7 @@ function params() {
 }
 
 function askForKey(retry) {
-  pending = retry;
+  if (retry) pending = retry; // the models list's own 401 must not drop a message waiting to be sent
   sessionStorage.removeItem(KEY);
   $("key-form").hidden = false;
   $("api-key").focus();

@@ -117,8 +117,9 @@ def open_chat(browser: Browser, url: str, *, max_tokens: int = 40) -> Page:
     page.eval("localStorage.clear(); sessionStorage.clear()")
     page.reload()
     page.wait("document.getElementById('model').options.length || !document.getElementById('key-form').hidden")
-    page.eval("document.getElementById('temperature').value = '0'; "
-              f"document.getElementById('max-tokens').value = '{max_tokens}'")
+    for field, value in (("temperature", 0), ("max-tokens", max_tokens)):  # as a person would: kept for next time
+        page.eval(f"(f => {{ f.value = '{value}'; f.dispatchEvent(new Event('change')); }})"
+                  f"(document.getElementById('{field}'))")
     return page
 
 
@@ -139,7 +140,7 @@ def test_a_reply_streams_in_token_by_token_and_matches_the_api(browser: Browser,
     page.key("Enter", 13, "\r")
     seen = []
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not page.eval(DONE + " && document.querySelector('" + REPLY + "')"):
+    while time.monotonic() < deadline and not page.eval(f"{DONE} && !!document.querySelector('{REPLY}')"):
         text = page.eval(f"document.querySelector('{REPLY}')?.textContent ?? ''")
         if text and (not seen or seen[-1] != text):
             seen.append(text)
@@ -149,9 +150,10 @@ def test_a_reply_streams_in_token_by_token_and_matches_the_api(browser: Browser,
     assert len(intermediate) >= 2, seen  # the reply grew on screen, not all at once
     assert all(final.startswith(s) for s in intermediate)
 
-    api = slow.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "first line\nhi"}],
-                                                temperature=0, top_p=1, max_tokens=40)
-    assert final == api.choices[0].message.content
+    with slow.http() as http:
+        api = http.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "top_p": 1, "max_tokens": 40,
+                                                      "messages": [{"role": "user", "content": "first line\nhi"}]})
+    assert final == api.json()["choices"][0]["message"]["content"]
     assert final.startswith("?@ABC") and len(final) == 40
     stats = page.eval("document.querySelector('#messages li.assistant .stats').textContent")
     assert "TTFT" in stats and "tokens/s" in stats and "40 tokens" in stats, stats
@@ -191,8 +193,9 @@ def test_markdown_renders_and_html_in_model_output_stays_text(browser: Browser, 
     text = page.eval(f"{reply}.textContent")
     assert "<img src=x onerror=alert(1)>" in text and "<script>alert(2)</script>" in text
     assert page.events("Page.javascriptDialogOpening") == []
-    assert scripted.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=400).choices[0].message.content == SCRIPT
+    with scripted.http() as http:
+        api = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 400})
+    assert api.json()["choices"][0]["message"]["content"] == SCRIPT
 
 
 def test_an_api_key_server_asks_for_the_key_and_then_answers(browser: Browser, make_live) -> None:
@@ -218,8 +221,8 @@ def test_an_api_key_server_asks_for_the_key_and_then_answers(browser: Browser, m
 
 def test_history_and_system_prompt_survive_a_reload(browser: Browser, slow: LiveServer) -> None:
     page = open_chat(browser, slow.url, max_tokens=5)
-    page.eval("const s = document.getElementById('system'); s.value = 'Be brief.'; "
-              "s.dispatchEvent(new Event('input'))")
+    page.eval("(s => { s.value = 'Be brief.'; s.dispatchEvent(new Event('input')); })"
+              "(document.getElementById('system'))")
     send(page, "one")
     page.wait(DONE + f" && document.querySelector('{REPLY}')")
     send(page, "two")
@@ -230,6 +233,7 @@ def test_history_and_system_prompt_survive_a_reload(browser: Browser, slow: Live
     page.wait("document.querySelectorAll('#messages li').length === 4")
     assert page.eval("[...document.querySelectorAll('#messages .content')].map(c => c.textContent)") == before
     assert page.eval("document.getElementById('system').value") == "Be brief."
+    assert page.eval("document.getElementById('max-tokens').value") == "5"
     page.click("#regenerate")  # the last reply again, from the same history
     page.wait(DONE + " && document.querySelectorAll('#messages li.assistant').length === 2")
     assert page.eval("[...document.querySelectorAll('#messages .content')].map(c => c.textContent)") == before
