@@ -200,6 +200,7 @@ function bindParams() {
 function init() {
   bindParams();
   applyTheme(localStorage.getItem(THEME));
+  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => applyTheme(localStorage.getItem(THEME)));
   $("composer").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) send(event);

@@ -273,6 +273,8 @@ def test_screenshots_contrast_labels_and_focus_order(browser: Browser, scripted:
         for theme in ("light", "dark"):
             page.view(width, height, mobile=mobile, dark=theme == "dark")
             page.eval("document.getElementById('messages').scrollTop = 0")
+            toggle_says = "Light" if theme == "dark" else "Dark"  # the toggle follows the system's preference
+            page.wait(f"document.getElementById('theme').textContent === '{toggle_says}'", timeout=2)
             shown = page.eval("getComputedStyle(document.querySelector('aside')).display")
             assert (shown == "none") == mobile  # the phone layout folds the settings away
             ratios = page.eval(CONTRAST_JS.replace("SELECTORS", json.dumps(CONTRASTED if not mobile else
