@@ -122,7 +122,12 @@ async function generate() {
         if (now > first) reply.stats.tps = (pieces - 1) / ((now - first) / 1000);
         update(index);
       },
-      onUsage: (usage) => { reply.stats.tokens = usage.completion_tokens; },
+      onUsage: (usage) => {
+        // the server's own count: a streamed piece may hold more than one token
+        reply.stats.tokens = usage.completion_tokens;
+        const seconds = (performance.now() - first) / 1000;
+        if (first !== null && seconds > 0) reply.stats.tps = (usage.completion_tokens - 1) / seconds;
+      },
     });
   } catch (err) {
     if (err.name === "AbortError") {
@@ -206,6 +211,9 @@ function init() {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) send(event);
   });
   $("stop").addEventListener("click", () => controller && controller.abort());
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && controller) controller.abort();
+  });
   $("regenerate").addEventListener("click", regenerate);
   $("new-chat").addEventListener("click", () => {
     if (controller) controller.abort();

@@ -188,7 +188,11 @@ def test_markdown_renders_and_html_in_model_output_stays_text(browser: Browser, 
     assert page.eval(f"{reply}.querySelector('h4').textContent") == "Adding numbers"
     assert page.eval(f"{reply}.querySelector('strong').textContent") == "Python"
     assert page.eval(f"{reply}.querySelector('.code pre code').textContent") == "def add(a, b):\n    return a + b"
-    assert page.eval(f"{reply}.querySelector('.code .copy').textContent") == "Copy"
+    browser.send("Browser.grantPermissions", {"origin": scripted.url,
+                                              "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    page.click(f"{REPLY} .code .copy")
+    page.wait(f"{reply}.querySelector('.code .copy').textContent === 'Copied'", timeout=3)
+    assert page.eval("navigator.clipboard.readText()") == "def add(a, b):\n    return a + b"
     assert page.eval(f"[...{reply}.querySelectorAll('ul li')].map(l => l.textContent)") == \
         ["it takes two arguments", "it returns a + b"]
     assert page.eval("document.querySelectorAll('#messages img, #messages script').length") == 0
