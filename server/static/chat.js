@@ -183,10 +183,15 @@ async function loadModels() {
   }
 }
 
-function applyTheme(theme) {
-  if (theme) document.documentElement.dataset.theme = theme;
-  const dark = theme ? theme === "dark" : matchMedia("(prefers-color-scheme: dark)").matches;
-  $("theme").textContent = dark ? "Light" : "Dark";
+function isDark() {
+  const chosen = localStorage.getItem(THEME);
+  return chosen ? chosen === "dark" : matchMedia("(prefers-color-scheme: dark)").matches;
+}
+
+function applyTheme() {
+  const chosen = localStorage.getItem(THEME);
+  if (chosen) document.documentElement.dataset.theme = chosen;
+  $("theme").textContent = isDark() ? "Light" : "Dark"; // what a click switches to
 }
 
 function bindParams() {
@@ -204,8 +209,8 @@ function bindParams() {
 
 function init() {
   bindParams();
-  applyTheme(localStorage.getItem(THEME));
-  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => applyTheme(localStorage.getItem(THEME)));
+  applyTheme();
+  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme);
   $("composer").addEventListener("submit", send);
   $("prompt").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) send(event);
@@ -224,9 +229,8 @@ function init() {
     $("prompt").focus();
   });
   $("theme").addEventListener("click", () => {
-    const dark = $("theme").textContent === "Dark";
-    localStorage.setItem(THEME, dark ? "dark" : "light");
-    applyTheme(dark ? "dark" : "light");
+    localStorage.setItem(THEME, isDark() ? "light" : "dark");
+    applyTheme();
   });
   $("toggle-settings").addEventListener("click", () => {
     const open = document.body.classList.toggle("settings-open");
