@@ -183,8 +183,8 @@ class Page:
 
     def click(self, selector: str) -> None:
         """A real mouse click at the element's centre."""
-        x, y = self.eval(f"(() => {{ const r = document.querySelector({json.dumps(selector)})"
-                         ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        x, y = self.eval(f"(e => {{ e.scrollIntoView({{block: 'center'}}); const r = e.getBoundingClientRect(); "
+                         f"return [r.x + r.width / 2, r.y + r.height / 2]; }})(document.querySelector({json.dumps(selector)}))")
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 

@@ -291,6 +291,13 @@ def test_screenshots_contrast_labels_and_focus_order(browser: Browser, scripted:
             assert fits, f"{name}: the page scrolls sideways"
             png = page.screenshot(str(out / f"chat-{name}-{theme}.png"))
             assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 300_000
+            if mobile:  # the Settings button opens the folded panel, and closes it again
+                page.click("#toggle-settings")
+                assert page.eval("getComputedStyle(document.querySelector('aside')).display") == "flex"
+                assert page.eval("document.getElementById('toggle-settings').getAttribute('aria-expanded')") == "true"
+                assert page.eval("document.getElementById('send').getBoundingClientRect().bottom <= innerHeight")
+                page.click("#toggle-settings")
+                assert page.eval("getComputedStyle(document.querySelector('aside')).display") == "none"
     # the theme toggle overrides the system preference, and is remembered
     page.view(1280, 800, dark=False)
     page.click("#theme")
