@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 BINARIES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -200,11 +200,3 @@ class Page:
             f.write(data)
         return data
 
-
-def poll(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True

@@ -21,7 +21,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from server.app import create_app, make_server
 from server.cli import build_parser
 from server.service import Service, ServiceConfig
-from tests.server.cdp import Browser, Page, install_chromium, poll
+from tests.server.cdp import Browser, Page, install_chromium
 from tests.server.conftest import BOS, MODEL, ByteTokenizer, LiveServer, start_live, wait_for
 
 STEP_S = 0.03  # modelled device time per step: slow enough to watch a reply grow
@@ -169,7 +169,7 @@ def test_stop_aborts_the_request_and_the_server_frees_the_slot(browser: Browser,
     assert slow.metric("slipstream_requests_running") == 1
     page.click("#stop")
     clicked = time.monotonic()
-    assert poll(lambda: slow.metric("slipstream_requests_running") == 0, timeout=2.0)
+    assert wait_for(lambda: slow.metric("slipstream_requests_running") == 0, timeout=2.0)
     freed_s = time.monotonic() - clicked
     # the scheduler drops it after the step in flight; 0.15 s for the disconnect and the polling
     assert freed_s < step_s + 0.15, freed_s
