@@ -10,12 +10,14 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -34,6 +36,13 @@ from server.unix_socket import DEFAULT_MODE, bind_stream, remove
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_STATIC = Path(__file__).with_name("static")
+# The chat page runs only its own files: no inline script or style, no other origin, no framing.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 def _error(description: str, **extra: Any) -> dict[str, Any]:
@@ -70,7 +79,8 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
 
 
 def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20,
-               body_timeout_s: float = 30.0) -> FastAPI:
+               body_timeout_s: float = 30.0, web_ui: bool = True) -> FastAPI:
+    """`web_ui`: serve the chat page at / and /chat (static files; --no-web-ui turns it off)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if not body_timeout_s > 0:
@@ -143,7 +153,21 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if web_ui:
+        _add_chat_page(app)
     return app
+
+
+def _add_chat_page(app: FastAPI) -> None:
+    """The chat page: read once here, so serving it is a static answer (the browser calls /v1 itself)."""
+    page = (_STATIC / "chat.html").read_bytes()
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/chat", include_in_schema=False)
+    async def chat_page() -> Response:
+        return HTMLResponse(page, headers=_PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=_STATIC), name="static")
 
 
 # ---- non-streaming: collect, but stop the engine if the client leaves ---------------------------

@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body (413 above); also bounds a gRPC prompt")
     serve.add_argument("--max-connections", type=int, default=int(_env("max-connections", 1024)),
                        help="open HTTP connections; requests beyond get 503")
+    serve.add_argument("--no-web-ui", action="store_true", default=bool(_env("no-web-ui", "")),
+                       help="don't serve the chat page at / (the API is unchanged)")
     serve.add_argument("--log-level", default=_env("log-level", "info"))
 
     gen = sub.add_parser("generate", help="greedy continuation of one prompt, printed to stdout")
@@ -331,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
                                     max_requests_per_client=args.max_requests_per_client))
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
-                     body_timeout_s=args.body_timeout)
+                     body_timeout_s=args.body_timeout, web_ui=not args.no_web_ui)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
         group.add_handler(scheduler.abort)
     # Start-up made many long-lived objects (traced programs, the tokenizer, module state):
@@ -346,8 +348,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     grpc_note = (f", gRPC on unix:{grpc_uds}" if grpc_uds else
                  f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else "")
     where = f"unix:{uds}" if uds else f"http://{args.host}:{args.port}"
+    # a browser cannot open the wildcard address: link to this machine instead
+    page_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
+    page = "" if args.no_web_ui or uds else f"; chat page: http://{page_host}:{args.port}/"
     server.on_started = lambda: print(f"slipstream: ready on {where}{grpc_note} (model {name}, "
-                                      f"{time.monotonic() - started:.1f}s to ready)", file=sys.stderr, flush=True)
+                                      f"{time.monotonic() - started:.1f}s to ready){page}", file=sys.stderr, flush=True)
 
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a drained shutdown is a clean exit
     def clean_exit(signum, frame):
