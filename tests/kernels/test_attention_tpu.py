@@ -1,0 +1,16 @@
+"""The Pallas TPU ragged paged attention, in Pallas' TPU interpret mode on CPU, equals the pure-JAX
+reference: decode, prefill (fresh and after a prefix hit), mixed batches, GQA 1/4/8, head_dim 64/128,
+sliding window, soft-cap, int8 pages with per-token scales, padding tokens and rows; and writes the
+same K/V into the cache."""
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.tpu_cases import SPECS, check
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_kernel_matches_reference(spec):
+    # small blocks, so items span several KV blocks and prefill chunks several query blocks
+    check(spec, interpret=True, atol=1e-4 if spec.dtype == "float32" and not spec.int8 else 2e-3,
+          pages_per_block=2, prefill_rows=8)
