@@ -25,6 +25,15 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LANES = 128
 
 
+def _lanes(x, n: int):
+    """x [r, 128], all lanes equal, as [r, n] (the patterns Mosaic lowers: lane repeats, a prefix slice)."""
+    if n % LANES == 0:
+        return x if n == LANES else pltpu.repeat(x, n // LANES, axis=1)
+    if n < LANES:
+        return x[:, :n]
+    return x[:, :1]
+
+
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
@@ -88,10 +97,6 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
         l_ref[...] = jnp.zeros_like(l_ref)
         q_copy.wait()
-        # row i of a head's [r, hd] block is token i // G; f32 division is exact at these sizes
-        row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0).astype(jnp.float32) * (1.0 / group)
-                   + 0.5 / group).astype(jnp.int32)
-        q_pos = base + row_tok                                       # [r, 1]
         first_blk = item_first_ref[i] // nb
         last_blk = (item_end_ref[i] - 1) // nb
         nxt_item = jnp.minimum(i + 1, item_seq_ref.shape[0] - 1)
@@ -108,10 +113,10 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             for h in range(kvh):
                 q = q_buf[:, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
                 for j in range(nb):
-                    _page(q, h, j, blk * nb + j, slot, q_pos)
+                    _page(q, h, j, blk * nb + j, slot)
             return 1 - slot
 
-        def _page(q, h, j, page_no, slot, q_pos):
+        def _page(q, h, j, page_no, slot):
             k = kv_buf[slot, j, h, 0]                                                    # [ps, hd]
             v = kv_buf[slot, j, h, 1]
             if int8:
@@ -122,25 +127,29 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                 s_ = s_ * sc_buf[slot, j, h, 0:1, :]                                     # [1, ps] K scales
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-            k_pos = page_no * ps + jax.lax.broadcasted_iota(jnp.int32, (1, ps), 1)       # [1, ps]
-            visible = k_pos <= q_pos                                                     # [r, ps]
+            # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
+            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, ps), 0).astype(jnp.float32) * (1.0 / group)
+                       + 0.5 / group).astype(jnp.int32)
+            q_pos = base + row_tok                                                       # [r, ps]
+            k_pos = page_no * ps + jax.lax.broadcasted_iota(jnp.int32, (r, ps), 1)       # [r, ps]
+            visible = k_pos <= q_pos
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
             s_ = jnp.where(visible, s_, MASK_VALUE)
             m_prev, l_prev = m_ref[h], l_ref[h]                                          # [r, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s_ - m_next[:, :1])
+            p = jnp.exp(s_ - _lanes(m_next, ps))
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             if int8:
                 p = p * sc_buf[slot, j, h, 1:2, :]                                       # [1, ps] V scales
             pv = jnp.dot(p.astype(cdt), v.astype(cdt), preferred_element_type=jnp.float32)  # [r, hd]
-            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+            acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
         for h in range(kvh):
-            l = l_ref[h][:, :1]
+            l = _lanes(l_ref[h], hd)
             out = acc_ref[h] / jnp.where(l > 0, l, 1.0)                                  # [r, hd]
             o_buf[:, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
         o_copy = pltpu.make_async_copy(o_buf, o_hbm.at[pl.ds(row, rows)], io_sem.at[1])

@@ -14,3 +14,9 @@ def test_kernel_matches_reference(spec):
     # small blocks, so items span several KV blocks and prefill chunks several query blocks
     check(spec, interpret=True, atol=1e-4 if spec.dtype == "float32" and not spec.int8 else 2e-3,
           pages_per_block=2, prefill_rows=8)
+
+
+def test_multi_row_decode_items():
+    """decode_rows 4: a 3-token sequence goes through the decode call, whose 4-row blocks overrun it."""
+    spec = next(s for s in SPECS if s.name == "mixed_window_softcap")
+    check(spec, interpret=True, atol=1e-4, pages_per_block=1, decode_rows=4, prefill_rows=16)

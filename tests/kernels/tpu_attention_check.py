@@ -183,38 +183,39 @@ def speed(rep: Report, smoke: bool, interpret: bool) -> None:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        ppbs, rows = (1, 2), (8, 16)
+        ppbs, rows = ((1, 1), (2, 8)), (8, 16)
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
-        ppbs, rows = (2, 4, 8), (128, 256)
+        # (pages_per_block, decode_rows): decode_rows 8 pads each decode item to 32 query rows (GQA 4)
+        ppbs, rows = ((2, 1), (4, 1), (8, 1), (4, 8)), (128, 256)
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
     rep.data["hbm_read_gbs"] = hbm
     rep.say(f"HBM read (jnp.sum over {'4 MiB' if smoke else '2 GiB'} f32, best of 5): {hbm:.0f} GB/s")
     sm = hd ** -0.5
     rep.say(f"(b) decode, {kvh * group} q heads / {kvh} KV heads / hd {hd}, pages of {ps}, per layer "
             f"({_layers} layers under one scan)")
-    rep.say(f"  {'case':14s} {'pages/blk':>9s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
+    rep.say(f"  {'case':14s} {'pages/blk,rows':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
     for name, step, dtype in decode_cases:
         args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
         res = {}
-        for ppb in ppbs:
+        for ppb, drows in ppbs:
             if rep.out_of_time():
                 rep.say("  time budget spent: skipping the rest of the sweep")
                 break
             try:
-                copies = {} if ppb == ppbs[0] else None
-                t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb)
-                res[ppb] = {"ms": t * 1e3, "gbs": kv_bytes / t / 1e9, "of_hbm": kv_bytes / t / 1e9 / hbm,
+                copies = {} if (ppb, drows) == ppbs[0] else None
+                t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows)
+                res[f"{ppb},{drows}"] = {"ms": t * 1e3, "gbs": kv_bytes / t / 1e9, "of_hbm": kv_bytes / t / 1e9 / hbm,
                             **(copies or {})}
                 note = f"   (cache-sized copies in the program: {copies['cache_copies']})" if copies else ""
-                rep.say(f"  {name:14s} {ppb:9d} {t * 1e3:8.3f} {kv_bytes / t / 1e9:7.1f} "
+                rep.say(f"  {name:14s} {f'{ppb},{drows}':>14s} {t * 1e3:8.3f} {kv_bytes / t / 1e9:7.1f} "
                         f"{kv_bytes / t / 1e9 / hbm:7.0%}{note}")
             except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
-                res[ppb] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                rep.say(f"  {name:14s} {ppb:9d} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                res[f"{ppb},{drows}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                rep.say(f"  {name:14s} {f'{ppb},{drows}':>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
             # the timed program donated the cache: rebuild it for the next block size
             args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
         ok = {k: v for k, v in res.items() if "ms" in v}
