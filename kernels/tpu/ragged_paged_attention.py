@@ -26,9 +26,10 @@ LANES = 128
 
 
 def _lanes(x, n: int):
-    """x [r, 128], all lanes equal, as [r, n] (the patterns Mosaic lowers: lane repeats, a prefix slice)."""
+    """x [r, 128], all lanes equal, as [r, n] (the patterns jax's own TPU flash attention lowers: a lane
+    tile, a prefix slice)."""
     if n % LANES == 0:
-        return x if n == LANES else pltpu.repeat(x, n // LANES, axis=1)
+        return x if n == LANES else jnp.tile(x, (1, n // LANES))
     if n < LANES:
         return x[:, :n]
     return x[:, :1]
@@ -37,7 +38,8 @@ def _lanes(x, n: int):
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
-            sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt):
+            sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
+            merge_pages: bool):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sem, slot_ref = rest
     else:
@@ -112,26 +114,34 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             wait(i, blk, slot)
             for h in range(kvh):
                 q = q_buf[:, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
-                for j in range(nb):
-                    _page(q, h, j, blk * nb + j, slot)
+                if merge_pages:
+                    _keys(q, h, slice(None), blk * nb, slot)
+                else:
+                    for j in range(nb):
+                        _keys(q, h, slice(j, j + 1), blk * nb + j, slot)
             return 1 - slot
 
-        def _page(q, h, j, page_no, slot):
-            k = kv_buf[slot, j, h, 0]                                                    # [ps, hd]
-            v = kv_buf[slot, j, h, 1]
+        def _keys(q, h, pages, first_page, slot):
+            """Online-softmax update of head h's rows with the keys of buffer pages `pages` (a slice),
+            whose first is the sequence's page number first_page."""
+            n = len(range(nb)[pages])
+            keys = n * ps
+            k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                            # [n*ps, hd]
+            v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
             if int8:
                 k, v = k.astype(jnp.float32), v.astype(jnp.float32)
             s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sm_scale     # [r, ps]
-            if int8:
-                s_ = s_ * sc_buf[slot, j, h, 0:1, :]                                     # [1, ps] K scales
+                                     preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
+            if int8:   # per-key scales as one lane row [1, n*ps]
+                row = lambda kv: jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
+                s_ = s_ * row(0)
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
             # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
-            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, ps), 0).astype(jnp.float32) * (1.0 / group)
+            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, keys), 0).astype(jnp.float32) * (1.0 / group)
                        + 0.5 / group).astype(jnp.int32)
-            q_pos = base + row_tok                                                       # [r, ps]
-            k_pos = page_no * ps + jax.lax.broadcasted_iota(jnp.int32, (r, ps), 1)       # [r, ps]
+            q_pos = base + row_tok                                                       # [r, n*ps]
+            k_pos = first_page * ps + jax.lax.broadcasted_iota(jnp.int32, (r, keys), 1)
             visible = k_pos <= q_pos
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
@@ -139,11 +149,11 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             m_prev, l_prev = m_ref[h], l_ref[h]                                          # [r, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s_ - _lanes(m_next, ps))
+            p = jnp.exp(s_ - _lanes(m_next, keys))
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             if int8:
-                p = p * sc_buf[slot, j, h, 1:2, :]                                       # [1, ps] V scales
+                p = p * row(1)
             pv = jnp.dot(p.astype(cdt), v.astype(cdt), preferred_element_type=jnp.float32)  # [r, hd]
             acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
 
@@ -176,7 +186,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages):
     kv = kv_cache["kv"]
     _, _, kvh, _, ps, hd = kv.shape
     int8 = "kv_scale" in kv_cache
@@ -193,7 +203,8 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
                 pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt)
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
+        merge_pages=merge_pages)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -212,10 +223,11 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
 def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
-                           vmem_limit_bytes: int = 64 * 2 ** 20, interpret: bool = False):
+                           vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True, interpret: bool = False):
     """kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
-    rows per work item of the two calls; interpret: Pallas' TPU interpreter (tests on CPU)."""
+    rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
+    page); interpret: Pallas' TPU interpreter (tests on CPU)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), got {sorted(kv_cache)}")
     t_len, h, hd = q.shape
@@ -244,7 +256,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     pad = max(decode_rows, prefill_rows)
     q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0)))                     # item rows past T
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
-                  soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
+                  soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
+                  merge_pages=merge_pages)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items):

@@ -183,7 +183,7 @@ def speed(rep: Report, smoke: bool, interpret: bool) -> None:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        ppbs, rows = ((1, 1), (2, 8)), (8, 16)
+        ppbs, rows = ((1, 1), (2, 8)), (8,)
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
