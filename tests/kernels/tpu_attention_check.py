@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -121,8 +122,8 @@ def cache_copies(fn, args) -> int:
     K/V write updates the donated cache in place)."""
     q, k, v, cache, *idx = args
     text = fn.lower(q, k, v, cache, *idx).compile().as_text()
-    shapes = [f"{jnp.dtype(a.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}"
-              f"[{','.join(map(str, a.shape))}]" for a in cache.values()]
+    hlo_types = {"bfloat16": "bf16", "float32": "f32", "int8": "s8"}
+    shapes = [f"{hlo_types[jnp.dtype(a.dtype).name]}[{','.join(map(str, a.shape))}]" for a in cache.values()]
     return sum(1 for line in text.splitlines()
                if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
 
@@ -183,70 +184,71 @@ def speed(rep: Report, smoke: bool, interpret: bool) -> None:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        ppbs, rows = ((1, 1), (2, 8)), (8,)
+        ppbs, rows = ((1, 1, True), (2, 8, True)), (8,)
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
-        # (pages_per_block, decode_rows): decode_rows 8 pads each decode item to 32 query rows (GQA 4)
-        ppbs, rows = ((2, 1), (4, 1), (8, 1), (4, 8)), (128, 256)
+        # (pages_per_block, decode_rows, merge_pages): decode_rows 8 pads each decode item to 32 query rows
+        # (GQA 4); merge_pages False: one softmax update per page
+        ppbs, rows = ((4, 1, True), (2, 1, True), (8, 1, True), (4, 8, True), (4, 1, False)), (128, 256)
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
     rep.data["hbm_read_gbs"] = hbm
     rep.say(f"HBM read (jnp.sum over {'4 MiB' if smoke else '2 GiB'} f32, best of 5): {hbm:.0f} GB/s")
     sm = hd ** -0.5
     rep.say(f"(b) decode, {kvh * group} q heads / {kvh} KV heads / hd {hd}, pages of {ps}, per layer "
             f"({_layers} layers under one scan)")
-    rep.say(f"  {'case':14s} {'pages/blk,rows':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
-    for name, step, dtype in decode_cases:
-        args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
-        res = {}
-        for ppb, drows in ppbs:
-            if rep.out_of_time():
-                rep.say("  time budget spent: skipping the rest of the sweep")
-                break
-            try:
-                copies = {} if (ppb, drows) == ppbs[0] else None
-                t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows)
-                res[f"{ppb},{drows}"] = {"ms": t * 1e3, "gbs": kv_bytes / t / 1e9, "of_hbm": kv_bytes / t / 1e9 / hbm,
-                            **(copies or {})}
-                note = f"   (cache-sized copies in the program: {copies['cache_copies']})" if copies else ""
-                rep.say(f"  {name:14s} {f'{ppb},{drows}':>14s} {t * 1e3:8.3f} {kv_bytes / t / 1e9:7.1f} "
-                        f"{kv_bytes / t / 1e9 / hbm:7.0%}{note}")
-            except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
-                res[f"{ppb},{drows}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                rep.say(f"  {name:14s} {f'{ppb},{drows}':>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
-            # the timed program donated the cache: rebuild it for the next block size
-            args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
-        ok = {k: v for k, v in res.items() if "ms" in v}
-        rep.data["decode"][name] = {"kv_mb_per_layer": kv_bytes / 1e6, "sweep": res,
-                                    "best": min(ok.values(), key=lambda v: v["ms"]) if ok else None}
-        rep.save()
-        del args
-
     dec, pre = mixed
     both = Step(dec.decodes, dec.ctx, pre.prefills, pre.chunk, pre.cached)
-    rep.say(f"(c) mixed: {dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} cached, "
-            "bf16 KV, per layer")
-    rep.say(f"  {'prefill_rows':>12s} {'decode ms':>10s} {'prefill ms':>11s} {'mixed ms':>9s} {'mixed/(d+p)':>12s}")
-    res = {}
-    for r in rows:
-        if rep.out_of_time():
-            rep.say("  time budget spent: skipping the rest of the sweep")
-            break
+
+    def decode(name, step, dtype, ppb, drows, merge):
+        tag = f"{ppb},{drows},{int(merge)}"
+        entry = rep.data["decode"].setdefault(name, {"sweep": {}, "best": None})
+        args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
+        entry["kv_mb_per_layer"] = kv_bytes / 1e6
+        try:
+            copies = {} if (ppb, drows, merge) == ppbs[0] else None
+            t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows,
+                          merge_pages=merge)
+            gbs = kv_bytes / t / 1e9
+            entry["sweep"][tag] = {"ms": t * 1e3, "gbs": gbs, "of_hbm": gbs / hbm, **(copies or {})}
+            note = f"   (cache-sized copies in the program: {copies['cache_copies']})" if copies else ""
+            rep.say(f"  {name:14s} {tag:>14s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
+        except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
+            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rep.say(f"  {name:14s} {tag:>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        ok = [v for v in entry["sweep"].values() if "ms" in v]
+        entry["best"] = min(ok, key=lambda v: v["ms"]) if ok else None
+
+    def mixed_run(r):
         try:
             ts = []
             for step in (dec, pre, both):
                 args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
                 ts.append(time_step(args, sm, interpret, reps, prefill_rows=r))
                 del args
-            res[r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
-                      "ratio": ts[2] / (ts[0] + ts[1])}
-            rep.say(f"  {r:12d} {ts[0] * 1e3:10.3f} {ts[1] * 1e3:11.3f} {ts[2] * 1e3:9.3f} {ts[2] / (ts[0] + ts[1]):12.2f}")
+            rep.data["mixed"][r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
+                                    "ratio": ts[2] / (ts[0] + ts[1])}
+            rep.say(f"  mixed, prefill_rows {r:4d}: decode {ts[0] * 1e3:.3f} ms, prefill {ts[1] * 1e3:.3f} ms, "
+                    f"mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x (decode + prefill)")
         except Exception as exc:  # noqa: BLE001
-            res[r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"  {r:12d} FAILED {type(exc).__name__}: {str(exc)[:200]}")
-        rep.data["mixed"] = res
+            rep.data["mixed"][r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rep.say(f"  mixed, prefill_rows {r:4d}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+
+    # most important first, so a spent budget leaves every case with its default blocks measured
+    jobs = [functools.partial(decode, *c, *ppbs[0]) for c in decode_cases]
+    jobs.append(functools.partial(mixed_run, rows[0]))
+    jobs += [functools.partial(decode, *c, *cfg) for cfg in ppbs[1:] for c in decode_cases]
+    jobs += [functools.partial(mixed_run, r) for r in rows[1:]]
+    rep.say(f"(c) mixed: {dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} cached, "
+            "bf16 KV, per layer, against each alone")
+    rep.say(f"  {'case':14s} {'blk,rows,merge':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
+    for job in jobs:
+        if rep.out_of_time():
+            rep.say(f"time budget spent: {len(jobs) - jobs.index(job)} measurements skipped")
+            break
+        job()
         rep.save()
 
 
