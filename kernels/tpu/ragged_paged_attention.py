@@ -47,6 +47,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         sc_hbm = sc_buf = None
     nb, ps, kvh, hd = pages_per_block, kv_buf.shape[4], kv_buf.shape[2], kv_buf.shape[5]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
+    # explicit, so a global jax_default_matmul_precision never asks Mosaic for fp32 passes on bf16 operands
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
     i = pl.program_id(0)
     n_items = num_items_ref[0]
     layer = layer_ref[0]
@@ -130,7 +132,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
             if int8:
                 k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-            s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())),
+            s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
             if int8:   # per-key scales as one lane row [1, n*ps]
                 row = lambda kv: jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
@@ -154,7 +156,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             m_ref[h] = m_next
             if int8:
                 p = p * row(1)
-            pv = jnp.dot(p.astype(cdt), v.astype(cdt), preferred_element_type=jnp.float32)  # [r, hd]
+            pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
+                         preferred_element_type=jnp.float32)                             # [r, hd]
             acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])

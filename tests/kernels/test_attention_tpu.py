@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.tpu_cases import SPECS, check
+from tests.kernels.tpu_cases import SPECS, check, tolerance
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_kernel_matches_reference(spec):
     # small blocks, so items span several KV blocks and prefill chunks several query blocks
-    check(spec, interpret=True, atol=1e-4 if spec.dtype == "float32" and not spec.int8 else 2e-3,
-          pages_per_block=2, prefill_rows=8)
+    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=2, prefill_rows=8)
 
 
 def test_multi_row_decode_items():
