@@ -41,9 +41,9 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
             merge_pages: bool):
     if int8:
-        sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sem, slot_ref = rest
+        sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
-        o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sem, slot_ref = rest
+        o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
         sc_hbm = sc_buf = None
     nb, ps, kvh, hd = pages_per_block, kv_buf.shape[4], kv_buf.shape[2], kv_buf.shape[5]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
@@ -68,6 +68,12 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                                                          sems.at[1, slot])))
         return out
 
+    def q_copy(item, slot):
+        return pltpu.make_async_copy(q_hbm.at[pl.ds(item_row_ref[item], rows)], q_buf.at[slot], io_sems.at[0, slot])
+
+    def o_copy(item, slot):
+        return pltpu.make_async_copy(o_buf.at[slot], o_hbm.at[pl.ds(item_row_ref[item], rows)], io_sems.at[1, slot])
+
     def start(item, blk, slot):
         for valid, c in copies(item, blk, slot):
             pl.when(valid)(c.start)
@@ -87,20 +93,28 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         @pl.when(n_items > 0)
         def _():
             start(0, item_first_ref[0] // nb, 0)
+            q_copy(0, 0).start()
 
     @pl.when(i < n_items)
     def _item():
+        # q and out are double-buffered too: item i uses slot i % 2 and fetches item i + 1's rows; its out
+        # DMA runs during item i + 1, which waits for it before starting its own: an item's block of rows
+        # can overrun into the next item's, so the writes must land in item order
+        qs = jax.lax.rem(i, 2)
+
+        @pl.when(i + 1 < n_items)
+        def _():
+            q_copy(i + 1, 1 - qs).start()
+
         s = item_seq_ref[i]
         row = item_row_ref[i]
-        q_copy = pltpu.make_async_copy(q_hbm.at[pl.ds(row, rows)], q_buf, io_sem.at[0])
-        q_copy.start()
         kv_len = kv_lens_ref[s]
         q_start, q_end = cu_ref[s], cu_ref[s + 1]
         base = kv_len - (q_end - q_start) + (row - q_start)       # position of the item's first row
         acc_ref[...] = jnp.zeros_like(acc_ref)
         m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
         l_ref[...] = jnp.zeros_like(l_ref)
-        q_copy.wait()
+        q_copy(i, qs).wait()
         first_blk = item_first_ref[i] // nb
         last_blk = (item_end_ref[i] - 1) // nb
         nxt_item = jnp.minimum(i + 1, item_seq_ref.shape[0] - 1)
@@ -115,7 +129,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
             wait(i, blk, slot)
             for h in range(kvh):
-                q = q_buf[:, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
+                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
                 if merge_pages:
                     _keys(q, h, slice(None), blk * nb, slot)
                 else:
@@ -135,8 +149,9 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
             if int8:   # per-key scales as one lane row [1, n*ps]
-                row = lambda kv: jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
-                s_ = s_ * row(0)
+                def scale_row(kv):
+                    return jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
+                s_ = s_ * scale_row(0)
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
             # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
@@ -155,7 +170,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[h] = m_next
             if int8:
-                p = p * row(1)
+                p = p * scale_row(1)
             pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
                          preferred_element_type=jnp.float32)                             # [r, hd]
             acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
@@ -164,10 +179,17 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         for h in range(kvh):
             l = _lanes(l_ref[h], hd)
             out = acc_ref[h] / jnp.where(l > 0, l, 1.0)                                  # [r, hd]
-            o_buf[:, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
-        o_copy = pltpu.make_async_copy(o_buf, o_hbm.at[pl.ds(row, rows)], io_sem.at[1])
-        o_copy.start()
-        o_copy.wait()
+            o_buf[qs, :, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
+
+        @pl.when(i >= 1)
+        def _():
+            o_copy(i - 1, 1 - qs).wait()
+
+        o_copy(i, qs).start()
+
+        @pl.when(i == n_items - 1)
+        def _():
+            o_copy(i, qs).wait()
 
 
 def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: int, page_size: int,
@@ -196,14 +218,14 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     h = q_pad.shape[1]
     kv_lens, pages_flat, cu_q_lens, layer, pages_per_seq = scalars
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    scratch = [pltpu.VMEM((rows, h, hd), jnp.float32), pltpu.VMEM((rows, h, hd), jnp.float32),
+    scratch = [pltpu.VMEM((2, rows, h, hd), jnp.float32), pltpu.VMEM((2, rows, h, hd), jnp.float32),
                pltpu.VMEM((2, pages_per_block, kvh, 2, ps, hd), kv.dtype)]
     if int8:
         scratch.append(pltpu.VMEM((2, pages_per_block, kvh, 2, ps), jnp.float32))
     r = rows * group
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)]
+                pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
