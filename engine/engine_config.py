@@ -18,7 +18,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_slots: int = 32
-    page_size: int | None = None            # None: the attention kernel's choice (kernels.attention.kv_layout: 16 on CPU, 128 on TPU)
+    page_size: int | None = None            # None: kernels.attention.kv_layout's (16 on CPU, 128 on TPU)
     max_seq_len: int = 2048
     kv_cache_memory: int = 768 << 20        # bytes for K/V pages (34k bf16 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)

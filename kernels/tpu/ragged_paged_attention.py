@@ -248,13 +248,15 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
 def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
-                           vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True, interpret: bool = False):
+                           vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
+                           interpret: bool = False):
     """kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
     page); interpret: Pallas' TPU interpreter (tests on CPU)."""
     if not layout.is_merged(kv_cache):
-        raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), got {sorted(kv_cache)}")
+        raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
+                         f"got {sorted(kv_cache)}")
     t_len, h, hd = q.shape
     _, num_pages, kvh, _, ps, _ = kv_cache["kv"].shape
     if h % kvh:

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention import ragged_paged_attention_reference
 from kernels.tpu import layout
 from kernels.tpu.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.tpu_cases import SPECS, check, tolerance
@@ -238,19 +237,19 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
                 del args
             rep.data["mixed"][r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
                                     "ratio": ts[2] / (ts[0] + ts[1])}
-            rep.say(f"  mixed, prefill_rows {r:4d}: decode {ts[0] * 1e3:.3f} ms, prefill {ts[1] * 1e3:.3f} ms, "
-                    f"mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x (decode + prefill)")
+            rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
+                    f"cached, bf16 KV), prefill_rows {r}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
+                    f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
+                    "(decode + prefill)")
         except Exception as exc:  # noqa: BLE001
             rep.data["mixed"][r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"  mixed, prefill_rows {r:4d}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            rep.say(f"(c) mixed, prefill_rows {r}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
 
     # most important first, so a spent budget leaves every case with its default blocks measured
     first = [functools.partial(decode, *c, *ppbs[0]) for c in decode_cases]
     first.append(functools.partial(mixed_run, rows[0]))
     rest = [functools.partial(decode, *c, *cfg) for cfg in ppbs[1:] for c in decode_cases]
     rest += [functools.partial(mixed_run, r) for r in rows[1:]]
-    rep.say(f"(c) mixed: {dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} cached, "
-            "bf16 KV, per layer, against each alone")
     rep.say(f"  {'case':14s} {'blk,rows,merge':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
     return first, rest
 
