@@ -1,11 +1,14 @@
 """Ragged paged attention: the one attention op of a step (decodes and prefill chunks of many sequences).
 
-Interface after tpu-inference's ragged paged attention, so a Pallas TPU/GPU kernel plugs in later:
-the step's new K/V are written into the pages, then every query token attends over its own
-sequence's keys up to its position. The pure-JAX reference below runs on GPU/TPU and is the test
-oracle; on CPU a native kernel (kernels/csrc/ragged_paged_attention.cc) runs when it is built.
+Interface after tpu-inference's ragged paged attention: the step's new K/V are written into the pages,
+then every query token attends over its own sequence's keys up to its position. The cache's layout is
+the backend's (kv_layout): on TPU the merged layout of kernels/tpu/layout.py, read by our Pallas kernel
+(kernels/tpu); elsewhere the layout below, read on CPU by a native kernel
+(kernels/csrc/ragged_paged_attention.cc) when it is built. The pure-JAX reference below is the test
+oracle and runs elsewhere (GPU).
 
-Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads):
+Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads;
+the standard layout's cache):
   q [T, H, hd]; k_new, v_new [T, KV, hd]
   kv_cache {"k", "v": [L, KV, num_pages, page_size, hd]} (f32, bf16 or int8), and for int8
            {"k_scale", "v_scale": [L, KV, num_pages, page_size]} f32 (per token and head)
