@@ -19,7 +19,7 @@ ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")  # jax.default_backend() names who
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     max_slots: int = 32
-    page_size: int = 16
+    page_size: int | None = None            # None: kernels.attention.kv_layout's (16 on CPU, 128 on TPU)
     max_seq_len: int = 2048
     kv_cache_memory: int = 768 << 20        # bytes for K/V pages (34k bf16 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
@@ -33,7 +33,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+        if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from engine import compile_count
 from engine.api import Sampled, SlotState, StepBatch
+from engine.attention_layer import paged_attention
 from engine.buckets import Buckets
 from engine.engine_config import EngineConfig  # imported from here across the repo too
 from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
@@ -34,6 +35,7 @@ from engine.layer_stack import split_linears
 from engine.params import prepare_model
 from engine.sharding import TensorParallel
 from flax import nnx
+from kernels.attention import kv_layout
 from models.base import CausalLM, init_kv_cache, step_fn
 from models.config import ModelConfig
 from models.loader import trim_host_heap
@@ -61,7 +63,8 @@ class JaxEngine:
             split_linears(model, stack_int8=config.tensor_parallel == 1)  # sharding splits PerLayer
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
-        self._forward = step_fn(self.graphdef)
+        # attention through the engine's layer: per device under shard_map when tensor parallel
+        self._forward = step_fn(self.graphdef, attention=paged_attention)
         # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
         # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
         self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
@@ -74,7 +77,7 @@ class JaxEngine:
             self._replicated = self.tp.replicated
             cache_cfg = self.tp.cache_config(model_cfg)
         self.max_slots = config.max_slots
-        self.page_size = config.page_size
+        self.page_size = config.page_size or kv_layout(jax.default_backend()).page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
         self.max_pages_per_seq = pages_needed(self.max_seq_len, self.page_size)
         # per device: --kv-cache-memory budgets each device's share of the pages

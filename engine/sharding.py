@@ -2,7 +2,7 @@
 the engine's weights and KV pages placed on the mesh, and the int8 matmul run per shard.
 
 XLA inserts the collectives of the float matmuls; the native kernels are custom calls it cannot
-partition, so they run per shard under shard_map (attention in kernels/attention.py, int8 matmuls
+partition, so they run per shard under shard_map (attention in engine/attention_layer.py, int8 matmuls
 here). A lone engine at tensor_parallel=1 never comes here: one device, no mesh, the same programs.
 Data parallelism gives each replica its own slice of the local devices (replica_devices).
 """
@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from engine.attention_layer import MODEL_AXIS, cache_head_axis
 from engine.layer_stack import LayerPick, PerLayer
-from kernels.attention import MODEL_AXIS
 from kernels.q8_matmul import GROUP, TILE, q8_matmul
 from models.config import ModelConfig
 from quantization import QuantizedWeight
@@ -216,7 +216,8 @@ class TensorParallel:
         """KV pages [L, KV, pages, page_size, hd] (and int8 scales [L, KV, pages, page_size]) split on
         the head axis, or replicated when attention is."""
         heads = MODEL_AXIS if self.kv_layout != "replicated" else None
-        return {name: NamedSharding(self.mesh, P(None, heads)) for name in cache}
+        spec = P(*([None] * cache_head_axis(cache)), heads)
+        return {name: NamedSharding(self.mesh, spec) for name in cache}
 
     def init_cache(self, make: Callable[[], dict], spec: dict) -> dict:
         """The zeroed cache made on the devices, each holding only its shard."""

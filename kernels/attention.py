@@ -1,11 +1,14 @@
 """Ragged paged attention: the one attention op of a step (decodes and prefill chunks of many sequences).
 
-Interface after tpu-inference's ragged paged attention, so a Pallas TPU/GPU kernel plugs in later:
-the step's new K/V are written into the pages, then every query token attends over its own
-sequence's keys up to its position. The pure-JAX reference below runs on GPU/TPU and is the test
-oracle; on CPU a native kernel (kernels/csrc/ragged_paged_attention.cc) runs when it is built.
+Interface after tpu-inference's ragged paged attention: the step's new K/V are written into the pages,
+then every query token attends over its own sequence's keys up to its position. The cache's layout is
+the backend's (kv_layout): on TPU the merged layout of kernels/tpu/layout.py, read by our Pallas kernel
+(kernels/tpu); elsewhere the layout below, read on CPU by a native kernel
+(kernels/csrc/ragged_paged_attention.cc) when it is built. The pure-JAX reference below is the test
+oracle and runs elsewhere (GPU).
 
-Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads):
+Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads;
+the standard layout's cache):
   q [T, H, hd]; k_new, v_new [T, KV, hd]
   kv_cache {"k", "v": [L, KV, num_pages, page_size, hd]} (f32, bf16 or int8), and for int8
            {"k_scale", "v_scale": [L, KV, num_pages, page_size]} f32 (per token and head)
@@ -25,11 +28,10 @@ a page between the two; the array shapes do not change.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from kernels import native
 
@@ -39,59 +41,74 @@ KVCache = dict[str, jax.Array]
 _BLOCK_KEYS = 128
 
 
-# The mesh axis attention heads are split over under tensor parallelism (engine/sharding.py).
-MODEL_AXIS = "model"
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The KV cache's layout on one backend: its arrays and default page size. The engine's allocator,
+    prefix cache and scheduler see page ids and the page size only."""
+
+    name: str             # "standard" ([L, KV, pages, page_size, hd] "k"/"v") or "merged" (kernels/tpu/layout.py)
+    page_size: int        # the default page size (--page-size overrides it)
+    head_axis: int        # the KV-head axis of every cache array (tensor parallelism splits it)
+
+    def shapes(self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+               dtype) -> dict[str, jax.ShapeDtypeStruct]:
+        """name -> shape and dtype of the cache's arrays."""
+        if self.name == "merged":
+            from kernels.tpu import layout
+
+            return layout.shapes(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype)
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        out = {"k": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), "v": jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))}
+        if jnp.dtype(dtype) == jnp.int8:
+            out["k_scale"] = out["v_scale"] = jax.ShapeDtypeStruct(shape[:4], jnp.float32)
+        return out
+
+    def init(self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+             dtype) -> KVCache:
+        """The zeroed cache."""
+        specs = self.shapes(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype)
+        return {name: jnp.zeros(s.shape, s.dtype) for name, s in specs.items()}
+
+
+def kv_layout(platform: str) -> KVLayout:
+    """The KV layout the attention kernel of `platform` ("cpu", "tpu", "gpu", ...) reads: on TPU K and V of
+    all heads merged per page, 128-token pages (the Pallas kernel's DMAs); elsewhere the standard layout
+    with 16-token pages (the native CPU kernel, the reference)."""
+    if platform == "tpu":
+        return KVLayout("merged", page_size=128, head_axis=2)
+    return KVLayout("standard", page_size=16, head_axis=1)
 
 
 def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: KVCache,
                            layer: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float,
-                           sliding_window: int | None = None) -> tuple[jax.Array, KVCache]:
+                           sliding_window: int | None = None, soft_cap: float | None = None
+                           ) -> tuple[jax.Array, KVCache]:
     """Write the new tokens' K/V into their pages, then attend; returns (out [T, H, hd], kv_cache).
-    Traced under an abstract mesh with a "model" axis (tensor parallel), it runs per device."""
+    soft_cap: Gemma-style cap * tanh(score / cap) on the scaled scores, before masking. The cache's
+    layout picks the kernel: merged (TPU): the Pallas kernel on TPU; standard: the native kernel on
+    CPU; the pure-JAX reference elsewhere."""
     args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and MODEL_AXIS in mesh.axis_names and mesh.shape[MODEL_AXIS] > 1:
-        return _per_shard(mesh, *args, **kwargs)
-    return _attend(*args, **kwargs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if "kv" in kv_cache:
+        if not native.use_pallas("ragged_paged_attention"):
+            return ragged_paged_attention_reference(*args, **kwargs)
+        from kernels.tpu import ragged_paged_attention as tpu_rpa
 
-
-def _attend(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-            sliding_window):
-    args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+        return jax.lax.platform_dependent(
+            *args, tpu=lambda *a: tpu_rpa.ragged_paged_attention(*a, **kwargs),
+            default=lambda *a: ragged_paged_attention_reference(*a, **kwargs))
+    if soft_cap is not None:  # the native kernel has no soft-cap
+        native.note_reference("ragged_paged_attention (soft_cap)", "the native CPU kernel has no logit soft-cap")
+        return ragged_paged_attention_reference(*args, **kwargs)
     if not native.load("ragged_paged_attention", "ragged_paged_attention"):
         return ragged_paged_attention_reference(*args, **kwargs)
     from kernels import attention_native
 
     return jax.lax.platform_dependent(
-        *args, cpu=lambda *a: attention_native.ragged_paged_attention_cpu(*a, **kwargs),
+        *args, cpu=lambda *a: attention_native.ragged_paged_attention_cpu(
+            *a, sm_scale=sm_scale, sliding_window=sliding_window),
         default=lambda *a: ragged_paged_attention_reference(*a, **kwargs))
-
-
-def _per_shard(mesh, q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
-    """Tensor parallel: the kernel (a custom call XLA cannot partition) runs under shard_map, each device
-    on its own heads. When the cache's KV heads and the query heads divide by the mesh size, q, the
-    new K/V and the cache split on the head axis: device d holds query heads [d*H/n, (d+1)*H/n) and
-    cache heads [d*C/n, (d+1)*C/n), whole GQA groups. A cache with more heads than the step's K/V
-    (C = n > KV: each KV head repeated for the n/KV devices whose queries read it) gets the new K/V
-    repeated likewise. Otherwise every device runs all heads on a replicated cache. The step's index
-    inputs are replicated."""
-    n = mesh.shape[MODEL_AXIS]
-    heads, kvh, cache_heads = q.shape[1], k_new.shape[1], kv_cache["k"].shape[1]
-    if cache_heads != kvh:
-        if cache_heads % kvh:
-            raise ValueError(f"a cache of {cache_heads} KV heads cannot repeat {kvh} KV heads")
-        k_new = jnp.repeat(k_new, cache_heads // kvh, axis=1)                     # [T,C,hd]
-        v_new = jnp.repeat(v_new, cache_heads // kvh, axis=1)
-    split = P(None, MODEL_AXIS) if heads % n == 0 and cache_heads % n == 0 else P()
-    cache_specs = {name: split for name in kv_cache}
-    index = P()
-    fn = jax.shard_map(functools.partial(_attend, **kwargs), mesh=mesh,
-                       in_specs=(split, split, split, cache_specs, index, index, index, index, index),
-                       out_specs=(split, cache_specs), check_vma=False)
-    return fn(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
 
 
 def token_layout(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
@@ -182,9 +199,23 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens,
-                                     num_seqs, *, sm_scale: float, sliding_window: int | None = None):
+                                     num_seqs, *, sm_scale: float, sliding_window: int | None = None,
+                                     soft_cap: float | None = None):
     """Pure JAX: each token gathers its own sequence's pages, a block of keys at a time, into an
-    online softmax; the loop runs up to the longest position in the batch only."""
+    online softmax; the loop runs up to the longest position in the batch only. A merged (TPU) cache
+    is converted to the standard layout and back (a test oracle there, never the TPU's path)."""
+    if "kv" in kv_cache:
+        from kernels.tpu import layout
+
+        std = layout.to_standard(kv_cache)
+        if k_words_major(std):
+            std["k"] = k_page_to_cache(std["k"])
+        out, std = ragged_paged_attention_reference(q, k_new, v_new, std, layer, kv_lens, page_indices, cu_q_lens,
+                                                    num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                                    soft_cap=soft_cap)
+        if k_words_major(std):
+            std["k"] = k_page_from_cache(std["k"])
+        return out, layout.from_standard(std)
     t_len, h, hd = q.shape
     _, kvh, num_pages, page_size = kv_cache["k"].shape[:4]
     g = h // kvh
@@ -219,6 +250,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, 
         s = jnp.einsum("tkgh,tksh->tkgs", qg, k)                             # [T,KV,G,BK]
         if int8:
             s = s * gather("k_scale", pages)[:, :, None, :]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = i * block_keys + jnp.arange(block_keys, dtype=jnp.int32)
         visible = (k_pos[None, :] <= pos[:, None]) & valid[:, None]          # [T,BK]
         if sliding_window is not None:

@@ -11,7 +11,7 @@ import jax
 
 log = logging.getLogger(__name__)
 
-_paths: dict[str, str] = {}       # kernel -> "native" | "reference", once asked for
+_paths: dict[str, str] = {}       # kernel -> "native" | "pallas" | "reference", once asked for
 _registered: dict[str, bool] = {}  # extension module -> loaded and registered
 
 
@@ -68,6 +68,26 @@ def _register(module: str) -> bool:
     return _registered[module]
 
 
+def use_pallas(kernel: str) -> bool:
+    """True when `kernel` runs as its Pallas TPU kernel (the merged KV layout's path on TPU); logged once.
+    SLIPSTREAM_KERNELS=reference forces the pure-JAX reference."""
+    if kernel not in _paths:
+        if reference_forced():
+            log.warning("kernel %s: pure-JAX reference (SLIPSTREAM_KERNELS=reference)", kernel)
+            _paths[kernel] = "reference"
+        else:
+            log.info("kernel %s: Pallas TPU (kernels/tpu)", kernel)
+            _paths[kernel] = "pallas"
+    return _paths[kernel] == "pallas"
+
+
+def note_reference(kernel: str, why: str) -> None:
+    """Record (and log once) that `kernel` runs as the pure-JAX reference, and why."""
+    if kernel not in _paths:
+        log.warning("kernel %s: pure-JAX reference (%s)", kernel, why)
+        _paths[kernel] = "reference"
+
+
 def kernel_paths() -> dict[str, str]:
-    """kernel name -> "native" or "reference", for every kernel asked for so far (logs, /metrics)."""
+    """kernel name -> "native", "pallas" or "reference", for every kernel asked for so far (logs, /metrics)."""
     return dict(_paths)

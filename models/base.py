@@ -11,13 +11,13 @@ The engine runs it as a pure function: `nnx.split` outside jit, `nnx.merge` insi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels.attention import ragged_paged_attention
+from kernels.attention import kv_layout, ragged_paged_attention
 from models import layers
 from models.config import ModelConfig
 
@@ -91,18 +91,20 @@ class CausalLM(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-    """Attention of one ragged step: kernels.attention's ragged paged attention over the KV pages."""
+    """Attention of one ragged step: kernels.attention's ragged paged attention over the KV pages, or the
+    engine's wrapper of it with the same signature (`kernel`: tensor parallelism's shard_map)."""
 
     cfg: ModelConfig
     kv_lens: jax.Array
     page_indices: jax.Array
     cu_q_lens: jax.Array
     num_seqs: jax.Array
+    kernel: Callable = ragged_paged_attention
 
     def __call__(self, q, k, v, cache, layer, sliding):
         def attend(window):
-            return ragged_paged_attention(q, k, v, cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
-                                          self.num_seqs, sm_scale=self.cfg.sm_scale, sliding_window=window)
+            return self.kernel(q, k, v, cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
+                               self.num_seqs, sm_scale=self.cfg.sm_scale, sliding_window=window)
 
         if isinstance(sliding, bool):
             return attend(self.cfg.sliding_window if sliding else None)
@@ -141,25 +143,24 @@ class DenseAttention:
 
 # ---- what the engine calls -----------------------------------------------------------------------
 
-def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """K and V pages for all layers, heads before pages: [L, KV, num_pages, page_size, hd]. One
-    (layer, head, page) is a contiguous [page_size, hd] block, and the head axis can be sharded."""
-    return (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
+                   platform: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The cache's arrays (name -> shape and dtype) in the layout the attention kernel of `platform`
+    (default: JAX's default backend) reads: kernels.attention.kv_layout. On CPU and GPU K and V pages
+    [L, KV, num_pages, page_size, hd]; on TPU K and V of all heads merged per page."""
+    return kv_layout(platform or jax.default_backend()).shapes(
+        cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype)
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
-    """The KV pages; int8 caches also hold per-token-per-head f32 scales [L, KV, num_pages, page_size]."""
-    shape = kv_cache_shape(cfg, num_pages, page_size)
-    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-    if jnp.dtype(dtype) == jnp.int8:
-        cache["k_scale"] = jnp.zeros(shape[:4], jnp.float32)
-        cache["v_scale"] = jnp.zeros(shape[:4], jnp.float32)
-    return cache
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, platform: str | None = None) -> dict:
+    """The zeroed KV pages (int8 caches also hold per-token-per-head f32 scales), see kv_cache_shape."""
+    return {name: jnp.zeros(s.shape, s.dtype) for name, s in kv_cache_shape(cfg, num_pages, page_size, dtype,
+                                                                             platform).items()}
 
 
 def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
          page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
-         *, dtype=jnp.float32) -> tuple[jax.Array, dict]:
+         *, dtype=jnp.float32, attention: Callable = ragged_paged_attention) -> tuple[jax.Array, dict]:
     """One ragged step over the paged KV cache: logits [R, V] of the tokens at sample_index [R], and the
     cache with every real token's K/V written.
 
@@ -167,15 +168,16 @@ def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, 
     at consecutive positions ending at kv_lens[s] - 1 (a decode is one token, a prefill chunk many;
     tokens from cu_q_lens[num_seqs] on are padding). kv_lens [S], page_indices [S, P], cu_q_lens [S+1],
     num_seqs [1]: kernels.attention's interface. Every weight matmul sees all T tokens at once.
+    attention: the ragged paged attention op (the engine wraps kernels.attention's for tensor parallelism).
     """
-    attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs)
+    attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
     return model(tokens, positions, attend, cache, sample_index, dtype=dtype)
 
 
-def step_fn(graphdef: nnx.GraphDef):
+def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention):
     """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache)."""
     def run(state, cache, *inputs, dtype=jnp.float32):
-        return step(nnx.merge(graphdef, state), cache, *inputs, dtype=dtype)
+        return step(nnx.merge(graphdef, state), cache, *inputs, dtype=dtype, attention=attention)
     return run
 
 

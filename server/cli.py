@@ -54,7 +54,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-slots", type=int, default=int(_env("max-slots", 32)))
     p.add_argument("--max-seq-len", type=int, default=int(_env("max-seq-len", 2048)))
-    p.add_argument("--page-size", type=int, default=int(_env("page-size", 16)))
+    page_size = _env("page-size", None)
+    p.add_argument("--page-size", type=int, default=None if page_size is None else int(page_size),
+                   help="tokens per KV page (default: the attention kernel's choice, 16 on CPU, 128 on TPU)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(_env("kv-cache-memory", "768MiB")))
     p.add_argument("--max-num-batched-tokens", type=int, default=int(_env("max-num-batched-tokens", 288)),
                    help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "

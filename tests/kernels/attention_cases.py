@@ -67,7 +67,8 @@ def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(x / safe[..., None]), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
-def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None) -> tuple[np.ndarray, dict]:
+def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None,
+           soft_cap: float | None = None) -> tuple[np.ndarray, dict]:
     """Per sequence: write its new K/V into its pages, then plain softmax attention per token."""
     cache = {k: v.copy() for k, v in c.cache.items()}
     int8 = "k_scale" in cache
@@ -106,6 +107,8 @@ def oracle(c: Case, *, sm_scale: float, sliding_window: int | None = None) -> tu
             for head in range(h):
                 kh = head // g
                 sc = k[kh, lo:pos + 1] @ c.q[tok, head] * sm_scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
                 p = np.exp(sc - sc.max())
                 out[tok, head] = (p / p.sum()) @ v[kh, lo:pos + 1]
     if words_major:

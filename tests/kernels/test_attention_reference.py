@@ -11,7 +11,7 @@ from tests.kernels.attention_cases import make_case, oracle
 
 
 def _run(case, **kw):
-    fn = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
+    fn = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
     cache = {k: jnp.asarray(v) for k, v in case.cache.items()}
     return fn(jnp.asarray(case.q), jnp.asarray(case.k_new), jnp.asarray(case.v_new), cache,
               jnp.int32(case.layer), jnp.asarray(case.kv_lens), jnp.asarray(case.page_indices),
@@ -105,3 +105,25 @@ def test_bf16_k_pages_are_word_major_when_head_dim_is_even():
             np.testing.assert_array_equal(k_page[off * hd:(off + 1) * hd], want)
         assert np.count_nonzero(k_page) == hd
         np.testing.assert_array_equal(np.asarray(out["v"].astype(jnp.float32))[1, 0, page, off], want)
+
+
+def test_soft_cap_matches_oracle():
+    """Gemma-style cap * tanh(score / cap) on the scaled scores, before masking; through the seam on CPU too
+    (the native kernel has no soft-cap, so the reference runs)."""
+    from kernels.attention import ragged_paged_attention
+
+    rng = np.random.default_rng(1)
+    case = make_case(rng, q_lens=[1, 6], cached=[9, 3], kv_heads=1, group=2, head_dim=8, page_size=4)
+    case.q *= 4.0                                                              # scores well past the cap
+    scale, cap = 8 ** -0.5, 2.0
+    want, _ = oracle(case, sm_scale=scale, soft_cap=cap)
+    uncapped, _ = oracle(case, sm_scale=scale)
+    assert np.abs(want - uncapped).max() > 0.05, "the cap must matter in this case"
+    out, _ = _run(case, sm_scale=scale, soft_cap=cap)
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-4)
+    seam = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, soft_cap=cap))
+    cache = {k: jnp.asarray(v) for k, v in case.cache.items()}
+    out, _ = seam(jnp.asarray(case.q), jnp.asarray(case.k_new), jnp.asarray(case.v_new), cache, jnp.int32(case.layer),
+                  jnp.asarray(case.kv_lens), jnp.asarray(case.page_indices), jnp.asarray(case.cu_q_lens),
+                  jnp.asarray(case.num_seqs))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,301 @@
+"""Ragged paged attention on TPU (Pallas/Mosaic) over the merged page layout of kernels/tpu/layout.py.
+
+The step's new K/V are scattered into their pages, then two calls of one kernel attend, each over a
+list of work items (a sequence and a block of its query rows): blocks of `decode_rows` rows for the
+sequences feeding that few tokens, blocks of `prefill_rows` for the rest. Per item the kernel walks
+the sequence's pages `pages_per_block` at a time, each page one DMA of all KV heads' K and V, double
+buffered; the next item's first block is fetched while this item's last block computes. A KV head's
+query-head group (G rows per token) attends together, with an f32 online softmax; int8 pages apply
+their per-token scales to the scores and to the probabilities.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.attention import quantize_kv, token_layout
+from kernels.tpu import layout
+
+# A finite "minus infinity": a masked score gives exp(MASK - m) == 0, never inf - inf.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LANES = 128
+
+
+def _lanes(x, n: int):
+    """x [r, 128], all lanes equal, as [r, n] (the patterns jax's own TPU flash attention lowers: a lane
+    tile, a prefix slice)."""
+    if n % LANES == 0:
+        return x if n == LANES else jnp.tile(x, (1, n // LANES))
+    if n < LANES:
+        return x[:, :n]
+    return x[:, :1]
+
+
+def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
+            pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
+            q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
+            sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
+            merge_pages: bool):
+    if int8:
+        sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
+    else:
+        o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
+        sc_hbm = sc_buf = None
+    nb, ps, kvh, hd = pages_per_block, kv_buf.shape[4], kv_buf.shape[2], kv_buf.shape[5]
+    r = rows * group                                    # query rows per KV head: token-major, group-minor
+    # explicit, so a global jax_default_matmul_precision never asks Mosaic for fp32 passes on bf16 operands
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
+    i = pl.program_id(0)
+    n_items = num_items_ref[0]
+    layer = layer_ref[0]
+
+    def copies(item, blk, slot):
+        """The DMAs of block `blk` of `item`'s pages into buffer `slot`, each with its predicate (pages
+        outside the item's keys are not fetched; their stale buffer rows are masked)."""
+        s = item_seq_ref[item]
+        out = []
+        for j in range(nb):
+            p = blk * nb + j
+            valid = (p >= item_first_ref[item]) & (p < item_end_ref[item])
+            page = pages_ref[s * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
+            out.append((valid, pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j], sems.at[0, slot])))
+            if int8:
+                out.append((valid, pltpu.make_async_copy(sc_hbm.at[layer, page], sc_buf.at[slot, j],
+                                                         sems.at[1, slot])))
+        return out
+
+    def q_copy(item, slot):
+        return pltpu.make_async_copy(q_hbm.at[pl.ds(item_row_ref[item], rows)], q_buf.at[slot], io_sems.at[0, slot])
+
+    def o_copy(item, slot):
+        return pltpu.make_async_copy(o_buf.at[slot], o_hbm.at[pl.ds(item_row_ref[item], rows)], io_sems.at[1, slot])
+
+    def start(item, blk, slot):
+        for valid, c in copies(item, blk, slot):
+            pl.when(valid)(c.start)
+
+    def wait(item, blk, slot):
+        for valid, c in copies(item, blk, slot):
+            pl.when(valid)(c.wait)
+
+    @pl.when(i == 0)
+    def _first():
+        # stale buffer rows are masked by p == 0, so they must not be NaN: clear them once per call
+        kv_buf[...] = jnp.zeros_like(kv_buf)
+        if int8:
+            sc_buf[...] = jnp.zeros_like(sc_buf)
+        slot_ref[0] = 0
+
+        @pl.when(n_items > 0)
+        def _():
+            start(0, item_first_ref[0] // nb, 0)
+            q_copy(0, 0).start()
+
+    @pl.when(i < n_items)
+    def _item():
+        # q and out are double-buffered too: item i uses slot i % 2 and fetches item i + 1's rows; its out
+        # DMA runs during item i + 1, which waits for it before starting its own: an item's block of rows
+        # can overrun into the next item's, so the writes must land in item order
+        qs = jax.lax.rem(i, 2)
+
+        @pl.when(i + 1 < n_items)
+        def _():
+            q_copy(i + 1, 1 - qs).start()
+
+        s = item_seq_ref[i]
+        row = item_row_ref[i]
+        kv_len = kv_lens_ref[s]
+        q_start, q_end = cu_ref[s], cu_ref[s + 1]
+        base = kv_len - (q_end - q_start) + (row - q_start)       # position of the item's first row
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+        m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        q_copy(i, qs).wait()
+        first_blk = item_first_ref[i] // nb
+        last_blk = (item_end_ref[i] - 1) // nb
+        nxt_item = jnp.minimum(i + 1, item_seq_ref.shape[0] - 1)
+
+        def block(blk, slot):
+            last = blk == last_blk
+
+            @pl.when(jnp.logical_not(last) | (i + 1 < n_items))
+            def _prefetch():
+                start(jnp.where(last, nxt_item, i), jnp.where(last, item_first_ref[nxt_item] // nb, blk + 1),
+                      1 - slot)
+
+            wait(i, blk, slot)
+            for h in range(kvh):
+                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
+                if merge_pages:
+                    _keys(q, h, slice(None), blk * nb, slot)
+                else:
+                    for j in range(nb):
+                        _keys(q, h, slice(j, j + 1), blk * nb + j, slot)
+            return 1 - slot
+
+        def _keys(q, h, pages, first_page, slot):
+            """Online-softmax update of head h's rows with the keys of buffer pages `pages` (a slice),
+            whose first is the sequence's page number first_page."""
+            n = len(range(nb)[pages])
+            keys = n * ps
+            k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                            # [n*ps, hd]
+            v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
+            if int8:
+                k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+            s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
+            if int8:   # per-key scales as one lane row [1, n*ps]
+                def scale_row(kv):
+                    return jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
+                s_ = s_ * scale_row(0)
+            if soft_cap is not None:
+                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
+            # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
+            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, keys), 0).astype(jnp.float32) * (1.0 / group)
+                       + 0.5 / group).astype(jnp.int32)
+            q_pos = base + row_tok                                                       # [r, n*ps]
+            k_pos = first_page * ps + jax.lax.broadcasted_iota(jnp.int32, (r, keys), 1)
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            s_ = jnp.where(visible, s_, MASK_VALUE)
+            m_prev, l_prev = m_ref[h], l_ref[h]                                          # [r, 128]
+            m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s_ - _lanes(m_next, keys))
+            l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[h] = m_next
+            if int8:
+                p = p * scale_row(1)
+            pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
+                         preferred_element_type=jnp.float32)                             # [r, hd]
+            acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
+
+        slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
+        for h in range(kvh):
+            l = _lanes(l_ref[h], hd)
+            out = acc_ref[h] / jnp.where(l > 0, l, 1.0)                                  # [r, hd]
+            o_buf[qs, :, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
+
+        @pl.when(i >= 1)
+        def _():
+            o_copy(i - 1, 1 - qs).wait()
+
+        o_copy(i, qs).start()
+
+        @pl.when(i == n_items - 1)
+        def _():
+            o_copy(i, qs).wait()
+
+
+def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: int, page_size: int,
+           sliding_window: int | None):
+    """Work items of the sequences where `take` [S]: (count [1], seq, first row, first page, end page)
+    [max_items] each; a sequence of q_len tokens gives ceil(q_len / rows) items."""
+    n_blocks = jnp.where(take, -(-q_lens // rows), 0)                      # [S]
+    ends = jnp.cumsum(n_blocks)
+    k = jnp.arange(max_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    j = k - (ends[seq] - n_blocks[seq])                                    # block within its sequence
+    row = cu_q_lens[seq] + j * rows
+    first_pos = kv_lens[seq] - q_lens[seq] + j * rows
+    last_pos = jnp.minimum(first_pos + rows - 1, kv_lens[seq] - 1)
+    lo = jnp.zeros_like(first_pos) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    count = jnp.minimum(ends[-1], max_items).reshape(1).astype(jnp.int32)
+    return count, seq, row.astype(jnp.int32), (lo // page_size).astype(jnp.int32), \
+        (last_pos // page_size + 1).astype(jnp.int32)
+
+
+def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages):
+    kv = kv_cache["kv"]
+    _, _, kvh, _, ps, hd = kv.shape
+    int8 = "kv_scale" in kv_cache
+    h = q_pad.shape[1]
+    kv_lens, pages_flat, cu_q_lens, layer, pages_per_seq = scalars
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scratch = [pltpu.VMEM((2, rows, h, hd), jnp.float32), pltpu.VMEM((2, rows, h, hd), jnp.float32),
+               pltpu.VMEM((2, pages_per_block, kvh, 2, ps, hd), kv.dtype)]
+    if int8:
+        scratch.append(pltpu.VMEM((2, pages_per_block, kvh, 2, ps), jnp.float32))
+    r = rows * group
+    scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
+                pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
+    kernel = functools.partial(
+        _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
+        merge_pages=merge_pages)
+    count, seq, row, first, end = items
+    call = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=9, grid=(seq.shape[0],),
+            in_specs=[any_spec] * (3 if int8 else 2), out_specs=any_spec, scratch_shapes=scratch),
+        out_shape=jax.ShapeDtypeStruct(q_pad.shape, jnp.float32),
+        # the grid walks items in order: each step finishes the DMAs the previous one started
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        interpret=pltpu.InterpretParams() if interpret else False)
+    operands = (q_pad, kv) + ((kv_cache["kv_scale"],) if int8 else ())
+    return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
+
+
+def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                           pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
+                           vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
+                           interpret: bool = False):
+    """kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
+    pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
+    rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
+    page); interpret: Pallas' TPU interpreter (tests on CPU)."""
+    if not layout.is_merged(kv_cache):
+        raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
+                         f"got {sorted(kv_cache)}")
+    t_len, h, hd = q.shape
+    _, num_pages, kvh, _, ps, _ = kv_cache["kv"].shape
+    if h % kvh:
+        raise ValueError(f"q has {h} heads, not a multiple of the cache's {kvh} KV heads")
+    group = h // kvh
+    nb = pages_per_block or max(1, 512 // ps)
+    n_rows, pages_per_seq = page_indices.shape
+
+    seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
+    page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
+    kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
+                               quantize_kv)
+
+    i32 = jnp.int32
+    n = jnp.reshape(num_seqs, ()).astype(i32)
+    cu_q_lens = cu_q_lens.astype(i32)
+    kv_lens = kv_lens.astype(i32)
+    q_lens = jnp.where(jnp.arange(n_rows) < n, cu_q_lens[1:] - cu_q_lens[:-1], 0)            # [S]
+    decode = (q_lens > 0) & (q_lens <= decode_rows)
+    prefill = q_lens > decode_rows
+    scalars = (kv_lens, page_indices.astype(i32).reshape(-1), cu_q_lens,
+               jnp.asarray(layer, i32).reshape(1), pages_per_seq)
+    cdt = jnp.float32 if jnp.float32 in (q.dtype, kv_cache["kv"].dtype) else jnp.bfloat16
+    pad = max(decode_rows, prefill_rows)
+    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0)))                     # item rows past T
+    common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
+                  soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
+                  merge_pages=merge_pages)
+    item_kw = dict(page_size=ps, sliding_window=sliding_window)
+
+    def run(take, rows, max_items):
+        items = _items(q_lens, kv_lens, cu_q_lens, n, take, rows=rows, max_items=max_items, **item_kw)
+        return jax.lax.cond(jnp.any(take),
+                            lambda: _attend_items(q_pad, kv_cache, scalars, items, rows=rows, **common),
+                            lambda: jnp.zeros(q_pad.shape, jnp.float32))
+
+    out_d = run(decode, decode_rows, min(n_rows, t_len))
+    # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence
+    out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)))
+    long_tok = prefill[seq]
+    out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache

@@ -1,0 +1,295 @@
+"""Device check of the Pallas TPU ragged paged attention (kernels/tpu): speed and correctness on the chip.
+
+On the TPU:   python -m tests.kernels.tpu_attention_check            (about 4-5 minutes with compiles)
+On CPU:       JAX_PLATFORMS=cpu python -m tests.kernels.tpu_attention_check --smoke   (interpret mode, tiny)
+
+Order (each step is skipped once --budget-s seconds have passed; partial results print and save as they come):
+(b) Decode speed, Llama-3-8B heads (32 q heads, 8 KV heads, hd 128), 128-token pages, bf16 activations,
+    per layer, timed over a lax.scan of 8 layers (dispatch amortized; each layer writes its K/V and
+    attends): bf16 KV at 32 seqs x 384 and 64 x 2048, int8 KV at 64 x 2048. GB/s = KV bytes read (K, V
+    and int8 scales of every sequence's context) / time, and its fraction of the HBM read rate measured
+    in the same run (jnp.sum over 2 GiB of f32, best of 5). Targets: 64 x 2048 >= 70%, 32 x 384 >= 50%,
+    int8 >= 60%. The first program's count of cache-sized copies shows whether the K/V write is in place.
+(c) Mixed step: 32 decodes (1024 context) + one 512-token prefill chunk (after 512 cached tokens) in one
+    call, against the decode-only and prefill-only calls. Target: mixed <= 1.2 x (decode + prefill).
+(a) The property cases of tests/kernels/tpu_cases.py at 128-token pages, compiled for the chip, against the
+    pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error.
+Then the block-size sweep (pages_per_block, decode_rows, merge_pages; prefill_rows 256).
+JSON: $OUT/tpu_attention_check.json (or ./ without OUT). Exit status 1 when a case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.tpu import layout
+from kernels.tpu.ragged_paged_attention import ragged_paged_attention
+from tests.kernels.tpu_cases import SPECS, check, tolerance
+
+LAYERS = 8
+_layers = LAYERS   # --smoke: 2
+
+
+def _best_time(fn, *args, reps: int = 5) -> tuple[float, object]:
+    """Best wall time of fn(*args) over reps calls (after a warm-up); fn returns (result, carry to feed)."""
+    out = jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def hbm_read_gbs(n_bytes: int) -> float:
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    t, _ = _best_time(f, x)
+    del x
+    return n_bytes / t / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A batch: `decodes` sequences of one token at context `ctx`, plus `prefills` chunks of `chunk`
+    tokens after `cached` tokens."""
+    decodes: int
+    ctx: int
+    prefills: int = 0
+    chunk: int = 0
+    cached: int = 0
+
+
+def make_step(step: Step, *, kv_heads: int, group: int, hd: int, page_size: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q_lens = [1] * step.decodes + [step.chunk] * step.prefills
+    kv_lens = [step.ctx] * step.decodes + [step.cached + step.chunk] * step.prefills
+    need = [-(-k // page_size) for k in kv_lens]
+    p = max(need)
+    pages = rng.permutation(np.arange(1, sum(need) + 1)).astype(np.int32)
+    table = np.zeros((len(q_lens), p), np.int32)
+    at = 0
+    for i, k in enumerate(need):
+        table[i, :k] = pages[at:at + k]
+        at += k
+    t = sum(q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    shapes = layout.shapes(_layers, kv_heads, sum(need) + 1, page_size, hd, dtype)
+    key = jax.random.PRNGKey(seed)
+    cache = {}
+    for name, s in shapes.items():
+        if s.dtype == jnp.int8:
+            cache[name] = jax.random.randint(key, s.shape, -127, 128, jnp.int8)
+        elif name == "kv_scale":
+            cache[name] = jnp.full(s.shape, 0.01, jnp.float32)
+        else:
+            cache[name] = jax.random.normal(key, s.shape, s.dtype)   # no f32 temporary of the cache's size
+    h = kv_heads * group
+    act = jnp.bfloat16
+    q = jax.random.normal(key, (t, h, hd), jnp.float32).astype(act)
+    kn = jax.random.normal(key, (t, kv_heads, hd), jnp.float32).astype(act)
+    idx = (jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32))
+    kv_bytes = sum(kv_lens) * kv_heads * 2 * hd * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.int8:
+        kv_bytes += sum(kv_lens) * kv_heads * 2 * 4
+    return (q, kn, kn, cache) + idx, kv_bytes
+
+
+def layers_fn(sm_scale: float, interpret: bool, **block_kw):
+    """(q, k, v, cache, kv_lens, page_indices, cu_q_lens, num_seqs) -> (sum of outputs, cache): the kernel
+    once per layer under one lax.scan, the cache carried (donated)."""
+    def run(q, k, v, cache, kv_lens, pages, cu, ns):
+        def body(c, layer):
+            out, c = ragged_paged_attention(q, k, v, c, layer, kv_lens, pages, cu, ns, sm_scale=sm_scale,
+                                            interpret=interpret, **block_kw)
+            return c, out[0, 0, 0].astype(jnp.float32)
+        cache, outs = jax.lax.scan(body, cache, jnp.arange(_layers, dtype=jnp.int32))
+        return outs.sum(), cache
+    return jax.jit(run, donate_argnums=(3,))
+
+
+def cache_copies(compiled, cache: dict) -> int:
+    """How many copy instructions of a whole layer-stacked cache array the compiled program holds (0: the
+    K/V write updates the donated cache in place)."""
+    hlo_types = {"bfloat16": "bf16", "float32": "f32", "int8": "s8"}
+    shapes = [f"{hlo_types[jnp.dtype(a.dtype).name]}[{','.join(map(str, a.shape))}]" for a in cache.values()]
+    return sum(1 for line in compiled.as_text().splitlines()
+               if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
+
+
+def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, **block_kw) -> float:
+    """Seconds per layer (one compile); `copies`, when given, gets {"cache_copies": n, "compile_s": s}."""
+    q, k, v, cache, *idx = args
+    t0 = time.perf_counter()
+    fn = layers_fn(sm_scale, interpret, **block_kw).lower(q, k, v, cache, *idx).compile()
+    if copies is not None:
+        copies["compile_s"] = time.perf_counter() - t0
+        copies["cache_copies"] = cache_copies(fn, cache)
+    state = {"cache": cache}
+
+    def once():
+        s, state["cache"] = fn(q, k, v, state["cache"], *idx)
+        return s
+
+    t, _ = _best_time(lambda: once(), reps=reps)
+    return t / _layers
+
+
+class Report:
+    def __init__(self, path: str, budget_s: float):
+        self.path, self.t0, self.budget = path, time.perf_counter(), budget_s
+        self.data: dict = {"device": str(jax.devices()[0]), "cases": {}, "decode": {}, "mixed": {}}
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=1)
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.t0 > self.budget
+
+    def say(self, line: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {line}", flush=True)
+
+
+def correctness(rep: Report, interpret: bool) -> None:
+    """On the chip: every case at 128-token pages (200 more cached tokens, so several pages) with the
+    default blocks; in --smoke: two cases at their 16-token pages."""
+    rep.say("(a) property cases vs the reference (f32 matmuls at highest precision)")
+    if interpret:
+        variants = [(s, "ps16", {"pages_per_block": 2, "prefill_rows": 8}) for s in SPECS[:2]]
+    else:
+        variants = [(dataclasses.replace(s, page_size=128, cached=tuple(c + 200 for c in s.cached)), "ps128", {})
+                    for s in SPECS]
+    for spec, tag, block_kw in variants:
+        name = f"{spec.name}/{tag}"
+        if rep.out_of_time():
+            rep.say(f"  time budget spent: {name} skipped")
+            continue
+        try:
+            err, _ = check(spec, interpret=interpret, atol=tolerance(spec), **block_kw)
+            rep.data["cases"][name] = {"pass": True, "max_abs_err": err}
+            rep.say(f"  PASS {name:32s} max |out - ref| {err:.2e} (tolerance {tolerance(spec):.0e})")
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the next case still runs
+            rep.data["cases"][name] = {"pass": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            rep.say(f"  FAIL {name:32s} {type(exc).__name__}: {str(exc)[:300]}")
+        rep.save()
+
+
+def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
+    """(first jobs: each decode case at default blocks and the mixed step, the rest of the sweep)."""
+    if smoke:
+        kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
+        decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
+        mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
+        ppbs, rows = ((1, 1, True), (2, 8, True)), (8,)
+    else:
+        kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
+        decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
+                        ("int8_64x2048", Step(64, 2048), jnp.int8)]
+        mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
+        # (pages_per_block, decode_rows, merge_pages): decode_rows 8 pads each decode item to 32 query rows
+        # (GQA 4); merge_pages False: one softmax update per page
+        ppbs, rows = ((4, 1, True), (4, 1, False), (2, 1, True), (8, 1, True), (4, 8, True)), (128, 256)
+    hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
+    rep.data["hbm_read_gbs"] = hbm
+    rep.say(f"HBM read (jnp.sum over {'4 MiB' if smoke else '2 GiB'} f32, best of 5): {hbm:.0f} GB/s")
+    sm = hd ** -0.5
+    rep.say(f"(b) decode, {kvh * group} q heads / {kvh} KV heads / hd {hd}, pages of {ps}, per layer "
+            f"({_layers} layers under one scan)")
+    dec, pre = mixed
+    both = Step(dec.decodes, dec.ctx, pre.prefills, pre.chunk, pre.cached)
+
+    def decode(name, step, dtype, ppb, drows, merge):
+        tag = f"{ppb},{drows},{int(merge)}"
+        entry = rep.data["decode"].setdefault(name, {"sweep": {}, "best": None})
+        args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
+        entry["kv_mb_per_layer"] = kv_bytes / 1e6
+        try:
+            copies = {}
+            t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows,
+                          merge_pages=merge)
+            gbs = kv_bytes / t / 1e9
+            entry["sweep"][tag] = {"ms": t * 1e3, "gbs": gbs, "of_hbm": gbs / hbm, **(copies or {})}
+            note = (f"   (compiled in {copies['compile_s']:.0f} s; cache-sized copies in the program: "
+                    f"{copies['cache_copies']})" if copies else "")
+            rep.say(f"  {name:14s} {tag:>14s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
+        except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
+            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rep.say(f"  {name:14s} {tag:>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        ok = [v for v in entry["sweep"].values() if "ms" in v]
+        entry["best"] = min(ok, key=lambda v: v["ms"]) if ok else None
+
+    def mixed_run(r):
+        try:
+            ts = []
+            for step in (dec, pre, both):
+                args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
+                ts.append(time_step(args, sm, interpret, reps, prefill_rows=r))
+                del args
+            rep.data["mixed"][r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
+                                    "ratio": ts[2] / (ts[0] + ts[1])}
+            rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
+                    f"cached, bf16 KV), prefill_rows {r}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
+                    f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
+                    "(decode + prefill)")
+        except Exception as exc:  # noqa: BLE001
+            rep.data["mixed"][r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rep.say(f"(c) mixed, prefill_rows {r}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+
+    # most important first, so a spent budget leaves every case with its default blocks measured
+    first = [functools.partial(decode, *c, *ppbs[0]) for c in decode_cases]
+    first.append(functools.partial(mixed_run, rows[0]))
+    rest = [functools.partial(decode, *c, *cfg) for cfg in ppbs[1:] for c in decode_cases]
+    rest += [functools.partial(mixed_run, r) for r in rows[1:]]
+    rep.say(f"  {'case':14s} {'blk,rows,merge':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
+    return first, rest
+
+
+def run_jobs(rep: Report, jobs: list) -> None:
+    for n, job in enumerate(jobs):
+        if rep.out_of_time():
+            rep.say(f"time budget spent: {len(jobs) - n} measurements skipped")
+            return
+        job()
+        rep.save()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes in Pallas' TPU interpret mode (CPU)")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="start no new measurement or case after this many seconds")
+    ap.add_argument("--skip-cases", action="store_true", help="speed only")
+    ap.add_argument("--skip-speed", action="store_true", help="property cases only")
+    args = ap.parse_args(argv)
+    interpret = args.smoke or jax.default_backend() != "tpu"
+    global _layers
+    _layers = 2 if args.smoke else LAYERS
+    if interpret and not args.smoke:
+        print("not on a TPU: run with --smoke (interpret mode, tiny sizes)", file=sys.stderr)
+        return 2
+    rep = Report(os.path.join(os.environ.get("OUT", "."), "tpu_attention_check.json"), args.budget_s)
+    rep.say(f"device: {rep.data['device']}, interpret={interpret}")
+    # order: decode and mixed at default blocks, the property cases, then the block-size sweep
+    first, rest = speed_jobs(rep, args.smoke, interpret) if not args.skip_speed else ([], [])
+    run_jobs(rep, first)
+    if not args.skip_cases:
+        correctness(rep, interpret)
+    run_jobs(rep, rest)
+    n_fail = sum(not c["pass"] for c in rep.data["cases"].values())
+    rep.say(f"done: {len(rep.data['cases']) - n_fail} cases passed, {n_fail} failed; JSON: {rep.path}")
+    rep.save()
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
