@@ -4,7 +4,7 @@ Interface after tpu-inference's ragged paged attention: the step's new K/V are w
 then every query token attends over its own sequence's keys up to its position. The cache's layout is
 the backend's (kv_layout): on TPU the merged layout of kernels/tpu/layout.py, read by our Pallas kernel
 (kernels/tpu); elsewhere the layout below, read on CPU by a native kernel
-(kernels/csrc/ragged_paged_attention.cc) when it is built. The pure-JAX reference below is the test
+(kernels/cpu/csrc/ragged_paged_attention.cc) when it is built. The pure-JAX reference below is the test
 oracle and runs elsewhere (GPU).
 
 Shapes (T flat tokens, S sequence rows, P pages per row, L layers, KV heads, H = KV * G query heads;
