@@ -34,7 +34,7 @@ COPY . .
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install -v --no-deps --no-build-isolation . \
     && for src in kernels/cpu/csrc/*.cc; do \
-        (cd / && python -c "import kernels._$(basename "$src" .cc)") || exit 1; done \
+        (cd / && python -c "import slipstream.kernels._$(basename "$src" .cc)") || exit 1; done \
     && if [ -n "$JAX_PACKAGE" ]; then pip install "$JAX_PACKAGE"; fi \
     && slipstream serve --help >/dev/null
 

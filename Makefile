@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 RUNTIME_STAMP := $(VENV)/.slipstream-runtime
 TEST_STAMP    := $(VENV)/.slipstream-test
 
-.PHONY: serve test soak container-test clean
+.PHONY: serve test test-quick soak container-test clean
 
 # the native kernels (kernels/cpu/csrc) are built by pip: rebuild when they change
 $(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cc kernels/cpu/csrc/*.h kernels/cpu/csrc/runtime/*.h)
@@ -30,6 +30,10 @@ serve: $(RUNTIME_STAMP)
 # The suite includes the short fault soak (tests/server/test_soak.py, ~20 s).
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q
+
+# The quick loop: the suite without the tests that start processes or run the default model end to end.
+test-quick: $(TEST_STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The full fault soak (tests/soak/soak.py): about 11 minutes on loopback.
 soak: $(TEST_STAMP)

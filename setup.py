@@ -1,11 +1,16 @@
-"""Builds the native CPU kernels (kernels/cpu/csrc/*.cc, one extension module each) against the XLA FFI
-headers that jaxlib ships. The build is optional: a failure is reported here and again, loudly, at
-run time (kernels.native logs which path each kernel takes), and the pure-JAX references run."""
+"""Installs the repository's top-level directories under one import namespace (`server/` is
+`slipstream.server`, ...: no installed name can clash with another distribution's), and builds the
+native CPU kernels (kernels/cpu/csrc/*.cc, one extension module each) against the XLA FFI headers that
+jaxlib ships. The kernel build is optional: a failure is reported here and again, loudly, at run time
+(slipstream.kernels.native logs which path each kernel takes), and the pure-JAX references run."""
 import glob
 import os
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+# The directories that make up the product (benchmarks/ and tests/ are the lab: run from a clone).
+PRODUCT = ("server", "engine", "models", "quantization", "kernels")
 
 
 class ParallelBuildExt(build_ext):
@@ -17,6 +22,20 @@ class ParallelBuildExt(build_ext):
             self.parallel = os.cpu_count() or 1
 
 
+def _packages() -> dict[str, str]:
+    """slipstream.<dir>[.<sub>...] -> its directory: each top-level directory, and every folder below
+    with an __init__.py. kernels/ has no __init__.py: run from the repository root (tests, benchmarks),
+    the bare name `kernels` must still find Hugging Face's `kernels` package (transformers imports it),
+    and a directory without __init__.py never shadows a regular package later on sys.path."""
+    found = {}
+    for top in PRODUCT:
+        for root, dirs, files in os.walk(top):
+            dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+            if root == top or "__init__.py" in files:
+                found["slipstream." + root.replace(os.sep, ".")] = root
+    return found
+
+
 def _extensions() -> list[Extension]:
     import jax.ffi  # build-system.requires pins jax/jaxlib to the runtime's version
 
@@ -26,11 +45,13 @@ def _extensions() -> list[Extension]:
     flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-fno-wrapv"]
     if os.environ.get("SLIPSTREAM_KERNELS_DEBUG"):
         flags = ["-O0", "-g", "-std=c++17"]
-    return [Extension(f"kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
+    return [Extension(f"slipstream.kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
                       include_dirs=[jax.ffi.include_dir()], extra_compile_args=flags,
                       depends=sorted(glob.glob("kernels/cpu/csrc/**/*.h", recursive=True)),
                       language="c++", optional=True)
             for src in sorted(glob.glob("kernels/cpu/csrc/*.cc"))]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_ext": ParallelBuildExt})
+PACKAGES = _packages()
+setup(packages=sorted(PACKAGES), package_dir=PACKAGES, ext_modules=_extensions(),
+      cmdclass={"build_ext": ParallelBuildExt})

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from benchmarks import results  # noqa: E402
 from benchmarks.bench import peers, report  # noqa: E402
-from server.bench import run as bench  # noqa: E402
+from slipstream.server.bench import run as bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_SERVERS = ("slipstream", "slipstream-fast", "llamacpp-q8_0", "llamacpp-q4_1", "llamacpp-bf16", "vllm-bf16",
@@ -118,7 +118,7 @@ def settle(args, base_url: str, concurrency: int, gguf: str, result_dir: Path) -
 
 
 def run_comparison(args) -> int:
-    from models.registry import DEFAULT_MODEL, resolve_model
+    from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
     gguf = resolve_model(DEFAULT_MODEL)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
@@ -167,7 +167,7 @@ def _run_servers(args, specs, concurrencies, gguf, result_dir, lock):
 
 
 def _finish(args, rows, servers_info, commands, notes, versions, concurrencies, gguf, result_dir, plot_py, started):
-    from models.registry import DEFAULT_MODEL
+    from slipstream.models.registry import DEFAULT_MODEL
 
     summary = result_dir / "summary.json"
     summary.write_text(json.dumps([{k: r[k] for k in ("server", "max_concurrency", "output_throughput",
@@ -196,7 +196,7 @@ def _finish(args, rows, servers_info, commands, notes, versions, concurrencies, 
 
 def check_vllm_bench(args) -> int:
     """Our client and `vllm bench serve` against one server, same workload, alternating: A B B A."""
-    from models.registry import DEFAULT_MODEL, resolve_model
+    from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
     gguf = resolve_model(DEFAULT_MODEL)
     (spec,), _ = server_specs([args.check_vllm_bench], args, gguf)

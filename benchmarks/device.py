@@ -154,7 +154,7 @@ def _cpu_env() -> dict:
 
 def serve_command(args: argparse.Namespace, uds: str, cache: str) -> list[str]:
     context = args.serving_input_len + args.serving_output_len
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--uds", uds, "--compile-cache", cache,
+    cmd = [sys.executable, "-m", "slipstream.server.cli", "serve", "--uds", uds, "--compile-cache", cache,
            "--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
            "--kv-cache-dtype", args.kv_cache_dtype, "--max-slots", str(args.serving_concurrency),
            "--max-seq-len", str(context + 1)]
@@ -205,12 +205,12 @@ def _tail(path: str, n: int = 3000) -> str:
 
 
 def run_client(args: argparse.Namespace, uds: str) -> dict:
-    from models.registry import resolve_model  # no JAX: this process must not open the device
+    from slipstream.models.registry import resolve_model  # no JAX: this process must not open the device
 
     out_name = "serving-bench.json"
     # the file whose tokenizer the server uses (an architecture preset's config for --load-format dummy)
     tokenizer = resolve_model(args.model, args.load_format)
-    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"unix:{uds}", "--dataset-name", "random",
+    cmd = [sys.executable, "-m", "slipstream.server.cli", "bench", "--base-url", f"unix:{uds}", "--dataset-name", "random",
            "--random-input-len", str(args.serving_input_len), "--random-output-len", str(args.serving_output_len),
            "--ignore-eos", "--num-prompts", str(args.serving_prompts),
            "--max-concurrency", str(args.serving_concurrency), "--tokenizer", tokenizer, "--disable-tqdm",

@@ -18,9 +18,9 @@ import numpy as np
 from benchmarks.device import parse_args, record
 from benchmarks.engine import build, decodes, fill, kv_read_bytes, positions_per_phase
 from benchmarks.measure import cpu_model, interleaved, median_ms, weight_bytes_read_per_token
-from engine.api import StepBatch, StepSeq
-from engine.runner import EngineConfig
-from models.config import ModelConfig
+from slipstream.engine.api import StepBatch, StepSeq
+from slipstream.engine.device.runner import EngineConfig
+from slipstream.models.config import ModelConfig
 
 
 def machine(args: argparse.Namespace, mode: str) -> dict:
@@ -122,9 +122,9 @@ def linear_flops_per_token(cfg: ModelConfig) -> int:
 
 def load(args: argparse.Namespace, config: EngineConfig):
     """(model config, weights) as `slipstream serve` loads them for these flags (server/cli.py)."""
-    from models.loader import load_model
-    from models.registry import load_dummy, resolve_model
-    from quantization.weights import QUANTIZED_MODES
+    from slipstream.models.loader import load_model
+    from slipstream.models.registry import load_dummy, resolve_model
+    from slipstream.quantization.weights import QUANTIZED_MODES
 
     path = resolve_model(args.model, args.load_format)
     mode = config.weight_mode()

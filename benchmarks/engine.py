@@ -31,15 +31,15 @@ import numpy as np
 
 from benchmarks.measure import (copy_seconds, cpu_model, interleaved, matmul_roofline, median_ms, profile_ops,
                                 weight_bytes_read_per_token)
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.kv_cache import pages_needed
-from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from models.config import ModelConfig
-from kernels.attention import ragged_paged_attention
-from models.loader import load_model
-from quantization.weights import QUANTIZED_MODES
-from models.registry import DEFAULT_MODEL, resolve_model
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.models.config import ModelConfig
+from slipstream.kernels.attention import ragged_paged_attention
+from slipstream.models.loader import load_model
+from slipstream.quantization.weights import QUANTIZED_MODES
+from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
@@ -70,7 +70,7 @@ def engine_page_size(page_size: int | None) -> int:
         return page_size
     if EngineConfig().page_size:
         return EngineConfig().page_size
-    from kernels.attention import kv_layout  # the backend's attention layout chooses
+    from slipstream.kernels.attention import kv_layout  # the backend's attention layout chooses
 
     return kv_layout(jax.default_backend()).page_size
 
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _kernel_paths() -> dict:
-    from kernels import kernel_paths
+    from slipstream.kernels.native import kernel_paths
 
     return kernel_paths()
 

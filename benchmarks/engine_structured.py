@@ -13,13 +13,13 @@ import statistics
 import time
 
 from benchmarks.measure import cpu_model
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.kv_cache import pages_needed
-from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from engine.structured import Constraint, GrammarCompiler
-from models.loader import load_model
-from models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.structured import Constraint, GrammarCompiler
+from slipstream.models.loader import load_model
+from slipstream.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
 
 # Long enough that no row completes its grammar during the run (minItems), varied enough to
 # exercise strings, enums, numbers and nesting.
@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     host: dict[str, list[float]] = {name: [0.0, 0.0, 0] for name in modes}
     for _ in range(args.steps):
         for name, g in groups.items():
-            before = (engine.mask_seconds, engine.advance_seconds, engine.masked_rows)
+            before = (engine.mask_seconds, engine.grammar.advance_seconds, engine.masked_rows)
             times[name].append(g.decode())
-            after = (engine.mask_seconds, engine.advance_seconds, engine.masked_rows)
+            after = (engine.mask_seconds, engine.grammar.advance_seconds, engine.masked_rows)
             host[name] = [h + a - b for h, a, b in zip(host[name], after, before)]
 
     cpu = cpu_model()

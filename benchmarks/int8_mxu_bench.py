@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quantization import ops, quantize_weight
+from slipstream.quantization import ops, quantize_weight
 
 LAYERS = 8
 

@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.measure import cpu_model, cpu_timed, fma_peak_gflops
-from engine.request import SamplingParams
-from engine.runner import JaxEngine
-from engine.sampling import SamplingArrays
-from engine.structured import mask_words
-from kernels import f32_matmul as fm
-from kernels import sampling as ks
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import JaxEngine
+from slipstream.engine.device.sampling import SamplingArrays
+from slipstream.engine.structured import mask_words
+from slipstream.kernels import f32_matmul as fm
+from slipstream.kernels import sampling as ks
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -76,7 +76,7 @@ def model_logits(n: int) -> np.ndarray:
     from pathlib import Path
 
     from benchmarks.perplexity import MODES, PAGE_SIZE, build_engine, load_default_model
-    from engine.api import SlotState, StepBatch, StepSeq
+    from slipstream.engine.api import SlotState, StepBatch, StepSeq
 
     cfg, params, tokenizer = load_default_model("q8_0-a16")
     engine = build_engine(cfg, params, MODES["q8_0-a16+bf16-kv"], dtype="float32", max_slots=n,
@@ -157,9 +157,9 @@ def f32(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
     if not fm.native_available():
-        print("kernels._f32_matmul is not built (or SLIPSTREAM_KERNELS=reference)")
+        print("slipstream.kernels._f32_matmul is not built (or SLIPSTREAM_KERNELS=reference)")
         return 1
-    import kernels._f32_matmul as ext
+    import slipstream.kernels._f32_matmul as ext
 
     cores = os.cpu_count() or 1
     peak = fma_peak_gflops(cores)

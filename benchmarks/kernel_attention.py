@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.measure import cpu_model
-from kernels import attention, native
+from slipstream.kernels import attention, native
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
@@ -97,7 +97,7 @@ def timed_paths(args, cache, operands, label: str):
     alternating rounds of reps (so both see the same machine), as native[A], native[B]."""
     modes = [m for m in (getattr(args, "load_ahead", "") or "").split(",") if m]
     if modes and native.load("ragged_paged_attention", "ragged_paged_attention"):
-        from kernels import _ragged_paged_attention as ext
+        from slipstream.kernels import _ragged_paged_attention as ext
 
         step = make_step(args.layers, sm_scale=args.head_dim ** -0.5, use_reference=False)
         times = {m: [] for m in modes}
@@ -188,7 +188,7 @@ def bench(kv_dtype: str, args, table: np.ndarray | None = None, num_pages: int |
             native_ms = ms
         huge = ""
         if name.startswith("native") and native.load("ragged_paged_attention", "ragged_paged_attention"):
-            from kernels import _ragged_paged_attention as ext
+            from slipstream.kernels import _ragged_paged_attention as ext
 
             if hasattr(ext, "huge_pages"):  # builds before it lack it
                 huge = (f"; cache on huge pages: {ext.huge_pages()['enabled']} (process AnonHugePages "
@@ -204,7 +204,7 @@ def machine() -> str:
     model = cpu_model()
     isa = "unavailable"
     if native.load("ragged_paged_attention", "ragged_paged_attention"):
-        from kernels import _ragged_paged_attention
+        from slipstream.kernels import _ragged_paged_attention
 
         isa = _ragged_paged_attention.isa()
         if hasattr(_ragged_paged_attention, "load_ahead"):

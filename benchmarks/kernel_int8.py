@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.measure import cpu_model
-from kernels import native
-from kernels import q8_matmul as q8
+from slipstream.kernels import native
+from slipstream.kernels import q8_matmul as q8
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query / 3 KV heads of 64, vocab 49152, 30 layers. The engine
 # fuses q/k/v and gate/up into one weight each (engine/layer_stack.py): 4 calls per layer.
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
-    import kernels._q8_matmul as ext
+    import slipstream.kernels._q8_matmul as ext
 
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")

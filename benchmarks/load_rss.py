@@ -23,7 +23,7 @@ BLOCK = 1 << 24  # random values drawn once; each tensor is a window of them at 
 
 
 def _hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    from models.architectures import build_abstract
+    from slipstream.models.architectures import build_abstract
     from flax import nnx
 
     model = build_abstract(cfg)
@@ -41,9 +41,9 @@ def _hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def write(path: str, preset: str) -> None:
-    from models.config import ModelConfig
-    from models.dummy_tokenizer import synthetic_tokenizer
-    from models.registry import PRESET_DIR
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.dummy_tokenizer import synthetic_tokenizer
+    from slipstream.models.registry import PRESET_DIR
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(PRESET_DIR, f"{preset}.json")) as f:
@@ -97,8 +97,8 @@ def write(path: str, preset: str) -> None:
 def load(path: str, quantize: str) -> dict:
     from flax import nnx
 
-    from models.loader import load_model
-    from quantization import QuantizedWeight
+    from slipstream.models.loader import load_model
+    from slipstream.quantization import QuantizedWeight
 
     start = time.perf_counter()
     cfg, model = load_model(path, quantize=quantize)

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
-from models.layers import linear
+from slipstream.models.config import ModelConfig
+from slipstream.models.layers import linear
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -143,7 +143,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
-    from engine.layer_stack import PerLayer, StackedF32, StackedQ8
+    from slipstream.engine.device.layer_stack import PerLayer, StackedF32, StackedQ8
 
     def weight(group, name):
         return params["blocks"][group][name]["w"].get_value()
@@ -157,7 +157,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
         """(callable x -> outputs of the group at layer i, the arrays it reads)"""
         first = weight(group, names[0])
         if isinstance(first, StackedQ8):
-            from kernels.q8_matmul import q8_matmul
+            from slipstream.kernels.q8_matmul import q8_matmul
 
             w = first.weight
 
@@ -168,7 +168,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
 
             return run, (w.q, w.scale, w.offset)
         if isinstance(first, StackedF32):
-            from kernels.f32_matmul import f32_matmul
+            from slipstream.kernels.f32_matmul import f32_matmul
 
             def run(x, packed):
                 y = f32_matmul(x, packed, n=first.offsets[-1] + first.widths[-1], layer=i)

@@ -19,12 +19,12 @@ import time
 import jax
 import numpy as np
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.kv_cache import pages_needed
-from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from models.config import ModelConfig
-from quantization import weight_bytes
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.models.config import ModelConfig
+from slipstream.quantization import weight_bytes
 
 EVAL_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "eval.txt")
 PAGE_SIZE = 16
@@ -90,8 +90,8 @@ PROMPTS: list[str] = _PLAIN + [
 
 def load_default_model(quantize: str = "none") -> tuple[ModelConfig, object, object]:
     """The default model as the server loads it (q8_0 / q8_0-a16: int8 straight from the GGUF blocks)."""
-    from models.loader import load_gguf
-    from models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from slipstream.models.loader import load_gguf
+    from slipstream.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     path = resolve_model(DEFAULT_MODEL)
     cfg, params = load_gguf(path, quantize=quantize if quantize in ("q8_0", "q8_0-a16") else "none")

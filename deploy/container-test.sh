@@ -271,7 +271,7 @@ user, sources = sys.argv[1].split(":")[0], int(sys.argv[2])
 compilers = [c for c in ("gcc", "g++", "cc", "c++", "clang", "x86_64-linux-gnu-gcc") if shutil.which(c)]
 test_packages = [m for m in ("pytest", "torch", "transformers", "hypothesis", "schemathesis", "grpc_tools")
                  if importlib.util.find_spec(m)]
-kernels = sorted(os.path.basename(p) for p in glob.glob(sysconfig.get_paths()["purelib"] + "/kernels/_*.so"))
+kernels = sorted(os.path.basename(p) for p in glob.glob(sysconfig.get_paths()["purelib"] + "/slipstream/kernels/_*.so"))
 venv = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(sys.prefix) for f in fs
            if not os.path.islink(os.path.join(d, f)))
 print(f"uid {os.getuid()}; compilers {compilers}; test packages {test_packages}; kernels {kernels}; "

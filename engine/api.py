@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
-from engine.request import SamplingParams, TokenLogprob
+from slipstream.engine.request import SamplingParams, TokenLogprob
 
 # A decode's input token that is still on the device: the token the slot's latest launched step
 # sampled. Only as the one token of a decode, and never for a grammar-constrained slot whose

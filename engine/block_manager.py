@@ -8,9 +8,9 @@ import itertools
 
 import numpy as np
 
-from engine.kv_cache import PageAllocator, pages_needed
-from engine.prefix_cache import PrefixCache
-from engine.sequence import Sequence
+from slipstream.engine.kv_cache import PageAllocator, pages_needed
+from slipstream.engine.prefix_cache import PrefixCache
+from slipstream.engine.sequence import Sequence
 
 
 class BlockManager:

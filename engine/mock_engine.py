@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Sequence
 
-from engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch, StepSeq
-from engine.request import SamplingParams, TokenLogprob
+from slipstream.engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch, StepSeq
+from slipstream.engine.request import SamplingParams, TokenLogprob
 
 
 class MockEngineError(RuntimeError):

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from engine.request import FinishReason, Request, TokenLogprob
-from models.tokenizer import IncrementalDetokenizer
+from slipstream.engine.request import FinishReason, Request, TokenLogprob
+from slipstream.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.kv_cache import PageAllocator
+from slipstream.engine.kv_cache import PageAllocator
 
 _DIGEST_BYTES = 16
 

@@ -8,10 +8,10 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from engine.errors import InvalidParam
+from slipstream.engine.errors import InvalidParam
 
 if TYPE_CHECKING:
-    from engine.structured import Grammar
+    from slipstream.engine.structured import Grammar
 
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1            # token counts, top_k and ids travel as int32 arrays

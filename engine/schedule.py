@@ -10,11 +10,11 @@ import dataclasses
 import heapq
 import itertools
 
-from engine.api import StepBatch, StepSeq
-from engine.block_manager import BlockManager
-from engine.kv_cache import pages_needed
-from engine.sequence import Sequence, Status
-from engine.speculative import SpeculativeConfig, may_speculate
+from slipstream.engine.api import StepBatch, StepSeq
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.sequence import Sequence, Status
+from slipstream.engine.speculative import SpeculativeConfig, may_speculate
 
 
 @dataclasses.dataclass(frozen=True)

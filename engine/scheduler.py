@@ -16,16 +16,16 @@ import threading
 import time
 from typing import Callable
 
-from engine.api import Engine, SlotState, StepResult
-from engine.arrival_wait import ArrivalWait
-from engine.block_manager import BlockManager
-from engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
-from engine.request import FinishReason, Request
-from engine.schedule import Plan, StepPlanner
-from engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
+from slipstream.engine.api import Engine, SlotState, StepResult
+from slipstream.engine.arrival_wait import ArrivalWait
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
+from slipstream.engine.request import FinishReason, Request
+from slipstream.engine.schedule import Plan, StepPlanner
+from slipstream.engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
                                   SchedulerStats, StepEvent, generate_all)
-from engine.sequence import Sequence, Status
-from engine.speculative import SpecCounters, accepted_length
+from slipstream.engine.sequence import Sequence, Status
+from slipstream.engine.speculative import SpecCounters, accepted_length
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]

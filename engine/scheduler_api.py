@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from engine.speculative import SpeculativeConfig
+from slipstream.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from engine.output import Completion, RequestStream
-    from engine.request import Request
-    from engine.schedule import Plan
+    from slipstream.engine.output import Completion, RequestStream
+    from slipstream.engine.request import Request
+    from slipstream.engine.schedule import Plan
 
 
 class Overloaded(Exception):

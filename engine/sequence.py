@@ -6,11 +6,11 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-from engine.api import PREVIOUS_SAMPLE
-from engine.request import FinishReason, Request
+from slipstream.engine.api import PREVIOUS_SAMPLE
+from slipstream.engine.request import FinishReason, Request
 
 if TYPE_CHECKING:
-    from engine.output import Tracker
+    from slipstream.engine.output import Tracker
 
 
 class Status(enum.Enum):

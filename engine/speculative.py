@@ -9,7 +9,7 @@ import json
 import threading
 from typing import Protocol, Sequence
 
-from engine.request import SamplingParams
+from slipstream.engine.request import SamplingParams
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16

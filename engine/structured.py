@@ -17,8 +17,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
-from engine.errors import InvalidParam
+from slipstream.engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
+from slipstream.engine.errors import InvalidParam
 
 log = logging.getLogger(__name__)
 

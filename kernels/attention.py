@@ -33,7 +33,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels import native
+from slipstream.kernels import native
+from slipstream.kernels.ragged_tokens import quantize_kv, token_layout  # noqa: F401 (part of this seam)
 
 KVCache = dict[str, jax.Array]
 
@@ -54,7 +55,7 @@ class KVLayout:
                dtype) -> dict[str, jax.ShapeDtypeStruct]:
         """name -> shape and dtype of the cache's arrays."""
         if self.name == "merged":
-            from kernels.tpu import layout
+            from slipstream.kernels.tpu import layout
 
             return layout.shapes(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype)
         shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
@@ -93,7 +94,7 @@ def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_
     if "kv" in kv_cache:
         if not native.use_pallas("ragged_paged_attention"):
             return ragged_paged_attention_reference(*args, **kwargs)
-        from kernels.tpu import ragged_paged_attention as tpu_rpa
+        from slipstream.kernels.tpu import ragged_paged_attention as tpu_rpa
 
         return jax.lax.platform_dependent(
             *args, tpu=lambda *a: tpu_rpa.ragged_paged_attention(*a, **kwargs),
@@ -103,26 +104,12 @@ def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_
         return ragged_paged_attention_reference(*args, **kwargs)
     if not native.load("ragged_paged_attention", "ragged_paged_attention"):
         return ragged_paged_attention_reference(*args, **kwargs)
-    from kernels import attention_native
+    from slipstream.kernels import attention_native
 
     return jax.lax.platform_dependent(
         *args, cpu=lambda *a: attention_native.ragged_paged_attention_cpu(
             *a, sm_scale=sm_scale, sliding_window=sliding_window),
         default=lambda *a: ragged_paged_attention_reference(*a, **kwargs))
-
-
-def token_layout(kv_lens: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per flat token: its sequence row, its position, and whether it is a real token (not padding)."""
-    n = jnp.reshape(num_seqs, ())
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    valid = t < cu_q_lens[n]
-    # a row's tokens end at cu_q_lens[s + 1]: the row of t is the number of rows ending at or before it
-    seq = jnp.sum((t[:, None] >= cu_q_lens[None, 1:]) & (jnp.arange(cu_q_lens.shape[0] - 1) < n)[None],
-                  axis=1, dtype=jnp.int32)
-    seq = jnp.where(valid, seq, 0)
-    pos = kv_lens[seq] - (cu_q_lens[seq + 1] - t)
-    return seq, jnp.where(valid, pos, 0), valid
 
 
 def write_kv(kv_cache: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -189,15 +176,6 @@ def k_page_from_cache(k):
     return k.reshape(*lead, hd // e, ps, e).swapaxes(-3, -2).reshape(*lead, ps, hd)
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-(token, head) symmetric int8 over head_dim: (int8 [..., KV, hd], f32 scale [..., KV]).
-    The native kernel rounds the same way (round half to even, clip to +-127)."""
-    x32 = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    return jnp.clip(jnp.round(x32 / safe[..., None]), -127, 127).astype(jnp.int8), scale
-
-
 def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens,
                                      num_seqs, *, sm_scale: float, sliding_window: int | None = None,
                                      soft_cap: float | None = None):
@@ -205,7 +183,7 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, 
     online softmax; the loop runs up to the longest position in the batch only. A merged (TPU) cache
     is converted to the standard layout and back (a test oracle there, never the TPU's path)."""
     if "kv" in kv_cache:
-        from kernels.tpu import layout
+        from slipstream.kernels.tpu import layout
 
         std = layout.to_standard(kv_cache)
         if k_words_major(std):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import native
+from slipstream.kernels import native
 
 PANEL = 32  # output columns per packed panel: two 16-float AVX-512 vectors
 TARGET = "slipstream_f32_matmul"

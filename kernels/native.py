@@ -1,5 +1,7 @@
 """Loads the native CPU kernels (extension modules built from kernels/cpu/csrc) and registers their XLA
-FFI targets. Which path each kernel takes is logged once and exposed through kernel_paths(), so a
+FFI targets. kernels/ holds the hot ops behind one seam each: a pure-JAX reference (the test oracle),
+the native CPU kernels and Pallas TPU kernels (kernels/tpu), chosen per platform; it imports none of
+our packages, and it has no __init__.py (see setup.py). Which path each kernel takes is logged once and exposed through kernel_paths(), so a
 failed build or an explicit SLIPSTREAM_KERNELS=reference is never silent."""
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def load(kernel: str, module: str) -> bool:
     else:
         ok = _register(module)
         if ok:
-            ext = importlib.import_module(f"kernels._{module}")
+            ext = importlib.import_module(f"slipstream.kernels._{module}")
             isa = ext.isa() if hasattr(ext, "isa") else "?"
             if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
                 _attention_env(ext)
@@ -56,7 +58,7 @@ def _attention_env(ext) -> None:
 def _register(module: str) -> bool:
     if module not in _registered:
         try:
-            ext = importlib.import_module(f"kernels._{module}")
+            ext = importlib.import_module(f"slipstream.kernels._{module}")
             for name, capsule in ext.targets().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
             _registered[module] = True

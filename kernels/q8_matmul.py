@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import native
+from slipstream.kernels import native
 
 GROUP = 32  # input channels per scale (a Q8_0 block)
 TILE = 16   # output columns per packed tile: 16 int32 lanes of one AVX-512 vector
@@ -36,7 +36,7 @@ def native_available() -> bool:
 def gated_native() -> bool:
     """True when a gated q8_matmul runs natively with the AVX-512 path's vector silu: where it does
     not, a model should form silu(gate) * up itself (XLA's fusion beats the portable loop)."""
-    return native_available() and importlib.import_module("kernels._q8_matmul").isa() == "avx512_vnni"
+    return native_available() and importlib.import_module("slipstream.kernels._q8_matmul").isa() == "avx512_vnni"
 
 
 def padded(k: int, n: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels import native
+from slipstream.kernels import native
 
 TARGET = "slipstream_sample_tokens"
 LOGPROBS_TARGET = "slipstream_top_logprobs"

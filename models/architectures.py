@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models.base import CausalLM
-from models.config import ModelConfig
-from models.gemma3 import Gemma3
-from models.llama import Llama
-from models.qwen3 import Qwen3
+from slipstream.models.base import CausalLM
+from slipstream.models.config import ModelConfig
+from slipstream.models.gemma3 import Gemma3
+from slipstream.models.llama import Llama
+from slipstream.models.qwen3 import Qwen3
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": Llama, "qwen2": Llama, "qwen3": Qwen3, "gemma3": Gemma3}
 

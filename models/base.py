@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels.attention import kv_layout, ragged_paged_attention
-from models import layers
-from models.config import ModelConfig
+from slipstream.kernels.attention import kv_layout, ragged_paged_attention
+from slipstream.models import layers
+from slipstream.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

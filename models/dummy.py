@@ -19,10 +19,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from models.architectures import build_abstract
-from models.base import CausalLM, Weight
-from models.config import ModelConfig
-from models.layers import Linear, RMSNorm
+from slipstream.models.architectures import build_abstract
+from slipstream.models.base import CausalLM, Weight
+from slipstream.models.config import ModelConfig
+from slipstream.models.layers import Linear, RMSNorm
 
 GROUPWISE = ("q8_0", "q8_0-a16")
 EMBED_STD = 0.02
@@ -74,8 +74,8 @@ def _shifts(key: jax.Array, layers: int, size: int) -> list[int]:
 def _draw_groupwise(key: jax.Array, shape: tuple[int, ...], mode: str):
     """A group-wise int8 weight [L?, in, out]: int8 rows [out, in] (as checkpoints hold them) drawn
     directly with one scale for the tensor, packed on the host like a loaded weight."""
-    from kernels.q8_matmul import TILE
-    from quantization.groupwise import GROUP, pack_one, pack_rows, stack_packed
+    from slipstream.kernels.q8_matmul import TILE
+    from slipstream.quantization.groupwise import GROUP, pack_one, pack_rows, stack_packed
 
     k, n = shape[-2:]
     d = np.float32(np.float16(1 / math.sqrt(k) / _INT8_UNIFORM_STD))
@@ -101,7 +101,7 @@ def _draw_groupwise(key: jax.Array, shape: tuple[int, ...], mode: str):
 def _draw_quantized(key: jax.Array, shape: tuple[int, ...], mode: str, dtype):
     """Another quantized format: one layer drawn in `dtype`, each layer (a rotation of it) rounded by
     quantization's public function before the next is made, then the layers stacked."""
-    from quantization import quantize_weight
+    from slipstream.quantization import quantize_weight
 
     draw_key, shift_key = jax.random.split(key)
     one = jax.random.normal(draw_key, shape[-2:], dtype) * jnp.asarray(1 / math.sqrt(shape[-2]), dtype)
@@ -161,7 +161,7 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
     model = nnx.merge(graphdef, state)
     if cfg.tie_embeddings and quantize in GROUPWISE:
         # the tied LM head: int8 rows of the table, exact (the table is int8 times one scale)
-        from quantization.groupwise import GROUP, pack_one
+        from slipstream.quantization.groupwise import GROUP, pack_one
 
         head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
         q, embed_q = np.asarray(embed_q), None

@@ -10,8 +10,8 @@ from typing import Iterator
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from models.config import ModelConfig
-from models.tokenizer import Tokenizer
+from slipstream.models.config import ModelConfig
+from slipstream.models.tokenizer import Tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
-from models.base import CausalLM, Weight
-from models.config import ModelConfig
+from slipstream.models import layers
+from slipstream.models.base import CausalLM, Weight
+from slipstream.models.config import ModelConfig
 
 _HF = "model.layers.{i}."
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig, RopeScaling
-from quantization import ops
+from slipstream.models.config import ModelConfig, RopeScaling
+from slipstream.quantization import ops
 
 LAYERS = "layers"  # the logical axis of stacked per-layer weights
 

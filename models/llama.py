@@ -7,9 +7,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from models import layers
-from models.base import CausalLM, Weight
-from models.config import ModelConfig
+from slipstream.models import layers
+from slipstream.models.base import CausalLM, Weight
+from slipstream.models.config import ModelConfig
 
 
 def llama_weights(extra: tuple[Weight, ...] = ()) -> tuple[Weight, ...]:

@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from models.base import CausalLM, Weight
-from models.config import ModelConfig
+from slipstream.models.base import CausalLM, Weight
+from slipstream.models.config import ModelConfig
 
 
 class ModelLoadError(ValueError):
@@ -61,7 +61,7 @@ def _q8_rows(arr) -> Q8Rows:
     """A checkpoint linear [out, in], float (any dtype) or already Q8 rows -> Q8 rows. Rounded a block
     of rows at a time (each row's groups are its own), so a vocabulary-sized LM head needs no f32 copy
     of itself and of quantize_rows' temporaries next to it."""
-    from quantization.groupwise import quantize_rows
+    from slipstream.quantization.groupwise import quantize_rows
 
     if isinstance(arr, tuple):
         return arr
@@ -90,9 +90,9 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     (only when a group-wise `quantize` asks for them)."""
     from flax import nnx
 
-    from models.architectures import build_abstract
-    from models.layers import Linear
-    from quantization.groupwise import dequantize_rows, pack_one, pack_rows, stack_packed
+    from slipstream.models.architectures import build_abstract
+    from slipstream.models.layers import Linear
+    from slipstream.quantization.groupwise import dequantize_rows, pack_one, pack_rows, stack_packed
 
     if quantize not in ("none", *GROUPWISE):
         raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
@@ -174,7 +174,7 @@ def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
                 quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
     """Tensors are read one at a time as _assemble asks for them (models/safetensors_file.py): with a
     group-wise `quantize`, host memory holds the int8 model plus one float tensor being rounded."""
-    from models.safetensors_file import SafetensorsError, index_files
+    from slipstream.models.safetensors_file import SafetensorsError, index_files
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
@@ -233,7 +233,7 @@ def _gguf_q8_rows(t, shape: tuple[int, ...]) -> Q8Rows | None:
     """A Q8_0, Q4_0, Q4_1 or Q4_K tensor as Q8 rows without rounding anything; None for other types."""
     import gguf
 
-    from quantization.groupwise import from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks, from_q8_0_blocks
+    from slipstream.quantization.groupwise import from_q4_0_blocks, from_q4_1_blocks, from_q4_k_blocks, from_q8_0_blocks
 
     decode = {gguf.GGMLQuantizationType.Q8_0: from_q8_0_blocks,
               gguf.GGMLQuantizationType.Q4_0: from_q4_0_blocks,

@@ -2,8 +2,8 @@
 (ModelConfig.qk_norm, built by models/layers.Attention)."""
 from __future__ import annotations
 
-from models.base import Weight
-from models.llama import Llama, llama_weights
+from slipstream.models.base import Weight
+from slipstream.models.llama import Llama, llama_weights
 
 
 class Qwen3(Llama):

@@ -65,8 +65,8 @@ def resolve_model(name_or_path: str, load_format: str = "auto") -> str:
 def load_tokenizer(path: str, reader=None):
     """The tokenizer that goes with a resolved model path (reader: the GGUF file already opened; a
     config .json, as resolve_model answers for --load-format dummy: see dummy_tokenizer)."""
-    from models.loader import gguf_metadata, read_gguf
-    from models.tokenizer import Tokenizer
+    from slipstream.models.loader import gguf_metadata, read_gguf
+    from slipstream.models.tokenizer import Tokenizer
 
     if os.path.isdir(path):
         return Tokenizer.from_hf_dir(path)
@@ -93,9 +93,9 @@ def _read_config(config_path: str) -> dict:
 def dummy_tokenizer(config_path: str):
     """For a model with dummy weights: the directory's tokenizer.json when there is one, else a
     synthetic byte-level tokenizer of the config's vocabulary size (models/dummy_tokenizer.py)."""
-    from models.config import ModelConfig
-    from models.dummy_tokenizer import synthetic_tokenizer
-    from models.tokenizer import Tokenizer
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.dummy_tokenizer import synthetic_tokenizer
+    from slipstream.models.tokenizer import Tokenizer
 
     raw = _read_config(config_path)
     cfg = ModelConfig.from_hf_dict(raw)
@@ -112,8 +112,8 @@ def dummy_tokenizer(config_path: str):
 def load_dummy(config_path: str, *, dtype="float32", quantize: str = "none", progress: bool = False):
     """(ModelConfig, model with random weights (models/dummy.py)) from a config .json, as resolve_model
     answers for load_format "dummy"."""
-    from models.config import ModelConfig
-    from models.dummy import dummy_model
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.dummy import dummy_model
 
     cfg = ModelConfig.from_hf_dict(_read_config(config_path))
     return cfg, dummy_model(cfg, dtype=dtype, quantize=quantize, progress=progress)

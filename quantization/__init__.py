@@ -2,9 +2,9 @@
 the one linear-weight op the models call (quantization.ops). The int8 KV format is the attention
 kernels' (kernels.attention.quantize_kv)."""
 
-from quantization.int8 import Int8Weight
-from quantization.ops import linear
-from quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
+from slipstream.quantization.int8 import Int8Weight
+from slipstream.quantization.ops import linear
+from slipstream.quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
 
 __all__ = [
     "Int8Weight",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import q8_matmul
+from slipstream.kernels import q8_matmul
 
 GROUP = q8_matmul.GROUP
 QUANTIZED_MODES: tuple[str, ...] = ("q8_0", "q8_0-a16")
@@ -61,7 +61,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float weight [..., in, out] (materialized; for tests and debugging, not the hot path)."""
-        from kernels.q8_matmul import GROUP, unpack, unpack_groups
+        from slipstream.kernels.q8_matmul import GROUP, unpack, unpack_groups
 
         k, n = self.logical
         q, d = unpack(self.q, self.scale)  # [..., Np, Kp], [..., Np, Kp/32]
@@ -180,7 +180,7 @@ pack_nibbles = True
 
 
 def pack_rows(rows: Rows) -> tuple[np.ndarray, ...]:
-    """kernels.q8_matmul.pack of (q, d[, m]), at 4 bits where q allows it and pack_nibbles is on."""
+    """slipstream.kernels.q8_matmul.pack of (q, d[, m]), at 4 bits where q allows it and pack_nibbles is on."""
     bits = q8_matmul.pack_bits(rows[0]) if pack_nibbles else 8
     return q8_matmul.pack(*rows, bits=bits)
 

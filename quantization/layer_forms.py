@@ -11,11 +11,11 @@ import functools
 import jax
 import numpy as np
 
-from kernels import f32_matmul as f32
-from kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
-from quantization import ops
-from quantization.groupwise import host_empty
-from quantization.weights import QuantizedWeight
+from slipstream.kernels import f32_matmul as f32
+from slipstream.kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
+from slipstream.quantization import ops
+from slipstream.quantization.groupwise import host_empty
+from slipstream.quantization.weights import QuantizedWeight
 
 
 @jax.tree_util.register_dataclass

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels.q8_matmul import q8_matmul
-from quantization import int8
-from quantization.weights import QuantizedWeight
+from slipstream.kernels.q8_matmul import q8_matmul
+from slipstream.quantization import int8
+from slipstream.quantization.weights import QuantizedWeight
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | int8.Int8Weight) -> jax.Array:

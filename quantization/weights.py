@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quantization import groupwise, int8
-from quantization.groupwise import QUANTIZED_MODES, QuantizedWeight  # noqa: F401 (imported from here)
+from slipstream.quantization import groupwise, int8
+from slipstream.quantization.groupwise import QUANTIZED_MODES, QuantizedWeight  # noqa: F401 (imported from here)
 
 # QUANTIZED_MODES: the group-wise ones (quantization/groupwise.py), which the loader can build from
 # checkpoint blocks; int8.MODES round a float weight on its device (quantization/int8.py)

@@ -22,17 +22,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from engine.output import Delta
-from server.errors import ServiceError, service_error
-from server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
+from slipstream.engine.output import Delta
+from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
                          install_error_handlers)
-from server.grpc_service import GrpcServer, start_grpc_server
-from server.metrics import Metrics
-from server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
-from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+from slipstream.server.grpc_service import GrpcServer, start_grpc_server
+from slipstream.server.metrics import Metrics
+from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
+from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              ErrorResponse, ModelCard, ModelList)
-from server.service import Generation, Service
-from server.unix_socket import DEFAULT_MODE, bind_stream, remove
+from slipstream.server.service import Generation, Service
+from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -11,9 +11,9 @@ import signal
 import sys
 import time
 
-from models.registry import DEFAULT_MODEL, architecture_presets
-from server.unix_socket import check_path, parse_mode, strip_scheme
-from server.startup_checks import check_args
+from slipstream.models.registry import DEFAULT_MODEL, architecture_presets
+from slipstream.server.unix_socket import check_path, parse_mode, strip_scheme
+from slipstream.server.startup_checks import check_args
 
 log = logging.getLogger("slipstream")
 
@@ -30,7 +30,7 @@ def parse_bytes(text: str) -> int:
 
 def parse_speculative(text: str):
     """--speculative-config JSON -> engine.speculative.SpeculativeConfig ('' -> None: off)."""
-    from engine.speculative import SpeculativeConfig
+    from slipstream.engine.speculative import SpeculativeConfig
 
     if not text.strip():
         return None
@@ -170,13 +170,13 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
 def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, data_parallel: int = 1):
     """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
     own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
-    from engine.compile_count import enable_compilation_cache
-    from server.device_info import device_summary, kernel_summary
-    from engine.runner import EngineConfig, JaxEngine
-    from engine.sharding import replica_devices
-    from models.loader import load_model, read_gguf
-    from models.registry import load_dummy, load_tokenizer, resolve_model
-    from quantization.weights import QUANTIZED_MODES
+    from slipstream.engine.device.compile_count import enable_compilation_cache
+    from slipstream.server.device_info import device_summary, kernel_summary
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.sharding import replica_devices
+    from slipstream.models.loader import load_model, read_gguf
+    from slipstream.models.registry import load_dummy, load_tokenizer, resolve_model
+    from slipstream.quantization.weights import QUANTIZED_MODES
 
     enable_compilation_cache(args.compile_cache)
     progress = sys.stderr.isatty()
@@ -222,7 +222,7 @@ def join_group(args: argparse.Namespace):
     secret), or None for one process."""
     if args.num_processes == 1 and args.process_id == 0:
         return None
-    from engine.multihost import DistributedConfig, initialize
+    from slipstream.engine.distributed.multihost import DistributedConfig, initialize
 
     if not args.coordinator_address:
         raise ValueError("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
@@ -242,7 +242,7 @@ def join_group(args: argparse.Namespace):
 
 def lead_group(engine, joined):
     """Process 0: wait for every worker, then drive them in lockstep; (engine, group)."""
-    from engine import multihost
+    from slipstream.engine.distributed import multihost
 
     dist, token = joined
     group = multihost.Group(dist, token, on_lost=[multihost.exit_after(2.0)])
@@ -252,7 +252,7 @@ def lead_group(engine, joined):
 
 def run_worker(engine, tokenizer, joined) -> int:
     """A worker: replay process 0's engine calls until it stops (exit 0) or goes away (exit 1)."""
-    from engine import multihost
+    from slipstream.engine.distributed import multihost
 
     dist, token = joined
     # SIGTERM reaches the whole group at once: process 0 drains, and this process must run its steps
@@ -272,8 +272,8 @@ def run_worker(engine, tokenizer, joined) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.request import Request, SamplingParams
-    from engine.scheduler import Scheduler
+    from slipstream.engine.request import Request, SamplingParams
+    from slipstream.engine.scheduler import Scheduler
 
     joined = join_group(args)
     engine, tokenizer, _ = build_engine(args, max_slots=1)
@@ -302,7 +302,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         scheduler.shutdown(timeout=5)
         if group is not None:
-            from engine.multihost import exit_now
+            from slipstream.engine.distributed.multihost import exit_now
 
             group.close()
             exit_now(1 if group.lost else 0)
@@ -310,10 +310,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.replicas import ReplicaSet
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from server.app import create_app, make_server
-    from server.service import Service, ServiceConfig
+    from slipstream.engine.distributed.replicas import ReplicaSet
+    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.server.app import create_app, make_server
+    from slipstream.server.service import Service, ServiceConfig
 
     started = time.monotonic()
     uds, grpc_uds = check_socket_paths(args)  # before the slow load
@@ -366,7 +366,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         if group is not None:  # workers exit 0 on stop; exit_now says why not a plain exit
-            from engine.multihost import exit_now
+            from slipstream.engine.distributed.multihost import exit_now
 
             group.close()
             exit_now(1 if server.engine_failed or group.lost else 0)
@@ -384,32 +384,12 @@ def check_socket_paths(args: argparse.Namespace) -> tuple[str | None, str | None
     return uds, grpc_uds
 
 
-def check_kernels_package() -> str | None:
-    """Why Slipstream's native kernels package cannot be imported, or None. Hugging Face's `kernels`
-    distribution (a dependency of transformers >= 5.25) has the same import name; where it comes
-    first on sys.path, `import kernels` finds it instead of ours."""
-    import importlib.util
-    from pathlib import Path
-
-    ours = Path(__file__).resolve().parents[1] / "kernels"
-    spec = importlib.util.find_spec("kernels")
-    found = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
-    if found == ours:
-        return None
-    return (f"the package `kernels` resolves to {found or 'nothing'}, not Slipstream's native kernels ({ours}): "
-            "another distribution named `kernels` (Hugging Face's, installed with transformers >= 5.25) shadows "
-            "it; `pip uninstall kernels`, or run Slipstream in a virtual environment without it")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark client runs no model: it needs no kernels
-        from server.bench.run import main as bench_main
+    if argv[:1] == ["bench"]:  # the benchmark client runs no model
+        from slipstream.server.bench.run import main as bench_main
 
         return bench_main(argv[1:])
-    if (problem := check_kernels_package()) is not None:
-        print(f"slipstream: error: {problem}", file=sys.stderr)
-        return 2
     args = build_parser().parse_args(argv)
     try:
         check_args(args)

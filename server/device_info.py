@@ -14,7 +14,7 @@ def kernel_paths_here() -> dict[str, str]:
     """Each kernel's path on the default backend. kernels.native's "native" kernels are CPU-only (the
     programs pick them with lax.platform_dependent), so on another backend that op runs the pure-JAX
     reference; other paths are reported as the kernels record them."""
-    from kernels import kernel_paths
+    from slipstream.kernels.native import kernel_paths
 
     cpu = jax.default_backend() == "cpu"
     return {k: v if cpu or v != "native" else "reference" for k, v in kernel_paths().items()}

@@ -12,8 +12,8 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 
-from engine.errors import InvalidParam
-from engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
+from slipstream.engine.errors import InvalidParam
+from slipstream.engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

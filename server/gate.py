@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.errors import InvalidParam
-from server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
-from server.metrics import ResponseCounts
-from server.protocol import ErrorDetail, ErrorResponse
+from slipstream.engine.errors import InvalidParam
+from slipstream.server.errors import ServiceError, bearer_token, check_api_key, parse_input, retry_after, service_error
+from slipstream.server.metrics import ResponseCounts
+from slipstream.server.protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from engine.output import Delta
-from server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
-from server.proto import jetstream_pb2 as pb
-from server.proto import jetstream_pb2_grpc as pb_grpc
-from server.service import Generation, Prepared, Service
-from server.structured import Constraint, compile_constraint, json_source
-from server.unix_socket import DEFAULT_MODE, create_with_mode, remove
+from slipstream.engine.output import Delta
+from slipstream.server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
+from slipstream.server.proto import jetstream_pb2 as pb
+from slipstream.server.proto import jetstream_pb2_grpc as pb_grpc
+from slipstream.server.service import Generation, Prepared, Service
+from slipstream.server.structured import Constraint, compile_constraint, json_source
+from slipstream.server.unix_socket import DEFAULT_MODE, create_with_mode, remove
 
 # SamplingParams names a rejected field; these are the request fields to blame.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",

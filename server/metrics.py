@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.replicas import ReplicaSet
-from engine.scheduler import RequestMetrics, Scheduler, SchedulerStats
-from kernels import kernel_paths
+from slipstream.engine.distributed.replicas import ReplicaSet
+from slipstream.engine.scheduler import RequestMetrics, Scheduler, SchedulerStats
+from slipstream.kernels.native import kernel_paths
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)

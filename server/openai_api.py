@@ -9,15 +9,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.output import Delta
-from engine.request import SamplingParams, TokenLogprob
-from server.errors import ServiceError, parse_input
-from server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+from slipstream.engine.output import Delta
+from slipstream.engine.request import SamplingParams, TokenLogprob
+from slipstream.server.errors import ServiceError, parse_input
+from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage, valid_unicode)
-from server.service import Generation, Prepared, Service
-from server.structured import ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan, with_tools
+from slipstream.server.service import Generation, Prepared, Service
+from slipstream.server.structured import ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan, with_tools
 
 # ---- requests ------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
                       model_serializer)
 
-from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS,
+from slipstream.engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS,
                             REPETITION_PENALTY_RANGE)
 
 

@@ -12,12 +12,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import jinja2
 
-from engine.api import Engine
-from engine.output import Delta
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import RequestStream, Scheduler
-from server.errors import ServiceError, parse_input, service_error
-from server.metrics import ResponseCounts
+from slipstream.engine.api import Engine
+from slipstream.engine.output import Delta
+from slipstream.engine.request import FinishReason, Request, SamplingParams
+from slipstream.engine.scheduler import RequestStream, Scheduler
+from slipstream.server.errors import ServiceError, parse_input, service_error
+from slipstream.server.metrics import ResponseCounts
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import uuid
 import weakref
 from typing import Any
 
-from engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
-from engine.errors import InvalidParam
-from engine.structured import Constraint, Grammar, GrammarCompiler
-from server.errors import ServiceError, parse_input
+from slipstream.engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
+from slipstream.engine.errors import InvalidParam
+from slipstream.engine.structured import Constraint, Grammar, GrammarCompiler
+from slipstream.server.errors import ServiceError, parse_input
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -73,15 +73,30 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from models.registry import DEFAULT_MODEL, resolve_model
+    from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
 
+# Tests that start other processes (servers, process groups, virtual-device meshes) or run the default
+# model end to end: `make test` runs them; `make test-quick` (pytest -m "not slow") skips them.
+SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", "test_serve_hf_models",
+                "test_presets_serve", "test_device", "test_soak", "test_fuzz", "test_default_model",
+                "test_unix_socket", "test_chat_page", "test_grammar_abuse", "test_real_engine")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts other processes or runs the default model end to end "
+                                       "(deselect with -m 'not slow')")
     # One persistent XLA cache for the whole run (and later runs): engines built by different
     # tests compile the same buckets, and the cache turns those repeats into loads.
-    from engine.compile_count import enable_compilation_cache
+    from slipstream.engine.device.compile_count import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get(
         "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
@@ -94,7 +109,7 @@ TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, max_
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_llama_dir):
-    from models.loader import load_hf_dir
+    from slipstream.models.loader import load_hf_dir
 
     return load_hf_dir(tiny_llama_dir)
 
@@ -102,7 +117,7 @@ def tiny_model(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
     """A precompiled engine over the tiny model, shared by tests that leave it clean (all slots free)."""
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     cfg, params = tiny_model
     return JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE))
@@ -110,7 +125,7 @@ def tiny_engine(tiny_model):
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path):
-    from models.loader import load_gguf
+    from slipstream.models.loader import load_gguf
 
     return load_gguf(default_model_path)
 
@@ -118,7 +133,7 @@ def default_model(default_model_path):
 @pytest.fixture(scope="session")
 def default_engine(default_model):
     """The default model in a small engine; only the shapes used get compiled."""
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     cfg, params = default_model
     return JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
+from slipstream.server.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

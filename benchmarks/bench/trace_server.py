@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.scheduler import StepEvent
+from slipstream.engine.scheduler import StepEvent
 
 
 class TraceRequests:
@@ -130,14 +130,14 @@ def step_writer(path: str) -> Callable[[StepEvent], None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import server.app
-    from server import cli
+    import slipstream.server.app
+    from slipstream.server import cli
 
     path = os.environ.get("SLIPSTREAM_TRACE")
     if not path:
         print("trace_server: set SLIPSTREAM_TRACE to the JSONL file to append to", file=sys.stderr)
         return 2
-    create_app = server.app.create_app
+    create_app = slipstream.server.app.create_app
 
     steps = os.environ.get("SLIPSTREAM_TRACE_STEPS")
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler.add_step_listener(step_writer(steps))
         return app
 
-    server.app.create_app = traced_create_app  # cmd_serve imports it from server.app when it runs
+    slipstream.server.app.create_app = traced_create_app  # cmd_serve imports it from slipstream.server.app when it runs
     return cli.main(argv)
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.attention import quantize_kv, token_layout
-from kernels.tpu import layout
+from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
+from slipstream.kernels.tpu import layout
 
 # A finite "minus infinity": a masked score gives exp(MASK - m) == 0, never inf - inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -250,7 +250,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
                            interpret: bool = False):
-    """kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
+    """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
     page); interpret: Pallas' TPU interpreter (tests on CPU)."""

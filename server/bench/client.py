@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from server.bench.datasets import SampleRequest
+from slipstream.server.bench.datasets import SampleRequest
 
 
 @dataclass

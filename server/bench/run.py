@@ -106,13 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(name: str):
-    from models.registry import tokenizer_for
+    from slipstream.models.registry import tokenizer_for
 
     return tokenizer_for(name)
 
 
 def build_requests(args: argparse.Namespace, tok, num_prompts: int) -> list:
-    from server.bench import datasets
+    from slipstream.server.bench import datasets
 
     name = "prefix" if args.dataset_name == "prefix_repetition" else args.dataset_name
     if name not in ("sharegpt", "custom") and args.dataset_path:
@@ -171,7 +171,7 @@ async def _arrivals(items: Sequence, offsets: Sequence[float]) -> AsyncIterator:
 
 def server_address(args: argparse.Namespace) -> tuple[str, str | None]:
     """(base URL, unix socket path or None) from --base-url (unix:PATH), --host/--port and --unix-socket."""
-    from server.unix_socket import strip_scheme
+    from slipstream.server.unix_socket import strip_scheme
 
     base_url, path = args.base_url or f"http://{args.host}:{args.port}", args.unix_socket
     if base_url.startswith("unix:"):
@@ -195,9 +195,9 @@ async def _first_model(client, base_url: str, where: str) -> str:
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from server.bench import client as http
-    from server.bench import metrics as m
-    from models.registry import DEFAULT_MODEL
+    from slipstream.server.bench import client as http
+    from slipstream.server.bench import metrics as m
+    from slipstream.models.registry import DEFAULT_MODEL
 
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         raise ValueError("--max-concurrency must be greater than 0")

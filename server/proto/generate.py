@@ -1,32 +1,51 @@
 """Regenerates jetstream_pb2.py / jetstream_pb2_grpc.py from jetstream.proto with grpcio-tools.
 
-Run from anywhere: `python -m server.proto.generate`. Protoc is given the repository root as its
-include path, so the generated gRPC module imports `server.proto.jetstream_pb2` (a package path).
+Run from anywhere: `python -m slipstream.server.proto.generate`. Protoc reads the proto at its import
+path, slipstream/server/proto/jetstream.proto in a staging tree, so the generated gRPC module imports
+`slipstream.server.proto.jetstream_pb2` (the installed package path).
 """
 from __future__ import annotations
 
 import pathlib
+import shutil
 import sys
+import tempfile
 
 from grpc_tools import protoc
 
 PROTO = pathlib.Path(__file__).resolve().with_name("jetstream.proto")
-ROOT = PROTO.parents[2]  # the directory holding the `server` package
+IMPORT_PATH = pathlib.PurePosixPath("slipstream/server/proto/jetstream.proto")
 STUBS = ("jetstream_pb2.py", "jetstream_pb2_grpc.py")
 
 
-def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
-    """Write the stubs under `out_root`/server/proto/ and return their paths."""
-    rel = PROTO.relative_to(ROOT)
-    (out_root / rel.parent).mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_root}", f"--grpc_python_out={out_root}", str(PROTO)]
-    if protoc.main(args) != 0:
+def _protoc(*outputs: str, stage: pathlib.Path) -> None:
+    staged = stage / IMPORT_PATH
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(PROTO, staged)
+    if protoc.main(["grpc_tools.protoc", f"-I{stage}", *outputs, str(staged)]) != 0:
         raise RuntimeError(f"protoc failed on {PROTO}; see its message above")
-    return [out_root / rel.parent / name for name in STUBS]
+
+
+def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Write the stubs into `out_dir` and return their paths."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = pathlib.Path(tmp)
+        _protoc(f"--python_out={stage}", f"--grpc_python_out={stage}", stage=stage)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = [out_dir / name for name in STUBS]
+        for path in paths:
+            shutil.copyfile(stage / IMPORT_PATH.parent / path.name, path)
+    return paths
+
+
+def descriptor_set(out: pathlib.Path) -> None:
+    """Write the FileDescriptorSet protoc makes of jetstream.proto to `out`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _protoc(f"--descriptor_set_out={out}", stage=pathlib.Path(tmp))
 
 
 def main() -> int:
-    for path in generate(ROOT):
+    for path in generate(PROTO.parent):
         print(f"wrote {path}")
     return 0
 

@@ -55,7 +55,7 @@ def test_in_process_phases(tiny_dir, tmp_path):
 
 
 def _serve_has_uds() -> bool:
-    from server.cli import build_parser
+    from slipstream.server.cli import build_parser
 
     _, unknown = build_parser().parse_known_args(["serve", "--uds", "/tmp/x.sock"])
     return not unknown

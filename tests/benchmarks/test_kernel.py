@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from benchmarks import kernel
-from kernels import sampling as ks
+from slipstream.kernels import sampling as ks
 
 
 def test_sampling_times_every_setting_on_both_paths(capsys):
@@ -20,8 +20,8 @@ def _shapes():
     import jax
     import jax.numpy as jnp
 
-    from engine.sampling import SamplingArrays
-    from engine.structured import mask_words
+    from slipstream.engine.device.sampling import SamplingArrays
+    from slipstream.engine.structured import mask_words
 
     b, v = 2, 300
     sarrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params([], [], [], b))
@@ -40,7 +40,7 @@ def test_attention_times_the_step_against_its_kv_read_bound(capsys):
 
 
 def test_f32_compares_the_native_matmul_with_xla_on_each_shape(capsys):
-    from kernels import f32_matmul as fm
+    from slipstream.kernels import f32_matmul as fm
 
     rc = kernel.main(["f32", "--rows", "1", "--layers", "2", "--reps", "1"])
     if not fm.native_available():

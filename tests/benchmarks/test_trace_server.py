@@ -32,7 +32,7 @@ def test_the_server_trace_times_each_request_as_the_server_did(default_model_pat
 
 def test_step_trace_lists_each_step_prefill_chunks_and_decodes(tmp_path):
     # SLIPSTREAM_TRACE_STEPS: one line per planned step, from the scheduler's step listener
-    from engine.mock_engine import MockEngine
+    from slipstream.engine.mock_engine import MockEngine
     from tests.engine.scheduler_helpers import WAIT, chain, req, running
 
     path = tmp_path / "steps.jsonl"

@@ -10,9 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 @functools.lru_cache(maxsize=1)
 def exposition() -> str:
     """One /metrics body from the real Metrics class; the engine is the mock (names do not depend on it)."""
-    from engine.mock_engine import MockEngine
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from server.metrics import Metrics
+    from slipstream.engine.mock_engine import MockEngine
+    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.server.metrics import Metrics
 
     # Never started: a scrape only reads the scheduler's (empty) stats, no tokenizer is used.
     scheduler = Scheduler(MockEngine(), None, SchedulerConfig())

@@ -6,9 +6,9 @@ import contextlib
 import random
 import time
 
-from engine.mock_engine import MockEngine
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.request import Request, SamplingParams
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
 
 WAIT = 10.0  # seconds any result may take before the test fails instead of hanging
 

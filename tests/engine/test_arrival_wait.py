@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from engine.arrival_wait import MAX_SKIP, ArrivalWait
-from engine.mock_engine import MockEngine
-from engine.request import FinishReason
-from engine.scheduler import SchedulerConfig
+from slipstream.engine.arrival_wait import MAX_SKIP, ArrivalWait
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.request import FinishReason
+from slipstream.engine.scheduler import SchedulerConfig
 from tests.engine.scheduler_helpers import WAIT, assert_all_released, chain, req, running
 
 

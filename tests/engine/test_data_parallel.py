@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from engine.mock_engine import MockEngine
-from engine.replicas import ReplicaSet
-from engine.request import FinishReason
-from engine.scheduler import EngineUnavailable, Scheduler, SchedulerConfig
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.distributed.replicas import ReplicaSet
+from slipstream.engine.request import FinishReason
+from slipstream.engine.scheduler import EngineUnavailable, Scheduler, SchedulerConfig
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, wait_for
 
 
@@ -123,11 +123,11 @@ def worker(model_dir: str) -> dict:
     import jax
     import numpy as np
 
-    from engine.runner import EngineConfig, JaxEngine
-    from engine.sharding import replica_devices
-    from engine.request import Request, SamplingParams
-    from models.loader import load_model
-    from server import cli
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.sharding import replica_devices
+    from slipstream.engine.request import Request, SamplingParams
+    from slipstream.models.loader import load_model
+    from slipstream.server import cli
     from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
     from tests.engine.test_tensor_parallel import STEPS
@@ -208,7 +208,7 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
 
 
 def test_more_replicas_than_devices_is_refused_with_how_to_get_virtual_devices():
-    from engine.sharding import replica_devices
+    from slipstream.engine.device.sharding import replica_devices
 
     with pytest.raises(ValueError, match="x data_parallel=1024 needs 2048 devices.*xla_force_host_platform_device_count"):
         replica_devices(2, 1024)

@@ -9,13 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from engine import layer_stack
-from engine.runner import EngineConfig, JaxEngine
-from kernels import f32_matmul, native
+from slipstream.engine.device import layer_stack
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels import f32_matmul, native
 from tests.conftest import TINY_ENGINE, build_tiny_hf
 from tests.engine.test_kernel_paths import greedy
 
-needs_native = pytest.mark.skipif(not f32_matmul.native_available(), reason="kernels._f32_matmul is not built")
+needs_native = pytest.mark.skipif(not f32_matmul.native_available(), reason="slipstream.kernels._f32_matmul is not built")
 
 
 def _per_layer_engine(cfg, model, config, monkeypatch) -> JaxEngine:
@@ -30,7 +30,7 @@ def _per_layer_engine(cfg, model, config, monkeypatch) -> JaxEngine:
 @needs_native
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_f32_stacks_give_the_per_layer_tokens(tmp_path_factory, monkeypatch, family):
-    from models.loader import load_hf_dir
+    from slipstream.models.loader import load_hf_dir
 
     cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path_factory.mktemp(f"f32-{family}")), family))
     config = EngineConfig(**TINY_ENGINE)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.grammar_cost import MAX_REGEX_SIZE, nesting_depth, regex_size, too_costly
+from slipstream.engine.grammar_cost import MAX_REGEX_SIZE, nesting_depth, regex_size, too_costly
 
 
 @pytest.mark.parametrize("pattern, size", [
@@ -36,8 +36,8 @@ def test_nesting_depth_needs_no_recursion() -> None:
 
 @pytest.fixture(scope="module")
 def compiler(default_model_path):
-    from engine.structured import GrammarCompiler
-    from models.registry import load_tokenizer
+    from slipstream.engine.structured import GrammarCompiler
+    from slipstream.models.registry import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
     return GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids)
@@ -51,8 +51,8 @@ def _nested_arrays(levels: int) -> dict:
 
 
 def test_a_deep_schema_is_refused_as_too_deep_naming_the_limit(compiler) -> None:
-    from engine.errors import InvalidParam
-    from engine.structured import Constraint
+    from slipstream.engine.errors import InvalidParam
+    from slipstream.engine.structured import Constraint
 
     compiler.compile(Constraint("json_schema", _nested_arrays(90)))  # within the limit: compiles
     with pytest.raises(InvalidParam) as info:  # llguidance said "recursion limit exceeded at line 1 column 2220"
@@ -66,8 +66,8 @@ def test_a_deep_schema_is_refused_as_too_deep_naming_the_limit(compiler) -> None
     ("grammar", 'start: /((a{50}){50}){50}/'),
 ])
 def test_a_grammar_whose_masks_would_be_slow_is_refused_at_compile_time(compiler, kind, source) -> None:
-    from engine.errors import InvalidParam
-    from engine.structured import Constraint
+    from slipstream.engine.errors import InvalidParam
+    from slipstream.engine.structured import Constraint
 
     with pytest.raises(InvalidParam) as info:
         compiler.compile(Constraint(kind, source, field="f"))

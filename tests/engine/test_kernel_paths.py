@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from kernels import native
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels import native
 from tests.conftest import TINY_ENGINE
 
 STEPS = 12

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache import (PageAllocator, kv_bytes_per_token, num_pages_for_budget,
+from slipstream.engine.kv_cache import (PageAllocator, kv_bytes_per_token, num_pages_for_budget,
                              pages_needed)
 
 

@@ -9,15 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from engine import layer_stack
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.request import SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from kernels import native
-from quantization import layer_forms
+from slipstream.engine.device import layer_stack
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels import native
+from slipstream.quantization import layer_forms
 from tests.conftest import TINY_ENGINE, build_tiny_hf
 
-needs_native = pytest.mark.skipif(not native.load("q8_matmul", "q8_matmul"), reason="kernels._q8_matmul is not built")
+needs_native = pytest.mark.skipif(not native.load("q8_matmul", "q8_matmul"), reason="slipstream.kernels._q8_matmul is not built")
 
 
 def _logits(engine: JaxEngine, prompt: list[int], decodes: int = 3) -> np.ndarray:
@@ -35,7 +35,7 @@ def _logits(engine: JaxEngine, prompt: list[int], decodes: int = 3) -> np.ndarra
 @needs_native
 @pytest.mark.parametrize("family,quantize", [("llama", "q8_0-a16"), ("qwen2", "q8_0"), ("gemma3", "q8_0-a16")])
 def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, family, quantize):
-    from models.loader import load_hf_dir
+    from slipstream.models.loader import load_hf_dir
 
     cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path_factory.mktemp(f"stack-{family}")), family))
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
@@ -52,7 +52,7 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
     want = _logits(fused, prompt)
 
     split = layer_stack.split_linears
-    monkeypatch.setattr("engine.runner.split_linears", lambda model, **kw: split(model, stack_int8=False))
+    monkeypatch.setattr("slipstream.engine.device.runner.split_linears", lambda model, **kw: split(model, stack_int8=False))
     per_layer = JaxEngine(cfg, model, config, precompile=False)
     assert isinstance(per_layer.params["blocks"]["attn"]["wq"]["w"].get_value(), layer_stack.PerLayer)
     np.testing.assert_array_equal(_logits(per_layer, prompt), want)

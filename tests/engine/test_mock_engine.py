@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.mock_engine import MockEngine, MockEngineError
-from engine.request import SamplingParams
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.mock_engine import MockEngine, MockEngineError
+from slipstream.engine.request import SamplingParams
 
 
 def inserted(prompt, slot: int = 0, **kw) -> MockEngine:

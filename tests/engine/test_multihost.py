@@ -18,11 +18,11 @@ import time
 import httpx
 import pytest
 
-from engine.mock_engine import MockEngine
-from engine.multihost import (_FRAME, DistributedConfig, Group, Leader, LockstepEngine, PeerLost, decode, encode,
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.distributed.multihost import (_FRAME, DistributedConfig, Group, Leader, LockstepEngine, PeerLost, decode, encode,
                               serve_worker, worker_grammars)
-from engine.request import FinishReason, SamplingParams
-from engine.scheduler import EngineUnavailable
+from slipstream.engine.request import FinishReason, SamplingParams
+from slipstream.engine.scheduler import EngineUnavailable
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, running, wait_for
 from tests.server.test_serve_hf_models import WORDS, _free_port, _save_word_tokenizer
 
@@ -104,9 +104,9 @@ def test_a_stranger_is_refused_on_the_control_port():
 
 
 def test_a_grammar_reaches_the_worker_as_its_own_compiled_copy(default_model_path):
-    from engine.api import SlotState
-    from engine.structured import Constraint, GrammarCompiler
-    from models.registry import load_tokenizer
+    from slipstream.engine.api import SlotState
+    from slipstream.engine.structured import Constraint, GrammarCompiler
+    from slipstream.models.registry import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
     engine = MockEngine(vocab_size=49152, eos_token_ids=frozenset({2}))
@@ -154,11 +154,11 @@ def _shards(x) -> dict:
 def placement_worker(process_id: int, coordinator: str, model_path: str) -> None:
     """One process of two (this file's __main__): the tiny model at TP=8, its greedy tokens and where
     its weights and KV pages live, as JSON on stdout."""
-    from engine.multihost import exit_now, initialize
+    from slipstream.engine.distributed.multihost import exit_now, initialize
 
     initialize(DistributedConfig(coordinator_address=coordinator, num_processes=2, process_id=process_id))
-    from engine.runner import EngineConfig, JaxEngine
-    from models.loader import load_model
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.models.loader import load_model
     from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
 
@@ -174,7 +174,7 @@ def placement_worker(process_id: int, coordinator: str, model_path: str) -> None
 def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
     """Each process holds only its own 4 devices' shards of one 8-device array, and the greedy tokens
     are the single-device engine's."""
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
 
@@ -215,7 +215,7 @@ def tiny(tmp_path_factory) -> str:
 
 def _serve(model: str, log: pathlib.Path, http: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(http),
+        return subprocess.Popen([sys.executable, "-m", "slipstream.server.cli", "serve", "--model", model, "--port", str(http),
                                  *SERVE, *extra], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

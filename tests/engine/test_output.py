@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 
-from engine.output import Emit, OutputProcessor, RequestMetrics
-from engine.request import FinishReason, Request, SamplingParams, TokenLogprob
+from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics
+from slipstream.engine.request import FinishReason, Request, SamplingParams, TokenLogprob
 
 
 class ByteTokenizer:

@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from engine.block_manager import BlockManager, cheapest_window
-from engine.kv_cache import PageAllocator
-from engine.request import Request, SamplingParams
-from engine.schedule import StepPlanner
-from engine.sequence import Sequence
+from slipstream.engine.block_manager import BlockManager, cheapest_window
+from slipstream.engine.kv_cache import PageAllocator
+from slipstream.engine.request import Request, SamplingParams
+from slipstream.engine.schedule import StepPlanner
+from slipstream.engine.sequence import Sequence
 
 _order = itertools.count()
 

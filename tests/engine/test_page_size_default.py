@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from engine.runner import EngineConfig, JaxEngine
-from kernels.attention import kv_layout
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels.attention import kv_layout
 from tests.conftest import TINY_ENGINE
 
 

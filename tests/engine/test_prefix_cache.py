@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.kv_cache import PageAllocator, pages_needed
-from engine.prefix_cache import PrefixCache, chain_digests
+from slipstream.engine.kv_cache import PageAllocator, pages_needed
+from slipstream.engine.prefix_cache import PrefixCache, chain_digests
 
 PS = 4  # page size for the hand-written tests
 
@@ -201,7 +201,7 @@ def test_clear_returns_every_page_once_sequences_finish():
 def test_peek_counts_what_match_would_take_and_changes_nothing():
     """A data-parallel router asks every replica's cache how much of a prompt it holds: the answer
     must be match's, and asking must not take references, reorder eviction or count as a query."""
-    from engine.block_manager import BlockManager
+    from slipstream.engine.block_manager import BlockManager
 
     alloc = PageAllocator(16)
     cache = PrefixCache(alloc, PS)

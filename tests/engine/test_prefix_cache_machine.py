@@ -9,8 +9,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from engine.kv_cache import PageAllocator, pages_needed
-from engine.prefix_cache import PrefixCache
+from slipstream.engine.kv_cache import PageAllocator, pages_needed
+from slipstream.engine.prefix_cache import PrefixCache
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):

@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
-from engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
-from engine.request import SamplingParams
+from slipstream.engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
+from slipstream.engine.request import SamplingParams
 from flax import nnx
 
-from models.base import dense_logits
+from slipstream.models.base import dense_logits
 
 _dense = nnx.jit(dense_logits)
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+from slipstream.engine.request import (MAX_INT32, MAX_N, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
                             REPETITION_PENALTY_RANGE, InvalidParam, SamplingParams)
-from engine.sampling import (SamplingArrays, apply_penalties, prompt_mask_row, sample,
+from slipstream.engine.device.sampling import (SamplingArrays, apply_penalties, prompt_mask_row, sample,
                              update_counts)
 
 SAMPLE = jax.jit(sample)

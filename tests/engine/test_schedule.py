@@ -7,12 +7,12 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from engine.api import PREVIOUS_SAMPLE, SlotState
-from engine.block_manager import BlockManager
-from engine.mock_engine import MockEngine
-from engine.request import Request, SamplingParams
-from engine.schedule import Plan, StepPlanner
-from engine.sequence import Sequence, Status
+from slipstream.engine.api import PREVIOUS_SAMPLE, SlotState
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.request import Request, SamplingParams
+from slipstream.engine.schedule import Plan, StepPlanner
+from slipstream.engine.sequence import Sequence, Status
 
 _order = itertools.count()
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from engine.mock_engine import MockEngine
-from engine.request import FinishReason
-from engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StepEvent
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.request import FinishReason
+from slipstream.engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StepEvent
 from tests.engine.scheduler_helpers import (WAIT, ByteTokenizer, ascii_prompt, assert_all_released,
                                             chain, req, running, text_of, wait_for)
 

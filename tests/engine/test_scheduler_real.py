@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.request import FinishReason, Request, SamplingParams
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_runner import dense_last_logits
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import SamplingParams
-from engine.speculative import NgramProposer, SpeculativeConfig, accepted_length, may_speculate
+from slipstream.engine.request import SamplingParams
+from slipstream.engine.speculative import NgramProposer, SpeculativeConfig, accepted_length, may_speculate
 
 
 def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
@@ -69,7 +69,7 @@ def test_only_plain_greedy_requests_speculate():
 
 
 def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
-    from server.cli import build_parser
+    from slipstream.server.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).speculative_config is None
@@ -81,8 +81,8 @@ def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
 
 
 def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
-    from models.registry import DEFAULT_MODEL, tokenizer_for
-    from server.bench.datasets import repeat_dataset
+    from slipstream.models.registry import DEFAULT_MODEL, tokenizer_for
+    from slipstream.server.bench.datasets import repeat_dataset
 
     tok = tokenizer_for(DEFAULT_MODEL)
     reqs = repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)
@@ -99,10 +99,10 @@ def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
 def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     import itertools
 
-    from engine.block_manager import BlockManager
-    from engine.request import Request
-    from engine.schedule import StepPlanner
-    from engine.sequence import Sequence
+    from slipstream.engine.block_manager import BlockManager
+    from slipstream.engine.request import Request
+    from slipstream.engine.schedule import StepPlanner
+    from slipstream.engine.sequence import Sequence
 
     order = itertools.count()
 

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.speculative import SpeculativeConfig
-from server.metrics import Metrics
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.request import FinishReason, Request, SamplingParams
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.speculative import SpeculativeConfig
+from slipstream.server.metrics import Metrics
 from tests.conftest import TINY_ENGINE
 from tests.engine.test_scheduler_real import _Detok, _greedy_alone, _SmallBudget
 
@@ -22,7 +22,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_l
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_model):
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     cfg, params = tiny_model
     return JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}))
@@ -154,7 +154,7 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
 
 
 def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_model_path):
-    from models.registry import load_tokenizer
+    from slipstream.models.registry import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
     asks = ["Repeat the following text exactly.", "Copy this paragraph word for word.",

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
-from engine.errors import InvalidParam
-from engine.request import Request, SamplingParams
-from engine.sampling import apply_token_bitmask
-from engine.structured import MAX_SOURCE_CHARS, Constraint, GrammarCompiler, MaskFiller
+from slipstream.engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
+from slipstream.engine.errors import InvalidParam
+from slipstream.engine.request import Request, SamplingParams
+from slipstream.engine.device.sampling import apply_token_bitmask
+from slipstream.engine.structured import MAX_SOURCE_CHARS, Constraint, GrammarCompiler, MaskFiller
 
 VOCAB = 49152  # SmolLM2's tokenizer, under a tiny random model of the same vocabulary
 EOS = 2        # <|im_end|>
@@ -22,7 +22,7 @@ EOS = 2        # <|im_end|>
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path):
-    from models.registry import load_tokenizer
+    from slipstream.models.registry import load_tokenizer
 
     return load_tokenizer(default_model_path)
 
@@ -38,8 +38,8 @@ def engine(tmp_path_factory):
     import torch
     import transformers
 
-    from engine.runner import EngineConfig, JaxEngine
-    from models.loader import load_hf_dir
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.models.loader import load_hf_dir
 
     torch.manual_seed(0)
     path = str(tmp_path_factory.mktemp("tiny-smol-vocab"))
@@ -115,11 +115,11 @@ def test_schema_over_the_size_limit_is_refused_with_the_limit(compiler):
 
 
 def test_grammar_slower_than_the_compile_limit_is_refused_with_the_limit(compiler, monkeypatch):
-    import engine.structured
+    import slipstream.engine.structured
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     compiler.compile(Constraint("json_schema", schema))
-    monkeypatch.setattr(engine.structured, "MAX_COMPILE_SECONDS", 0.0)
+    monkeypatch.setattr(slipstream.engine.structured, "MAX_COMPILE_SECONDS", 0.0)
     with pytest.raises(InvalidParam) as e:
         compiler.compile(Constraint("json_schema", schema))
     assert "the limit is 0 s" in e.value.message
@@ -202,7 +202,7 @@ def test_a_constrained_slot_is_not_fed_before_its_sample_is_collected(engine, to
 def test_scheduler_runs_constrained_and_free_requests_together_exactly(engine, tokenizer, compiler):
     """The scheduler never launches a constrained sequence's next step ahead of its sample (the engine
     would refuse), overlaps steps when no grammar runs, and every output equals the host loop's."""
-    from engine.scheduler import Scheduler
+    from slipstream.engine.scheduler import Scheduler
 
     prompt = tokenizer.encode("Answer:", add_special_tokens=False)
     constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=12,

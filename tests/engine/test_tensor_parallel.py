@@ -29,7 +29,7 @@ def _weights(engine) -> dict:
     """Shards of layer 0's weights (per-layer buffers on CPU), the embedding and the LM head."""
     from flax import nnx
 
-    from engine.layer_stack import FusedMember, StackedF32, StackedQ8
+    from slipstream.engine.device.layer_stack import FusedMember, StackedF32, StackedQ8
 
     out = {}
     for path, var in nnx.to_flat_state(engine.params):
@@ -72,14 +72,14 @@ def _collectives(engine) -> list[int]:
     (4, 2, 8, ("replicated", 2)),   # more devices than query heads
 ])
 def test_head_layout(heads, kv, n, expected):
-    from engine.sharding import head_layout
+    from slipstream.engine.device.sharding import head_layout
 
     assert head_layout(heads, kv, n) == expected
 
 
 def test_bad_tensor_parallel_settings_are_refused():
-    from engine.runner import EngineConfig
-    from engine.sharding import ShardingConfig, make_mesh
+    from slipstream.engine.device.runner import EngineConfig
+    from slipstream.engine.device.sharding import ShardingConfig, make_mesh
 
     with pytest.raises(ValueError, match="tensor_parallel"):
         EngineConfig(tensor_parallel=0)
@@ -111,10 +111,10 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
     import jax
     import numpy as np
 
-    from engine.runner import EngineConfig, JaxEngine
-    from engine.sharding import device_bytes, replica_devices
-    from kernels import native
-    from models.loader import load_model
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.sharding import device_bytes, replica_devices
+    from slipstream.kernels import native
+    from slipstream.models.loader import load_model
     from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
 

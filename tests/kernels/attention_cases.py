@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major
+from slipstream.kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major
 
 
 @dataclasses.dataclass

@@ -10,18 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import attention, native
-from kernels.attention import k_page_from_cache
+from slipstream.kernels import attention, native
+from slipstream.kernels.attention import k_page_from_cache
 from tests.kernels.attention_cases import make_case, oracle
 from tests.kernels.isas import runnable_isas
 
 if native.reference_forced():
     pytest.skip("SLIPSTREAM_KERNELS=reference: the native kernel is off", allow_module_level=True)
 if not native.load("ragged_paged_attention", "ragged_paged_attention"):
-    pytest.fail("kernels._ragged_paged_attention did not build or load: run `pip install -e .`", pytrace=False)
+    pytest.fail("slipstream.kernels._ragged_paged_attention did not build or load: run `pip install -e .`", pytrace=False)
 
-from kernels import _ragged_paged_attention as ext  # noqa: E402  (built extension, loaded above)
-from kernels.attention_native import ragged_paged_attention_cpu  # noqa: E402
+from slipstream.kernels import _ragged_paged_attention as ext  # noqa: E402  (built extension, loaded above)
+from slipstream.kernels.attention_native import ragged_paged_attention_cpu  # noqa: E402
 
 ISAS = runnable_isas(ext, ("portable", "avx2", "avx512", "avx512_vnni"))   # every path this CPU can run
 

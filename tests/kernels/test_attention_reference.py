@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import ragged_paged_attention_reference
+from slipstream.kernels.attention import ragged_paged_attention_reference
 from tests.kernels.attention_cases import make_case, oracle
 
 
@@ -37,7 +37,7 @@ def test_mixed_batch_matches_oracle(int8, window):
 def test_int8_k_pages_are_word_major():
     """int8 K (head_dim % 4 == 0) is stored word-major inside each page: word w (columns 4w..4w+3) of key j
     of a page sits at bytes [(w * page_size + j) * 4, + 4) of the page; V stays in row order."""
-    from kernels.attention import k_page_from_cache, k_page_to_cache, quantize_kv, write_kv
+    from slipstream.kernels.attention import k_page_from_cache, k_page_to_cache, quantize_kv, write_kv
 
     layers, kvh, pages, ps, hd = 2, 1, 3, 8, 12
     shape = (layers, kvh, pages, ps, hd)
@@ -61,7 +61,7 @@ def test_int8_k_pages_are_word_major():
 def test_f32_k_pages_are_column_major():
     """f32 K is stored word-major too, a word being one column: column x of key j of a page sits at element
     x * page_size + j of the page, so 16 keys' column x is one vector load; V stays in row order."""
-    from kernels.attention import k_page_from_cache, k_page_to_cache, write_kv
+    from slipstream.kernels.attention import k_page_from_cache, k_page_to_cache, write_kv
 
     shape, page, off = (2, 1, 3, 8, 12), 2, 5                                 # layers, KV, pages, ps, hd
     ps, hd = shape[3], shape[4]
@@ -82,7 +82,7 @@ def test_bf16_k_pages_are_word_major_when_head_dim_is_even():
     """bf16 K with an even head_dim is stored word-major, a word being two columns: columns 2w, 2w+1 of key j
     of a page sit at elements (w * page_size + j) * 2 + (0, 1) of the page; an odd head_dim keeps rows in
     order, and V always does."""
-    from kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major, write_kv
+    from slipstream.kernels.attention import k_page_from_cache, k_page_to_cache, k_pages_word_major, write_kv
 
     page, off, ps = 2, 5, 8
     for hd in (12, 5):
@@ -110,7 +110,7 @@ def test_bf16_k_pages_are_word_major_when_head_dim_is_even():
 def test_soft_cap_matches_oracle():
     """Gemma-style cap * tanh(score / cap) on the scaled scores, before masking; through the seam on CPU too
     (the native kernel has no soft-cap, so the reference runs)."""
-    from kernels.attention import ragged_paged_attention
+    from slipstream.kernels.attention import ragged_paged_attention
 
     rng = np.random.default_rng(1)
     case = make_case(rng, q_lens=[1, 6], cached=[9, 3], kv_heads=1, group=2, head_dim=8, page_size=4)

@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import f32_matmul as fm
+from slipstream.kernels import f32_matmul as fm
 from tests.kernels.isas import runnable_isas
 
 NATIVE = fm.native_available()
 if NATIVE:
-    import kernels._f32_matmul as ext
+    import slipstream.kernels._f32_matmul as ext
 
 ISAS = runnable_isas(ext, ("avx512", "avx2", "portable")) if NATIVE else []
-needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._f32_matmul is not built")
+needs_native = pytest.mark.skipif(not NATIVE, reason="slipstream.kernels._f32_matmul is not built")
 
 
 def oracle(x: np.ndarray, w: np.ndarray) -> np.ndarray:

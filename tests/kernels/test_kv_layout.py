@@ -1,12 +1,12 @@
-"""kernels.attention.kv_layout: the KV layout and default page size per backend, and the merged TPU
+"""slipstream.kernels.attention.kv_layout: the KV layout and default page size per backend, and the merged TPU
 layout's round trip (the engine allocates the cache through it)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention import kv_layout
-from kernels.tpu import layout
+from slipstream.kernels.attention import kv_layout
+from slipstream.kernels.tpu import layout
 
 
 def test_cpu_keeps_the_standard_layout_and_16_token_pages():

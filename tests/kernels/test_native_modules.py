@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from kernels import native
+from slipstream.kernels import native
 
 MODULES = {  # module -> (FFI targets, its instruction sets, slowest first)
     "sampling": ({"slipstream_sample_tokens", "slipstream_top_logprobs"}, ("portable", "avx2", "avx512")),
@@ -23,9 +23,9 @@ if native.reference_forced():
 @pytest.mark.parametrize("module", list(MODULES))
 def test_module_glue(module):
     try:
-        ext = importlib.import_module(f"kernels._{module}")
+        ext = importlib.import_module(f"slipstream.kernels._{module}")
     except ImportError:
-        pytest.fail(f"kernels._{module} did not build: run `pip install -e .`", pytrace=False)
+        pytest.fail(f"slipstream.kernels._{module} did not build: run `pip install -e .`", pytrace=False)
     targets, isas = MODULES[module]
     assert set(ext.targets()) == targets
     best = ext.isa()

@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import native
-from kernels import q8_matmul as q8
+from slipstream.kernels import native
+from slipstream.kernels import q8_matmul as q8
 from tests.kernels.isas import runnable_isas
 
 NATIVE = native.load("q8_matmul", "q8_matmul")
 if NATIVE:
-    import kernels._q8_matmul as ext
+    import slipstream.kernels._q8_matmul as ext
 
 ISAS = runnable_isas(ext, ("avx512_vnni", "avx2", "portable")) if NATIVE else []
-needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._q8_matmul is not built")
+needs_native = pytest.mark.skipif(not NATIVE, reason="slipstream.kernels._q8_matmul is not built")
 
 
 def f16(a: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import q8_matmul as q8
+from slipstream.kernels import q8_matmul as q8
 from tests.kernels.test_q8_matmul import ISAS, f16, needs_native, run_kernel, run_reference
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import q8_matmul as q8
+from slipstream.kernels import q8_matmul as q8
 from tests.kernels.test_q8_matmul import NATIVE, assert_close, needs_native, oracle, random_weight, run_kernel
 
 if NATIVE:
-    import kernels._q8_matmul as ext
+    import slipstream.kernels._q8_matmul as ext
 
 
 @needs_native

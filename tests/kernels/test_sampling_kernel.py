@@ -9,16 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import sampling as ks
+from slipstream.kernels import sampling as ks
 from tests.kernels.isas import runnable_isas
 
 NATIVE = ks.native_available()
 if NATIVE:
-    import kernels._sampling as ext
+    import slipstream.kernels._sampling as ext
 
 ISAS = runnable_isas(ext, ("avx512", "avx2", "portable")) if NATIVE else []
 
-needs_native = pytest.mark.skipif(not NATIVE, reason="kernels._sampling is not built")
+needs_native = pytest.mark.skipif(not NATIVE, reason="slipstream.kernels._sampling is not built")
 native = jax.jit(ks._native)
 reference = jax.jit(ks.reference)
 

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.tpu import layout
-from kernels.tpu.ragged_paged_attention import ragged_paged_attention
+from slipstream.kernels.tpu import layout
+from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.tpu_cases import SPECS, check, tolerance
 
 LAYERS = 8

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.attention import k_page_from_cache, k_words_major, ragged_paged_attention_reference
-from kernels.tpu import layout
-from kernels.tpu.ragged_paged_attention import ragged_paged_attention
+from slipstream.kernels.attention import k_page_from_cache, k_words_major, ragged_paged_attention_reference
+from slipstream.kernels.tpu import layout
+from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.attention_cases import make_case
 
 

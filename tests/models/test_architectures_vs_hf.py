@@ -7,8 +7,8 @@ import pytest
 import torch
 from flax import nnx
 
-from models.base import dense_logits
-from models.loader import load_hf_dir
+from slipstream.models.base import dense_logits
+from slipstream.models.loader import load_hf_dir
 from tests.conftest import build_tiny_hf
 
 FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("mistral", False), ("qwen2", True),
@@ -51,8 +51,8 @@ def test_logits_match_transformers(tmp_path, family, tie):
 def test_engine_ragged_steps_match_transformers(tmp_path, family):
     """Chunked prefill of two sequences in mixed steps through the paged cache: each chunk's last
     logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8)."""
-    from engine.api import StepBatch, StepSeq
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.api import StepBatch, StepSeq
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     path = build_tiny_hf(str(tmp_path), family)
     cfg, model = load_hf_dir(path)
@@ -91,7 +91,7 @@ def test_bf16_forward_is_close_to_f32(tiny_llama_dir):
 def test_unknown_architecture_is_named_with_the_supported_ones(tmp_path):
     import json
 
-    from models.loader import ModelLoadError
+    from slipstream.models.loader import ModelLoadError
 
     path = build_tiny_hf(str(tmp_path), "llama")
     with open(f"{path}/config.json") as f:
@@ -108,7 +108,7 @@ def test_gemma3_step_copies_no_cache(tmp_path):
     between two attention calls made XLA copy the cache 4 times per step)."""
     import re
 
-    from engine.runner import EngineConfig, JaxEngine
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path), "gemma3"))
     assert set(cfg.layer_types) == {"sliding", "full"}

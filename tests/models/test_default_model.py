@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from models.registry import load_tokenizer
+from slipstream.engine.request import SamplingParams
+from slipstream.models.registry import load_tokenizer
 from tests.engine.test_runner import _generate as drive_engine
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",

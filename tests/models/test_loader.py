@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import ModelConfig
-from models.loader import ModelLoadError, load_gguf, load_hf_dir, load_model
+from slipstream.models.config import ModelConfig
+from slipstream.models.loader import ModelLoadError, load_gguf, load_hf_dir, load_model
 
 
 def test_sharded_safetensors_equal_single_file(tmp_path, tiny_llama_dir):

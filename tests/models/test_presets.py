@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.architectures import build_abstract
-from models.base import dense_logits
-from models.config import ModelConfig
-from models.dummy import dummy_model
-from models.dummy_tokenizer import IM_END, IM_START, synthetic_tokenizer
-from models.registry import PRESET_DIR, architecture_presets, load_tokenizer, resolve_model
+from slipstream.models.architectures import build_abstract
+from slipstream.models.base import dense_logits
+from slipstream.models.config import ModelConfig
+from slipstream.models.dummy import dummy_model
+from slipstream.models.dummy_tokenizer import IM_END, IM_START, synthetic_tokenizer
+from slipstream.models.registry import PRESET_DIR, architecture_presets, load_tokenizer, resolve_model
 
 # name: (architecture, layers, hidden, heads, kv heads, head_dim, intermediate, vocab, tied, full layers)
 PUBLIC = {
@@ -123,7 +123,7 @@ def test_synthetic_tokenizer_has_the_vocabulary_and_round_trips(name):
 
 def test_preset_tokenizer_is_what_serving_loads():
     """`slipstream bench --model qwen3-0.6b` counts tokens with the tokenizer the dummy server uses."""
-    from server.bench.run import load_tokenizer as bench_tokenizer
+    from slipstream.server.bench.run import load_tokenizer as bench_tokenizer
 
     path = resolve_model("qwen3-0.6b", "dummy")
     served, counted = load_tokenizer(path), bench_tokenizer("qwen3-0.6b")
@@ -134,7 +134,7 @@ def test_preset_tokenizer_is_what_serving_loads():
 def test_preset_without_dummy_load_format_fails_clearly(capsys):
     with pytest.raises(FileNotFoundError, match="--load-format dummy"):
         resolve_model("llama-3.1-8b")
-    from server.cli import main
+    from slipstream.server.cli import main
 
     assert main(["generate", "--model", "llama-3.1-8b", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
@@ -162,7 +162,7 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
         np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
     assert got == want
     if quantize != "none":
-        from quantization import QuantizedWeight
+        from slipstream.quantization import QuantizedWeight
 
         assert isinstance(model.blocks.mlp.w_up.w.get_value(), QuantizedWeight)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
@@ -175,7 +175,7 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
 def test_other_int8_formats_are_drawn_a_layer_at_a_time():
     """A quantized format other than the group-wise one goes through quantization's public
     quantize_weight one layer at a time (here q8_0 itself, the path a TPU format takes)."""
-    from models.dummy import _draw_quantized
+    from slipstream.models.dummy import _draw_quantized
 
     w = _draw_quantized(jax.random.key(0), (3, 64, 32), "q8_0", jnp.float32)
     assert w.shape == (3, 64, 32)

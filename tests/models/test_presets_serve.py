@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from engine.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app, make_server
-from server.cli import build_engine, build_parser
-from server.service import Service, ServiceConfig
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.server.app import create_app, make_server
+from slipstream.server.cli import build_engine, build_parser
+from slipstream.server.service import Service, ServiceConfig
 from tests.models.test_presets import PUBLIC, shrunk_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_load_format_comes_from_the_environment(monkeypatch):
 
 def test_generate_runs_a_dummy_preset_directory(tmp_path):
     path = shrunk_dir(tmp_path, "llama-3.2-1b")
-    out = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", path, "--load-format", "dummy",
+    out = subprocess.run([sys.executable, "-m", "slipstream.server.cli", "generate", "--model", path, "--load-format", "dummy",
                           "--prompt", "Hello", "--max-tokens", "6", *SMALL],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from models.registry import load_tokenizer
-from models.tokenizer import ChatTemplateError, IncrementalDetokenizer
+from slipstream.models.registry import load_tokenizer
+from slipstream.models.tokenizer import ChatTemplateError, IncrementalDetokenizer
 
 TEXTS = [
     "Hello world!",
@@ -58,7 +58,7 @@ def test_chat_template_equals_transformers(tokenizers):
 def test_chat_template_sandbox_blocks_attribute_escape():
     from tokenizers import Tokenizer as HF, models
 
-    from models.tokenizer import Tokenizer
+    from slipstream.models.tokenizer import Tokenizer
 
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     tok = Tokenizer(HF(models.BPE()), bos_token=None, eos_token=None, add_bos=False, chat_template=evil)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from quantization import groupwise, ops
-from quantization.weights import QuantizedWeight, quantize_weight
+from slipstream.quantization import groupwise, ops
+from slipstream.quantization.weights import QuantizedWeight, quantize_weight
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (7, 70), (3, 1)])
@@ -96,8 +96,8 @@ def test_linear_with_offsets_and_a16_matches_the_dequantized_weight():
 def test_prepare_keeps_loader_built_q8_0_weights_and_quantizes_the_rest(tmp_path):
     from flax import nnx
 
-    from engine.params import prepare_model
-    from models.loader import load_hf_dir
+    from slipstream.engine.device.params import prepare_model
+    from slipstream.models.loader import load_hf_dir
     from tests.conftest import build_tiny_hf
 
     path = build_tiny_hf(str(tmp_path / "tiny"))
@@ -118,8 +118,8 @@ def test_prepare_keeps_loader_built_q8_0_weights_and_quantizes_the_rest(tmp_path
 def test_hf_loader_builds_q8_0_weights_that_track_float(tmp_path):
     from flax import nnx
 
-    from models.base import dense_logits
-    from models.loader import load_hf_dir
+    from slipstream.models.base import dense_logits
+    from slipstream.models.loader import load_hf_dir
     from tests.conftest import build_tiny_hf
 
     path = build_tiny_hf(str(tmp_path / "tiny"), tie=True)
@@ -135,8 +135,8 @@ def test_hf_loader_builds_q8_0_weights_that_track_float(tmp_path):
 
 
 def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
-    from models.loader import load_gguf, read_gguf
-    from models.registry import DEFAULT_MODEL, resolve_model
+    from slipstream.models.loader import load_gguf, read_gguf
+    from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
     path = resolve_model(DEFAULT_MODEL)
     cfg, model = load_gguf(path, quantize="q8_0")
@@ -159,7 +159,7 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
 
 
 def test_stacking_four_and_eight_bit_layers_widens_to_eight_bits():
-    from kernels import q8_matmul
+    from slipstream.kernels import q8_matmul
 
     rng = np.random.default_rng(5)
     d = rng.random((48, 2)).astype(np.float16).astype(np.float32)

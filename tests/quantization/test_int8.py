@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.engine_config import EngineConfig
-from quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes
+from slipstream.engine.device.engine_config import EngineConfig
+from slipstream.quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes
 
 SHAPES = [(1, 70, 33), (5, 64, 40), (3, 96, 17), (7, 33, 129)]  # K not a multiple of 32, N odd
 
@@ -155,7 +155,7 @@ def test_auto_picks_int8_on_accelerators(backend, mode):
 
 
 def test_auto_keeps_q8_0_a16_on_cpu(monkeypatch):
-    from kernels import q8_matmul
+    from slipstream.kernels import q8_matmul
 
     monkeypatch.setattr(q8_matmul, "native_available", lambda: True)
     assert EngineConfig().weight_mode("cpu") == "q8_0-a16"

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.api import SlotState, StepBatch, StepSeq
-from engine.request import MAX_TOP_LOGPROBS, SamplingParams
-from engine.runner import EngineConfig, JaxEngine
-from quantization import QuantizedWeight, weight_bytes
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.quantization import QuantizedWeight, weight_bytes
 from tests.conftest import TINY_ENGINE
 
 STEPS = 8
@@ -121,8 +121,8 @@ def test_int8_kv_holds_more_pages_in_the_same_memory(tiny_model):
 def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_model_path):
     """The default model as the server loads it in q8_0-a16 (int8 straight from its Q4_1/Q8_0 GGUF
     blocks, two-part activations) greedy-decodes the same 16 tokens as f32."""
-    from models.loader import load_gguf
-    from models.registry import load_tokenizer
+    from slipstream.models.loader import load_gguf
+    from slipstream.models.registry import load_tokenizer
 
     tok = load_tokenizer(default_model_path)
     texts = ["The capital of France is", "def fibonacci(n):\n",

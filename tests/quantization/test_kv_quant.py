@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import quantize_kv
+from slipstream.kernels.attention import quantize_kv
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from quantization import ops
-from quantization.weights import QuantizedWeight, quantize_weight
+from slipstream.quantization import ops
+from slipstream.quantization.weights import QuantizedWeight, quantize_weight
 
 
 def make(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

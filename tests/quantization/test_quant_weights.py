@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
+from slipstream.quantization.weights import MODES, QuantizedWeight, quantize_weight, weight_bytes
 
 
 def test_unknown_mode_is_rejected_naming_the_allowed_modes():

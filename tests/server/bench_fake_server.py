@@ -154,7 +154,7 @@ class FakeServer:
 
 
 def main() -> None:
-    from models.registry import load_tokenizer
+    from slipstream.models.registry import load_tokenizer
 
     tok = load_tokenizer(sys.argv[1])
     state = {"schedule": Schedule(), "stats": Stats(), "seen_prompts": set()}

@@ -17,11 +17,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.mock_engine import MockEngine
-from engine.replicas import ReplicaSet
-from engine.scheduler import Scheduler, SchedulerConfig
-from server.app import SlipstreamServer, create_app, make_server
-from server.service import Service, ServiceConfig
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.distributed.replicas import ReplicaSet
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.server.app import SlipstreamServer, create_app, make_server
+from slipstream.server.service import Service, ServiceConfig
 
 MODEL = "mock-model"
 BOS, EOS = 256, 257

@@ -8,10 +8,10 @@ from typing import Any, Coroutine, Iterator, TypeVar
 
 import grpc
 
-from server.grpc_service import GrpcServer, start_grpc_server
-from server.proto import jetstream_pb2 as pb
-from server.proto import jetstream_pb2_grpc as pb_grpc
-from server.service import Service
+from slipstream.server.grpc_service import GrpcServer, start_grpc_server
+from slipstream.server.proto import jetstream_pb2 as pb
+from slipstream.server.proto import jetstream_pb2_grpc as pb_grpc
+from slipstream.server.service import Service
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""`slipstream serve` (server.cli.main, the real command) over MockEngine and the byte tokenizer, for tests that
+"""`slipstream serve` (slipstream.server.cli.main, the real command) over MockEngine and the byte tokenizer, for tests that
 run it in a child process (test_unix_socket.py runs it where TCP sockets fail, as on the lent TPU machine):
 
     python -m tests.server.mock_serve [--step-sleep-s S] serve --uds PATH ...
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
-from engine.mock_engine import MockEngine
+from slipstream.engine.mock_engine import MockEngine
 from tests.server.conftest import EOS, ByteTokenizer
 
 
 def main(argv: list[str]) -> int:
-    import server.cli
+    import slipstream.server.cli
 
     step_sleep_s = 0.0
     if argv[:1] == ["--step-sleep-s"]:
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
                             max_slots=4, num_pages=128, step_sleep_s=step_sleep_s)
         return [engine], ByteTokenizer(), "mock-model"
 
-    server.cli.build_engines = build_engines
-    return server.cli.main(argv)
+    slipstream.server.cli.build_engines = build_engines
+    return slipstream.server.cli.main(argv)
 
 
 if __name__ == "__main__":

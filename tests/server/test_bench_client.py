@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from server.bench import run as bench
+from slipstream.server.bench import run as bench
 from tests.server.bench_fake_server import FakeServer, Schedule
 
 REL = 0.04   # "within a few percent": means, medians, totals and throughputs
@@ -128,7 +128,7 @@ def test_every_metric_matches_the_schedule(fake, default_model_path, endpoint, u
 
 
 def test_prompt_and_output_lengths_are_token_exact(fake, default_model_path, tokenizer):
-    from server.bench.datasets import random_dataset
+    from slipstream.server.bench.datasets import random_dataset
 
     fake.configure(Schedule(ttft_s=0.005, itl_s=0.001))
     r = run_bench(fake, default_model_path, "--num-prompts", "24", "--random-input-len", "200",
@@ -145,7 +145,7 @@ def test_prompt_and_output_lengths_are_token_exact(fake, default_model_path, tok
 
 
 def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
-    from server.bench.datasets import prefix_dataset, random_dataset
+    from slipstream.server.bench.datasets import prefix_dataset, random_dataset
 
     def count(text):
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -164,7 +164,7 @@ def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
 
 
 def test_sharegpt_is_filtered_as_vllm_does(tokenizer, tmp_path):
-    from server.bench.datasets import sharegpt_dataset
+    from slipstream.server.bench.datasets import sharegpt_dataset
 
     words = lambda k: " ".join(["word"] * k)  # noqa: E731 ("word word ..." is k tokens or so)
     convs = [{"conversations": [{"from": "human", "value": words(20)}, {"from": "gpt", "value": words(30)}]},

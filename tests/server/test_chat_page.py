@@ -16,11 +16,11 @@ from typing import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.mock_engine import MockEngine
-from engine.scheduler import Scheduler, SchedulerConfig
-from server.app import create_app, make_server
-from server.cli import build_parser
-from server.service import Service, ServiceConfig
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.server.app import create_app, make_server
+from slipstream.server.cli import build_parser
+from slipstream.server.service import Service, ServiceConfig
 from tests.server.cdp import Browser, Page, install_chromium
 from tests.server.conftest import BOS, MODEL, ByteTokenizer, LiveServer, start_live, wait_for
 

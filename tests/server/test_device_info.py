@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from kernels import native
-from server import device_info
+from slipstream.kernels import native
+from slipstream.server import device_info
 
 
 def test_device_summary_names_the_default_backend_device():

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from server.errors import ServiceError
-from server.openai_api import prepare_chat, prepare_completion
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.service import Service, ServiceConfig
+from slipstream.server.errors import ServiceError
+from slipstream.server.openai_api import prepare_chat, prepare_completion
+from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
+from slipstream.server.service import Service, ServiceConfig
 from tests.server.conftest import MODEL, CountingTokenizer, LiveServer, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]

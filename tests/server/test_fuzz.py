@@ -22,14 +22,14 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from engine.request import MAX_INT32
-from engine.sampling import SamplingArrays
-from server.errors import ServiceError, grpc_code
-from server.grpc_service import prepare_decode
-from server.openai_api import prepare_chat, prepare_completion
-from server.proto import jetstream_pb2 as pb
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.service import Prepared, Service
+from slipstream.engine.request import MAX_INT32
+from slipstream.engine.device.sampling import SamplingArrays
+from slipstream.server.errors import ServiceError, grpc_code
+from slipstream.server.grpc_service import prepare_decode
+from slipstream.server.openai_api import prepare_chat, prepare_completion
+from slipstream.server.proto import jetstream_pb2 as pb
+from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
+from slipstream.server.service import Prepared, Service
 from tests.server.conftest import BOS, LiveServer
 
 # Counters for the summary printed at the end of the module (cases, and statuses by hundreds).

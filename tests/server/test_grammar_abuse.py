@@ -12,12 +12,12 @@ import time
 import httpx
 import pytest
 
-from engine.grammar_cost import MAX_REGEX_SIZE
-from engine.runner import EngineConfig, JaxEngine
-from engine.scheduler import Scheduler, SchedulerConfig
-from models.registry import load_tokenizer
-from server.app import create_app, make_server
-from server.service import Service, ServiceConfig
+from slipstream.engine.grammar_cost import MAX_REGEX_SIZE
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.models.registry import load_tokenizer
+from slipstream.server.app import create_app, make_server
+from slipstream.server.service import Service, ServiceConfig
 
 NESTED = "((a{50}){50}){50}"  # 16 bytes; unrolled, 125,000 positions
 ABUSE = [{"prompt": "a", "max_tokens": 32, "guided_regex": NESTED},

@@ -11,10 +11,10 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from engine.structured import Constraint
-from server.errors import ServiceError
-from server.proto import jetstream_pb2 as pb
-from server.structured import compile_constraint
+from slipstream.engine.structured import Constraint
+from slipstream.server.errors import ServiceError
+from slipstream.server.proto import jetstream_pb2 as pb
+from slipstream.server.structured import compile_constraint
 from tests.server.conftest import LiveServer
 from tests.server.grpc_helpers import GrpcLive, start_grpc, text_request
 
@@ -130,7 +130,7 @@ class _ServedModel:
 
 @pytest.fixture(scope="module")
 def served_model(default_model_path) -> _ServedModel:
-    from models.registry import load_tokenizer
+    from slipstream.models.registry import load_tokenizer
 
     return _ServedModel(load_tokenizer(default_model_path))
 

@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 
-from engine.runner import EngineConfig, JaxEngine
-from engine.scheduler import Scheduler, SchedulerConfig
-from models.loader import load_hf_dir
-from models.registry import load_tokenizer
-from server.app import create_app, make_server
-from server.service import Service, ServiceConfig
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.models.loader import load_hf_dir
+from slipstream.models.registry import load_tokenizer
+from slipstream.server.app import create_app, make_server
+from slipstream.server.service import Service, ServiceConfig
 from tests.conftest import build_tiny_hf
 
 

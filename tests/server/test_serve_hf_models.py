@@ -59,7 +59,7 @@ def test_serve_hf_checkpoint_answers_with_transformers_tokens(tmp_path, family):
     want = _hf_greedy(path, prompt_ids, 8)
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--model", path, "--port", str(port), "--max-slots", "2",
+        [sys.executable, "-m", "slipstream.server.cli", "serve", "--model", path, "--port", str(port), "--max-slots", "2",
          "--max-seq-len", "64", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
          "--quantize", "none", "--compile-cache", ""],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

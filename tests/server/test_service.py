@@ -5,12 +5,12 @@ import asyncio
 
 import pytest
 
-from engine.mock_engine import MockEngine
-from engine.scheduler import Overloaded, Scheduler
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.errors import ServiceError
-from server.openai_api import prepare_chat, prepare_completion
-from server.service import Service, ServiceConfig
+from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.scheduler import Overloaded, Scheduler
+from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
+from slipstream.server.errors import ServiceError
+from slipstream.server.openai_api import prepare_chat, prepare_completion
+from slipstream.server.service import Service, ServiceConfig
 from tests.server.conftest import EOS, MODEL, ByteTokenizer, wait_for
 
 

@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from server.cli import build_parser, main
-from server.startup_checks import check_args
+from slipstream.server.cli import build_parser, main
+from slipstream.server.startup_checks import check_args
 
 
 def _serve(*flags: str):

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from server.errors import ServiceError
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.structured import CLOSE, OPEN, ToolStream, parse_reply, request_constraint, tool_plan, with_tools
+from slipstream.server.errors import ServiceError
+from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
+from slipstream.server.structured import CLOSE, OPEN, ToolStream, parse_reply, request_constraint, tool_plan, with_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",

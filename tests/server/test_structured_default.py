@@ -13,11 +13,11 @@ import openai
 import pydantic
 import pytest
 
-from engine.runner import EngineConfig, JaxEngine
-from engine.scheduler import Scheduler, SchedulerConfig
-from models.registry import load_tokenizer
-from server.app import create_app, make_server
-from server.service import Service, ServiceConfig
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.models.registry import load_tokenizer
+from slipstream.server.app import create_app, make_server
+from slipstream.server.service import Service, ServiceConfig
 
 MODEL = "smollm2"
 
@@ -200,7 +200,7 @@ def test_constrained_reply_cut_by_max_tokens_finishes_with_length(client):
 def test_grpc_json_schema_field_constrains_every_sample(served):
     import grpc
 
-    from server.proto import jetstream_pb2 as pb
+    from slipstream.server.proto import jetstream_pb2 as pb
     from tests.server.grpc_helpers import start_grpc, text_request
 
     live = start_grpc(served[1])

@@ -19,11 +19,11 @@ import grpc
 import httpx
 import pytest
 
-import server.cli
-from server.bench import run as bench
-from server.grpc_service import start_grpc_server
-from server.proto import jetstream_pb2_grpc as pb_grpc
-from server.unix_socket import SUN_PATH_MAX, parse_mode
+import slipstream.server.cli
+from slipstream.server.bench import run as bench
+from slipstream.server.grpc_service import start_grpc_server
+from slipstream.server.proto import jetstream_pb2_grpc as pb_grpc
+from slipstream.server.unix_socket import SUN_PATH_MAX, parse_mode
 from tests.server.conftest import MODEL, wait_for
 from tests.server.grpc_helpers import LoopThread, collect, text_request
 
@@ -67,8 +67,8 @@ def test_uds_mode_sets_the_socket_files_permissions(make_live, tmp_path) -> None
     path = tmp_path / "group.sock"
     make_live(uds=str(path), uds_mode=0o660)
     assert _mode(path) == 0o660
-    assert server.cli.build_parser().parse_args(["serve", "--uds-mode", "0660"]).uds_mode == 0o660
-    assert server.cli.build_parser().parse_args(["serve"]).uds_mode == 0o600
+    assert slipstream.server.cli.build_parser().parse_args(["serve", "--uds-mode", "0660"]).uds_mode == 0o660
+    assert slipstream.server.cli.build_parser().parse_args(["serve"]).uds_mode == 0o600
     assert parse_mode("666") == 0o666
     for bad in ("rw", "0800", "01777", "0400"):  # not octal, too wide, owner cannot connect
         with pytest.raises(argparse.ArgumentTypeError):
@@ -94,12 +94,12 @@ def no_model(monkeypatch) -> list[str]:
         loads.append(args.model)
         raise RuntimeError("the model was loaded before the socket paths were checked")
 
-    monkeypatch.setattr(server.cli, "build_engines", build_engines)
+    monkeypatch.setattr(slipstream.server.cli, "build_engines", build_engines)
     return loads
 
 
 def _serve_error(capsys, *flags: str) -> str:
-    assert server.cli.main(["serve", *flags]) == 2
+    assert slipstream.server.cli.main(["serve", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("slipstream: error: "), lines
     return lines[0]

@@ -38,10 +38,10 @@ class ByteTokenizer:
 # ---- inside the child process -------------------------------------------------------------------
 
 def serve(args: argparse.Namespace) -> int:
-    from engine.mock_engine import MockEngine
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from server.app import create_app, make_server
-    from server.service import Service, ServiceConfig
+    from slipstream.engine.mock_engine import MockEngine
+    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.server.app import create_app, make_server
+    from slipstream.server.service import Service, ServiceConfig
 
     engine = MockEngine(vocab_size=ByteTokenizer.vocab_size, eos_token_ids=frozenset({EOS}), max_seq_len=128,
                         max_slots=args.max_slots, num_pages=256, step_sleep_s=args.step_sleep)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels.attention import ragged_paged_attention
+from slipstream.kernels.attention import ragged_paged_attention
 
 # The mesh axis attention heads are split over under tensor parallelism (engine/sharding.py).
 MODEL_AXIS = "model"
@@ -22,7 +22,7 @@ def cache_head_axis(kv_cache: dict) -> int:
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: dict, layer: jax.Array,
                     kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
                     **kwargs) -> tuple[jax.Array, dict]:
-    """kernels.attention.ragged_paged_attention; traced under an abstract mesh with a "model" axis of
+    """slipstream.kernels.attention.ragged_paged_attention; traced under an abstract mesh with a "model" axis of
     more than one device, it runs per device (see _per_shard)."""
     args = (q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs)
     mesh = jax.sharding.get_abstract_mesh()

@@ -20,11 +20,11 @@ import sys
 import threading
 from typing import Any, Callable
 
-from engine.api import Sampled, SlotState, StepBatch, StepResult
+from slipstream.engine.api import Sampled, SlotState, StepBatch, StepResult
 # Group, Leader and the wire are imported from here by server/cli.py and the tests
-from engine.control_channel import (_FRAME, HEARTBEAT_S, TOKEN_BYTES, DistributedConfig, Group, Leader,  # noqa: F401
+from slipstream.engine.distributed.control_channel import (_FRAME, HEARTBEAT_S, TOKEN_BYTES, DistributedConfig, Group, Leader,  # noqa: F401
                                     PeerLost, decode, encode)
-from engine.request import MAX_SEED
+from slipstream.engine.request import MAX_SEED
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def worker_grammars(tokenizer: Any, engine: Any) -> Callable[[str, Any], Any]:
 
     def make(text: str, constraint: Any) -> Any:
         nonlocal compiler
-        from engine.structured import Grammar, GrammarCompiler
+        from slipstream.engine.structured import Grammar, GrammarCompiler
 
         if compiler is None:
             eos = set(getattr(tokenizer, "eos_token_ids", ())) | set(engine.eos_token_ids)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.api import PREVIOUS_SAMPLE, StepBatch
-from engine.buckets import Buckets
-from engine.kv_cache import pages_needed
+from slipstream.engine.api import PREVIOUS_SAMPLE, StepBatch
+from slipstream.engine.device.buckets import Buckets
+from slipstream.engine.kv_cache import pages_needed
 
 
 def step_inputs(batch: StepBatch, buckets: Buckets, *, max_slots: int, max_pages_per_seq: int, max_seq_len: int,

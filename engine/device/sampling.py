@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.request import MAX_TOP_LOGPROBS, SamplingParams
-from engine.structured import mask_words
-from kernels.sampling import sample_tokens, top_logprobs
+from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from slipstream.engine.structured import mask_words
+from slipstream.kernels.sampling import sample_tokens, top_logprobs
 
 _GREEDY = SamplingParams(temperature=0.0)
 Array = jax.Array | np.ndarray  # numpy from the host-side builder, jax.Array inside jit

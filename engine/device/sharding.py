@@ -18,11 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from engine.attention_layer import MODEL_AXIS, cache_head_axis
-from engine.layer_stack import LayerPick, PerLayer
-from kernels.q8_matmul import GROUP, TILE, q8_matmul
-from models.config import ModelConfig
-from quantization import QuantizedWeight
+from slipstream.engine.device.attention_layer import MODEL_AXIS, cache_head_axis
+from slipstream.engine.device.layer_stack import LayerPick, PerLayer
+from slipstream.kernels.q8_matmul import GROUP, TILE, q8_matmul
+from slipstream.models.config import ModelConfig
+from slipstream.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 

@@ -21,24 +21,24 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from engine import compile_count
-from engine.api import Sampled, SlotState, StepBatch
-from engine.attention_layer import paged_attention
-from engine.buckets import Buckets
-from engine.engine_config import EngineConfig  # imported from here across the repo too
-from engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from engine.launched import LaunchedStep, PreviousSamples
-from engine.sampling import SamplingArrays, constrain, prompt_mask_row, sample_penalized, update_counts
-from engine.step_inputs import previous_sources, step_inputs
-from engine.structured import MaskFiller, Matcher, mask_words
-from engine.layer_stack import split_linears
-from engine.params import prepare_model
-from engine.sharding import TensorParallel
+from slipstream.engine.device import compile_count
+from slipstream.engine.api import Sampled, SlotState, StepBatch
+from slipstream.engine.device.attention_layer import paged_attention
+from slipstream.engine.device.buckets import Buckets
+from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
+from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
+from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
+from slipstream.engine.device.sampling import SamplingArrays, constrain, prompt_mask_row, sample_penalized, update_counts
+from slipstream.engine.device.step_inputs import previous_sources, step_inputs
+from slipstream.engine.structured import MaskFiller, Matcher, mask_words
+from slipstream.engine.device.layer_stack import split_linears
+from slipstream.engine.device.params import prepare_model
+from slipstream.engine.device.sharding import TensorParallel
 from flax import nnx
-from kernels.attention import kv_layout
-from models.base import CausalLM, init_kv_cache, step_fn
-from models.config import ModelConfig
-from models.loader import trim_host_heap
+from slipstream.kernels.attention import kv_layout
+from slipstream.models.base import CausalLM, init_kv_cache, step_fn
+from slipstream.models.config import ModelConfig
+from slipstream.models.loader import trim_host_heap
 
 
 class JaxEngine:
@@ -111,7 +111,7 @@ class JaxEngine:
         self._no_mask: dict[int, jax.Array] = {}  # sample rows -> all-ones mask
         # host time of the grammars (benchmarks report it per constrained token)
         self.mask_seconds = 0.0     # filling mask rows
-        self.advance_seconds = 0.0  # matchers consuming the sampled tokens
+        self.grammar = GrammarProgress()  # matchers waiting for their launched samples, and their time
         self.masked_rows = 0
 
         self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
@@ -278,13 +278,13 @@ class JaxEngine:
 
     def launch(self, batch: StepBatch) -> LaunchedStep:
         for seq in batch.seqs:  # a grammar's mask needs the slot's latest token on the host
-            if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self._unadvanced:
+            if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self.grammar.unadvanced:
                 raise ValueError(f"slot {seq.slot} is grammar-constrained and its latest sample is not "
                                  "collected yet; collect the step in flight before launching its next one")
         t, logits, sample_slots = self._run_model(batch)
         n = len(sample_slots)
         if n == 0:
-            return LaunchedStep(self, None, [])
+            return LaunchedStep(self.grammar, None, [])
         b = self.buckets.sample_rows(t)
         slot_ids = np.full(b, self.max_slots, np.int32)
         slot_ids[:n] = sample_slots
@@ -307,10 +307,5 @@ class JaxEngine:
             result = dataclasses.replace(result, logprob=None, top_ids=None, top_logprobs=None)
         for leaf in jax.tree.leaves(result):
             leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
-        self._unadvanced.update(m for _, m in rows if m is not None)
-        return LaunchedStep(self, result, rows)
-
-    @functools.cached_property
-    def _unadvanced(self) -> set:
-        """Grammar matchers whose latest sample is launched but not collected."""
-        return set()
+        self.grammar.unadvanced.update(m for _, m in rows if m is not None)
+        return LaunchedStep(self.grammar, result, rows)

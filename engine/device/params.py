@@ -10,10 +10,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from models.base import CausalLM
-from models.layers import Linear
-from quantization import Int8Weight, QuantizedWeight, quantize_weight
-from quantization.weights import QUANTIZED_MODES, check_mode
+from slipstream.models.base import CausalLM
+from slipstream.models.layers import Linear
+from slipstream.quantization import Int8Weight, QuantizedWeight, quantize_weight
+from slipstream.quantization.weights import QUANTIZED_MODES, check_mode
 
 
 def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) -> CausalLM:
@@ -29,7 +29,7 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
             table = model.embed.table.get_value()                                    # [vocab, embed]
             head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
             if mode in QUANTIZED_MODES:
-                from quantization.groupwise import pack_one, quantize_rows
+                from slipstream.quantization.groupwise import pack_one, quantize_rows
 
                 head.w.set_value(pack_one(quantize_rows(np.asarray(table, np.float32)), mode))
             else:

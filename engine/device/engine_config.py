@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from quantization import MODES
+from slipstream.quantization import MODES
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
@@ -67,7 +67,7 @@ class EngineConfig:
             return "int8"
         if backend != "cpu":
             return "none"
-        from kernels.q8_matmul import native_available
+        from slipstream.kernels.q8_matmul import native_available
 
         return "q8_0-a16" if native_available() else "none"
 
@@ -81,7 +81,7 @@ class EngineConfig:
             return jnp.dtype(self.kv_cache_dtype)
         act = self.activation_dtype()
         if jax.default_backend() == "cpu" and act == jnp.float32 and self.weight_mode() != "none":
-            from kernels import native
+            from slipstream.kernels import native
 
             if native.load("ragged_paged_attention", "ragged_paged_attention"):
                 return jnp.dtype(jnp.bfloat16)

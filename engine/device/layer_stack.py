@@ -20,11 +20,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kernels import f32_matmul as f32
-from models import layers
-from models.base import CausalLM
-from quantization import QuantizedWeight
-from quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
+from slipstream.kernels import f32_matmul as f32
+from slipstream.models import layers
+from slipstream.models.base import CausalLM
+from slipstream.quantization import QuantizedWeight
+from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
     FusedMember, LayerPick, PerLayer, StackedF32, StackedPick, StackedQ8, fuse_f32, fuse_q8)
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.

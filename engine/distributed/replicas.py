@@ -9,9 +9,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from engine.output import Completion, RequestMetrics, RequestStream
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerStats, generate_all
+from slipstream.engine.output import Completion, RequestMetrics, RequestStream
+from slipstream.engine.request import Request
+from slipstream.engine.scheduler import Scheduler, SchedulerStats, generate_all
 
 
 class ReplicaSet:

@@ -6,28 +6,32 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.api import Sampled
-from engine.buckets import Buckets
-from engine.request import TokenLogprob
-from engine.sampling import SampleResult
-from engine.structured import Matcher
+from slipstream.engine.api import Sampled
+from slipstream.engine.device.buckets import Buckets
+from slipstream.engine.request import TokenLogprob
+from slipstream.engine.device.sampling import SampleResult
+from slipstream.engine.structured import Matcher
 
-if TYPE_CHECKING:
-    from engine.runner import JaxEngine
+
+class GrammarProgress:
+    """Grammar matchers whose latest sample is launched but not collected (a slot's next step needs
+    its matcher advanced first), and the seconds matchers spent consuming samples."""
+
+    def __init__(self) -> None:
+        self.unadvanced: set[Matcher] = set()
+        self.advance_seconds = 0.0
 
 
 class LaunchedStep:
     """A launched step; result() waits for its samples (the engine's StepResult)."""
 
-    def __init__(self, engine: "JaxEngine", result: SampleResult | None,
+    def __init__(self, grammar: GrammarProgress, result: SampleResult | None,
                  rows: list[tuple[int, Matcher | None]]) -> None:
-        self._engine, self._result, self._rows = engine, result, rows  # rows: (logprobs k, matcher)
+        self._grammar, self._result, self._rows = grammar, result, rows  # rows: (logprobs k, matcher)
         self._samples: list[Sampled] | None = None
 
     def result(self) -> list[Sampled]:
@@ -39,14 +43,14 @@ class LaunchedStep:
         if self._result is None:
             return []
         host: SampleResult = jax.device_get(self._result)
-        engine, tokens = self._engine, host.token.tolist()
+        tokens = host.token.tolist()
         if any(m is not None for _, m in self._rows):
             start = time.perf_counter()
             for (_, matcher), token in zip(self._rows, tokens):
                 if matcher is not None:
                     matcher.advance(token)
-                    engine._unadvanced.discard(matcher)
-            engine.advance_seconds += time.perf_counter() - start
+                    self._grammar.unadvanced.discard(matcher)
+            self._grammar.advance_seconds += time.perf_counter() - start
         out = []
         for i, ((k, _), token) in enumerate(zip(self._rows, tokens)):
             lp = None
