@@ -28,7 +28,7 @@ def _ready(port: int) -> bool:
 
 def time_start(tree: str, cache: str, port: int, flags: list[str], timeout: float) -> float:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    cmd = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from slipstream.server.cli import main; sys.exit(main())",
            "serve", "--port", str(port), "--compile-cache", cache, *flags]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -2,6 +2,7 @@
 `pip install .` builds from), matched the way the builder matches (deploy/context_digest.py)."""
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import re
@@ -30,9 +31,10 @@ def project_inputs() -> set[str]:
     """Files `pip install .` reads: pyproject.toml, setup.py, the readme and the packages' files."""
     meta = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     files = {"pyproject.toml", "setup.py", meta["project"]["readme"]}
-    includes = meta["tool"]["setuptools"]["packages"]["find"]["include"]
+    # setup.py installs these top-level directories as slipstream.<dir>
+    product = ast.literal_eval(re.search(r"^PRODUCT = (\(.*?\))$", (REPO_ROOT / "setup.py").read_text(), re.M).group(1))
     for top in sorted(REPO_ROOT.iterdir()):
-        if not top.is_dir() or not any(fnmatch.fnmatch(top.name, pattern) for pattern in includes):
+        if not top.is_dir() or top.name not in product:
             continue
         for path in top.rglob("*"):
             if path.suffix in _PACKAGE_SUFFIXES and "__pycache__" not in path.parts and path.is_file():

@@ -168,7 +168,7 @@ def test_hpa_scales_on_gauges_the_server_exports_and_the_adapter_serves():
 
 def test_env_vars_name_real_cli_flags():
     pytest.importorskip("slipstream.server.cli", reason="server/cli.py (the `slipstream serve` CLI) is not written yet")
-    out = subprocess.run([sys.executable, "-c", "from server.cli import main; main()", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-c", "from slipstream.server.cli import main; main()", "serve", "--help"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     flags = set(re.findall(r"--([a-z][a-z0-9-]+)", out.stdout))

@@ -301,7 +301,7 @@ def test_indexed_job_refuses_clusters_without_the_completion_index_label(capfd):
 
 
 def test_multi_host_env_vars_name_real_cli_flags():
-    out = subprocess.run([sys.executable, "-c", "from server.cli import main; main()", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-c", "from slipstream.server.cli import main; main()", "serve", "--help"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     flags = set(re.findall(r"--([a-z][a-z0-9-]+)", out.stdout))

@@ -150,7 +150,7 @@ def test_load_ahead_environment_sets_the_mode(env, mode, warned):
     import sys
 
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "from kernels import native, _ragged_paged_attention as ext\n"
+            "from slipstream.kernels import native, _ragged_paged_attention as ext\n"
             "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
             "print('MODE', ext.load_ahead(), 'DEFAULT', ext.load_ahead('default'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -169,7 +169,7 @@ def test_huge_pages_environment_sets_the_switch(env, enabled):
     import subprocess
     import sys
 
-    code = ("from kernels import native, _ragged_paged_attention as ext\n"
+    code = ("from slipstream.kernels import native, _ragged_paged_attention as ext\n"
             "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
             "print('ENABLED', ext.huge_pages()['enabled'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

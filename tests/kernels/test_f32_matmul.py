@@ -121,7 +121,7 @@ def test_rejects_a_weight_of_another_shape():
 
 
 def test_reference_forced_by_environment():
-    code = ("import numpy as np, jax.numpy as jnp; from kernels import f32_matmul as fm, kernel_paths; "
+    code = ("import numpy as np, jax.numpy as jnp; from slipstream.kernels import f32_matmul as fm; from slipstream.kernels.native import kernel_paths; "
             "p = fm.pack(np.ones((32, 16), np.float32)); "
             "print(float(fm.f32_matmul(jnp.ones((1, 32)), p, n=16)[0, 0]), kernel_paths()['f32_matmul'])")
     env = {**os.environ, "SLIPSTREAM_KERNELS": "reference"}

@@ -338,7 +338,7 @@ def test_mismatched_weight_shape_is_rejected():
 
 
 def test_reference_forced_by_environment():
-    code = ("import jax.numpy as jnp, numpy as np; from kernels import q8_matmul as q8, kernel_paths; "
+    code = ("import jax.numpy as jnp, numpy as np; from slipstream.kernels import q8_matmul as q8; from slipstream.kernels.native import kernel_paths; "
             "p, s = q8.pack(np.ones((16, 32), np.int8), np.ones((16, 1), np.float32)); "
             "print(float(q8.q8_matmul(jnp.ones((1, 32)), p, s, n=16)[0, 0]), kernel_paths()['q8_matmul'])")
     env = {**os.environ, "SLIPSTREAM_KERNELS": "reference", "JAX_PLATFORMS": "cpu"}

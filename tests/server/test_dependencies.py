@@ -61,8 +61,8 @@ def test_the_server_imports_and_builds_without_any_test_package() -> None:
                f"        if name.split('.')[0] in {TEST_ONLY!r}:\n"
                "            raise ImportError(f'test-only package {name} imported while serving')\n"
                "sys.meta_path.insert(0, Block())\n"
-               "from server.cli import build_parser\n"
-               "import server.app, server.grpc_service, server.openai_api, engine.mock_engine\n"
+               "from slipstream.server.cli import build_parser\n"
+               "import slipstream.server.app, slipstream.server.grpc_service, slipstream.server.openai_api, slipstream.engine.mock_engine\n"
                "build_parser().parse_args(['serve'])\n"
                "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=120)
