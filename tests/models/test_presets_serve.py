@@ -4,19 +4,17 @@ preset end to end in a subprocess; SLIPSTREAM_LOAD_FORMAT sets the flag."""
 from __future__ import annotations
 
 import pathlib
-import socket
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
 
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
 from slipstream.server.cli import build_engine, build_parser
 from slipstream.server.service import Service, ServiceConfig
+from tests.server.conftest import run_http
 from tests.models.test_presets import PUBLIC, shrunk_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -29,16 +27,8 @@ def _serve(args):
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=8))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"))
     scheduler.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = make_server(create_app(service, api_key=None), "127.0.0.1", sock.getsockname()[1], log_level="warning",
-                         shutdown_timeout_s=5)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, tokenizer
+    url, server, thread = run_http(create_app(service, api_key=None))
+    return url, server, thread, tokenizer
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))

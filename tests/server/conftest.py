@@ -145,21 +145,28 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    url, server, thread = run_http(app, shutdown_timeout_s=shutdown_timeout_s,
+                                   exit_on_engine_failure=exit_on_engine_failure, header_timeout_s=header_timeout_s,
+                                   max_connections=max_connections, uds=uds, uds_mode=uds_mode)
+    return LiveServer(url, engine, scheduler, service, server, thread, api_key, engines, uds)
+
+
+def run_http(app, *, shutdown_timeout_s: float = 5.0, uds: str | None = None,
+             **server_kwargs: Any) -> tuple[str, SlipstreamServer, threading.Thread]:
+    """Serve `app` on a free loopback port (or the unix socket `uds`) in a thread; (url, server, thread)
+    once it listens. Stop it with `server.should_exit = True` and a join."""
     sockets, port = None, 0
     if uds is None:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sockets, port = [sock], sock.getsockname()[1]
     server = make_server(app, "127.0.0.1", port, log_level="warning", shutdown_timeout_s=shutdown_timeout_s,
-                         started_at=time.monotonic(), exit_on_engine_failure=exit_on_engine_failure,
-                         header_timeout_s=header_timeout_s, max_connections=max_connections, uds=uds,
-                         uds_mode=uds_mode)
+                         started_at=time.monotonic(), uds=uds, **server_kwargs)
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     if not wait_for(lambda: server.started or not thread.is_alive(), timeout=10) or not server.started:
         raise RuntimeError("test server did not start within 10 s")
-    url = "http://localhost" if uds else f"http://127.0.0.1:{port}"
-    return LiveServer(url, engine, scheduler, service, server, thread, api_key, engines, uds)
+    return ("http://localhost" if uds else f"http://127.0.0.1:{port}"), server, thread
 
 
 @pytest.fixture

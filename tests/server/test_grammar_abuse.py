@@ -4,9 +4,7 @@ token are submitted; they are refused at admission with a 400 naming the limit."
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import statistics
-import threading
 import time
 
 import httpx
@@ -16,8 +14,9 @@ from slipstream.engine.grammar_cost import MAX_REGEX_SIZE
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig
 from slipstream.models.registry import load_tokenizer
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
 from slipstream.server.service import Service, ServiceConfig
+from tests.server.conftest import run_http
 
 NESTED = "((a{50}){50}){50}"  # 16 bytes; unrolled, 125,000 positions
 ABUSE = [{"prompt": "a", "max_tokens": 32, "guided_regex": NESTED},
@@ -35,16 +34,8 @@ def url(default_model, default_model_path):
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="smollm2"))
     scheduler.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = make_server(create_app(service, api_key=None), "127.0.0.1", sock.getsockname()[1], log_level="warning",
-                         shutdown_timeout_s=5)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url, server, thread = run_http(create_app(service, api_key=None))
+    yield url
     server.should_exit = True
     thread.join(timeout=15)
 

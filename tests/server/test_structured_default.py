@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-import socket
-import threading
-import time
 
 import jsonschema
 import openai
@@ -16,8 +13,9 @@ import pytest
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig
 from slipstream.models.registry import load_tokenizer
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
 from slipstream.server.service import Service, ServiceConfig
+from tests.server.conftest import run_http
 
 MODEL = "smollm2"
 
@@ -31,16 +29,8 @@ def served(default_model, default_model_path):
     scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
     scheduler.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = make_server(create_app(service, api_key=None), "127.0.0.1", sock.getsockname()[1], log_level="warning",
-                         shutdown_timeout_s=5)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
+    url, server, thread = run_http(create_app(service, api_key=None))
+    yield url, service
     server.should_exit = True
     thread.join(timeout=15)
 
