@@ -55,15 +55,25 @@ def to_standard(cache: dict) -> dict:
 def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, page: jax.Array,
              offset: jax.Array, quantize) -> dict:
     """Scatter the step's K/V [T, KV, hd] at (page [T], offset [T]); a page past the cache (num_pages)
-    writes nothing. One scatter per array on the (donated) cache: XLA updates it in place."""
+    writes nothing. The scatter runs on a flat view, one row of hd per (token, head, K or V): scattered
+    in its 6-d shape, XLA gives the cache a layout of its own choosing and copies all of it to the
+    Pallas kernel's row-major layout in every layer; the flat view is the same bytes, written in place."""
     out = dict(kv_cache)
     buf = kv_cache["kv"]
+    _, num_pages, kvh, _, ps, hd = buf.shape
+    t = k_new.shape[0]
+    # [T, KV, 2]: the row of each (token, head, K|V) in the flat [L * pages * KV * 2 * ps] rows
+    slot = ((layer * num_pages + page)[:, None, None] * kvh + jnp.arange(kvh)[None, :, None]) * 2 \
+        + jnp.arange(2)[None, None, :]
+    rows = slot * ps + offset[:, None, None]
+    rows = jnp.where((page < num_pages)[:, None, None], rows, buf.size // hd).reshape(t * kvh * 2)
     if "kv_scale" in kv_cache:
         (kq, ks), (vq, vs) = quantize(k_new), quantize(v_new)
         new, scales = jnp.stack([kq, vq], axis=2), jnp.stack([ks, vs], axis=2)   # [T,KV,2,hd], [T,KV,2]
-        out["kv_scale"] = kv_cache["kv_scale"].at[layer, page, :, :, offset].set(scales, mode="drop")
+        sc = kv_cache["kv_scale"]
+        out["kv_scale"] = sc.reshape(-1).at[rows].set(scales.reshape(-1), mode="drop").reshape(sc.shape)
     else:
         new = jnp.stack([k_new, v_new], axis=2).astype(buf.dtype)                  # [T,KV,2,hd]
-    # advanced indices (layer, page, offset) split by slices: the indexed view is [T, KV, 2, hd]
-    out["kv"] = buf.at[layer, page, :, :, offset].set(new, mode="drop")
+    flat = buf.reshape(-1, hd).at[rows].set(new.reshape(t * kvh * 2, hd), mode="drop")
+    out["kv"] = flat.reshape(buf.shape)
     return out

@@ -1,8 +1,8 @@
 """Ragged paged attention on TPU (Pallas/Mosaic) over the merged page layout of kernels/tpu/layout.py.
 
-The step's new K/V are scattered into their pages, then two calls of one kernel attend, each over a
-list of work items (a sequence and a block of its query rows): blocks of `decode_rows` rows for the
-sequences feeding that few tokens, blocks of `prefill_rows` for the rest. Per item the kernel walks
+The step's new K/V are scattered into their pages (in place, layout.write_kv), then two calls of one
+kernel attend, each over a list of work items (a sequence and a block of its query rows): blocks of
+`decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest. Per item the kernel walks
 the sequence's pages `pages_per_block` at a time, each page one DMA of all KV heads' K and V, double
 buffered; the next item's first block is fetched while this item's last block computes. A KV head's
 query-head group (G rows per token) attends together, with an f32 online softmax; int8 pages apply
@@ -289,9 +289,9 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
 
     def run(take, rows, max_items):
         items = _items(q_lens, kv_lens, cu_q_lens, n, take, rows=rows, max_items=max_items, **item_kw)
-        return jax.lax.cond(jnp.any(take),
-                            lambda: _attend_items(q_pad, kv_cache, scalars, items, rows=rows, **common),
-                            lambda: jnp.zeros(q_pad.shape, jnp.float32))
+        # always called: a call with no items is a few empty grid steps, and a lax.cond around it
+        # would make its branches alias the cache (XLA copies it)
+        return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, **common)
 
     out_d = run(decode, decode_rows, min(n_rows, t_len))
     # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence

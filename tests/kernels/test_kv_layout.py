@@ -41,3 +41,29 @@ def test_merged_layout_round_trip_and_page_contiguity():
     back = layout.to_standard(merged)
     for name in std:
         np.testing.assert_array_equal(back[name], std[name])
+
+
+def test_write_kv_places_rows_and_drops_pages_past_the_cache():
+    """The flat-row scatter: each token's K and V land at (layer, page, head, offset); a page index past
+    the cache (padding tokens) writes nothing, not even into the next layer's first page."""
+    from slipstream.kernels.ragged_tokens import quantize_kv
+    rng = np.random.default_rng(1)
+    for dtype in (jnp.float32, jnp.int8):
+        cache = {k: jnp.asarray(rng.standard_normal(s.shape), s.dtype) if s.dtype != jnp.int8 else
+                 jnp.asarray(rng.integers(-5, 5, s.shape), jnp.int8)
+                 for k, s in layout.shapes(3, 2, 4, 8, 16, dtype).items()}
+        k_new = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+        v_new = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+        page, offset = jnp.asarray([2, 4, 3]), jnp.asarray([5, 0, 7])     # token 1: page 4 == num_pages
+        out = layout.write_kv(cache, jnp.int32(1), k_new, v_new, page, offset, quantize_kv)
+        expect = {k: np.array(v) for k, v in cache.items()}
+        for t in (0, 2):
+            for j, x in enumerate((k_new, v_new)):
+                if dtype == jnp.int8:
+                    q, s = quantize_kv(x[t])
+                    expect["kv"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(q)
+                    expect["kv_scale"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(s)
+                else:
+                    expect["kv"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(x[t])
+        for k in expect:
+            np.testing.assert_array_equal(np.asarray(out[k]), expect[k], err_msg=f"{dtype.__name__} {k}")

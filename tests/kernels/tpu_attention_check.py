@@ -15,7 +15,8 @@ Order (each step is skipped once --budget-s seconds have passed; partial results
 (a) The property cases of tests/kernels/tpu_cases.py at 128-token pages, compiled for the chip, against the
     pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error.
 Then the block-size sweep (pages_per_block, decode_rows, merge_pages; prefill_rows 256).
-JSON: $OUT/tpu_attention_check.json (or ./ without OUT). Exit status 1 when a case fails.
+JSON: $OUT/tpu_attention_check.json (or ./ without OUT). Exit status 1 when a case fails or a decode
+program copies the cache (the K/V write must update the donated cache in place).
 """
 from __future__ import annotations
 
@@ -286,9 +287,12 @@ def main(argv=None) -> int:
         correctness(rep, interpret)
     run_jobs(rep, rest)
     n_fail = sum(not c["pass"] for c in rep.data["cases"].values())
-    rep.say(f"done: {len(rep.data['cases']) - n_fail} cases passed, {n_fail} failed; JSON: {rep.path}")
+    copied = sorted(name for name, e in rep.data["decode"].items()
+                    if any(v.get("cache_copies", 0) for v in e["sweep"].values()))
+    rep.say(f"done: {len(rep.data['cases']) - n_fail} cases passed, {n_fail} failed; programs with a "
+            f"cache-sized copy: {copied or 'none'}; JSON: {rep.path}")
     rep.save()
-    return 1 if n_fail else 0
+    return 1 if n_fail or copied else 0
 
 
 if __name__ == "__main__":
