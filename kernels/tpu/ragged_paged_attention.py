@@ -45,7 +45,9 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     else:
         o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
         sc_hbm = sc_buf = None
-    nb, ps, kvh, hd = pages_per_block, kv_buf.shape[4], kv_buf.shape[2], kv_buf.shape[5]
+    lanes = kv_buf.ndim == 5      # [2, nb, KV, ps, 2hd]: K and V side by side in the lanes (layout.py)
+    nb, kvh, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the row width q and out use
+    ps = kv_buf.shape[3] if lanes else kv_buf.shape[4]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
     # explicit, so a global jax_default_matmul_precision never asks Mosaic for fp32 passes on bf16 operands
     precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -142,8 +144,11 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             whose first is the sequence's page number first_page."""
             n = len(range(nb)[pages])
             keys = n * ps
-            k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                            # [n*ps, hd]
-            v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
+            if lanes:  # rows [K | V]: q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
+                k = v = kv_buf[slot, pages, h].reshape(keys, hd)                         # [n*ps, 2hd]
+            else:
+                k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
+                v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
             if int8:
                 k, v = k.astype(jnp.float32), v.astype(jnp.float32)
             s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
@@ -213,15 +218,15 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
                   soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages):
     kv = kv_cache["kv"]
-    _, _, kvh, _, ps, hd = kv.shape
+    kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
-    h = q_pad.shape[1]
+    h, hd = q_pad.shape[1], q_pad.shape[2]
     kv_lens, pages_flat, cu_q_lens, layer, pages_per_seq = scalars
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((2, rows, h, hd), jnp.float32), pltpu.VMEM((2, rows, h, hd), jnp.float32),
-               pltpu.VMEM((2, pages_per_block, kvh, 2, ps, hd), kv.dtype)]
+               pltpu.VMEM((2, pages_per_block) + kv.shape[2:], kv.dtype)]
     if int8:
-        scratch.append(pltpu.VMEM((2, pages_per_block, kvh, 2, ps), jnp.float32))
+        scratch.append(pltpu.VMEM((2, pages_per_block) + kv_cache["kv_scale"].shape[2:], jnp.float32))
     r = rows * group
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
@@ -258,7 +263,9 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")
     t_len, h, hd = q.shape
-    _, num_pages, kvh, _, ps, _ = kv_cache["kv"].shape
+    lanes = layout.is_lanes(kv_cache)
+    num_pages, kvh = kv_cache["kv"].shape[1:3]
+    ps = kv_cache["kv"].shape[3 if lanes else 4]
     if h % kvh:
         raise ValueError(f"q has {h} heads, not a multiple of the cache's {kvh} KV heads")
     group = h // kvh
@@ -281,7 +288,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                jnp.asarray(layer, i32).reshape(1), pages_per_seq)
     cdt = jnp.float32 if jnp.float32 in (q.dtype, kv_cache["kv"].dtype) else jnp.bfloat16
     pad = max(decode_rows, prefill_rows)
-    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0)))                     # item rows past T
+    # item rows past T; in the lanes form q's rows are [q | 0], as wide as a cache row [K | V]
+    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
                   merge_pages=merge_pages)
@@ -298,4 +306,6 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)))
     long_tok = prefill[seq]
     out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])
+    if lanes:
+        out = out[..., hd:]
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache

@@ -3,6 +3,7 @@ layout's round trip (the engine allocates the cache through it)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from slipstream.kernels.attention import kv_layout
@@ -21,29 +22,39 @@ def test_tpu_merges_k_and_v_per_page_with_128_token_pages():
     lay = kv_layout("tpu")
     assert (lay.name, lay.page_size, lay.head_axis) == ("merged", 128, 2)
     cache = lay.init(3, 2, 10, 128, 64, jnp.bfloat16)
-    assert set(cache) == {"kv"} and cache["kv"].shape == (3, 10, 2, 2, 128, 64)
+    assert set(cache) == {"kv"} and cache["kv"].shape == (3, 10, 2, 128, 128)   # heads of 64: [K | V] lanes
     assert cache["kv"].dtype == jnp.bfloat16
     int8 = lay.shapes(3, 2, 10, 128, 64, jnp.int8)
     assert int8["kv"].dtype == jnp.int8 and int8["kv_scale"].shape == (3, 10, 2, 2, 128)
 
 
-def test_merged_layout_round_trip_and_page_contiguity():
+def _head(kv, layer, page, head, j, hd):
+    """Head `head`'s K (j=0) or V (j=1) rows [ps, hd] of (layer, page) in either form."""
+    if kv.ndim == 5:                                     # lanes: [K | V] per row
+        return np.asarray(kv)[layer, page, head, :, j * hd:(j + 1) * hd]
+    return np.asarray(kv)[layer, page, head, j]
+
+
+@pytest.mark.parametrize("hd", [8, 128])
+def test_merged_layout_round_trip_and_page_contiguity(hd):
     rng = np.random.default_rng(0)
-    std = {"k": jnp.asarray(rng.standard_normal((2, 3, 5, 4, 8)), jnp.float32),
-           "v": jnp.asarray(rng.standard_normal((2, 3, 5, 4, 8)), jnp.float32),
+    std = {"k": jnp.asarray(rng.standard_normal((2, 3, 5, 4, hd)), jnp.float32),
+           "v": jnp.asarray(rng.standard_normal((2, 3, 5, 4, hd)), jnp.float32),
            "k_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32),
            "v_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32)}
     merged = layout.from_standard(std)
+    assert merged["kv"].ndim == (5 if hd == 8 else 6)
     # layer 1, page 4: all heads' K and V in one block
-    np.testing.assert_array_equal(merged["kv"][1, 4, 2, 0], std["k"][1, 2, 4])
-    np.testing.assert_array_equal(merged["kv"][1, 4, 2, 1], std["v"][1, 2, 4])
+    np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 0, hd), std["k"][1, 2, 4])
+    np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 1, hd), std["v"][1, 2, 4])
     np.testing.assert_array_equal(merged["kv_scale"][1, 4, 2, 1], std["v_scale"][1, 2, 4])
     back = layout.to_standard(merged)
     for name in std:
         np.testing.assert_array_equal(back[name], std[name])
 
 
-def test_write_kv_places_rows_and_drops_pages_past_the_cache():
+@pytest.mark.parametrize("hd", [16, 128])
+def test_write_kv_places_rows_and_drops_pages_past_the_cache(hd):
     """The flat-row scatter: each token's K and V land at (layer, page, head, offset); a page index past
     the cache (padding tokens) writes nothing, not even into the next layer's first page."""
     from slipstream.kernels.ragged_tokens import quantize_kv
@@ -51,19 +62,22 @@ def test_write_kv_places_rows_and_drops_pages_past_the_cache():
     for dtype in (jnp.float32, jnp.int8):
         cache = {k: jnp.asarray(rng.standard_normal(s.shape), s.dtype) if s.dtype != jnp.int8 else
                  jnp.asarray(rng.integers(-5, 5, s.shape), jnp.int8)
-                 for k, s in layout.shapes(3, 2, 4, 8, 16, dtype).items()}
-        k_new = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
-        v_new = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+                 for k, s in layout.shapes(3, 2, 4, 8, hd, dtype).items()}
+        k_new = jnp.asarray(rng.standard_normal((3, 2, hd)), jnp.float32)
+        v_new = jnp.asarray(rng.standard_normal((3, 2, hd)), jnp.float32)
         page, offset = jnp.asarray([2, 4, 3]), jnp.asarray([5, 0, 7])     # token 1: page 4 == num_pages
         out = layout.write_kv(cache, jnp.int32(1), k_new, v_new, page, offset, quantize_kv)
-        expect = {k: np.array(v) for k, v in cache.items()}
+        std, new = layout.to_standard(cache), {}
+        expect = {k: np.array(v) for k, v in std.items()}
         for t in (0, 2):
-            for j, x in enumerate((k_new, v_new)):
+            for j, (name, x) in enumerate((("k", k_new), ("v", v_new))):
+                p, o = int(page[t]), int(offset[t])
                 if dtype == jnp.int8:
-                    q, s = quantize_kv(x[t])
-                    expect["kv"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(q)
-                    expect["kv_scale"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(s)
+                    q, sc = quantize_kv(x[t])
+                    expect[name][1, :, p, o] = np.asarray(q)
+                    expect[name + "_scale"][1, :, p, o] = np.asarray(sc)
                 else:
-                    expect["kv"][1, int(page[t]), :, j, int(offset[t])] = np.asarray(x[t])
+                    expect[name][1, :, p, o] = np.asarray(x[t])
+        got = layout.to_standard(out)
         for k in expect:
-            np.testing.assert_array_equal(np.asarray(out[k]), expect[k], err_msg=f"{dtype.__name__} {k}")
+            np.testing.assert_array_equal(np.asarray(got[k]), expect[k], err_msg=f"{dtype.__name__} hd {hd} {k}")
