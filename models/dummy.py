@@ -192,9 +192,4 @@ def _tied_head(embed_q: jax.Array, mode: str):
 
     if mode not in int8.MODES:
         raise ValueError(f"no tied LM head for quantization mode {mode!r}")
-    q = embed_q.T                                                               # [hidden, vocab]
-    if mode == "int8":
-        scale = jnp.full((-(-hidden // int8.GROUP), vocab), _embed_scale(), jnp.float32)
-        return int8.Int8Weight(q=q, scale=scale, offset=jnp.zeros_like(scale), block=int8.GROUP)
-    scale = jnp.full((1, vocab), _embed_scale(), jnp.float32)
-    return int8.Int8Weight(q=q, scale=scale, block=hidden, a8_rows=int8.A8_MIN_ROWS)
+    return int8.from_int8(embed_q.T, float(_embed_scale()), mode)                 # [hidden, vocab]

@@ -78,6 +78,20 @@ def _index_layer(layer: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
 
 
+def from_int8(q: jax.Array, scale: float, mode: str = "int8") -> Int8Weight:
+    """The weight q * scale (q int8 [in, out], one scale for all) in `mode`, exactly: no rounding
+    (a random int8 weight drawn directly, or a tied head of such an embedding)."""
+    if mode not in MODES:
+        raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
+    k, n = q.shape
+    groups = -(-k // GROUP) if mode == "int8" else 1
+    parts = (q, jnp.full((groups, n), scale, jnp.float32))
+    return _weight(parts + ((jnp.zeros((groups, n), jnp.float32),) if mode == "int8" else ()), mode, k)
+
+
+_LAYER_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+
+
 def quantize_layers(layer_fn, args: tuple, layers: int, mode: str = "int8") -> Int8Weight:
     """A stacked Int8Weight [L, in, out] whose layer l is the rounding of layer_fn(l, *args) (a float
     [in, out], traced: e.g. one layer of a float stack, or a random draw). One program loops over
@@ -88,7 +102,7 @@ def quantize_layers(layer_fn, args: tuple, layers: int, mode: str = "int8") -> I
         raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
     if layers < 1:
         raise ValueError(f"expected at least one layer, got {layers}")
-    one = jax.eval_shape(layer_fn, jnp.int32(0), *args)
+    one = jax.eval_shape(layer_fn, _LAYER_INDEX, *args)
     if len(one.shape) != 2 or not jnp.issubdtype(one.dtype, jnp.floating):
         raise ValueError(f"layer_fn must give a float weight [in, out], got {one.dtype} {tuple(one.shape)}")
     return _weight(_quantize_loop(layer_fn, layers, mode, args), mode, int(one.shape[0]))
@@ -96,7 +110,7 @@ def quantize_layers(layer_fn, args: tuple, layers: int, mode: str = "int8") -> I
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _quantize_loop(layer_fn, layers: int, mode: str, args: tuple) -> tuple[jax.Array, ...]:
-    parts = jax.eval_shape(lambda: _round(layer_fn(jnp.int32(0), *args), mode))
+    parts = jax.eval_shape(lambda index: _round(layer_fn(index, *args), mode), _LAYER_INDEX)
     stacks = tuple(jnp.zeros((layers, *p.shape), p.dtype) for p in parts)          # [L, ...] each
 
     def body(layer, stacks):
