@@ -270,6 +270,13 @@ def markdown(r: dict) -> str:
             cells = [f"{_g(k['ms'])} ms; {_g(k['tflops'])}; {_g(k['weight_gbs'])}" for k in row["kinds"].values()]
             lines.append(f"| {row['m']} | " + " | ".join(cells) + " |")
         lines.append("")
+    if r.get("load", {}).get("memory"):
+        mem = r["load"]["memory"]
+        lines += [f"Weights ready in {r['load']['seconds']:.1f} s: {(mem.get('in_use') or 0) / 1e9:.2f} GB of device memory in "
+                  f"use of {mem['limit'] / 1e9:.2f} (peak {(mem.get('peak') or 0) / 1e9:.2f})", ""]
+    if "fit" in r:
+        lines += [f"Out of device memory at {r['fit']['asked_slots']} slots: the largest decode batch cut to "
+                  f"{r['fit']['slots']} ({r['fit']['error']})", ""]
     if "engine" in r:
         e = r["engine"]
         lines += [f"Engine: {_g(e['weight_mb'])} MB of weights read per decode step, KV {e['kv_dtype']} "

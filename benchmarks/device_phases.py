@@ -5,6 +5,7 @@ over that HBM rate, and a prefill chunk against that matmul rate. Run by benchma
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -129,17 +130,50 @@ def load(args: argparse.Namespace, config: EngineConfig):
     path = resolve_model(args.model, args.load_format)
     mode = config.weight_mode()
     quantize = mode if mode in QUANTIZED_MODES else "none"
-    if args.load_format == "dummy":  # drawn on the device, int8 ones directly
-        return load_dummy(path, dtype=config.activation_dtype(), quantize=quantize)
+    if args.load_format == "dummy":  # drawn on the device, int8 ones directly (any mode)
+        return load_dummy(path, dtype=config.activation_dtype(), quantize=mode)
     return load_model(path, quantize=quantize)
 
 
+def device_memory() -> dict | None:
+    """Bytes of device memory: the limit, in use now and the peak so far (None on a CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return {"limit": stats["bytes_limit"], "in_use": stats.get("bytes_in_use"), "peak": stats.get("peak_bytes_in_use")}
+
+
+def _out_of_memory(e: Exception) -> bool:
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+
+
 def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: float | None) -> None:
-    budget = max(args.prefill_tokens, max(args.slots) + 1)
+    """The decode batches of --slots and the prefill chunk. Where the KV cache for the largest batch
+    (or its step) does not fit in device memory, the largest batch halves until it does, and the
+    report says so ("fit"): an 8B model's weights leave a few GB of a 16 GB chip."""
+    slots = sorted(set(args.slots))
+    while True:
+        try:
+            setup = _decode_batches(args, cfg, params, hbm_gbs, slots)
+            break
+        except jax.errors.JaxRuntimeError as e:
+            if not _out_of_memory(e) or slots[-1] <= 1:
+                raise
+            error = str(e).splitlines()[0][:300]
+        gc.collect()  # the failed engine's buffers, held by the traceback until here
+        fewer = slots[-1] // 2
+        record(args, "fit", {"asked_slots": max(args.slots), "slots": fewer, "memory": device_memory(),
+                             "error": error})
+        slots = sorted({s for s in slots if s < fewer} | {fewer})
+    prefill(args, setup, cfg)
+
+
+def _decode_batches(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: float | None, slots: list[int]):
+    budget = max(args.prefill_tokens, max(slots) + 1)
     longest = args.context + positions_per_phase(args.steps, args.warmup) + 1
     start = time.perf_counter()
     # decode slots hold their context; only the scratch slot holds a whole prefill chunk
-    setup = build(cfg, params, slots=max(args.slots), longest=longest, scratch=budget, page_size=args.page_size,
+    setup = build(cfg, params, slots=max(slots), longest=longest, scratch=budget, page_size=args.page_size,
                   max_seq_len=longest, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                   quantize=args.quantize, max_num_batched_tokens=budget, context=args.context)
     engine = setup.engine
@@ -147,11 +181,12 @@ def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: f
     weights = weight_bytes_read_per_token(engine.params)
     record(args, "engine", {"weight_mb": weights / 1e6, "weight_mode": engine.weight_mode,
                             "kv_dtype": engine.kv_dtype.name, "kv_bytes_per_token": engine.bytes_per_token,
+                            "kv_cache_mb": engine.num_pages * engine.page_size * engine.bytes_per_token / 1e6,
                             "page_size": engine.page_size, "context": args.context, "ready_s": ready,
-                            "programs": engine.num_programs, "token_budget": budget})
+                            "programs": engine.num_programs, "token_budget": budget, "memory": device_memory()})
     fill(setup, seed=0)
     results = []
-    for batch in args.slots:
+    for batch in slots:
         setup.rewind()
 
         def step():
@@ -166,7 +201,7 @@ def engine_phases(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs: f
             row["step_over_floor"] = ms / row["floor_ms"]
         results.append(row)
         record(args, "decode", results, shown=row)
-    prefill(args, setup, cfg)
+    return setup
 
 
 def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
@@ -209,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     cfg, params = load(args, config)
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"loaded {args.model} in {seconds:.1f} s", flush=True)
+    record(args, "load", {"seconds": seconds, "memory": device_memory()})
     if "matmul" in args.phases:
         record(args, "matmul", matmul(args, cfg, config.activation_dtype()))
     if "engine" in args.phases:

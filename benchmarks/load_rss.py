@@ -3,7 +3,8 @@
 `write DIR --preset NAME`: an HF directory of the preset's shape with random bf16 weights, written
 tensor by tensor (never the model in RAM), sharded like HF's, with the synthetic tokenizer.
 `load DIR --quantize q8_0-a16`: models.loader.load_model in this process, then its peak RSS
-(getrusage) against the bytes of the loaded weights (int8 linears with their scales, float rest).
+(getrusage) against the bytes of the loaded weights (int8 linears and embedding rows with their scales,
+float rest).
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def load(path: str, quantize: str) -> dict:
 
     from slipstream.models.loader import load_model
     from slipstream.quantization import QuantizedWeight
+    from slipstream.quantization.groupwise import QuantizedTable
 
     start = time.perf_counter()
     cfg, model = load_model(path, quantize=quantize)
@@ -106,10 +108,11 @@ def load(path: str, quantize: str) -> dict:
     int8 = other = 0
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var.get_value()
+        quantized = isinstance(value, QuantizedWeight | QuantizedTable)  # linears; the embedding's int8 rows
         leaves = [value.q, value.scale] + ([value.offset] if value.offset is not None else []) \
-            if isinstance(value, QuantizedWeight) else [value]
+            if quantized else [value]
         nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in leaves)
-        if isinstance(value, QuantizedWeight):
+        if quantized:
             int8 += nbytes
         else:
             other += nbytes

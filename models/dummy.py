@@ -1,8 +1,9 @@
 """Random weights for a ModelConfig (`--load-format dummy`): real model sizes with no checkpoint.
 
 Each tensor is drawn on the default device with jax.random, in the activation dtype or directly in
-the quantized format (group-wise int8: random int8 and one scale per tensor, packed on the host), so
-no float copy of the model ever exists; a stacked weight's other layers are rotations of its first.
+the quantized format (group-wise int8: random int8 and one scale per tensor, packed on the host; the
+TPU's int8 modes: rounded on the device one layer at a time into int8 stacks), so no float copy of
+the model ever exists; a stacked weight's other layers are rotations of its first.
 Spreads follow the usual init: linears 1/sqrt(fan_in) (normal, or uniform int8), embeddings 0.02
 (uniform int8 times a scale, so a tied int8 head is exact), norms 1, biases 0: activations stay
 finite and the logits vary.
@@ -98,18 +99,29 @@ def _draw_groupwise(key: jax.Array, shape: tuple[int, ...], mode: str):
     return stack_packed(layers, k, n, mode)
 
 
+def _rotated(layer: jax.Array, one: jax.Array, shifts: jax.Array) -> jax.Array:
+    """Layer `layer` of a drawn stack: `one` rotated (flat) by shifts[layer] (traced)."""
+    return jnp.roll(one.reshape(-1), shifts[layer]).reshape(one.shape)
+
+
 def _draw_quantized(key: jax.Array, shape: tuple[int, ...], mode: str, dtype):
-    """Another quantized format: one layer drawn in `dtype`, each layer (a rotation of it) rounded by
-    quantization's public function before the next is made, then the layers stacked."""
-    from slipstream.quantization import quantize_weight
+    """Another quantized format: one layer drawn in `dtype` and each layer (a rotation of it) rounded
+    by quantization's public functions. int8.MODES (the TPU's): one program rounds layer after layer
+    into int8 stacks allocated once (quantization.int8.quantize_layers), so the float temporaries
+    are one layer's, never a float stack of L layers; others: layer by layer on the host."""
+    from slipstream.quantization import int8, quantize_weight
 
     draw_key, shift_key = jax.random.split(key)
     one = jax.random.normal(draw_key, shape[-2:], dtype) * jnp.asarray(1 / math.sqrt(shape[-2]), dtype)
     if len(shape) == 2:
         return quantize_weight(one, mode)
-    parts = [quantize_weight(_rotations(one, jnp.asarray([shift]))[0], mode)
-             for shift in _shifts(shift_key, shape[0], one.size)]
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
+    shifts = jnp.asarray(_shifts(shift_key, shape[0], one.size), jnp.int32)
+    if mode in int8.MODES:
+        return int8.quantize_layers(_rotated, (one, shifts), shape[0], mode)
+    from slipstream.quantization.groupwise import pack_layers, quantize_rows
+
+    return pack_layers([quantize_rows(np.asarray(_rotated(i, one, shifts), np.float32).T)
+                        for i in range(shape[0])], mode)
 
 
 def _draw(key: jax.Array, path: tuple, weight: Weight, shape: tuple[int, ...], dtype,
@@ -153,19 +165,31 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         elif weight.linear and quantize != "none":
             value = _draw_quantized(tensor_key, shape, quantize, dtype)
         elif path == ("embed", "table"):  # int8 times one scale: a tied int8 LM head is exact
-            tied_int8 = cfg.tie_embeddings and quantize in GROUPWISE
+            tied_int8 = cfg.tie_embeddings and quantize != "none"
             value, embed_q = _embedding(tensor_key, shape, jnp.dtype(dtype), tied_int8)
         else:
             value = _draw(tensor_key, path, weight, shape, dtype, offsets)
         var.set_value(value)
     model = nnx.merge(graphdef, state)
-    if cfg.tie_embeddings and quantize in GROUPWISE:
+    if cfg.tie_embeddings and quantize != "none":
         # the tied LM head: int8 rows of the table, exact (the table is int8 times one scale)
-        from slipstream.quantization.groupwise import GROUP, pack_one
-
         head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
-        q, embed_q = np.asarray(embed_q), None
-        scales = np.full((cfg.vocab_size, -(-cfg.hidden_size // GROUP)), _embed_scale(), np.float32)
-        head.w.set_value(pack_one((q, scales), quantize))
+        head.w.set_value(_tied_head(embed_q, quantize))
         model.lm_head = head
     return model
+
+
+def _tied_head(embed_q: jax.Array, mode: str):
+    """The LM head [hidden, vocab] in `mode` from the table's int8 values [vocab, hidden] (every
+    scale the table's one, offsets zero: exact)."""
+    vocab, hidden = embed_q.shape
+    if mode in GROUPWISE:
+        from slipstream.quantization.groupwise import GROUP, pack_one
+
+        scales = np.full((vocab, -(-hidden // GROUP)), _embed_scale(), np.float32)
+        return pack_one((np.asarray(embed_q), scales), mode)
+    from slipstream.quantization import int8
+
+    if mode not in int8.MODES:
+        raise ValueError(f"no tied LM head for quantization mode {mode!r}")
+    return int8.from_int8(embed_q.T, float(_embed_scale()), mode)                 # [hidden, vocab]

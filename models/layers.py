@@ -84,10 +84,10 @@ class Embed(nnx.Module):
         self.table = param((vocab, dim), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
-        return jnp.take(self.table.get_value(), tokens, axis=0).astype(dtype)        # [T,D]
+        return ops.embed_lookup(self.table.get_value(), tokens, dtype)              # [T,D]
 
     def attend(self, h: jax.Array) -> jax.Array:
-        table = self.table.get_value().astype(h.dtype)
+        table = ops.embed_dense(self.table.get_value(), h.dtype)
         return jnp.einsum("td,vd->tv", h, table, preferred_element_type=jnp.float32)  # [T,V]
 
 

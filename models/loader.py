@@ -3,9 +3,9 @@
 Both produce (ModelConfig, model): the architecture's NNX module (models/architectures.py) with every
 weight its declaration (the class's WEIGHTS) names, linears [in, out], layers stacked on a leading
 axis. Errors name the file, the tensor and the expected shape.
-With quantize="q8_0" (or "q8_0-a16") the linear weights and the LM head are built as group-wise
-int8 one tensor at a time, so no float copy of them ever exists; GGUF Q8_0/Q4_0/Q4_1/Q4_K blocks
-convert exactly, other types are rounded to Q8_0.
+With quantize="q8_0" (or "q8_0-a16") the linear weights, the LM head and the embedding's lookup
+table are built as group-wise int8 one tensor at a time, so no float copy of them ever exists; GGUF
+Q8_0/Q4_0/Q4_1/Q4_K blocks convert exactly, other types are rounded to Q8_0.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
 
     from slipstream.models.architectures import build_abstract
     from slipstream.models.layers import Linear
-    from slipstream.quantization.groupwise import dequantize_rows, pack_one, pack_rows, stack_packed
+    from slipstream.quantization.groupwise import dequantize_rows, pack_one, pack_rows, stack_packed, table_from_rows
 
     if quantize not in ("none", *GROUPWISE):
         raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
@@ -119,16 +119,22 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
             arr = None if full is None else get(full, w, stored)
             if arr is None:
                 raise ModelLoadError(f"{source}: missing tensor {full or w.path} (expected shape {stored})")
-            if w.path == "embed.table" and groupwise and cfg.tie_embeddings:
-                tied_head = pack_one(_q8_rows(arr), quantize)  # a Q8_0 embedding's rows as stored
-            if isinstance(arr, tuple) and not w.linear:  # a Q8_0 embedding: the gather table is float
+            if w.path == "embed.table" and groupwise:
+                # the lookup table as int8 rows (a Q8_0 embedding as stored: it looks up exactly),
+                # dequantized per token; a tied head packs the same rows
+                arr = _q8_rows(arr)
+                if cfg.tie_embeddings:
+                    tied_head = pack_one(arr, quantize)
+            elif isinstance(arr, tuple) and not w.linear:
                 arr = dequantize_rows(*arr)
             if groupwise and w.linear:  # packed now: the unpacked rows go at once
                 tensors.append(pack_rows(_q8_rows(arr)) if w.per_layer else _q8_rows(arr))
             else:
                 tensors.append(arr.T if w.linear else arr)
             bar.update()
-        if groupwise and w.linear:
+        if isinstance(tensors[0], tuple) and not w.linear:
+            value = table_from_rows(tensors[0])
+        elif groupwise and w.linear:
             value = (stack_packed(tensors, one[0], one[1], quantize) if w.per_layer
                      else pack_one(tensors[0], quantize))
         else:

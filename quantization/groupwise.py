@@ -71,6 +71,52 @@ class QuantizedWeight:
         return jnp.swapaxes(w[..., :n, :k], -1, -2).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTable:
+    """An embedding table [vocab, dim] as group-wise int8 rows, dequantized at lookup: q int8 [V, D],
+    scale f32 [V, G] (one per 32 values of a row), offset None or like scale. A GGUF Q8_0 token_embd
+    is kept as stored (its rows look up to exactly the floats a decoded table holds) at a quarter of
+    an f32 table's bytes."""
+
+    q: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    def lookup(self, tokens: jax.Array, dtype) -> jax.Array:
+        """Rows `tokens` [T] -> [T, D] in `dtype` (q * scale (+ offset) in f32, as dequantize_rows)."""
+        d = self.q.shape[-1]
+
+        def groups(x):  # [T, G] -> [T, D]
+            return jnp.repeat(jnp.take(x, tokens, axis=0).astype(jnp.float32), GROUP, axis=-1)[..., :d]
+
+        w = jnp.take(self.q, tokens, axis=0).astype(jnp.float32) * groups(self.scale)
+        if self.offset is not None:
+            w = w + groups(self.offset)
+        return w.astype(dtype)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The whole float table [V, D] (materialized: for a tied head built later, and tests)."""
+        return self.lookup(jnp.arange(self.q.shape[0]), dtype)
+
+
+def table_from_rows(rows: Rows) -> QuantizedTable:
+    """(q int8 [V, D], d [V, G][, m]) -> a QuantizedTable on the default device (numpy's buffers
+    handed over, scales in f32: exact for any block type)."""
+    q, d, *m = rows
+    return QuantizedTable(q=jax.device_put(np.ascontiguousarray(q, np.int8)),
+                          scale=jax.device_put(np.ascontiguousarray(d, np.float32)),
+                          offset=jax.device_put(np.ascontiguousarray(m[0], np.float32)) if m else None)
+
+
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Float rows w [N, K] (one output column per row, GGUF's order) -> (q int8 [N, K], d f32 [N, G]):
     per 32 inputs d = max|w| / 127, rounded to f16 as llama.cpp's quantize_row_q8_0 stores it, and

@@ -55,11 +55,69 @@ def quantize(w: jax.Array, mode: str = "int8") -> Int8Weight:
         raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
     if w.ndim < 2:
         raise ValueError(f"expected a weight of shape [..., in, out], got shape {tuple(w.shape)}")
+    if w.ndim == 3:  # stacked layers: rounded one at a time (the temporaries are one layer's)
+        return quantize_layers(_index_layer, (jnp.asarray(w),), int(w.shape[0]), mode)
+    return _weight(_round(jnp.asarray(w), mode), mode, int(w.shape[-2]))
+
+
+def _round(w: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     if mode == "int8":
-        q, scale, offset = _quantize_asymmetric(jnp.asarray(w), GROUP)
+        return _quantize_asymmetric(w, GROUP)
+    return _quantize_symmetric(w)
+
+
+def _weight(parts: tuple[jax.Array, ...], mode: str, k: int) -> Int8Weight:
+    if mode == "int8":
+        q, scale, offset = parts
         return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
-    q, scale = _quantize_symmetric(jnp.asarray(w))
-    return Int8Weight(q=q, scale=scale, block=int(w.shape[-2]), a8_rows=A8_MIN_ROWS)
+    q, scale = parts
+    return Int8Weight(q=q, scale=scale, block=k, a8_rows=A8_MIN_ROWS)
+
+
+def _index_layer(layer: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+
+
+def from_int8(q: jax.Array, scale: float, mode: str = "int8") -> Int8Weight:
+    """The weight q * scale (q int8 [in, out], one scale for all) in `mode`, exactly: no rounding
+    (a random int8 weight drawn directly, or a tied head of such an embedding)."""
+    if mode not in MODES:
+        raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
+    k, n = q.shape
+    groups = -(-k // GROUP) if mode == "int8" else 1
+    parts = (q, jnp.full((groups, n), scale, jnp.float32))
+    return _weight(parts + ((jnp.zeros((groups, n), jnp.float32),) if mode == "int8" else ()), mode, k)
+
+
+_LAYER_INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def quantize_layers(layer_fn, args: tuple, layers: int, mode: str = "int8") -> Int8Weight:
+    """A stacked Int8Weight [L, in, out] whose layer l is the rounding of layer_fn(l, *args) (a float
+    [in, out], traced: e.g. one layer of a float stack, or a random draw). One program loops over
+    the layers and writes each into int8 buffers allocated once, so the float temporaries are one
+    layer's whatever L is (a float stack of L layers need not exist). layer_fn: a module-level
+    function (it keys the compile cache)."""
+    if mode not in MODES:
+        raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
+    if layers < 1:
+        raise ValueError(f"expected at least one layer, got {layers}")
+    one = jax.eval_shape(layer_fn, _LAYER_INDEX, *args)
+    if len(one.shape) != 2 or not jnp.issubdtype(one.dtype, jnp.floating):
+        raise ValueError(f"layer_fn must give a float weight [in, out], got {one.dtype} {tuple(one.shape)}")
+    return _weight(_quantize_loop(layer_fn, layers, mode, args), mode, int(one.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _quantize_loop(layer_fn, layers: int, mode: str, args: tuple) -> tuple[jax.Array, ...]:
+    parts = jax.eval_shape(lambda index: _round(layer_fn(index, *args), mode), _LAYER_INDEX)
+    stacks = tuple(jnp.zeros((layers, *p.shape), p.dtype) for p in parts)          # [L, ...] each
+
+    def body(layer, stacks):
+        rounded = _round(layer_fn(layer, *args), mode)
+        return tuple(jax.lax.dynamic_update_index_in_dim(s, r, layer, 0) for s, r in zip(stacks, rounded))
+
+    return jax.lax.fori_loop(0, layers, body, stacks)
 
 
 def _blocks(w: jax.Array, block: int) -> jax.Array:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from slipstream.kernels.q8_matmul import q8_matmul
 from slipstream.quantization import int8
+from slipstream.quantization.groupwise import QuantizedTable
 from slipstream.quantization.weights import QuantizedWeight
 
 
@@ -39,6 +40,19 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | int8.Int8Weight) -> ja
     x2 = x.reshape(-1, x.shape[-1])  # [M, in]
     y = q8_matmul(x2, w.q, w.scale, w.offset, n=w.shape[1], parts=1 if w.mode == "q8_0" else 2)
     return y.reshape(*lead, w.shape[1]).astype(x.dtype)
+
+
+def embed_lookup(table: Any, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows `tokens` [T] of an embedding table [V, D] (a float array, or group-wise int8 rows
+    dequantized here: groupwise.QuantizedTable) -> [T, D] in `dtype`."""
+    if isinstance(table, QuantizedTable):
+        return table.lookup(tokens, dtype)
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
+def embed_dense(table: Any, dtype) -> jax.Array:
+    """The whole embedding table [V, D] in `dtype` (a tied LM head kept in float)."""
+    return table.dequantize(dtype) if isinstance(table, QuantizedTable) else table.astype(dtype)
 
 
 def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:

@@ -193,7 +193,8 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     mode = config.weight_mode()
     quantize = mode if mode in QUANTIZED_MODES else "none"
     if args.load_format == "dummy":  # drawn tensor by tensor, int8 ones directly: no float model either
-        model_cfg, model = load_dummy(path, dtype=config.activation_dtype(), quantize=quantize, progress=progress)
+        # every mode drawn already quantized (the TPU's int8 layer by layer): no float stack exists
+        model_cfg, model = load_dummy(path, dtype=config.activation_dtype(), quantize=mode, progress=progress)
         tokenizer = load_tokenizer(path)
     else:
         # group-wise int8 is built tensor by tensor while loading: the float weights never exist whole

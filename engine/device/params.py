@@ -13,6 +13,7 @@ from tqdm import tqdm
 from slipstream.models.base import CausalLM
 from slipstream.models.layers import Linear
 from slipstream.quantization import Int8Weight, QuantizedWeight, quantize_weight
+from slipstream.quantization.groupwise import QuantizedTable
 from slipstream.quantization.weights import QUANTIZED_MODES, check_mode
 
 
@@ -27,6 +28,8 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
         if model.lm_head is None:
             cfg = model.cfg
             table = model.embed.table.get_value()                                    # [vocab, embed]
+            if isinstance(table, QuantizedTable):  # int8 rows (models.loader in a group-wise mode)
+                table = table.dequantize()
             head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
             if mode in QUANTIZED_MODES:
                 from slipstream.quantization.groupwise import pack_one, quantize_rows
@@ -45,10 +48,12 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
 
     state = nnx.state(model, nnx.Param)
 
+    kept = QuantizedWeight | Int8Weight | QuantizedTable
+
     def cast(x):
-        if isinstance(x, QuantizedWeight | Int8Weight) or not jnp.issubdtype(x.dtype, jnp.floating):
+        if isinstance(x, kept) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         return x.astype(dtype)
 
-    nnx.update(model, jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, QuantizedWeight | Int8Weight)))
+    nnx.update(model, jax.tree.map(cast, state, is_leaf=lambda x: isinstance(x, kept)))
     return model

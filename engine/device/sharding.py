@@ -23,6 +23,7 @@ from slipstream.engine.device.layer_stack import LayerPick, PerLayer
 from slipstream.kernels.q8_matmul import GROUP, TILE, q8_matmul
 from slipstream.models.config import ModelConfig
 from slipstream.quantization import QuantizedWeight
+from slipstream.quantization.groupwise import QuantizedTable
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class TensorParallel:
                 q=self._put(value.q, q_spec), scale=self._put(value.scale, s_spec), mode=value.mode,
                 offset=None if value.offset is None else self._put(value.offset, s_spec),
                 logical=value.logical, q_spec=q_spec, s_spec=s_spec)
+        if isinstance(value, QuantizedTable):  # int8 rows and their scales, each split by its own shape
+            return jax.tree.map(lambda a: self._put(a, self.spec(axes, a.shape)), value)
         return self._put(value, self.spec(axes, value.shape))
 
     def place_params(self, state: nnx.State) -> nnx.State:

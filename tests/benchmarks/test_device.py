@@ -73,3 +73,51 @@ def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     assert s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["tpot_p50_ms"] > 0
     assert r["startup"]["cold_s"] > 0 and r["startup"]["warm_s"] > 0
     assert "Serving (6 prompts" in (out / "device.md").read_text()
+
+
+def test_decode_batches_halve_until_the_cache_fits(tiny_dir, tmp_path, monkeypatch):
+    """An engine for the largest batch that runs out of device memory is rebuilt for half as many slots
+    (an 8B model on a 16 GB chip), and the report says so. The allocation failure is simulated: a CPU
+    has the memory."""
+    import jax
+
+    from benchmarks import device_phases
+
+    real_build, asked = device_phases.build, []
+
+    def build(*args, slots, **kw):
+        asked.append(slots)
+        if slots > 2:
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating the cache of {slots} slots")
+        return real_build(*args, slots=slots, **kw)
+
+    monkeypatch.setattr(device_phases, "build", build)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert device_phases.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--slots", "1,2,8",
+                               "--phases", "engine", "--output-dir", str(out)]) == 0
+    r = _report(out)
+    assert asked == [8, 4, 2]
+    assert [d["slots"] for d in r["decode"]] == [1, 2] and r["prefill"]["tokens"] == 32
+    assert r["fit"]["asked_slots"] == 8 and r["fit"]["slots"] == 2 and "RESOURCE_EXHAUSTED" in r["fit"]["error"]
+    assert "the largest decode batch cut to 2" in (out / "device.md").read_text()
+
+
+def test_llama_8b_int8_script_dry_run(tmp_path):
+    """benchmarks/device_8b's engine part on a CPU: a shrunk Llama-3.1-8B config, dummy int8 weights drawn
+    layer by layer, int8 KV; its serving part's KV budget covers every concurrent sequence."""
+    from benchmarks import device_8b
+
+    out = tmp_path / "engine"
+    assert device_8b.main(["engine", "--dry-run", "--output-dir", str(out)]) == 0
+    r = _report(out)
+    assert r["engine"]["weight_mode"] == "int8" and r["engine"]["kv_dtype"] == "int8"
+    assert [d["slots"] for d in r["decode"]] == [1, 3] and r["prefill"]["matmul_kind"] == "w8a16"
+    assert "errors" not in r
+    from slipstream.models.registry import resolve_model
+
+    args = device_8b.serving_args(device_8b.MODEL, device_8b.SERVING, resolve_model("llama-3.1-8b", "dummy"))
+    flags = args[args.index("--serve-flags") + 1].split()
+    budget = int(flags[flags.index("--kv-cache-memory") + 1])
+    assert device_8b.kv_bytes_per_token(resolve_model("llama-3.1-8b", "dummy")) == 2 * 32 * 8 * (128 + 4)
+    assert budget == 64 * (7 + 1) * 128 * 67584  # 64 sequences of 769 tokens in pages of 128, one spare each

@@ -149,7 +149,9 @@ def test_dummy_needs_a_config(tmp_path):
 
 
 @pytest.mark.parametrize("name, quantize", [*((n, "q8_0-a16") for n in sorted(PUBLIC)),
-                                            ("gemma-3-1b", "none"), ("qwen3-0.6b", "none")])
+                                            ("gemma-3-1b", "none"), ("qwen3-0.6b", "none"),
+                                            ("llama-3.2-1b", "int8"), ("llama-3.1-8b", "int8"),
+                                            ("qwen3-0.6b", "int8-channel")])
 def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
     cfg = ModelConfig.from_hf_json(os.path.join(shrunk_dir(tmp_path, name), "config.json"))
     abstract = build_abstract(cfg)
@@ -162,9 +164,10 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
         np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
     assert got == want
     if quantize != "none":
-        from slipstream.quantization import QuantizedWeight
+        from slipstream.quantization import Int8Weight, QuantizedWeight
 
-        assert isinstance(model.blocks.mlp.w_up.w.get_value(), QuantizedWeight)
+        kind = Int8Weight if quantize.startswith("int8") else QuantizedWeight
+        assert isinstance(model.blocks.mlp.w_up.w.get_value(), kind)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
     logits = np.asarray(dense_logits(model, tokens))
     assert np.isfinite(logits).all()
@@ -172,12 +175,13 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
     assert len(set(logits.argmax(-1).ravel().tolist())) > 4  # not one token everywhere
 
 
-def test_other_int8_formats_are_drawn_a_layer_at_a_time():
-    """A quantized format other than the group-wise one goes through quantization's public
-    quantize_weight one layer at a time (here q8_0 itself, the path a TPU format takes)."""
+@pytest.mark.parametrize("mode", ["q8_0", "int8", "int8-channel"])
+def test_other_int8_formats_are_drawn_a_layer_at_a_time(mode):
+    """A quantized format drawn from a float layer is rounded by quantization's public functions one
+    layer at a time (the TPU's int8 modes in one program: tests/models/test_dummy_int8.py)."""
     from slipstream.models.dummy import _draw_quantized
 
-    w = _draw_quantized(jax.random.key(0), (3, 64, 32), "q8_0", jnp.float32)
+    w = _draw_quantized(jax.random.key(0), (3, 64, 32), mode, jnp.float32)
     assert w.shape == (3, 64, 32)
     dense = np.asarray(w.dequantize())
     assert not np.allclose(dense[0], dense[1])  # each layer its own weights

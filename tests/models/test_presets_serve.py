@@ -54,6 +54,23 @@ def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
         thread.join(timeout=15)
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b"])
+def test_dummy_preset_serves_in_the_tpu_int8_mode(tmp_path, name):
+    """--quantize int8 (the TPU's default): weights drawn already int8, a layer at a time, and served."""
+    args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
+                                      "--quantize", "int8", "--dtype", "float32", *SMALL])
+    url, server, thread, _ = _serve(args)
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "dummy", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["text"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
 def test_load_format_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_LOAD_FORMAT", "dummy")
     assert build_parser().parse_args(["serve", "--model", "qwen3-0.6b"]).load_format == "dummy"

@@ -145,7 +145,13 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
     embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)
     np.testing.assert_array_equal(np.asarray(model.lm_head.w.get_value().dequantize()), embed.T)
-    np.testing.assert_array_equal(np.asarray(model.embed.table.get_value()), embed)
+    # the lookup table: the Q8_0 rows as stored, dequantized at lookup to exactly the decoded floats
+    table = model.embed.table.get_value()
+    assert isinstance(table, groupwise.QuantizedTable) and table.q.dtype == jnp.int8
+    assert table.q.nbytes + table.scale.nbytes < 0.3 * embed.nbytes
+    tokens = jnp.asarray([0, 1, 7, cfg.vocab_size - 1, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model.embed(tokens, jnp.float32)), embed[np.asarray(tokens)])
+    np.testing.assert_array_equal(np.asarray(table.dequantize()), embed)
     w_up = model.blocks.mlp.w_up.w.get_value()
     assert w_up.shape == (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
     # the layers are Q4_1: held exactly, the block minimum as the group offset
