@@ -123,6 +123,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
         s.add_sample(token)
     assert not p.can_overlap()  # drafting reads the latest tokens on the host
     p.token_budget = 8
+    p.propose()  # the scheduler drafts with no lock held, then plans
     plan = p.plan()
     # a: 1 + 3 drafts ("2 3" last seen before at 4: 1 2 3 followed); b: 1 + 2 (the 4 tokens left keep
     # one for c); c: its one token. 8 tokens: the budget.
@@ -144,6 +145,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     p2.advance(p2.plan())
     d.add_sample(2)
     e.add_sample(8)
+    p2.propose()
     plan = p2.plan()
     # d: max_tokens 3 leaves room for 1 draft (its bonus token is the 3rd); e: 4 rows - 2 seqs - 1 = 1
     assert [c_.draft for c_ in plan.chunks] == [(1,), (7,)]
@@ -160,4 +162,5 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     f.add_sample(2)
     g.add_sample(4)
     assert off.can_overlap()
+    off.propose()
     assert [c_.draft for c_ in off.plan().chunks] == [(), ()]
