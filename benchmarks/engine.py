@@ -35,6 +35,7 @@ from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.kv_cache import pages_needed
 from slipstream.engine.request import SamplingParams
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.device.sampling import DraftRows
 from slipstream.models.config import ModelConfig
 from slipstream.kernels.attention import ragged_paged_attention
 from slipstream.models.loader import load_model
@@ -207,7 +208,7 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
 
     def sample():
         result, (engine.output_counts, engine.prompt_mask) = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask)
+            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
         return result
 
     x = jnp.ones((t, cfg.hidden_size), engine.dtype)

@@ -76,11 +76,10 @@ class SpeculativeConfig:
 
 
 def may_speculate(params: SamplingParams) -> bool:
-    """Requests this slice verifies: greedy without logprobs, a grammar, penalties or n > 1 (their
-    sampling needs per-token state the verification rows do not carry)."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.constraint is None
-            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.n == 1)
+    """Requests that draft: all but grammar-constrained ones (a draft would need the grammar's mask at
+    every verified position; they run without speculation). Greedy rows accept drafts equal to the
+    argmax, drawn rows by speculative sampling's rule, penalties seeing the drafts before each row."""
+    return params.constraint is None
 
 
 class NgramProposer:
@@ -108,8 +107,9 @@ class NgramProposer:
 
 
 def accepted_length(drafts: Sequence[int], samples: Sequence[int]) -> int:
-    """Greedy verification: how many drafts match the argmax at their position (samples[i] is the
-    argmax after the sequence's token i of the verified chunk); samples[result] is the bonus token."""
+    """How many drafts verification accepted: samples[i] is what the row after the chunk's token i
+    sampled, the draft itself where the device accepted it (the argmax for greedy rows, speculative
+    sampling's rule for drawn ones: engine/device/sampling.py); samples[result] is the token after them."""
     a = 0
     while a < len(drafts) and drafts[a] == samples[a]:
         a += 1
