@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from slipstream.engine.api import Sampled
     from slipstream.engine.sequence import Sequence as Seq
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -41,10 +41,16 @@ class SpeculativeConfig:
     # Speculation is off for a step with this many decoding sequences or more: a large batch already
     # keeps the device busy (compute-bound), where extra query tokens cost more than they save.
     disable_by_batch_size: int = 8
+    model: str | None = None         # draft_model: the draft's path or name (--model's forms)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative config: "model" (the draft model) goes with method "draft_model", '
+                             f"and only with it; got method {self.method!r} and model {self.model!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative config: model must be a path or model name, got {self.model!r}")
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                                 ("prompt_lookup_max", 1, 64), ("prompt_lookup_min", 1, 64),
                                 ("disable_by_batch_size", 1, 1 << 20)):
@@ -58,7 +64,8 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> "SpeculativeConfig":
         """Parse vLLM's JSON form, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_max": 4, "prompt_lookup_min": 2}; unknown keys are refused by name."""
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": "path", "num_speculative_tokens": 4}
+        (method draft_model); unknown keys are refused by name."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -69,8 +76,10 @@ class SpeculativeConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in data and "model" in data:
+            data = {**data, "method": "draft_model"}  # as vLLM infers it
         if "method" not in data:
-            raise ValueError('speculative config: "method" is required (one of: ngram)')
+            raise ValueError('speculative config: "method" is required (one of: ngram, draft_model)')
         return cls(**data)
 
 
@@ -141,6 +150,9 @@ class Speculator:
     before the step is planned), their drafts for the planner, and what verification accepts."""
 
     def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer: Proposer | None = None) -> None:
+        if proposer is None and config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} needs its proposer built from the draft model "
+                             "(engine/device/draft.py's DraftModelProposer)")
         self.config, self.max_seq_len = config, max_seq_len
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpecCounters()
