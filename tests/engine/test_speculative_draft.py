@@ -114,3 +114,18 @@ def test_draft_vocabulary_must_be_the_targets(tiny_engine):
 
     with pytest.raises(ValueError, match=r"draft model's vocabulary \(256 tokens\) must be the target model's \(300\)"):
         DraftModelProposer(tiny_engine, 300)
+
+
+def test_serve_builds_the_draft_proposer_on_the_targets_settings(tiny_engine, tiny_llama_dir):
+    import json
+
+    from slipstream.server.cli import build_draft_proposer, build_parser
+
+    spec = json.dumps({"model": tiny_llama_dir, "num_speculative_tokens": 2})
+    args = build_parser().parse_args(["serve", "--model", tiny_llama_dir, "--speculative-config", spec])
+    proposer = build_draft_proposer(args, [tiny_engine], multihost=False)
+    assert proposer.engine.config == tiny_engine.config and proposer.engine.vocab_size == tiny_engine.vocab_size
+    with pytest.raises(ValueError, match="a draft model serves one replica on one host"):
+        build_draft_proposer(args, [tiny_engine, tiny_engine], multihost=False)
+    ngram = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
+    assert build_draft_proposer(ngram, [tiny_engine], multihost=False) is None
