@@ -1,8 +1,9 @@
 """The scheduling decision for one engine step, as plain host state in and a plain batch description
 out: admission with prefix-cache matching, page growth with preemption, the token budget split
-(every decode first, then prefill chunks), and whether the next step may be launched before the
-in-flight step's samples are back. No engine calls, no threads, no JAX; not thread-safe (the
-scheduler guards it with its lock)."""
+(every decode first, then prefill chunks, speculative drafts after their decode), whether the next
+step may be launched before the in-flight step's samples are back, and what those samples add to their
+sequences. No engine calls, no threads, no JAX; not thread-safe (the scheduler guards it with its lock;
+propose() runs without it, on the engine thread)."""
 from __future__ import annotations
 
 import bisect
