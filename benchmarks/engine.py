@@ -202,7 +202,7 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     logits = model()
     slot_ids, active = np.arange(b, dtype=np.int32) % engine.max_slots, np.ones(b, bool)
     sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
-    sarrays = dataclasses.replace(sarrays, step=engine._slot_steps[slot_ids])
+    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
     bitmask = engine._fill_mask(list(range(slots)), b)
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 

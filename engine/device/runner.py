@@ -103,7 +103,7 @@ class JaxEngine:
         self.output_counts = jnp.zeros((self.max_slots + 1, self.vocab_size), jnp.int32)
         self.prompt_mask = jnp.zeros((self.max_slots + 1, self.vocab_size), bool)
         self._slot_sampling = SamplingArrays.from_params([], [], [], self.max_slots + 1)
-        self._slot_steps = np.zeros(self.max_slots + 1, np.int32)
+        self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
@@ -223,7 +223,7 @@ class JaxEngine:
         row = SamplingArrays.from_params([params], [seed], [0], 1)
         for field in dataclasses.fields(SamplingArrays):
             getattr(self._slot_sampling, field.name)[slot] = getattr(row, field.name)[0]
-        self._slot_steps[slot] = len(state.output_ids)
+        self._slot_prompt_len[slot] = len(state.prompt_ids)
         self._slot_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._matchers.pop(slot, None)
         if params.constraint is not None:
@@ -293,16 +293,17 @@ class JaxEngine:
         slot_ids = np.full(b, self.max_slots, np.int32)
         slot_ids[:n] = sample_slots
         active = np.arange(b) < n
-        drafts = draft_rows(batch, b)
+        drafts, positions = draft_rows(batch, b)
         sarrays = jax.tree.map(lambda x: x[slot_ids], self._slot_sampling)
-        # a sequence's rows draw with consecutive steps of its seed: independent uniforms per row
-        sarrays = dataclasses.replace(sarrays, step=self._slot_steps[slot_ids] + np.arange(b, dtype=np.int32)
-                                      - drafts.row_start)
+        # a row draws with its seed's stream at the index, in the output, of the token it samples: the
+        # same for a token however the steps were cut (a row past a rejected draft is dropped unseen,
+        # so the step that samples that index again may use the stream again)
+        steps = np.maximum(positions + 1 - self._slot_prompt_len[slot_ids], 0).astype(np.int32)
+        sarrays = dataclasses.replace(sarrays, step=steps)
         bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
         result, (self.output_counts, self.prompt_mask) = sampler(
             logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask, drafts)
-        np.add.at(self._slot_steps, slot_ids[:n], 1)
         # a slot's latest sample is its last row's (several rows when verifying drafts; a scatter
         # with repeated indices keeps an unspecified one): the earlier rows write the scratch row
         record = slot_ids.copy()

@@ -71,10 +71,11 @@ def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np
     return src
 
 
-def draft_rows(batch: StepBatch, rows: int) -> DraftRows:
-    """The sample rows' speculative drafts (DraftRows), padded to `rows`: a sequence sampling at its
-    chunk's last r positions verifies the r - 1 drafts it was fed, one per row but the last."""
-    out = DraftRows.none(rows)
+def draft_rows(batch: StepBatch, rows: int) -> tuple[DraftRows, np.ndarray]:
+    """The sample rows' speculative drafts (DraftRows) and positions i32[rows] (the token each row
+    samples after), padded to `rows`: a sequence sampling at its chunk's last r positions verifies the
+    r - 1 drafts it was fed, one per row but the last."""
+    out, positions = DraftRows.none(rows), np.zeros(rows, np.int32)
     at = 0
     for seq in batch.seqs:
         if not seq.sample:
@@ -83,5 +84,6 @@ def draft_rows(batch: StepBatch, rows: int) -> DraftRows:
         if r > 1:
             out.draft[at:at + r - 1] = seq.token_ids[len(seq.token_ids) - r + 1:]
         out.row_start[at:at + r] = at
+        positions[at:at + r] = np.arange(seq.end_pos - r, seq.end_pos)
         at += r
-    return out
+    return out, positions

@@ -39,13 +39,15 @@ def _prefill(engine):
     engine.step(StepBatch([StepSeq(i, PROMPT[:-1], 0, _pages(i), False) for i in range(SEQS)]))
 
 
-def _draw(engine, params, fed, num_samples, output_ids=()):
+def _draw(engine, params, fed, num_samples, output_ids=(), seeds=0):
     """ROUNDS x SEQS steps' samples: each sequence feeds PROMPT[-1] and `fed` after it, sampling at its
-    last num_samples positions, with a fresh seed (and its penalty history reset) every round."""
+    last num_samples positions, with a fresh seed (from `seeds` on: each path its own, so the paths'
+    samples are independent) and its penalty history reset every round."""
     rows = []
     for r in range(ROUNDS):
         for i in range(SEQS):
-            engine.insert(i, SlotState(PROMPT, output_ids, SamplingParams(**params, seed=r * SEQS + i)))
+            seed = seeds + r * SEQS + i
+            engine.insert(i, SlotState(PROMPT, output_ids, SamplingParams(**params, seed=seed)))
         out = engine.step(StepBatch([StepSeq(i, (PROMPT[-1], *fed), len(PROMPT) - 1, _pages(i), True,
                                              num_samples=num_samples) for i in range(SEQS)]))
         tokens = [s.token_id for s in out]
@@ -73,14 +75,14 @@ def test_drafts_keep_the_target_distribution(engine, params):
         plain = [r[0] for r in _draw(engine, params, (), 1)]
         # the draft: the target's most likely next token, so that both acceptance and rejection happen
         draft = collections.Counter(plain).most_common(1)[0][0]
-        spec = _draw(engine, params, (draft,), 2)
+        spec = _draw(engine, params, (draft,), 2, seeds=10_000)
         first = [r[0] for r in spec]
         accepted = sum(t == draft for t in first)
         assert 0.1 * len(spec) < accepted < 0.9 * len(spec), accepted
         assert _same_distribution(plain, first) > 1e-3
         # after an accepted draft, the bonus row samples the token after it: as sampling there without
         # speculation, with the draft counted as an output token by the penalties
-        after = _draw(engine, params, (draft,), 1, output_ids=(draft,))
+        after = _draw(engine, params, (draft,), 1, output_ids=(draft,), seeds=20_000)
         assert _same_distribution([r[0] for r in after], [r[1] for r in spec if r[0] == draft]) > 1e-3
     finally:
         for i in range(SEQS):
