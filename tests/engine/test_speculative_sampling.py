@@ -1,7 +1,7 @@
 """Speculative sampling keeps the target distribution: a drawn request verifying a draft gets tokens
 distributed as without speculation (chi-square over many seeded samples of the tiny model's next
-tokens), with temperature, top-k and penalties applied to the target, and its rows' penalty counts
-hold only the tokens the host keeps."""
+tokens, at the engine and end to end through the scheduler with n-gram drafts), with temperature,
+top-k/top-p/min-p and penalties applied to the target; its rows' penalty counts hold only kept tokens."""
 from __future__ import annotations
 
 import collections
@@ -109,3 +109,40 @@ def test_penalty_counts_hold_only_kept_tokens(engine):
     finally:
         for i in range(SEQS):
             engine.free(i)
+
+
+def test_scheduler_drawn_outputs_keep_their_distribution_with_ngram_drafts(tiny_model):
+    """End to end through the scheduler: seeded drawn requests on a repetitive prompt (n-gram drafts
+    accepted and rejected), each output position distributed as without speculation."""
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.engine.request import Request
+    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.engine.speculative import SpeculativeConfig
+    from tests.engine.test_scheduler_real import _Detok, _greedy_alone
+
+    cfg, params = tiny_model
+    engine = JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}))
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3,
+                             disable_by_batch_size=16)
+    # the model's own greedy continuation in the prompt: n-gram drafts the model likes
+    prompt = [5, 9, 11] + _greedy_alone(cfg, params, [5, 9, 11], 30)
+
+    def outputs(speculative, seeds):
+        scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=speculative))
+        scheduler.start()
+        try:
+            out = []
+            for group in range(0, len(seeds), 4):  # 4 at a time: room for every request's drafts
+                out += [c.token_ids for c in scheduler.generate(
+                    [Request(prompt, SamplingParams(temperature=1.5, top_k=3, seed=s, max_tokens=4, ignore_eos=True))
+                     for s in seeds[group:group + 4]])]
+            return out, scheduler.stats()
+        finally:
+            scheduler.shutdown(timeout=5)
+
+    base, _ = outputs(None, range(400))
+    fast, stats = outputs(spec, range(1000, 1400))
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 100
+    for pos in range(1, 4):
+        assert _same_distribution([o[pos] for o in base], [o[pos] for o in fast]) > 1e-3, pos
+    assert _same_distribution([tuple(o[1:3]) for o in base], [tuple(o[1:3]) for o in fast]) > 1e-3
