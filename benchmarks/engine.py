@@ -35,6 +35,7 @@ from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.kv_cache import pages_needed
 from slipstream.engine.request import SamplingParams
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.device.sampling import DraftRows
 from slipstream.models.config import ModelConfig
 from slipstream.kernels.attention import ragged_paged_attention
 from slipstream.models.loader import load_model
@@ -201,13 +202,13 @@ def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
     logits = model()
     slot_ids, active = np.arange(b, dtype=np.int32) % engine.max_slots, np.ones(b, bool)
     sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
-    sarrays = dataclasses.replace(sarrays, step=engine._slot_steps[slot_ids])
+    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
     bitmask = engine._fill_mask(list(range(slots)), b)
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 
     def sample():
         result, (engine.output_counts, engine.prompt_mask) = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask)
+            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
         return result
 
     x = jnp.ones((t, cfg.hidden_size), engine.dtype)

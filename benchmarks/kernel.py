@@ -43,7 +43,7 @@ import numpy as np
 from benchmarks.measure import cpu_model, cpu_timed, fma_peak_gflops
 from slipstream.engine.request import SamplingParams
 from slipstream.engine.device.runner import JaxEngine
-from slipstream.engine.device.sampling import SamplingArrays
+from slipstream.engine.device.sampling import DraftRows, SamplingArrays
 from slipstream.engine.structured import mask_words
 from slipstream.kernels import f32_matmul as fm
 from slipstream.kernels import sampling as ks
@@ -128,13 +128,14 @@ def sampling(argv: list[str]) -> int:
         for name, params in SETTINGS.items():
             sarrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
             state = (jnp.zeros((slots, v), jnp.int32), jnp.zeros((slots, v), bool))
-            shapes = (logits, state, slot_ids, active, sarrays, no_mask)
+            drafts = jax.tree.map(jnp.asarray, DraftRows.none(b))
+            shapes = (logits, state, slot_ids, active, sarrays, no_mask, drafts)
             programs = {"native": compiled(shapes, True), "reference": compiled(shapes, False)}
             times: dict[str, list[float]] = {k: [] for k in programs}
             for rep in range(args.reps + 2):
                 for path, exe in programs.items():
                     start = time.perf_counter()
-                    result, state = exe(logits, state, slot_ids, active, sarrays, no_mask)
+                    result, state = exe(logits, state, slot_ids, active, sarrays, no_mask, drafts)
                     jax.block_until_ready(result.token)
                     if rep >= 2:  # warm-up
                         times[path].append((time.perf_counter() - start) * 1e3)

@@ -1,8 +1,9 @@
 """The scheduling decision for one engine step, as plain host state in and a plain batch description
 out: admission with prefix-cache matching, page growth with preemption, the token budget split
-(every decode first, then prefill chunks), and whether the next step may be launched before the
-in-flight step's samples are back. No engine calls, no threads, no JAX; not thread-safe (the
-scheduler guards it with its lock)."""
+(every decode first, then prefill chunks, speculative drafts after their decode), whether the next
+step may be launched before the in-flight step's samples are back, and what those samples add to their
+sequences. No engine calls, no threads, no JAX; not thread-safe (the scheduler guards it with its lock;
+propose() runs without it, on the engine thread)."""
 from __future__ import annotations
 
 import bisect
@@ -10,11 +11,12 @@ import dataclasses
 import heapq
 import itertools
 
-from slipstream.engine.api import StepBatch, StepSeq
+from slipstream.engine.api import Sampled, StepBatch, StepSeq
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.request import FinishReason, Request
 from slipstream.engine.sequence import Sequence, Status
-from slipstream.engine.speculative import SpeculativeConfig, may_speculate
+from slipstream.engine.speculative import Proposer, SpeculativeConfig, Speculator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +84,15 @@ class StepPlanner:
     """Waiting and running sequences, free slots and pages; decides what each step runs."""
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
-                 speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None,
+                 proposer: Proposer | None = None) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if speculative is not None and max_seq_len is None:
             raise ValueError("speculative decoding needs the engine's max_seq_len")
         self.blocks = blocks
-        self.speculative = speculative
-        self.proposer = speculative.proposer() if speculative is not None else None
         self.max_seq_len = max_seq_len
+        self.speculator = Speculator(speculative, max_seq_len, proposer) if speculative is not None else None
         self.token_budget = token_budget
         self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self.running: list[Sequence] = []  # in admission order
@@ -178,7 +180,6 @@ class StepPlanner:
         # first). A sequence whose sample in flight is its last waits for it to end it.
         completes = False  # a prefill ends in this step
         decodes = [s for s in self.running if s.remaining == 1 and not s.last_in_flight]
-        spec = self.speculative is not None and len(decodes) < self.speculative.disable_by_batch_size
         drafted = 0  # draft tokens so far: each is one more sampled row of the step
         for i, seq in enumerate(decodes):
             if left() == 0:
@@ -186,7 +187,7 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
                 # every later decode keeps its one token; the step samples at most max_slots rows
                 room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
-                draft = self._draft(seq, room) if spec else ()
+                draft = self._draft(seq, room)
                 drafted += len(draft)
                 chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
                 completes |= seq.num_computed < seq.prefill_end
@@ -209,32 +210,25 @@ class StepPlanner:
                 completes |= n == seq.remaining
         return Plan(chunks, preempted, freed)
 
+    def propose(self) -> None:
+        """Draft for the next step's decodes (Speculator.propose): with no lock held, as a draft model
+        runs on the device; plan() takes the drafts."""
+        if self.speculator is not None:
+            self.speculator.propose(self.running)
+
     def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
-        """Drafts to verify after `seq`'s one decode token, at most `room`: only for a greedy request
-        whose tokens are all on the host (none in flight), within max_tokens, the context and the
-        pages it can get without preempting anyone."""
-        if seq.in_flight or not may_speculate(seq.request.params):
-            return ()
-        k = min(self.speculative.num_speculative_tokens, room,
-                seq.request.params.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
-        if k < 1:
-            return ()
-        draft = self.proposer.propose(seq.tokens, k)
+        """Drafts proposed for `seq`, at most `room`, within the pages it can get without preempting
+        anyone."""
+        draft = self.speculator.take(seq, room) if self.speculator is not None else ()
         if draft:
             self.blocks.grow(seq, seq.num_tokens + len(draft))  # may stop short: no preemption for drafts
             draft = draft[:len(seq.pages) * self.page_size - seq.num_tokens]
         return tuple(draft)
 
-    def speculating(self) -> bool:
-        """Whether the next step may draft for some running sequence (its tokens must be on the
-        host, so the step in flight is collected before planning it)."""
-        return (self.speculative is not None and len(self.running) < self.speculative.disable_by_batch_size
-                and any(may_speculate(s.request.params) for s in self.running))
-
     def advance(self, plan: Plan) -> bool:
         """The step is launched: its tokens' KV is written before any later step reads it, and each
         sampling chunk has one sample in flight (a drafting chunk's KV counts once its drafts are
-        accepted: Scheduler._apply). Registers finished prefills with the prefix cache;
+        accepted: complete()). Registers finished prefills with the prefix cache;
         True when that may let waiting siblings in."""
         registered = False
         for c in plan.chunks:
@@ -250,6 +244,35 @@ class StepPlanner:
             self._epoch += 1
         return registered
 
+    def complete(self, plan: Plan, sampled: list[Sampled], eos_token_ids: frozenset[int], max_seq_len: int
+                 ) -> list[tuple[Sequence, list[Sampled], FinishReason | None]]:
+        """The launched step's samples are back: append them to their sequences, each checked for a
+        finish; per sequence still live, the samples it kept and why it finished (None: it goes on). A
+        sequence that left while the step was in flight drops its samples, a preempted one keeps
+        them; a drafting chunk keeps its accepted drafts and the token after them (Speculator.accept)."""
+        chunks = [c for c in plan.chunks if c.sample]
+        rows = sum(1 + len(c.draft) for c in chunks)
+        if len(sampled) != rows:
+            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(chunks)} "
+                               f"sampling sequences ({rows} rows)")
+        out, at = [], 0
+        for c in chunks:
+            seq, samples = c.seq, sampled[at:at + 1 + len(c.draft)]
+            at += len(samples)
+            if c.draft:
+                samples = self.speculator.accept(c, samples)
+            if seq.status is Status.FINISHED:
+                continue
+            finish = None
+            for i, s in enumerate(samples):
+                seq.add_sample(s.token_id, in_flight=i == 0)
+                finish = seq.check_finish(s.token_id, eos_token_ids, max_seq_len)
+                if finish is not None:
+                    samples = samples[:i + 1]
+                    break
+            out.append((seq, samples, finish))
+        return out
+
     def can_overlap(self) -> bool:
         """Whether the next step may be planned and launched before the in-flight step's samples
         are back. Not when a sequence needs its latest token on the host (a grammar's next mask),
@@ -259,7 +282,7 @@ class StepPlanner:
         runs alone (its steps are the shortest, and host time the largest share of them)."""
         if self.waiting or any(s.request.params.constraint is not None for s in self.running):
             return False
-        if self.speculating():
+        if self.speculator is not None and self.speculator.active(self.running):
             # drafting reads the sequence's latest tokens on the host, and its verified step returns
             # several samples, of which only the accepted ones exist: no step is planned ahead of it
             return False
@@ -294,6 +317,30 @@ class StepPlanner:
         seq.slot, seq.inserted, seq.num_computed = None, False, 0
         self._epoch += 1
         return slot
+
+    def too_long(self, request: Request) -> tuple[str, int, int] | None:
+        """Why `request` can never run (its tokens exceed the context or the KV cache): (message, limit,
+        its tokens); None if it fits."""
+        prompt, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        total = prompt + max_tokens
+        for limit, what in ((self.max_seq_len, "the model's context"),
+                            (self.blocks.allocator.num_total * self.page_size, "the KV cache's capacity")):
+            if limit is not None and total > limit:
+                return (f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} exceeds {what} of "
+                        f"{limit} tokens; shorten the prompt or lower max_tokens", limit, total)
+        return None
+
+    def stats(self) -> dict:
+        """The SchedulerStats fields the planner knows: queues, slots, pages, prefix and speculation."""
+        prefix = self.blocks.prefix
+        spec = self.speculator
+        drafts, accepted, per_pos = spec.counters.snapshot() if spec is not None else (0, 0, {})
+        return dict(waiting=len(self.waiting), running=len(self.running),
+                    slots_used=self.max_slots - len(self.free_slots), pages_used=self.pages_used,
+                    pages_cached=self.pages_cached, pages_total=self.blocks.allocator.num_total,
+                    prefix_queries=prefix.queries if prefix else 0, prefix_hits=prefix.hits if prefix else 0,
+                    prefix_hit_tokens=prefix.hit_tokens if prefix else 0, spec_draft_tokens=drafts,
+                    spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
 
     @property
     def pages_cached(self) -> int:

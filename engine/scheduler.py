@@ -5,8 +5,7 @@ the step and hands the sampled tokens to the output side. Plain Python: no JAX h
 One step stays in flight while the next is planned and launched, when the planner allows it: the
 device then runs step N+1 while this thread collects step N's samples and hands them on (decodes
 of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE). Not with speculative decoding
-(engine/speculative.py): drafting needs each sequence's latest tokens on the host, and a verified
-step's samples past the first are tokens only once accepted, so such steps are collected first."""
+(engine/speculative.py): drafting needs each sequence's latest tokens on the host."""
 from __future__ import annotations
 
 import collections
@@ -24,8 +23,7 @@ from slipstream.engine.request import FinishReason, Request
 from slipstream.engine.schedule import Plan, StepPlanner
 from slipstream.engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
                                   SchedulerStats, StepEvent, generate_all)
-from slipstream.engine.sequence import Sequence, Status
-from slipstream.engine.speculative import SpecCounters, accepted_length
+from slipstream.engine.sequence import Sequence
 
 __all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
@@ -43,7 +41,6 @@ class Scheduler:
                              f"of {largest} tokens; lower it or build the engine with a larger one")
         self._engine = engine
         self._config = config
-        self._page_size = engine.page_size
         self._blocks = BlockManager(engine.num_pages, engine.page_size, config.enable_prefix_cache)
         self._output = OutputProcessor(tokenizer, self._release, self._on_finish)
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
@@ -53,7 +50,8 @@ class Scheduler:
         # engine thread holds it for host bookkeeping only, never across an engine call.
         self._cv = threading.Condition()
         self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
-                                    speculative=config.speculative, max_seq_len=engine.max_seq_len)
+                                    speculative=config.speculative, max_seq_len=engine.max_seq_len,
+                                    proposer=config.proposer)
         self._state = "new"  # -> running -> closing -> stopped
         self._failed: str | None = None
         self._force_stop = False
@@ -71,7 +69,6 @@ class Scheduler:
         self._counts: collections.Counter[str] = collections.Counter()
         self._rejections: collections.Counter[str] = collections.Counter()
         self._finished: collections.Counter[str] = collections.Counter()
-        self._spec = SpecCounters()
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -132,28 +129,15 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            planner = self._planner
-            waiting, running = len(planner.waiting), len(planner.running)
-            slots_used = planner.max_slots - len(planner.free_slots)
-            pages_used, pages_cached = planner.pages_used, planner.pages_cached
+            planned = self._planner.stats()
         with self._stats_lock:
             counts = dict(self._counts)
             rejections, finished = dict(self._rejections), dict(self._finished)
-        prefix = self._blocks.prefix
-        drafts, accepted, per_pos = self._spec.snapshot()
         return SchedulerStats(
-            waiting=waiting, running=running, slots_used=slots_used,
-            max_slots=self._engine.max_slots, pages_used=pages_used, pages_cached=pages_cached,
-            pages_total=self._blocks.allocator.num_total,
-            prefix_queries=prefix.queries if prefix else 0,
-            prefix_hits=prefix.hits if prefix else 0,
-            prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
-            preemptions=counts.get("preemptions", 0), rejections=rejections,
-            cancellations=counts.get("cancellations", 0),
-            prompt_tokens=counts.get("prompt_tokens", 0),
-            generated_tokens=counts.get("generated_tokens", 0),
-            prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished,
-            spec_draft_tokens=drafts, spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+            **planned, max_slots=self._engine.max_slots, preemptions=counts.get("preemptions", 0),
+            rejections=rejections, cancellations=counts.get("cancellations", 0),
+            prompt_tokens=counts.get("prompt_tokens", 0), generated_tokens=counts.get("generated_tokens", 0),
+            prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished)
 
     def abort(self, message: str) -> None:
         """Fail every live request with `message` and stop serving (ready turns false), from any
@@ -222,16 +206,10 @@ class Scheduler:
             counter[key] += n
 
     def _check_length(self, request: Request) -> None:
-        prompt, max_tokens = len(request.prompt_ids), request.params.max_tokens
-        total = prompt + max_tokens
-        kv_tokens = self._blocks.allocator.num_total * self._page_size
-        for limit, what in ((self._engine.max_seq_len, "the model's context"),
-                            (kv_tokens, "the KV cache's capacity")):
-            if total > limit:
-                self._count(self._rejections, "too_long")
-                raise PromptTooLong(f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
-                                    f"{total} exceeds {what} of {limit} tokens; shorten the "
-                                    "prompt or lower max_tokens", limit=limit, actual=total)
+        too_long = self._planner.too_long(request)
+        if too_long is not None:
+            self._count(self._rejections, "too_long")
+            raise PromptTooLong(too_long[0], limit=too_long[1], actual=too_long[2])
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -282,6 +260,7 @@ class Scheduler:
                 if finished and turn:
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
+        planner.propose()  # drafts, with no lock held (a draft model runs on the device)
         with self._cv:
             started, listeners = time.perf_counter(), self._step_listeners
             plan = planner.plan()
@@ -371,30 +350,12 @@ class Scheduler:
         return None
 
     def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> int:
-        """The step ran: append the sampled tokens, finish what is done (returns how many). A
-        sequence that left while the step was in flight drops its sample; a preempted one keeps it.
-        A chunk with drafts gets its accepted drafts plus the bonus token, each checked for a finish."""
-        chunks = [c for c in plan.chunks if c.sample]
-        rows = sum(1 + len(c.draft) for c in chunks)
-        if len(sampled) != rows:
-            raise RuntimeError(f"engine returned {len(sampled)} samples for {len(chunks)} "
-                               f"sampling sequences ({rows} rows)")
-        kept = finished = at = 0
-        for c in chunks:
-            seq, samples = c.seq, sampled[at:at + 1 + len(c.draft)]
-            at += len(samples)
-            if c.draft:
-                samples = self._verify(c, samples)
-            if seq.status is Status.FINISHED:
-                continue
-            finish = None
-            for i, s in enumerate(samples):
-                seq.add_sample(s.token_id, in_flight=i == 0)
-                kept += 1
-                finish = seq.check_finish(s.token_id, self._engine.eos_token_ids, self._engine.max_seq_len)
-                if finish is not None:
-                    samples = samples[:i + 1]
-                    break
+        """The step ran: hand each sequence's kept samples on and retire what they finished (returns how
+        many)."""
+        finished = kept = 0
+        for seq, samples, finish in self._planner.complete(plan, sampled, self._engine.eos_token_ids,
+                                                           self._engine.max_seq_len):
+            kept += len(samples)
             want_logprobs = seq.request.params.logprobs is not None
             records.append(Emit(seq.tracker, tuple(s.token_id for s in samples),
                                 tuple(s.logprob for s in samples) if want_logprobs else None,
@@ -404,17 +365,6 @@ class Scheduler:
                 finished += 1
         self._count(self._counts, "generated_tokens", kept)
         return finished
-
-    def _verify(self, chunk, samples: list) -> list:
-        """Greedy verification of a drafting chunk: the samples it keeps (the accepted drafts' argmaxes,
-        which equal them, and the bonus token after them); the accepted drafts' KV counts as computed."""
-        seq, draft = chunk.seq, chunk.draft
-        accepted = accepted_length(draft, [s.token_id for s in samples])
-        self._spec.record(len(draft), accepted)
-        if seq.status is Status.RUNNING and seq.num_computed == chunk.known_end:
-            # rejected drafts' KV stays in the pages past num_computed, overwritten by later steps
-            seq.num_computed += accepted
-        return samples[:accepted + 1]
 
     def _retire(self, seq: Sequence) -> None:
         """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""

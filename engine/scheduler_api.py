@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
-from slipstream.engine.speculative import SpeculativeConfig
+from slipstream.engine.speculative import Proposer, SpeculativeConfig
 
 if TYPE_CHECKING:
     from slipstream.engine.output import Completion, RequestStream
@@ -45,6 +45,7 @@ class SchedulerConfig:
     # the next step instead of the one after. 0 turns it off. (engine/arrival_wait.py)
     arrival_wait_ms: float = 20.0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding (engine/speculative.py)
+    proposer: Proposer | None = None  # speculative's drafts from this (a draft model); None: n-gram
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:

@@ -1,23 +1,35 @@
-"""Speculative decoding's host side: the config (vLLM's --speculative-config form), which requests may
-speculate, the n-gram (prompt lookup) proposer and greedy acceptance. Plain Python: no JAX here;
-the planner (engine/schedule.py) drafts, the scheduler (engine/scheduler.py) accepts."""
+"""Speculative decoding's host side: the config (vLLM's --speculative-config form), the proposer seam
+and the n-gram (prompt lookup) proposer, and the Speculator that picks which decodes draft, hands the
+planner their drafts and accepts what verification kept. Plain Python: no JAX here (a draft model's
+proposer lives in engine/device/draft.py and is passed in)."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import json
 import threading
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from slipstream.engine.request import SamplingParams
+from slipstream.engine.sequence import Status
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from slipstream.engine.api import Sampled
+    from slipstream.engine.sequence import Sequence as Seq
+
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 class Proposer(Protocol):
-    def propose(self, seq_tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k draft tokens to follow seq_tokens (prompt + output so far); [] for none."""
+    """The seam a proposer plugs into (n-gram here, a draft model in engine/device/draft.py; EAGLE/MTP
+    later). Drafts are deterministic given the sequence's tokens: verification treats them as a
+    proposal distribution with all its mass on the draft (engine/device/sampling.py)."""
+
+    def draft(self, asks: list[tuple["Seq", int]]) -> list[list[int]]:
+        """Up to k draft tokens for each (running sequence, k), to follow its known tokens (prompt +
+        output, none in flight); [] for none. Called on the engine thread with no lock held; state kept
+        for a sequence that is no longer running may be dropped."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,10 +41,16 @@ class SpeculativeConfig:
     # Speculation is off for a step with this many decoding sequences or more: a large batch already
     # keeps the device busy (compute-bound), where extra query tokens cost more than they save.
     disable_by_batch_size: int = 8
+    model: str | None = None         # draft_model: the draft's path or name (--model's forms)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative config: "model" (the draft model) goes with method "draft_model", '
+                             f"and only with it; got method {self.method!r} and model {self.model!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative config: model must be a path or model name, got {self.model!r}")
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
                                 ("prompt_lookup_max", 1, 64), ("prompt_lookup_min", 1, 64),
                                 ("disable_by_batch_size", 1, 1 << 20)):
@@ -46,7 +64,8 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> "SpeculativeConfig":
         """Parse vLLM's JSON form, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_max": 4, "prompt_lookup_min": 2}; unknown keys are refused by name."""
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": "path", "num_speculative_tokens": 4}
+        (method draft_model); unknown keys are refused by name."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -57,20 +76,19 @@ class SpeculativeConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in data and "model" in data:
+            data = {**data, "method": "draft_model"}  # as vLLM infers it
         if "method" not in data:
-            raise ValueError('speculative config: "method" is required (one of: ngram)')
+            raise ValueError('speculative config: "method" is required (one of: ngram, draft_model)')
         return cls(**data)
 
-    def proposer(self) -> Proposer:
-        return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
 
 
 def may_speculate(params: SamplingParams) -> bool:
-    """Requests this slice verifies: greedy without logprobs, a grammar, penalties or n > 1 (their
-    sampling needs per-token state the verification rows do not carry)."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.constraint is None
-            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.n == 1)
+    """Requests that draft: all but grammar-constrained ones (a draft would need the grammar's mask at
+    every verified position; they run without speculation). Greedy rows accept drafts equal to the
+    argmax, drawn rows by speculative sampling's rule, penalties seeing the drafts before each row."""
+    return params.constraint is None
 
 
 class NgramProposer:
@@ -79,6 +97,9 @@ class NgramProposer:
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def draft(self, asks: list[tuple["Seq", int]]) -> list[list[int]]:
+        return [self.propose(seq.tokens, k) for seq, k in asks]
 
     def propose(self, seq_tokens: Sequence[int], k: int) -> list[int]:
         tokens = list(seq_tokens)
@@ -95,8 +116,9 @@ class NgramProposer:
 
 
 def accepted_length(drafts: Sequence[int], samples: Sequence[int]) -> int:
-    """Greedy verification: how many drafts match the argmax at their position (samples[i] is the
-    argmax after the sequence's token i of the verified chunk); samples[result] is the bonus token."""
+    """How many drafts verification accepted: samples[i] is what the row after the chunk's token i
+    sampled, the draft itself where the device accepted it (the argmax for greedy rows, speculative
+    sampling's rule for drawn ones: engine/device/sampling.py); samples[result] is the token after them."""
     a = 0
     while a < len(drafts) and drafts[a] == samples[a]:
         a += 1
@@ -121,3 +143,56 @@ class SpecCounters:
     def snapshot(self) -> tuple[int, int, dict[str, int]]:
         with self._lock:
             return self._drafts, self._accepted, dict(self._per_pos)
+
+
+class Speculator:
+    """One scheduler's speculation: which decodes draft in the next step (proposed with no lock held,
+    before the step is planned), their drafts for the planner, and what verification accepts."""
+
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer: Proposer | None = None) -> None:
+        if proposer is None and config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} needs its proposer built from the draft model "
+                             "(engine/device/draft.py's DraftModelProposer)")
+        self.config, self.max_seq_len = config, max_seq_len
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.counters = SpecCounters()
+        self._drafts: dict["Seq", tuple[int, ...]] = {}
+
+    def active(self, running: Sequence["Seq"]) -> bool:
+        """Whether the next step may draft for some running sequence (its tokens must be on the
+        host, so the step in flight is collected before planning it)."""
+        return (len(running) < self.config.disable_by_batch_size
+                and any(may_speculate(s.request.params) for s in running))
+
+    def propose(self, running: Sequence["Seq"]) -> None:
+        """Draft for the next step's decodes: each greedy-verifiable one with all its tokens on the
+        host, up to K tokens within max_tokens and the context; none when the batch is large."""
+        self._drafts = {}
+        decodes = [s for s in running if s.remaining == 1 and not s.last_in_flight]
+        if len(decodes) >= self.config.disable_by_batch_size:
+            return
+        asks = []
+        for seq in decodes:
+            if seq.status is not Status.RUNNING or seq.in_flight or not may_speculate(seq.request.params):
+                continue
+            k = min(self.config.num_speculative_tokens, seq.request.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_seq_len - seq.num_tokens)
+            if k >= 1:
+                asks.append((seq, k))
+        if asks:
+            self._drafts = {seq: tuple(d[:k]) for (seq, k), d in zip(asks, self.proposer.draft(asks)) if d}
+
+    def take(self, seq: "Seq", room: int) -> tuple[int, ...]:
+        """The drafts proposed for `seq`, at most `room` (the planner's token budget and sample rows)."""
+        return self._drafts.pop(seq, ())[:max(room, 0)]
+
+    def accept(self, chunk, samples: list["Sampled"]) -> list["Sampled"]:
+        """Verification of a drafting chunk (engine/schedule.py's Chunk): the samples it keeps (the accepted drafts, as sampled at
+        their rows, and the token after them); the accepted drafts' KV counts as computed."""
+        seq, draft = chunk.seq, chunk.draft
+        accepted = accepted_length(draft, [s.token_id for s in samples])
+        self.counters.record(len(draft), accepted)
+        if seq.status is Status.RUNNING and seq.num_computed == chunk.known_end:
+            # rejected drafts' KV stays in the pages past num_computed, overwritten by later steps
+            seq.num_computed += accepted
+        return samples[:accepted + 1]

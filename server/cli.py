@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=parse_speculative, metavar="JSON",
                        default=parse_speculative(_env("speculative-config", "")),
                        help='speculative decoding, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (greedy requests only; off by default)')
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup) or {"model": PATH, '
+                            '"num_speculative_tokens": 4} (a draft model with the same vocabulary); off by default')
     serve.add_argument("--api-key", default=_env("api-key", None),
                        help="visible in `ps`: prefer --api-key-file or SLIPSTREAM_API_KEY")
     serve.add_argument("--api-key-file", default=_env("api-key-file", None),
@@ -216,6 +217,35 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
     log.info("kernels on %s", kernel_summary())
     return engines, tokenizer, path
+
+
+def build_draft_proposer(args: argparse.Namespace, engines: list, *, multihost: bool):
+    """--speculative-config's draft model as a proposer: its own engine (paged KV, slots) with the
+    target's settings on the target's devices; None for n-gram or no speculation."""
+    spec = args.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    if len(engines) > 1 or multihost:
+        raise ValueError("speculative config: a draft model serves one replica on one host; drop --data-parallel "
+                         'and --num-processes, or use {"method": "ngram"}')
+    from slipstream.engine.device.draft import DraftModelProposer
+    from slipstream.engine.device.runner import JaxEngine
+    from slipstream.models.loader import load_model
+    from slipstream.models.registry import load_dummy, resolve_model
+    from slipstream.quantization.weights import QUANTIZED_MODES
+
+    target = engines[0]
+    path = resolve_model(spec.model, args.load_format)
+    mode = target.config.weight_mode()
+    quantize = mode if mode in QUANTIZED_MODES else "none"
+    if args.load_format == "dummy":
+        cfg, model = load_dummy(path, dtype=target.config.activation_dtype(), quantize=quantize)
+    else:
+        cfg, model = load_model(path, dtype="float32", quantize=quantize)
+    engine = JaxEngine(cfg, model, target.config, progress=sys.stderr.isatty())
+    log.info("draft model %s: compiled %d programs in %.1fs (%d KV pages)", path, engine.num_programs,
+             engine.compile_seconds, engine.num_pages)
+    return DraftModelProposer(engine, target.vocab_size)
 
 
 def join_group(args: argparse.Namespace):
@@ -327,7 +357,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return run_worker(engine, tokenizer, joined)
         engine, group = lead_group(engine, joined)  # not ready before every worker is
     config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache,
-                             arrival_wait_ms=args.arrival_wait_ms, speculative=args.speculative_config)
+                             arrival_wait_ms=args.arrival_wait_ms, speculative=args.speculative_config,
+                             proposer=build_draft_proposer(args, engines, multihost=group is not None))
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
     scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
     named = args.model == DEFAULT_MODEL or args.model in architecture_presets()

@@ -28,8 +28,9 @@ from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
-from slipstream.engine.device.sampling import SamplingArrays, constrain, prompt_mask_row, sample_penalized, update_counts
-from slipstream.engine.device.step_inputs import previous_sources, step_inputs
+from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, constrain, prompt_mask_row, sample_penalized,
+                                               update_counts)
+from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
 from slipstream.engine.device.layer_stack import split_linears
 from slipstream.engine.device.params import prepare_model
@@ -102,7 +103,7 @@ class JaxEngine:
         self.output_counts = jnp.zeros((self.max_slots + 1, self.vocab_size), jnp.int32)
         self.prompt_mask = jnp.zeros((self.max_slots + 1, self.vocab_size), bool)
         self._slot_sampling = SamplingArrays.from_params([], [], [], self.max_slots + 1)
-        self._slot_steps = np.zeros(self.max_slots + 1, np.int32)
+        self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
@@ -142,16 +143,18 @@ class JaxEngine:
                              sample_index, dtype=self.dtype)
 
     @staticmethod
-    def _sample_step(logits, state, slot_ids, active, sarrays, bitmask):
+    def _sample_step(logits, state, slot_ids, active, sarrays, bitmask, drafts):
         # The draw runs outside any cond, and the [slots, V] state never leaves through one: with a
         # cond on penalties around the whole draw that also returned the counts, XLA:CPU took 2.3 ms
         # for this program at 32 greedy rows instead of 0.64 (6.98 -> 0.81 with a penalized row).
         # The counts take one add per active row, in place and in every batch, so a row's counts are
-        # current whenever its penalties read them (insert() rebuilds a slot's row).
+        # current whenever its penalties read them (insert() rebuilds a slot's row). Verification rows
+        # add only the tokens the host keeps (the accepted drafts and the one after them).
         counts, pmask = state
         logits = logits.astype(jnp.float32)
-        result = sample_penalized(logits, constrain(logits, bitmask, sarrays, counts, pmask, slot_ids), sarrays)
-        return result, (update_counts(counts, slot_ids, result.token, active), pmask)
+        penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts)
+        result = sample_penalized(logits, penalized, sarrays, drafts)
+        return result, (update_counts(counts, slot_ids, result.token, active & drafts.kept(result.token)), pmask)
 
     @staticmethod
     def _set_row(counts, pmask, slot, counts_row, mask_row):
@@ -171,7 +174,8 @@ class JaxEngine:
         return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
                 (self.output_counts, self.prompt_mask),
                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays,
-                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
+                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32),
+                DraftRows(jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)))
 
     @property
     def num_programs(self) -> int:
@@ -219,7 +223,7 @@ class JaxEngine:
         row = SamplingArrays.from_params([params], [seed], [0], 1)
         for field in dataclasses.fields(SamplingArrays):
             getattr(self._slot_sampling, field.name)[slot] = getattr(row, field.name)[0]
-        self._slot_steps[slot] = len(state.output_ids)
+        self._slot_prompt_len[slot] = len(state.prompt_ids)
         self._slot_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._matchers.pop(slot, None)
         if params.constraint is not None:
@@ -289,13 +293,17 @@ class JaxEngine:
         slot_ids = np.full(b, self.max_slots, np.int32)
         slot_ids[:n] = sample_slots
         active = np.arange(b) < n
+        drafts, positions = draft_rows(batch, b)
         sarrays = jax.tree.map(lambda x: x[slot_ids], self._slot_sampling)
-        sarrays = dataclasses.replace(sarrays, step=self._slot_steps[slot_ids])
+        # a row draws with its seed's stream at the index, in the output, of the token it samples: the
+        # same for a token however the steps were cut (a row past a rejected draft is dropped unseen,
+        # so the step that samples that index again may use the stream again)
+        steps = np.maximum(positions + 1 - self._slot_prompt_len[slot_ids], 0).astype(np.int32)
+        sarrays = dataclasses.replace(sarrays, step=steps)
         bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
         result, (self.output_counts, self.prompt_mask) = sampler(
-            logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask)
-        self._slot_steps[slot_ids[:n]] += 1
+            logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask, drafts)
         # a slot's latest sample is its last row's (several rows when verifying drafts; a scatter
         # with repeated indices keeps an unspecified one): the earlier rows write the scratch row
         record = slot_ids.copy()

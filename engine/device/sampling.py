@@ -3,6 +3,8 @@
 Every per-request setting is a [B] array, so new settings never recompile. The token itself
 (greedy, temperature, top-k/top-p/min-p and the draw) is kernels.sampling.sample_tokens and the
 logprobs kernels.sampling.top_logprobs: a native kernel on CPU, its JAX reference elsewhere.
+Speculative verification rows (DraftRows) see the drafts before them in the penalties, and drawn
+rows take speculative sampling's acceptance rule (kernels.sampling.verify_drafts).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 
 from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from slipstream.engine.structured import mask_words
-from slipstream.kernels.sampling import sample_tokens, top_logprobs
+from slipstream.kernels.sampling import sample_tokens, top_logprobs, verify_drafts
 
 _GREEDY = SamplingParams(temperature=0.0)
 Array = jax.Array | np.ndarray  # numpy from the host-side builder, jax.Array inside jit
@@ -88,6 +90,38 @@ class SamplingArrays:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class DraftRows:
+    """Speculative verification in a step's sample rows, all [B]: a sequence's rows are consecutive,
+    row i sampling after the chunk's i-th last token; `draft` is the token the next row was fed
+    (the one this row verifies), -1 for a sequence's last row and rows without drafts; `row_start`
+    is the index of the sequence's first row."""
+
+    draft: Array      # i32
+    row_start: Array  # i32
+
+    @classmethod
+    def none(cls, batch: int) -> "DraftRows":
+        return cls(np.full(batch, -1, np.int32), np.arange(batch, dtype=np.int32))
+
+    def earlier_counts(self, vocab: int) -> jax.Array:
+        """i32[B, V]: each row's count of the drafts fed before it in its chunk (its context's output
+        tokens past what the per-slot counts hold)."""
+        rows = jnp.arange(self.draft.shape[0])
+        earlier = ((self.row_start[:, None] == self.row_start[None, :]) & (rows[None, :] < rows[:, None])
+                   & (self.draft[None, :] >= 0))                             # [B, B]: row i counts row j's draft
+        tokens = jnp.broadcast_to(jnp.maximum(self.draft, 0)[None, :], earlier.shape)
+        return jnp.zeros((rows.shape[0], vocab), jnp.int32).at[rows[:, None], tokens].add(earlier.astype(jnp.int32))
+
+    def kept(self, token: jax.Array) -> jax.Array:
+        """bool[B]: the rows whose token the host keeps: no earlier row of the chunk rejected its draft
+        (a row keeps its draft when it sampled it; the first row that did not holds the next token)."""
+        missed = (token != self.draft).astype(jnp.int32)                     # last rows "miss" (-1)
+        before = jnp.cumsum(missed) - missed                                 # misses in rows [0, i)
+        return before == before[self.row_start]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SampleResult:
     token: jax.Array         # i32[B]
     logprob: jax.Array       # f32[B], under log_softmax of the raw logits
@@ -139,26 +173,31 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def constrain(logits: jax.Array, bitmask: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
-              prompt_mask: jax.Array, slot_ids: jax.Array) -> jax.Array:
+              prompt_mask: jax.Array, slot_ids: jax.Array, drafts: DraftRows | None = None) -> jax.Array:
     """The logits a batch picks from: apply_token_bitmask, then apply_penalties with the rows
-    `slot_ids` of the per-slot counts and prompt masks. A batch with neither a constrained nor a
-    penalized row passes through one cond (one copy of the logits): the [slots, V] state is
-    read only inside it."""
+    `slot_ids` of the per-slot counts (plus the drafts fed before a verification row) and prompt
+    masks. A batch with neither a constrained nor a penalized row passes through one cond (one copy
+    of the logits): the [slots, V] state is read only inside it."""
+    def penalized(allowed: jax.Array) -> jax.Array:
+        counts = output_counts[slot_ids]                                     # [B, V]
+        if drafts is not None:
+            counts = counts + drafts.earlier_counts(logits.shape[1])
+        return apply_penalties(allowed, arrays, counts, prompt_mask[slot_ids])
+
     def adjusted() -> jax.Array:
         allowed = apply_token_bitmask(logits, bitmask)
-        return jax.lax.cond(penalties_active(arrays),
-                            lambda: apply_penalties(allowed, arrays, output_counts[slot_ids], prompt_mask[slot_ids]),
-                            lambda: allowed)
+        return jax.lax.cond(penalties_active(arrays), lambda: penalized(allowed), lambda: allowed)
 
     needed = jnp.any(bitmask != jnp.uint32(0xFFFFFFFF)) | penalties_active(arrays)
     return jax.lax.cond(needed, adjusted, lambda: logits)
 
 
-def _row_uniforms(arrays: SamplingArrays) -> jax.Array:
-    """One U[0, 1) per row from fold_in(PRNGKey(seed), step): independent of row and batch."""
+def _row_uniforms(arrays: SamplingArrays, salt: int = 0) -> jax.Array:
+    """One U[0, 1) per row from fold_in(PRNGKey(seed), step) (salt > 0: folded in once more, an
+    independent stream): independent of row and batch."""
     def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.wrap_key_data(seed_words, impl="threefry2x32")
-        return jax.random.uniform(jax.random.fold_in(key, step.astype(jnp.uint32)), ())
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl="threefry2x32"), step.astype(jnp.uint32))
+        return jax.random.uniform(jax.random.fold_in(key, salt) if salt else key, ())
 
     return jax.vmap(one)(arrays.seed, arrays.step)
 
@@ -173,13 +212,18 @@ def sample(logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
     return sample_penalized(logits, constrain(logits, no_mask, arrays, output_counts, prompt_mask, rows), arrays)
 
 
-def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays) -> SampleResult:
+def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays,
+                     drafts: DraftRows | None = None) -> SampleResult:
     """sample() once the penalties are applied: `penalized` picks the token, the raw `logits`
-    give the reported logprobs (the model's own, as vLLM reports by default)."""
+    give the reported logprobs (the model's own, as vLLM reports by default). A drawn row verifying
+    a draft keeps it or redraws by speculative sampling's rule (greedy rows: the argmax either way)."""
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
-    token = sample_tokens(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p,
-                          _row_uniforms(arrays))
+    u = _row_uniforms(arrays)
+    token = sample_tokens(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p, u)
+    if drafts is not None:
+        token = verify_drafts(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p,
+                              drafts.draft, token, _row_uniforms(arrays, salt=1), u)
 
     n_top = min(MAX_TOP_LOGPROBS, vocab)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - n_top))

@@ -8,6 +8,7 @@ import numpy as np
 
 from slipstream.engine.api import PREVIOUS_SAMPLE, StepBatch
 from slipstream.engine.device.buckets import Buckets
+from slipstream.engine.device.sampling import DraftRows
 from slipstream.engine.kv_cache import pages_needed
 
 
@@ -68,3 +69,21 @@ def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np
                              f"decode's one token, got a chunk of {len(seq.token_ids)}")
         src[pos] = seq.slot
     return src
+
+
+def draft_rows(batch: StepBatch, rows: int) -> tuple[DraftRows, np.ndarray]:
+    """The sample rows' speculative drafts (DraftRows) and positions i32[rows] (the token each row
+    samples after), padded to `rows`: a sequence sampling at its chunk's last r positions verifies the
+    r - 1 drafts it was fed, one per row but the last."""
+    out, positions = DraftRows.none(rows), np.zeros(rows, np.int32)
+    at = 0
+    for seq in batch.seqs:
+        if not seq.sample:
+            continue
+        r = seq.num_samples
+        if r > 1:
+            out.draft[at:at + r - 1] = seq.token_ids[len(seq.token_ids) - r + 1:]
+        out.row_start[at:at + r] = at
+        positions[at:at + r] = np.arange(seq.end_pos - r, seq.end_pos)
+        at += r
+    return out, positions

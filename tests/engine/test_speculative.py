@@ -59,13 +59,15 @@ def test_config_parses_vllm_form_and_refuses_bad_values_by_name():
         assert needle in str(err.value)
 
 
-def test_only_plain_greedy_requests_speculate():
-    assert may_speculate(SamplingParams(temperature=0.0))
-    assert not may_speculate(SamplingParams(temperature=0.7))
-    assert not may_speculate(SamplingParams(temperature=0.0, logprobs=1))
-    assert not may_speculate(SamplingParams(temperature=0.0, presence_penalty=0.5))
-    assert not may_speculate(SamplingParams(temperature=0.0, repetition_penalty=1.2))
-    assert not may_speculate(SamplingParams(temperature=0.0, n=2))
+def test_all_but_grammar_constrained_requests_speculate():
+    class Grammar:
+        def matcher(self):
+            raise AssertionError("not needed")
+
+    for params in (dict(temperature=0.0), dict(temperature=0.7, top_k=5), dict(temperature=0.0, logprobs=1),
+                   dict(temperature=0.0, presence_penalty=0.5), dict(repetition_penalty=1.2), dict(n=2)):
+        assert may_speculate(SamplingParams(**params))
+    assert not may_speculate(SamplingParams(temperature=0.0, constraint=Grammar()))
 
 
 def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
@@ -114,7 +116,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=32, speculative=spec, max_seq_len=64)
     a = seq([1, 2, 3, 1, 2, 3, 1, 2], temperature=0.0, max_tokens=20)
     b = seq([5, 6, 5, 6, 5], temperature=0.0, max_tokens=20)
-    c = seq([9, 8, 9, 8, 9], temperature=1.0, max_tokens=20)  # sampled: never drafts
+    c = seq([9, 8, 9, 8, 9], temperature=1.0, max_tokens=20)  # sampled: drafts too, given room
     for s in (a, b, c):
         p.enqueue(s)
     assert p.admit().admitted == [a, b, c]
@@ -123,9 +125,10 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
         s.add_sample(token)
     assert not p.can_overlap()  # drafting reads the latest tokens on the host
     p.token_budget = 8
+    p.propose()  # the scheduler drafts with no lock held, then plans
     plan = p.plan()
     # a: 1 + 3 drafts ("2 3" last seen before at 4: 1 2 3 followed); b: 1 + 2 (the 4 tokens left keep
-    # one for c); c: its one token. 8 tokens: the budget.
+    # one for c); c: its one token (no room left for drafts). 8 tokens: the budget.
     assert [(c_.seq, c_.length, c_.draft) for c_ in plan.chunks] == [(a, 4, (1, 2, 3)), (b, 3, (5, 6)), (c, 1, ())]
     batch = plan.batch()
     assert batch.num_tokens == 8
@@ -144,6 +147,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     p2.advance(p2.plan())
     d.add_sample(2)
     e.add_sample(8)
+    p2.propose()
     plan = p2.plan()
     # d: max_tokens 3 leaves room for 1 draft (its bonus token is the 3rd); e: 4 rows - 2 seqs - 1 = 1
     assert [c_.draft for c_ in plan.chunks] == [(1,), (7,)]
@@ -160,4 +164,5 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     f.add_sample(2)
     g.add_sample(4)
     assert off.can_overlap()
+    off.propose()
     assert [c_.draft for c_ in off.plan().chunks] == [(), ()]

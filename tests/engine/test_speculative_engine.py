@@ -178,3 +178,27 @@ def _run_tok(engine, tokenizer, requests, spec):
         return scheduler.generate([Request(r.prompt_ids, r.params) for r in requests]), scheduler.stats()
     finally:
         scheduler.shutdown(timeout=5)
+
+
+def test_penalized_and_logprob_requests_speculate_and_equal_greedy(spec_engine):
+    """Greedy with penalties (each verified row sees the drafts before it) and logprobs (reported for
+    each accepted draft): tokens and logprobs as without speculation. Drawn requests draft too."""
+    rnd = random.Random(17)
+    requests = []
+    for i, prompt in enumerate(_prompts(rnd, 16)):
+        params = [dict(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, logprobs=2),
+                  dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, top_k=3, seed=i)][i % 3]
+        requests.append(Request(prompt, SamplingParams(**params, max_tokens=rnd.randint(4, 24), ignore_eos=True)))
+    base, _ = _run(spec_engine, requests, None)
+    spec, stats = _run(spec_engine, requests, SPEC)
+    drawn = [SamplingParams(temperature=0.8, top_k=3, seed=i, max_tokens=24, ignore_eos=True) for i in range(6)]
+    _, drawn_stats = _run(spec_engine, [Request([4, 5, 6] * 6, p) for p in drawn], SPEC)
+    assert stats.spec_accepted_tokens > 0 and drawn_stats.spec_draft_tokens > 0
+    for req, a, b in zip(requests, base, spec):
+        assert len(b.token_ids) == req.params.max_tokens
+        if req.params.temperature == 0.0:
+            assert b.token_ids == a.token_ids, req
+            if req.params.logprobs is not None:
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+                    assert [t for t, _ in x.top] == [t for t, _ in y.top]
