@@ -68,3 +68,17 @@ def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np
                              f"decode's one token, got a chunk of {len(seq.token_ids)}")
         src[pos] = seq.slot
     return src
+
+
+def token_lora_slots(batch: StepBatch, t: int, max_loras: int) -> np.ndarray:
+    """i32[t]: each token's LoRA slot (0: the base model; padding too)."""
+    slots = np.zeros(t, np.int32)
+    at = 0
+    for seq in batch.seqs:
+        n = len(seq.token_ids)
+        if not 0 <= seq.lora_slot <= max_loras:
+            raise ValueError(f"sequence in slot {seq.slot}: LoRA slot {seq.lora_slot} out of range "
+                             f"[0, {max_loras}] (max_loras)")
+        slots[at:at + n] = seq.lora_slot
+        at += n
+    return slots
