@@ -13,6 +13,7 @@ import itertools
 from slipstream.engine.api import StepBatch, StepSeq
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.lora_registry import LoraSlotTable
 from slipstream.engine.sequence import Sequence, Status
 from slipstream.engine.speculative import SpeculativeConfig, may_speculate
 
@@ -42,7 +43,7 @@ class Chunk:
         seq = self.seq
         return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.known_end) + self.draft,
                        start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample,
-                       num_samples=1 + len(self.draft))
+                       num_samples=1 + len(self.draft), lora_slot=seq.lora_slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,8 @@ class StepPlanner:
     """Waiting and running sequences, free slots and pages; decides what each step runs."""
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
-                 speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None,
+                 max_loras: int = 0) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if speculative is not None and max_seq_len is None:
@@ -96,6 +98,7 @@ class StepPlanner:
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(max_slots))
         self.max_slots = max_slots
+        self.lora = LoraSlotTable(max_loras)  # the engine's LoRA slots, by running sequences' adapters
         self._admits = itertools.count()
         self._epoch = 0                    # bumped whenever admission might newly succeed
         self._blocked_epoch = -1
@@ -129,9 +132,21 @@ class StepPlanner:
             if head and head in prefilling:
                 i += 1
                 continue
+            adapter = seq.request.lora
+            if adapter is not None:
+                if not self.lora.max_loras:
+                    raise ValueError(f"request {seq.request_id} asks for LoRA adapter {adapter.name!r}, but the "
+                                     "engine has no LoRA slots")
+                seq.lora_slot = self.lora.acquire(adapter) or 0
+                if not seq.lora_slot:  # every slot serves running requests: later ones may go first
+                    i += 1
+                    continue
             # One page of headroom per running sequence, so admitting does not immediately
             # force a preemption (and a wasted prefill) at the next page boundary.
             if not self.blocks.admit(seq, reserve=len(self.running)):
+                if seq.lora_slot:
+                    self.lora.release(seq.lora_slot)
+                    seq.lora_slot = 0
                 if self.running:
                     self._blocked_epoch = self._epoch
                     break  # FCFS: later requests do not jump a head that waits for pages
@@ -289,6 +304,9 @@ class StepPlanner:
             return None
         slot = seq.slot if seq.inserted else None
         self.blocks.release(seq)
+        if seq.lora_slot:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = 0
         heapq.heappush(self.free_slots, seq.slot)
         self.running.remove(seq)
         seq.slot, seq.inserted, seq.num_computed = None, False, 0

@@ -40,6 +40,7 @@ class Sequence:
     num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or computed)
     prefill_end: int = 0              # tokens known at admission: computing them is its prefill
     inserted: bool = False            # bound to its slot with engine.insert
+    lora_slot: int = 0                # its adapter's device slot while admitted (0: base model)
     admitted_once: bool = False
 
     @property

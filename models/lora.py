@@ -1,6 +1,7 @@
 """LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), read and checked
-against a base model: which linears they target, their rank and scale. Host numpy only; the engine
-puts them in its device slots. A bad adapter fails with a LoraError naming the file and the tensor."""
+against a base model: which linears they target, their rank and scale. Host numpy only (no JAX at
+import); the engine puts them in its device slots. A bad adapter fails with a LoraError naming the
+file and the tensor."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +11,16 @@ import math
 import os
 import re
 
-import numpy as np
-from flax import nnx
+from typing import TYPE_CHECKING
 
-from slipstream.models.base import CausalLM
+import numpy as np
+
 from slipstream.models.safetensors_file import SafetensorsError, SafetensorsFile
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+if TYPE_CHECKING:
+    from slipstream.models.base import CausalLM
+
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -36,9 +40,11 @@ class Target:
     d_out: int
 
 
-def lora_targets(model: CausalLM) -> dict[str, Target]:
+def lora_targets(model: "CausalLM") -> dict[str, Target]:
     """The targetable linears of `model` (its per-layer linear weights named like MODULES), by module
     name, with their [in, out] shapes as loaded (before the engine rounds them)."""
+    from flax import nnx  # here only: reading adapters (the server's registry) needs no JAX
+
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     targets = {}
     for w in type(model).WEIGHTS:

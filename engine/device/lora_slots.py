@@ -26,7 +26,8 @@ class LoraSlots:
                            jnp.zeros((num_layers, cols, t.d_out), self.dtype))        # [L,S*r,out]
                        for m, t in targets.items()}
         self.resident: list[bytes | None] = [None] * (max_loras + 1)  # adapter digest per slot
-        self._write = jax.jit(self._write_slot, donate_argnums=(0,))
+        self._write_jit = jax.jit(self._write_slot, donate_argnums=(0,))
+        self._write = None  # its compiled program (compile())
         self._zeros = {m: (np.zeros((num_layers, t.d_in, max_rank), self.dtype),
                            np.zeros((num_layers, max_rank, t.d_out), self.dtype)) for m, t in targets.items()}
 
@@ -42,8 +43,9 @@ class LoraSlots:
                 for m, (a, b) in stacks.items()}
 
     def compile(self) -> None:
-        """Compile the slot writer now (writing slot 1's zeros), so loading adapters never compiles."""
-        self.stacks = self._write(self.stacks, np.int32(1), self._zeros)
+        """Compile the slot writer now, ahead of time, so loading adapters never compiles."""
+        if self._write is None:
+            self._write = self._write_jit.lower(self.stacks, np.int32(1), self._zeros).compile()
 
     def ensure(self, slot: int, adapter: LoraAdapter) -> None:
         """Make `slot` hold `adapter` (a no-op when it already does): its A and B padded to the slot
@@ -58,6 +60,7 @@ class LoraSlots:
         unknown = set(adapter.weights) - set(self.targets)
         if unknown:
             raise ValueError(f"adapter {adapter.name!r} targets {sorted(unknown)}, not linears of this model")
+        self.compile()
         new = {}
         for m, (za, zb) in self._zeros.items():
             if m not in adapter.weights:

@@ -216,6 +216,11 @@ class JaxEngine:
         return exe
 
     @property
+    def max_loras(self) -> int:
+        """LoRA adapter slots on the device (0: no LoRA)."""
+        return 0 if self.lora is None else self.lora.max_loras
+
+    @property
     def compile_count(self) -> int:
         return compile_count.compiles()
 
@@ -287,7 +292,7 @@ class JaxEngine:
         """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
         `sample` sequences, in order (tests and the perplexity tool)."""
         _, logits, sample_slots = self._run_model(batch)
-        return np.asarray(logits[:len(sample_slots)])
+        return np.asarray(logits)[:len(sample_slots)]  # sliced on the host: no program per row count
 
     def step(self, batch: StepBatch) -> list[Sampled]:
         return self.launch(batch).result()
