@@ -120,3 +120,26 @@ def test_load_unload_cycles_keep_device_memory_flat(lora_setup):
         engine.lora.ensure(1 + i % 2, order[i % 3])
     assert live() == before
     assert engine.compile_count == compiles
+
+
+@pytest.mark.parametrize("quantize", ["q8_0-a16", "int8"])
+def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize):
+    """LoRA in f32 on top of int8 linears (CPU's fused group-wise stacks, the accelerators' int8): the
+    adapter's logits stay as close to transformers + peft as the base model's are to transformers."""
+    base_dir, dirs, adapters, _ = lora_setup
+    cfg, model = tiny_model
+    engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}, max_loras=1,
+                                                max_lora_rank=8), precompile=False)
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+    engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapters["all"]))
+    logits = engine.model_logits(StepBatch([
+        StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1], sample=True),
+        StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[2], sample=True, lora_slot=1)]))
+    base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
+    lora_ref = reference_greedy(base_dir, dirs["all"], prompt, 1)[1][0]
+    base_err = np.abs(logits[0] - base_ref).max()
+    lora_err = np.abs(logits[1] - lora_ref).max()
+    print(quantize, base_err, lora_err, np.abs(lora_ref - base_ref).max())
+    assert 0 < base_err < 0.05 and lora_err < 2 * base_err + 1e-3
+    assert logits[1].argmax() == lora_ref.argmax()
