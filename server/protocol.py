@@ -243,6 +243,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "slipstream"
     max_model_len: int
+    root: str | None = None    # vLLM's: a LoRA adapter's directory (relative to --lora-root), else the model
+    parent: str | None = None  # a LoRA adapter's base model; None for the base model itself
 
 
 class ModelList(BaseModel):
