@@ -124,6 +124,25 @@ def tiny_engine(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_adapters(tiny_llama_dir, tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """(--lora-root, name -> directory) of tests/engine/lora_helpers.py's 3 peft adapters of the tiny Llama."""
+    pytest.importorskip("peft")
+    from tests.engine.lora_helpers import make_adapters
+
+    root = str(tmp_path_factory.mktemp("lora-root"))
+    return root, make_adapters(tiny_llama_dir, root)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_engine(tiny_model):
+    """The tiny engine with 2 LoRA slots of rank 8 (tests leave its sampling slots free)."""
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+
+    cfg, params = tiny_model
+    return JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE, max_loras=2, max_lora_rank=8))
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path):
     from slipstream.models.loader import load_gguf
 

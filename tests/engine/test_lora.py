@@ -15,7 +15,7 @@ from slipstream.engine.request import FinishReason, Request, SamplingParams  # n
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from slipstream.models.lora import load_adapter, lora_targets  # noqa: E402
 from tests.conftest import TINY_ENGINE  # noqa: E402
-from tests.engine.lora_helpers import ADAPTERS, make_adapters, reference_greedy  # noqa: E402
+from tests.engine.lora_helpers import ADAPTERS, reference_greedy  # noqa: E402
 
 NAMES = list(ADAPTERS)
 
@@ -28,14 +28,13 @@ class _Detok:
 
 
 @pytest.fixture(scope="module")
-def lora_setup(tiny_llama_dir, tiny_model, tmp_path_factory):
+def lora_setup(tiny_llama_dir, tiny_model, tiny_lora_adapters, tiny_lora_engine):
     """(base dir, name -> adapter dir, name -> LoraAdapter, engine with 2 LoRA slots of rank 8)."""
     cfg, model = tiny_model
-    dirs = make_adapters(tiny_llama_dir, str(tmp_path_factory.mktemp("adapters")))
+    dirs = tiny_lora_adapters[1]
     targets = lora_targets(model)
     adapters = {n: load_adapter(n, d, targets, cfg.num_layers, 8) for n, d in dirs.items()}
-    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE, max_loras=2, max_lora_rank=8))
-    return tiny_llama_dir, dirs, adapters, engine
+    return tiny_llama_dir, dirs, adapters, tiny_lora_engine
 
 
 def test_one_step_mixes_adapters_and_base_with_peft_logits(lora_setup):

@@ -11,15 +11,13 @@ import pytest
 
 pytest.importorskip("peft")
 
-from slipstream.engine.device.runner import EngineConfig, JaxEngine  # noqa: E402
 from slipstream.engine.lora_registry import LoraRegistry  # noqa: E402
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from slipstream.models.lora import load_adapter  # noqa: E402
 from slipstream.server.app import create_app  # noqa: E402
 from slipstream.server.grpc_service import prepare_decode  # noqa: E402
 from slipstream.server.service import Service, ServiceConfig  # noqa: E402
-from tests.conftest import TINY_ENGINE  # noqa: E402
-from tests.engine.lora_helpers import make_adapter, make_adapters, reference_greedy  # noqa: E402
+from tests.engine.lora_helpers import make_adapter, reference_greedy  # noqa: E402
 from tests.server.conftest import run_http, wait_for  # noqa: E402
 from tests.server.grpc_helpers import text_request  # noqa: E402
 
@@ -43,12 +41,12 @@ class IdTokenizer:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tiny_model, tmp_path_factory):
+def server(tiny_llama_dir, tiny_model, tiny_lora_adapters, tiny_lora_engine):
     cfg, model = tiny_model
-    root = str(tmp_path_factory.mktemp("lora-root"))
-    dirs = make_adapters(tiny_llama_dir, root)
-    make_adapter(tiny_llama_dir, os.path.join(root, "rank16"), 16, 16, ["q_proj"])
-    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE, max_loras=2, max_lora_rank=8))
+    root, dirs = tiny_lora_adapters
+    if not os.path.isdir(os.path.join(root, "rank16")):
+        make_adapter(tiny_llama_dir, os.path.join(root, "rank16"), 16, 16, ["q_proj"])
+    engine = tiny_lora_engine
     registry = LoraRegistry(lambda n, p: load_adapter(n, p, engine.lora.targets, cfg.num_layers, 8), root)
     registry.load("attn", "attn")
     scheduler = Scheduler(engine, IdTokenizer(), SchedulerConfig(max_queue=64))
