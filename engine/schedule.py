@@ -122,6 +122,7 @@ class StepPlanner:
         # requests sharing a system prompt) wait for them to reach the prefix cache instead of
         # computing them again.
         prefilling = {self._new_head(r) for r in self.running if r.prefilling}
+        lora_blocked = False  # a request waits for a LoRA slot: no later one may take or hold one
         i = 0
         while i < len(self.waiting) and self.free_slots:
             seq = self.waiting[i]
@@ -137,8 +138,11 @@ class StepPlanner:
                 if not self.lora.max_loras:
                     raise ValueError(f"request {seq.request_id} asks for LoRA adapter {adapter.name!r}, but the "
                                      "engine has no LoRA slots")
-                seq.lora_slot = self.lora.acquire(adapter) or 0
-                if not seq.lora_slot:  # every slot serves running requests: later ones may go first
+                # Every slot serves running requests: base-model requests may go first, but no later
+                # adapter request, which would keep its slot busy (and this one waiting) forever.
+                seq.lora_slot = 0 if lora_blocked else self.lora.acquire(adapter) or 0
+                if not seq.lora_slot:
+                    lora_blocked = True
                     i += 1
                     continue
             # One page of headroom per running sequence, so admitting does not immediately

@@ -1,0 +1,37 @@
+"""Admission with LoRA slots, without threads or devices: a request waits while every slot serves
+other adapters, base-model requests pass it, later adapter requests do not (no starvation)."""
+from __future__ import annotations
+
+import itertools
+
+from slipstream.engine.block_manager import BlockManager
+from slipstream.engine.request import Request, SamplingParams
+from slipstream.engine.schedule import StepPlanner
+from slipstream.engine.sequence import Sequence
+from slipstream.models.lora import LoraAdapter
+
+_order = itertools.count()
+
+
+def adapter(name: str) -> LoraAdapter:
+    return LoraAdapter(name=name, path=name, rank=1, scale=1.0, weights={}, digest=name.encode())
+
+
+def seq(lora: LoraAdapter | None) -> Sequence:
+    return Sequence(Request([1, 2, 3], SamplingParams(max_tokens=4), lora=lora), tracker=None, order=next(_order))
+
+
+def test_a_request_waiting_for_a_lora_slot_is_not_starved():
+    p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=64, max_loras=1)
+    a, b = adapter("a"), adapter("b")
+    first, waits, base, later_a = seq(a), seq(b), seq(None), seq(a)
+    for s in (first, waits, base, later_a):
+        p.enqueue(s)
+    admitted = p.admit().admitted
+    assert admitted == [first, base] and first.lora_slot == 1 and base.lora_slot == 0
+    assert p.waiting == [waits, later_a]  # "a" is resident, but the older "b" request goes first
+    p.finish(first)
+    assert p.admit().admitted == [waits] and waits.lora_slot == 1
+    assert p.lora.swaps == 1
+    p.finish(waits)
+    assert p.admit().admitted == [later_a]
