@@ -69,7 +69,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900.0) -> No
 
 def _run(label: str, serve: list[str], bench: list[str], port: int, out_dir: str) -> dict:
     print(f"== {label}\n$ {shlex.join(serve)}\n$ {shlex.join(bench)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(serve, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(port, proc)
         subprocess.run(bench + ["--save-result", "--result-dir", out_dir, "--result-filename", f"{label}.json"],
