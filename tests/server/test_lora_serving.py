@@ -134,3 +134,24 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(server):
     assert http.post("/v1/completions", json={"model": "late", "prompt": "1 2"}).status_code == 404
     assert _metric(http, "slipstream_lora_requests", "late") is None  # labels only for loaded adapters
     assert "late" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+
+
+def test_load_unload_cycles_leave_device_memory_and_programs_flat(server):
+    import jax
+
+    _, _, engine, _, http = server
+
+    def live():
+        arrays = jax.live_arrays()
+        return len(arrays), sum(a.nbytes for a in arrays)
+
+    _complete(http, "attn", "5 17 33", 2)  # every program this test runs has run once
+    before, compiles = live(), engine.compile_count
+    for i in range(100):
+        path = ("mlp", "all", "attn")[i % 3]
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "cycle", "lora_path": path}).status_code == 200
+        if i % 10 == 0:  # a request puts it in a device slot (swapping another out)
+            _complete(http, "cycle", "5 17 33", 2)
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "cycle"}).status_code == 200
+    assert live() == before
+    assert engine.compile_count == compiles
