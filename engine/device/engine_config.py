@@ -53,9 +53,6 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
                              f"{self.max_lora_rank}")
-        if self.max_loras and self.tensor_parallel > 1:
-            raise ValueError(f"LoRA adapters (max_loras {self.max_loras}) run on one device, not with "
-                             f"tensor_parallel {self.tensor_parallel}")
         if self.quantize == "int8-channel" and self.tensor_parallel > 1:
             # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
             raise ValueError(f"quantize int8-channel runs on one device, not with tensor_parallel "

@@ -81,6 +81,8 @@ class JaxEngine:
             self._forward = self.tp.under_mesh(self._forward)
             self._replicated = self.tp.replicated
             cache_cfg = self.tp.cache_config(model_cfg)
+            if self.lora is not None:  # whole on every device; the partitioner splits the deltas' matmuls
+                self.lora.stacks = jax.device_put(self.lora.stacks, self._replicated)
         self.max_slots = config.max_slots
         self.page_size = config.page_size or kv_layout(jax.default_backend()).page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
