@@ -142,3 +142,26 @@ def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize):
     print(quantize, base_err, lora_err, np.abs(lora_ref - base_ref).max())
     assert 0 < base_err < 0.05 and lora_err < 2 * base_err + 1e-3
     assert logits[1].argmax() == lora_ref.argmax()
+
+
+def test_speculative_decoding_verifies_drafts_under_each_adapter(lora_setup):
+    """n-gram drafts are verified with their sequence's adapter: repetitive prompts (drafts accepted)
+    under two adapters and the base model give transformers + peft's greedy tokens."""
+    from slipstream.engine.speculative import SpeculativeConfig
+
+    base_dir, dirs, adapters, engine = lora_setup
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
+                             disable_by_batch_size=16)
+    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec))
+    scheduler.start()
+    picks = [None, "attn", "all"]
+    prompts = [([7, 8, 9] * 4)[:10], [3, 4] * 5, [11, 12, 13, 14] * 2]
+    try:
+        results = scheduler.generate([Request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                              lora=None if n is None else adapters[n])
+                                      for p, n in zip(prompts, picks)])
+        for p, n, res in zip(prompts, picks, results):
+            assert res.token_ids == reference_greedy(base_dir, None if n is None else dirs[n], p, 8)[0], n
+        assert scheduler.stats().spec_draft_tokens > 0
+    finally:
+        scheduler.shutdown(timeout=5)
