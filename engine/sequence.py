@@ -99,13 +99,14 @@ class Sequence:
         # and letting new arrivals overtake them could starve them.
         return (0 if self.preempted else 1, self.request.priority, self.order)
 
-    def first_page(self, page_size: int) -> tuple[int, ...]:
-        """The tokens of its first cacheable page (() if none): what n > 1 siblings share."""
+    def first_page(self, page_size: int) -> tuple:
+        """Its prefix-cache salt and the tokens of its first cacheable page (() if none): what n > 1
+        siblings share (under one LoRA adapter: KV is never shared across adapters)."""
         if self.num_tokens <= page_size:
             return ()
         prompt = self.request.prompt_ids
-        return tuple(prompt[:page_size] if len(prompt) >= page_size
-                     else self.tokens[:page_size])
+        return (self.request.cache_salt, *(prompt[:page_size] if len(prompt) >= page_size
+                                           else self.tokens[:page_size]))
 
     def check_finish(self, token_id: int, eos_token_ids: frozenset[int],
                      max_seq_len: int) -> FinishReason | None:

@@ -35,3 +35,19 @@ def test_a_request_waiting_for_a_lora_slot_is_not_starved():
     assert p.lora.swaps == 1
     p.finish(waits)
     assert p.admit().admitted == [later_a]
+
+
+def test_only_requests_under_the_same_adapter_wait_for_a_shared_first_page():
+    """A prompt's first page in prefill holds back a sibling that would reuse it, not a request under
+    another adapter (whose KV differs) with the same tokens."""
+    p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=64, max_loras=1)
+    prompt = list(range(3, 15))
+
+    def same_prompt(lora):
+        return Sequence(Request(prompt, SamplingParams(max_tokens=4), lora=lora), tracker=None, order=next(_order))
+
+    first, sibling, other = same_prompt(None), same_prompt(None), same_prompt(adapter("a"))
+    for s in (first, sibling, other):
+        p.enqueue(s)
+    assert p.admit().admitted == [first, other]
+    assert p.waiting == [sibling]
