@@ -118,10 +118,6 @@ class Request:
     lora: Any = None   # a models.lora.LoraAdapter to run under; None: the base model
 
     @property
-    def lora_name(self) -> str | None:
-        return None if self.lora is None else self.lora.name
-
-    @property
     def cache_salt(self) -> bytes:
         """What the prefix cache keys on besides the tokens: KV computed under one adapter is
         never reused under another (or the base model)."""

@@ -136,8 +136,10 @@ class StepPlanner:
             adapter = seq.request.lora
             if adapter is not None:
                 if not self.lora.max_loras:
-                    raise ValueError(f"request {seq.request_id} asks for LoRA adapter {adapter.name!r}, but the "
-                                     "engine has no LoRA slots")
+                    del self.waiting[i]
+                    seq.status = Status.FINISHED
+                    rejected.append((seq, f"LoRA adapter {adapter.name!r} asked of an engine without LoRA slots"))
+                    continue
                 # Every slot serves running requests: base-model requests may go first, but no later
                 # adapter request, which would keep its slot busy (and this one waiting) forever.
                 seq.lora_slot = 0 if lora_blocked else self.lora.acquire(adapter) or 0

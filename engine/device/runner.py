@@ -267,8 +267,7 @@ class JaxEngine:
         if (src := previous_sources(batch, tokens, inputs[3])) is None:
             src = np.full(t, -1, np.int32)
         model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        lora = token_lora_slots(batch, t, self.lora.max_loras if self.lora else 0)
-        extra = () if self.lora is None else ((self.lora.stacks, lora),)
+        extra = () if self.lora is None else ((self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras)),)
         logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, *extra)
         return t, logits, sample_slots
 

@@ -51,3 +51,13 @@ def test_only_requests_under_the_same_adapter_wait_for_a_shared_first_page():
         p.enqueue(s)
     assert p.admit().admitted == [first, other]
     assert p.waiting == [sibling]
+
+
+def test_an_adapter_request_to_an_engine_without_lora_slots_fails_alone():
+    p = StepPlanner(BlockManager(64, 4, True), max_slots=8, token_budget=64)
+    lora, base = seq(adapter("a")), seq(None)
+    p.enqueue(lora)
+    p.enqueue(base)
+    admission = p.admit()
+    assert admission.admitted == [base]
+    assert [(s, "without LoRA slots" in why) for s, why in admission.rejected] == [(lora, True)]
