@@ -89,7 +89,8 @@ def resolve_under(root: str, path: str) -> str:
     return real
 
 
-def _config(path: str, max_rank: int, num_layers: int) -> tuple[dict, int, float, set[int] | None]:
+def _config(path: str, max_rank: int, num_layers: int) -> tuple[int, float, set[int] | None]:
+    """adapter_config.json's rank, scale (lora_alpha / r, or / sqrt(r) with rslora) and layers (None: all)."""
     file = os.path.join(path, CONFIG_FILE)
     try:
         with open(file) as f:
@@ -132,7 +133,7 @@ def _config(path: str, max_rank: int, num_layers: int) -> tuple[dict, int, float
             raise bad("layers_to_transform", f"must be layer indices in [0, {num_layers}), got {layers!r}")
         layers = set(layers)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return cfg, r, float(scale), layers
+    return r, float(scale), layers
 
 
 _KEY = re.compile(r"^base_model\.model\.(?P<prefix>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -142,7 +143,7 @@ def load_adapter(name: str, path: str, targets: dict[str, Target], num_layers: i
     """Read and check the PEFT adapter in directory `path` (already resolved under --lora-root)."""
     if not os.path.isdir(path):
         raise LoraError(f"{path}: not a directory (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    _, r, scale, layers = _config(path, max_rank, num_layers)
+    r, scale, layers = _config(path, max_rank, num_layers)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise LoraError(f"{file}: missing ({WEIGHTS_FILE} holds the adapter's lora_A / lora_B tensors)")
