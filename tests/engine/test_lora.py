@@ -165,3 +165,27 @@ def test_speculative_decoding_verifies_drafts_under_each_adapter(lora_setup):
         assert scheduler.stats().spec_draft_tokens > 0
     finally:
         scheduler.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_other_architectures_serve_peft_adapters(tmp_path, family):
+    """Every architecture's linears are the same seam: an adapter on all of them under Qwen3 (q/k
+    norms) and Gemma 3 (GeGLU, sliding and global layers) gives transformers + peft's logits."""
+    from slipstream.models.loader import load_hf_dir
+    from tests.conftest import build_tiny_hf
+    from tests.engine.lora_helpers import make_adapter
+
+    base_dir = build_tiny_hf(str(tmp_path / family), family)
+    adapter_dir = make_adapter(base_dir, str(tmp_path / "adapter"), 4, 8, list(ADAPTERS["all"][2]))
+    cfg, model = load_hf_dir(base_dir)
+    adapter = load_adapter("a", adapter_dir, lora_targets(model), cfg.num_layers, 8)
+    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE, max_loras=1, max_lora_rank=8), precompile=False)
+    prompt = [5, 17, 33, 99, 7, 200, 3, 9, 10, 11]
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+    engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapter))
+    logits = engine.model_logits(StepBatch([
+        StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1, 2], sample=True),
+        StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[3, 4], sample=True, lora_slot=1)]))
+    base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
+    np.testing.assert_allclose(logits[0], base_ref, atol=1e-4)
+    np.testing.assert_allclose(logits[1], reference_greedy(base_dir, adapter_dir, prompt, 1)[1][0], atol=1e-4)
