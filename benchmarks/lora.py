@@ -42,7 +42,8 @@ def write_adapters(model: str, root: str, count: int, rank: int, seed: int = 0) 
             for i in range(cfg.num_layers):
                 key = f"base_model.model.{t.hf_prefix.format(i=i)}"
                 # A like peft's kaiming init, B small and non-zero: outputs change, but stay text
-                tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, t.d_in)) / np.sqrt(t.d_in)).astype(np.float32)
+                a = rng.standard_normal((rank, t.d_in)) / np.sqrt(t.d_in)
+                tensors[f"{key}.lora_A.weight"] = a.astype(np.float32)
                 tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((t.d_out, rank)) * 0.01).astype(np.float32)
         save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
         with open(os.path.join(out, "adapter_config.json"), "w") as f:
