@@ -32,7 +32,8 @@ class SlotState:
     output_ids: Sequence[int]  # non-empty when a preempted sequence resumes
     params: SamplingParams
     lora_slot: int = 0   # the device's LoRA slot of its adapter (0: the base model)
-    lora: Any = None     # that adapter (models.lora.LoraAdapter), which the engine puts in the slot
+    lora: Any = None     # that adapter (models.lora.LoraAdapter), which the engine puts in the slot;
+                         # None with a lora_slot: the slot already holds it (multi-host workers)
 
 
 @dataclasses.dataclass(frozen=True)

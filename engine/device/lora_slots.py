@@ -47,6 +47,9 @@ class LoraSlots:
         if self._write is None:
             self._write = self._write_jit.lower(self.stacks, np.int32(1), self._zeros).compile()
 
+    def holds(self, slot: int, adapter: LoraAdapter) -> bool:
+        return 1 <= slot <= self.max_loras and self.resident[slot] == adapter.digest
+
     def ensure(self, slot: int, adapter: LoraAdapter) -> None:
         """Make `slot` hold `adapter` (a no-op when it already does): its A and B padded to the slot
         rank, zeros for the modules it does not target. In device order after every step already

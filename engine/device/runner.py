@@ -235,7 +235,11 @@ class JaxEngine:
         if state.lora_slot:
             if self.lora is None:
                 raise ValueError(f"slot {slot}: a LoRA adapter needs an engine with LoRA slots (max_loras)")
-            self.lora.ensure(state.lora_slot, state.lora)
+            if state.lora is not None:
+                self.lora.ensure(state.lora_slot, state.lora)
+            elif not 1 <= state.lora_slot <= self.lora.max_loras or self.lora.resident[state.lora_slot] is None:
+                # a multi-host worker gets an adapter's weights only with the insert that loads it
+                raise ValueError(f"slot {slot}: LoRA slot {state.lora_slot} holds no adapter")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         row = SamplingArrays.from_params([params], [seed], [0], 1)
         for field in dataclasses.fields(SamplingArrays):

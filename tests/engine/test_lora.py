@@ -189,3 +189,28 @@ def test_other_architectures_serve_peft_adapters(tmp_path, family):
     base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
     np.testing.assert_allclose(logits[0], base_ref, atol=1e-4)
     np.testing.assert_allclose(logits[1], reference_greedy(base_dir, adapter_dir, prompt, 1)[1][0], atol=1e-4)
+
+
+def test_multi_host_workers_get_an_adapters_weights_only_when_a_slot_loads_it(lora_setup):
+    from slipstream.engine.distributed.multihost import LockstepEngine
+
+    _, _, adapters, engine = lora_setup
+
+    class Group:
+        sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    lead = LockstepEngine(engine, Group())
+    params = SamplingParams(temperature=0.0, seed=1)
+    engine.lora.resident[1] = None  # a slot that holds nothing yet
+    for name in ("attn", "attn", "mlp", "mlp"):
+        lead.insert(0, SlotState([1, 2], (), params, lora_slot=1, lora=adapters[name]))
+    shipped = [msg[2].lora for msg in Group.sent]
+    assert [a and a.name for a in shipped] == ["attn", None, "mlp", None]
+    engine.insert(0, SlotState([1, 2], (), params, lora_slot=1))  # a worker: the slot holds "mlp"
+    engine.lora.resident[2] = None
+    with pytest.raises(ValueError, match="holds no adapter"):
+        engine.insert(0, SlotState([1, 2], (), params, lora_slot=2))
+    engine.free(0)
