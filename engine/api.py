@@ -14,7 +14,7 @@ so the host work of one step (collecting, planning, dispatching) overlaps the ne
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from slipstream.engine.request import SamplingParams, TokenLogprob
 
@@ -31,6 +31,9 @@ class SlotState:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # non-empty when a preempted sequence resumes
     params: SamplingParams
+    lora_slot: int = 0   # the device's LoRA slot of its adapter (0: the base model)
+    lora: Any = None     # that adapter (models.lora.LoraAdapter), which the engine puts in the slot;
+                         # None with a lora_slot: the slot already holds it (multi-host workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,7 @@ class StepSeq:
     # token and the drafts after it), in position order. A slot's PREVIOUS_SAMPLE after such a step
     # is its last row's sample, not the accepted one: collect the step before feeding that slot.
     num_samples: int = 1
+    lora_slot: int = 0         # its adapter's LoRA slot (SlotState.lora_slot); 0: the base model
 
     @property
     def end_pos(self) -> int:

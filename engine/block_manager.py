@@ -26,7 +26,8 @@ class BlockManager:
         """Give `seq` pages for all its tokens (reusing cached ones) and set where its prefill
         starts; False, holding nothing, unless `reserve` pages stay free afterwards."""
         tokens = seq.tokens
-        matched = self.prefix.match(tokens) if self.prefix else []
+        salt = seq.request.cache_salt
+        matched = self.prefix.match(tokens, salt) if self.prefix else []
         # At least the last known token is computed: its logits give the next token.
         keep = (len(tokens) - 1) // self.page_size
         if len(matched) > keep:
@@ -61,7 +62,7 @@ class BlockManager:
         """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
         if self.prefix is None or seq.prefill_end < self.page_size:
             return False
-        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages)
+        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages, seq.request.cache_salt)
         return True
 
     def release(self, seq: Sequence) -> None:
@@ -70,10 +71,10 @@ class BlockManager:
         self.allocator.release_claim(self._owners.pop(seq, 0))
         seq.pages = []
 
-    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+    def cached_prefix_tokens(self, tokens: list[int], salt: bytes = b"") -> int:
         """Prompt tokens admission would take from the prefix cache now (0 without one); changes
         nothing, and is safe from other threads (a data-parallel router's affinity hint)."""
-        return self.prefix.peek(tokens) * self.page_size if self.prefix is not None else 0
+        return self.prefix.peek(tokens, salt) * self.page_size if self.prefix is not None else 0
 
     @property
     def num_cached_idle(self) -> int:

@@ -23,9 +23,10 @@ from slipstream.engine.kv_cache import PageAllocator
 _DIGEST_BYTES = 16
 
 
-def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | None = None
-                  ) -> list[bytes]:
-    """Digest of each full page, chained so that page i's digest covers tokens [0, (i+1)*page_size).
+def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | None = None,
+                  salt: bytes = b"") -> list[bytes]:
+    """Digest of each full page, chained so that page i's digest covers tokens [0, (i+1)*page_size)
+    and `salt` (what else the KV depends on: the request's LoRA adapter; b"" for the base model).
 
     blake2b over the parent digest and the page's int32 tokens: stable across processes,
     unlike Python's `hash`.
@@ -37,7 +38,7 @@ def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | Non
         num_pages = min(num_pages, max_pages)
     tokens = np.asarray(token_ids[:num_pages * page_size], dtype=np.int32)
     digests: list[bytes] = []
-    parent = b""
+    parent = salt
     for i in range(num_pages):
         h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)
         h.update(tokens[i * page_size:(i + 1) * page_size].tobytes())
@@ -78,7 +79,7 @@ class PrefixCache:
         self._hits = 0
         self._hit_tokens = 0
 
-    def match(self, token_ids: Sequence[int]) -> list[int]:
+    def match(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
         """Pages of the longest cached full-page prefix, one new reference each for the caller.
 
         At least one token is always left uncached-by-match: the last prompt token must be fed
@@ -87,7 +88,7 @@ class PrefixCache:
         self._queries += 1
         cap = max(len(token_ids) - 1, 0) // self._page_size
         pages: list[int] = []
-        digests = chain_digests(token_ids, self._page_size, max_pages=cap)
+        digests = chain_digests(token_ids, self._page_size, max_pages=cap, salt=salt)
         for digest in digests:
             page = self._lru.get(digest)
             if page is None:
@@ -101,21 +102,21 @@ class PrefixCache:
             self._hit_tokens += len(pages) * self._page_size
         return pages
 
-    def peek(self, token_ids: Sequence[int]) -> int:
+    def peek(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
         """How many pages `match` would return now, without its side effects: no references, no
         LRU touch, no counted query. Only dict lookups, so another thread may call it while the
         engine thread changes the cache (the answer is then already stale, as any routing hint is)."""
         cap = max(len(token_ids) - 1, 0) // self._page_size
         n = 0
-        for digest in chain_digests(token_ids, self._page_size, max_pages=cap):
+        for digest in chain_digests(token_ids, self._page_size, max_pages=cap, salt=salt):
             if digest not in self._lru:
                 break
             n += 1
         return n
 
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], salt: bytes = b"") -> None:
         """Cache the full pages of a sequence whose KV is written; page_ids[i] holds page i."""
-        digests = chain_digests(token_ids, self._page_size)
+        digests = chain_digests(token_ids, self._page_size, salt=salt)
         if len(page_ids) < len(digests):
             raise ValueError(f"{len(token_ids)} tokens fill {len(digests)} pages of "
                              f"{self._page_size} but only {len(page_ids)} page ids were given")

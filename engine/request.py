@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slipstream.engine.errors import InvalidParam
 
@@ -115,6 +115,13 @@ class Request:
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     priority: int = 0  # lower runs first; FCFS within a priority
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    lora: Any = None   # a models.lora.LoraAdapter to run under; None: the base model
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What the prefix cache keys on besides the tokens: KV computed under one adapter is
+        never reused under another (or the base model)."""
+        return b"" if self.lora is None else self.lora.digest
 
 
 @dataclasses.dataclass(frozen=True)

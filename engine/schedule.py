@@ -14,6 +14,7 @@ import itertools
 from slipstream.engine.api import Sampled, StepBatch, StepSeq
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.kv_cache import pages_needed
+from slipstream.engine.lora_registry import LoraSlotTable
 from slipstream.engine.request import FinishReason, Request
 from slipstream.engine.sequence import Sequence, Status
 from slipstream.engine.speculative import Proposer, SpeculativeConfig, Speculator
@@ -44,7 +45,7 @@ class Chunk:
         seq = self.seq
         return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.known_end) + self.draft,
                        start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample,
-                       num_samples=1 + len(self.draft))
+                       num_samples=1 + len(self.draft), lora_slot=seq.lora_slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ class StepPlanner:
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
                  speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, max_loras: int = 0) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if speculative is not None and max_seq_len is None:
@@ -98,6 +99,7 @@ class StepPlanner:
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(max_slots))
         self.max_slots = max_slots
+        self.lora = LoraSlotTable(max_loras)  # the engine's LoRA slots, by running sequences' adapters
         self._admits = itertools.count()
         self._epoch = 0                    # bumped whenever admission might newly succeed
         self._blocked_epoch = -1
@@ -121,6 +123,7 @@ class StepPlanner:
         # requests sharing a system prompt) wait for them to reach the prefix cache instead of
         # computing them again.
         prefilling = {self._new_head(r) for r in self.running if r.prefilling}
+        lora_blocked = False  # a request waits for a LoRA slot: no later one may take or hold one
         i = 0
         while i < len(self.waiting) and self.free_slots:
             seq = self.waiting[i]
@@ -131,9 +134,26 @@ class StepPlanner:
             if head and head in prefilling:
                 i += 1
                 continue
+            adapter = seq.request.lora
+            if adapter is not None:
+                if not self.lora.max_loras:
+                    del self.waiting[i]
+                    seq.status = Status.FINISHED
+                    rejected.append((seq, f"LoRA adapter {adapter.name!r} asked of an engine without LoRA slots"))
+                    continue
+                # Every slot serves running requests: base-model requests may go first, but no later
+                # adapter request, which would keep its slot busy (and this one waiting) forever.
+                seq.lora_slot = 0 if lora_blocked else self.lora.acquire(adapter) or 0
+                if not seq.lora_slot:
+                    lora_blocked = True
+                    i += 1
+                    continue
             # One page of headroom per running sequence, so admitting does not immediately
             # force a preemption (and a wasted prefill) at the next page boundary.
             if not self.blocks.admit(seq, reserve=len(self.running)):
+                if seq.lora_slot:
+                    self.lora.release(seq.lora_slot)
+                    seq.lora_slot = 0
                 if self.running:
                     self._blocked_epoch = self._epoch
                     break  # FCFS: later requests do not jump a head that waits for pages
@@ -312,6 +332,9 @@ class StepPlanner:
             return None
         slot = seq.slot if seq.inserted else None
         self.blocks.release(seq)
+        if seq.lora_slot:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = 0
         heapq.heappush(self.free_slots, seq.slot)
         self.running.remove(seq)
         seq.slot, seq.inserted, seq.num_computed = None, False, 0

@@ -51,7 +51,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
                                     speculative=config.speculative, max_seq_len=engine.max_seq_len,
-                                    proposer=config.proposer)
+                                    proposer=config.proposer, max_loras=getattr(engine, "max_loras", 0))
         self._state = "new"  # -> running -> closing -> stopped
         self._failed: str | None = None
         self._force_stop = False
@@ -338,7 +338,8 @@ class Scheduler:
         """Bind its sampling state to its slot; an error message if that failed. One request's
         bad settings must fail that request only, not the engine and everyone else."""
         state = SlotState(prompt_ids=tuple(seq.request.prompt_ids),
-                          output_ids=tuple(seq.output_ids), params=seq.request.params)
+                          output_ids=tuple(seq.output_ids), params=seq.request.params,
+                          lora_slot=seq.lora_slot, lora=seq.request.lora)
         try:
             self._engine.insert(seq.slot, state)
         except Exception:  # noqa: BLE001 - per-request failure; the cause goes to the log

@@ -40,6 +40,7 @@ class Sequence:
     num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or computed)
     prefill_end: int = 0              # tokens known at admission: computing them is its prefill
     inserted: bool = False            # bound to its slot with engine.insert
+    lora_slot: int = 0                # its adapter's device slot while admitted (0: base model)
     admitted_once: bool = False
 
     @property
@@ -98,13 +99,14 @@ class Sequence:
         # and letting new arrivals overtake them could starve them.
         return (0 if self.preempted else 1, self.request.priority, self.order)
 
-    def first_page(self, page_size: int) -> tuple[int, ...]:
-        """The tokens of its first cacheable page (() if none): what n > 1 siblings share."""
+    def first_page(self, page_size: int) -> tuple:
+        """Its prefix-cache salt and the tokens of its first cacheable page (() if none): what n > 1
+        siblings share (under one LoRA adapter: KV is never shared across adapters)."""
         if self.num_tokens <= page_size:
             return ()
         prompt = self.request.prompt_ids
-        return tuple(prompt[:page_size] if len(prompt) >= page_size
-                     else self.tokens[:page_size])
+        return (self.request.cache_salt, *(prompt[:page_size] if len(prompt) >= page_size
+                                           else self.tokens[:page_size]))
 
     def check_finish(self, token_id: int, eos_token_ids: frozenset[int],
                      max_seq_len: int) -> FinishReason | None:

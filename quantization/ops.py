@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from slipstream.kernels.q8_matmul import q8_matmul
-from slipstream.quantization import int8
+from slipstream.quantization import int8, lora
 from slipstream.quantization.groupwise import QuantizedTable
 from slipstream.quantization.weights import QuantizedWeight
 
@@ -21,7 +21,9 @@ from slipstream.quantization.weights import QuantizedWeight
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | int8.Int8Weight) -> jax.Array:
     """x[..., in] @ w[in, out] -> [..., out] in x.dtype, accumulating in f32 (per group of 32 inputs
     in int32 for the group-wise int8 modes: kernels.q8_matmul, native on CPU; quantization/int8.py's
-    dots for the MXU modes)."""
+    dots for the MXU modes). A LoraWeight adds its adapters' delta to its base weight's product."""
+    if isinstance(w, lora.LoraWeight):
+        return lora.add_deltas(x, (linear(x, w.base),), (w,))[0]
     if w.ndim != 2:
         raise ValueError(
             f"linear expects a 2-D weight [in, out], got shape {tuple(w.shape)}; "
@@ -58,7 +60,11 @@ def embed_dense(table: Any, dtype) -> jax.Array:
 def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
     """x @ each weight of a group one input feeds (q/k/v, gate/up), in the model's order. A form that
     multiplies a whole group (a `linears` method: layer_forms' picks, engine/sharding.py's weights)
-    gets it at once, so a per-layer switch or a fused stack serves the group with one call."""
+    gets it at once, so a per-layer switch or a fused stack serves the group with one call. LoRA
+    weights: the base forms as a group, then each member's delta."""
+    bases, loras = lora.split(weights)
+    if any(lo is not None for lo in loras):
+        return lora.add_deltas(x, linears(x, bases), loras)
     if hasattr(weights[0], "linears"):
         return weights[0].linears(x, tuple(weights))
     return tuple(linear(x, w) for w in weights)
@@ -67,7 +73,10 @@ def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
 def gated_down(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array | None:
     """down(silu(gate(x)) * up(x)) where the weights' form multiplies the whole MLP at once (int8
     stacks on CPU form silu(gate) * up inside the down projection's kernel); None elsewhere, and the
-    caller multiplies the three linears itself."""
+    caller multiplies the three linears itself. Not with LoRA (gate and up get their deltas before
+    the activation)."""
+    if any(isinstance(w, lora.LoraWeight) for w in (gate, up, down)):
+        return None
     if hasattr(gate, "gated_down"):
         return gate.gated_down(x, (gate, up), down)
     return None

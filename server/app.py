@@ -27,6 +27,8 @@ from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
                          install_error_handlers)
 from slipstream.server.grpc_service import GrpcServer, start_grpc_server
+from slipstream.server.lora import LoraUsage
+from slipstream.server.lora_routes import add_lora_routes
 from slipstream.server.metrics import Metrics
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -79,8 +81,9 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
 
 
 def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20,
-               body_timeout_s: float = 30.0, web_ui: bool = True) -> FastAPI:
-    """`web_ui`: serve the chat page at / and /chat (static files; --no-web-ui turns it off)."""
+               body_timeout_s: float = 30.0, web_ui: bool = True, lora_updates: bool = False) -> FastAPI:
+    """`web_ui`: serve the chat page at / and /chat (static files; --no-web-ui turns it off).
+    `lora_updates`: the runtime LoRA endpoints (--enable-lora-runtime-updates; needs service.lora)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if not body_timeout_s > 0:
@@ -93,6 +96,11 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     app.add_middleware(CountResponses, counts=service.responses)  # outermost: sees the gate's answers too
     install_error_handlers(app)
     created = int(time.time())
+    if service.lora is not None:
+        service.lora_usage = LoraUsage(service.lora)
+        metrics.registry.register(service.lora_usage)
+        if lora_updates:
+            add_lora_routes(app, service.lora, service.model_name)
 
     @app.get("/health", responses={200: {"description": "The process is alive."}})
     async def health() -> dict[str, str]:
@@ -110,17 +118,20 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     async def metrics_text() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def card() -> ModelCard:
+    def card(adapter: Any = None) -> ModelCard:
+        if adapter is not None:  # a LoRA adapter: its base model is the parent
+            return ModelCard(id=adapter.name, created=created, max_model_len=service.max_model_len,
+                             root=adapter.name, parent=service.model_name)
         return ModelCard(id=service.model_name, created=created, max_model_len=service.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _V1_ERRORS[401]})
     async def models() -> dict[str, Any]:
-        return ModelList(data=[card()]).model_dump()
+        adapters = [] if service.lora is None else [service.lora.get(n) for n in service.lora.names()]
+        return ModelList(data=[card(), *(card(a) for a in adapters if a is not None)]).model_dump()
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={k: _V1_ERRORS[k] for k in (401, 404)})
     async def model(model: str) -> dict[str, Any]:
-        service.check_model(model)
-        return card().model_dump()
+        return card(service.check_model(model)).model_dump()
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from slipstream.models.registry import DEFAULT_MODEL, architecture_presets
+from slipstream.server.lora import add_lora_flags, build_registry, lora_slots
 from slipstream.server.unix_socket import check_path, parse_mode, strip_scheme
 from slipstream.server.startup_checks import check_args
 
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-web-ui", action="store_true", default=bool(_env("no-web-ui", "")),
                        help="don't serve the chat page at / (the API is unchanged)")
     serve.add_argument("--log-level", default=_env("log-level", "info"))
+    add_lora_flags(serve)
 
     gen = sub.add_parser("generate", help="greedy continuation of one prompt, printed to stdout")
     _engine_flags(gen)
@@ -187,7 +189,8 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                           max_seq_len=args.max_seq_len, kv_cache_memory=args.kv_cache_memory,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize,
-                          tensor_parallel=args.tensor_parallel)
+                          tensor_parallel=args.tensor_parallel, max_loras=lora_slots(args),
+                          max_lora_rank=getattr(args, "max_lora_rank", 64))
     # data parallel: each replica's devices, checked before the slow load (one replica: the default ones)
     slices = replica_devices(args.tensor_parallel, data_parallel) if data_parallel > 1 else [None]
     start = time.perf_counter()
@@ -365,9 +368,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if named else os.path.basename(os.path.normpath(args.model)))
     service = Service(scheduler, engine, tokenizer,
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
-                                    max_requests_per_client=args.max_requests_per_client))
+                                    max_requests_per_client=args.max_requests_per_client),
+                      lora=build_registry(args, engine))
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
-                     body_timeout_s=args.body_timeout, web_ui=not args.no_web_ui)
+                     body_timeout_s=args.body_timeout, web_ui=not args.no_web_ui,
+                     lora_updates=args.enable_lora_runtime_updates)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
         group.add_handler(scheduler.abort)
     # Start-up made many long-lived objects (traced programs, the tokenizer, module state):

@@ -35,9 +35,12 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
 
     Without `sampling` the request decodes greedily, as JetStream engines do by default.
     """
-    if request.lora_adapter_id:
-        raise ServiceError(400, "LoRA adapters are not supported by this server; leave lora_adapter_id empty",
-                           param="lora_adapter_id", code="unsupported")
+    # JetStream's adapter field: a loaded LoRA adapter's name (NOT_FOUND for another), empty: the base model
+    try:
+        lora = service.check_model(request.lora_adapter_id or None)
+    except ServiceError:
+        raise ServiceError(404, f"the LoRA adapter {request.lora_adapter_id!r} is not loaded on this server",
+                           param="lora_adapter_id", code="model_not_found") from None
     kind = request.WhichOneof("content")
     if kind is None:
         raise ServiceError(400, "the request has no prompt: set text_content or token_content", param="content",
@@ -67,7 +70,7 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
         prompt = service.encode(list(request.token_content.token_ids), param="token_content.token_ids")
         if not request.has_bos:
             prompt = [*bos_prefix, *prompt]
-    return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param)
+    return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param, lora=lora)
 
 
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):

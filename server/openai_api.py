@@ -24,7 +24,7 @@ from slipstream.server.structured import ToolStream, compile_constraint, parse_r
 
 def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
-    service.check_model(req.model)
+    lora = service.check_model(req.model)
     _reject_unsupported(req.echo, "echo", req.suffix, "suffix", req.logit_bias, "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
@@ -41,12 +41,12 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     if constraint is not None:
         params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
     prompts = [service.encode(item) for item in items]
-    return Prepared(prompts=prompts, params=params, id_prefix="cmpl")
+    return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora)
 
 
 def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
-    service.check_model(req.model)
+    lora = service.check_model(req.model)
     _reject_unsupported(req.logit_bias, "logit_bias")
     plan = tool_plan(req.tools, req.tool_choice)
     constraint = request_constraint(req)
@@ -72,7 +72,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     if explicit is None:
         # The rest of the context; a prompt that fills it is reported by the service's length check.
         params = dataclasses.replace(params, max_tokens=max(1, service.max_model_len - len(prompt)))
-    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages")
+    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora)
 
 
 def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,

@@ -243,6 +243,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "slipstream"
     max_model_len: int
+    root: str | None = None    # vLLM's field; a LoRA adapter's name here (server paths stay private)
+    parent: str | None = None  # a LoRA adapter's base model; None for the base model itself
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import jinja2
 
 from slipstream.engine.api import Engine
+from slipstream.engine.lora_registry import LoraRegistry
 from slipstream.engine.output import Delta
 from slipstream.engine.request import FinishReason, Request, SamplingParams
 from slipstream.engine.scheduler import RequestStream, Scheduler
@@ -48,6 +49,7 @@ class Prepared:
     params: SamplingParams
     id_prefix: str = "cmpl"        # response id prefix: cmpl / chatcmpl / decode
     prompt_param: str = "prompt"   # the API field a too-long prompt is blamed on
+    lora: Any = None               # the LoRA adapter the request's model names (None: the base model)
 
 
 class Generation:
@@ -142,7 +144,8 @@ class Generation:
 class Service:
     """Holds the scheduler, tokenizer and limits; turns prepared requests into Generations."""
 
-    def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig) -> None:
+    def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig,
+                 lora: LoraRegistry | None = None) -> None:
         self.scheduler = scheduler
         self.engine = engine
         self.tokenizer = tokenizer
@@ -156,6 +159,8 @@ class Service:
         self.responses = ResponseCounts()  # what both front ends answered (exported by /metrics)
         self._per_client: dict[str, int] = {}  # client -> its API requests queued or running
         self._per_client_lock = threading.Lock()
+        self.lora = lora  # LoRA adapters a request's model may name (None: LoRA off)
+        self.lora_usage = None  # server.lora.LoraUsage, which the app installs: requests and tokens per adapter
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -173,8 +178,13 @@ class Service:
 
     # ---- request building -------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> Any:
+        """The LoRA adapter `model` names, None for the base model; 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        if self.lora is not None and (adapter := self.lora.get(model)) is not None:
+            return adapter
+        if model is not None:
             raise ServiceError(404, f"The model {model!r} does not exist; this server serves '{self.model_name}'.",
                                param="model", code="model_not_found")
 
@@ -299,11 +309,22 @@ class Service:
                 for i in range(n):
                     seed = None if params.seed is None else (params.seed + i) % 2**63
                     sub = dataclasses.replace(params, n=1, seed=seed)
-                    streams.append(self.scheduler.submit(Request(prompt_ids, sub, request_id=f"{gen_id}-{p * n + i}")))
+                    streams.append(self.scheduler.submit(Request(prompt_ids, sub, request_id=f"{gen_id}-{p * n + i}",
+                                                                 lora=prepared.lora)))
         except Exception as exc:
             raise service_error(exc, prompt_param=prepared.prompt_param) from exc
         finally:
             if len(streams) != len(prompts) * n:
                 for stream in streams:
                     stream.cancel()
-        return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=release)
+        usage, lora = self.lora_usage, prepared.lora
+        if usage is None or lora is None:
+            return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=release)
+        usage.count(lora.name, requests=1)
+
+        def done() -> None:
+            release()
+            usage.count(lora.name, tokens=gen.completion_tokens)
+
+        gen = Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=done)
+        return gen

@@ -24,6 +24,9 @@ def check_args(args: argparse.Namespace) -> None:
     if limit < 0:
         raise ValueError(f"--max-requests-per-client must be >= 0 (0: no limit), got {limit}")
     _resolve_api_key(args)
+    from slipstream.server.lora import check_lora_args  # FastAPI's import: only when serving
+
+    check_lora_args(args)
     if getattr(args, "process_id", 0) != 0:
         return  # multi-host workers serve nothing; process 0 holds the ports (maybe on this host)
     if not getattr(args, "uds", None):

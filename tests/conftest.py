@@ -82,7 +82,8 @@ def default_model_path() -> str:
 # model end to end: `make test` runs them; `make test-quick` (pytest -m "not slow") skips them.
 SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", "test_serve_hf_models",
                 "test_presets_serve", "test_device", "test_soak", "test_fuzz", "test_default_model",
-                "test_unix_socket", "test_chat_page", "test_grammar_abuse", "test_real_engine")
+                "test_unix_socket", "test_chat_page", "test_grammar_abuse", "test_real_engine",
+                "test_lora_tensor_parallel")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -121,6 +122,25 @@ def tiny_engine(tiny_model):
 
     cfg, params = tiny_model
     return JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE))
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tiny_llama_dir, tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """(--lora-root, name -> directory) of tests/engine/lora_helpers.py's 3 peft adapters of the tiny Llama."""
+    pytest.importorskip("peft")
+    from tests.engine.lora_helpers import make_adapters
+
+    root = str(tmp_path_factory.mktemp("lora-root"))
+    return root, make_adapters(tiny_llama_dir, root)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_engine(tiny_model):
+    """The tiny engine with 2 LoRA slots of rank 8 (tests leave its sampling slots free)."""
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+
+    cfg, params = tiny_model
+    return JaxEngine(cfg, params, EngineConfig(**TINY_ENGINE, max_loras=2, max_lora_rank=8))
 
 
 @pytest.fixture(scope="session")

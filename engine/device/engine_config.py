@@ -29,6 +29,8 @@ class EngineConfig:
     quantize: str = "auto"                  # auto: see weight_mode(); or none, q8_0, q8_0-a16, int8,
                                             # int8-channel (see quantization/)
     tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
+    max_loras: int = 0                      # LoRA adapter slots on the device (0: no LoRA)
+    max_lora_rank: int = 64                 # every slot's rank (adapters of lower rank are zero-padded)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -48,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
         if self.quantize == "int8-channel" and self.tensor_parallel > 1:
             # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
             raise ValueError(f"quantize int8-channel runs on one device, not with tensor_parallel "

@@ -30,7 +30,8 @@ from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget,
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
 from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, constrain, prompt_mask_row, sample_penalized,
                                                update_counts)
-from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs
+from slipstream.engine.device.lora_slots import LoraSlots
+from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs, token_lora_slots
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
 from slipstream.engine.device.layer_stack import split_linears
 from slipstream.engine.device.params import prepare_model
@@ -39,6 +40,7 @@ from flax import nnx
 from slipstream.kernels.attention import kv_layout
 from slipstream.models.base import CausalLM, init_kv_cache, step_fn
 from slipstream.models.config import ModelConfig
+from slipstream.models.lora import lora_targets
 from slipstream.models.loader import trim_host_heap
 
 
@@ -59,6 +61,9 @@ class JaxEngine:
         self.dtype = config.activation_dtype()
         kv_dtype = config.kv_dtype()
         self.weight_mode = config.weight_mode()
+        # LoRA: adapter slots over the linears as loaded (the engine's own forms of them come next)
+        self.lora = (LoraSlots(lora_targets(model), model_cfg.num_layers, config.max_loras, config.max_lora_rank,
+                               self.dtype) if config.max_loras else None)
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
             split_linears(model, stack_int8=config.tensor_parallel == 1)  # sharding splits PerLayer
@@ -77,6 +82,8 @@ class JaxEngine:
             self._forward = self.tp.under_mesh(self._forward)
             self._replicated = self.tp.replicated
             cache_cfg = self.tp.cache_config(model_cfg)
+            if self.lora is not None:  # whole on every device; the partitioner splits the deltas' matmuls
+                self.lora.stacks = jax.device_put(self.lora.stacks, self._replicated)
         self.max_slots = config.max_slots
         self.page_size = config.page_size or kv_layout(jax.default_backend()).page_size
         self.max_seq_len = min(config.max_seq_len, model_cfg.max_position_embeddings)
@@ -135,10 +142,12 @@ class JaxEngine:
     # ---- jitted bodies ----------------------------------------------------------------------
 
     def _model_step(self, params, cache, tokens, src, last, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sample_index):
+                    sample_index, lora=None):
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
         tokens = jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
+        if lora is not None:  # (adapter stacks, each token's slot i32[T]): LoRA deltas on the linears
+            params = self.lora.attach(params, *lora)
         return self._forward(params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
                              sample_index, dtype=self.dtype)
 
@@ -166,8 +175,9 @@ class JaxEngine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         s = self.max_slots
         last = jax.ShapeDtypeStruct((s + 1,), jnp.int32, sharding=self._replicated)
-        return (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
+        args = (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
                 i32(s + 1), i32(1), i32(self.buckets.sample_rows(t)))
+        return args if self.lora is None else (*args, (self.lora.stacks, i32(t)))
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
@@ -196,6 +206,8 @@ class JaxEngine:
                                unit="program", file=sys.stderr, disable=not progress, leave=False):
                 table, shape = futures[future]
                 table[shape] = future.result()
+        if self.lora is not None:  # and the adapter slot writer: loading adapters never compiles
+            self.lora.compile()
         # the row setter is tiny: compile it now too so steady state never compiles
         self.output_counts, self.prompt_mask = self._set_row_jit(
             self.output_counts, self.prompt_mask, np.int32(self.max_slots),
@@ -210,6 +222,11 @@ class JaxEngine:
         return exe
 
     @property
+    def max_loras(self) -> int:
+        """LoRA adapter slots on the device (0: no LoRA)."""
+        return 0 if self.lora is None else self.lora.max_loras
+
+    @property
     def compile_count(self) -> int:
         return compile_count.compiles()
 
@@ -219,6 +236,14 @@ class JaxEngine:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
         params = state.params
+        if state.lora_slot:
+            if self.lora is None:
+                raise ValueError(f"slot {slot}: a LoRA adapter needs an engine with LoRA slots (max_loras)")
+            if state.lora is not None:
+                self.lora.ensure(state.lora_slot, state.lora)
+            elif not 1 <= state.lora_slot <= self.lora.max_loras or self.lora.resident[state.lora_slot] is None:
+                # a multi-host worker gets an adapter's weights only with the insert that loads it
+                raise ValueError(f"slot {slot}: LoRA slot {state.lora_slot} holds no adapter")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         row = SamplingArrays.from_params([params], [seed], [0], 1)
         for field in dataclasses.fields(SamplingArrays):
@@ -250,7 +275,8 @@ class JaxEngine:
         if (src := previous_sources(batch, tokens, inputs[3])) is None:
             src = np.full(t, -1, np.int32)
         model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs)
+        extra = () if self.lora is None else ((self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras)),)
+        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, *extra)
         return t, logits, sample_slots
 
     @functools.cached_property
@@ -275,7 +301,7 @@ class JaxEngine:
         """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
         `sample` sequences, in order (tests and the perplexity tool)."""
         _, logits, sample_slots = self._run_model(batch)
-        return np.asarray(logits[:len(sample_slots)])
+        return np.asarray(logits)[:len(sample_slots)]  # sliced on the host: no program per row count
 
     def step(self, batch: StepBatch) -> list[Sampled]:
         return self.launch(batch).result()

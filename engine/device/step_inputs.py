@@ -87,3 +87,17 @@ def draft_rows(batch: StepBatch, rows: int) -> tuple[DraftRows, np.ndarray]:
         positions[at:at + r] = np.arange(seq.end_pos - r, seq.end_pos)
         at += r
     return out, positions
+
+
+def token_lora_slots(batch: StepBatch, t: int, max_loras: int) -> np.ndarray:
+    """i32[t]: each token's LoRA slot (0: the base model; padding too)."""
+    slots = np.zeros(t, np.int32)
+    at = 0
+    for seq in batch.seqs:
+        n = len(seq.token_ids)
+        if not 0 <= seq.lora_slot <= max_loras:
+            raise ValueError(f"sequence in slot {seq.slot}: LoRA slot {seq.lora_slot} out of range "
+                             f"[0, {max_loras}] (max_loras)")
+        slots[at:at + n] = seq.lora_slot
+        at += n
+    return slots

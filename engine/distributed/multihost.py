@@ -83,7 +83,11 @@ class LockstepEngine:
         if state.params.seed is None:  # each process would draw its own seed and sample apart
             params = dataclasses.replace(state.params, seed=secrets.randbelow(MAX_SEED + 1))
             state = dataclasses.replace(state, params=params)
-        self._group.send(("insert", slot, state))
+        wire, lora = state, getattr(self._engine, "lora", None)
+        if state.lora is not None and lora is not None and lora.holds(state.lora_slot, state.lora):
+            # the workers' slot holds it too (the same inserts in the same order): its weights stay home
+            wire = dataclasses.replace(state, lora=None)
+        self._group.send(("insert", slot, wire))
         self._engine.insert(slot, state)
 
     def launch(self, batch: StepBatch) -> StepResult:

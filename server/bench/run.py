@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import random
 import sys
 import time
 import uuid
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--model", default=None, help="model id sent in requests (default: the server's first "
                                                       "model from /v1/models)")
     server.add_argument("--served-model-name", default=None, help="name sent as 'model' if not --model")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapters the server has loaded: each request names one of them, drawn at random "
+                             "(seeded by --seed), as its model")
     server.add_argument("--tokenizer", default=None,
                         help="preset name, HF directory or .gguf file whose tokenizer counts tokens "
                              "(default: --model if it is one of those, else the default model)")
@@ -246,8 +250,11 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print("note: no --temperature given; the server's default applies (use --temperature 0 for greedy)",
                   file=sys.stderr)
 
+        pick = random.Random(args.seed)
+
         def payload(req):
-            return http.build_payload(kind, model_id, req, ignore_eos=args.ignore_eos, sampling=sampling)
+            model = pick.choice(args.lora_modules) if args.lora_modules else model_id
+            return http.build_payload(kind, model, req, ignore_eos=args.ignore_eos, sampling=sampling)
 
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
 

@@ -147,13 +147,18 @@ def test_sampling_extension_reaches_the_engine(rpc: GrpcLive, live: LiveServer) 
     (token_request([97, 999], 3), "token_content.token_ids"),
     (token_request([], 3), "token_content.token_ids"),
     (text_request("abc", 1000), "exceeds the model's context"),
-    (text_request("abc", 3, lora_adapter_id="x"), "lora_adapter_id"),
 ])
 def test_invalid_requests_are_invalid_argument_naming_the_field(rpc: GrpcLive, request_: pb.DecodeRequest,
                                                                 blamed: str) -> None:
     error = _code(lambda: list(rpc.stub.Decode(request_)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert blamed in error.details()
+
+
+def test_an_unknown_lora_adapter_is_not_found(rpc: GrpcLive) -> None:
+    error = _code(lambda: list(rpc.stub.Decode(text_request("abc", 3, lora_adapter_id="x"))))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "lora_adapter_id" in error.details() or "'x'" in error.details()
 
 
 # ---- auth, health, failure -----------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""LoRA adapters on the device: per targeted module one fixed-size stack of every slot's A and B
+(A [L, in, S*r], B [L, S*r, out]; slot s in columns (s-1)*r .. s*r, slot 0 the base model with no
+columns), written in place by one precompiled program, and attached to the step's linear weights as
+quantization.lora.LoraWeight. Shapes never depend on which adapters are loaded: no recompiles."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from slipstream.models.lora import LoraAdapter, Target
+from slipstream.quantization.lora import LoraWeight
+
+
+class LoraSlots:
+    """`max_loras` adapter slots (1..max_loras) of rank up to `max_rank` over `targets`, in `dtype`."""
+
+    def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, dtype) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"LoRA slots need max_loras >= 1 and max_rank >= 1, got {max_loras}, {max_rank}")
+        self.targets, self.num_layers = targets, num_layers
+        self.max_loras, self.rank, self.dtype = max_loras, max_rank, jnp.dtype(dtype)
+        cols = max_loras * max_rank
+        self.stacks = {m: (jnp.zeros((num_layers, t.d_in, cols), self.dtype),         # [L,in,S*r]
+                           jnp.zeros((num_layers, cols, t.d_out), self.dtype))        # [L,S*r,out]
+                       for m, t in targets.items()}
+        self.resident: list[bytes | None] = [None] * (max_loras + 1)  # adapter digest per slot
+        self._write_jit = jax.jit(self._write_slot, donate_argnums=(0,))
+        self._write = None  # its compiled program (compile())
+        self._zeros = {m: (np.zeros((num_layers, t.d_in, max_rank), self.dtype),
+                           np.zeros((num_layers, max_rank, t.d_out), self.dtype)) for m, t in targets.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
+
+    def _write_slot(self, stacks, slot, new):
+        r = self.rank
+        start = (slot - 1) * r
+        return {m: (jax.lax.dynamic_update_slice(a, new[m][0], (0, 0, start)),
+                    jax.lax.dynamic_update_slice(b, new[m][1], (0, start, 0)))
+                for m, (a, b) in stacks.items()}
+
+    def compile(self) -> None:
+        """Compile the slot writer now, ahead of time, so loading adapters never compiles."""
+        if self._write is None:
+            self._write = self._write_jit.lower(self.stacks, np.int32(1), self._zeros).compile()
+
+    def holds(self, slot: int, adapter: LoraAdapter) -> bool:
+        return 1 <= slot <= self.max_loras and self.resident[slot] == adapter.digest
+
+    def ensure(self, slot: int, adapter: LoraAdapter) -> None:
+        """Make `slot` hold `adapter` (a no-op when it already does): its A and B padded to the slot
+        rank, zeros for the modules it does not target. In device order after every step already
+        launched, which read the old contents (the host's slot table never rebinds a slot in use)."""
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} out of range [1, {self.max_loras}]")
+        if self.resident[slot] == adapter.digest:
+            return
+        if adapter.rank > self.rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > the slots' {self.rank}")
+        unknown = set(adapter.weights) - set(self.targets)
+        if unknown:
+            raise ValueError(f"adapter {adapter.name!r} targets {sorted(unknown)}, not linears of this model")
+        self.compile()
+        new = {}
+        for m, (za, zb) in self._zeros.items():
+            if m not in adapter.weights:
+                new[m] = (za, zb)
+                continue
+            a, b = adapter.weights[m]
+            pa, pb = za.copy(), zb.copy()
+            pa[:, :, :adapter.rank] = a
+            pb[:, :adapter.rank, :] = b
+            new[m] = (pa, pb)
+        self.stacks = self._write(self.stacks, np.int32(slot), new)
+        self.resident[slot] = adapter.digest
+
+    def attach(self, state: nnx.State, stacks, token_slots: jax.Array) -> nnx.State:
+        """Inside the jitted step: `state` with every targeted linear weight wrapped as a LoraWeight
+        over `stacks` and the tokens' slots i32[T] (0: base model)."""
+        flat = dict(nnx.to_flat_state(state))
+        slots = jnp.broadcast_to(token_slots, (self.num_layers, token_slots.shape[0]))  # [L,T]
+        for m, (a, b) in stacks.items():
+            var = flat[tuple(self.targets[m].path.split("."))]
+            flat[tuple(self.targets[m].path.split("."))] = var.replace(
+                LoraWeight(var.get_value(), a, b, slots, self.rank))
+        return nnx.from_flat_state(list(flat.items()))

@@ -1,0 +1,216 @@
+"""Multi-LoRA on the real engine: the tiny Llama with 3 peft adapters, mixed with base-model requests
+in one ragged step, against transformers + peft; slots swapped with no recompile; device memory flat
+over load/unload cycles."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("peft")
+
+from slipstream.engine.api import SlotState, StepBatch, StepSeq  # noqa: E402
+from slipstream.engine.device.runner import EngineConfig, JaxEngine  # noqa: E402
+from slipstream.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
+from slipstream.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from slipstream.models.lora import load_adapter, lora_targets  # noqa: E402
+from tests.conftest import TINY_ENGINE  # noqa: E402
+from tests.engine.lora_helpers import ADAPTERS, reference_greedy  # noqa: E402
+
+NAMES = list(ADAPTERS)
+
+
+class _Detok:
+    eos_token_ids = frozenset()
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_llama_dir, tiny_model, tiny_lora_adapters, tiny_lora_engine):
+    """(base dir, name -> adapter dir, name -> LoraAdapter, engine with 2 LoRA slots of rank 8)."""
+    cfg, model = tiny_model
+    dirs = tiny_lora_adapters[1]
+    targets = lora_targets(model)
+    adapters = {n: load_adapter(n, d, targets, cfg.num_layers, 8) for n, d in dirs.items()}
+    return tiny_llama_dir, dirs, adapters, tiny_lora_engine
+
+
+def test_one_step_mixes_adapters_and_base_with_peft_logits(lora_setup):
+    base_dir, dirs, adapters, engine = lora_setup
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    before = engine.compile_count
+    for group in ({"attn": 1, "mlp": 2}, {"all": 2, "attn": 1}):  # the second swaps "mlp" out for "all"
+        seqs = [StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1], sample=True)]
+        engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+        for i, (name, lora_slot) in enumerate(group.items(), 1):
+            engine.insert(i, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=lora_slot,
+                                       lora=adapters[name]))
+            seqs.append(StepSeq(slot=i, token_ids=prompt, start_pos=0, page_ids=[1 + i], sample=True,
+                                lora_slot=lora_slot))
+        logits = engine.model_logits(StepBatch(seqs))
+        base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
+        np.testing.assert_allclose(logits[0], base_ref, atol=1e-4)
+        for row, name in enumerate(group, 1):
+            ref = reference_greedy(base_dir, dirs[name], prompt, 1)[1][0]
+            np.testing.assert_allclose(logits[row], ref, atol=1e-4, err_msg=name)
+            assert np.abs(ref - base_ref).max() > 1e-2  # the adapter changes the output
+    for slot in range(3):
+        engine.free(slot)
+    assert engine.compile_count == before
+
+
+def test_scheduler_serves_adapters_and_base_together_with_swaps(lora_setup):
+    """8 requests over 3 adapters and the base with 2 slots: every request's greedy tokens equal
+    transformers + peft's, slots are swapped, nothing compiles; the prefix cache never shares KV
+    across adapters (the same prompt under each)."""
+    base_dir, dirs, adapters, engine = lora_setup
+    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(max_queue=64))
+    scheduler.start()
+    shared = [9, 8, 7, 6, 5, 4, 3, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # two full pages of 8
+    picks = [None, "attn", "mlp", "all", "all", None, "mlp", "attn"]
+    try:
+        before = engine.compile_count
+        first = scheduler.submit(Request(shared, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+        first.result(timeout=120)  # the base model's pages of `shared` are cached now
+        requests = [Request(shared if i % 2 else shared[:9] + [40 + i],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            lora=None if name is None else adapters[name]) for i, name in enumerate(picks)]
+        streams = [scheduler.submit(r) for r in requests]
+        results = [s.result(timeout=300) for s in streams]
+        for req, name, res in zip(requests, picks, results):
+            assert res.error is None and res.finish_reason == FinishReason.LENGTH
+            want, _ = reference_greedy(base_dir, None if name is None else dirs[name], req.prompt_ids, 6)
+            assert res.token_ids == want, (name, req.prompt_ids)
+        assert scheduler._planner.lora.swaps > 0
+        assert engine.compile_count == before
+    finally:
+        scheduler.shutdown()
+
+
+def test_an_adapter_slot_in_use_is_not_rebound(lora_setup):
+    from slipstream.engine.lora_registry import LoraSlotTable
+
+    _, _, adapters, _ = lora_setup
+    table = LoraSlotTable(2)
+    a = table.acquire(adapters["attn"])
+    b = table.acquire(adapters["mlp"])
+    assert {a, b} == {1, 2}
+    assert table.acquire(adapters["all"]) is None  # both in use: the request waits
+    assert table.acquire(adapters["attn"]) == a    # shared by a second request
+    table.release(b)
+    assert table.acquire(adapters["all"]) == b    # the idle slot, swapped
+    table.release(a)
+    assert table.in_use() == {a: 1, b: 1}
+
+
+def test_load_unload_cycles_keep_device_memory_flat(lora_setup):
+    _, _, adapters, engine = lora_setup
+    order = [adapters[n] for n in NAMES]
+
+    def live():
+        arrays = jax.live_arrays()
+        return len(arrays), sum(a.nbytes for a in arrays)
+
+    engine.lora.ensure(1, order[0])
+    before, compiles = live(), engine.compile_count
+    for i in range(100):
+        engine.lora.ensure(1 + i % 2, order[i % 3])
+    assert live() == before
+    assert engine.compile_count == compiles
+
+
+@pytest.mark.parametrize("quantize", ["q8_0-a16", "int8"])
+def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize):
+    """LoRA in f32 on top of int8 linears (CPU's fused group-wise stacks, the accelerators' int8): the
+    adapter's logits stay as close to transformers + peft as the base model's are to transformers."""
+    base_dir, dirs, adapters, _ = lora_setup
+    cfg, model = tiny_model
+    engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}, max_loras=1,
+                                                max_lora_rank=8), precompile=False)
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+    engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapters["all"]))
+    logits = engine.model_logits(StepBatch([
+        StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1], sample=True),
+        StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[2], sample=True, lora_slot=1)]))
+    base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
+    lora_ref = reference_greedy(base_dir, dirs["all"], prompt, 1)[1][0]
+    base_err = np.abs(logits[0] - base_ref).max()
+    lora_err = np.abs(logits[1] - lora_ref).max()
+    print(quantize, base_err, lora_err, np.abs(lora_ref - base_ref).max())
+    assert 0 < base_err < 0.05 and lora_err < 2 * base_err + 1e-3
+    assert logits[1].argmax() == lora_ref.argmax()
+
+
+def test_speculative_decoding_verifies_drafts_under_each_adapter(lora_setup):
+    """n-gram drafts are verified with their sequence's adapter: repetitive prompts (drafts accepted)
+    under two adapters and the base model give transformers + peft's greedy tokens."""
+    from slipstream.engine.speculative import SpeculativeConfig
+
+    base_dir, dirs, adapters, engine = lora_setup
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
+                             disable_by_batch_size=16)
+    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec))
+    scheduler.start()
+    picks = [None, "attn", "all"]
+    prompts = [([7, 8, 9] * 4)[:10], [3, 4] * 5, [11, 12, 13, 14] * 2]
+    try:
+        results = scheduler.generate([Request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                              lora=None if n is None else adapters[n])
+                                      for p, n in zip(prompts, picks)])
+        for p, n, res in zip(prompts, picks, results):
+            assert res.token_ids == reference_greedy(base_dir, None if n is None else dirs[n], p, 8)[0], n
+        assert scheduler.stats().spec_draft_tokens > 0
+    finally:
+        scheduler.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_other_architectures_serve_peft_adapters(tmp_path, family):
+    """Every architecture's linears are the same seam: an adapter on all of them under Qwen3 (q/k
+    norms) and Gemma 3 (GeGLU, sliding and global layers) gives transformers + peft's logits."""
+    from slipstream.models.loader import load_hf_dir
+    from tests.conftest import build_tiny_hf
+    from tests.engine.lora_helpers import make_adapter
+
+    base_dir = build_tiny_hf(str(tmp_path / family), family)
+    adapter_dir = make_adapter(base_dir, str(tmp_path / "adapter"), 4, 8, list(ADAPTERS["all"][2]))
+    cfg, model = load_hf_dir(base_dir)
+    adapter = load_adapter("a", adapter_dir, lora_targets(model), cfg.num_layers, 8)
+    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE, max_loras=1, max_lora_rank=8), precompile=False)
+    prompt = [5, 17, 33, 99, 7, 200, 3, 9, 10, 11]
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+    engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapter))
+    logits = engine.model_logits(StepBatch([
+        StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1, 2], sample=True),
+        StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[3, 4], sample=True, lora_slot=1)]))
+    base_ref = reference_greedy(base_dir, None, prompt, 1)[1][0]
+    np.testing.assert_allclose(logits[0], base_ref, atol=1e-4)
+    np.testing.assert_allclose(logits[1], reference_greedy(base_dir, adapter_dir, prompt, 1)[1][0], atol=1e-4)
+
+
+def test_multi_host_workers_get_an_adapters_weights_only_when_a_slot_loads_it(lora_setup):
+    from slipstream.engine.distributed.multihost import LockstepEngine
+
+    _, _, adapters, engine = lora_setup
+
+    class Group:
+        sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    lead = LockstepEngine(engine, Group())
+    params = SamplingParams(temperature=0.0, seed=1)
+    engine.lora.resident[1] = None  # a slot that holds nothing yet
+    for name in ("attn", "attn", "mlp", "mlp"):
+        lead.insert(0, SlotState([1, 2], (), params, lora_slot=1, lora=adapters[name]))
+    shipped = [msg[2].lora for msg in Group.sent]
+    assert [a and a.name for a in shipped] == ["attn", None, "mlp", None]
+    engine.insert(0, SlotState([1, 2], (), params, lora_slot=1))  # a worker: the slot holds "mlp"
+    engine.lora.resident[2] = None
+    with pytest.raises(ValueError, match="holds no adapter"):
+        engine.insert(0, SlotState([1, 2], (), params, lora_slot=2))
+    engine.free(0)
