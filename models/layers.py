@@ -195,9 +195,10 @@ def head_rotation(head_dim: int) -> np.ndarray:
 
 
 def rotate_heads(x: jax.Array, r: np.ndarray, *, inverse: bool = False) -> jax.Array:
-    """x [T, N, hd] @ R (inverse: @ R^T), in f32, back in x's dtype."""
+    """x [T, N, hd] @ R (inverse: @ R^T), in f32 (full precision on TPU too), back in x's dtype."""
     spec = "tnd,ed->tne" if inverse else "tnd,de->tne"
-    return jnp.einsum(spec, x, jnp.asarray(r), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum(spec, x, jnp.asarray(r), preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

@@ -30,12 +30,12 @@ def _qkv(head_dim: int, outliers: bool, seed: int = 0) -> tuple[np.ndarray, ...]
     return q, k, v
 
 
-def _attention(cfg: ModelConfig, kv_dtype, kernel=ragged_paged_attention):
-    """PagedAttention over one prefilling sequence and a fresh cache of `kv_dtype`."""
+def _attention(cfg: ModelConfig, kv_dtype, platform: str = "cpu"):
+    """PagedAttention over one prefilling sequence and a fresh cache of `kv_dtype` in `platform`'s layout."""
     pages = T // PAGE
-    cache = base.init_kv_cache(cfg, pages + 1, PAGE, kv_dtype, platform="cpu")
+    cache = base.init_kv_cache(cfg, pages + 1, PAGE, kv_dtype, platform=platform)
     attend = base.PagedAttention(cfg, jnp.asarray([T], jnp.int32), jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-                                 jnp.asarray([0, T], jnp.int32), jnp.asarray([1], jnp.int32), kernel)
+                                 jnp.asarray([0, T], jnp.int32), jnp.asarray([1], jnp.int32))
     return lambda q, k, v: np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache,
                                              jnp.asarray(0, jnp.int32), False)[0])
 
@@ -67,17 +67,18 @@ def test_rotated_attention_equals_plain_attention(head_dim):
     np.testing.assert_allclose(back, f32(q, k, v), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_int8_kv_with_outlier_channels_loses_less_with_the_rotation(head_dim):
-    """The int8 cache through PagedAttention (rotated) against the same kernel fed unrotated K/V."""
+@pytest.mark.parametrize("head_dim, platform", [(64, "cpu"), (128, "cpu"), (64, "tpu")])
+def test_int8_kv_with_outlier_channels_loses_less_with_the_rotation(head_dim, platform):
+    """The int8 cache through PagedAttention (rotated) against the same kernel fed unrotated K/V; "tpu":
+    the merged layout the Pallas kernel reads (here its reference)."""
     cfg = _cfg(head_dim)
     q, k, v = _qkv(head_dim, outliers=True)
     want = _attention(cfg, jnp.float32)(q, k, v)
-    rotated = _attention(cfg, jnp.int8)(q, k, v)
+    rotated = _attention(cfg, jnp.int8, platform)(q, k, v)
 
     # the kernel called directly, as PagedAttention called it before the rotation
     pages = T // PAGE
-    cache = base.init_kv_cache(cfg, pages + 1, PAGE, jnp.int8, platform="cpu")
+    cache = base.init_kv_cache(cfg, pages + 1, PAGE, jnp.int8, platform=platform)
     plain = np.asarray(ragged_paged_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, jnp.asarray(0, jnp.int32), jnp.asarray([T], jnp.int32),
         jnp.arange(1, pages + 1, dtype=jnp.int32)[None], jnp.asarray([0, T], jnp.int32), jnp.asarray([1], jnp.int32),
