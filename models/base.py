@@ -111,10 +111,8 @@ class PagedAttention:
         # other channels lose their bits. Attention is invariant under one orthogonal R of head_dim
         # (q R (k R)^T = q k^T, softmax(.) (v R) R^T = softmax(.) v), and R spreads outliers out.
         rot = layers.head_rotation(q.shape[-1]) if int8_kv(cache) else None
-        if rot is not None:  # one matmul for the three
-            h, kvh = q.shape[1], k.shape[1]
-            qkv = layers.rotate_heads(jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1), rot)
-            q, k, v = qkv[:, :h], qkv[:, h:h + kvh].astype(k.dtype), qkv[:, h + kvh:].astype(v.dtype)
+        if rot is not None:  # each on its own: q and k/v split differently over heads under TP
+            q, k, v = (layers.rotate_heads(x, rot) for x in (q, k, v))
         out, cache = self._attend(q, k, v, cache, layer, sliding)
         return (out if rot is None else layers.rotate_heads(out, rot, inverse=True)), cache
 
