@@ -89,6 +89,11 @@ class CausalLM(nnx.Module):
 
 # ---- attention ops: the paged step and the dense reference -------------------------------------
 
+def int8_kv(cache: dict) -> bool:
+    """Whether the KV cache stores int8 K/V (with per-token-per-head scales), in either layout."""
+    return "k_scale" in cache or "kv_scale" in cache
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """Attention of one ragged step: kernels.attention's ragged paged attention over the KV pages, or the
@@ -102,6 +107,16 @@ class PagedAttention:
     kernel: Callable = ragged_paged_attention
 
     def __call__(self, q, k, v, cache, layer, sliding):
+        # int8 K/V round per token and head over head_dim: an outlier channel sets the scale and the
+        # other channels lose their bits. Attention is invariant under one orthogonal R of head_dim
+        # (q R (k R)^T = q k^T, softmax(.) (v R) R^T = softmax(.) v), and R spreads outliers out.
+        rot = layers.head_rotation(q.shape[-1]) if int8_kv(cache) else None
+        if rot is not None:  # each on its own: q and k/v split differently over heads under TP
+            q, k, v = (layers.rotate_heads(x, rot) for x in (q, k, v))
+        out, cache = self._attend(q, k, v, cache, layer, sliding)
+        return (out if rot is None else layers.rotate_heads(out, rot, inverse=True)), cache
+
+    def _attend(self, q, k, v, cache, layer, sliding):
         def attend(window):
             return self.kernel(q, k, v, cache, layer, self.kv_lens, self.page_indices, self.cu_q_lens,
                                self.num_seqs, sm_scale=self.cfg.sm_scale, sliding_window=window)

@@ -9,6 +9,7 @@ the caller passes in.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Protocol, Sequence
 
@@ -175,6 +176,29 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attend(q, k, v, cache, layer, sliding)                          # [T,H,hd]
         return self.wo(out.reshape(t, -1)), cache
+
+
+# ---- int8 KV: an orthogonal rotation of head_dim --------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def head_rotation(head_dim: int) -> np.ndarray:
+    """A fixed orthogonal R [hd, hd]: the normalized Hadamard matrix when hd is a power of two (every
+    entry +-1/sqrt(hd), so one outlier channel of K or V spreads evenly over all channels), else a
+    fixed random orthogonal matrix."""
+    if head_dim & (head_dim - 1) == 0:
+        r = np.ones((1, 1))
+        while r.shape[0] < head_dim:
+            r = np.block([[r, r], [r, -r]])
+        return (r / math.sqrt(head_dim)).astype(np.float32)
+    r, tri = np.linalg.qr(np.random.default_rng(0x5EED).standard_normal((head_dim, head_dim)))
+    return (r * np.sign(np.diag(tri))[None, :]).astype(np.float32)
+
+
+def rotate_heads(x: jax.Array, r: np.ndarray, *, inverse: bool = False) -> jax.Array:
+    """x [T, N, hd] @ R (inverse: @ R^T), in f32 (full precision on TPU too), back in x's dtype."""
+    spec = "tnd,ed->tne" if inverse else "tnd,de->tne"
+    return jnp.einsum(spec, x, jnp.asarray(r), preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
