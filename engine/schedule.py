@@ -216,7 +216,7 @@ class StepPlanner:
         if seq.in_flight or not may_speculate(seq.request.params):
             return ()
         k = min(self.speculative.num_speculative_tokens, room,
-                seq.request.params.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
+                seq.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
         if k < 1:
             return ()
         draft = self.proposer.propose(seq.tokens, k)

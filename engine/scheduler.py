@@ -100,7 +100,7 @@ class Scheduler:
     def submit(self, request: Request) -> RequestStream:
         if not request.prompt_ids:
             raise ValueError("prompt must contain at least one token")
-        self._check_length(request)
+        max_tokens = self._check_length(request)
         with self._cv:
             if self._failed is not None:
                 raise EngineUnavailable(f"engine stopped after a failure: {self._failed}")
@@ -114,7 +114,7 @@ class Scheduler:
                 raise Overloaded(f"{waiting} requests are waiting (max_queue="
                                  f"{self._config.max_queue}); retry later")
             tracker = self._output.open(request, self.cancel)
-            seq = Sequence(request, tracker, next(self._order))
+            seq = Sequence(request, tracker, next(self._order), max_tokens)
             self._live[request.request_id] = seq
             self._planner.enqueue(seq)
             self._arrivals += 1
@@ -221,8 +221,12 @@ class Scheduler:
         with self._stats_lock:
             counter[key] += n
 
-    def _check_length(self, request: Request) -> None:
+    def _check_length(self, request: Request) -> int:
+        """Its output limit (max_tokens=None: the rest of the context), checked against the context and
+        the KV cache."""
         prompt, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self._engine.max_seq_len - prompt)
         total = prompt + max_tokens
         kv_tokens = self._blocks.allocator.num_total * self._page_size
         for limit, what in ((self._engine.max_seq_len, "the model's context"),
@@ -232,6 +236,7 @@ class Scheduler:
                 raise PromptTooLong(f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
                                     f"{total} exceeds {what} of {limit} tokens; shorten the "
                                     "prompt or lower max_tokens", limit=limit, actual=total)
+        return max_tokens
 
     # ---- engine thread -------------------------------------------------------------------------
 

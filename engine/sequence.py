@@ -26,6 +26,9 @@ class Sequence:
     request: Request
     tracker: "Tracker"                # the output side's handle (stream, detokenizer)
     order: int                        # submit order: FCFS tie-break within a priority
+    # Output tokens it may generate: params.max_tokens, or (None) the rest of the context as the
+    # scheduler resolves it at submit.
+    max_tokens: int = 0
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     # Samples of launched steps not collected yet: their positions count as tokens (a decode may
@@ -41,6 +44,12 @@ class Sequence:
     prefill_end: int = 0              # tokens known at admission: computing them is its prefill
     inserted: bool = False            # bound to its slot with engine.insert
     admitted_once: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.max_tokens:
+            if self.request.params.max_tokens is None:
+                raise ValueError("max_tokens=None (the rest of the context) needs max_tokens resolved at submit")
+            self.max_tokens = self.request.params.max_tokens
 
     @property
     def request_id(self) -> str:
@@ -58,7 +67,7 @@ class Sequence:
     @property
     def last_in_flight(self) -> bool:
         """Its sample in flight reaches max_tokens: no step may feed it (it ends the sequence)."""
-        return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.request.params.max_tokens
+        return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.max_tokens
 
     def add_sample(self, token_id: int, in_flight: bool = True) -> None:
         """The oldest sample in flight came back (in_flight=False: an accepted speculative token after
@@ -113,7 +122,7 @@ class Sequence:
         if (not params.ignore_eos and token_id in eos_token_ids) \
                 or token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= params.max_tokens:
+        if len(self.output_ids) >= self.max_tokens:
             return FinishReason.LENGTH
         if self.num_known >= max_seq_len:
             return FinishReason.LENGTH

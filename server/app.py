@@ -111,7 +111,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def card() -> ModelCard:
-        return ModelCard(id=service.model_name, created=created, max_model_len=service.max_model_len)
+        return ModelCard(id=service.model_name, created=created, max_model_len=service.max_seq_len)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _V1_ERRORS[401]})
     async def models() -> dict[str, Any]:

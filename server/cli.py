@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.models.registry import DEFAULT_MODEL, architecture_presets
 from slipstream.server.unix_socket import check_path, parse_mode, strip_scheme
 from slipstream.server.startup_checks import check_args
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     _distributed_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
 
     # Listed for --help only: main() hands `bench ...` to server/bench before parsing, so serving
     # never imports the benchmark code and its flags are defined in one place.

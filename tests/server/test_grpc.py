@@ -14,6 +14,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from slipstream.engine.mock_engine import MockEngine
+from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.engine.scheduler import Scheduler, SchedulerConfig
 from slipstream.server.app import create_app, make_server
 from slipstream.server.grpc_service import prepare_decode, start_grpc_server
@@ -136,7 +137,7 @@ def test_sampling_extension_reaches_the_engine(rpc: GrpcLive, live: LiveServer) 
     assert (params.temperature, params.top_k, params.seed, params.stop) == (pytest.approx(0.7), 5, 3, ("g",))
     # Without the extension: greedy, as JetStream engines decode; max_tokens 0 is the default.
     params = prepare_decode(live.service, text_request("abc", 0), (BOS,)).params
-    assert (params.temperature, params.max_tokens, params.n) == (0.0, live.service.config.default_max_tokens, 1)
+    assert (params.temperature, params.max_tokens, params.n) == (0.0, DEFAULT_MAX_TOKENS, 1)
 
 
 @pytest.mark.parametrize("request_, blamed", [
