@@ -3,9 +3,12 @@ and 503), its config, the counters it reports, and generate_all over any submit.
 JAX here."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, Callable
 
+from slipstream.engine.request import FinishReason
 from slipstream.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -54,6 +57,32 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
                              f"largest step; got {self.max_num_batched_tokens}")
+
+
+class Lifecycle(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"  # shutdown(): no new requests, the live ones drain
+    STOPPED = "stopped"
+
+
+class Rejection(enum.Enum):
+    """Why submit refused a request (the label of slipstream_rejections)."""
+    OVERLOADED = "overloaded"
+    TOO_LONG = "too_long"
+
+
+@dataclasses.dataclass
+class Totals:
+    """The scheduler's running counts, updated under its stats lock from the engine, submit and output
+    threads; `SchedulerStats` is their snapshot."""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+    preemptions: int = 0
+    cancellations: int = 0
+    rejections: collections.Counter[Rejection] = dataclasses.field(default_factory=collections.Counter)
+    finished: collections.Counter[FinishReason] = dataclasses.field(default_factory=collections.Counter)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
 
 from slipstream.engine.api import PREVIOUS_SAMPLE
 from slipstream.engine.request import FinishReason, Request
-
-if TYPE_CHECKING:
-    from slipstream.engine.output import Tracker
 
 
 class Status(enum.Enum):
@@ -24,8 +20,7 @@ class Sequence:
     """One request as the scheduler tracks it, across admissions and preemptions."""
 
     request: Request
-    tracker: "Tracker"                # the output side's handle (stream, detokenizer)
-    order: int                        # submit order: FCFS tie-break within a priority
+    order: int                        # submit order: FCFS tie-break within a priority; the output side's key
     # Output tokens it may generate: params.max_tokens, or (None) the rest of the context as the
     # scheduler resolves it at submit.
     max_tokens: int = 0

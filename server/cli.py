@@ -274,7 +274,7 @@ def run_worker(engine, tokenizer, joined) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from slipstream.engine.request import Request, SamplingParams
-    from slipstream.engine.scheduler import Scheduler
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler
 
     joined = join_group(args)
     engine, tokenizer, _ = build_engine(args, max_slots=1)
@@ -287,7 +287,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tokenizer.encode(prompt, add_special_tokens=not args.chat)
-    scheduler = Scheduler(engine, tokenizer)
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer))
     scheduler.start()
     try:
         start = time.perf_counter()
@@ -312,7 +312,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.engine.distributed.replicas import ReplicaSet
-    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.app import create_app, make_server
     from slipstream.server.service import Service, ServiceConfig
 
@@ -329,7 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = SchedulerConfig(max_queue=args.max_queue, enable_prefix_cache=not args.no_prefix_cache,
                              arrival_wait_ms=args.arrival_wait_ms, speculative=args.speculative_config)
     # one scheduler per data-parallel replica behind one front end (`engine`: replica 0's, as served)
-    scheduler = ReplicaSet([Scheduler(e, tokenizer, config) for e in [engine, *engines[1:]]])
+    scheduler = ReplicaSet([Scheduler(e, OutputProcessor(tokenizer), config) for e in [engine, *engines[1:]]])
     named = args.model == DEFAULT_MODEL or args.model in architecture_presets()
     name = args.served_model_name or (args.model if named else os.path.basename(os.path.normpath(args.model)))
     service = Service(scheduler, engine, tokenizer,
