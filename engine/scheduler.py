@@ -69,7 +69,6 @@ class Scheduler:
         self._arrivals = 0  # requests submitted so far (under _cv)
         self._arrival_wait = ArrivalWait(config.arrival_wait_ms)  # engine thread
         # Counters, from the engine, submit and output threads.
-        self._stats_lock = threading.Lock()
         self._totals = Totals()
         self._spec = SpecCounters()
 
@@ -110,7 +109,7 @@ class Scheduler:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             waiting = len(self._planner.waiting)
             if waiting >= self._config.max_queue:
-                self._reject(Rejection.OVERLOADED)
+                self._totals.add(rejected=Rejection.OVERLOADED)
                 raise Overloaded(f"{waiting} requests are waiting (max_queue="
                                  f"{self._config.max_queue}); retry later")
             seq = Sequence(request, next(self._order), max_tokens)
@@ -118,8 +117,7 @@ class Scheduler:
             self._live[request.request_id] = seq
             self._planner.enqueue(seq)
             self._arrivals += 1
-            with self._stats_lock:
-                self._totals.prompt_tokens += len(request.prompt_ids)
+            self._totals.add(prompt_tokens=len(request.prompt_ids))
             self._cv.notify_all()
         return stream
 
@@ -137,10 +135,7 @@ class Scheduler:
             waiting, running = len(planner.waiting), len(planner.running)
             slots_used = planner.max_slots - len(planner.free_slots)
             pages_used, pages_cached = planner.pages_used, planner.pages_cached
-        with self._stats_lock:
-            t = self._totals
-            rejections = {reason.value: n for reason, n in t.rejections.items()}
-            finished = {reason.value: n for reason, n in t.finished.items()}
+        t = self._totals.snapshot()
         prefix = self._blocks.prefix
         drafts, accepted, per_pos = self._spec.snapshot()
         return SchedulerStats(
@@ -150,9 +145,10 @@ class Scheduler:
             prefix_queries=prefix.queries if prefix else 0,
             prefix_hits=prefix.hits if prefix else 0,
             prefix_hit_tokens=prefix.hit_tokens if prefix else 0,
-            preemptions=t.preemptions, rejections=rejections, cancellations=t.cancellations,
+            preemptions=t.preemptions, rejections={reason.value: n for reason, n in t.rejections.items()},
+            cancellations=t.cancellations,
             prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens,
-            prefilled_tokens=t.prefilled_tokens, finished=finished,
+            prefilled_tokens=t.prefilled_tokens, finished={reason.value: n for reason, n in t.finished.items()},
             spec_draft_tokens=drafts, spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
 
     def abort(self, message: str) -> None:
@@ -210,17 +206,12 @@ class Scheduler:
                 self._cv.notify_all()
 
     def _on_finish(self, metrics: RequestMetrics) -> None:
-        with self._stats_lock:
-            self._totals.finished[metrics.finish_reason] += 1
+        self._totals.add(finished=metrics.finish_reason)
         for fn in self._listeners:
             try:
                 fn(metrics)
             except Exception:  # noqa: BLE001 - a listener's bug must not lose other listeners
                 log.exception("request metrics listener %r failed", fn)
-
-    def _reject(self, reason: Rejection) -> None:
-        with self._stats_lock:
-            self._totals.rejections[reason] += 1
 
     def _check_length(self, request: Request) -> int:
         """Its output limit (max_tokens=None: the rest of the context), checked against the context and
@@ -233,7 +224,7 @@ class Scheduler:
         for limit, what in ((self._engine.max_seq_len, "the model's context"),
                             (kv_tokens, "the KV cache's capacity")):
             if total > limit:
-                self._reject(Rejection.TOO_LONG)
+                self._totals.add(rejected=Rejection.TOO_LONG)
                 raise PromptTooLong(f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = "
                                     f"{total} exceeds {what} of {limit} tokens; shorten the "
                                     "prompt or lower max_tokens", limit=limit, actual=total)
@@ -297,9 +288,7 @@ class Scheduler:
             planner.advance(plan)
         for listener in listeners:
             listener(event)
-        with self._stats_lock:
-            self._totals.preemptions += len(plan.preempted)
-            self._totals.prefilled_tokens += plan.prefill_tokens
+        self._totals.add(preemptions=len(plan.preempted), prefilled_tokens=plan.prefill_tokens)
         self._unbind_slots()
         launched = (plan, self._engine.launch(plan.batch())) if plan.chunks else None
         if self._in_flight is not None:  # step N's host work, while step N + 1 runs
@@ -348,8 +337,7 @@ class Scheduler:
         self._retire(seq)
         records.append(Emit(seq.order, finish_reason=FinishReason.CANCELLED))
         if counted:
-            with self._stats_lock:
-                self._totals.cancellations += 1
+            self._totals.add(cancellations=1)
 
     def _admit(self, records: list[Emit]) -> list[Sequence]:
         admission = self._planner.admit()
@@ -409,8 +397,7 @@ class Scheduler:
             if finish is not None:
                 self._retire(seq)
                 finished += 1
-        with self._stats_lock:
-            self._totals.generated_tokens += kept
+        self._totals.add(generated_tokens=kept)
         return finished
 
     def _verify(self, chunk, samples: list) -> list:

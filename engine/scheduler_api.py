@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import threading
 from typing import TYPE_CHECKING, Callable
 
 from slipstream.engine.request import FinishReason
@@ -74,8 +75,7 @@ class Rejection(enum.Enum):
 
 @dataclasses.dataclass
 class Totals:
-    """The scheduler's running counts, updated under its stats lock from the engine, submit and output
-    threads; `SchedulerStats` is their snapshot."""
+    """The scheduler's running counts, added to from the engine, submit and output threads."""
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefilled_tokens: int = 0
@@ -83,6 +83,25 @@ class Totals:
     cancellations: int = 0
     rejections: collections.Counter[Rejection] = dataclasses.field(default_factory=collections.Counter)
     finished: collections.Counter[FinishReason] = dataclasses.field(default_factory=collections.Counter)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, prompt_tokens: int = 0, generated_tokens: int = 0, prefilled_tokens: int = 0,
+            preemptions: int = 0, cancellations: int = 0, rejected: Rejection | None = None,
+            finished: FinishReason | None = None) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated_tokens
+            self.prefilled_tokens += prefilled_tokens
+            self.preemptions += preemptions
+            self.cancellations += cancellations
+            if rejected is not None:
+                self.rejections[rejected] += 1
+            if finished is not None:
+                self.finished[finished] += 1
+
+    def snapshot(self) -> Totals:
+        with self._lock:
+            return dataclasses.replace(self, rejections=self.rejections.copy(), finished=self.finished.copy())
 
 
 @dataclasses.dataclass(frozen=True)
