@@ -153,10 +153,8 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
            "when he reached the lamp room he wiped the glass until it shone.")
 
 
-def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_model_path):
-    from slipstream.models.registry import load_tokenizer
-
-    tokenizer = load_tokenizer(default_model_path)
+def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_tokenizer):
+    tokenizer = default_tokenizer
     asks = ["Repeat the following text exactly.", "Copy this paragraph word for word.",
             "Write the text below again, unchanged."]
     requests = [Request(tokenizer.encode(tokenizer.apply_chat_template(

@@ -21,10 +21,8 @@ EOS = 2        # <|im_end|>
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from slipstream.models.registry import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
