@@ -13,7 +13,7 @@ import sys
 from slipstream.engine.device.draft import DraftModelProposer
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.request import Request, SamplingParams
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.engine.speculative import SpeculativeConfig
 from slipstream.models.loader import load_model
 from slipstream.models.registry import DEFAULT_MODEL, load_tokenizer, resolve_model
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             requests = [Request(tokenizer.encode(s.prompt, add_special_tokens=False),
                                 SamplingParams(temperature=temperature, seed=i, max_tokens=args.output_len,
                                                ignore_eos=True)) for i, s in enumerate(samples)]
-            scheduler = Scheduler(target, tokenizer, SchedulerConfig(speculative=spec, proposer=proposer))
+            scheduler = Scheduler(target, OutputProcessor(tokenizer), SchedulerConfig(speculative=spec, proposer=proposer))
             scheduler.start()
             try:
                 scheduler.generate(requests)

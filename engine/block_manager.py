@@ -84,7 +84,7 @@ class BlockManager:
     def _pages_wanted(self, seq: Sequence) -> int:
         """Pages it holds at its last step: KV of the prompt and all but the last of max_tokens
         (never more than the pool, so a claim stays a hint)."""
-        tokens = len(seq.request.prompt_ids) + seq.request.params.max_tokens - 1
+        tokens = len(seq.request.prompt_ids) + seq.max_tokens - 1
         return min(pages_needed(tokens, self.page_size), self.allocator.num_total)
 
     def _allocate(self, n: int, reserve: int = 0, *, want: int = 0, owner: int = 0,

@@ -1,5 +1,6 @@
 """The output side, on its own thread: detokenization, stop strings, per-request metrics and the
-thread -> asyncio bridge. The engine thread only enqueues one list of `Emit` records per step.
+thread -> asyncio bridge; the one place that holds the tokenizer. The scheduler only enqueues one
+list of `Emit` records (token ids, by the key it opened the request with) per step.
 
 Backpressure: a slow consumer never blocks the engine or this thread. Deltas a consumer has not
 taken yet are merged into one pending Delta (text concatenated, ids appended), so what waits per
@@ -221,7 +222,7 @@ class Tracker:
 class Emit:
     """What the engine thread reports for one request in one step."""
 
-    tracker: Tracker
+    key: int                                   # as given to OutputProcessor.open
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] | None = None
     finish_reason: FinishReason | None = None  # STOP here means the last id is an EOS/stop token
@@ -233,22 +234,31 @@ _CLOSE = object()
 
 
 class OutputProcessor:
-    """Owns the output thread. `release(request_id)` asks the scheduler to drop a request that a
-    stop string finished; `on_finish` receives each request's metrics (on this thread)."""
+    """Owns the output thread and a Tracker per open request, for one scheduler. `release(request_id)`
+    asks the scheduler to drop a request that a stop string finished; `on_finish` receives each
+    request's metrics (on this thread)."""
 
-    def __init__(self, tokenizer, release: Callable[[str], None],
-                 on_finish: Callable[[RequestMetrics], None]) -> None:
+    def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._release = release
-        self._on_finish = on_finish
+        self._release: Callable[[str], None] = lambda request_id: None
+        self._on_finish: Callable[[RequestMetrics], None] = lambda metrics: None
+        # Added by open (a submitting thread), removed by this thread when the request ends: keys are
+        # never reused, so each is touched by one thread at a time.
+        self._trackers: dict[int, Tracker] = {}
         self._queue: queue.Queue = queue.Queue()  # unbounded: the engine must never block here
         self._thread = threading.Thread(target=self._run, name="slipstream-output", daemon=True)
 
-    def start(self) -> None:
+    def start(self, release: Callable[[str], None], on_finish: Callable[[RequestMetrics], None]) -> None:
+        if self._thread.ident is not None:
+            raise RuntimeError("this OutputProcessor is started already: each scheduler needs its own")
+        self._release, self._on_finish = release, on_finish
         self._thread.start()
 
-    def open(self, request: Request, cancel: Callable[[str], None]) -> Tracker:
-        return Tracker(request, RequestStream(request, cancel), self._tokenizer)
+    def open(self, request: Request, key: int, cancel: Callable[[str], None]) -> RequestStream:
+        """Track a new request under `key` (unique for this processor's life); returns its stream."""
+        tracker = Tracker(request, RequestStream(request, cancel), self._tokenizer)
+        self._trackers[key] = tracker
+        return tracker.stream
 
     def put(self, records: list[Emit]) -> None:
         if records:
@@ -268,21 +278,21 @@ class OutputProcessor:
             produced_at, records = item
             now = time.monotonic()
             for record in records:
+                tr = self._trackers.get(record.key)
+                if tr is None:
+                    continue  # finished here by a stop string; the engine had not dropped it yet
                 try:
-                    self._handle(record, produced_at, now)
+                    self._handle(tr, record, produced_at, now)
                 except Exception:  # noqa: BLE001 - one bad request must not stop the rest
                     # The traceback stays in the log; the client learns only that its request failed.
-                    log.exception("output processing failed for %s",
-                                  record.tracker.request.request_id)
-                    if not record.tracker.done:
-                        self._release(record.tracker.request.request_id)
-                    self._finish(record.tracker, [], [], FinishReason.ERROR, now,
-                                 error="output processing failed")
+                    log.exception("output processing failed for %s", tr.request.request_id)
+                    if not tr.done:
+                        self._release(tr.request.request_id)
+                    self._finish(tr, [], [], FinishReason.ERROR, now, error="output processing failed")
+                if tr.done:
+                    del self._trackers[record.key]
 
-    def _handle(self, rec: Emit, produced_at: float, now: float) -> None:
-        tr = rec.tracker
-        if tr.done:
-            return  # finished here by a stop string; the engine had not dropped it yet
+    def _handle(self, tr: Tracker, rec: Emit, produced_at: float, now: float) -> None:
         if rec.admitted_at is not None and tr.admitted_at is None:
             tr.admitted_at = rec.admitted_at
         text: list[str] = []

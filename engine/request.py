@@ -13,6 +13,7 @@ from slipstream.engine.errors import InvalidParam
 if TYPE_CHECKING:
     from slipstream.engine.structured import Grammar
 
+DEFAULT_MAX_TOKENS = 16         # a request that names none (OpenAI's completions default, gRPC's 0, generate)
 MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1            # token counts, top_k and ids travel as int32 arrays
 MAX_SEED = 2**63 - 1
@@ -53,7 +54,7 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """What the client asked for. Carried into jit as batched arrays, never as static args."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the model's context (chat without a limit)
     temperature: float = 1.0         # 0 means greedy
     top_p: float = 1.0               # 1 means off
     top_k: int = 0                   # 0 means off
@@ -73,7 +74,8 @@ class SamplingParams:
         # Every range below is documented in the README and fits the int32/float32 arrays the
         # sampler builds: an out-of-range value must fail here, as the caller's error, never on
         # the engine thread (where it would fail every request in flight).
-        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, MAX_INT32, note=" (0 disables it)")

@@ -15,7 +15,7 @@ from slipstream.engine.api import Sampled, StepBatch, StepSeq
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.kv_cache import pages_needed
 from slipstream.engine.lora_registry import LoraSlotTable
-from slipstream.engine.request import FinishReason, Request
+from slipstream.engine.request import FinishReason
 from slipstream.engine.sequence import Sequence, Status
 from slipstream.engine.speculative import Proposer, SpeculativeConfig, Speculator
 
@@ -341,10 +341,9 @@ class StepPlanner:
         self._epoch += 1
         return slot
 
-    def too_long(self, request: Request) -> tuple[str, int, int] | None:
-        """Why `request` can never run (its tokens exceed the context or the KV cache): (message, limit,
-        its tokens); None if it fits."""
-        prompt, max_tokens = len(request.prompt_ids), request.params.max_tokens
+    def too_long(self, prompt: int, max_tokens: int) -> tuple[str, int, int] | None:
+        """Why a request of `prompt` tokens and that output limit can never run (its tokens exceed the
+        context or the KV cache): (message, limit, its tokens); None if it fits."""
         total = prompt + max_tokens
         for limit, what in ((self.max_seq_len, "the model's context"),
                             (self.blocks.allocator.num_total * self.page_size, "the KV cache's capacity")):

@@ -8,7 +8,6 @@ of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE). Not with s
 (engine/speculative.py): drafting needs each sequence's latest tokens on the host."""
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import threading
@@ -21,18 +20,21 @@ from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
 from slipstream.engine.request import FinishReason, Request
 from slipstream.engine.schedule import Plan, StepPlanner
-from slipstream.engine.scheduler_api import (EngineUnavailable, Overloaded, PromptTooLong, SchedulerConfig,
-                                  SchedulerStats, StepEvent, generate_all)
+from slipstream.engine.scheduler_api import (EngineUnavailable, Lifecycle, Overloaded, PromptTooLong, Rejection,
+                                             SchedulerConfig, SchedulerStats, StepEvent, Totals, generate_all)
 from slipstream.engine.sequence import Sequence
 
-__all__ = ["Completion", "EngineUnavailable", "Overloaded", "PromptTooLong", "RequestMetrics",
+__all__ = ["Completion", "EngineUnavailable", "OutputProcessor", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, tokenizer, config: SchedulerConfig = SchedulerConfig()
+    """Token ids in and out: the output side (`output`, one per scheduler) turns them into text and
+    stop-string finishes, and tells the scheduler through the callbacks it is started with."""
+
+    def __init__(self, engine: Engine, output: OutputProcessor, config: SchedulerConfig = SchedulerConfig()
                  ) -> None:
         largest = engine.max_num_batched_tokens
         budget = config.max_num_batched_tokens or largest
@@ -42,7 +44,7 @@ class Scheduler:
         self._engine = engine
         self._config = config
         self._blocks = BlockManager(engine.num_pages, engine.page_size, config.enable_prefix_cache)
-        self._output = OutputProcessor(tokenizer, self._release, self._on_finish)
+        self._output = output
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._listeners: list[Callable[[RequestMetrics], None]] = []
         self._step_listeners: list[Callable[[StepEvent], None]] = []
@@ -52,7 +54,7 @@ class Scheduler:
         self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
                                     speculative=config.speculative, max_seq_len=engine.max_seq_len,
                                     proposer=config.proposer, max_loras=getattr(engine, "max_loras", 0))
-        self._state = "new"  # -> running -> closing -> stopped
+        self._state = Lifecycle.NEW
         self._failed: str | None = None
         self._force_stop = False
         self._live: dict[str, Sequence] = {}
@@ -65,24 +67,21 @@ class Scheduler:
         self._arrivals = 0  # requests submitted so far (under _cv)
         self._arrival_wait = ArrivalWait(config.arrival_wait_ms)  # engine thread
         # Counters, from the engine, submit and output threads.
-        self._stats_lock = threading.Lock()
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._rejections: collections.Counter[str] = collections.Counter()
-        self._finished: collections.Counter[str] = collections.Counter()
+        self._totals = Totals()
 
     # ---- public API --------------------------------------------------------------------------
 
     def start(self) -> None:
         with self._cv:
-            if self._state != "new":
-                raise RuntimeError(f"scheduler already {self._state}; create a new one")
-            self._state = "running"
-        self._output.start()
+            if self._state is not Lifecycle.NEW:
+                raise RuntimeError(f"scheduler already {self._state.value}; create a new one")
+            self._state = Lifecycle.RUNNING
+        self._output.start(self._release, self._on_finish)
         self._thread.start()
 
     @property
     def ready(self) -> bool:
-        return self._state == "running" and self._failed is None and self._thread.is_alive()
+        return self._state is Lifecycle.RUNNING and self._failed is None and self._thread.is_alive()
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -97,27 +96,27 @@ class Scheduler:
     def submit(self, request: Request) -> RequestStream:
         if not request.prompt_ids:
             raise ValueError("prompt must contain at least one token")
-        self._check_length(request)
+        max_tokens = self._check_length(request)
         with self._cv:
             if self._failed is not None:
                 raise EngineUnavailable(f"engine stopped after a failure: {self._failed}")
-            if self._state != "running":
-                raise EngineUnavailable(f"scheduler is {self._state}, not accepting requests")
+            if self._state is not Lifecycle.RUNNING:
+                raise EngineUnavailable(f"scheduler is {self._state.value}, not accepting requests")
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             waiting = len(self._planner.waiting)
             if waiting >= self._config.max_queue:
-                self._count(self._rejections, "overloaded")
+                self._totals.add(rejected=Rejection.OVERLOADED)
                 raise Overloaded(f"{waiting} requests are waiting (max_queue="
                                  f"{self._config.max_queue}); retry later")
-            tracker = self._output.open(request, self.cancel)
-            seq = Sequence(request, tracker, next(self._order))
+            seq = Sequence(request, next(self._order), max_tokens)
+            stream = self._output.open(request, seq.order, self.cancel)
             self._live[request.request_id] = seq
             self._planner.enqueue(seq)
             self._arrivals += 1
-            self._count(self._counts, "prompt_tokens", len(request.prompt_ids))
+            self._totals.add(prompt_tokens=len(request.prompt_ids))
             self._cv.notify_all()
-        return tracker.stream
+        return stream
 
     def cancel(self, request_id: str) -> None:
         self._drop_later(request_id, counted=True)
@@ -130,14 +129,12 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         with self._cv:
             planned = self._planner.stats()
-        with self._stats_lock:
-            counts = dict(self._counts)
-            rejections, finished = dict(self._rejections), dict(self._finished)
+        t = self._totals.snapshot()
         return SchedulerStats(
-            **planned, max_slots=self._engine.max_slots, preemptions=counts.get("preemptions", 0),
-            rejections=rejections, cancellations=counts.get("cancellations", 0),
-            prompt_tokens=counts.get("prompt_tokens", 0), generated_tokens=counts.get("generated_tokens", 0),
-            prefilled_tokens=counts.get("prefilled_tokens", 0), finished=finished)
+            **planned, max_slots=self._engine.max_slots, preemptions=t.preemptions,
+            rejections={reason.value: n for reason, n in t.rejections.items()}, cancellations=t.cancellations,
+            prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens, prefilled_tokens=t.prefilled_tokens,
+            finished={reason.value: n for reason, n in t.finished.items()})
 
     def abort(self, message: str) -> None:
         """Fail every live request with `message` and stop serving (ready turns false), from any
@@ -157,11 +154,11 @@ class Scheduler:
     def shutdown(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         with self._cv:
-            if self._state == "new" or not self._thread.is_alive() and self._state == "stopped":
-                self._state = "stopped"  # never started, or already shut down: nothing to join
+            if self._state is Lifecycle.NEW or not self._thread.is_alive() and self._state is Lifecycle.STOPPED:
+                self._state = Lifecycle.STOPPED  # never started, or already shut down: nothing to join
                 return
-            if self._state == "running":
-                self._state = "closing"
+            if self._state is Lifecycle.RUNNING:
+                self._state = Lifecycle.CLOSING
             self._cv.notify_all()
             while self._live and self._failed is None and not self._force_stop:
                 left = deadline - time.monotonic()
@@ -175,7 +172,7 @@ class Scheduler:
             log.warning("engine thread did not stop within %.1f s (stuck in the engine?)", timeout)
         self._output.close(max(1.0, deadline - time.monotonic()))
         with self._cv:
-            self._state = "stopped"
+            self._state = Lifecycle.STOPPED
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Blocking: submit all (waiting for room when the queue is full), return all results."""
@@ -194,22 +191,24 @@ class Scheduler:
                 self._cv.notify_all()
 
     def _on_finish(self, metrics: RequestMetrics) -> None:
-        self._count(self._finished, metrics.finish_reason.value)
+        self._totals.add(finished=metrics.finish_reason)
         for fn in self._listeners:
             try:
                 fn(metrics)
             except Exception:  # noqa: BLE001 - a listener's bug must not lose other listeners
                 log.exception("request metrics listener %r failed", fn)
 
-    def _count(self, counter: collections.Counter, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            counter[key] += n
-
-    def _check_length(self, request: Request) -> None:
-        too_long = self._planner.too_long(request)
+    def _check_length(self, request: Request) -> int:
+        """Its output limit (max_tokens=None: the rest of the context), checked against the context and
+        the KV cache."""
+        prompt, max_tokens = len(request.prompt_ids), request.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self._engine.max_seq_len - prompt)
+        too_long = self._planner.too_long(prompt, max_tokens)
         if too_long is not None:
-            self._count(self._rejections, "too_long")
+            self._totals.add(rejected=Rejection.TOO_LONG)
             raise PromptTooLong(too_long[0], limit=too_long[1], actual=too_long[2])
+        return max_tokens
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -231,14 +230,14 @@ class Scheduler:
         with self._cv:
             while not (planner.waiting or planner.running or self._drops or self._force_stop
                        or self._in_flight is not None or self._failed is not None
-                       or (self._state != "running" and not self._live)):
+                       or (self._state is not Lifecycle.RUNNING and not self._live)):
                 self._cv.wait()  # idle: no spinning, woken by submit/cancel/shutdown/abort
             if self._failed is not None:
                 return False  # aborted: abort() failed the requests
             if self._force_stop:
                 self._fail_all("scheduler shut down before the request finished", failed=False)
                 return False
-            if self._state != "running" and not self._live:
+            if self._state is not Lifecycle.RUNNING and not self._live:
                 return False  # closing and drained
             drops, self._drops = self._drops, {}
             for request_id, counted in drops.items():
@@ -270,9 +269,7 @@ class Scheduler:
             planner.advance(plan)
         for listener in listeners:
             listener(event)
-        if plan.preempted:
-            self._count(self._counts, "preemptions", len(plan.preempted))
-        self._count(self._counts, "prefilled_tokens", plan.prefill_tokens)
+        self._totals.add(preemptions=len(plan.preempted), prefilled_tokens=plan.prefill_tokens)
         self._unbind_slots()
         launched = (plan, self._engine.launch(plan.batch())) if plan.chunks else None
         if self._in_flight is not None:  # step N's host work, while step N + 1 runs
@@ -292,7 +289,7 @@ class Scheduler:
         records.clear()
         self._arrival_wait.wait(self._cv, lambda: self._arrivals, finished,
                                 lambda: bool(self._drops) or self._force_stop or self._failed is not None
-                                or self._state != "running")
+                                or self._state is not Lifecycle.RUNNING)
 
     def _admit_and_insert(self, records: list[Emit]) -> None:
         with self._cv:
@@ -303,7 +300,7 @@ class Scheduler:
             with self._cv:
                 for seq, error in failed:
                     self._retire(seq)
-                    records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
+                    records.append(Emit(seq.order, finish_reason=FinishReason.ERROR, error=error))
 
     def _collect(self, records: list[Emit]) -> int:
         """Wait for the step in flight and apply its samples; returns how many requests it ended."""
@@ -319,19 +316,19 @@ class Scheduler:
         if seq is None:
             return
         self._retire(seq)
-        records.append(Emit(seq.tracker, finish_reason=FinishReason.CANCELLED))
+        records.append(Emit(seq.order, finish_reason=FinishReason.CANCELLED))
         if counted:
-            self._count(self._counts, "cancellations")
+            self._totals.add(cancellations=1)
 
     def _admit(self, records: list[Emit]) -> list[Sequence]:
         admission = self._planner.admit()
         for seq, error in admission.rejected:
             self._forget(seq)
-            records.append(Emit(seq.tracker, finish_reason=FinishReason.ERROR, error=error))
+            records.append(Emit(seq.order, finish_reason=FinishReason.ERROR, error=error))
         for seq in admission.admitted:
             if not seq.admitted_once:
                 seq.admitted_once = True
-                records.append(Emit(seq.tracker, admitted_at=time.monotonic()))
+                records.append(Emit(seq.order, admitted_at=time.monotonic()))
         return admission.admitted
 
     def _insert(self, seq: Sequence) -> str | None:
@@ -358,13 +355,13 @@ class Scheduler:
                                                            self._engine.max_seq_len):
             kept += len(samples)
             want_logprobs = seq.request.params.logprobs is not None
-            records.append(Emit(seq.tracker, tuple(s.token_id for s in samples),
+            records.append(Emit(seq.order, tuple(s.token_id for s in samples),
                                 tuple(s.logprob for s in samples) if want_logprobs else None,
                                 finish_reason=finish))
             if finish is not None:
                 self._retire(seq)
                 finished += 1
-        self._count(self._counts, "generated_tokens", kept)
+        self._totals.add(generated_tokens=kept)
         return finished
 
     def _retire(self, seq: Sequence) -> None:
@@ -394,6 +391,6 @@ class Scheduler:
             self._planner.running.clear()
             self._drops.clear()
             self._cv.notify_all()
-        self._output.put([Emit(s.tracker, finish_reason=FinishReason.ERROR, error=message)
+        self._output.put([Emit(s.order, finish_reason=FinishReason.ERROR, error=message)
                           for s in seqs])
 

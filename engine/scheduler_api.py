@@ -3,9 +3,13 @@ and 503), its config, the counters it reports, and generate_all over any submit.
 JAX here."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
+import threading
 from typing import TYPE_CHECKING, Callable
 
+from slipstream.engine.request import FinishReason
 from slipstream.engine.speculative import Proposer, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -55,6 +59,50 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1, or None for the engine's "
                              f"largest step; got {self.max_num_batched_tokens}")
+
+
+class Lifecycle(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"  # shutdown(): no new requests, the live ones drain
+    STOPPED = "stopped"
+
+
+class Rejection(enum.Enum):
+    """Why submit refused a request (the label of slipstream_rejections)."""
+    OVERLOADED = "overloaded"
+    TOO_LONG = "too_long"
+
+
+@dataclasses.dataclass
+class Totals:
+    """The scheduler's running counts, added to from the engine, submit and output threads."""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefilled_tokens: int = 0
+    preemptions: int = 0
+    cancellations: int = 0
+    rejections: collections.Counter[Rejection] = dataclasses.field(default_factory=collections.Counter)
+    finished: collections.Counter[FinishReason] = dataclasses.field(default_factory=collections.Counter)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, prompt_tokens: int = 0, generated_tokens: int = 0, prefilled_tokens: int = 0,
+            preemptions: int = 0, cancellations: int = 0, rejected: Rejection | None = None,
+            finished: FinishReason | None = None) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated_tokens
+            self.prefilled_tokens += prefilled_tokens
+            self.preemptions += preemptions
+            self.cancellations += cancellations
+            if rejected is not None:
+                self.rejections[rejected] += 1
+            if finished is not None:
+                self.finished[finished] += 1
+
+    def snapshot(self) -> Totals:
+        with self._lock:
+            return dataclasses.replace(self, rejections=self.rejections.copy(), finished=self.finished.copy())
 
 
 @dataclasses.dataclass(frozen=True)

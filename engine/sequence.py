@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
 
 from slipstream.engine.api import PREVIOUS_SAMPLE
 from slipstream.engine.request import FinishReason, Request
-
-if TYPE_CHECKING:
-    from slipstream.engine.output import Tracker
 
 
 class Status(enum.Enum):
@@ -24,8 +20,10 @@ class Sequence:
     """One request as the scheduler tracks it, across admissions and preemptions."""
 
     request: Request
-    tracker: "Tracker"                # the output side's handle (stream, detokenizer)
-    order: int                        # submit order: FCFS tie-break within a priority
+    order: int                        # submit order: FCFS tie-break within a priority; the output side's key
+    # Output tokens it may generate: params.max_tokens, or (None) the rest of the context as the
+    # scheduler resolves it at submit.
+    max_tokens: int = 0
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     # Samples of launched steps not collected yet: their positions count as tokens (a decode may
@@ -43,6 +41,12 @@ class Sequence:
     lora_slot: int = 0                # its adapter's device slot while admitted (0: base model)
     admitted_once: bool = False
 
+    def __post_init__(self) -> None:
+        if not self.max_tokens:
+            if self.request.params.max_tokens is None:
+                raise ValueError("max_tokens=None (the rest of the context) needs max_tokens resolved at submit")
+            self.max_tokens = self.request.params.max_tokens
+
     @property
     def request_id(self) -> str:
         return self.request.request_id
@@ -59,7 +63,7 @@ class Sequence:
     @property
     def last_in_flight(self) -> bool:
         """Its sample in flight reaches max_tokens: no step may feed it (it ends the sequence)."""
-        return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.request.params.max_tokens
+        return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.max_tokens
 
     def add_sample(self, token_id: int, in_flight: bool = True) -> None:
         """The oldest sample in flight came back (in_flight=False: an accepted speculative token after
@@ -115,7 +119,7 @@ class Sequence:
         if (not params.ignore_eos and token_id in eos_token_ids) \
                 or token_id in params.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= params.max_tokens:
+        if len(self.output_ids) >= self.max_tokens:
             return FinishReason.LENGTH
         if self.num_known >= max_seq_len:
             return FinishReason.LENGTH

@@ -175,7 +175,7 @@ class Speculator:
         for seq in decodes:
             if seq.status is not Status.RUNNING or seq.in_flight or not may_speculate(seq.request.params):
                 continue
-            k = min(self.config.num_speculative_tokens, seq.request.params.max_tokens - len(seq.output_ids) - 1,
+            k = min(self.config.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
                     self.max_seq_len - seq.num_tokens)
             if k >= 1:
                 asks.append((seq, k))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import jax
+
+from slipstream.kernels import settings
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ _registered: dict[str, bool] = {}  # extension module -> loaded and registered
 
 
 def reference_forced() -> bool:
-    return os.environ.get("SLIPSTREAM_KERNELS", "auto").lower() == "reference"
+    return settings.KERNELS.get() == "reference"
 
 
 def load(kernel: str, module: str) -> bool:
@@ -45,13 +46,13 @@ def load(kernel: str, module: str) -> bool:
 def _attention_env(ext) -> None:
     """The attention kernel's K/V settings from the environment (the C++ reads none):
     SLIPSTREAM_KV_LOAD_AHEAD=all|scattered and SLIPSTREAM_KV_HUGE_PAGES=0."""
-    asked = os.environ.get("SLIPSTREAM_KV_LOAD_AHEAD")
+    asked = settings.KV_LOAD_AHEAD.get()
     if asked in ("all", "scattered"):
         ext.load_ahead(asked)
     elif asked is not None:
         log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all' or 'scattered': using this CPU's default (%s)",
                     asked, ext.load_ahead())
-    if os.environ.get("SLIPSTREAM_KV_HUGE_PAGES") == "0":
+    if not settings.KV_HUGE_PAGES.get():
         ext.huge_pages(False)
 
 

@@ -120,9 +120,9 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     def card(adapter: Any = None) -> ModelCard:
         if adapter is not None:  # a LoRA adapter: its base model is the parent
-            return ModelCard(id=adapter.name, created=created, max_model_len=service.max_model_len,
+            return ModelCard(id=adapter.name, created=created, max_model_len=service.max_seq_len,
                              root=adapter.name, parent=service.model_name)
-        return ModelCard(id=service.model_name, created=created, max_model_len=service.max_model_len)
+        return ModelCard(id=service.model_name, created=created, max_model_len=service.max_seq_len)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _V1_ERRORS[401]})
     async def models() -> dict[str, Any]:

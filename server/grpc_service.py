@@ -14,6 +14,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 
 from slipstream.engine.output import Delta
+from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
 from slipstream.server.proto import jetstream_pb2 as pb
 from slipstream.server.proto import jetstream_pb2_grpc as pb_grpc
@@ -46,23 +47,22 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
         raise ServiceError(400, "the request has no prompt: set text_content or token_content", param="content",
                            code="invalid_value")
     if request.max_tokens < 0:
-        raise ServiceError(400, f"max_tokens must be >= 0 (0: the server's default of "
-                           f"{service.config.default_max_tokens}), got {request.max_tokens}",
-                           param="max_tokens", code="invalid_value")
+        raise ServiceError(400, f"max_tokens must be >= 0 (0: the server's default of {DEFAULT_MAX_TOKENS}), "
+                           f"got {request.max_tokens}", param="max_tokens", code="invalid_value")
     if request.num_samples < 0:
         raise ServiceError(400, f"num_samples must be >= 0 (0: one), got {request.num_samples}",
                            param="num_samples", code="invalid_value")
     # Cheap checks before the tokenizer runs: the sampling fields, then the prompt's size (encode).
     s = request.sampling
     optional = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
-    params = service.sampling_params(
-        param_names=_PARAM_NAMES, max_tokens=request.max_tokens or service.config.default_max_tokens,
-        n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
-        stop=tuple(s.stop), ignore_eos=s.ignore_eos, **optional)
+    grammar = None
     if s.HasField("json_schema"):
         field = "sampling.json_schema"
         grammar = compile_constraint(service, Constraint("json_schema", json_source(s.json_schema, field), field=field))
-        params = dataclasses.replace(params, constraint=grammar)
+    params = service.sampling_params(
+        param_names=_PARAM_NAMES, max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+        n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
+        stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=grammar, **optional)
     if kind == "text_content":
         prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
     else:

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from slipstream.engine.lora_registry import LoraRegistry
 from slipstream.models.lora import load_adapter
+from slipstream.server.settings import flag_env
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,16 @@ def _module(text: str) -> tuple[str, str]:
 
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
-    env = lambda name, default: os.environ.get("SLIPSTREAM_" + name.upper().replace("-", "_"), default)  # noqa: E731
     g = p.add_argument_group("LoRA adapters (PEFT format)")
     g.add_argument("--lora-modules", nargs="+", type=_module, default=[], metavar="NAME=PATH",
                    help="adapters to load at start, each a PEFT directory under --lora-root")
-    g.add_argument("--lora-root", default=env("lora-root", None),
+    g.add_argument("--lora-root", default=flag_env("lora-root", None),
                    help="the directory adapters load from; no adapter path may reach outside it")
-    g.add_argument("--max-loras", type=int, default=int(env("max-loras", 0)),
+    g.add_argument("--max-loras", type=int, default=int(flag_env("max-loras", 0)),
                    help="adapter slots on the device (default: 4 when adapters are enabled, else 0)")
-    g.add_argument("--max-lora-rank", type=int, default=int(env("max-lora-rank", 64)))
+    g.add_argument("--max-lora-rank", type=int, default=int(flag_env("max-lora-rank", 64)))
     g.add_argument("--enable-lora-runtime-updates", action="store_true",
-                   default=bool(env("enable-lora-runtime-updates", "")),
+                   default=bool(flag_env("enable-lora-runtime-updates", "")),
                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
 
 

@@ -3,21 +3,21 @@
 chunks. The HTTP routes call these; the transport-neutral service knows nothing of OpenAI."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 from pydantic import BaseModel
 
 from slipstream.engine.output import Delta
-from slipstream.engine.request import SamplingParams, TokenLogprob
+from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage, valid_unicode)
 from slipstream.server.service import Generation, Prepared, Service
-from slipstream.server.structured import ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan, with_tools
+from slipstream.server.structured import (Constraint, ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan,
+                                          with_tools)
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -35,11 +35,8 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     # Everything that costs no tokenization first: 200,000 tiny prompts must not be tokenized to learn
     # that they exceed max_choices.
     service.check_choices(len(items), req.n)
-    max_tokens = req.max_tokens if req.max_tokens is not None else service.config.default_max_tokens
-    params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs)
-    constraint = request_constraint(req)
-    if constraint is not None:
-        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=request_constraint(req))
     prompts = [service.encode(item) for item in items]
     return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora)
 
@@ -64,27 +61,26 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
              "logprobs": "top_logprobs"}
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    # Validate the sampling fields before the template and the tokenizer run.
-    params = _params(service, req, max_tokens=explicit or 1, logprobs=logprobs, param_names=names)
-    if constraint is not None:
-        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
+    # Validate the sampling fields before the template and the tokenizer run. Without a limit a
+    # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
+    params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=constraint)
     prompt = service.render_chat(with_tools(messages, plan))
-    if explicit is None:
-        # The rest of the context; a prompt that fills it is reported by the service's length check.
-        params = dataclasses.replace(params, max_tokens=max(1, service.max_model_len - len(prompt)))
     return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora)
 
 
-def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int,
-            logprobs: int | None, param_names: dict[str, str] | None = None) -> SamplingParams:
+def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+            logprobs: int | None, constraint: Constraint | None,
+            param_names: dict[str, str] | None = None) -> SamplingParams:
+    """The request's one SamplingParams (the n sub-requests differ only in their seed)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     optional = {"temperature": req.temperature, "top_p": req.top_p, "min_p": req.min_p,
                 "repetition_penalty": req.repetition_penalty,
                 "top_k": 0 if req.top_k == -1 else req.top_k}  # -1 is vLLM's "off"
+    grammar = compile_constraint(service, constraint) if constraint is not None else None
     return service.sampling_params(
-        param_names=param_names, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed, logprobs=logprobs,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
-        **{k: v for k, v in optional.items() if v is not None})
+        param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
+        logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        ignore_eos=req.ignore_eos, **{k: v for k, v in optional.items() if v is not None})
 
 
 def _message(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     model_name: str
-    default_max_tokens: int = 16     # completions without max_tokens (OpenAI's default); chat: rest of the context
     max_choices: int = 64            # prompts x n per request; more would let one request fill the queue
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of one text prompt: tokenization is bounded before it starts
     max_requests_per_client: int = 0  # queued + running API requests per client (429 beyond); 0: no limit
@@ -34,7 +33,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name must be a non-empty string")
-        for name in ("default_max_tokens", "max_choices", "max_prompt_bytes"):
+        for name in ("max_choices", "max_prompt_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_requests_per_client < 0:
@@ -151,7 +150,7 @@ class Service:
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = config.model_name
-        self.max_model_len = engine.max_seq_len
+        self.max_seq_len = engine.max_seq_len  # /v1/models reports it as vLLM's max_model_len
         # Token-id prompts are checked against the model's vocabulary (its logits' width), the one
         # the sampler indexes, not the tokenizer's (which may count added tokens differently).
         self.vocab_size: int = engine.vocab_size
@@ -307,8 +306,9 @@ class Service:
         try:
             for p, prompt_ids in enumerate(prompts):
                 for i in range(n):
-                    seed = None if params.seed is None else (params.seed + i) % 2**63
-                    sub = dataclasses.replace(params, n=1, seed=seed)
+                    # one SamplingParams per request; with n > 1 each sample gets its own seed
+                    sub = params if n == 1 else dataclasses.replace(
+                        params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
                     streams.append(self.scheduler.submit(Request(prompt_ids, sub, request_id=f"{gen_id}-{p * n + i}",
                                                                  lora=prepared.lora)))
         except Exception as exc:

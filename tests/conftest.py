@@ -144,6 +144,15 @@ def tiny_lora_engine(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    """The default model's tokenizer, parsed from its GGUF once for the run (seconds each time); tests
+    use it read-only."""
+    from slipstream.models.registry import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path):
     from slipstream.models.loader import load_gguf
 

@@ -11,11 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 def exposition() -> str:
     """One /metrics body from the real Metrics class; the engine is the mock (names do not depend on it)."""
     from slipstream.engine.mock_engine import MockEngine
-    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.metrics import Metrics
 
     # Never started: a scrape only reads the scheduler's (empty) stats, no tokenizer is used.
-    scheduler = Scheduler(MockEngine(), None, SchedulerConfig())
+    scheduler = Scheduler(MockEngine(), OutputProcessor(None), SchedulerConfig())
     return Metrics(scheduler, lambda: 0).render().decode()
 
 

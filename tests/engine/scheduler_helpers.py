@@ -8,7 +8,7 @@ import time
 
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import Request, SamplingParams
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 
 WAIT = 10.0  # seconds any result may take before the test fails instead of hanging
 
@@ -42,7 +42,7 @@ def ascii_prompt(rng: random.Random, length: int) -> list[int]:
 
 @contextlib.contextmanager
 def running(engine: MockEngine, **config):
-    sched = Scheduler(engine, ByteTokenizer(), SchedulerConfig(**config))
+    sched = Scheduler(engine, OutputProcessor(ByteTokenizer()), SchedulerConfig(**config))
     sched.start()
     try:
         yield sched

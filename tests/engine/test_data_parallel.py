@@ -13,13 +13,13 @@ import pytest
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.request import FinishReason
-from slipstream.engine.scheduler import EngineUnavailable, Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import EngineUnavailable, OutputProcessor, Scheduler, SchedulerConfig
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, wait_for
 
 
 @contextlib.contextmanager
 def replica_set(*engines: MockEngine, **kwargs):
-    rs = ReplicaSet([Scheduler(e, ByteTokenizer(), SchedulerConfig()) for e in engines], **kwargs)
+    rs = ReplicaSet([Scheduler(e, OutputProcessor(ByteTokenizer()), SchedulerConfig()) for e in engines], **kwargs)
     rs.start()
     try:
         yield rs
@@ -160,7 +160,7 @@ def worker(model_dir: str) -> dict:
         "--max-slots", "2", "--max-num-batched-tokens", "16", "--page-size", "8", "--max-seq-len", "128",
         "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
     engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
-    replicas = ReplicaSet([Scheduler(e, tokenizer, SchedulerConfig()) for e in engines])
+    replicas = ReplicaSet([Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig()) for e in engines])
     replicas.start()
     try:
         before = engines[0].compile_count

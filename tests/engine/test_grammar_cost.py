@@ -35,11 +35,10 @@ def test_nesting_depth_needs_no_recursion() -> None:
 
 
 @pytest.fixture(scope="module")
-def compiler(default_model_path):
+def compiler(default_tokenizer):
     from slipstream.engine.structured import GrammarCompiler
-    from slipstream.models.registry import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path)
+    tokenizer = default_tokenizer
     return GrammarCompiler(tokenizer, 49152, tokenizer.eos_token_ids)
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("peft")
 from slipstream.engine.api import SlotState, StepBatch, StepSeq  # noqa: E402
 from slipstream.engine.device.runner import EngineConfig, JaxEngine  # noqa: E402
 from slipstream.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig  # noqa: E402
 from slipstream.models.lora import load_adapter, lora_targets  # noqa: E402
 from tests.conftest import TINY_ENGINE  # noqa: E402
 from tests.engine.lora_helpers import ADAPTERS, reference_greedy  # noqa: E402
@@ -66,7 +66,7 @@ def test_scheduler_serves_adapters_and_base_together_with_swaps(lora_setup):
     transformers + peft's, slots are swapped, nothing compiles; the prefix cache never shares KV
     across adapters (the same prompt under each)."""
     base_dir, dirs, adapters, engine = lora_setup
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(max_queue=64))
+    scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(max_queue=64))
     scheduler.start()
     shared = [9, 8, 7, 6, 5, 4, 3, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # two full pages of 8
     picks = [None, "attn", "mlp", "all", "all", None, "mlp", "attn"]
@@ -152,7 +152,7 @@ def test_speculative_decoding_verifies_drafts_under_each_adapter(lora_setup):
     base_dir, dirs, adapters, engine = lora_setup
     spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
                              disable_by_batch_size=16)
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec))
+    scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(speculative=spec))
     scheduler.start()
     picks = [None, "attn", "all"]
     prompts = [([7, 8, 9] * 4)[:10], [3, 4] * 5, [11, 12, 13, 14] * 2]

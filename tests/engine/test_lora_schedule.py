@@ -18,7 +18,7 @@ def adapter(name: str) -> LoraAdapter:
 
 
 def seq(lora: LoraAdapter | None) -> Sequence:
-    return Sequence(Request([1, 2, 3], SamplingParams(max_tokens=4), lora=lora), tracker=None, order=next(_order))
+    return Sequence(Request([1, 2, 3], SamplingParams(max_tokens=4), lora=lora), order=next(_order))
 
 
 def test_a_request_waiting_for_a_lora_slot_is_not_starved():
@@ -44,7 +44,7 @@ def test_only_requests_under_the_same_adapter_wait_for_a_shared_first_page():
     prompt = list(range(3, 15))
 
     def same_prompt(lora):
-        return Sequence(Request(prompt, SamplingParams(max_tokens=4), lora=lora), tracker=None, order=next(_order))
+        return Sequence(Request(prompt, SamplingParams(max_tokens=4), lora=lora), order=next(_order))
 
     first, sibling, other = same_prompt(None), same_prompt(None), same_prompt(adapter("a"))
     for s in (first, sibling, other):

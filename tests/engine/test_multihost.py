@@ -103,12 +103,11 @@ def test_a_stranger_is_refused_on_the_control_port():
     assert accepted.wait(WAIT)
 
 
-def test_a_grammar_reaches_the_worker_as_its_own_compiled_copy(default_model_path):
+def test_a_grammar_reaches_the_worker_as_its_own_compiled_copy(default_tokenizer):
     from slipstream.engine.api import SlotState
     from slipstream.engine.structured import Constraint, GrammarCompiler
-    from slipstream.models.registry import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_path)
+    tokenizer = default_tokenizer
     engine = MockEngine(vocab_size=49152, eos_token_ids=frozenset({2}))
     grammar = GrammarCompiler(tokenizer, 49152, {2}).compile(Constraint("regex", "(yes|no)"))
     state = SlotState([5], [], SamplingParams(constraint=grammar))

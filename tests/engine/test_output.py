@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+from typing import NamedTuple
 
 import pytest
 
-from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics
+from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics, RequestStream
 from slipstream.engine.request import FinishReason, Request, SamplingParams, TokenLogprob
 
 
@@ -28,6 +30,9 @@ class WordTokenizer:
         return "".join(self.WORDS[i] for i in ids)
 
 
+_keys = itertools.count()
+
+
 def utf8(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
@@ -36,26 +41,34 @@ def utf8(text: str) -> list[int]:
 def processor(tokenizer=None):
     released: list[str] = []
     finished: list[RequestMetrics] = []
-    out = OutputProcessor(tokenizer or ByteTokenizer(), released.append, finished.append)
-    out.start()
+    out = OutputProcessor(tokenizer or ByteTokenizer())
+    out.start(released.append, finished.append)
     try:
         yield out, released, finished
     finally:
         out.close(timeout=5)
 
 
+class Opened(NamedTuple):
+    """A request as the scheduler opens it: the key its Emits carry, its stream."""
+    key: int
+    stream: RequestStream
+    request: Request
+
+
 def open_stream(out: OutputProcessor, stop: tuple[str, ...] = (), logprobs: int | None = None):
     request = Request(prompt_ids=[1, 2, 3],
                       params=SamplingParams(max_tokens=100, stop=stop, logprobs=logprobs))
     cancelled: list[str] = []
-    return out.open(request, cancelled.append), cancelled
+    key = next(_keys)
+    return Opened(key, out.open(request, key, cancelled.append), request), cancelled
 
 
 def feed(out: OutputProcessor, tracker, ids: list[int], finish: FinishReason | None = None) -> None:
     """One record per token, like one decode step each; `finish` rides on the last one."""
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        out.put([Emit(tracker, (token,), finish_reason=finish if last else None)])
+        out.put([Emit(tracker.key, (token,), finish_reason=finish if last else None)])
 
 
 async def collect(stream):
@@ -151,8 +164,8 @@ def test_slow_consumer_gets_one_merged_delta():
         tracker, _ = open_stream(out, logprobs=0)
         text = "the quick brown fox jumps over the lazy dog"
         for token in utf8(text):
-            out.put([Emit(tracker, (token,), (TokenLogprob(token, -0.5),))])
-        out.put([Emit(tracker, finish_reason=FinishReason.LENGTH)])
+            out.put([Emit(tracker.key, (token,), (TokenLogprob(token, -0.5),))])
+        out.put([Emit(tracker.key, finish_reason=FinishReason.LENGTH)])
         tracker.stream.result(timeout=5)  # everything produced before anyone reads
         deltas = asyncio.run(collect(tracker.stream))
     assert len(deltas) == 1
@@ -164,9 +177,9 @@ def test_error_record_ends_the_stream_with_the_message():
     with processor() as (out, _, finished):
         tracker, _ = open_stream(out)
         feed(out, tracker, utf8("ab"))
-        out.put([Emit(tracker, finish_reason=FinishReason.ERROR, error="engine failed: boom")])
+        out.put([Emit(tracker.key, finish_reason=FinishReason.ERROR, error="engine failed: boom")])
         deltas = asyncio.run(asyncio.wait_for(collect(tracker.stream), 5))
-        out.put([Emit(tracker, (99,))])  # late records for a finished request are ignored
+        out.put([Emit(tracker.key, (99,))])  # late records for a finished request are ignored
         done = tracker.stream.result(timeout=5)
     assert deltas[-1].error == "engine failed: boom"
     assert deltas[-1].finish_reason is FinishReason.ERROR
@@ -181,7 +194,7 @@ def test_result_times_out_and_cancel_reaches_the_scheduler():
             tracker.stream.result(timeout=0.05)
         tracker.stream.cancel()
         assert cancelled == [tracker.request.request_id]
-        out.put([Emit(tracker, finish_reason=FinishReason.CANCELLED)])
+        out.put([Emit(tracker.key, finish_reason=FinishReason.CANCELLED)])
         assert tracker.stream.result(timeout=5).finish_reason is FinishReason.CANCELLED
 
 
@@ -206,8 +219,8 @@ def test_broken_listener_does_not_stop_output():
         calls.append(metrics)
         raise RuntimeError("listener bug")
 
-    out = OutputProcessor(ByteTokenizer(), lambda rid: None, bad)
-    out.start()
+    out = OutputProcessor(ByteTokenizer())
+    out.start(lambda rid: None, bad)
     try:
         for text in ("one", "two"):
             tracker, _ = open_stream(out)
@@ -223,9 +236,9 @@ def test_release_and_metrics_come_before_the_stream_ends():
     delta was pushed, so whoever saw the stream end could read them before they happened."""
     seen: list[tuple[str, bool]] = []
     holder: list = []
-    out = OutputProcessor(ByteTokenizer(), lambda rid: seen.append(("release", holder[0].stream.finished)),
-                          lambda m: seen.append(("metrics", holder[0].stream.finished)))
-    out.start()
+    out = OutputProcessor(ByteTokenizer())
+    out.start(lambda rid: seen.append(("release", holder[0].stream.finished)),
+              lambda m: seen.append(("metrics", holder[0].stream.finished)))
     try:
         tracker, _ = open_stream(out, stop=("c",))
         holder.append(tracker)

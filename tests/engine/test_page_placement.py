@@ -89,7 +89,7 @@ def test_placement_keeps_refcounts_and_page_0_out():
 def _seq(rng: random.Random, prompt_len: int, max_tokens: int, shared: list[int]) -> Sequence:
     prompt = shared[:prompt_len // 2] + [rng.randrange(1000) for _ in range(prompt_len - prompt_len // 2)]
     return Sequence(Request(prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-                    tracker=None, order=next(_order))
+                    order=next(_order))
 
 
 def _check_books(p: StepPlanner) -> None:
@@ -185,7 +185,7 @@ def test_churn_with_a_full_prefix_cache_still_places_sequences_in_one_run(seed):
 
 def _admit(blocks: BlockManager, prompt: list[int], max_tokens: int = 1) -> Sequence:
     seq = Sequence(Request(prompt_ids=prompt, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-                   tracker=None, order=next(_order))
+                   order=next(_order))
     assert blocks.admit(seq)
     return seq
 

@@ -26,7 +26,7 @@ def planner(*, budget: int = 16, max_slots: int = 4, page_size: int = 4, num_pag
 def seq(prompt, max_tokens: int = 8, priority: int = 0, **params) -> Sequence:
     request = Request(prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens, **params),
                       priority=priority)
-    return Sequence(request, tracker=None, order=next(_order))
+    return Sequence(request, order=next(_order))
 
 
 def shape(plan: Plan) -> list[tuple[int, int, int, bool]]:

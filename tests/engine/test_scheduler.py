@@ -11,7 +11,7 @@ import pytest
 
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import FinishReason
-from slipstream.engine.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StepEvent
+from slipstream.engine.scheduler import OutputProcessor, RequestMetrics, Scheduler, SchedulerConfig, StepEvent
 from tests.engine.scheduler_helpers import (WAIT, ByteTokenizer, ascii_prompt, assert_all_released,
                                             chain, req, running, text_of, wait_for)
 
@@ -108,7 +108,7 @@ def test_each_step_stays_within_the_configured_budget_and_mixes_decodes_with_chu
 
 def test_a_budget_above_the_engine_largest_step_is_refused():
     with pytest.raises(ValueError, match="exceeds the engine's largest step of 16 tokens"):
-        Scheduler(MockEngine(max_num_batched_tokens=16), ByteTokenizer(),
+        Scheduler(MockEngine(max_num_batched_tokens=16), OutputProcessor(ByteTokenizer()),
                   SchedulerConfig(max_num_batched_tokens=17))
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         SchedulerConfig(max_num_batched_tokens=0)

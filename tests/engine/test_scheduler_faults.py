@@ -9,7 +9,8 @@ import pytest
 
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import FinishReason
-from slipstream.engine.scheduler import EngineUnavailable, Overloaded, PromptTooLong, Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import (EngineUnavailable, OutputProcessor, Overloaded, PromptTooLong, Scheduler,
+                                        SchedulerConfig)
 from tests.engine.scheduler_helpers import (WAIT, ByteTokenizer, assert_all_released, chain, req,
                                             running, text_of, wait_for)
 
@@ -184,7 +185,7 @@ def test_result_refuses_to_block_the_event_loop():
 
 def test_shutdown_drains_in_flight_requests_then_refuses():
     engine = MockEngine(max_slots=2, step_sleep_s=0.002)
-    sched = Scheduler(engine, ByteTokenizer(), SchedulerConfig())
+    sched = Scheduler(engine, OutputProcessor(ByteTokenizer()), SchedulerConfig())
     with pytest.raises(EngineUnavailable):
         sched.submit(req([40], 2))  # not started
     sched.start()
@@ -199,7 +200,7 @@ def test_shutdown_drains_in_flight_requests_then_refuses():
 
 def test_shutdown_timeout_fails_what_is_left():
     engine = MockEngine(step_sleep_s=0.01)
-    sched = Scheduler(engine, ByteTokenizer(), SchedulerConfig())
+    sched = Scheduler(engine, OutputProcessor(ByteTokenizer()), SchedulerConfig())
     sched.start()
     stream = sched.submit(req([40], 100))
     start = time.monotonic()
@@ -210,10 +211,10 @@ def test_shutdown_timeout_fails_what_is_left():
 
 
 def test_shutdown_is_idempotent_started_or_not():
-    never_started = Scheduler(MockEngine(), ByteTokenizer())
+    never_started = Scheduler(MockEngine(), OutputProcessor(ByteTokenizer()))
     never_started.shutdown(timeout=1)
     never_started.shutdown(timeout=1)
-    started = Scheduler(MockEngine(), ByteTokenizer())
+    started = Scheduler(MockEngine(), OutputProcessor(ByteTokenizer()))
     started.start()
     started.shutdown(timeout=1)
     started.shutdown(timeout=1)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from slipstream.engine.request import FinishReason, Request, SamplingParams
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from tests.engine.test_runner import dense_last_logits
 
 
@@ -46,7 +46,7 @@ def test_randomized_workload_completes_with_alone_outputs(tiny_engine, tiny_mode
     cfg, params = tiny_model
     rnd = random.Random(7)
     engine = _SmallBudget(tiny_engine, num_pages=22)  # 21 usable pages of 8 tokens for 4 slots
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(max_queue=256, max_num_batched_tokens=24))
+    scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(max_queue=256, max_num_batched_tokens=24))
     scheduler.start()
     shared = [[rnd.randrange(3, 256) for _ in range(rnd.choice([8, 16, 24]))] for _ in range(4)]
     requests, cancel_ids = [], set()

@@ -109,7 +109,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     order = itertools.count()
 
     def seq(prompt, **params):
-        return Sequence(Request(list(prompt), SamplingParams(**params)), tracker=None, order=next(order))
+        return Sequence(Request(list(prompt), SamplingParams(**params)), order=next(order))
 
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2,
                              disable_by_batch_size=4)

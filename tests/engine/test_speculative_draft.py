@@ -9,7 +9,7 @@ import random
 import pytest
 
 from slipstream.engine.request import FinishReason, Request, SamplingParams
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.engine.speculative import SpeculativeConfig, Speculator
 from tests.conftest import TINY_ENGINE, build_tiny_hf
 from tests.engine.test_scheduler_real import _Detok, _greedy_alone, _SmallBudget
@@ -42,7 +42,7 @@ def draft(request, tiny_model, tmp_path_factory):
 
 def _run(engine, requests, proposer, **config):
     spec = SPEC if proposer is not None else None
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec, proposer=proposer, **config))
+    scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(speculative=spec, proposer=proposer, **config))
     scheduler.start()
     try:
         return scheduler.generate([Request(r.prompt_ids, r.params) for r in requests]), scheduler.stats()

@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.request import FinishReason, Request, SamplingParams
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.engine.speculative import SpeculativeConfig
 from slipstream.server.metrics import Metrics
 from tests.conftest import TINY_ENGINE
@@ -29,7 +29,7 @@ def spec_engine(tiny_model):
 
 
 def _run(engine, requests, spec, *, metrics=None, **config):
-    scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=spec, **config))
+    scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(speculative=spec, **config))
     registry = Metrics(scheduler, lambda: 0)
     scheduler.start()
     try:
@@ -153,10 +153,8 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
            "when he reached the lamp room he wiped the glass until it shone.")
 
 
-def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_model_path):
-    from slipstream.models.registry import load_tokenizer
-
-    tokenizer = load_tokenizer(default_model_path)
+def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_engine, default_tokenizer):
+    tokenizer = default_tokenizer
     asks = ["Repeat the following text exactly.", "Copy this paragraph word for word.",
             "Write the text below again, unchanged."]
     requests = [Request(tokenizer.encode(tokenizer.apply_chat_template(
@@ -172,7 +170,7 @@ def test_default_model_repeat_prompts_accept_drafts_and_equal_greedy(default_eng
 
 
 def _run_tok(engine, tokenizer, requests, spec):
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(speculative=spec))
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(speculative=spec))
     scheduler.start()
     try:
         return scheduler.generate([Request(r.prompt_ids, r.params) for r in requests]), scheduler.stats()

@@ -116,7 +116,7 @@ def test_scheduler_drawn_outputs_keep_their_distribution_with_ngram_drafts(tiny_
     accepted and rejected), each output position distributed as without speculation."""
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from slipstream.engine.request import Request
-    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.engine.speculative import SpeculativeConfig
     from tests.engine.test_scheduler_real import _Detok, _greedy_alone
 
@@ -128,7 +128,7 @@ def test_scheduler_drawn_outputs_keep_their_distribution_with_ngram_drafts(tiny_
     prompt = [5, 9, 11] + _greedy_alone(cfg, params, [5, 9, 11], 30)
 
     def outputs(speculative, seeds):
-        scheduler = Scheduler(engine, _Detok(), SchedulerConfig(speculative=speculative))
+        scheduler = Scheduler(engine, OutputProcessor(_Detok()), SchedulerConfig(speculative=speculative))
         scheduler.start()
         try:
             out = []

@@ -21,10 +21,8 @@ EOS = 2        # <|im_end|>
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from slipstream.models.registry import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -202,14 +200,14 @@ def test_a_constrained_slot_is_not_fed_before_its_sample_is_collected(engine, to
 def test_scheduler_runs_constrained_and_free_requests_together_exactly(engine, tokenizer, compiler):
     """The scheduler never launches a constrained sequence's next step ahead of its sample (the engine
     would refuse), overlaps steps when no grammar runs, and every output equals the host loop's."""
-    from slipstream.engine.scheduler import Scheduler
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler
 
     prompt = tokenizer.encode("Answer:", add_special_tokens=False)
     constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=12,
                                  constraint=compiler.compile(Constraint("regex", "[0-9]{3}-[a-z]{2}")))
     free = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
     want = [ids for _, _, ids in generate(engine, tokenizer, [(prompt, constrained), (prompt, free)])]
-    scheduler = Scheduler(engine, tokenizer)
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer))
     scheduler.start()
     try:
         alone = scheduler.submit(Request(prompt, free)).result(timeout=120)

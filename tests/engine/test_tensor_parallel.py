@@ -1,7 +1,8 @@
 """Tensor parallel on 8 virtual CPU devices: greedy tokens at TP=2 and 4 equal the single-device
 engine's, weights, int8 scales and KV pages are really split across the devices, and a repeated
-workload compiles nothing. JAX reads XLA_FLAGS when its CPU backend starts, so each case runs in a
-fresh Python process (this file's __main__), which reports what it saw as JSON."""
+workload compiles nothing. JAX reads XLA_FLAGS when its CPU backend starts, so the cases run in a
+fresh Python process (this file's __main__), which reports what it saw as JSON: one process for all the
+tiny models' cases per kernel setting (each process costs seconds of start-up), one for the default model."""
 from __future__ import annotations
 
 import json
@@ -143,16 +144,46 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
     return report
 
 
-def _run(model_path: str, quantize: str, kernels: str, tps: tuple[int, ...] = TPS, kv_cache_dtype: str = "auto"
-         ) -> dict:
+def _run(cases: list[dict], kernels: str) -> list[dict]:
+    """Reports of worker(**case) for each case, in one process with SLIPSTREAM_KERNELS=kernels."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
            "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_path, quantize, ",".join(map(str, tps)),
-                          kv_cache_dtype],
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["devices"] == DEVICES
+    reports = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(reports) == len(cases) and all(r["devices"] == DEVICES for r in reports)
+    return reports
+
+
+# The tiny models' cases by kernel setting: name -> (family, quantize, kv_cache_dtype).
+TINY_CASES = {
+    "auto": {"none": ("llama", "none", "auto"), "q8_0-a16": ("llama", "q8_0-a16", "auto"),
+             "kv8": ("llama", "none", "int8"), "gemma3": ("gemma3", "q8_0-a16", "auto"),
+             **{f: (f, "q8_0-a16", "auto") for f in ("qwen2", "qwen3", "mistral")}},
+    "reference": {"none": ("llama", "none", "auto"), "q8_0-a16": ("llama", "q8_0-a16", "auto")},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory, tiny_llama_dir):
+    """report(kernels, case): that case's report; the first ask runs every case of its kernel setting."""
+    from tests.conftest import build_tiny_hf
+
+    paths = {"llama": tiny_llama_dir}
+    reports: dict[str, dict[str, dict]] = {}
+
+    def report(kernels: str, case: str) -> dict:
+        if kernels not in reports:
+            cases = TINY_CASES[kernels]
+            for family, _, _ in cases.values():
+                if family not in paths:
+                    paths[family] = build_tiny_hf(str(tmp_path_factory.mktemp(f"tp-{family}")), family)
+            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": TPS, "kv_cache_dtype": kv}
+                         for family, quantize, kv in cases.values()], kernels)
+            reports[kernels] = dict(zip(cases, runs))
+        return reports[kernels][case]
+
     return report
 
 
@@ -167,13 +198,10 @@ def _assert_same_tokens_no_recompiles(report: dict) -> None:
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("quantize", ["none", "q8_0-a16"])
-def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tmp_path_factory, quantize, kernels):
+def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tiny_report, quantize, kernels):
     """Tiny Llama (4 query heads over 2 KV heads): TP=2 splits whole GQA groups, TP=4 has fewer KV
     heads than devices (each device keeps a copy of its group's KV head)."""
-    from tests.conftest import build_tiny_hf
-
-    model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("tp-llama")), "llama")
-    report = _run(model_dir, quantize, kernels)
+    report = tiny_report(kernels, quantize)
     if kernels == "auto" and not report["native"]:
         pytest.skip("native kernels not built: the reference case covers the rest")
     _assert_same_tokens_no_recompiles(report)
@@ -208,14 +236,11 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tmp_path_f
         assert r["kv_layout"] == ("split" if tp == 2 else "repeated")
 
 
-def test_tensor_parallel_int8_kv_cache(tmp_path_factory):
+def test_tensor_parallel_int8_kv_cache(tiny_report):
     """int8 KV pages and their per-token-head scales split on the head axis alike. (The pure-JAX
     attention under TP runs in the greedy test's reference cases, with f32 KV; int8 KV with it is left
     out of the suite's time, ~25 s on 2 cores.)"""
-    from tests.conftest import build_tiny_hf
-
-    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp("tp-kv8")), "llama"), "none", "auto",
-                  kv_cache_dtype="int8")
+    report = tiny_report("auto", "kv8")
     _assert_same_tokens_no_recompiles(report)
     for tp in (2, 4):
         cache = report["tp"][str(tp)]["cache"]
@@ -224,12 +249,10 @@ def test_tensor_parallel_int8_kv_cache(tmp_path_factory):
         assert cache["k_scale"]["devices"] == tp
 
 
-def test_tensor_parallel_gemma3_int8(tmp_path_factory):
+def test_tensor_parallel_gemma3_int8(tiny_report):
     """Gemma 3: sliding and global layers under one scan, the int8 LM head built from the tied
     embedding, soft-capped logits."""
-    from tests.conftest import build_tiny_hf
-
-    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp("tp-gemma3")), "gemma3"), "q8_0-a16", "auto")
+    report = tiny_report("auto", "gemma3")
     _assert_same_tokens_no_recompiles(report)
     for tp in (2, 4):
         assert report["tp"][str(tp)]["weights"]["lm_head.w.q"]["shapes"] == [[16 // tp, 64 * 16]]
@@ -237,12 +260,10 @@ def test_tensor_parallel_gemma3_int8(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_tensor_parallel_other_architectures(tmp_path_factory, family):
+def test_tensor_parallel_other_architectures(tiny_report, family):
     """q/k/v biases split with their heads (Qwen2), q/k norms over head_dim (Qwen3), sliding window
     (Mistral): int8 weights, greedy tokens at TP=2 and 4 equal TP=1's."""
-    from tests.conftest import build_tiny_hf
-
-    report = _run(build_tiny_hf(str(tmp_path_factory.mktemp(f"tp-{family}")), family), "q8_0-a16", "auto")
+    report = tiny_report("auto", family)
     _assert_same_tokens_no_recompiles(report)
     assert [report["tp"][str(tp)]["kv_layout"] for tp in (2, 4)] == ["split", "repeated"]
 
@@ -253,7 +274,7 @@ def test_tensor_parallel_default_model(default_model_path):
     replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
     devices 2 and 3. (TP=4, the same layout as TP=2, is left to the tiny model: each degree compiles
     the 30 layers again, ~25 s on a 2-core Zen 3.)"""
-    report = _run(default_model_path, "q8_0-a16", "auto", (1, 3, "2x2"))
+    [report] = _run([{"model_path": default_model_path, "quantize": "q8_0-a16", "tps": (1, 3, "2x2")}], "auto")
     _assert_same_tokens_no_recompiles(report)
     assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
     for label, tp in (("3", 3), ("2x2", 2)):
@@ -266,4 +287,4 @@ def test_tensor_parallel_default_model(default_model_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(worker(sys.argv[1], sys.argv[2], tuple(sys.argv[3].split(",")), sys.argv[4])))
+    print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app
 from slipstream.server.cli import build_engine, build_parser
 from slipstream.server.service import Service, ServiceConfig
@@ -24,7 +24,7 @@ SMALL = ["--max-slots", "2", "--max-seq-len", "64", "--kv-cache-memory", "2MiB",
 
 def _serve(args):
     engine, tokenizer, _ = build_engine(args)
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=8))
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))

@@ -118,13 +118,12 @@ def test_int8_kv_holds_more_pages_in_the_same_memory(tiny_model):
     assert ratio == pytest.approx(expected, rel=0.02)
 
 
-def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_model_path):
+def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_model_path, default_tokenizer):
     """The default model as the server loads it in q8_0-a16 (int8 straight from its Q4_1/Q8_0 GGUF
     blocks, two-part activations) greedy-decodes the same 16 tokens as f32."""
     from slipstream.models.loader import load_gguf
-    from slipstream.models.registry import load_tokenizer
 
-    tok = load_tokenizer(default_model_path)
+    tok = default_tokenizer
     texts = ["The capital of France is", "def fibonacci(n):\n",
              "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"]
     prompts = [tok.encode(t) for t in texts]

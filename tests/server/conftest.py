@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import SlipstreamServer, create_app, make_server
 from slipstream.server.service import Service, ServiceConfig
 
@@ -139,7 +139,7 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     engines = [MockEngine(**engine_kwargs) for _ in range(replicas)]
     engine = engines[0]
     tokenizer = ByteTokenizer()
-    schedulers = [Scheduler(e, tokenizer, SchedulerConfig(max_queue=max_queue)) for e in engines]
+    schedulers = [Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig(max_queue=max_queue)) for e in engines]
     scheduler = schedulers[0] if replicas == 1 else ReplicaSet(schedulers)
     if start:
         scheduler.start()

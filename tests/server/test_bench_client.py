@@ -17,8 +17,8 @@ TAIL = 0.10  # p90/p99 of 84 ITL gaps: a client wake-up delayed ~10 ms on a load
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    return bench.load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # what bench.load_tokenizer gives for this path
 
 
 @pytest.fixture(autouse=True)

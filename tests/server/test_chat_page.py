@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from slipstream.engine.mock_engine import MockEngine
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app, make_server
 from slipstream.server.cli import build_parser
 from slipstream.server.service import Service, ServiceConfig
@@ -56,7 +56,7 @@ class ScriptedTokenizer(ByteTokenizer):
 def start_scripted(tokenizer: ScriptedTokenizer) -> LiveServer:
     engine = MockEngine(vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=512,
                         max_slots=2, num_pages=256, step_sleep_s=0.01)
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig())
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig())
     scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
     sock = socket.socket()

@@ -12,8 +12,7 @@ import pytest
 
 from slipstream.engine.grammar_cost import MAX_REGEX_SIZE
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
-from slipstream.models.registry import load_tokenizer
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app
 from slipstream.server.service import Service, ServiceConfig
 from tests.server.conftest import run_http
@@ -26,12 +25,12 @@ SMALL = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0
 
 
 @pytest.fixture(scope="module")
-def url(default_model, default_model_path):
+def url(default_model, default_tokenizer):
     cfg, params = default_model
-    tokenizer = load_tokenizer(default_model_path)
+    tokenizer = default_tokenizer
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=8, page_size=16, max_seq_len=512, num_pages=128,
                                                  max_num_batched_tokens=128), precompile=False)
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="smollm2"))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))

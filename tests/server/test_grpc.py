@@ -14,7 +14,8 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from slipstream.engine.mock_engine import MockEngine
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.request import DEFAULT_MAX_TOKENS
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app, make_server
 from slipstream.server.grpc_service import prepare_decode, start_grpc_server
 from slipstream.server.proto import generate
@@ -136,7 +137,7 @@ def test_sampling_extension_reaches_the_engine(rpc: GrpcLive, live: LiveServer) 
     assert (params.temperature, params.top_k, params.seed, params.stop) == (pytest.approx(0.7), 5, 3, ("g",))
     # Without the extension: greedy, as JetStream engines decode; max_tokens 0 is the default.
     params = prepare_decode(live.service, text_request("abc", 0), (BOS,)).params
-    assert (params.temperature, params.max_tokens, params.n) == (0.0, live.service.config.default_max_tokens, 1)
+    assert (params.temperature, params.max_tokens, params.n) == (0.0, DEFAULT_MAX_TOKENS, 1)
 
 
 @pytest.mark.parametrize("request_, blamed", [
@@ -227,7 +228,7 @@ def test_http_and_grpc_on_one_event_loop_serve_at_the_same_time() -> None:
     """As `slipstream serve --grpc-port` runs them: uvicorn and grpc.aio on one loop, one Service."""
     engine = MockEngine(vocab_size=ByteTokenizer.vocab_size, eos_token_ids=frozenset({EOS}), max_seq_len=128,
                         max_slots=4, num_pages=128, step_sleep_s=0.01)
-    scheduler = Scheduler(engine, ByteTokenizer(), SchedulerConfig())
+    scheduler = Scheduler(engine, OutputProcessor(ByteTokenizer()), SchedulerConfig())
     scheduler.start()
     service = Service(scheduler, engine, ByteTokenizer(), ServiceConfig(model_name=MODEL))
     sock = socket.socket()

@@ -129,10 +129,8 @@ class _ServedModel:
 
 
 @pytest.fixture(scope="module")
-def served_model(default_model_path) -> _ServedModel:
-    from slipstream.models.registry import load_tokenizer
-
-    return _ServedModel(load_tokenizer(default_model_path))
+def served_model(default_tokenizer) -> _ServedModel:
+    return _ServedModel(default_tokenizer)
 
 
 PAREN = "(" * 5000 + "a" + ")" * 5000

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("peft")
 
 from slipstream.engine.lora_registry import LoraRegistry  # noqa: E402
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig  # noqa: E402
 from slipstream.models.lora import load_adapter  # noqa: E402
 from slipstream.server.app import create_app  # noqa: E402
 from slipstream.server.grpc_service import prepare_decode  # noqa: E402
@@ -49,7 +49,7 @@ def server(tiny_llama_dir, tiny_model, tiny_lora_adapters, tiny_lora_engine):
     engine = tiny_lora_engine
     registry = LoraRegistry(lambda n, p: load_adapter(n, p, engine.lora.targets, cfg.num_layers, 8), root)
     registry.load("attn", "attn")
-    scheduler = Scheduler(engine, IdTokenizer(), SchedulerConfig(max_queue=64))
+    scheduler = Scheduler(engine, OutputProcessor(IdTokenizer()), SchedulerConfig(max_queue=64))
     scheduler.start()
     service = Service(scheduler, engine, IdTokenizer(), ServiceConfig(model_name=BASE), lora=registry)
     app = create_app(service, api_key=KEY, web_ui=False, lora_updates=True)

@@ -12,16 +12,15 @@ import openai
 import pytest
 
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.models.loader import load_hf_dir
-from slipstream.models.registry import load_tokenizer
 from slipstream.server.app import create_app, make_server
 from slipstream.server.service import Service, ServiceConfig
 from tests.conftest import build_tiny_hf
 
 
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory, default_model_path):
+def real_server(tmp_path_factory, default_tokenizer):
     import transformers
 
     path = str(tmp_path_factory.mktemp("tiny-smol-vocab"))
@@ -30,10 +29,10 @@ def real_server(tmp_path_factory, default_model_path):
                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
     cfg, params = load_hf_dir(path)
-    tokenizer = load_tokenizer(default_model_path)
+    tokenizer = default_tokenizer
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
                                                  max_num_batched_tokens=64), eos_token_ids=tuple(tokenizer.eos_token_ids))
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="tiny"))
     app = create_app(service, api_key=None)
     scheduler.start()

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from slipstream.engine.mock_engine import MockEngine
-from slipstream.engine.scheduler import Overloaded, Scheduler
+from slipstream.engine.scheduler import OutputProcessor, Overloaded, Scheduler
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
 from slipstream.server.errors import ServiceError
 from slipstream.server.openai_api import prepare_chat, prepare_completion
@@ -35,7 +35,7 @@ ENGINE_ARGS = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozense
 
 @pytest.fixture
 def scheduler():
-    sched = Scheduler(MockEngine(**ENGINE_ARGS), ByteTokenizer())
+    sched = Scheduler(MockEngine(**ENGINE_ARGS), OutputProcessor(ByteTokenizer()))
     sched.start()
     yield sched
     sched.shutdown(timeout=2)

@@ -11,8 +11,7 @@ import pydantic
 import pytest
 
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
-from slipstream.engine.scheduler import Scheduler, SchedulerConfig
-from slipstream.models.registry import load_tokenizer
+from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app
 from slipstream.server.service import Service, ServiceConfig
 from tests.server.conftest import run_http
@@ -21,12 +20,12 @@ MODEL = "smollm2"
 
 
 @pytest.fixture(scope="module")
-def served(default_model, default_model_path):
+def served(default_model, default_tokenizer):
     cfg, params = default_model
-    tokenizer = load_tokenizer(default_model_path)
+    tokenizer = default_tokenizer
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=1024, num_pages=256,
                                                  max_num_batched_tokens=256), precompile=False)
-    scheduler = Scheduler(engine, tokenizer, SchedulerConfig(max_queue=32))
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=32))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))

@@ -142,8 +142,9 @@ def test_grpc_over_a_unix_socket_decodes(live, tmp_path) -> None:
 # ---- slipstream bench ----------------------------------------------------------------------------
 
 
-def test_bench_over_a_unix_socket_agrees_with_tcp(make_live, tmp_path, default_model_path, monkeypatch) -> None:
-    tokenizer = bench.load_tokenizer(default_model_path)
+def test_bench_over_a_unix_socket_agrees_with_tcp(make_live, tmp_path, default_model_path, default_tokenizer,
+                                                  monkeypatch) -> None:
+    tokenizer = default_tokenizer
     monkeypatch.setattr(bench, "load_tokenizer", lambda name: tokenizer)  # loading the GGUF takes seconds
     config = dict(step_sleep_s=0.002, max_seq_len=256, num_pages=300)
     tcp, uds = make_live(**config), make_live(uds=str(tmp_path / "b.sock"), **config)

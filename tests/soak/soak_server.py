@@ -39,7 +39,7 @@ class ByteTokenizer:
 
 def serve(args: argparse.Namespace) -> int:
     from slipstream.engine.mock_engine import MockEngine
-    from slipstream.engine.scheduler import Scheduler, SchedulerConfig
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.app import create_app, make_server
     from slipstream.server.service import Service, ServiceConfig
 
@@ -49,7 +49,7 @@ def serve(args: argparse.Namespace) -> int:
     # would grow RSS without bound, so keep only its tail (the soak injects no failures).
     engine.step_log = collections.deque(maxlen=256)  # type: ignore[assignment]
     engine.events = collections.deque(maxlen=256)  # type: ignore[assignment]
-    scheduler = Scheduler(engine, ByteTokenizer(), SchedulerConfig(max_queue=args.max_queue))
+    scheduler = Scheduler(engine, OutputProcessor(ByteTokenizer()), SchedulerConfig(max_queue=args.max_queue))
     service = Service(scheduler, engine, ByteTokenizer(), ServiceConfig(model_name="soak"))
     app = create_app(service, api_key=None)
     scheduler.start()

@@ -1,0 +1,34 @@
+"""The SLIPSTREAM_* variables the kernels read, as typed settings (name, type, default, doc); the
+server's list (server/settings.py) includes them. Code reads a variable through its Setting, never
+os.environ directly (tests/test_docs.py checks), so each one is listed and documented once."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting(Generic[T]):
+    name: str                  # the environment variable
+    parse: Callable[[str], T]  # its text -> the value
+    default: T                 # when it is unset
+    doc: str
+
+    def get(self) -> T:
+        """The value now (read on every call: tests and tools set variables after import)."""
+        raw = os.environ.get(self.name)
+        return self.default if raw is None else self.parse(raw)
+
+
+KERNELS = Setting("SLIPSTREAM_KERNELS", str.lower, "auto",
+                  "reference: run the pure-JAX reference of every kernel instead of the native CPU ones (logged)")
+KV_LOAD_AHEAD: Setting[str | None] = Setting(
+    "SLIPSTREAM_KV_LOAD_AHEAD", str, None,
+    "all|scattered: the CPU attention kernel's K/V load-ahead; unset: this CPU's default (logged at start-up)")
+KV_HUGE_PAGES = Setting("SLIPSTREAM_KV_HUGE_PAGES", lambda text: text != "0", True,
+                        "0: keep the CPU K/V cache off 2 MiB pages")
+
+KERNEL_SETTINGS: tuple[Setting, ...] = (KERNELS, KV_LOAD_AHEAD, KV_HUGE_PAGES)
