@@ -64,8 +64,10 @@ def check_lora_args(args: argparse.Namespace) -> None:
 def build_registry(args: argparse.Namespace, engine) -> LoraRegistry | None:
     """The registry over `engine`'s LoRA slots, with --lora-modules loaded (a bad one stops start-up
     with its LoraError); None when LoRA is off."""
-    if engine.lora is None:
+    if not lora_slots(args):
         return None
+    if getattr(engine, "lora", None) is None:
+        raise ValueError(f"LoRA adapters were asked for, but the {type(engine).__name__} has no LoRA slots")
     slots, layers, max_rank = engine.lora, engine.model_cfg.num_layers, engine.config.max_lora_rank
     registry = LoraRegistry(lambda name, path: load_adapter(name, path, slots.targets, layers, max_rank),
                             args.lora_root)
