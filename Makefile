@@ -27,9 +27,11 @@ $(TEST_STAMP): $(RUNTIME_STAMP) pyproject.toml
 serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/slipstream serve --host 127.0.0.1 --port 8000
 
-# The suite includes the short fault soak (tests/server/test_soak.py, ~20 s).
+# The suite includes the short fault soak (tests/server/test_soak.py, ~20 s). It runs on two
+# pytest-xdist workers (whole files per worker), then the `serial` tests alone in one process.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # The quick loop: the suite without the tests that start processes or run the default model end to end.
 test-quick: $(TEST_STAMP)

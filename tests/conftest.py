@@ -85,16 +85,25 @@ SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", 
                 "test_unix_socket", "test_chat_page", "test_grammar_abuse", "test_real_engine",
                 "test_lora_tensor_parallel")
 
+# Tests that assert the process-wide compile count across a long window: `make test` runs the rest on
+# two pytest-xdist workers, then these alone in one process, where no other test's engine compiles
+# beside them.
+SERIAL_MODULES = ("test_lora_serving",)
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+        name = item.module.__name__.rpartition(".")[2]
+        if name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts other processes or runs the default model end to end "
                                        "(deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "serial: run alone in one process after the parallel part of `make test`")
     # One persistent XLA cache for the whole run (and later runs): engines built by different
     # tests compile the same buckets, and the cache turns those repeats into loads.
     from slipstream.engine.device.compile_count import enable_compilation_cache
