@@ -13,7 +13,7 @@ from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerCon
 from slipstream.engine.speculative import SpeculativeConfig, Speculator
 from tests.conftest import TINY_ENGINE, build_tiny_hf
 from tests.engine.test_scheduler_real import _Detok, _greedy_alone, _SmallBudget
-from tests.engine.test_speculative_engine import _prompts
+from tests.engine.test_speculative_engine import _prompts, prefix_sharing_requests
 
 ENGINE = {**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}
 SPEC = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3, disable_by_batch_size=16)
@@ -84,12 +84,7 @@ def test_draft_model_with_prefix_hits_and_preemption_matches_greedy_alone(target
     cfg, params = tiny_model
     _, draft_engine = draft
     rnd = random.Random(11)
-    shared = [(m * 6)[:16] for m in ([7, 8, 9], [20, 21, 22, 23])]
-    requests = []
-    for i in range(30):
-        prompt = (rnd.choice(shared) if i % 3 else []) + _prompts(rnd, 2)[i % 2][:12]
-        requests.append(Request(prompt, SamplingParams(temperature=0.0, max_tokens=rnd.randint(1, 24),
-                                                       ignore_eos=True)))
+    requests = prefix_sharing_requests(rnd)
     engine = _SmallBudget(target, num_pages=14)  # 13 usable pages of 8 tokens: preemption
     results, stats = _run(engine, requests, DraftModelProposer(draft_engine, target.vocab_size),
                           max_num_batched_tokens=24)

@@ -102,16 +102,22 @@ def test_greedy_equal_with_and_without_speculation_mixed_with_sampled(spec_engin
             f'{float(stats.spec_accepted_per_pos["0"])}') in text
 
 
-def test_speculation_with_prefix_hits_and_preemption_matches_greedy_alone(spec_engine, tiny_model):
-    cfg, params = tiny_model
-    rnd = random.Random(11)
-    engine = _SmallBudget(spec_engine, num_pages=14)  # 13 usable pages of 8 tokens
+def prefix_sharing_requests(rnd) -> list[Request]:
+    """30 greedy requests, two in three opening with one of two shared 16-token prefixes (prefix hits)."""
     shared = [(m * 6)[:16] for m in ([7, 8, 9], [20, 21, 22, 23])]
     requests = []
     for i in range(30):
         prompt = (rnd.choice(shared) if i % 3 else []) + _prompts(rnd, 2)[i % 2][:12]
         requests.append(Request(prompt, SamplingParams(temperature=0.0, max_tokens=rnd.randint(1, 24),
                                                        ignore_eos=True)))
+    return requests
+
+
+def test_speculation_with_prefix_hits_and_preemption_matches_greedy_alone(spec_engine, tiny_model):
+    cfg, params = tiny_model
+    rnd = random.Random(11)
+    engine = _SmallBudget(spec_engine, num_pages=14)  # 13 usable pages of 8 tokens
+    requests = prefix_sharing_requests(rnd)
     results, stats = _run(engine, requests, SPEC, max_num_batched_tokens=24)
     for req, res in zip(requests, results):
         assert res.error is None, res.error
