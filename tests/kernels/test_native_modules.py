@@ -11,7 +11,7 @@ from slipstream.kernels import native
 MODULES = {  # module -> (FFI targets, its instruction sets, slowest first)
     "sampling": ({"slipstream_sample_tokens", "slipstream_top_logprobs"}, ("portable", "avx2", "avx512")),
     "f32_matmul": ({"slipstream_f32_matmul"}, ("portable", "avx2", "avx512")),
-    "q8_matmul": ({"slipstream_q8_matmul"}, ("portable", "avx2", "avx512_vnni")),
+    "q8_matmul": ({"slipstream_q8_matmul"}, ("portable", "avx2", "avx512_vnni", "amx")),
     "ragged_paged_attention": ({"slipstream_ragged_paged_attention", "slipstream_ragged_paged_attention_int8"},
                                ("portable", "avx2", "avx512", "avx512_vnni")),
 }
@@ -40,7 +40,7 @@ def test_module_glue(module):
             with pytest.raises(ValueError, match="cannot run"):
                 ext.set_isa(isa)
             assert ext.isa() == best
-        for name in {"sse9", "portable", "avx2", "avx512", "avx512_vnni"} - set(isas):  # no path of that name
+        for name in {"sse9", "portable", "avx2", "avx512", "avx512_vnni", "amx"} - set(isas):  # no path of that name
             with pytest.raises(ValueError, match="unknown instruction set"):
                 ext.set_isa(name)
     finally:

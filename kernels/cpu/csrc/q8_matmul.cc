@@ -84,7 +84,7 @@ constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
 constexpr int kQuantRows = 4;   // rows per activation-quantization claim (a row block holds 16)
 
-rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni};
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni, Isa::kAmx};
 
 // Quantized activations: `parts` int8 rows per input row (act row m * parts + p), Kp bytes each,
 // and per act row and group its scale, the accumulator's starting value -128 * sum(xq), and the
@@ -94,6 +94,11 @@ struct Acts {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
   std::vector<int32_t> bias;
+  std::vector<uint16_t> hi, lo;  // the tile unit's two-part path: x as bf16 hi + lo, [rows][Kp] each
+  void ResizeBf16(int rows) {
+    hi.resize(static_cast<size_t>(rows) * kp);
+    lo.resize(static_cast<size_t>(rows) * kp);
+  }
   void Resize(int rows) {
     const size_t act_rows = static_cast<size_t>(rows) * parts;
     q.resize(act_rows * kp);
@@ -702,6 +707,239 @@ constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, 
 
 #endif  // SLIPSTREAM_X86
 
+
+// ---- AMX: 16 input rows x one tile of 16 columns per micro block ---------------------------------
+// tdpbsud multiplies signed by unsigned bytes, our act rows (xq) by the packed weights (w + 128), so one
+// tile of 16 act rows (32 bytes of a group each, the A operand) times a tile's group (8 rows of 64 bytes:
+// [k/4][16 columns][4], the B operand's layout as packed) gives the 16 x 16 int32 sums of the group
+// without the shift's correction, which the post-processing adds as the VNNI path's accumulators start
+// with it (-128 * sum(xq)). The int32 sums, the combining of two parts (254 * acc0 + acc1) and the float
+// work per group are those of TileAvx512, in the same order: both paths give the same bits.
+// The tile unit does a group (K = 32 of the instruction's 64) in the time of a full tile, so the per-group
+// scales cap it at half the unit's peak; the float work per group and row runs on the vector ports
+// beside it. Tiles: C in tmm0/tmm1 (even groups) and tmm2/tmm3 (odd; part 0 and 1), A in tmm4/tmm5
+// (part 0 and 1), B in tmm6 (even) and tmm7 (odd).
+constexpr int kAmxRows = 16;  // act-row tile height: input rows per micro block
+// From this many input rows an item runs on the tile unit; fewer stay on the VNNI micro kernels (a
+// 16-row tile then holds mostly padding). Measured (benchmarks/kernel_int8.py --amx-crossover, Xeon
+// with AMX): see kernels docs.
+constexpr int kAmxMinRows = 8;
+
+struct AmxConfig {  // LDTILECFG's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, kGroup, kGroup, 64, 64};
+  uint8_t rows[16] = {kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kGroup / 4, kGroup / 4};
+};
+// A global, not a local: GCC 12 does not see LDTILECFG read its operand and drops a local's stores.
+alignas(64) const AmxConfig kAmxConfig{};
+
+#if defined(SLIPSTREAM_X86)
+// The C tiles' int32 sums of group g for the 16 rows starting at act row row0, parts P: C0 (and C1) of
+// part 0 (and 1), A tiles tmm4 (and tmm5), B tile B. The tile intrinsics take their tile numbers as
+// literals in the instruction text, hence a macro over the even and odd groups' tiles.
+#define SLIPSTREAM_AMX_GROUP(NAME, C0, C1, B)                                                              \
+  template <int P>                                                                                        \
+  __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void NAME(                           \
+      const Problem& p, const Acts& a, const uint8_t* w, int row0, int g, int32_t(*c)[kAmxRows * kTile]) { \
+    const int8_t* xq = a.q.data() + static_cast<size_t>(row0) * p.kp + g * kGroup;                       \
+    const size_t stride = static_cast<size_t>(P) * p.kp;                                                  \
+    _tile_loadd(B, w + static_cast<size_t>(g) * kGroup * kTile, 64);                                     \
+    _tile_loadd(4, xq, stride);                                                                           \
+    _tile_zero(C0);                                                                                       \
+    _tile_dpbsud(C0, 4, B);                                                                               \
+    if constexpr (P == 2) {                                                                               \
+      _tile_loadd(5, xq + p.kp, stride);                                                                  \
+      _tile_zero(C1);                                                                                     \
+      _tile_dpbsud(C1, 5, B);                                                                             \
+    }                                                                                                     \
+    _tile_stored(C0, c[0], 64);                                                                           \
+    if constexpr (P == 2) _tile_stored(C1, c[P - 1], 64);                                                 \
+  }
+SLIPSTREAM_AMX_GROUP(AmxGroupEven, 0, 1, 6)
+SLIPSTREAM_AMX_GROUP(AmxGroupOdd, 2, 3, 7)
+#undef SLIPSTREAM_AMX_GROUP
+
+// Input rows row0 / P .. + rows - 1 (rows <= 16; act rows past them are read, not used), tile `tile`
+// whose 8-bit weights (w + 128, as packed) start at w, over all groups. Software-pipelined: the tile unit
+// works on group g + 1 (its own C tiles and store buffer) while the vector ports scale group g's sums, so
+// that neither waits on the other, and the vector loads of a tile store's rows come a group after it.
+template <int P>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
+void TileAmx(const Problem& p, const Acts& a, const uint8_t* w, int row0, int rows, int tile) {
+  __m512 f[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) f[r] = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][P][kAmxRows * kTile];
+  const uint16_t* ws = p.ws + tile * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
+  const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
+  const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
+  const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
+  AmxGroupEven<P>(p, a, w, row0, 0, c[0]);
+  for (int g = 0; g < p.groups; ++g) {
+    if (g + 1 < p.groups) {
+      if (g & 1) AmxGroupEven<P>(p, a, w, row0, g + 1, c[0]);
+      else AmxGroupOdd<P>(p, a, w, row0, g + 1, c[1]);
+    }
+    const int32_t(*cg)[kAmxRows * kTile] = c[g & 1];
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
+    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
+                         : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < kAmxRows; ++r) {
+      if (r >= rows) break;
+      const size_t ar = static_cast<size_t>(r) * P * p.groups + g;  // act row r * P, group g
+      __m512i total = _mm512_add_epi32(_mm512_load_si512(cg[0] + r * kTile), _mm512_set1_epi32(xb[ar]));
+      if constexpr (P == 2) {  // 254 * acc0 + acc1
+        const __m512i acc1 = _mm512_add_epi32(_mm512_load_si512(cg[P - 1] + r * kTile), _mm512_set1_epi32(xb[ar + p.groups]));
+        total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
+      }
+      const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[ar + (P - 1) * p.groups]));
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, f[r]);
+      if (wo) f[r] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ar]), f[r]);
+    }
+  }
+  const int n0 = tile * kTile, valid = std::min(kTile, p.n - n0);
+  const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    if (r >= rows) break;
+    _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 / P + r) * p.n + n0, mask, f[r]);
+  }
+}
+
+// A 4-bit tile's weights widened to the 8-bit layout (w + 128) in buf (Kp * 16 bytes), as TileAvx512 widens them.
+__attribute__((target("avx512f,avx512bw"))) void WidenTile4(const Problem& p, int tile, uint8_t* buf) {
+  const uint8_t* w = p.w + tile * p.tile_bytes();
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int i = 0; i < p.kp / 8; ++i) {  // 64-byte loads, two 4-input vectors each
+    const __m512i raw = _mm512_loadu_si512(w + static_cast<size_t>(i) * 64);
+    _mm512_storeu_si512(buf + static_cast<size_t>(2 * i) * 64, _mm512_ternarylogic_epi32(raw, low, top, 0xEA));
+    _mm512_storeu_si512(buf + static_cast<size_t>(2 * i + 1) * 64,
+                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, top, 0xEA));
+  }
+}
+
+// ---- AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo -----------
+// For q8_0-a16 the int8 tile path would pay two tile products and a float pass per group (the per-group
+// scales). Instead the tile unit multiplies in bf16 with f32 sums: each tile's weights are widened once
+// per item to w = q * d (+ m) in f32 and split into w_hi = bf16(w), w_lo = bf16(w - w_hi), x likewise, and
+// the three products x_hi w_hi + x_hi w_lo + x_lo w_hi accumulate over all of K in the C tiles, with no
+// work per group. Each product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it):
+// closer to f32 than the two int8 parts (~15 bits of x per group). Tiles: C in tmm0 and tmm1 (two column
+// tiles), x_hi and x_lo in tmm4 and tmm5, the first tile's w_hi and w_lo in tmm6 and tmm7, the second's in
+// tmm2 and tmm3; all 16 rows of 64 bytes (32 bf16, one group of K).
+constexpr int kBf16BlockRows = 256;  // input rows per item: each widened tile serves 16 row tiles
+
+struct AmxBf16Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+alignas(64) const AmxBf16Config kAmxBf16Config{};
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline __m512 Bf16Float(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
+}
+
+// x row `row` (k values) as bf16 hi and lo into acts.hi / acts.lo, zero past k up to Kp, laid out as the
+// tile unit's A tiles: [row / 16][group][row % 16][32], so that each tile load reads 1 KiB in a row.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void SplitRowBf16(const float* x, int k, Acts& a, int row) {
+  const size_t base = (static_cast<size_t>(row / kAmxRows) * a.groups * kAmxRows + row % kAmxRows) * kGroup;
+  for (int i = 0; i < a.kp; i += 16) {
+    const int n = std::max(0, std::min(16, k - i));
+    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + i);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, Bf16Float(h)));
+    const size_t at = base + static_cast<size_t>(i / kGroup) * kAmxRows * kGroup + i % kGroup;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.hi.data() + at), reinterpret_cast<const __m256i&>(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.lo.data() + at), reinterpret_cast<const __m256i&>(l));
+  }
+}
+
+// Tile `tile` of the weight as w = q * d (+ m) split into bf16 hi and lo, in the tile unit's B layout: per
+// group a 16 x 64-byte tile whose row j holds inputs 2j and 2j + 1 of the group for each of the 16 columns.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void DequantTileBf16(const Problem& p, int tile, uint16_t* hi, uint16_t* lo) {
+  const uint8_t* w = p.w + tile * p.tile_bytes();
+  const uint16_t* ws = p.ws + tile * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
+  const __m512i byte = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(128);
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int g = 0; g < p.groups; ++g) {
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
+    const __m512 of = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
+                         : _mm512_setzero_ps();
+    for (int v = 0; v < kGroup / 4; ++v) {  // 4 inputs x 16 columns: B rows 2v and 2v + 1
+      const int vi = g * (kGroup / 4) + v;
+      __m512i raw;
+      if (p.bits == 8) {
+        raw = _mm512_loadu_si512(w + static_cast<size_t>(vi) * 64);
+      } else {
+        const __m512i pair = _mm512_loadu_si512(w + static_cast<size_t>(vi / 2) * 64);
+        raw = _mm512_ternarylogic_epi32((vi & 1) ? _mm512_srli_epi16(pair, 4) : pair, nib, top, 0xEA);
+      }
+      __m512i h[4], l[4];
+      for (int e = 0; e < 4; ++e) {
+        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, 8 * e), byte), shift);
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, of);
+        const __m256bh fh = _mm512_cvtneps_pbh(f);
+        const __m256bh fl = _mm512_cvtneps_pbh(_mm512_sub_ps(f, Bf16Float(fh)));
+        h[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fh));
+        l[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fl));
+      }
+      const size_t row = (static_cast<size_t>(g) * 16 + 2 * v) * 32;  // uint16 offset of B row 2v
+      _mm512_storeu_si512(hi + row, _mm512_or_si512(h[0], _mm512_slli_epi32(h[1], 16)));
+      _mm512_storeu_si512(hi + row + 32, _mm512_or_si512(h[2], _mm512_slli_epi32(h[3], 16)));
+      _mm512_storeu_si512(lo + row, _mm512_or_si512(l[0], _mm512_slli_epi32(l[1], 16)));
+      _mm512_storeu_si512(lo + row + 32, _mm512_or_si512(l[2], _mm512_slli_epi32(l[3], 16)));
+    }
+  }
+}
+
+// Input rows row0 .. + rows - 1 (rows <= 16; rows past them are read, not used) times one or two column
+// tiles (tile0, tile0 + 1 when w1_hi is given) whose split weights DequantTileBf16 wrote.
+__attribute__((target("amx-tile,amx-bf16,avx512f")))
+void TileBf16(const Problem& p, const Acts& a, const uint16_t* w0_hi, const uint16_t* w0_lo, const uint16_t* w1_hi,
+              const uint16_t* w1_lo, int row0, int rows, int tile0) {
+  const size_t tile_elems = kAmxRows * kGroup;  // one A or B tile: 16 rows of 32 bf16
+  const uint16_t* xh = a.hi.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
+  const uint16_t* xl = a.lo.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int g = 0; g < p.groups; ++g) {
+    const size_t wg = static_cast<size_t>(g) * tile_elems;
+    _tile_loadd(4, xh + wg, 64);
+    _tile_loadd(5, xl + wg, 64);
+    _tile_loadd(6, w0_hi + wg, 64);
+    _tile_loadd(7, w0_lo + wg, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(0, 4, 7);
+    _tile_dpbf16ps(0, 4, 6);
+    if (w1_hi) {
+      _tile_loadd(2, w1_hi + wg, 64);
+      _tile_loadd(3, w1_lo + wg, 64);
+      _tile_dpbf16ps(1, 5, 2);
+      _tile_dpbf16ps(1, 4, 3);
+      _tile_dpbf16ps(1, 4, 2);
+    }
+  }
+  alignas(64) float c[2][kAmxRows * kTile];
+  _tile_stored(0, c[0], 64);
+  if (w1_hi) _tile_stored(1, c[1], 64);
+  for (int t = 0; t < (w1_hi ? 2 : 1); ++t) {
+    const int n0 = (tile0 + t) * kTile, valid = std::min(kTile, p.n - n0);
+    const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, _mm512_load_ps(c[t] + r * kTile));
+  }
+}
+
+__attribute__((target("amx-tile"))) void AmxBeginBf16() { _tile_loadconfig(&kAmxBf16Config); }
+__attribute__((target("amx-tile"))) void AmxBegin() { _tile_loadconfig(&kAmxConfig); }
+__attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -801,7 +1039,10 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 
 struct Job {
   Problem p;
-  Isa isa;
+  Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
+  bool amx = false;  // items of at least kAmxMinRows rows run on the tile unit
+  bool bf16 = false;  // ... in bf16 (two parts, at least kAmxMinRows rows: RunItemBf16)
+  int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
@@ -814,7 +1055,7 @@ struct Job {
   // running). So the threads that start on one row block (a decode step's 32 rows are one) share
   // its quantization instead of one doing it while the rest wait.
   void EnsureRows(int rb) {
-    const int lo = rb * (kRowBlock / kQuantRows), hi = std::min(lo + kRowBlock / kQuantRows, quant_blocks);
+    const int lo = rb * (block_rows / kQuantRows), hi = std::min(lo + block_rows / kQuantRows, quant_blocks);
     for (int qb = lo; qb < hi; ++qb) {
       int expected = 0;
       if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
@@ -829,6 +1070,12 @@ struct Job {
           GatedRow(isa, x, p.k, gated.data());
           x = gated.data();
         }
+#if defined(SLIPSTREAM_X86)
+        if (bf16) {
+          SplitRowBf16(x, p.k, acts, row);
+          continue;
+        }
+#endif
         QuantizeRow(isa, x, p.k, acts, row);
       }
       row_state[qb].store(2, std::memory_order_release);
@@ -841,6 +1088,8 @@ struct Job {
     const int chunk = item / row_blocks, rb = item % row_blocks;
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
+    if (bf16) return RunItemBf16(chunk, rb);
+    if (amx && std::min(kRowBlock, p.m - rb * kRowBlock) >= kAmxMinRows) return RunItemAmx(chunk, rb);
 #endif
     EnsureRows(rb);
     // act rows of this block
@@ -859,6 +1108,52 @@ struct Job {
   }
 
 #if defined(SLIPSTREAM_X86)
+  // The tile unit (see TileAmx): each tile of the chunk (widened once if 4-bit) against the block's rows, 16 at a time.
+  void RunItemAmx(int chunk, int rb) {
+    EnsureRows(rb);
+    thread_local std::vector<uint8_t> wide;
+    const int row_lo = rb * kRowBlock, row_hi = std::min(row_lo + kRowBlock, p.m);
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    AmxBegin();  // per item: code between items (XLA's own kernels) may use the tiles with other shapes
+    for (int t = tile_lo; t < tile_hi; ++t) {
+      const uint8_t* w = p.w + t * p.tile_bytes();
+      if (p.bits == 4) {
+        wide.resize(static_cast<size_t>(p.kp) * kTile);
+        WidenTile4(p, t, wide.data());
+        w = wide.data();
+      }
+      for (int row = row_lo; row < row_hi; row += kAmxRows) {
+        const int rows = std::min(kAmxRows, row_hi - row);
+        if (p.parts == 2) TileAmx<2>(p, acts, w, row * 2, rows, t);
+        else TileAmx<1>(p, acts, w, row, rows, t);
+      }
+    }
+    AmxEnd();
+  }
+
+  // AMX-BF16 (see TileBf16): the chunk's tiles two at a time, split once, against the block's rows, 16 at a time.
+  void RunItemBf16(int chunk, int rb) {
+    EnsureRows(rb);
+    thread_local std::vector<uint16_t> wide;
+    const size_t tile_elems = static_cast<size_t>(p.kp) * kTile;
+    wide.resize(4 * tile_elems);
+    uint16_t* w0h = wide.data();
+    uint16_t *w0l = w0h + tile_elems, *w1h = w0l + tile_elems, *w1l = w1h + tile_elems;
+    const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    for (int t = tile_lo; t < tile_hi; t += 2) {
+      const bool two = t + 1 < tile_hi;
+      DequantTileBf16(p, t, w0h, w0l);
+      if (two) DequantTileBf16(p, t + 1, w1h, w1l);
+      AmxBeginBf16();
+      for (int row = row_lo; row < row_hi; row += kAmxRows)
+        TileBf16(p, acts, w0h, w0l, two ? w1h : nullptr, w1l, row, std::min(kAmxRows, row_hi - row), t);
+      AmxEnd();
+    }
+  }
+
   // The AVX2 two-part path (see DequantTileAvx2): x unquantized, each tile widened once per item.
   void RunItemF32(int chunk, int rb) {
     thread_local std::vector<float> buf;
@@ -953,6 +1248,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
+  job.amx = job.isa == Isa::kAmx;
+  if (job.amx) job.isa = Isa::kAvx512Vnni;
+  job.bf16 = job.amx && parts == 2 && p.m >= kAmxMinRows;
+  if (job.bf16) job.block_rows = kBf16BlockRows;
 #if defined(SLIPSTREAM_X86)
   job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
 #endif
@@ -961,7 +1260,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.kp = p.kp;
   a.groups = p.groups;
   a.parts = parts;
-  if (!job.f32_path) a.Resize(p.m);  // the widened AVX2 path reads x itself
+  // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
+  const int padded_rows = (p.m + kAmxRows - 1) / kAmxRows * kAmxRows;
+  if (job.bf16) a.ResizeBf16(padded_rows);
+  else if (!job.f32_path) a.Resize(job.amx ? padded_rows : p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
   if (job.f32_path && p.gated) {
@@ -972,7 +1274,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     p.gated = false;
   }
 #endif
-  job.row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
   job.chunks = (p.tiles + ChunkTiles(job.isa) - 1) / ChunkTiles(job.isa);
   job.items = job.row_blocks * job.chunks;
   job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
