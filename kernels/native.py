@@ -14,6 +14,7 @@ from slipstream.kernels import settings
 
 log = logging.getLogger(__name__)
 
+_modules: dict[str, str] = {}     # kernel -> its native module, for those that loaded
 _paths: dict[str, str] = {}       # kernel -> "native" | "pallas" | "reference", once asked for
 _registered: dict[str, bool] = {}  # extension module -> loaded and registered
 
@@ -39,6 +40,7 @@ def load(kernel: str, module: str) -> bool:
                 _attention_env(ext)
                 isa += f", load_ahead={ext.load_ahead()}"
             log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
+            _modules[kernel] = module
     _paths[kernel] = "native" if ok else "reference"
     return ok
 
@@ -89,6 +91,17 @@ def note_reference(kernel: str, why: str) -> None:
     if kernel not in _paths:
         log.warning("kernel %s: pure-JAX reference (%s)", kernel, why)
         _paths[kernel] = "reference"
+
+
+def kernel_isas() -> dict[str, str]:
+    """kernel name -> the instruction set its native CPU kernel runs now ("amx", "avx512_vnni", "avx2", ...),
+    for every kernel that runs natively (/metrics)."""
+    out = {}
+    for kernel, module in sorted(_modules.items()):
+        ext = importlib.import_module(f"slipstream.kernels._{module}")
+        if _paths.get(kernel) == "native" and hasattr(ext, "isa"):
+            out[kernel] = ext.isa()
+    return out
 
 
 def kernel_paths() -> dict[str, str]:
