@@ -35,6 +35,8 @@ def load(kernel: str, module: str) -> bool:
         ok = _register(module)
         if ok:
             ext = importlib.import_module(f"slipstream.kernels._{module}")
+            if hasattr(ext, "set_isa"):
+                _cap_isa(ext)
             isa = ext.isa() if hasattr(ext, "isa") else "?"
             if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
                 _attention_env(ext)
@@ -43,6 +45,25 @@ def load(kernel: str, module: str) -> bool:
             _modules[kernel] = module
     _paths[kernel] = "native" if ok else "reference"
     return ok
+
+
+ISAS = ("portable", "avx2", "avx512", "avx512_vnni", "amx")  # each implies the ones before it
+
+
+def _cap_isa(ext) -> None:
+    """SLIPSTREAM_CPU_ISA: the module runs its best path at or below the asked instruction set."""
+    asked = settings.CPU_ISA.get()
+    if asked is None:
+        return
+    if asked not in ISAS:
+        log.warning("SLIPSTREAM_CPU_ISA=%r is not one of %s: using this CPU's best", asked, ", ".join(ISAS))
+        return
+    for isa in reversed(ISAS[:ISAS.index(asked) + 1]):
+        try:
+            ext.set_isa(isa)
+            return
+        except ValueError:  # this module has no such path, or this CPU cannot run it
+            continue
 
 
 def _attention_env(ext) -> None:

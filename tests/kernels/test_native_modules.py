@@ -46,3 +46,26 @@ def test_module_glue(module):
     finally:
         ext.set_isa(best)
     assert ext.isa() == best
+
+
+@pytest.mark.parametrize("asked,want", [("avx512", {"q8_matmul": "avx2", "f32_matmul": "avx512"}),
+                                        ("avx2", {"q8_matmul": "avx2", "f32_matmul": "avx2"}),
+                                        ("portable", {"q8_matmul": "portable", "f32_matmul": "portable"})])
+def test_cpu_isa_setting_caps_every_module_at_its_best_path_below(monkeypatch, asked, want):
+    # SLIPSTREAM_CPU_ISA: each module runs its highest path at or below the asked set (q8_matmul has no plain
+    # AVX-512 path: avx512 means its AVX2 one); an unknown name leaves the best.
+    for module, isa in want.items():
+        ext = importlib.import_module(f"slipstream.kernels._{module}")
+        best = ext.isa()
+        if native.ISAS.index(best) < native.ISAS.index(isa):
+            pytest.skip(f"this CPU's best for {module} is {best}")
+        try:
+            monkeypatch.setenv("SLIPSTREAM_CPU_ISA", asked)
+            native._cap_isa(ext)
+            assert ext.isa() == isa
+            monkeypatch.setenv("SLIPSTREAM_CPU_ISA", "sse9")
+            ext.set_isa(best)
+            native._cap_isa(ext)
+            assert ext.isa() == best
+        finally:
+            ext.set_isa(best)

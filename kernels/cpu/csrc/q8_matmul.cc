@@ -48,7 +48,8 @@
 // quantized (GatedRow), so XLA never writes the [M, K] product (its slice-multiply fusion of the
 // gate/up output was 4% of a 1052-token step).
 //
-// Instruction sets, chosen at run time: AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// Instruction sets, chosen at run time: AMX (two-part calls of at least kAmxMinRows rows on the BF16 tile
+// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -707,129 +708,26 @@ constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, 
 
 #endif  // SLIPSTREAM_X86
 
+// ---- AMX ---------------------------------------------------------------------------------------
+constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
 
-// ---- AMX: 16 input rows x one tile of 16 columns per micro block ---------------------------------
-// tdpbsud multiplies signed by unsigned bytes, our act rows (xq) by the packed weights (w + 128), so one
-// tile of 16 act rows (32 bytes of a group each, the A operand) times a tile's group (8 rows of 64 bytes:
-// [k/4][16 columns][4], the B operand's layout as packed) gives the 16 x 16 int32 sums of the group
-// without the shift's correction, which the post-processing adds as the VNNI path's accumulators start
-// with it (-128 * sum(xq)). The int32 sums, the combining of two parts (254 * acc0 + acc1) and the float
-// work per group are those of TileAvx512, in the same order: both paths give the same bits.
-// The tile unit does a group (K = 32 of the instruction's 64) in the time of a full tile, so the per-group
-// scales cap it at half the unit's peak; the float work per group and row runs on the vector ports
-// beside it. Tiles: C in tmm0/tmm1 (even groups) and tmm2/tmm3 (odd; part 0 and 1), A in tmm4/tmm5
-// (part 0 and 1), B in tmm6 (even) and tmm7 (odd).
-constexpr int kAmxRows = 16;  // act-row tile height: input rows per micro block
-// From this many input rows an item runs on the tile unit; fewer stay on the VNNI micro kernels (a
-// 16-row tile then holds mostly padding). Measured (benchmarks/kernel_int8.py --amx-crossover, Xeon
-// with AMX): see kernels docs.
-constexpr int kAmxMinRows = 8;
-
-struct AmxConfig {  // LDTILECFG's 64-byte operand, palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, kGroup, kGroup, 64, 64};
-  uint8_t rows[16] = {kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kGroup / 4, kGroup / 4};
-};
-// A global, not a local: GCC 12 does not see LDTILECFG read its operand and drops a local's stores.
-alignas(64) const AmxConfig kAmxConfig{};
-
-#if defined(SLIPSTREAM_X86)
-// The C tiles' int32 sums of group g for the 16 rows starting at act row row0, parts P: C0 (and C1) of
-// part 0 (and 1), A tiles tmm4 (and tmm5), B tile B. The tile intrinsics take their tile numbers as
-// literals in the instruction text, hence a macro over the even and odd groups' tiles.
-#define SLIPSTREAM_AMX_GROUP(NAME, C0, C1, B)                                                              \
-  template <int P>                                                                                        \
-  __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void NAME(                           \
-      const Problem& p, const Acts& a, const uint8_t* w, int row0, int g, int32_t(*c)[kAmxRows * kTile]) { \
-    const int8_t* xq = a.q.data() + static_cast<size_t>(row0) * p.kp + g * kGroup;                       \
-    const size_t stride = static_cast<size_t>(P) * p.kp;                                                  \
-    _tile_loadd(B, w + static_cast<size_t>(g) * kGroup * kTile, 64);                                     \
-    _tile_loadd(4, xq, stride);                                                                           \
-    _tile_zero(C0);                                                                                       \
-    _tile_dpbsud(C0, 4, B);                                                                               \
-    if constexpr (P == 2) {                                                                               \
-      _tile_loadd(5, xq + p.kp, stride);                                                                  \
-      _tile_zero(C1);                                                                                     \
-      _tile_dpbsud(C1, 5, B);                                                                             \
-    }                                                                                                     \
-    _tile_stored(C0, c[0], 64);                                                                           \
-    if constexpr (P == 2) _tile_stored(C1, c[P - 1], 64);                                                 \
-  }
-SLIPSTREAM_AMX_GROUP(AmxGroupEven, 0, 1, 6)
-SLIPSTREAM_AMX_GROUP(AmxGroupOdd, 2, 3, 7)
-#undef SLIPSTREAM_AMX_GROUP
-
-// Input rows row0 / P .. + rows - 1 (rows <= 16; act rows past them are read, not used), tile `tile`
-// whose 8-bit weights (w + 128, as packed) start at w, over all groups. Software-pipelined: the tile unit
-// works on group g + 1 (its own C tiles and store buffer) while the vector ports scale group g's sums, so
-// that neither waits on the other, and the vector loads of a tile store's rows come a group after it.
-template <int P>
-__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
-void TileAmx(const Problem& p, const Acts& a, const uint8_t* w, int row0, int rows, int tile) {
-  __m512 f[kAmxRows];
-  for (int r = 0; r < kAmxRows; ++r) f[r] = _mm512_setzero_ps();
-  alignas(64) int32_t c[2][P][kAmxRows * kTile];
-  const uint16_t* ws = p.ws + tile * p.tile_scales();
-  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
-  const float* xs = a.scale.data() + static_cast<size_t>(row0) * p.groups;
-  const float* xsum = a.sum.data() + static_cast<size_t>(row0) * p.groups;
-  const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
-  AmxGroupEven<P>(p, a, w, row0, 0, c[0]);
-  for (int g = 0; g < p.groups; ++g) {
-    if (g + 1 < p.groups) {
-      if (g & 1) AmxGroupEven<P>(p, a, w, row0, g + 1, c[0]);
-      else AmxGroupOdd<P>(p, a, w, row0, g + 1, c[1]);
-    }
-    const int32_t(*cg)[kAmxRows * kTile] = c[g & 1];
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
-    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
-                         : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int r = 0; r < kAmxRows; ++r) {
-      if (r >= rows) break;
-      const size_t ar = static_cast<size_t>(r) * P * p.groups + g;  // act row r * P, group g
-      __m512i total = _mm512_add_epi32(_mm512_load_si512(cg[0] + r * kTile), _mm512_set1_epi32(xb[ar]));
-      if constexpr (P == 2) {  // 254 * acc0 + acc1
-        const __m512i acc1 = _mm512_add_epi32(_mm512_load_si512(cg[P - 1] + r * kTile), _mm512_set1_epi32(xb[ar + p.groups]));
-        total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
-      }
-      const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[ar + (P - 1) * p.groups]));
-      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, f[r]);
-      if (wo) f[r] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ar]), f[r]);
-    }
-  }
-  const int n0 = tile * kTile, valid = std::min(kTile, p.n - n0);
-  const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-#pragma GCC unroll 16
-  for (int r = 0; r < kAmxRows; ++r) {
-    if (r >= rows) break;
-    _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 / P + r) * p.n + n0, mask, f[r]);
-  }
-}
-
-// A 4-bit tile's weights widened to the 8-bit layout (w + 128) in buf (Kp * 16 bytes), as TileAvx512 widens them.
-__attribute__((target("avx512f,avx512bw"))) void WidenTile4(const Problem& p, int tile, uint8_t* buf) {
-  const uint8_t* w = p.w + tile * p.tile_bytes();
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int i = 0; i < p.kp / 8; ++i) {  // 64-byte loads, two 4-input vectors each
-    const __m512i raw = _mm512_loadu_si512(w + static_cast<size_t>(i) * 64);
-    _mm512_storeu_si512(buf + static_cast<size_t>(2 * i) * 64, _mm512_ternarylogic_epi32(raw, low, top, 0xEA));
-    _mm512_storeu_si512(buf + static_cast<size_t>(2 * i + 1) * 64,
-                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, top, 0xEA));
-  }
-}
-
-// ---- AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo -----------
-// For q8_0-a16 the int8 tile path would pay two tile products and a float pass per group (the per-group
-// scales). Instead the tile unit multiplies in bf16 with f32 sums: each tile's weights are widened once
-// per item to w = q * d (+ m) in f32 and split into w_hi = bf16(w), w_lo = bf16(w - w_hi), x likewise, and
-// the three products x_hi w_hi + x_hi w_lo + x_lo w_hi accumulate over all of K in the C tiles, with no
-// work per group. Each product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it):
+// AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo. On int8 tiles the
+// per-group scales would cost a tile product at half depth (K = 32 of 64), a tile store and a float pass
+// per group and tile for each part (a bit-exact int8 version measured 0.96-1.2x the VNNI path's time on
+// this project's AMX Xeon, one part, 8-256 rows). Instead the tile unit multiplies in bf16 with f32 sums:
+// each tile's weights are widened once per item to w = q * d (+ m) in f32 and split into w_hi = bf16(w),
+// w_lo = bf16(w - w_hi), x likewise, and the three products x_hi w_hi + x_hi w_lo + x_lo w_hi accumulate
+// over all of K in the C tiles, with no work per group. Each product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it):
 // closer to f32 than the two int8 parts (~15 bits of x per group). Tiles: C in tmm0 and tmm1 (two column
 // tiles), x_hi and x_lo in tmm4 and tmm5, the first tile's w_hi and w_lo in tmm6 and tmm7, the second's in
 // tmm2 and tmm3; all 16 rows of 64 bytes (32 bf16, one group of K).
 constexpr int kBf16BlockRows = 256;  // input rows per item: each widened tile serves 16 row tiles
+// From this many input rows a two-part call runs on the tile unit. Measured (AMX Xeon, 2 cores, default
+// model shapes, min of 15): 0.92-1.07x the VNNI path's time at 128 rows, 0.84-0.97x at 192, 0.75-1.0x at
+// 512; 1.04-1.21x at 96 (the weights' split per item no longer amortized).
+constexpr int kAmxMinRows = 128;
 
+#if defined(SLIPSTREAM_X86)
 struct AmxBf16Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
@@ -936,7 +834,6 @@ void TileBf16(const Problem& p, const Acts& a, const uint16_t* w0_hi, const uint
 }
 
 __attribute__((target("amx-tile"))) void AmxBeginBf16() { _tile_loadconfig(&kAmxBf16Config); }
-__attribute__((target("amx-tile"))) void AmxBegin() { _tile_loadconfig(&kAmxConfig); }
 __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 #endif  // SLIPSTREAM_X86
 
@@ -1040,8 +937,7 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
-  bool amx = false;  // items of at least kAmxMinRows rows run on the tile unit
-  bool bf16 = false;  // ... in bf16 (two parts, at least kAmxMinRows rows: RunItemBf16)
+  bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1089,7 +985,6 @@ struct Job {
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
     if (bf16) return RunItemBf16(chunk, rb);
-    if (amx && std::min(kRowBlock, p.m - rb * kRowBlock) >= kAmxMinRows) return RunItemAmx(chunk, rb);
 #endif
     EnsureRows(rb);
     // act rows of this block
@@ -1108,30 +1003,6 @@ struct Job {
   }
 
 #if defined(SLIPSTREAM_X86)
-  // The tile unit (see TileAmx): each tile of the chunk (widened once if 4-bit) against the block's rows, 16 at a time.
-  void RunItemAmx(int chunk, int rb) {
-    EnsureRows(rb);
-    thread_local std::vector<uint8_t> wide;
-    const int row_lo = rb * kRowBlock, row_hi = std::min(row_lo + kRowBlock, p.m);
-    const int chunk_tiles = ChunkTiles(isa);
-    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
-    AmxBegin();  // per item: code between items (XLA's own kernels) may use the tiles with other shapes
-    for (int t = tile_lo; t < tile_hi; ++t) {
-      const uint8_t* w = p.w + t * p.tile_bytes();
-      if (p.bits == 4) {
-        wide.resize(static_cast<size_t>(p.kp) * kTile);
-        WidenTile4(p, t, wide.data());
-        w = wide.data();
-      }
-      for (int row = row_lo; row < row_hi; row += kAmxRows) {
-        const int rows = std::min(kAmxRows, row_hi - row);
-        if (p.parts == 2) TileAmx<2>(p, acts, w, row * 2, rows, t);
-        else TileAmx<1>(p, acts, w, row, rows, t);
-      }
-    }
-    AmxEnd();
-  }
-
   // AMX-BF16 (see TileBf16): the chunk's tiles two at a time, split once, against the block's rows, 16 at a time.
   void RunItemBf16(int chunk, int rb) {
     EnsureRows(rb);
@@ -1248,9 +1119,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
-  job.amx = job.isa == Isa::kAmx;
-  if (job.amx) job.isa = Isa::kAvx512Vnni;
-  job.bf16 = job.amx && parts == 2 && p.m >= kAmxMinRows;
+  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= kAmxMinRows;
+  if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
 #if defined(SLIPSTREAM_X86)
   job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
@@ -1261,9 +1131,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.groups = p.groups;
   a.parts = parts;
   // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
-  const int padded_rows = (p.m + kAmxRows - 1) / kAmxRows * kAmxRows;
-  if (job.bf16) a.ResizeBf16(padded_rows);
-  else if (!job.f32_path) a.Resize(job.amx ? padded_rows : p.m);
+  if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
+  else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
   if (job.f32_path && p.gated) {
