@@ -81,7 +81,7 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
 # q8_matmul.cc's kAmxMinRows: from this many rows a two-part call on the AMX path runs on the tile unit: x and
 # the dequantized weight each split into bf16 hi + lo, three bf16 products summed in f32 (~16 bits per
 # product). Fewer rows, and one-part calls, run the AVX-512 VNNI path's code.
-AMX_MIN_ROWS = 128
+AMX_MIN_ROWS = 256
 
 
 def takes_split_path(isa: str | None, parts: int, rows: int) -> bool:
@@ -234,7 +234,7 @@ needs_amx = pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-IN
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 255, 256, 257, 600])
+@pytest.mark.parametrize("m", [1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 600])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_amx_two_parts_are_the_float_product_from_its_row_count(m, offsets):
     # From AMX_MIN_ROWS rows a two-part call multiplies x and the dequantized weights split into bf16

@@ -722,10 +722,11 @@ constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
 // tiles), x_hi and x_lo in tmm4 and tmm5, the first tile's w_hi and w_lo in tmm6 and tmm7, the second's in
 // tmm2 and tmm3; all 16 rows of 64 bytes (32 bf16, one group of K).
 constexpr int kBf16BlockRows = 256;  // input rows per item: each widened tile serves 16 row tiles
-// From this many input rows a two-part call runs on the tile unit. Measured (AMX Xeon, 2 cores, default
-// model shapes, min of 15): 0.92-1.07x the VNNI path's time at 128 rows, 0.84-0.97x at 192, 0.75-1.0x at
-// 512; 1.04-1.21x at 96 (the weights' split per item no longer amortized).
-constexpr int kAmxMinRows = 128;
+// From this many input rows a two-part call runs on the tile unit (a 256-token prefill chunk, a mixed step).
+// Measured (Xeon Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows
+// 128,256,512`, medians of 15): 1.01-1.38x the VNNI path's time at 128 rows, 0.84-1.14x at 256, 0.77-0.98x at
+// 512 (fewer rows do not amortize each item's split of its weights).
+constexpr int kAmxMinRows = 256;
 
 #if defined(SLIPSTREAM_X86)
 struct AmxBf16Config {
