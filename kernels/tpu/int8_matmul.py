@@ -141,7 +141,7 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array 
     k, n = q.shape[-2:]
     if kx != k:
         raise ValueError(f"x has {kx} inputs, the weight {k}")
-    g = k // GROUP
+    g = -(-k // GROUP)
     for name, a in (("scale", scale), ("offset", offset)):
         if a is not None and tuple(a.shape) != q.shape[:-2] + (g, n):
             raise ValueError(f"{name} must be {q.shape[:-2] + (g, n)} (one per {GROUP} inputs), got {tuple(a.shape)}")
