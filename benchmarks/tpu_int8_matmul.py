@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", type=_pairs, default=None, help=f"bk x bn blocks to sweep (default {DEVICE_SWEEP})")
     p.add_argument("--layers", type=int, default=None, help="weights in the scan (default 8; interpret: 2)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per kind (default 10; interpret: 2)")
-    p.add_argument("--budget-s", type=float, default=500, help="skip what is left after this many seconds")
+    p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/tpu_int8_matmul.json, else ./)")
     a = p.parse_args(argv)
     a.m = a.m or ([1, 17] if a.interpret else [1, 64, 2048])
