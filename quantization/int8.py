@@ -194,13 +194,13 @@ def matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
         y = jax.lax.platform_dependent(x2, w.q, w.scale, *(() if w.offset is None else (w.offset,)),
                                        tpu=_tpu_matmul, default=_xla_matmul)
     else:
-        y = _xla_matmul(x2, w.q, w.scale, w.offset)
+        y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
     return y.reshape(*lead, n)
 
 
 def _xla_matmul(x2: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
-    """The group-wise product by XLA: the weight dequantized to x's dtype, then one dot (XLA writes the
-    dequantized weight to memory first)."""
+    """The product by a weight of GROUP-input groups in XLA: the weight dequantized to x's dtype, then one
+    dot (XLA writes the dequantized weight to memory first)."""
     w = Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
     return jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
 

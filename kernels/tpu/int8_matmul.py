@@ -86,7 +86,8 @@ def blocks(m: int, k: int, n: int, *, group: int = GROUP, x_bytes: int = 2, offs
     return bk, bn
 
 
-def _kernel(layer_ref, x_ref, q_ref, s_ref, *rest, offset: bool, resident: bool, dequant: str, cdt, precision):
+def _kernel(layer_ref, x_ref, q_ref, s_ref, *rest, offset: bool, resident: bool, dequant: str, via_int32: bool,
+            cdt, precision):
     del layer_ref  # used by the index maps only
     if offset:
         o_ref, out_ref, *scratch = rest
@@ -97,6 +98,9 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, *rest, offset: bool, resident: bool,
     bk, bn = q_ref.shape
     groups = bk // GROUP
 
+    def widen(q):  # int8 -> f32, directly or through int32
+        return (q.astype(jnp.int32) if via_int32 else q).astype(jnp.float32)
+
     @pl.when(k == 0)
     def _init():
         out_ref[...] = jnp.zeros_like(out_ref)
@@ -105,13 +109,13 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, *rest, offset: bool, resident: bool,
         (w_ref,) = scratch
         for g in range(groups):
             rows = slice(g * GROUP, (g + 1) * GROUP)
-            w = q_ref[rows, :].astype(jnp.float32) * s_ref[g:g + 1, :]                      # [32, bn]
+            w = widen(q_ref[rows, :]) * s_ref[g:g + 1, :]                                # [32, bn]
             if offset:
                 w = w + o_ref[g:g + 1, :]
             w_ref[rows, :] = w.astype(cdt)
         w = w_ref[...]
     else:
-        w = q_ref[...].astype(jnp.float32).reshape(groups, GROUP, bn) * s_ref[...][:, None, :]
+        w = widen(q_ref[...]).reshape(groups, GROUP, bn) * s_ref[...][:, None, :]
         if offset:
             w = w + o_ref[...][:, None, :]
         w = w.reshape(bk, bn).astype(cdt)
@@ -119,14 +123,17 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, *rest, offset: bool, resident: bool,
     out_ref[...] += jnp.dot(xb.astype(cdt), w, precision=precision, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "dequant", "interpret", "vmem_limit_bytes"))
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "dequant", "via_int32", "interpret",
+                                                     "vmem_limit_bytes"))
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None,
                 layer: jax.Array | int | None = None, *, block_k: int | None = None, block_n: int | None = None,
-                dequant: str = "groups", interpret: bool = False, vmem_limit_bytes: int | None = None) -> jax.Array:
+                dequant: str = "groups", via_int32: bool = False, interpret: bool = False,
+                vmem_limit_bytes: int | None = None) -> jax.Array:
     """x [M, K] (bf16 or f32) @ (q * scale + offset) -> f32 [M, N]. q int8 [K, N] with scale/offset f32
     [K / 32, N], or stacks [L, K, N] / [L, K / 32, N] of which layer `layer` (traced) is read in place.
     The weight is dequantized to x's dtype (f32 math), as int8.Int8Weight.dequantize(x.dtype) does.
-    block_k / block_n: override `blocks`' choice; interpret: Pallas' TPU interpreter (tests on CPU).
+    block_k / block_n: override `blocks`' choice; via_int32: widen q to int32 before converting to f32 (the
+    same values; another lowering); interpret: Pallas' TPU interpreter (tests on CPU).
     Raises ValueError for shapes `blocks` rejects (check it first)."""
     if dequant not in DEQUANT:
         raise ValueError(f"dequant must be one of {DEQUANT}, got {dequant!r}")
@@ -175,8 +182,8 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array 
     if vmem_limit_bytes is None:
         need = vmem_estimate(m, k, bk, bn, x.dtype.itemsize, has_offset)
         vmem_limit_bytes = min(VMEM_CAP, max(32 << 20, need + need // 2 + (8 << 20)))
-    kernel = functools.partial(_kernel, offset=has_offset, resident=resident, dequant=dequant, cdt=cdt,
-                               precision=precision)
+    kernel = functools.partial(_kernel, offset=has_offset, resident=resident, dequant=dequant,
+                               via_int32=via_int32, cdt=cdt, precision=precision)
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     y = pl.pallas_call(
         kernel,

@@ -38,13 +38,14 @@ def _close(y, ref) -> None:
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
 
 
-CASES = [  # m, k, n, block_k, block_n, offset, x dtype, dequant
+CASES = [  # m, k, n, block_k, block_n, offset, x dtype, dequant ("+i32": widened through int32)
     (1, 256, 128, 256, 128, True, "float32", "groups"),
     (5, 768, 384, 256, 128, True, "bfloat16", "groups"),      # 3 x 3 blocks
     (17, 512, 256, 256, 128, False, "float32", "groups"),     # 2 x 2 blocks, symmetric (no offsets)
     (3, 512, 384, 512, 128, False, "bfloat16", "groups"),     # one K block, 3 N blocks
     (33, 768, 256, 256, 256, True, "float32", "reshape"),
     (7, 512, 384, 256, 128, False, "bfloat16", "reshape"),
+    (2, 512, 256, 256, 128, True, "bfloat16", "groups+i32"),
 ]
 
 
@@ -53,7 +54,9 @@ def test_kernel_matches_dequantized_dot(m, k, n, bk, bn, offset, dtype, dequant)
     rng = np.random.default_rng(m + k + n)
     w = _weight(rng, k, n, offset)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, dequant=dequant, interpret=True)
+    dequant, _, widen = dequant.partition("+")
+    y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, dequant=dequant,
+                           via_int32=widen == "i32", interpret=True)
     _close(y, _reference(x, w))
 
 
