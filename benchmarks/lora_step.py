@@ -1,9 +1,8 @@
 """Where a LoRA step's extra time goes: the model program of one ragged step at benchmarks/lora.py's
 shapes (32 decodes at 256 + context; the same plus a 256-token prefill chunk), on an engine without
-LoRA and on two with --max-loras 4 --max-lora-rank 16 (rank-16 adapters on all seven linears), the
-delta grouped by slot where the engine groups it ("lora") and dense over all slots in every step
-("lora-dense"), timed interleaved; the LoRA engine also with every token on the base model. With
---ops, the XLA ops of the mixed step on each engine (profiler).
+LoRA and on one with --max-loras 4 --max-lora-rank 16 (rank-16 adapters on all seven linears), timed
+interleaved; the LoRA engine both with every token on an adapter (spread over 4) and with every token
+on the base model. With --ops, the XLA ops of the mixed step on both engines (profiler).
 
     python -m benchmarks.lora_step [--reps 20] [--ops]
 """
@@ -58,12 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     pages = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(s)]
     pages.append(list(range(1 + s * per_seq, 1 + s * per_seq + per_scratch)))
     engines = {}
-    for label, loras in (("base", 0), ("lora", args.max_loras), ("lora-dense", args.max_loras)):
+    for label, loras in (("base", 0), ("lora", args.max_loras)):
         config = EngineConfig(max_slots=s + 1, page_size=ps, num_pages=num_pages, max_loras=loras,
                               max_lora_rank=args.rank, max_num_batched_tokens=args.chunk + s)
         engines[label] = JaxEngine(cfg, model, config, precompile=False)  # each shape compiles at first use
-        if label == "lora-dense":
-            engines[label].lora.tiled_from = 1 << 30
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, args.context)] for _ in range(s)]
     chunk = [int(t) for t in rng.integers(3, cfg.vocab_size, args.chunk)]
@@ -101,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     for kind, mixed in (("decode", False), ("mixed", True)):
         fns[f"{kind} base"] = step_fn("base", mixed, True)
         fns[f"{kind} lora"] = step_fn("lora", mixed, True)
-        fns[f"{kind} lora-dense"] = step_fn("lora-dense", mixed, True)
         fns[f"{kind} lora, base tokens"] = step_fn("lora", mixed, False)
     times = interleaved(fns, args.reps, args.warmup)
     ms = {k: median_ms(v) for k, v in times.items()}
@@ -110,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:28} {v:8.2f} ms")
     for kind in ("decode", "mixed"):
         print(f"{kind}: over base: lora {ms[f'{kind} lora'] / ms[f'{kind} base']:.3f}, "
-              f"lora-dense {ms[f'{kind} lora-dense'] / ms[f'{kind} base']:.3f}, "
               f"lora with base tokens {ms[f'{kind} lora, base tokens'] / ms[f'{kind} base']:.3f}")
     if args.ops:
         for label in engines:

@@ -10,13 +10,7 @@ import numpy as np
 from flax import nnx
 
 from slipstream.models.lora import LoraAdapter, Target
-from slipstream.quantization.lora import LoraWeight, tile_plan
-
-
-# Steps of at least TILED_FROM tokens multiply each token by its own slot's A and B only, in tiles of
-# TILE_ROWS slot-sorted tokens (quantization.lora.TilePlan); smaller ones (decodes) by every slot's, densely.
-TILED_FROM = 64
-TILE_ROWS = 32
+from slipstream.quantization.lora import LoraWeight
 
 
 class LoraSlots:
@@ -27,8 +21,6 @@ class LoraSlots:
             raise ValueError(f"LoRA slots need max_loras >= 1 and max_rank >= 1, got {max_loras}, {max_rank}")
         self.targets, self.num_layers = targets, num_layers
         self.max_loras, self.rank, self.dtype = max_loras, max_rank, jnp.dtype(dtype)
-        # read when the step programs are traced (benchmarks and tests set them to compare the forms)
-        self.tiled_from, self.tile_rows = TILED_FROM, TILE_ROWS
         cols = max_loras * max_rank
         self.stacks = {m: (jnp.zeros((num_layers, t.d_in, cols), self.dtype),         # [L,in,S*r]
                            jnp.zeros((num_layers, cols, t.d_out), self.dtype))        # [L,S*r,out]
@@ -87,16 +79,11 @@ class LoraSlots:
 
     def attach(self, state: nnx.State, stacks, token_slots: jax.Array) -> nnx.State:
         """Inside the jitted step: `state` with every targeted linear weight wrapped as a LoraWeight
-        over `stacks` and the tokens' slots i32[T] (0: base model). Steps of `tiled_from` tokens or
-        more group their tokens by slot (TilePlan) once for every layer and linear."""
+        over `stacks` and the tokens' slots i32[T] (0: base model)."""
         flat = dict(nnx.to_flat_state(state))
-        t = token_slots.shape[0]
-        per_layer = lambda v: jnp.broadcast_to(v, (self.num_layers, *v.shape))  # noqa: E731
-        slots = per_layer(token_slots)                                                 # [L,T]
-        plan = (jax.tree.map(per_layer, tile_plan(token_slots, self.max_loras, self.tile_rows))
-                if t >= self.tiled_from and self.max_loras > 1 else None)
+        slots = jnp.broadcast_to(token_slots, (self.num_layers, token_slots.shape[0]))  # [L,T]
         for m, (a, b) in stacks.items():
             var = flat[tuple(self.targets[m].path.split("."))]
             flat[tuple(self.targets[m].path.split("."))] = var.replace(
-                LoraWeight(var.get_value(), a, b, slots, plan, self.rank))
+                LoraWeight(var.get_value(), a, b, slots, self.rank))
         return nnx.from_flat_state(list(flat.items()))

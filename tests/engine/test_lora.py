@@ -61,27 +61,6 @@ def test_one_step_mixes_adapters_and_base_with_peft_logits(lora_setup):
     assert engine.compile_count == before
 
 
-def test_tiled_delta_matches_peft(lora_setup, tiny_model):
-    """The delta grouped by slot (TilePlan, the form of many-token steps), here forced on a 32-token
-    step in tiles of 8 rows: base and two adapters in one step keep peft's logits."""
-    base_dir, dirs, adapters, _ = lora_setup
-    cfg, model = tiny_model
-    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE, max_loras=2, max_lora_rank=8), precompile=False)
-    engine.lora.tiled_from, engine.lora.tile_rows = 1, 8
-    prompt = [5, 17, 33, 99, 7, 200, 3]
-    group = {"mlp": 2, "all": 1, None: 0}
-    seqs = []
-    for i, (name, lora_slot) in enumerate(group.items()):
-        engine.insert(i, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=lora_slot,
-                                   lora=adapters[name] if name else None))
-        seqs.append(StepSeq(slot=i, token_ids=prompt, start_pos=0, page_ids=[1 + i], sample=True,
-                            lora_slot=lora_slot))
-    logits = engine.model_logits(StepBatch(seqs))
-    for row, name in enumerate(group):
-        ref = reference_greedy(base_dir, dirs[name] if name else None, prompt, 1)[1][0]
-        np.testing.assert_allclose(logits[row], ref, atol=1e-4, err_msg=str(name))
-
-
 def test_scheduler_serves_adapters_and_base_together_with_swaps(lora_setup):
     """8 requests over 3 adapters and the base with 2 slots: every request's greedy tokens equal
     transformers + peft's, slots are swapped, nothing compiles; the prefix cache never shares KV
