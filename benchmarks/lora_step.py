@@ -2,7 +2,7 @@
 shapes (32 decodes at 256 + context; the same plus a 256-token prefill chunk), on an engine without
 LoRA and on one with --max-loras 4 --max-lora-rank 16 (rank-16 adapters on all seven linears), timed
 interleaved; the LoRA engine both with every token on an adapter (spread over 4) and with every token
-on the base model. With --ops, the XLA ops of the mixed step on both engines (profiler).
+on the base model. With --ops, the XLA ops of both steps on both engines (profiler).
 
     python -m benchmarks.lora_step [--reps 20] [--ops]
 """
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--ops", action="store_true", help="also the mixed step's XLA ops by time")
+    p.add_argument("--ops", action="store_true", help="also both steps' XLA ops by time")
     args = p.parse_args(argv)
 
     from benchmarks.lora import write_adapters
@@ -108,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: over base: lora {ms[f'{kind} lora'] / ms[f'{kind} base']:.3f}, "
               f"lora with base tokens {ms[f'{kind} lora, base tokens'] / ms[f'{kind} base']:.3f}")
     if args.ops:
-        for label in engines:
-            print(f"== XLA ops, mixed step, {label}")
-            for name, op_ms, calls in profile_ops(step_fn(label, True, True), 5, 25):
-                print(f"{op_ms:8.3f} ms {calls:5d}x  {name}")
+        for kind, mixed in (("decode", False), ("mixed", True)):
+            for label in engines:
+                print(f"== XLA ops, {kind} step, {label}")
+                for name, op_ms, calls in profile_ops(step_fn(label, mixed, True), 5, 25):
+                    print(f"{op_ms:8.3f} ms {calls:5d}x  {name}")
     print(json.dumps(ms))
     return 0
 
