@@ -259,7 +259,9 @@ class Scheduler:
                 if finished and turn:
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
-        planner.propose()  # drafts, with no lock held (a draft model runs on the device)
+        with self._cv:
+            may_overlap = planner.may_overlap()
+        planner.propose(may_overlap)  # drafts, with no lock held (a draft model runs on the device)
         with self._cv:
             started, listeners = time.perf_counter(), self._step_listeners
             plan = planner.plan()
