@@ -11,10 +11,12 @@ Three measurements in one run, so their ratios share the machine's state:
      step does); reported as bytes of packed weights + scales (+ offsets) read per second, and as a
      share of (1);
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
-     the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts).
+     the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts);
+  4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and the
+     two-part kernel on the tile unit against its AVX-512 VNNI path at each --rows, timed alternately.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
-    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...]
+    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx]
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import cpu_model
+from benchmarks.measure import amx_peak, cpu_model
 from slipstream.kernels import native
 from slipstream.kernels import q8_matmul as q8
 
@@ -177,6 +179,43 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
               f"the time at near {pairs[0][0]} far {pairs[0][1]}", flush=True)
 
 
+def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
+    """[4]: the tile unit's dense peak, then the two-part (q8_0-a16) kernel on it against its VNNI path."""
+    cores = len(os.sched_getaffinity(0))
+    peaks = {kind: amx_peak(cores, kind) for kind in ("int8", "bf16")}
+    try:
+        ext.set_isa("amx")
+    except ValueError:
+        raise SystemExit(f"this CPU or OS gives no AMX (kernel isa {ext.isa()}): nothing to measure") from None
+    print(f"\n[4] AMX: dense tile products on {cores} cores (benchmarks/amx_peak.c, random data): int8 "
+          f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The q8_0-a16 kernel on the tile unit (amx) "
+          "and on AVX-512 VNNI, timed alternately; GOP/s = 2*M*K*N / median time; share of the int8 and bf16 peaks")
+    print(f"    {'shape':20} {'M':>4} | {'vnni ms':>8} {'GOP/s':>6} | {'amx ms':>8} {'GOP/s':>6} {'int8 pk':>7} "
+          f"{'bf16 pk':>7} | {'amx/vnni':>8}")
+    for m in rows:
+        for name, (k, n) in PREFILL_SHAPES.items():
+            packed, scales, offsets = random_q8(rng, k, n, offsets=True)
+            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, n=n: q8.q8_matmul(x, p, s, o, n=n, parts=2))
+            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+            times: dict[str, list[float]] = {"avx512_vnni": [], "amx": []}
+            for isa in times:  # warm-up: compile once, touch both paths
+                ext.set_isa(isa)
+                fn(x).block_until_ready()
+            for _ in range(reps):
+                for isa, ts in times.items():
+                    ext.set_isa(isa)
+                    t0 = time.perf_counter()
+                    fn(x).block_until_ready()
+                    ts.append(time.perf_counter() - t0)
+            ext.set_isa("amx")
+            ops = 2.0 * m * k * n
+            vnni, amx = np.median(times["avx512_vnni"]), np.median(times["amx"])
+            ratio = np.median(np.array(times["amx"]) / np.array(times["avx512_vnni"]))
+            print(f"    {name:20} {m:>4} | {vnni * 1e3:8.3f} {ops / vnni / 1e9:6.0f} | {amx * 1e3:8.3f} "
+                  f"{ops / amx / 1e9:6.0f} {ops / amx / 1e9 / peaks['int8']:7.1%} {ops / amx / 1e9 / peaks['bf16']:7.1%} "
+                  f"| {ratio:7.2f}x", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel int8", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefetch", default="", metavar="NEAR:FAR,...",
                         help="also time the chained decode step at these one-row prefetch distances (bytes into "
                              "L1 and L2; the CPU's own setting is printed first)")
+    parser.add_argument("--amx", action="store_true", help="only [4]: the tile unit against the VNNI path")
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
@@ -193,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
     rng = np.random.default_rng(0)
+    if args.amx:
+        return amx_rows(ext, rng, [int(r) for r in args.rows.split(",")], args.reps)
     probe = probe_call()
     print(f"\n[1] read bandwidth (jnp.max over {probe[2] >> 20} MiB) and [2] one row: packed weights + "
           "scales (+ offsets) read per second; each kernel run is paired with a probe run right before "

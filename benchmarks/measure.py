@@ -84,6 +84,20 @@ def fma_peak_gflops(threads: int) -> float | None:
         return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
 
 
+def amx_peak(threads: int, kind: str) -> float | None:
+    """This machine's AMX tile-unit peak over `threads` cores (benchmarks/amx_peak.c, per CPU-second): int8
+    GOP/s or bf16 GFLOP/s of dense tile products; None without a C compiler or where the OS grants no tile state."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "amx_peak")
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_peak.c")
+        subprocess.run([cc, "-O2", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-pthread", src, "-o", exe], check=True)
+        rate = float(subprocess.run([exe, str(threads), kind], check=True, capture_output=True, text=True).stdout)
+        return rate or None
+
+
 def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
     """Median seconds to copy nbytes between two existing buffers (memcpy) and to read them once
     (an XLA sum). A jitted jnp.copy is no use here: its fresh 256 MB output is page-faulted in on

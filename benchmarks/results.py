@@ -17,6 +17,7 @@ KNOWN_CPUS = {
     ("AuthenticAMD", 26, 2): "amd-zen5",
     ("GenuineIntel", 6, 106): "intel-ice-lake",
     ("GenuineIntel", 6, 167): "intel-xeon-amx",
+    ("GenuineIntel", 6, 207): "intel-emerald-rapids",
 }
 
 HEADER = """# Benchmark results

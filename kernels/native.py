@@ -14,6 +14,7 @@ from slipstream.kernels import settings
 
 log = logging.getLogger(__name__)
 
+_modules: dict[str, str] = {}     # kernel -> its native module, for those that loaded
 _paths: dict[str, str] = {}       # kernel -> "native" | "pallas" | "reference", once asked for
 _registered: dict[str, bool] = {}  # extension module -> loaded and registered
 
@@ -34,13 +35,35 @@ def load(kernel: str, module: str) -> bool:
         ok = _register(module)
         if ok:
             ext = importlib.import_module(f"slipstream.kernels._{module}")
+            if hasattr(ext, "set_isa"):
+                _cap_isa(ext)
             isa = ext.isa() if hasattr(ext, "isa") else "?"
             if hasattr(ext, "load_ahead"):  # the attention kernel's K/V load policy for this CPU
                 _attention_env(ext)
                 isa += f", load_ahead={ext.load_ahead()}"
             log.info("kernel %s: native CPU (kernels._%s, %s)", kernel, module, isa)
+            _modules[kernel] = module
     _paths[kernel] = "native" if ok else "reference"
     return ok
+
+
+ISAS = ("portable", "avx2", "avx512", "avx512_vnni", "amx")  # each implies the ones before it
+
+
+def _cap_isa(ext) -> None:
+    """SLIPSTREAM_CPU_ISA: the module runs its best path at or below the asked instruction set."""
+    asked = settings.CPU_ISA.get()
+    if asked is None:
+        return
+    if asked not in ISAS:
+        log.warning("SLIPSTREAM_CPU_ISA=%r is not one of %s: using this CPU's best", asked, ", ".join(ISAS))
+        return
+    for isa in reversed(ISAS[:ISAS.index(asked) + 1]):
+        try:
+            ext.set_isa(isa)
+            return
+        except ValueError:  # this module has no such path, or this CPU cannot run it
+            continue
 
 
 def _attention_env(ext) -> None:
@@ -89,6 +112,17 @@ def note_reference(kernel: str, why: str) -> None:
     if kernel not in _paths:
         log.warning("kernel %s: pure-JAX reference (%s)", kernel, why)
         _paths[kernel] = "reference"
+
+
+def kernel_isas() -> dict[str, str]:
+    """kernel name -> the instruction set its native CPU kernel runs now ("amx", "avx512_vnni", "avx2", ...),
+    for every kernel that runs natively (/metrics)."""
+    out = {}
+    for kernel, module in sorted(_modules.items()):
+        ext = importlib.import_module(f"slipstream.kernels._{module}")
+        if _paths.get(kernel) == "native" and hasattr(ext, "isa"):
+            out[kernel] = ext.isa()
+    return out
 
 
 def kernel_paths() -> dict[str, str]:

@@ -36,7 +36,7 @@ def native_available() -> bool:
 def gated_native() -> bool:
     """True when a gated q8_matmul runs natively with the AVX-512 path's vector silu: where it does
     not, a model should form silu(gate) * up itself (XLA's fusion beats the portable loop)."""
-    return native_available() and importlib.import_module("slipstream.kernels._q8_matmul").isa() == "avx512_vnni"
+    return native_available() and importlib.import_module("slipstream.kernels._q8_matmul").isa() in ("avx512_vnni", "amx")
 
 
 def padded(k: int, n: int) -> tuple[int, int]:

@@ -31,4 +31,9 @@ KV_LOAD_AHEAD: Setting[str | None] = Setting(
 KV_HUGE_PAGES = Setting("SLIPSTREAM_KV_HUGE_PAGES", lambda text: text != "0", True,
                         "0: keep the CPU K/V cache off 2 MiB pages")
 
-KERNEL_SETTINGS: tuple[Setting, ...] = (KERNELS, KV_LOAD_AHEAD, KV_HUGE_PAGES)
+CPU_ISA: Setting[str | None] = Setting(
+    "SLIPSTREAM_CPU_ISA", str.lower, None,
+    "amx|avx512_vnni|avx512|avx2|portable: the highest instruction set the native CPU kernels may use (each runs "
+    "its best path at or below it); unset: the best this CPU and OS allow (logged at start-up, in /metrics)")
+
+KERNEL_SETTINGS: tuple[Setting, ...] = (KERNELS, KV_LOAD_AHEAD, KV_HUGE_PAGES, CPU_ISA)

@@ -9,6 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from slipstream.kernels import native
+
 MODES: tuple[str, ...] = ("int8", "int8-channel")
 GROUP = 32        # inputs per scale and offset in mode "int8" (a GGUF block: Q4_1/Q8_0 sources round exactly)
 A8_MIN_ROWS = 256  # "int8-channel": steps of this many rows or more quantize activations (prefill chunks)
@@ -188,7 +190,38 @@ def matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
             y = acc.astype(jnp.float32) * xs[:, None] * w.scale[0]
         else:
             y = jnp.einsum("mk,kn->mn", x2, w.q.astype(x2.dtype), preferred_element_type=jnp.float32) * w.scale[0]
+    elif _tpu_kernel_applies(x2, w):
+        y = jax.lax.platform_dependent(x2, w.q, w.scale, *(() if w.offset is None else (w.offset,)),
+                                       tpu=_tpu_matmul, default=_xla_matmul)
     else:
-        y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
+        y = _xla_matmul(x2, w.q, w.scale, w.offset)
     return y.reshape(*lead, n)
+
+
+def _xla_matmul(x2: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
+    """The group-wise product by XLA: the weight dequantized to x's dtype, then one dot (XLA writes the
+    dequantized weight to memory first)."""
+    w = Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
+    return jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
+
+
+def _tpu_matmul(x2: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
+    from slipstream.kernels.tpu.int8_matmul import int8_matmul
+
+    return int8_matmul(x2, q, scale, offset)
+
+
+def _tpu_kernel_applies(x2: jax.Array, w: Int8Weight) -> bool:
+    """Whether a group-wise product runs kernels/tpu/int8_matmul.py's Pallas kernel on TPU (dequantized
+    block by block in VMEM): its shapes tile (kernel blocks) and SLIPSTREAM_KERNELS is not `reference`.
+    Elsewhere, and for shapes that do not tile, XLA's dequantize-then-dot."""
+    from slipstream.kernels.tpu.int8_matmul import blocks
+
+    if x2.dtype not in (jnp.bfloat16, jnp.float32) or w.block != GROUP:
+        return False
+    if blocks(x2.shape[0], *w.q.shape, group=w.block, x_bytes=x2.dtype.itemsize, offset=w.offset is not None) is None:
+        return False
+    if jax.default_backend() == "tpu":  # records (and logs) the path, for the start-up log and /metrics
+        return native.use_pallas("int8_matmul")
+    return not native.reference_forced()  # lax.platform_dependent: XLA's dot unless lowered for TPU
 

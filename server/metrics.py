@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.scheduler import RequestMetrics, Scheduler, SchedulerStats
-from slipstream.kernels.native import kernel_paths
+from slipstream.kernels.native import kernel_isas, kernel_paths
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -88,6 +88,12 @@ class _StatsCollector(Collector):
         for kernel, path in sorted(kernel_paths().items()):
             paths.add_metric([kernel, path], 1)
         yield paths
+        isas = GaugeMetricFamily("slipstream_kernel_isa", "1 for the instruction set each native CPU kernel runs "
+                                 "(amx, avx512_vnni, avx512, avx2, portable), chosen at start-up for this CPU.",
+                                 labels=["kernel", "isa"])
+        for kernel, isa in kernel_isas().items():
+            isas.add_metric([kernel, isa], 1)
+        yield isas
         yield counter("slipstream_generated_tokens", "Tokens generated.", lambda s: s.generated_tokens)
         yield counter("slipstream_prompt_tokens", "Prompt tokens of admitted requests.", lambda s: s.prompt_tokens)
         yield counter("slipstream_prefilled_tokens", "Prompt tokens actually prefilled (after prefix reuse).",

@@ -11,7 +11,7 @@ from slipstream.kernels import native
 MODULES = {  # module -> (FFI targets, its instruction sets, slowest first)
     "sampling": ({"slipstream_sample_tokens", "slipstream_top_logprobs"}, ("portable", "avx2", "avx512")),
     "f32_matmul": ({"slipstream_f32_matmul"}, ("portable", "avx2", "avx512")),
-    "q8_matmul": ({"slipstream_q8_matmul"}, ("portable", "avx2", "avx512_vnni")),
+    "q8_matmul": ({"slipstream_q8_matmul"}, ("portable", "avx2", "avx512_vnni", "amx")),
     "ragged_paged_attention": ({"slipstream_ragged_paged_attention", "slipstream_ragged_paged_attention_int8"},
                                ("portable", "avx2", "avx512", "avx512_vnni")),
 }
@@ -40,9 +40,32 @@ def test_module_glue(module):
             with pytest.raises(ValueError, match="cannot run"):
                 ext.set_isa(isa)
             assert ext.isa() == best
-        for name in {"sse9", "portable", "avx2", "avx512", "avx512_vnni"} - set(isas):  # no path of that name
+        for name in {"sse9", "portable", "avx2", "avx512", "avx512_vnni", "amx"} - set(isas):  # no path of that name
             with pytest.raises(ValueError, match="unknown instruction set"):
                 ext.set_isa(name)
     finally:
         ext.set_isa(best)
     assert ext.isa() == best
+
+
+@pytest.mark.parametrize("asked,want", [("avx512", {"q8_matmul": "avx2", "f32_matmul": "avx512"}),
+                                        ("avx2", {"q8_matmul": "avx2", "f32_matmul": "avx2"}),
+                                        ("portable", {"q8_matmul": "portable", "f32_matmul": "portable"})])
+def test_cpu_isa_setting_caps_every_module_at_its_best_path_below(monkeypatch, asked, want):
+    # SLIPSTREAM_CPU_ISA: each module runs its highest path at or below the asked set (q8_matmul has no plain
+    # AVX-512 path: avx512 means its AVX2 one); an unknown name leaves the best.
+    for module, isa in want.items():
+        ext = importlib.import_module(f"slipstream.kernels._{module}")
+        best = ext.isa()
+        if native.ISAS.index(best) < native.ISAS.index(isa):
+            pytest.skip(f"this CPU's best for {module} is {best}")
+        try:
+            monkeypatch.setenv("SLIPSTREAM_CPU_ISA", asked)
+            native._cap_isa(ext)
+            assert ext.isa() == isa
+            monkeypatch.setenv("SLIPSTREAM_CPU_ISA", "sse9")
+            ext.set_isa(best)
+            native._cap_isa(ext)
+            assert ext.isa() == best
+        finally:
+            ext.set_isa(best)

@@ -21,7 +21,7 @@ NATIVE = native.load("q8_matmul", "q8_matmul")
 if NATIVE:
     import slipstream.kernels._q8_matmul as ext
 
-ISAS = runnable_isas(ext, ("avx512_vnni", "avx2", "portable")) if NATIVE else []
+ISAS = runnable_isas(ext, ("amx", "avx512_vnni", "avx2", "portable")) if NATIVE else []
 needs_native = pytest.mark.skipif(not NATIVE, reason="slipstream.kernels._q8_matmul is not built")
 
 
@@ -78,6 +78,25 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
     return (isa or ext.isa()) == "avx2" and parts == 2 and rows >= AVX2_F32_MIN_ROWS
 
 
+# q8_matmul.cc's kAmxMinRows: from this many rows a two-part call on the AMX path runs on the tile unit: x and
+# the dequantized weight each split into bf16 hi + lo, three bf16 products summed in f32 (~16 bits per
+# product). Fewer rows, and one-part calls, run the AVX-512 VNNI path's code.
+AMX_MIN_ROWS = 256
+
+
+def takes_split_path(isa: str | None, parts: int, rows: int) -> bool:
+    return (isa or ext.isa()) == "amx" and parts == 2 and rows >= AMX_MIN_ROWS
+
+
+def assert_split_product_close(got, x, q, d, m=None):
+    """got is x times the dequantized weight up to the bf16 split's error (the dropped x_lo * w_lo and the lo
+    parts' rounding: a few 2^-17 of each product) and f32 summation over K, both bounded by sum |x| |w|."""
+    k = x.shape[1]
+    exact = exact_product(x, q, d, m)
+    terms = exact_product(np.abs(x), np.abs(q.astype(np.int16)), d, None if m is None else np.abs(m))  # |x| |w|
+    np.testing.assert_array_less(np.abs(got - exact), (2.0**-14 + k * 2.0**-24) * terms + 1e-30)
+
+
 def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False):
     prev = ext.set_isa(isa) if isa else None
     try:
@@ -123,7 +142,10 @@ def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa, parts, offsets)
     got = run_kernel(x, packed, scales, n, isa, packed_off, parts)
     want = oracle(x, q, d, off, parts)
     assert got.shape == (m, n)
-    assert_close(got, exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else want, x, q, d, off)
+    if takes_split_path(isa, parts, m):
+        assert_split_product_close(got, x, q, d, off)
+    else:
+        assert_close(got, exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else want, x, q, d, off)
     # XLA may fuse the reference's max|x| / 127 into a reduction that divides through a reciprocal,
     # one ulp off the true division the kernel and the oracle do; at a rounding tie (x / xs = j + 0.5)
     # that moves one activation by one step. Allow the reference one such step per output.
@@ -153,7 +175,10 @@ def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, 
     assert got.shape == (m, n)
     step = 2 * np.abs(x).max(initial=0) / 127 * np.abs(q.astype(np.float32)).max(initial=0) * d.max(initial=0)
     want = exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else oracle(x, q, d, off, parts)
-    assert_close(got, want, x, q, d, off, slack=step)
+    if takes_split_path(isa, parts, m):
+        assert_split_product_close(got, x, q, d, off)
+    else:
+        assert_close(got, want, x, q, d, off, slack=step)
     ref = jax.jit(lambda x, p, s, o: q8._reference_at(x, p, s, o, jnp.int32(0), n=n, parts=parts, gated=True))
     assert_close(np.asarray(ref(gate_up, packed, scales, packed_off)), want, x, q, d, off, slack=step)
 
@@ -202,6 +227,34 @@ def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
     else:
         assert_close(got, oracle(x, q, d, off, parts=2), x, q, d, off)
         assert err > 1e-6 * terms.max()  # the int8 path's quantization shows: the check above can tell
+
+
+needs_amx = pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-INT8/BF16, or the OS did not grant "
+                               "the tile state (lscpu: amx_int8, amx_bf16)")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 600])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_amx_two_parts_are_the_float_product_from_its_row_count(m, offsets):
+    # From AMX_MIN_ROWS rows a two-part call multiplies x and the dequantized weights split into bf16
+    # hi + lo: closer to the float product than the two int8 parts, whose quantization shows below it.
+    # Row counts across the 256-row items, odd K and N.
+    rng = np.random.default_rng(m)
+    k, n = 333, 75
+    q, d = random_weight(rng, k, n)
+    off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
+    packed, scales, *rest = q8.pack(q, d, off)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 7] = 50.0  # an outlier sets its group's scale: the two parts lose the small values' low bits
+    got = run_kernel(x, packed, scales, n, "amx", rest[0] if offsets else None, parts=2)
+    int8_parts = run_kernel(x, packed, scales, n, "avx512_vnni", rest[0] if offsets else None, parts=2)
+    if m >= AMX_MIN_ROWS:
+        assert_split_product_close(got, x, q, d, off)
+        exact = exact_product(x, q, d, off)
+        assert np.abs(got - exact).mean() < np.abs(int8_parts - exact).mean() / 10  # ~20x here
+    else:
+        np.testing.assert_array_equal(got, int8_parts)
 
 
 @needs_native

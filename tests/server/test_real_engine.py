@@ -138,3 +138,6 @@ def test_metrics_say_which_path_each_kernel_takes(real_server):
     want = "reference" if os.environ.get("SLIPSTREAM_KERNELS") == "reference" else "native"
     assert f'slipstream_kernel_path{{kernel="ragged_paged_attention",path="{want}"}} 1.0' in text
     assert f'slipstream_kernel_path{{kernel="q8_matmul",path="{want}"}} 1.0' in text  # the CPU default mode
+    if want == "native":  # and which instruction set it runs: the best this CPU has (AMX where granted)
+        import slipstream.kernels._q8_matmul as ext
+        assert f'slipstream_kernel_isa{{isa="{ext.isa()}",kernel="q8_matmul"}} 1.0' in text

@@ -48,7 +48,8 @@
 // quantized (GatedRow), so XLA never writes the [M, K] product (its slice-multiply fusion of the
 // gate/up output was 4% of a 1052-token step).
 //
-// Instruction sets, chosen at run time: AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// Instruction sets, chosen at run time: AMX (two-part calls of at least kAmxMinRows rows on the BF16 tile
+// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -84,7 +85,7 @@ constexpr int kTile = 16;       // columns per packed tile
 constexpr int kRowBlock = 64;   // rows per work item
 constexpr int kQuantRows = 4;   // rows per activation-quantization claim (a row block holds 16)
 
-rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni};
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512Vnni, Isa::kAmx};
 
 // Quantized activations: `parts` int8 rows per input row (act row m * parts + p), Kp bytes each,
 // and per act row and group its scale, the accumulator's starting value -128 * sum(xq), and the
@@ -94,6 +95,11 @@ struct Acts {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
   std::vector<int32_t> bias;
+  std::vector<uint16_t> hi, lo;  // the tile unit's two-part path: x as bf16 hi + lo, [rows][Kp] each
+  void ResizeBf16(int rows) {
+    hi.resize(static_cast<size_t>(rows) * kp);
+    lo.resize(static_cast<size_t>(rows) * kp);
+  }
   void Resize(int rows) {
     const size_t act_rows = static_cast<size_t>(rows) * parts;
     q.resize(act_rows * kp);
@@ -702,6 +708,136 @@ constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, 
 
 #endif  // SLIPSTREAM_X86
 
+// ---- AMX ---------------------------------------------------------------------------------------
+constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
+
+// AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo. On int8 tiles the
+// per-group scales would cost a tile product at half depth (K = 32 of 64), a tile store and a float pass
+// per group and tile for each part (a bit-exact int8 version measured 0.96-1.2x the VNNI path's time on
+// this project's AMX Xeon, one part, 8-256 rows). Instead the tile unit multiplies in bf16 with f32 sums:
+// each tile's weights are widened once per item to w = q * d (+ m) in f32 and split into w_hi = bf16(w),
+// w_lo = bf16(w - w_hi), x likewise, and the three products x_hi w_hi + x_hi w_lo + x_lo w_hi accumulate
+// over all of K in the C tiles, with no work per group. Each product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it):
+// closer to f32 than the two int8 parts (~15 bits of x per group). Tiles: C in tmm0 and tmm1 (two column
+// tiles), x_hi and x_lo in tmm4 and tmm5, the first tile's w_hi and w_lo in tmm6 and tmm7, the second's in
+// tmm2 and tmm3; all 16 rows of 64 bytes (32 bf16, one group of K).
+constexpr int kBf16BlockRows = 256;  // input rows per item: each widened tile serves 16 row tiles
+// From this many input rows a two-part call runs on the tile unit (a 256-token prefill chunk, a mixed step).
+// Measured (Xeon Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows
+// 128,256,512`, medians of 15): 1.01-1.38x the VNNI path's time at 128 rows, 0.84-1.14x at 256, 0.77-0.98x at
+// 512 (fewer rows do not amortize each item's split of its weights).
+constexpr int kAmxMinRows = 256;
+
+#if defined(SLIPSTREAM_X86)
+struct AmxBf16Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+alignas(64) const AmxBf16Config kAmxBf16Config{};
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline __m512 Bf16Float(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i&>(h)), 16));
+}
+
+// x row `row` (k values) as bf16 hi and lo into acts.hi / acts.lo, zero past k up to Kp, laid out as the
+// tile unit's A tiles: [row / 16][group][row % 16][32], so that each tile load reads 1 KiB in a row.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void SplitRowBf16(const float* x, int k, Acts& a, int row) {
+  const size_t base = (static_cast<size_t>(row / kAmxRows) * a.groups * kAmxRows + row % kAmxRows) * kGroup;
+  for (int i = 0; i < a.kp; i += 16) {
+    const int n = std::max(0, std::min(16, k - i));
+    const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + i);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, Bf16Float(h)));
+    const size_t at = base + static_cast<size_t>(i / kGroup) * kAmxRows * kGroup + i % kGroup;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.hi.data() + at), reinterpret_cast<const __m256i&>(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.lo.data() + at), reinterpret_cast<const __m256i&>(l));
+  }
+}
+
+// Tile `tile` of the weight as w = q * d (+ m) split into bf16 hi and lo, in the tile unit's B layout: per
+// group a 16 x 64-byte tile whose row j holds inputs 2j and 2j + 1 of the group for each of the 16 columns.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void DequantTileBf16(const Problem& p, int tile, uint16_t* hi, uint16_t* lo) {
+  const uint8_t* w = p.w + tile * p.tile_bytes();
+  const uint16_t* ws = p.ws + tile * p.tile_scales();
+  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
+  const __m512i byte = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(128);
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int g = 0; g < p.groups; ++g) {
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
+    const __m512 of = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
+                         : _mm512_setzero_ps();
+    for (int v = 0; v < kGroup / 4; ++v) {  // 4 inputs x 16 columns: B rows 2v and 2v + 1
+      const int vi = g * (kGroup / 4) + v;
+      __m512i raw;
+      if (p.bits == 8) {
+        raw = _mm512_loadu_si512(w + static_cast<size_t>(vi) * 64);
+      } else {
+        const __m512i pair = _mm512_loadu_si512(w + static_cast<size_t>(vi / 2) * 64);
+        raw = _mm512_ternarylogic_epi32((vi & 1) ? _mm512_srli_epi16(pair, 4) : pair, nib, top, 0xEA);
+      }
+      __m512i h[4], l[4];
+      for (int e = 0; e < 4; ++e) {
+        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, 8 * e), byte), shift);
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, of);
+        const __m256bh fh = _mm512_cvtneps_pbh(f);
+        const __m256bh fl = _mm512_cvtneps_pbh(_mm512_sub_ps(f, Bf16Float(fh)));
+        h[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fh));
+        l[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fl));
+      }
+      const size_t row = (static_cast<size_t>(g) * 16 + 2 * v) * 32;  // uint16 offset of B row 2v
+      _mm512_storeu_si512(hi + row, _mm512_or_si512(h[0], _mm512_slli_epi32(h[1], 16)));
+      _mm512_storeu_si512(hi + row + 32, _mm512_or_si512(h[2], _mm512_slli_epi32(h[3], 16)));
+      _mm512_storeu_si512(lo + row, _mm512_or_si512(l[0], _mm512_slli_epi32(l[1], 16)));
+      _mm512_storeu_si512(lo + row + 32, _mm512_or_si512(l[2], _mm512_slli_epi32(l[3], 16)));
+    }
+  }
+}
+
+// Input rows row0 .. + rows - 1 (rows <= 16; rows past them are read, not used) times one or two column
+// tiles (tile0, tile0 + 1 when w1_hi is given) whose split weights DequantTileBf16 wrote.
+__attribute__((target("amx-tile,amx-bf16,avx512f")))
+void TileBf16(const Problem& p, const Acts& a, const uint16_t* w0_hi, const uint16_t* w0_lo, const uint16_t* w1_hi,
+              const uint16_t* w1_lo, int row0, int rows, int tile0) {
+  const size_t tile_elems = kAmxRows * kGroup;  // one A or B tile: 16 rows of 32 bf16
+  const uint16_t* xh = a.hi.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
+  const uint16_t* xl = a.lo.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int g = 0; g < p.groups; ++g) {
+    const size_t wg = static_cast<size_t>(g) * tile_elems;
+    _tile_loadd(4, xh + wg, 64);
+    _tile_loadd(5, xl + wg, 64);
+    _tile_loadd(6, w0_hi + wg, 64);
+    _tile_loadd(7, w0_lo + wg, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(0, 4, 7);
+    _tile_dpbf16ps(0, 4, 6);
+    if (w1_hi) {
+      _tile_loadd(2, w1_hi + wg, 64);
+      _tile_loadd(3, w1_lo + wg, 64);
+      _tile_dpbf16ps(1, 5, 2);
+      _tile_dpbf16ps(1, 4, 3);
+      _tile_dpbf16ps(1, 4, 2);
+    }
+  }
+  alignas(64) float c[2][kAmxRows * kTile];
+  _tile_stored(0, c[0], 64);
+  if (w1_hi) _tile_stored(1, c[1], 64);
+  for (int t = 0; t < (w1_hi ? 2 : 1); ++t) {
+    const int n0 = (tile0 + t) * kTile, valid = std::min(kTile, p.n - n0);
+    const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    for (int r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, _mm512_load_ps(c[t] + r * kTile));
+  }
+}
+
+__attribute__((target("amx-tile"))) void AmxBeginBf16() { _tile_loadconfig(&kAmxBf16Config); }
+__attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -801,7 +937,9 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 
 struct Job {
   Problem p;
-  Isa isa;
+  Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
+  bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
+  int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
@@ -814,7 +952,7 @@ struct Job {
   // running). So the threads that start on one row block (a decode step's 32 rows are one) share
   // its quantization instead of one doing it while the rest wait.
   void EnsureRows(int rb) {
-    const int lo = rb * (kRowBlock / kQuantRows), hi = std::min(lo + kRowBlock / kQuantRows, quant_blocks);
+    const int lo = rb * (block_rows / kQuantRows), hi = std::min(lo + block_rows / kQuantRows, quant_blocks);
     for (int qb = lo; qb < hi; ++qb) {
       int expected = 0;
       if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
@@ -829,6 +967,12 @@ struct Job {
           GatedRow(isa, x, p.k, gated.data());
           x = gated.data();
         }
+#if defined(SLIPSTREAM_X86)
+        if (bf16) {
+          SplitRowBf16(x, p.k, acts, row);
+          continue;
+        }
+#endif
         QuantizeRow(isa, x, p.k, acts, row);
       }
       row_state[qb].store(2, std::memory_order_release);
@@ -841,6 +985,7 @@ struct Job {
     const int chunk = item / row_blocks, rb = item % row_blocks;
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
+    if (bf16) return RunItemBf16(chunk, rb);
 #endif
     EnsureRows(rb);
     // act rows of this block
@@ -859,6 +1004,28 @@ struct Job {
   }
 
 #if defined(SLIPSTREAM_X86)
+  // AMX-BF16 (see TileBf16): the chunk's tiles two at a time, split once, against the block's rows, 16 at a time.
+  void RunItemBf16(int chunk, int rb) {
+    EnsureRows(rb);
+    thread_local std::vector<uint16_t> wide;
+    const size_t tile_elems = static_cast<size_t>(p.kp) * kTile;
+    wide.resize(4 * tile_elems);
+    uint16_t* w0h = wide.data();
+    uint16_t *w0l = w0h + tile_elems, *w1h = w0l + tile_elems, *w1l = w1h + tile_elems;
+    const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    for (int t = tile_lo; t < tile_hi; t += 2) {
+      const bool two = t + 1 < tile_hi;
+      DequantTileBf16(p, t, w0h, w0l);
+      if (two) DequantTileBf16(p, t + 1, w1h, w1l);
+      AmxBeginBf16();
+      for (int row = row_lo; row < row_hi; row += kAmxRows)
+        TileBf16(p, acts, w0h, w0l, two ? w1h : nullptr, w1l, row, std::min(kAmxRows, row_hi - row), t);
+      AmxEnd();
+    }
+  }
+
   // The AVX2 two-part path (see DequantTileAvx2): x unquantized, each tile widened once per item.
   void RunItemF32(int chunk, int rb) {
     thread_local std::vector<float> buf;
@@ -953,6 +1120,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
+  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= kAmxMinRows;
+  if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  if (job.bf16) job.block_rows = kBf16BlockRows;
 #if defined(SLIPSTREAM_X86)
   job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
 #endif
@@ -961,7 +1131,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.kp = p.kp;
   a.groups = p.groups;
   a.parts = parts;
-  if (!job.f32_path) a.Resize(p.m);  // the widened AVX2 path reads x itself
+  // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
+  if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
+  else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
   if (job.f32_path && p.gated) {
@@ -972,7 +1144,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     p.gated = false;
   }
 #endif
-  job.row_blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
   job.chunks = (p.tiles + ChunkTiles(job.isa) - 1) / ChunkTiles(job.isa);
   job.items = job.row_blocks * job.chunks;
   job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;

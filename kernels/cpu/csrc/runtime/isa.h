@@ -13,16 +13,21 @@
 #define SLIPSTREAM_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace slipstream::runtime {
 
 // Ordered levels: each implies the ones below it. kAvx2 is AVX2 + FMA + F16C; kAvx512 adds AVX-512 F;
-// kAvx512Vnni adds BW, VL and VNNI (vpdpbusd). AMX would come next (CpuInfo::amx says whether it is there).
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+// kAvx512Vnni adds BW, VL and VNNI (vpdpbusd); kAmx adds the AMX tile units (tile, int8, bf16), usable only
+// once the OS has granted this process the tile state (RequestAmx).
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAmx = 4 };
+constexpr Isa kAllIsas[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni, Isa::kAmx};
 
 inline const char* IsaName(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512Vnni: return "avx512_vnni";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
@@ -31,10 +36,22 @@ inline const char* IsaName(Isa isa) {
   return "portable";
 }
 
+// Linux hands out the AMX tile data state (8 KiB per thread) only to processes that ask for it, once, with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the grant covers every thread of the process. Without
+// it the first tile instruction faults. Kernels older than 5.16 do not know the request: no AMX there.
+inline bool RequestAmx() {
+#if defined(SLIPSTREAM_X86) && defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 struct CpuInfo {
   Isa level = Isa::kPortable;
   bool avx512_bf16 = false;  // vdpbf16ps
-  bool amx = false;          // AMX tiles with int8 and bf16 (the OS must still grant the tile state per process)
+  bool amx = false;          // AMX tiles with int8 and bf16, granted by the OS (level is then kAmx)
   bool amd = false;          // "AuthenticAMD": a few tunings differ by vendor
   unsigned family = 0, model = 0;  // cpuid leaf 1, with the extended fields folded in
 };
@@ -67,7 +84,9 @@ inline CpuInfo DetectCpu() {
   if (!(os_zmm && avx512f)) return c;
   c.level = avx512bw && avx512vl && vnni ? Isa::kAvx512Vnni : Isa::kAvx512;
   c.avx512_bf16 = a71 >> 5 & 1;
-  c.amx = os_amx && (d7 >> 24 & 1) && (d7 >> 25 & 1) && (d7 >> 22 & 1);  // amx-tile, amx-int8, amx-bf16
+  c.amx = c.level == Isa::kAvx512Vnni && c.avx512_bf16 && os_amx && (d7 >> 24 & 1) && (d7 >> 25 & 1) && (d7 >> 22 & 1) &&
+          RequestAmx();  // amx-tile, amx-int8, amx-bf16, and the OS's grant
+  if (c.amx) c.level = Isa::kAmx;
 #endif
   return c;
 }

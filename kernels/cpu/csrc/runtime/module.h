@@ -56,7 +56,7 @@ PyObject* SetIsa(PyObject*, PyObject* arg) {
   const char* name = PyUnicode_AsUTF8(arg);
   if (!name) return nullptr;
   IsaChoice& choice = *Spec()->isa;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni}) {
+  for (Isa isa : kAllIsas) {
     if (!choice.has(isa) || std::strcmp(name, IsaName(isa)) != 0) continue;
     if (static_cast<int>(isa) > static_cast<int>(choice.best())) {
       PyErr_Format(PyExc_ValueError, "this CPU cannot run %s (best: %s)", name, IsaName(choice.best()));

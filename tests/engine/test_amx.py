@@ -1,0 +1,43 @@
+"""Engine-level, on Intel CPUs with AMX: greedy output with the q8 matmul's tile-unit path (two-part calls of at
+least kAmxMinRows rows: here the prefill step) equals that with its AVX-512 VNNI path in the default q8_0-a16
+mode."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels import native
+from tests.conftest import TINY_ENGINE
+from tests.engine.test_kernel_paths import greedy
+from tests.kernels.isas import runnable_isas
+from tests.kernels.test_q8_matmul import AMX_MIN_ROWS
+
+
+def q8_extension():
+    if not native.load("q8_matmul", "q8_matmul"):
+        pytest.skip("the native q8 matmul is not built (or SLIPSTREAM_KERNELS=reference)")
+    import slipstream.kernels._q8_matmul as ext
+
+    if "amx" not in runnable_isas(ext, ("amx",)):
+        pytest.skip("this CPU has no AMX-INT8/BF16, or the OS did not grant the tile state (lscpu: amx_int8)")
+    return ext
+
+
+def test_greedy_with_amx_equals_vnni(tiny_model):
+    ext = q8_extension()
+    cfg, params = tiny_model
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (60, 64, 50, 45, 48)]  # <= 68: the 10 pages of 8 greedy() gives each
+    assert sum(map(len, prompts)) >= AMX_MIN_ROWS  # the prefill step's matmuls have as many rows
+    config = EngineConfig(**{**TINY_ENGINE, "max_slots": len(prompts), "num_pages": 96, "max_num_batched_tokens": 320,
+                             "quantize": "q8_0-a16", "kv_cache_dtype": "bfloat16"})
+    engine = JaxEngine(cfg, params, config, precompile=False)
+    prev = ext.set_isa("amx")
+    try:
+        with_amx = greedy(engine, prompts)
+        ext.set_isa("avx512_vnni")
+        with_vnni = greedy(engine, prompts)
+    finally:
+        ext.set_isa(prev)
+    assert with_amx == with_vnni

@@ -1,0 +1,152 @@
+"""The Pallas TPU group-wise int8 matmul (kernels/tpu/int8_matmul.py), in Pallas' TPU interpret mode on CPU,
+equals the dequantize-then-dot reference (odd row counts, one to three blocks along K and N, with and without
+offsets, bf16 and f32 activations, both ways of dequantizing, a stack read at a layer index); shapes that do
+not tile keep XLA's path; and quantization.int8.matmul lowers to the kernel only for TPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from slipstream.kernels.tpu import int8_matmul as kernel
+from slipstream.quantization import int8
+
+
+def _weight(rng, k: int, n: int, offset: bool, layers: int | None = None) -> int8.Int8Weight:
+    """Random int8 values, a power-of-two scale and an offset of a whole number of scales (|q + c| < 256) per
+    group and channel: every dequantized weight is exact in bf16 whether or not q * s + o is fused, so the
+    kernel and the reference differ only in the order of their f32 sums."""
+    lead = () if layers is None else (layers,)
+    g = k // int8.GROUP
+    q = jnp.asarray(rng.integers(-128, 128, lead + (k, n)), jnp.int8)
+    scale = jnp.asarray(2.0 ** rng.integers(-6, 1, lead + (g, n)), jnp.float32)
+    off = scale * jnp.asarray(rng.integers(-64, 65, lead + (g, n)), jnp.float32) if offset else None
+    return int8.Int8Weight(q=q, scale=scale, offset=off)
+
+
+def _reference(x: jax.Array, w: int8.Int8Weight) -> np.ndarray:
+    """x @ w dequantized to x's dtype, products and sums in f32."""
+    wf = w.dequantize(x.dtype).astype(jnp.float32)
+    return np.asarray(jnp.dot(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST))
+
+
+def _close(y, ref) -> None:
+    y = np.asarray(y)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    # f32 sums of the same products in another order: relative to the product's scale
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
+
+
+CASES = [  # m, k, n, block_k, block_n, offset, x dtype, dequant
+    (1, 256, 128, 256, 128, True, "float32", "groups"),
+    (5, 768, 384, 256, 128, True, "bfloat16", "groups"),      # 3 x 3 blocks
+    (17, 512, 256, 256, 128, False, "float32", "groups"),     # 2 x 2 blocks, symmetric (no offsets)
+    (3, 512, 384, 512, 128, False, "bfloat16", "groups"),     # one K block, 3 N blocks
+    (33, 768, 256, 256, 256, True, "float32", "reshape"),
+    (7, 512, 384, 256, 128, False, "bfloat16", "reshape"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,bk,bn,offset,dtype,dequant", CASES)
+def test_kernel_matches_dequantized_dot(m, k, n, bk, bn, offset, dtype, dequant):
+    rng = np.random.default_rng(m + k + n)
+    w = _weight(rng, k, n, offset)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, dequant=dequant, interpret=True)
+    _close(y, _reference(x, w))
+
+
+def test_streamed_activations():
+    """x over the resident size streams in [M, bk] blocks, each read once per column block."""
+    rng = np.random.default_rng(3)
+    m, k, n = 2100, 1024, 256          # 2112 padded rows x 1024 f32 = 8.25 MiB > X_RESIDENT_BYTES
+    assert _pad(m) * k * 4 > kernel.X_RESIDENT_BYTES
+    w = _weight(rng, k, n, True)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=512, block_n=128, interpret=True)
+    _close(y, _reference(x, w))
+
+
+def _pad(m: int) -> int:
+    return -(-m // kernel.ROW_ALIGN) * kernel.ROW_ALIGN
+
+
+def test_stack_read_at_a_layer_index():
+    rng = np.random.default_rng(4)
+    stack = _weight(rng, 512, 256, True, layers=3)
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    for layer in (0, 2):
+        y = kernel.int8_matmul(x, stack.q, stack.scale, stack.offset, jnp.int32(layer), block_k=256,
+                               block_n=128, interpret=True)
+        one = int8.Int8Weight(q=stack.q[layer], scale=stack.scale[layer], offset=stack.offset[layer])
+        _close(y, _reference(x, one))
+
+
+def test_default_blocks():
+    """Llama-3-8B's shapes: 2 MiB int8 blocks in decode; at 2048 rows the VMEM estimate stays in budget."""
+    assert kernel.blocks(1, 4096, 14336) == (2048, 1024)
+    assert kernel.blocks(1, 14336, 4096) == (2048, 1024)
+    assert kernel.blocks(64, 4096, 6144) == (2048, 1024)
+    for k, n in ((4096, 14336), (14336, 4096), (4096, 6144)):
+        bk, bn = kernel.blocks(2048, k, n)
+        assert k % bk == 0 and bk % 256 == 0 and n % bn == 0 and bn % 128 == 0
+        assert kernel.vmem_estimate(2048, k, bk, bn, 2, True) <= kernel.VMEM_BUDGET
+
+
+@pytest.mark.parametrize("k,n,group", [(288, 128, 32), (512, 200, 32), (100, 128, 32), (512, 256, 64)])
+def test_shapes_that_do_not_tile_have_no_blocks(k, n, group):
+    assert kernel.blocks(4, k, n, group=group) is None
+    if group != kernel.GROUP:
+        return
+    with pytest.raises(ValueError, match="no blocks"):
+        kernel.int8_matmul(jnp.zeros((4, k), jnp.float32), jnp.zeros((k, n), jnp.int8),
+                           jnp.ones((-(-k // 32), n), jnp.float32), interpret=True)
+
+
+def test_bad_inputs_raise():
+    q, s = jnp.zeros((256, 128), jnp.int8), jnp.ones((8, 128), jnp.float32)
+    with pytest.raises(ValueError, match="inputs"):
+        kernel.int8_matmul(jnp.zeros((2, 512), jnp.float32), q, s, interpret=True)
+    with pytest.raises(ValueError, match="scale"):
+        kernel.int8_matmul(jnp.zeros((2, 256), jnp.float32), q, s[:4], interpret=True)
+    with pytest.raises(ValueError, match="layer"):
+        kernel.int8_matmul(jnp.zeros((2, 256), jnp.float32), q[None], s[None], interpret=True)
+    with pytest.raises(ValueError, match="tile"):
+        kernel.int8_matmul(jnp.zeros((2, 256), jnp.float32), q, s, block_k=128, interpret=True)
+
+
+def _lowered(fn, *args, platform: str) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("offset", [True, False])
+def test_int8_matmul_lowers_to_the_kernel_only_for_tpu(offset):
+    rng = np.random.default_rng(5)
+    w = _weight(rng, 512, 256, offset)
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.bfloat16)
+    assert "tpu_custom_call" in _lowered(int8.matmul, x, w, platform="tpu")
+    assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="cpu")
+    # off TPU the XLA branch runs: exactly the dequantize-then-dot product
+    y = int8.matmul(x, w)
+    assert y.shape == (2, 3, 256)
+    ref = jnp.einsum("mk,kn->mn", x.reshape(6, 512), w.dequantize(x.dtype), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y).reshape(6, 256), np.asarray(ref))
+
+
+def test_untiled_shapes_and_forced_reference_keep_xla_on_tpu(monkeypatch):
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((4, 288)), jnp.bfloat16)
+    assert "tpu_custom_call" not in _lowered(int8.matmul, x, _weight(rng, 288, 128, True), platform="tpu")
+    w = _weight(rng, 512, 256, True)
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    monkeypatch.setenv("SLIPSTREAM_KERNELS", "reference")
+    assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="tpu")
+
+
+def test_per_channel_mode_is_unchanged():
+    """int8-channel weights keep their own dots (the kernel is for the group-wise mode only)."""
+    rng = np.random.default_rng(7)
+    w = int8.quantize(jnp.asarray(rng.standard_normal((512, 256)), jnp.float32), "int8-channel")
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="tpu")
