@@ -1,14 +1,25 @@
 """Speculative decoding's acceptance rate for a target and a proposer (a draft model, by default the
 target drafting for itself: the upper bound any draft of it can reach; or n-gram) on the bench's
-repeat and random datasets, greedy and drawn. Counts only, no timing:
+repeat and random datasets, greedy and drawn. Counts only:
 
     python -m benchmarks.spec_acceptance [--model M] [--draft D | --ngram] [--k 4] [--prompts 8] [--json out.json]
+
+With --time, its speed instead: one engine with the serve defaults, schedulers without and with
+speculation taking turns on the same requests (closed loop of --concurrency clients, the order flipped
+each round), each round's TPOT p50 (per request: engine time from its first to its last token over
+the tokens after the first, as `slipstream bench` reports it) and output tok/s, and their ratios:
+
+    python -m benchmarks.spec_acceptance --time --ngram [--concurrency 1] [--rounds 3] [--prompts 4]
+        [--output-len 128] [--datasets repeat,random] [--temperatures 0,0.8]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import threading
+import time
 
 from slipstream.engine.device.draft import DraftModelProposer
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
@@ -37,22 +48,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="the drawn runs' temperature")
     p.add_argument("--json", default=None)
+    p.add_argument("--time", action="store_true", help="time speculation against none instead of counting")
+    p.add_argument("--concurrency", type=int, default=1, help="--time: clients, each one request at a time")
+    p.add_argument("--rounds", type=int, default=3, help="--time: rounds after a warm-up round")
+    p.add_argument("--datasets", default="repeat,random", help="--time: of repeat, random")
+    p.add_argument("--temperatures", default="0,0.8", help="--time: comma-separated")
     args = p.parse_args(argv)
 
-    # a step samples at most max_slots rows: room for every request's k drafts beside its own row
-    config = EngineConfig(max_slots=args.prompts * (args.k + 1), max_seq_len=1024, max_num_batched_tokens=256)
+    # a step samples at most max_slots rows: room for every request's k drafts beside its own row;
+    # timing uses the serve defaults
+    config = EngineConfig() if args.time else EngineConfig(max_slots=args.prompts * (args.k + 1), max_seq_len=1024,
+                                                           max_num_batched_tokens=256)
     target = engine_for(args.model, config)
     tokenizer = load_tokenizer(resolve_model(args.model))
+    # counting: every step speculates; timing: as served (no speculation in steps of large batches)
+    batch_off = SpeculativeConfig.disable_by_batch_size if args.time else 64
     if args.ngram:
-        spec, proposer = SpeculativeConfig(num_speculative_tokens=args.k, disable_by_batch_size=64), None
+        spec, proposer = SpeculativeConfig(num_speculative_tokens=args.k, disable_by_batch_size=batch_off), None
     else:
         draft = engine_for(args.draft or args.model, config)  # its own engine: its own KV and slots
         spec = SpeculativeConfig(method="draft_model", model=args.draft or args.model,
-                                 num_speculative_tokens=args.k, disable_by_batch_size=64)
+                                 num_speculative_tokens=args.k, disable_by_batch_size=batch_off)
         proposer = DraftModelProposer(draft, target.vocab_size)
     datasets = {"repeat": repeat_dataset(tokenizer, num_prompts=args.prompts, passage_len=200, seed=0),
                 "random": random_dataset(tokenizer, num_prompts=args.prompts, input_len=256,
                                          output_len=args.output_len, seed=0)}
+    if args.time:
+        return timed(args, target, tokenizer, {k: datasets[k] for k in args.datasets.split(",")}, spec, proposer)
     rows = []
     for name, samples in datasets.items():
         for temperature in (0.0, args.temperature):
@@ -77,6 +99,89 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, draft=None if args.ngram else args.draft or args.model, k=args.k,
                            rows=rows), f, indent=1)
+    return 0
+
+
+def run_closed_loop(engine, tokenizer, requests: list[Request], spec, proposer, concurrency: int
+                    ) -> tuple[list[float], int, float]:
+    """Every request through a fresh scheduler, `concurrency` clients each sending its next request when
+    the last one ends: each request's TPOT (s), the output tokens and the wall time (s)."""
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(speculative=spec, proposer=proposer))
+    metrics = []
+    scheduler.add_listener(metrics.append)
+    todo = iter(list(enumerate(requests)))
+    lock = threading.Lock()
+    errors = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            i, r = item
+            result = scheduler.submit(Request(r.prompt_ids, r.params, request_id=f"{id(scheduler)}-{i}")).result()
+            if result.error is not None:
+                errors.append(result.error)
+
+    scheduler.start()
+    try:
+        started = time.perf_counter()
+        clients = [threading.Thread(target=client) for _ in range(concurrency)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+        wall = time.perf_counter() - started
+    finally:
+        scheduler.shutdown()
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    tpots = [sum(m.tpot_s) / len(m.tpot_s) for m in metrics if m.tpot_s]
+    return tpots, sum(m.output_length for m in metrics), wall
+
+
+def timed(args, engine, tokenizer, datasets, spec, proposer) -> int:
+    """--time: speculation on vs off on one engine, taking turns request by request at concurrency 1 (so
+    the two sides of each pair see the same load on a shared machine), else set by set; the order flips
+    every turn. Per round: TPOT p50 of each side and output tok/s, and their ratios."""
+    rows = []
+    print(f"concurrency {args.concurrency}, {args.prompts} prompts x {args.output_len} tokens, k {args.k}, "
+          f"{'n-gram' if proposer is None else 'draft model'}", flush=True)
+    for name, samples in datasets.items():
+        for temperature in (float(t) for t in args.temperatures.split(",")):
+            requests = [Request(tokenizer.encode(s.prompt, add_special_tokens=False),
+                                SamplingParams(temperature=temperature, seed=i, max_tokens=args.output_len,
+                                               ignore_eos=True)) for i, s in enumerate(samples)]
+            groups = [[r] for r in requests] if args.concurrency == 1 else [requests]
+            ratios, throughput = [], []
+            turn = 0
+            for rnd in range(args.rounds + 1):  # round 0 warms up (compiles) and is not counted
+                got = {"on": ([], 0, 0.0), "off": ([], 0, 0.0)}
+                for group in groups:
+                    turn += 1
+                    for label in (("off", "on") if turn % 2 else ("on", "off")):
+                        tpots, tokens, wall = run_closed_loop(engine, tokenizer, group,
+                                                              spec if label == "on" else None,
+                                                              proposer if label == "on" else None, args.concurrency)
+                        t0, n0, w0 = got[label]
+                        got[label] = (t0 + tpots, n0 + tokens, w0 + wall)
+                if rnd == 0:
+                    continue
+                on_tpot, off_tpot = (statistics.median(got[k][0]) for k in ("on", "off"))
+                on_tps, off_tps = (got[k][1] / got[k][2] for k in ("on", "off"))
+                ratios.append(on_tpot / off_tpot)
+                throughput.append(on_tps / off_tps)
+                rows.append(dict(dataset=name, temperature=temperature, round=rnd, tpot_on_ms=on_tpot * 1e3,
+                                 tpot_off_ms=off_tpot * 1e3, tok_s_on=on_tps, tok_s_off=off_tps))
+                print(f"{name:7s} T={temperature:<4} round {rnd}: TPOT p50 {on_tpot * 1e3:.2f} / {off_tpot * 1e3:.2f} ms"
+                      f" = {on_tpot / off_tpot:.3f}; output tok/s {on_tps:.1f} / {off_tps:.1f} = "
+                      f"{on_tps / off_tps:.3f}", flush=True)
+            print(f"{name:7s} T={temperature:<4} median of rounds: TPOT ratio {statistics.median(ratios):.3f}, "
+                  f"tok/s ratio {statistics.median(throughput):.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, concurrency=args.concurrency, k=args.k, rows=rows), f, indent=1)
     return 0
 
 

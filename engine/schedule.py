@@ -230,11 +230,12 @@ class StepPlanner:
                 completes |= n == seq.remaining
         return Plan(chunks, preempted, freed)
 
-    def propose(self) -> None:
-        """Draft for the next step's decodes (Speculator.propose): with no lock held, as a draft model
-        runs on the device; plan() takes the drafts."""
+    def propose(self, may_overlap: bool) -> None:
+        """Draft for the next step's decodes (Speculator.propose; may_overlap: what may_overlap() said,
+        read under the lock): with no lock held, as a draft model runs on the device; plan() takes the
+        drafts."""
         if self.speculator is not None:
-            self.speculator.propose(self.running)
+            self.speculator.propose(self.running, may_overlap)
 
     def _draft(self, seq: Sequence, room: int) -> tuple[int, ...]:
         """Drafts proposed for `seq`, at most `room`, within the pages it can get without preempting
@@ -300,11 +301,15 @@ class StepPlanner:
         ahead also leaves out requests that arrive meanwhile, one step later than without overlap:
         so only when every slot is taken (an arrival could not start anyway), or when one sequence
         runs alone (its steps are the shortest, and host time the largest share of them)."""
-        if self.waiting or any(s.request.params.constraint is not None for s in self.running):
-            return False
         if self.speculator is not None and self.speculator.active(self.running):
             # drafting reads the sequence's latest tokens on the host, and its verified step returns
             # several samples, of which only the accepted ones exist: no step is planned ahead of it
+            return False
+        return self.may_overlap()
+
+    def may_overlap(self) -> bool:
+        """can_overlap() without speculation: whether a step that drafts for no one may overlap."""
+        if self.waiting or any(s.request.params.constraint is not None for s in self.running):
             return False
         return not self.free_slots or len(self.running) == 1
 

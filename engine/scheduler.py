@@ -4,8 +4,9 @@ the step and hands the sampled tokens to the output side. Plain Python: no JAX h
 
 One step stays in flight while the next is planned and launched, when the planner allows it: the
 device then runs step N+1 while this thread collects step N's samples and hands them on (decodes
-of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE). Not with speculative decoding
-(engine/speculative.py): drafting needs each sequence's latest tokens on the host."""
+of step N+1 feed step N's samples on the device, as PREVIOUS_SAMPLE). Not for a step that may draft
+(engine/speculative.py): drafting needs each sequence's latest tokens on the host; sequences whose drafts
+missed rest, and steps where all rest overlap."""
 from __future__ import annotations
 
 import itertools
@@ -259,7 +260,9 @@ class Scheduler:
                 if finished and turn:
                     self._await_arrivals(finished, records)
                 self._admit_and_insert(records)
-        planner.propose()  # drafts, with no lock held (a draft model runs on the device)
+        with self._cv:
+            may_overlap = planner.may_overlap()
+        planner.propose(may_overlap)  # drafts, with no lock held (a draft model runs on the device)
         with self._cv:
             started, listeners = time.perf_counter(), self._step_listeners
             plan = planner.plan()

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# A sequence whose drafting gains nothing rests 1, 2, 4 ... steps, at most this many, before it drafts
+# again (Speculator.propose); a probe every MAX_REST steps finds where drafts start to hit again (a
+# loop, a quote).
+MAX_REST = 16
 
 
 class Proposer(Protocol):
@@ -157,23 +161,42 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpecCounters()
         self._drafts: dict["Seq", tuple[int, ...]] = {}
+        self._misses: dict["Seq", int] = {}  # drafting steps in a row that gained nothing (absent: 0)
+        self._rest: dict["Seq", int] = {}    # steps left before the sequence drafts again (absent: 0)
 
     def active(self, running: Sequence["Seq"]) -> bool:
         """Whether the next step may draft for some running sequence (its tokens must be on the
-        host, so the step in flight is collected before planning it)."""
+        host, so the step in flight is collected before planning it): not when every sequence that
+        may speculate rests."""
         return (len(running) < self.config.disable_by_batch_size
-                and any(may_speculate(s.request.params) for s in running))
+                and any(may_speculate(s.request.params) and not self._rest.get(s) for s in running))
 
-    def propose(self, running: Sequence["Seq"]) -> None:
-        """Draft for the next step's decodes: each greedy-verifiable one with all its tokens on the
-        host, up to K tokens within max_tokens and the context; none when the batch is large."""
+    def propose(self, running: Sequence["Seq"], may_overlap: bool) -> None:
+        """Draft for the next step's decodes: each one that may speculate, with all its tokens on the
+        host and not resting, up to K tokens within max_tokens and the context; none when the batch
+        is large. A resting decode counts one step of its rest instead.
+
+        Drafting costs a step the overlap with the step in flight (its tokens must be on the host) and,
+        when drafts are fed, their compute. So a sequence rests after a verification that accepted
+        none, and, when its steps could overlap otherwise (`may_overlap`: the planner's conditions
+        without speculation), after a step the proposer found no draft for; each miss in a row doubles
+        the rest, an accepted draft ends the run of misses."""
         self._drafts = {}
+        live = set(running)
+        for pace in (self._misses, self._rest):
+            for seq in [s for s in pace if s not in live]:
+                del pace[seq]
         decodes = [s for s in running if s.remaining == 1 and not s.last_in_flight]
         if len(decodes) >= self.config.disable_by_batch_size:
             return
         asks = []
         for seq in decodes:
-            if seq.status is not Status.RUNNING or seq.in_flight or not may_speculate(seq.request.params):
+            if seq.status is not Status.RUNNING or not may_speculate(seq.request.params):
+                continue
+            if self._rest.get(seq):
+                self._rest[seq] -= 1
+                continue
+            if seq.in_flight:
                 continue
             k = min(self.config.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
                     self.max_seq_len - seq.num_tokens)
@@ -181,6 +204,15 @@ class Speculator:
                 asks.append((seq, k))
         if asks:
             self._drafts = {seq: tuple(d[:k]) for (seq, k), d in zip(asks, self.proposer.draft(asks)) if d}
+            if may_overlap:
+                for seq, _ in asks:
+                    if seq not in self._drafts:
+                        self._missed(seq)
+
+    def _missed(self, seq: "Seq") -> None:
+        """Drafting gained nothing for `seq`: it rests twice as long as after its last miss."""
+        misses = self._misses[seq] = self._misses.get(seq, 0) + 1
+        self._rest[seq] = min(1 << (misses - 1), MAX_REST)
 
     def take(self, seq: "Seq", room: int) -> tuple[int, ...]:
         """The drafts proposed for `seq`, at most `room` (the planner's token budget and sample rows)."""
@@ -192,6 +224,10 @@ class Speculator:
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, [s.token_id for s in samples])
         self.counters.record(len(draft), accepted)
+        if accepted:
+            self._misses.pop(seq, None)
+        else:
+            self._missed(seq)
         if seq.status is Status.RUNNING and seq.num_computed == chunk.known_end:
             # rejected drafts' KV stays in the pages past num_computed, overwritten by later steps
             seq.num_computed += accepted

@@ -125,7 +125,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
         s.add_sample(token)
     assert not p.can_overlap()  # drafting reads the latest tokens on the host
     p.token_budget = 8
-    p.propose()  # the scheduler drafts with no lock held, then plans
+    p.propose(p.may_overlap())  # the scheduler drafts with no lock held, then plans
     plan = p.plan()
     # a: 1 + 3 drafts ("2 3" last seen before at 4: 1 2 3 followed); b: 1 + 2 (the 4 tokens left keep
     # one for c); c: its one token (no room left for drafts). 8 tokens: the budget.
@@ -147,7 +147,7 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     p2.advance(p2.plan())
     d.add_sample(2)
     e.add_sample(8)
-    p2.propose()
+    p2.propose(p2.may_overlap())
     plan = p2.plan()
     # d: max_tokens 3 leaves room for 1 draft (its bonus token is the 3rd); e: 4 rows - 2 seqs - 1 = 1
     assert [c_.draft for c_ in plan.chunks] == [(1,), (7,)]
@@ -164,5 +164,77 @@ def test_planner_drafts_within_the_token_budget_sample_rows_and_max_tokens():
     f.add_sample(2)
     g.add_sample(4)
     assert off.can_overlap()
-    off.propose()
+    off.propose(off.may_overlap())
     assert [c_.draft for c_ in off.plan().chunks] == [(), ()]
+
+
+
+def _rest_planner(prompts, max_slots):
+    """A planner with n-gram (1-gram, K=2) speculation over greedy sequences of these prompts, and one
+    step function: it plans and runs a step (collected before the next is planned), each sequence
+    sampling the tokens given for it (fresh ones, never seen before, when None). Returns the planner,
+    its sequences and the step function, which returns (whether the step could have overlapped the one
+    before it, each chunk's drafts)."""
+    import itertools
+
+    from slipstream.engine.api import Sampled
+    from slipstream.engine.block_manager import BlockManager
+    from slipstream.engine.request import Request
+    from slipstream.engine.schedule import StepPlanner
+    from slipstream.engine.sequence import Sequence
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1)
+    p = StepPlanner(BlockManager(256, 4, False), max_slots=max_slots, token_budget=64, speculative=spec,
+                    max_seq_len=512)
+    seqs = [Sequence(Request(list(prompt), SamplingParams(temperature=0.0, max_tokens=400)), order=i)
+            for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        p.enqueue(seq)
+    p.admit()
+    fresh = itertools.count(1000)
+
+    def step(*samples):
+        overlap = p.can_overlap()
+        p.propose(p.may_overlap())
+        plan = p.plan()
+        p.advance(plan)
+        rows = []
+        for chunk, given in zip(plan.chunks, samples or [None] * len(plan.chunks)):
+            rows += given or [next(fresh) for _ in range(1 + len(chunk.draft))]
+        p.complete(plan, [Sampled(t, None) for t in rows], frozenset(), 512)
+        return overlap, [chunk.draft for chunk in plan.chunks]
+
+    return p, seqs, step
+
+
+def test_a_sequence_whose_drafts_miss_rests_longer_each_time_and_its_steps_may_overlap():
+    """One sequence (its steps may overlap): no draft found or none accepted -> it rests 1, 2, 4 ...
+    steps (at most MAX_REST), planned without drafts and free to overlap the step in flight; a probe
+    with an accepted draft ends the run of misses."""
+    from slipstream.engine.speculative import MAX_REST
+
+    p, _, step = _rest_planner([[1, 2, 3, 4]], max_slots=4)
+    assert step([2]) == (False, [()])             # the prompt, then 2 (seen before, followed by 3 4)
+    assert step([3, 4, 7]) == (False, [(3, 4)])   # both drafts accepted, then 7
+    assert step([8]) == (False, [()])             # 7: nothing to draft -> rest 1
+    assert step([1]) == (True, [()])              # resting (1 would have found 2 3)
+    assert step([9, 9, 9]) == (False, [(2, 3)])   # none accepted -> rest 2
+    assert step([6]) == (True, [()]) and step([1]) == (True, [()])
+    assert step([9, 6, 5]) == (False, [(9, 6)])   # 1 was last followed by 9 6: accepted, the run ends
+    assert step() == (False, [()])                # 5: nothing -> rest 1 (not 4)
+    assert p.speculator.counters.snapshot()[:2] == (6, 4)
+    # fresh tokens only: probes with 1, 2, 4 ... MAX_REST resting steps between them
+    expected = "o." + "oo." + "oooo." + "o" * 8 + "." + ("o" * 16 + ".") * 2 + "o" * MAX_REST + "."
+    assert "".join("o" if step()[0] else "." for _ in expected) == expected
+
+
+def test_without_overlap_to_gain_finding_no_draft_costs_no_rest():
+    """Two sequences with slots free: their steps cannot overlap anyway, so a step with no draft found
+    does not make a sequence rest (a verification that accepts none still does: it cost compute)."""
+    p, (a, b), step = _rest_planner([[1, 2, 3, 4], [5, 6, 7, 8]], max_slots=4)
+    assert not p.may_overlap()
+    step([100], [101])                                  # the prompts
+    assert step([2], [102]) == (False, [(), ()])        # nothing to draft for either
+    assert step([4, 0, 0], [103]) == (False, [(3, 4), ()])  # a drafts at once; none accepted
+    assert step(None, [5]) == (False, [(), ()])         # a rests (4 would have found 100 2); b: nothing
+    assert step(None, [6, 7, 1]) == (False, [(), (6, 7)])  # b drafts at once (5 was followed by 6 7)
