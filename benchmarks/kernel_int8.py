@@ -182,11 +182,13 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
 def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     """[4]: the tile unit's dense peak, then the two-part (q8_0-a16) kernel on it against its VNNI path."""
     cores = len(os.sched_getaffinity(0))
-    peaks = {kind: amx_peak(cores, kind) for kind in ("int8", "bf16")}
     try:
         ext.set_isa("amx")
     except ValueError:
         raise SystemExit(f"this CPU or OS gives no AMX (kernel isa {ext.isa()}): nothing to measure") from None
+    peaks = {kind: amx_peak(cores, kind) for kind in ("int8", "bf16")}
+    if None in peaks.values():
+        raise SystemExit("benchmarks/amx_peak.c could not be built or run here (a C compiler with -mamx-*)")
     print(f"\n[4] AMX: dense tile products on {cores} cores (benchmarks/amx_peak.c, random data): int8 "
           f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The q8_0-a16 kernel on the tile unit (amx) "
           "and on AVX-512 VNNI, timed alternately; GOP/s = 2*M*K*N / median time; share of the int8 and bf16 peaks")

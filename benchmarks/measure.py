@@ -18,14 +18,14 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slipstream.models.config import ModelConfig
-from slipstream.models.layers import linear
+if TYPE_CHECKING:  # models (and flax) only where a model is measured: the TPU scripts import the timing helpers
+    from slipstream.models.config import ModelConfig
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -71,31 +71,29 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def fma_peak_gflops(threads: int) -> float | None:
-    """This machine's f32 FMA peak over `threads` cores (benchmarks/fma_peak.c, per CPU-second); None
-    without a C compiler."""
+def _peak(program: str, flags: list[str], args: list[str]) -> float | None:
+    """Builds benchmarks/<program>.c with `flags` and runs it with `args`: the rate it prints, or None without a
+    C compiler (or when it prints 0: the CPU or OS lacks what it measures)."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "fma_peak")
-        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
-        subprocess.run([cc, "-O2", "-march=native", "-pthread", src, "-o", exe], check=True)
-        return float(subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout)
+        exe = os.path.join(tmp, program)
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{program}.c")
+        subprocess.run([cc, "-O2", *flags, "-pthread", src, "-o", exe], check=True)
+        rate = float(subprocess.run([exe, *args], check=True, capture_output=True, text=True).stdout)
+        return rate or None
+
+
+def fma_peak_gflops(threads: int) -> float | None:
+    """This machine's f32 FMA peak over `threads` cores (benchmarks/fma_peak.c, per CPU-second)."""
+    return _peak("fma_peak", ["-march=native"], [str(threads)])
 
 
 def amx_peak(threads: int, kind: str) -> float | None:
     """This machine's AMX tile-unit peak over `threads` cores (benchmarks/amx_peak.c, per CPU-second): int8
-    GOP/s or bf16 GFLOP/s of dense tile products; None without a C compiler or where the OS grants no tile state."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "amx_peak")
-        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_peak.c")
-        subprocess.run([cc, "-O2", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-pthread", src, "-o", exe], check=True)
-        rate = float(subprocess.run([exe, str(threads), kind], check=True, capture_output=True, text=True).stdout)
-        return rate or None
+    GOP/s or bf16 GFLOP/s of dense tile products; None where the OS grants no tile state."""
+    return _peak("amx_peak", ["-mamx-tile", "-mamx-int8", "-mamx-bf16"], [str(threads), kind])
 
 
 def copy_seconds(nbytes: int, reps: int) -> tuple[float, float]:
@@ -158,6 +156,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
     from slipstream.engine.device.layer_stack import PerLayer, StackedF32, StackedQ8
+    from slipstream.models.layers import linear
 
     def weight(group, name):
         return params["blocks"][group][name]["w"].get_value()

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.measure import cpu_model, interleaved
 from slipstream.kernels.tpu import int8_matmul as kmod
 from slipstream.quantization import int8
 
@@ -67,32 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(a.m) < 1 or a.layers < 2 or a.reps < 1:
         raise SystemExit("--m, --layers (>= 2: the check reads layer 1) and --reps must be positive")
     return a
-
-
-def cpu_model() -> str:
-    """The host CPU (benchmarks.measure's, here so the device run needs no model packages such as flax)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def interleaved(fns: dict, reps: int, warmup: int) -> dict[str, list[float]]:
-    """Round-robin timing (benchmarks.measure.interleaved): every kind sees the same background."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t)
-    return times
 
 
 def machine() -> dict:

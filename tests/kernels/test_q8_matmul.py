@@ -204,21 +204,28 @@ def test_two_parts_hold_activations_to_about_15_bits():
     assert err2 < err1 / 100
 
 
-@pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2")
-@pytest.mark.parametrize("m", [AVX2_F32_MIN_ROWS - 1, AVX2_F32_MIN_ROWS, 64, 65, 200])
-@pytest.mark.parametrize("offsets", [False, True])
-def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
-    # Odd K and N (a partial group and a partial tile). From AVX2_F32_MIN_ROWS rows on the kernel
-    # multiplies the dequantized weights by x itself: as exact as f32 allows, where the two int8
-    # parts of fewer rows keep ~15 bits of each activation.
+def outlier_case(m: int, offsets: bool):
+    """Odd K and N (a partial group and a partial tile), random weights (with offsets or not) and m rows of x
+    whose column 7 is an outlier: it sets its group's scale, so two int8 parts lose the small values' low
+    bits. -> (q, d, off, packed, scales, packed offsets or None, x)."""
     rng = np.random.default_rng(m)
     k, n = 333, 75
     q, d = random_weight(rng, k, n)
     off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
     packed, scales, *rest = q8.pack(q, d, off)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    x[:, 7] = 50.0  # an outlier sets its group's scale: the two parts lose the small values' low bits
-    got = run_kernel(x, packed, scales, n, "avx2", rest[0] if offsets else None, parts=2)
+    x[:, 7] = 50.0
+    return q, d, off, packed, scales, rest[0] if offsets else None, x
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("m", [AVX2_F32_MIN_ROWS - 1, AVX2_F32_MIN_ROWS, 64, 65, 200])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
+    # From AVX2_F32_MIN_ROWS rows on the kernel multiplies the dequantized weights by x itself: as exact
+    # as f32 allows, where the two int8 parts of fewer rows keep ~15 bits of each activation.
+    q, d, off, packed, scales, packed_off, x = outlier_case(m, offsets)
+    got = run_kernel(x, packed, scales, q.shape[0], "avx2", packed_off, parts=2)
     exact = exact_product(x, q, d, off)
     terms = exact_product(np.abs(x), np.abs(q.astype(np.int16)), d, None if off is None else np.abs(off))  # |x| |w|
     err = np.abs(got - exact).max()
@@ -227,34 +234,6 @@ def test_avx2_two_parts_on_many_rows_are_the_float_product(m, offsets):
     else:
         assert_close(got, oracle(x, q, d, off, parts=2), x, q, d, off)
         assert err > 1e-6 * terms.max()  # the int8 path's quantization shows: the check above can tell
-
-
-needs_amx = pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-INT8/BF16, or the OS did not grant "
-                               "the tile state (lscpu: amx_int8, amx_bf16)")
-
-
-@needs_amx
-@pytest.mark.parametrize("m", [1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 600])
-@pytest.mark.parametrize("offsets", [False, True])
-def test_amx_two_parts_are_the_float_product_from_its_row_count(m, offsets):
-    # From AMX_MIN_ROWS rows a two-part call multiplies x and the dequantized weights split into bf16
-    # hi + lo: closer to the float product than the two int8 parts, whose quantization shows below it.
-    # Row counts across the 256-row items, odd K and N.
-    rng = np.random.default_rng(m)
-    k, n = 333, 75
-    q, d = random_weight(rng, k, n)
-    off = f16(rng.standard_normal(d.shape) * 1e-2) if offsets else None
-    packed, scales, *rest = q8.pack(q, d, off)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    x[:, 7] = 50.0  # an outlier sets its group's scale: the two parts lose the small values' low bits
-    got = run_kernel(x, packed, scales, n, "amx", rest[0] if offsets else None, parts=2)
-    int8_parts = run_kernel(x, packed, scales, n, "avx512_vnni", rest[0] if offsets else None, parts=2)
-    if m >= AMX_MIN_ROWS:
-        assert_split_product_close(got, x, q, d, off)
-        exact = exact_product(x, q, d, off)
-        assert np.abs(got - exact).mean() < np.abs(int8_parts - exact).mean() / 10  # ~20x here
-    else:
-        np.testing.assert_array_equal(got, int8_parts)
 
 
 @needs_native
