@@ -15,6 +15,7 @@ import http.client
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -189,6 +190,17 @@ def start_server(args: argparse.Namespace, uds: str, cache: str, log_path: str):
     return proc, time.perf_counter() - start
 
 
+def server_machine(args: argparse.Namespace, log_path: str) -> dict:
+    """The machine as the server logged it ("device: 1 x TPU v5 lite (tpu backend, jax ...)"), for a run
+    without the in-process phases that record it from JAX."""
+    from benchmarks.measure import cpu_model
+
+    found = re.findall(r"device: (.+)", _tail(log_path, 1 << 16))
+    return {"device": found[-1].strip() if found else "?", "cpu": cpu_model(), "cores": os.cpu_count(),
+            "model": args.model, "load_format": args.load_format,
+            "mode": f"dtype={args.dtype} quantize={args.quantize} kv={args.kv_cache_dtype}"}
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -237,6 +249,8 @@ def serving_phase(args: argparse.Namespace) -> None:
     log_path = os.path.join(args.output_dir, "serve.log")
     try:
         proc, cold = start_server(args, uds, cache, log_path)
+        if "machine" not in read_results(results_path(args)):  # no in-process phase ran: the server's own line
+            record(args, "machine", server_machine(args, log_path))
         startup = {"cold_s": cold}
         record(args, "startup", startup)
         try:
@@ -255,9 +269,9 @@ def serving_phase(args: argparse.Namespace) -> None:
 
 def markdown(r: dict) -> str:
     m = r.get("machine", {})
-    lines = [f"Machine: {m.get('device_kind', '?')} x{m.get('device_count', '?')} ({m.get('platform', '?')}), "
-             f"host {m.get('cpu', '?')}; jax {m.get('jax', '?')}; model {m.get('model', '?')} "
-             f"({m.get('mode', '?')})", ""]
+    device = (m["device"] if "device" in m else
+              f"{m.get('device_kind', '?')} x{m.get('device_count', '?')} ({m.get('platform', '?')}), jax {m.get('jax', '?')}")
+    lines = [f"Machine: {device}; host {m.get('cpu', '?')}; model {m.get('model', '?')} ({m.get('mode', '?')})", ""]
     if "hbm" in r:
         lines += [f"HBM read: {_g(r['hbm']['read_gbs'])} GB/s (sum over {r['hbm']['bytes'] / 2**30:.2f} GiB)", ""]
     if "matmul" in r:
