@@ -69,9 +69,9 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                            progress=progress, devices=devices)
         engines.append(engine)
         where = "" if devices is None else f"replica {replica} on {', '.join(map(str, devices))}: "
-        log.info("%scompiled %d programs in %.1fs (%d %s KV pages of %d tokens; steps of up to %d tokens)", where,
-                 engine.num_programs, engine.compile_seconds, engine.num_pages, engine.kv_dtype.name, engine.page_size,
-                 engine.max_num_batched_tokens)
+        log.info("%scompiled %d programs in %.1fs (%.1fs of it tracing; %d %s KV pages of %d tokens; steps of up to "
+                 "%d tokens)", where, engine.num_programs, engine.compile_seconds, engine.lower_seconds, engine.num_pages,
+                 engine.kv_dtype.name, engine.page_size, engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
     log.info("kernels on %s", kernel_summary())
     return engines, tokenizer, path

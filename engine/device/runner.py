@@ -134,6 +134,7 @@ class JaxEngine:
         self._model_exe: dict[int, jax.stages.Compiled] = {}
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
+        self.lower_seconds = 0.0
         if precompile:
             self.compile_all(progress=progress)
         trim_host_heap()
@@ -199,6 +200,7 @@ class JaxEngine:
                 for b in self.buckets.sample_row_counts]
         jobs += [(self._model_exe, t, self._model_jit.lower(*self._model_args(t)))
                  for t in reversed(self.buckets.token_counts)]  # the slowest first
+        self.lower_seconds = time.perf_counter() - start  # tracing in Python: paid even on a warm cache
         # XLA compiles release the GIL, so a thread per core overlaps them
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(lowered.compile): (table, shape) for table, shape, lowered in jobs}
