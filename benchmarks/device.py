@@ -148,6 +148,28 @@ def _ready(uds: str) -> bool:
         conn.close()
 
 
+def _greedy_completion(uds: str) -> list:
+    """One greedy completion's tokens over the socket: a warm server must answer as the cold one did."""
+    conn = _UnixHTTPConnection(uds, timeout=120)
+    try:
+        body = {"prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"greedy completion: HTTP {response.status}: {reply}")
+        return reply["choices"][0]["logprobs"]["tokens"]
+    finally:
+        conn.close()
+
+
+def _loaded_programs(log_path: str) -> int | None:
+    """How many programs the latest server start loaded whole (its start-up line), if it said."""
+    found = re.findall(r"\((\d+) loaded whole", _tail(log_path, 1 << 16))
+    return int(found[-1]) if found else None
+
+
 def _cpu_env() -> dict:
     """A helper process's environment: it must not open the accelerator the server holds."""
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -254,13 +276,19 @@ def serving_phase(args: argparse.Namespace) -> None:
         startup = {"cold_s": cold}
         record(args, "startup", startup)
         try:
+            if args.startup:
+                startup["tokens"] = _greedy_completion(uds)
             record(args, "serving", run_client(args, uds))
         finally:
             stop_server(proc)
         if args.startup:
             proc, warm = start_server(args, uds, cache, log_path)
-            stop_server(proc)
-            record(args, "startup", {**startup, "warm_s": warm})
+            try:
+                same = _greedy_completion(uds) == startup["tokens"]
+            finally:
+                stop_server(proc)
+            record(args, "startup", {**startup, "warm_s": warm, "warm_programs_loaded": _loaded_programs(log_path),
+                                     "warm_answers_as_cold": same})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -312,8 +340,12 @@ def markdown(r: dict) -> str:
         lines += [line, ""]
     if "startup" in r:
         s = r["startup"]
-        lines += [f"Server ready: cold cache {s['cold_s']:.1f} s" +
-                  (f", warm {s['warm_s']:.1f} s" if "warm_s" in s else ""), ""]
+        warm = ""
+        if "warm_s" in s:
+            warm = (f", warm {s['warm_s']:.1f} s ({s.get('warm_programs_loaded') or 0} programs loaded whole; "
+                    f"a greedy completion {'equal to' if s.get('warm_answers_as_cold') else 'DIFFERENT from'} the cold "
+                    "server's)")
+        lines += [f"Server ready: cold cache {s['cold_s']:.1f} s{warm}", ""]
     if "serving" in r:
         s = r["serving"]
         lines += [f"Serving ({s['prompts']} prompts {s['input_len']} in / {s['output_len']} out, concurrency "

@@ -114,6 +114,26 @@ def note_reference(kernel: str, why: str) -> None:
         _paths[kernel] = "reference"
 
 
+def decisions() -> dict[str, list]:
+    """kernel -> [path, native module or None]: what tracing chose so far, to be replayed (`replay`) by a
+    process that loads the compiled programs instead of tracing them."""
+    return {kernel: [path, _modules.get(kernel)] for kernel, path in sorted(_paths.items())}
+
+
+def replay(record: dict[str, list]) -> bool:
+    """Make the choices of `decisions()` again (load and register the native modules, set their ISA and
+    K/V settings, log each path); False when a native module that was used then is unavailable now."""
+    ok = True
+    for kernel, (path, module) in record.items():
+        if path == "native":
+            ok = load(kernel, module) and ok
+        elif path == "pallas":
+            use_pallas(kernel)
+        else:
+            note_reference(kernel, "as when the loaded programs were compiled")
+    return ok
+
+
 def kernel_isas() -> dict[str, str]:
     """kernel name -> the instruction set its native CPU kernel runs now ("amx", "avx512_vnni", "avx2", ...),
     for every kernel that runs natively (/metrics)."""

@@ -28,6 +28,7 @@ def build_engine(args: argparse.Namespace, *, max_slots: int | None = None):
 def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, data_parallel: int = 1):
     """Load (once), optionally quantize, and compile one engine per data-parallel replica, each on its
     own --tensor-parallel local devices: (engines, tokenizer, model_path)."""
+    from slipstream.engine.device import executables
     from slipstream.engine.device.compile_count import enable_compilation_cache
     from slipstream.server.device_info import device_summary, kernel_summary
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
@@ -37,6 +38,7 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
     from slipstream.quantization.weights import QUANTIZED_MODES
 
     enable_compilation_cache(args.compile_cache)
+    executables.enable(args.compile_cache)  # and whole programs: a warm start skips tracing too
     progress = sys.stderr.isatty()
     log.info("device: %s", device_summary())
     path = resolve_model(args.model, args.load_format)
@@ -69,8 +71,9 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                            progress=progress, devices=devices)
         engines.append(engine)
         where = "" if devices is None else f"replica {replica} on {', '.join(map(str, devices))}: "
-        log.info("%scompiled %d programs in %.1fs (%.1fs of it tracing; %d %s KV pages of %d tokens; steps of up to "
-                 "%d tokens)", where, engine.num_programs, engine.compile_seconds, engine.lower_seconds, engine.num_pages,
+        log.info("%scompiled %d programs in %.1fs (%d loaded whole from the compile cache; %.1fs tracing or loading; "
+                 "%d %s KV pages of %d tokens; steps of up to %d tokens)", where, engine.num_programs,
+                 engine.compile_seconds, engine.programs_loaded, engine.lower_seconds, engine.num_pages,
                  engine.kv_dtype.name, engine.page_size, engine.max_num_batched_tokens)
     del model  # each engine holds its own (rounded, per-layer) copy of the weights, on its devices
     log.info("kernels on %s", kernel_summary())

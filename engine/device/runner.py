@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor, as_completed
 import sys
@@ -26,6 +27,7 @@ from slipstream.engine.api import Sampled, SlotState, StepBatch
 from slipstream.engine.device.attention_layer import paged_attention
 from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
+from slipstream.engine.device.executables import ExecutableStore, avals
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
 from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, constrain, prompt_mask_row, sample_penalized,
@@ -135,6 +137,7 @@ class JaxEngine:
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
+        self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
         if precompile:
             self.compile_all(progress=progress)
         trim_host_heap()
@@ -196,18 +199,33 @@ class JaxEngine:
     def compile_all(self, *, progress: bool = False) -> None:
         """Compile every bucket now (or load it from the persistent cache), on all host cores."""
         start = time.perf_counter()
-        jobs = [(self._sample_exe, b, self._sample_jit.lower(*self._sample_args(b)))
-                for b in self.buckets.sample_row_counts]
-        jobs += [(self._model_exe, t, self._model_jit.lower(*self._model_args(t)))
-                 for t in reversed(self.buckets.token_counts)]  # the slowest first
-        self.lower_seconds = time.perf_counter() - start  # tracing in Python: paid even on a warm cache
+        store = self._executable_store()
+        reuse = store is not None and store.replay_kernels()  # none saved yet, or a native module is missing
+        programs = [(self._sample_exe, b, f"sample-{b}", self._sample_jit, self._sample_args(b))
+                    for b in self.buckets.sample_row_counts]
+        programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
+                     for t in reversed(self.buckets.token_counts)]  # the slowest first
+        loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
+        if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
+            for table, shape, name, _, _ in programs:
+                table[shape] = loaded[name]
+        jobs = [] if loaded else [(table, shape, name, jitted.lower(*args)) for table, shape, name, jitted, args in programs]
+        self.lower_seconds = time.perf_counter() - start  # tracing in Python (or loading whole executables)
         # XLA compiles release the GIL, so a thread per core overlaps them
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(lowered.compile): (table, shape) for table, shape, lowered in jobs}
+            compile_ = store.compile if store else (lambda lowered: lowered.compile())
+            futures = {pool.submit(compile_, lowered): (table, shape, name) for table, shape, name, lowered in jobs}
             for future in tqdm(as_completed(futures), total=len(futures), desc="compiling buckets",
                                unit="program", file=sys.stderr, disable=not progress, leave=False):
-                table, shape = futures[future]
+                table, shape, name = futures[future]
                 table[shape] = future.result()
+                if store:
+                    store.save(name, table[shape])
+        if store:
+            if jobs:
+                store.save_kernels()
+            store.prune()
+            self.programs_loaded = store.loaded
         if self.lora is not None:  # and the adapter slot writer: loading adapters never compiles
             self.lora.compile()
         # the row setter is tiny: compile it now too so steady state never compiles
@@ -216,6 +234,16 @@ class JaxEngine:
             np.zeros(self.vocab_size, np.int32), np.zeros(self.vocab_size, bool))
         self._previous.warm(self.buckets)
         self.compile_seconds = time.perf_counter() - start
+
+    def _executable_store(self) -> ExecutableStore | None:
+        """Whole compiled programs in the server's compile cache (engine/device/executables.py), keyed by
+        what they are built from; on one device without a mesh (a sharded engine traces and uses JAX's cache)."""
+        if self.tp is not None:
+            return None
+        identity = "\n".join([repr(self.model_cfg), repr(self.config), repr(self.graphdef), repr(self.buckets),
+                               avals((self._model_args(self.buckets.token_counts[0]),
+                                      self._sample_args(self.buckets.sample_row_counts[0])))])
+        return ExecutableStore.enabled(jax.devices()[:1], re.sub(r"0x[0-9a-f]+", "0x", identity))
 
     def _exe(self, table: dict, shape: int, jitted, args_fn):
         exe = table.get(shape)

@@ -72,6 +72,8 @@ def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["tpot_p50_ms"] > 0
     assert r["startup"]["cold_s"] > 0 and r["startup"]["warm_s"] > 0
+    assert r["startup"]["warm_answers_as_cold"] and len(r["startup"]["tokens"]) == 16
+    assert r["startup"]["warm_programs_loaded"] == 0  # CPU engines trace (engine/device/executables.py)
     assert "cpu backend" in r["machine"]["device"]  # no in-process phase: the machine as the server logged it
     md = (out / "device.md").read_text()
     assert "Serving (6 prompts" in md and md.startswith("Machine: 1 x cpu")
