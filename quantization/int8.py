@@ -184,8 +184,8 @@ def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.A
     TPU kernel runs, it reads that layer's blocks of the stack where they lie (no copy of the layer's
     int8 values or scales); every other path slices the layer out first."""
     if (layer is None) != (w.q.ndim == 2) or w.q.ndim not in (2, 3):
-        raise ValueError(f"int8.matmul takes a weight [in, out], or a stack [L, in, out] with `layer`; got "
-                         f"shape {tuple(w.q.shape)} and layer={'None' if layer is None else 'an index'}")
+        raise ValueError(f"int8.matmul takes a weight [in, out], or a stack [L, in, out] and a layer index; got "
+                         f"shape {tuple(w.q.shape)} {'without' if layer is None else 'with'} a layer index")
     k, n = w.q.shape[-2:]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)                                                   # [M, K]

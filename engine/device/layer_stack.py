@@ -11,10 +11,11 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
 - other float weights (bf16; f32 without the native kernel), group-wise int8 ones under tensor
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch.
-On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out] become
-`StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the traced layer index, so the Pallas int8
-kernel reads each layer's blocks where they lie instead of a slice the scan copies out of the stack
-every step (0.30 -> 0.19 ms per 4096 x 14336 matmul at one row on a v5e). Unfused: one call per linear.
+On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
+become `StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the traced layer index, so
+the Pallas int8 kernel reads each layer's blocks where they lie instead of a slice the scan copies out
+of the stack every step (0.30 -> 0.19 ms per 4096 x 14336 matmul at one row on a v5e). Unfused: one
+kernel call per linear (fusing q/k/v or gate/up at load would copy those stacks).
 The forms themselves are weight formats (quantization/layer_forms.py); this module decides which
 weight takes which, from the model's fused groups. models/layers.py calls quantization.ops without
 knowing why.
