@@ -18,7 +18,7 @@ import numpy as np
 
 from benchmarks.device import parse_args, record
 from benchmarks.engine import build, decodes, fill, kv_read_bytes, positions_per_phase
-from benchmarks.measure import cpu_model, interleaved, median_ms, weight_bytes_read_per_token
+from benchmarks.measure import cpu_model, interleaved, linear_forms, median_ms, weight_bytes_read_per_token
 from slipstream.engine.api import StepBatch, StepSeq
 from slipstream.engine.device.runner import EngineConfig
 from slipstream.models.config import ModelConfig
@@ -183,7 +183,8 @@ def _decode_batches(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs:
                             "kv_dtype": engine.kv_dtype.name, "kv_bytes_per_token": engine.bytes_per_token,
                             "kv_cache_mb": engine.num_pages * engine.page_size * engine.bytes_per_token / 1e6,
                             "page_size": engine.page_size, "context": args.context, "ready_s": ready,
-                            "programs": engine.num_programs, "token_budget": budget, "memory": device_memory()})
+                            "programs": engine.num_programs, "token_budget": budget, "memory": device_memory(),
+                            "linear_forms": linear_forms(engine.params)})
     fill(setup, seed=0)
     results = []
     for batch in slots:

@@ -146,6 +146,25 @@ def weight_bytes_read_per_token(params) -> int:
     return _leaf_bytes(params["blocks"]) + _leaf_bytes(head) + _leaf_bytes(params["final_norm"])
 
 
+def linear_forms(params) -> dict[str, int]:
+    """How many of the layer stack's linear weights the engine holds in each form (params: the engine's
+    model state): the class name (StackedInt8: int8 stacks the TPU kernel reads at the layer index;
+    PerLayer, StackedQ8, FusedMember, ...: XLA:CPU's forms; Int8Weight: a stack the scan slices), or
+    "array" for a float stack [L, in, out]."""
+    from flax import nnx
+
+    forms = collections.Counter()
+    for _, var in nnx.to_flat_state(params["blocks"]):
+        value = var.get_value()
+        if isinstance(value, jax.Array):
+            if value.ndim != 3:  # norms and biases [L, D]
+                continue
+            forms["array"] += 1
+        else:
+            forms[type(value).__name__] += 1
+    return dict(sorted(forms.items()))
+
+
 _GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up"), ("w_down",))}
 
 
@@ -155,8 +174,9 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
-    from slipstream.engine.device.layer_stack import PerLayer, StackedF32, StackedQ8
+    from slipstream.engine.device.layer_stack import PerLayer, StackedF32, StackedInt8, StackedQ8
     from slipstream.models.layers import linear
+    from slipstream.quantization import int8
 
     def weight(group, name):
         return params["blocks"][group][name]["w"].get_value()
@@ -188,6 +208,11 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
                 return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
 
             return run, first.packed
+        if isinstance(first, StackedInt8):  # the TPU's int8 stacks: each read at the layer index
+            def run(x, arrays):
+                return tuple(int8.matmul(x, w, layer=i).astype(x.dtype) for w in arrays)
+
+            return run, [weight(group, name).weight for name in names]
         ws = [at_layer(weight(group, name), i) for name in names]
         return (lambda x, arrays: tuple(linear(x, a) for a in arrays)), ws
 

@@ -6,14 +6,14 @@ dequantize-then-dot (the path it replaces) and bf16 weights, at Llama-3-8B's lin
 
 Each product is timed per layer over a lax.scan of --layers weights (a stack [L, K, N], as the engine's layer
 scan holds them), so dispatch is amortized; medians of --reps calls, the kinds of one (shape, m) interleaved.
-Kinds: bf16 (bf16 weights); xla_int8 (int8 + group-32 scales/offsets, dequantized by XLA then one dot: the
-old path); kernel_slice (the kernel on the scan's slice of the stack, as int8.matmul runs in the engine's
-scan: XLA may copy the slice out first); kernel_index (the kernel reading the stack in place at the layer
-index); kernel_reshape (kernel_index, dequantizing by a [bk/32, 32, bn] reshape); then a sweep of block sizes
-(kernel_index). Each kind's outputs are bf16 [L, M, N], as the engine's linears give. Reported per kind: ms per
-layer, GB/s of int8 weights read (K * N bytes / time) and of all weight bytes (q + scales + offsets), the
-fraction of the HBM read rate measured in this run; and max |kernel - XLA| (f32 outputs, layer 1). A kind that
-fails to compile records its error and the run goes on. Results print as they come and go to
+Kinds: bf16 (bf16 weights); xla_int8 (int8 + group-32 scales/offsets, dequantized by XLA then one dot: the old path);
+kernel_slice (the kernel on the scan's slice of the stack, as the engine ran it before its int8 stacks became
+StackedInt8: XLA may copy the slice out first); kernel_index (the kernel reading the stack in place at the layer
+index, as the engine's layer scan runs it now); kernel_reshape (kernel_index, dequantizing by a [bk/32, 32, bn]
+reshape); then a sweep of block sizes (kernel_index). Each kind's outputs are bf16 [L, M, N], as the engine's linears
+give. Reported per kind: ms per layer, GB/s of int8 weights read (K * N bytes / time) and of all weight bytes (q +
+scales + offsets), the fraction of the HBM read rate measured in this run; and max |kernel - XLA| (f32 outputs, layer
+1). A kind that fails to compile records its error and the run goes on. Results print as they come and go to
 $OUT/tpu_int8_matmul.json (or --out).
 """
 from __future__ import annotations
@@ -112,6 +112,11 @@ def _scan_index(op, layers: int):
     return jax.jit(run)
 
 
+def _xla_int8(x, q, scale, offset):
+    """XLA's dequantize-then-dot of one layer's weight (quantization/int8's branch off the kernel)."""
+    return int8._xla_matmul(x, jnp.int32(0), q, scale, offset)
+
+
 def kinds_for(args, k: int, n: int, m: int) -> dict:
     """name -> (jitted fn of (x, *operands), which operands: 'bf16' or 'int8')."""
     interp = args.interpret
@@ -121,7 +126,7 @@ def kinds_for(args, k: int, n: int, m: int) -> dict:
 
     out = {
         "bf16": (_scan_xs(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)), "bf16"),
-        "xla_int8": (_scan_xs(int8._xla_matmul), "int8"),
+        "xla_int8": (_scan_xs(_xla_int8), "int8"),
         "kernel_slice": (_scan_xs(kernel()), "int8"),
         "kernel_index": (_scan_index(kernel(), args.layers), "int8"),
         "kernel_reshape": (_scan_index(kernel(dequant="reshape"), args.layers), "int8"),
@@ -146,7 +151,7 @@ def sweep_for(args, k: int, n: int, m: int) -> dict:
 
 def check(args, x, q, scale, offset) -> dict:
     """max |kernel - XLA| over layer 1's f32 product, and the product's largest magnitude."""
-    ref = jax.jit(int8._xla_matmul)(x, q[1], scale[1], offset[1])
+    ref = jax.jit(_xla_int8)(x, q[1], scale[1], offset[1])
     res = {}
     forms = (("kernel", {}), ("kernel_reshape", {"dequant": "reshape"}), ("kernel_via_int32", {"via_int32": True}))
     for name, kw in forms:

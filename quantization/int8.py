@@ -176,39 +176,57 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(xf * inv[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8), s
 
 
-def matmul(x: jax.Array, w: Int8Weight) -> jax.Array:
+def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] -> f32 [..., out]. Per output channel: the dot of x (or of its int8
     rows, from w.a8_rows rows on: the step's row count is static) with q, then the scale. Per block: q
-    dequantized to x's dtype inside the dot (one float rounding of each weight, as a float model has)."""
-    k, n = w.q.shape
+    dequantized to x's dtype inside the dot (one float rounding of each weight, as a float model has).
+    layer: w is a stack [L, in, out] and this traced index picks the layer to multiply by. Where the
+    TPU kernel runs, it reads that layer's blocks of the stack where they lie (no copy of the layer's
+    int8 values or scales); every other path slices the layer out first."""
+    if (layer is None) != (w.q.ndim == 2) or w.q.ndim not in (2, 3):
+        raise ValueError(f"int8.matmul takes a weight [in, out], or a stack [L, in, out] and a layer index; got "
+                         f"shape {tuple(w.q.shape)} {'without' if layer is None else 'with'} a layer index")
+    k, n = w.q.shape[-2:]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)                                                   # [M, K]
-    if w.offset is None and w.scale.shape[-2] == 1:
+    grouped = not (w.offset is None and w.scale.shape[-2] == 1)
+    if grouped and _tpu_kernel_applies(x2, w):
+        index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        y = jax.lax.platform_dependent(x2, index, w.q, w.scale, *(() if w.offset is None else (w.offset,)),
+                                       tpu=_tpu_matmul, default=_xla_matmul)
+        return y.reshape(*lead, n)
+    if layer is not None:
+        w = jax.tree.map(functools.partial(_index_layer, layer), w)
+    if not grouped:
         if w.a8_rows is not None and x2.shape[0] >= w.a8_rows:
             xq, xs = quantize_rows(x2)
             acc = jax.lax.dot_general(xq, w.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
             y = acc.astype(jnp.float32) * xs[:, None] * w.scale[0]
         else:
             y = jnp.einsum("mk,kn->mn", x2, w.q.astype(x2.dtype), preferred_element_type=jnp.float32) * w.scale[0]
-    elif _tpu_kernel_applies(x2, w):
-        y = jax.lax.platform_dependent(x2, w.q, w.scale, *(() if w.offset is None else (w.offset,)),
-                                       tpu=_tpu_matmul, default=_xla_matmul)
     else:
         y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
     return y.reshape(*lead, n)
 
 
-def _xla_matmul(x2: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
-    """The product by a weight of GROUP-input groups in XLA: the weight dequantized to x's dtype, then one
-    dot (XLA writes the dequantized weight to memory first)."""
+def _xla_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array,
+                offset: jax.Array | None = None) -> jax.Array:
+    """The product by a weight of GROUP-input groups in XLA (of layer `layer` of a stack [L, K, N]: sliced
+    out): the weight dequantized to x's dtype, then one dot (XLA writes the dequantized weight to memory
+    first)."""
+    if q.ndim == 3:
+        q, scale, offset = (None if a is None else _index_layer(layer, a) for a in (q, scale, offset))
     w = Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
     return jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
 
 
-def _tpu_matmul(x2: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
+def _tpu_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None,
+                *, interpret: bool = False) -> jax.Array:
+    """The same product by kernels/tpu/int8_matmul.py's Pallas kernel; a stack [L, K, N] is read in place
+    at `layer`. interpret: Pallas' TPU interpreter (tests run this branch on CPU)."""
     from slipstream.kernels.tpu.int8_matmul import int8_matmul
 
-    return int8_matmul(x2, q, scale, offset)
+    return int8_matmul(x2, q, scale, offset, layer if q.ndim == 3 else None, interpret=interpret)
 
 
 def _tpu_kernel_applies(x2: jax.Array, w: Int8Weight) -> bool:
@@ -219,7 +237,7 @@ def _tpu_kernel_applies(x2: jax.Array, w: Int8Weight) -> bool:
 
     if x2.dtype not in (jnp.bfloat16, jnp.float32) or w.block != GROUP:
         return False
-    if blocks(x2.shape[0], *w.q.shape, group=w.block, x_bytes=x2.dtype.itemsize, offset=w.offset is not None) is None:
+    if blocks(x2.shape[0], *w.q.shape[-2:], group=w.block, x_bytes=x2.dtype.itemsize, offset=w.offset is not None) is None:
         return False
     if jax.default_backend() == "tpu":  # records (and logs) the path, for the start-up log and /metrics
         return native.use_pallas("int8_matmul")

@@ -1,8 +1,9 @@
 """Per-backend forms of stacked linear weights [L, in, out] that the scanned layer body multiplies by
-(which form a weight takes, and why XLA:CPU needs them: engine/layer_stack.py). Each form is picked
-per layer by quantization.ops.pick and multiplied through quantization.ops.linears: per-layer buffers
-behind a layer switch (PerLayer), or one stack a native kernel reads at the layer index (StackedQ8,
-StackedF32; fused groups' other members are FusedMember markers)."""
+(which form a weight takes, and why XLA:CPU and the TPU need them: engine/layer_stack.py). Each form is
+picked per layer by quantization.ops.pick and multiplied through quantization.ops.linears: per-layer
+buffers behind a layer switch (PerLayer), or one stack a kernel reads at the layer index (StackedQ8,
+StackedF32: native CPU kernels, fused groups' other members are FusedMember markers; StackedInt8: the
+TPU's Pallas int8 kernel)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import numpy as np
 
 from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
-from slipstream.quantization import ops
+from slipstream.quantization import int8, ops
 from slipstream.quantization.groupwise import host_empty
 from slipstream.quantization.weights import QuantizedWeight
 
@@ -95,6 +96,33 @@ class StackedF32:
     def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
         return f32.f32_matmul(x, self.packed, n=self.offsets[-1] + self.widths[-1], layer=layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedInt8:
+    """A quantization/int8 weight of every layer as one stack (an Int8Weight [L, K, N]), multiplied at
+    the traced layer index by int8.matmul: on TPU its Pallas kernel reads that layer's blocks of the
+    stack where they lie, so no layer's int8 values or scales are copied out of the stack per step (the
+    scan's slice was). The same arrays as the Int8Weight: wrapping copies nothing."""
+
+    weight: int8.Int8Weight
+
+    def pick(self, index: jax.Array) -> "Int8Pick":
+        return Int8Pick(index, self.weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Pick:
+    """Layer `index` of a StackedInt8, inside the scanned layer body."""
+
+    index: jax.Array
+    weight: int8.Int8Weight
+
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        # each member its own call (the group's other members may take any form)
+        return tuple(int8.matmul(x, p.weight, layer=p.index).astype(x.dtype) if isinstance(p, Int8Pick)
+                     else ops.linear(x, p) for p in picks)
 
 
 @jax.tree_util.register_dataclass

@@ -35,7 +35,7 @@ from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, constr
 from slipstream.engine.device.lora_slots import LoraSlots
 from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs, token_lora_slots
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
-from slipstream.engine.device.layer_stack import split_linears
+from slipstream.engine.device.layer_stack import index_int8_stacks, split_linears
 from slipstream.engine.device.params import prepare_model
 from slipstream.engine.device.sharding import TensorParallel
 from flax import nnx
@@ -69,6 +69,8 @@ class JaxEngine:
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
             split_linears(model, stack_int8=config.tensor_parallel == 1)  # sharding splits PerLayer
+        elif config.tensor_parallel == 1:  # TPU: the int8 kernel reads each layer of a stack where it lies
+            index_int8_stacks(model)
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
         # attention through the engine's layer: per device under shard_map when tensor parallel

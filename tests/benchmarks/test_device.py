@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from benchmarks import device
@@ -116,6 +117,8 @@ def test_llama_8b_int8_script_dry_run(tmp_path):
     assert device_8b.main(["engine", "--dry-run", "--output-dir", str(out)]) == 0
     r = _report(out)
     assert r["engine"]["weight_mode"] == "int8" and r["engine"]["kv_dtype"] == "int8"
+    # the forms of the 7 linears per layer, as the engine holds them: on a TPU StackedInt8
+    assert r["engine"]["linear_forms"] == ({"StackedInt8": 7} if jax.default_backend() == "tpu" else {"PerLayer": 7})
     assert [d["slots"] for d in r["decode"]] == [1, 3] and r["prefill"]["matmul_kind"] == "w8a16"
     assert "errors" not in r
     from slipstream.models.registry import resolve_model

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("peft")
 
 from slipstream.engine.api import SlotState, StepBatch, StepSeq  # noqa: E402
+from slipstream.engine.device import layer_stack, runner  # noqa: E402
 from slipstream.engine.device.runner import EngineConfig, JaxEngine  # noqa: E402
 from slipstream.engine.request import FinishReason, Request, SamplingParams  # noqa: E402
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig  # noqa: E402
@@ -121,14 +122,22 @@ def test_load_unload_cycles_keep_device_memory_flat(lora_setup):
     assert engine.compile_count == compiles
 
 
-@pytest.mark.parametrize("quantize", ["q8_0-a16", "int8"])
-def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize):
-    """LoRA in f32 on top of int8 linears (CPU's fused group-wise stacks, the accelerators' int8): the
-    adapter's logits stay as close to transformers + peft as the base model's are to transformers."""
+@pytest.mark.parametrize("quantize", ["q8_0-a16", "int8", "int8-stacked"])
+def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize, monkeypatch):
+    """LoRA in f32 on top of int8 linears (CPU's fused group-wise stacks, the accelerators' int8; stacked:
+    in the TPU's form, layer_stack.StackedInt8): the adapter's logits stay as close to transformers + peft
+    as the base model's are to transformers."""
     base_dir, dirs, adapters, _ = lora_setup
     cfg, model = tiny_model
+    stacked = quantize == "int8-stacked"
+    if stacked:
+        monkeypatch.setattr(runner, "split_linears", lambda m, **kw: layer_stack.index_int8_stacks(m))
+        jax.clear_caches()  # traces are shared across engines: trace this form afresh
+        quantize = "int8"
     engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}, max_loras=1,
                                                 max_lora_rank=8), precompile=False)
+    if stacked:
+        assert isinstance(engine.params["blocks"]["attn"]["wq"]["w"].get_value(), layer_stack.StackedInt8)
     prompt = [5, 17, 33, 99, 7, 200, 3]
     engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
     engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapters["all"]))

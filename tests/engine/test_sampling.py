@@ -327,6 +327,24 @@ def test_full_vocab_smoke_without_a_sort():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_tpu_program_at_a_152k_vocab_sorts_nothing():
+    """Lowered for TPU (Qwen's 151936-token vocab), the sampling program (greedy + logprobs, top-k + top-p,
+    top-p, min-p) asks for no sort: its cut-offs come from lax.top_k over a fixed 128 candidates (exact
+    bisection past them) and the logprobs' top 20; greedy is an argmax."""
+    import re
+
+    vocab = 151936
+    params = [SamplingParams(temperature=0.0, logprobs=MAX_TOP_LOGPROBS),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.05)]
+    arrays = SamplingArrays.from_params(params, [1, 2, 3, 4], [0, 0, 0, 0], 4)
+    args = (jax.ShapeDtypeStruct((4, vocab), jnp.float32), arrays, jax.ShapeDtypeStruct((4, vocab), jnp.int32),
+            jax.ShapeDtypeStruct((4, vocab), bool))
+    text = jax.jit(sample).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert not re.search(r"stablehlo\.sort|\bsort\(", text)
+    assert sorted(int(k) for k in re.findall(r"top_k\(.*?k = (\d+)", text)) == [MAX_TOP_LOGPROBS, 128]
+
+
 # ---- ranges: nothing out of range reaches numpy (issue 12: top_k=2**31 killed the engine) -----
 
 @pytest.mark.parametrize("field,value", [

@@ -1,7 +1,8 @@
 """The Pallas TPU group-wise int8 matmul (kernels/tpu/int8_matmul.py), in Pallas' TPU interpret mode on CPU,
 equals the dequantize-then-dot reference (odd row counts, one to three blocks along K and N, with and without
-offsets, bf16 and f32 activations, both ways of dequantizing, a stack read at a layer index); shapes that do
-not tile keep XLA's path; and quantization.int8.matmul lowers to the kernel only for TPU."""
+offsets, bf16 and f32 activations, both ways of dequantizing, a stack read in place at a layer index, also
+through int8.matmul); shapes that do not tile keep XLA's path; and quantization.int8.matmul lowers to the
+kernel only for TPU."""
 from __future__ import annotations
 
 import jax
@@ -153,3 +154,69 @@ def test_per_channel_mode_is_unchanged():
     w = int8.quantize(jnp.asarray(rng.standard_normal((512, 256)), jnp.float32), "int8-channel")
     x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
     assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="tpu")
+
+
+STACK_CASES = [  # m, k, n, offset, x dtype: odd row counts, one to three blocks each way
+    (1, 512, 256, True, "bfloat16"),
+    (5, 768, 384, True, "float32"),
+    (17, 256, 128, False, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,offset,dtype", STACK_CASES)
+def test_stack_at_a_layer_index_equals_the_layer_alone(m, k, n, offset, dtype):
+    """int8.matmul of a stack [L, K, N] at a traced layer index gives what the layer's own weight gives: the
+    TPU branch (the kernel reading the stack in place, interpreted) bit for bit against the kernel on the
+    layer's slice, and the XLA branch (the layer sliced out) bit for bit against the slice's product."""
+    rng = np.random.default_rng(m * k + n)
+    stack = _weight(rng, k, n, offset, layers=3)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rest = () if stack.offset is None else (stack.offset,)
+    tpu = jax.jit(lambda x, i, *w: int8._tpu_matmul(x, i, *w, interpret=True))
+    for layer in (2, 1):
+        one = jax.tree.map(lambda a: a[layer], stack)
+        index = jnp.int32(layer)
+        in_place = tpu(x, index, stack.q, stack.scale, *rest)
+        sliced = tpu(x, jnp.int32(0), one.q, one.scale, *(() if one.offset is None else (one.offset,)))
+        np.testing.assert_array_equal(np.asarray(in_place), np.asarray(sliced))
+        _close(in_place, _reference(x, one))
+        got = jax.jit(lambda x, i: int8.matmul(x, stack, layer=i))(x, index)  # off TPU: the XLA branch
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(int8.matmul)(x, one)))
+
+
+def test_stack_at_a_layer_index_lowers_to_the_kernel_on_the_whole_stack():
+    """Lowered for TPU, the product by layer i of a stack hands the kernel the int8 stack and its scales
+    whole: no dynamic-slice of them (the layer's blocks are read in place)."""
+    rng = np.random.default_rng(8)
+    stack = _weight(rng, 512, 256, True, layers=3)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    text = _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1), platform="tpu")
+    (call,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert "tensor<3x512x256xi8>" in call and call.count("tensor<3x16x256xf32>") == 2
+    assert "dynamic_slice" not in text
+    assert "tpu_custom_call" not in _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1),
+                                             platform="cpu")
+
+
+def test_stack_paths_without_the_kernel_slice_the_layer():
+    """Shapes that do not tile and per-channel weights multiply layer i's slice, as before."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((4, 288)), jnp.float32)
+    cases = [_weight(rng, 288, 128, True, layers=2),
+             int8.quantize(jnp.asarray(rng.standard_normal((2, 288, 128)), jnp.float32), "int8-channel")]
+    for stack in cases:
+        text = _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1), platform="tpu")
+        assert "tpu_custom_call" not in text and "dynamic_slice" in text
+        one = jax.tree.map(lambda a: a[1], stack)
+        np.testing.assert_array_equal(np.asarray(int8.matmul(x, stack, layer=jnp.int32(1))),
+                                      np.asarray(int8.matmul(x, one)))
+
+
+def test_layer_index_goes_with_a_stack():
+    rng = np.random.default_rng(10)
+    stack = _weight(rng, 256, 128, True, layers=2)
+    x = jnp.zeros((1, 256), jnp.float32)
+    with pytest.raises(ValueError, match="stack"):
+        int8.matmul(x, stack)
+    with pytest.raises(ValueError, match="stack"):
+        int8.matmul(x, jax.tree.map(lambda a: a[0], stack), layer=jnp.int32(0))
