@@ -24,6 +24,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -132,17 +133,24 @@ class ExecutableStore:
 
     def load_all(self, names: list[str]) -> dict | None:
         """name -> the compiled program saved under it, for every name; or None when any is missing or
-        unreadable (an unreadable file is deleted: the engine compiles them all and saves them again)."""
+        unreadable (an unreadable file is deleted: the engine compiles them all and saves them again).
+        The files are read in turn and loaded onto the device a thread each."""
+        paths = [self._path(name) for name in names]
+        if not all(p.exists() for p in paths):
+            return None
+
+        def load(path: Path):
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=self.devices[0].client, execution_devices=self.devices)
+
+        with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
+            futures = {name: pool.submit(load, path) for name, path in zip(names, paths)}
         out = {}
-        for name in names:
-            path = self._path(name)
-            if not path.exists():
-                return None
+        for (name, future), path in zip(futures.items(), paths):
             try:
-                with open(path, "rb") as f:
-                    payload, in_tree, out_tree = pickle.load(f)
-                out[name] = serialize_executable.deserialize_and_load(
-                    payload, in_tree, out_tree, backend=self.devices[0].client, execution_devices=self.devices)
+                out[name] = future.result()
             except Exception as e:  # a truncated or foreign file
                 log.warning("compiled program %s unreadable (%s: %s); compiling them all again", path,
                             type(e).__name__, e)
