@@ -4,6 +4,10 @@ unix socket under `slipstream bench`. This process only orchestrates and never o
 
     python -m benchmarks.device --model llama-3.1-8b --load-format dummy [--quantize ...] [--dtype ...]
 
+`--phases spec` (not in the default set) measures speculative decoding instead: a verification step's
+time for K = 0, 2, 4, 8 drafts per sequence at 1 and 32 sequences, and greedy output with n-gram
+speculation against greedy without it (benchmarks/device_spec.py).
+
 The measurements that hold the device run in one child process (benchmarks/device_phases.py); the
 server starts after it has exited (one program holds a TPU at a time). Each phase prints its
 numbers as it ends and adds them to DIR/device.json; DIR/device.md is the table of what finished.
@@ -24,7 +28,8 @@ import sys
 import tempfile
 import time
 
-PHASES = ("hbm", "matmul", "engine", "serving")
+PHASES = ("hbm", "matmul", "engine", "spec", "serving")
+DEFAULT_PHASES = ("hbm", "matmul", "engine", "serving")  # spec: on request (--phases spec)
 
 
 def _ints(text: str) -> list[int]:
@@ -42,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--kv-cache-dtype", default="auto")
     model.add_argument("--page-size", type=int, default=None, help="default: the engine's")
     run = p.add_argument_group("what to run")
-    run.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
+    run.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+                     help=f"a subset of {','.join(PHASES)} (default {','.join(DEFAULT_PHASES)})")
     run.add_argument("--skip-serving", action="store_true")
     run.add_argument("--startup", action="store_true",
                      help="start the server a second time on the same compile cache (warm start-up)")
@@ -60,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--prefill-tokens", type=int, default=2048, help="the prefill chunk (the engine's token budget)")
     size.add_argument("--steps", type=int, default=10, help="timed repetitions of each engine measurement")
     size.add_argument("--warmup", type=int, default=2)
+    spec = p.add_argument_group("spec phase (speculative decoding: benchmarks/device_spec.py)")
+    spec.add_argument("--spec-slots", type=_ints, default=[1, 32], help="sequences per verification step")
+    spec.add_argument("--spec-drafts", type=_ints, default=[0, 2, 4, 8],
+                      help="drafts K per sequence (K + 1 query tokens; 0: the plain decode step)")
+    spec.add_argument("--spec-prompts", type=int, default=16, help="requests of the greedy identity runs")
+    spec.add_argument("--spec-output-len", type=int, default=64, help="tokens each identity request generates")
+    spec.add_argument("--spec-passage-len", type=int, default=200,
+                      help="tokens of each repeat prompt's passage (and of each random prompt)")
     serve = p.add_argument_group("serving phase")
     serve.add_argument("--serving-prompts", type=int, default=128)
     serve.add_argument("--serving-concurrency", type=int, default=32)
@@ -80,11 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.phases = phases
     args.output_dir = args.output_dir or os.environ.get("OUT") or "device-results"
     for name in ("context", "prefill_tokens", "steps", "matmul_layers", "serving_prompts", "serving_concurrency",
-                 "serving_input_len", "serving_output_len"):
+                 "serving_input_len", "serving_output_len", "spec_prompts", "spec_output_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.slots or min(args.slots) < 1 or not args.matmul_m or min(args.matmul_m) < 1:
         raise SystemExit("--slots and --matmul-m need positive integers")
+    if not args.spec_slots or min(args.spec_slots) < 1 or not args.spec_drafts or min(args.spec_drafts) < 0:
+        raise SystemExit("--spec-slots needs positive integers and --spec-drafts integers >= 0")
+    if args.spec_passage_len < 8:
+        raise SystemExit(f"--spec-passage-len must be >= 8, got {args.spec_passage_len}")
     return args
 
 
@@ -338,6 +356,7 @@ def markdown(r: dict) -> str:
             line += (f"; floor at this run's {p['matmul_kind']} rate (m={p['rate_m']}: {_g(p['rate_tflops'])} "
                      f"TFLOP/s) {_g(p['floor_ms'])} ms, prefill/floor {p['over_floor']:.2f}")
         lines += [line, ""]
+    lines += _spec_markdown(r)
     if "startup" in r:
         s = r["startup"]
         warm = ""
@@ -355,6 +374,35 @@ def markdown(r: dict) -> str:
     if "errors" in r:
         lines += ["", *[f"- {phase} failed: {msg}" for phase, msg in r["errors"].items()]]
     return "\n".join(lines).rstrip()
+
+
+def _spec_markdown(r: dict) -> list[str]:
+    """device.md's lines for the spec phase (benchmarks/device_spec.py)."""
+    lines = []
+    if "spec_steps" in r:
+        e = r.get("spec_engine", {})
+        lines += [f"Speculative verification steps (context {e.get('context', '?')}, K drafts per sequence fed as "
+                  f"K + 1 query tokens, every one sampled; engine of {e.get('sampling_slots', '?')} sampling slots, "
+                  f"ready in {e.get('ready_s', 0):.1f} s):", "",
+                  "| sequences | K | query tokens | step ms | x K=0 | tok/s if all accepted |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {x['slots']} | {x['drafts']} | {x['query_tokens']} | {_g(x['step_ms'])} | {x['over_k0']:.2f} | "
+                  f"{_g(x['tok_s_all_accepted'])} |" for x in r["spec_steps"]]
+        lines += ["", "(x K=0 is also the tokens a sequence must gain per verification step to beat plain decoding.)",
+                  ""]
+    if "spec_identity" in r:
+        s = r["spec_identity"]
+        lines += [f"Greedy identity with n-gram speculation (K {s['k']}, {s['requests']} requests of {s['output_len']} "
+                  f"tokens, {s['drawn']} of them drawn in the same batches): **{s['identical']}/{s['greedy']} greedy "
+                  f"outputs identical**; {s['drafts']} drafts verified, {s['accepted']} accepted "
+                  f"({s['acceptance_rate']:.1%}), by position {s['accepted_per_position']}", ""]
+        for m in s["mismatches"]:
+            tie = f", relative logit gap {m['relative_gap']:.2g}" if "relative_gap" in m else ""
+            lines.append(f"- request {m['request']} differs at token {m['at']}: {m['without']} without, "
+                         f"{m['with']} with speculation{tie}")
+        if s["mismatches"]:
+            lines.append("")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The phases of benchmarks/device.py that hold the device, in one process: HBM read rate, matmul
 rates at the model's [hidden, intermediate] shape, the engine's decode step against (weights + KV)
-over that HBM rate, and a prefill chunk against that matmul rate. Run by benchmarks/device.py.
+over that HBM rate, a prefill chunk against that matmul rate, and speculative decoding's verification
+steps and greedy identity (benchmarks/device_spec.py). Run by benchmarks/device.py.
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         result = hbm(args)
         hbm_gbs = result["read_gbs"]
         record(args, "hbm", result)
-    if not {"matmul", "engine"} & set(args.phases):
+    if not {"matmul", "engine", "spec"} & set(args.phases):
         return 0
     start = time.perf_counter()
     cfg, params = load(args, config)
@@ -252,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         record(args, "matmul", matmul(args, cfg, config.activation_dtype()))
     if "engine" in args.phases:
         engine_phases(args, cfg, params, hbm_gbs)
+        gc.collect()  # that engine's KV cache, before the spec phase's
+    if "spec" in args.phases:
+        from benchmarks.device_spec import spec_phase
+
+        spec_phase(args, cfg, params)
     return 0
 
 

@@ -8,6 +8,8 @@ import jax
 import pytest
 
 from benchmarks import device
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.request import SamplingParams
 from tests.conftest import build_tiny_hf
 from tests.server.test_serve_hf_models import _save_word_tokenizer
 
@@ -128,3 +130,52 @@ def test_llama_8b_int8_script_dry_run(tmp_path):
     budget = int(flags[flags.index("--kv-cache-memory") + 1])
     assert device_8b.kv_bytes_per_token(resolve_model("llama-3.1-8b", "dummy")) == 2 * 32 * 8 * (128 + 4)
     assert budget == 64 * (7 + 1) * 128 * 67584  # 64 sequences of 769 tokens in pages of 128, one spare each
+
+
+SPEC = ["--phases", "spec", "--context", "16", "--steps", "2", "--warmup", "1", "--spec-slots", "1,2",
+        "--spec-drafts", "0,2", "--spec-prompts", "4", "--spec-output-len", "12", "--spec-passage-len", "16"]
+
+
+def test_spec_phase_times_verification_and_checks_greedy_identity(tiny_dir, tmp_path):
+    """The spec phase (issue 49's TPU measurement) on a CPU: a verification step per K and batch, and
+    greedy requests equal with n-gram speculation and without, drafts verified and accepted."""
+    from benchmarks import device_phases
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert device_phases.main(["--model", tiny_dir, "--load-format", "dummy", "--quantize", "none", *SPEC,
+                               "--output-dir", str(out)]) == 0
+    r = _report(out)
+    assert "engine" not in r and "hbm" not in r
+    assert r["spec_engine"]["sampling_slots"] == 4 * 5  # every identity request's K + 1 rows
+    steps = r["spec_steps"]
+    assert [(x["slots"], x["drafts"], x["query_tokens"]) for x in steps] == [(1, 0, 1), (1, 2, 3), (2, 0, 2), (2, 2, 6)]
+    for x in steps:
+        base = next(y for y in steps if y["slots"] == x["slots"] and y["drafts"] == 0)
+        assert x["step_ms"] > 0 and x["over_k0"] == pytest.approx(x["step_ms"] / base["step_ms"])
+        assert x["tok_s_all_accepted"] == pytest.approx(x["query_tokens"] / x["step_ms"] * 1e3)
+    s = r["spec_identity"]
+    assert s["requests"] == 4 and s["greedy"] == 3 and s["drawn"] == 1
+    assert s["identical"] == 3 and s["mismatches"] == []
+    # drafts were proposed and verified, and some accepted: the identity covers the accepting path
+    assert s["drafts"] > 0 and s["accepted"] > 0 and s["drafts_without"] == 0
+    assert s["generated_with"] == s["generated_without"] == 4 * 12
+    table = (out / "device.md").read_text()
+    assert "| 2 | 2 | 6 |" in table and "**3/3 greedy outputs identical**" in table
+
+
+def test_spec_near_tie_reads_the_greedy_logits(tiny_engine):
+    """Where a greedy output differs, the logits after the shared prefix: their argmax is greedy's token."""
+    from benchmarks.device_spec import near_tie
+
+    prompt = [5, 9, 11, 5, 9, 11, 5, 40, 41]
+    tiny_engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+    try:
+        greedy = tiny_engine.step(StepBatch([StepSeq(0, prompt, 0, (1, 2), True)]))[0].token_id
+    finally:
+        tiny_engine.free(0)
+    other = (greedy + 1) % tiny_engine.vocab_size
+    got = near_tie(tiny_engine, prompt, [1, 2], greedy, other)
+    assert got["argmax"] == greedy and got["second"] != greedy
+    assert got["logit_a"] > got["logit_b"]
+    assert got["relative_gap"] == pytest.approx((got["logit_a"] - got["logit_b"]) / abs(got["logit_a"]))
