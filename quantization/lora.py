@@ -75,13 +75,20 @@ class LoraWeight:
         """x [T, in] -> [T, out] f32: each token through its slot's B(A(x)), zero for slot 0.
         One dense pair of matmuls over all S slots, the other slots' columns masked: a fixed shape
         whatever the batch's mix of adapters (Punica's segment matmuls in dense form), and the cost
-        S*r*(in+out) per token, small next to the base weight's in*out for S*r << in."""
+        S*r*(in+out) per token, small next to the base weight's in*out for S*r << in. Skipped (zeros)
+        in a step with no token on an adapter."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        h = _matmul(x2, self.a)                                                       # [T,S*r] f32
-        cols = jnp.arange(self.a.shape[-1], dtype=jnp.int32) // self.rank + 1         # [S*r] slot of each column
-        h = jnp.where(self.slots.reshape(-1, 1) == cols[None, :], h, 0.0)
-        y = _matmul(h, self.b)                                                        # [T,out] f32
+        slots = self.slots.reshape(-1, 1)
+
+        def dense(x2):
+            h = _matmul(x2, self.a)                                                   # [T,S*r] f32
+            cols = jnp.arange(self.a.shape[-1], dtype=jnp.int32) // self.rank + 1     # [S*r] slot of each column
+            h = jnp.where(slots == cols[None, :], h, 0.0)
+            return _matmul(h, self.b)                                                 # [T,out] f32
+
+        y = jax.lax.cond(jnp.any(slots > 0), dense,
+                         lambda x2: jnp.zeros((x2.shape[0], self.b.shape[-1]), jnp.float32), x2)
         return y.reshape(*lead, y.shape[-1])
 
 
