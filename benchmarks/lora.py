@@ -1,9 +1,12 @@
 """Multi-LoRA serving cost: the same `slipstream bench` workload against the base model, then spread over
 LoRA adapters (random weights, PEFT format, written here with safetensors), each on its own fresh server.
 Reports output tok/s and TTFT p90 side by side, and their ratios (issue 50's bar: >= 0.85x and <= 1.2x).
+With --rounds N the two servers take turns (base, lora, then lora, base, ...: load that drifts during the
+run falls on both) and the medians of each column are compared.
 
     .venv/bin/python -m benchmarks.lora --root /tmp/lora-bench            # write adapters, print commands
     .venv/bin/python -m benchmarks.lora --root /tmp/lora-bench --run      # and run both, one after another
+    .venv/bin/python -m benchmarks.lora --root /tmp/lora-bench --run --rounds 2   # base, lora, lora, base
 """
 from __future__ import annotations
 
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--run", action="store_true", help="start each server and run the benchmark (else print)")
+    p.add_argument("--rounds", type=int, default=1, help="turns of both servers, the order flipped each round")
     args = p.parse_args(argv)
 
     names = write_adapters(args.model, args.root, args.adapters, args.rank)
@@ -112,15 +116,29 @@ def main(argv: list[str] | None = None) -> int:
         for label, serve, b in runs:
             print(f"# {label}\n{shlex.join(serve)} &\n{shlex.join(b)}\n")
         return 0
-    results = {label: _run(label, serve, b, args.port, args.root) for label, serve, b in runs}
-    base, lo = results["base"], results["lora"]
+    per = {"base": [], "lora": []}
+    for k in range(args.rounds):
+        for label, serve, b in (runs if k % 2 == 0 else runs[::-1]):
+            per[label].append(_run(label, serve, b, args.port, args.root))
+    if args.rounds > 1:
+        print(f"{'round':8}{'base tok/s':>12}{'lora tok/s':>12}{'ratio':>8}{'base TTFT p90':>15}{'lora TTFT p90':>15}{'ratio':>8}")
+        for k, (b, lo) in enumerate(zip(per["base"], per["lora"]), 1):
+            print(f"{k:<8}{b['output_throughput']:12.1f}{lo['output_throughput']:12.1f}"
+                  f"{lo['output_throughput'] / b['output_throughput']:8.3f}{b['p90_ttft_ms']:15.1f}"
+                  f"{lo['p90_ttft_ms']:15.1f}{lo['p90_ttft_ms'] / b['p90_ttft_ms']:8.3f}")
+    med = {label: {key: float(np.median([r[key] for r in rs])) for key in ("output_throughput", "p90_ttft_ms")}
+           for label, rs in per.items()}
+    base, lo = med["base"], med["lora"]
     tok = lo["output_throughput"] / base["output_throughput"]
     ttft = lo["p90_ttft_ms"] / base["p90_ttft_ms"]
-    print(f"{'':24}{'base':>12}{'lora':>12}{'ratio':>8}")
+    from benchmarks.measure import cpu_model
+
+    print(f"CPU: {cpu_model()}")
+    print(f"{'median' if args.rounds > 1 else '':24}{'base':>12}{'lora':>12}{'ratio':>8}")
     print(f"{'output tok/s':24}{base['output_throughput']:12.1f}{lo['output_throughput']:12.1f}{tok:8.3f}")
     print(f"{'TTFT p90 (ms)':24}{base['p90_ttft_ms']:12.1f}{lo['p90_ttft_ms']:12.1f}{ttft:8.3f}")
     print(json.dumps({"output_tok_s_ratio": tok, "ttft_p90_ratio": ttft, "adapters": args.adapters,
-                      "used": args.used, "rank": args.rank, "concurrency": args.concurrency}))
+                      "used": args.used, "rank": args.rank, "concurrency": args.concurrency, "rounds": args.rounds}))
     return 0
 
 

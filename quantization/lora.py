@@ -9,18 +9,61 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from slipstream.kernels import f32_matmul as f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedStack:
+    """One side of every layer's adapter weights (A [in, S*r] or B [S*r, out]) as one stack packed
+    for kernels/f32_matmul ([L, Np/32, K*32]): the scanned layer body reads layer i where it lies
+    (ops.per_layer), instead of XLA:CPU copying each layer's slice out of an [L, ...] stack."""
+
+    packed: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-2], self.packed.shape[-1] // f32.PANEL, self.n)
+
+    def pick(self, index: jax.Array) -> "PackedPick":
+        return PackedPick(index, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPick:
+    """Layer `index` of a PackedStack, inside the scanned layer body."""
+
+    index: jax.Array
+    stack: PackedStack
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [T, K] -> f32 [T, n]."""
+        return f32.f32_matmul(x, self.stack.packed, n=self.stack.n, layer=self.index)
+
+
+def _matmul(x: jax.Array, w) -> jax.Array:
+    if isinstance(w, PackedPick):
+        return w.matmul(x)
+    return jnp.einsum("ti,io->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoraWeight:
     """base: the weight as the engine holds it; a [in, S*r], b [S*r, out]: the adapters of S slots side
     by side, slot s (1-based) in columns/rows (s-1)*r .. s*r of rank r (zero-padded, scale folded into
-    b); slots [T]: each token's slot, 0 for the base model. In the stacked params every leaf has the
-    layer axis first ([L, ...], slots broadcast [L, T]); the layer scan slices them like any weight."""
+    b), as arrays or (XLA:CPU) PackedStacks; slots [T]: each token's slot, 0 for the base model. In the
+    stacked params every leaf has the layer axis first ([L, ...], slots broadcast [L, T]); the layer
+    scan slices the arrays like any weight and picks the PackedStacks at the layer index."""
 
     base: Any
-    a: jax.Array
-    b: jax.Array
+    a: Any
+    b: Any
     slots: jax.Array
     rank: int = dataclasses.field(metadata=dict(static=True))
 
@@ -32,15 +75,20 @@ class LoraWeight:
         """x [T, in] -> [T, out] f32: each token through its slot's B(A(x)), zero for slot 0.
         One dense pair of matmuls over all S slots, the other slots' columns masked: a fixed shape
         whatever the batch's mix of adapters (Punica's segment matmuls in dense form), and the cost
-        S*r*(in+out) per token, small next to the base weight's in*out for S*r << in."""
+        S*r*(in+out) per token, small next to the base weight's in*out for S*r << in. Skipped (zeros)
+        in a step with no token on an adapter."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        h = jnp.einsum("ti,ic->tc", x2.astype(self.a.dtype), self.a,
-                       preferred_element_type=jnp.float32)                           # [T,S*r]
-        cols = jnp.arange(self.a.shape[-1], dtype=jnp.int32) // self.rank + 1         # [S*r] slot of each column
-        h = jnp.where(self.slots.reshape(-1, 1) == cols[None, :], h, 0.0)
-        y = jnp.einsum("tc,co->to", h.astype(self.b.dtype), self.b,
-                       preferred_element_type=jnp.float32)                           # [T,out]
+        slots = self.slots.reshape(-1, 1)
+
+        def dense(x2):
+            h = _matmul(x2, self.a)                                                   # [T,S*r] f32
+            cols = jnp.arange(self.a.shape[-1], dtype=jnp.int32) // self.rank + 1     # [S*r] slot of each column
+            h = jnp.where(slots == cols[None, :], h, 0.0)
+            return _matmul(h, self.b)                                                 # [T,out] f32
+
+        y = jax.lax.cond(jnp.any(slots > 0), dense,
+                         lambda x2: jnp.zeros((x2.shape[0], self.b.shape[-1]), jnp.float32), x2)
         return y.reshape(*lead, y.shape[-1])
 
 

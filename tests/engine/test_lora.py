@@ -4,6 +4,7 @@ over load/unload cycles."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -223,3 +224,45 @@ def test_multi_host_workers_get_an_adapters_weights_only_when_a_slot_loads_it(lo
     with pytest.raises(ValueError, match="holds no adapter"):
         engine.insert(0, SlotState([1, 2], (), params, lora_slot=2))
     engine.free(0)
+
+
+def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tiny_model):
+    """XLA:CPU's packed stacks (kernels/f32_matmul, read at the layer index) against the plain
+    [L, in, S*r] / [L, S*r, out] ones: the same adapters written into the same slots (swaps
+    included) unpack to the same A and B, and give each token the same delta in a scanned layer loop."""
+    from slipstream.engine.device.lora_slots import LoraSlots
+    from slipstream.kernels import f32_matmul as f32
+    from slipstream.quantization import ops
+    from slipstream.quantization.lora import LoraWeight, PackedStack
+
+    if not f32.native_available():
+        pytest.skip("kernels/f32_matmul's native kernel is not built")
+    _, _, adapters, engine = lora_setup
+    assert engine.lora.packed  # what the engine serves on CPU
+    cfg, model = tiny_model
+    targets = lora_targets(model)
+    slots = [LoraSlots(targets, cfg.num_layers, 3, 8, np.float32, packed=packed) for packed in (False, True)]
+    for s in slots:
+        for slot, name in ((1, "attn"), (2, "mlp"), (3, "all"), (1, "all"), (3, "mlp")):
+            s.ensure(slot, adapters[name])
+    for m, (a, b) in slots[0].stacks.items():
+        pa, pb = slots[1].stacks[m]
+        np.testing.assert_array_equal(f32.unpack(pa, a.shape[-1]), a)
+        np.testing.assert_array_equal(f32.unpack(pb, b.shape[-1]), b)
+    token_slots = np.array([0, 1, 2, 3, 3, 1, 0], np.int32)
+    x = jax.random.normal(jax.random.key(0), (len(token_slots), cfg.hidden_size), np.float32)
+    for m in ("q_proj", "gate_proj"):
+        outs = []
+        for s in slots:
+            a, b = s.stacks[m]
+            if s.packed:
+                a, b = PackedStack(a, 3 * 8), PackedStack(b, targets[m].d_out)
+            w = LoraWeight(None, a, b, jnp.broadcast_to(token_slots, (cfg.num_layers, len(token_slots))), 8)
+            leaves, treedef = jax.tree.flatten(w, is_leaf=ops.per_layer)
+
+            def body(carry, i, leaves=leaves, treedef=treedef):
+                layer = [ops.pick(leaf, i) if ops.per_layer(leaf) else leaf[i] for leaf in leaves]
+                return carry, jax.tree.unflatten(treedef, layer).delta(x)
+            outs.append(np.asarray(jax.lax.scan(body, 0, np.arange(cfg.num_layers, dtype=np.int32))[1]))
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6, err_msg=m)
+        assert np.abs(outs[0][:, 0]).max() == 0 and np.abs(outs[0][:, 1]).max() > 1e-3  # base token, adapter token
