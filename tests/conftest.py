@@ -106,10 +106,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "serial: run alone in one process after the parallel part of `make test`")
     # One persistent XLA cache for the whole run (and later runs): engines built by different
     # tests compile the same buckets, and the cache turns those repeats into loads.
+    # The processes the tests start (virtual-device meshes in tests/engine/test_tensor_parallel.py and
+    # test_data_parallel.py) inherit the path and use the same cache (`subprocess_compile_cache`).
     from slipstream.engine.device.compile_count import enable_compilation_cache
 
-    enable_compilation_cache(os.environ.get(
-        "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
+    os.environ.setdefault("SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache"))
+    enable_compilation_cache(os.environ["SLIPSTREAM_TEST_COMPILE_CACHE"])
+
+
+def subprocess_compile_cache() -> None:
+    """In a process a test started: the run's persistent XLA cache (pytest_configure's), so a repeated
+    run (or a program another process of this run compiled) loads instead of compiling."""
+    from slipstream.engine.device.compile_count import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE"))
 
 
 # f32 weights: these engines are checked against f32 references (the CPU default would be q8_0-a16)
