@@ -28,9 +28,10 @@ serve: $(RUNTIME_STAMP)
 	$(VENV)/bin/slipstream serve --host 127.0.0.1 --port 8000
 
 # The suite includes the short fault soak (tests/server/test_soak.py, ~20 s). It runs on two
-# pytest-xdist workers (whole files per worker), then the `serial` tests alone in one process.
+# pytest-xdist workers (whole files per worker, the slowest files first: tests/conftest.py's
+# SLOWEST_FIRST), then the `serial` tests alone in one process.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 # The quick loop: the suite without the tests that start processes or run the default model end to end.

@@ -91,9 +91,27 @@ SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", 
 SERIAL_MODULES = ("test_lora_serving",)
 
 
+# The slowest files, slowest first (per-file times of a full run): `make test` hands whole files to its
+# two workers in collection order (--dist loadfile --no-loadscope-reorder), so these start first and the
+# run ends on short files instead of one worker finishing a long file alone. Other files follow in
+# their usual order.
+SLOWEST_FIRST = ("test_tensor_parallel", "test_data_parallel", "test_device", "test_multihost", "test_q8_matmul",
+                 "test_presets_serve", "test_attention_tpu", "test_f32_stack", "test_q8_matmul_nibbles",
+                 "test_fuzz", "test_architectures_vs_hf", "test_lora_tensor_parallel", "test_groupwise",
+                 "test_unix_socket", "test_default_model", "test_serve_hf_models", "test_tokenizer",
+                 "test_int8_engine", "test_speculative_engine", "test_speculative_draft", "test_lora",
+                 "test_real_engine")
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: a file's tests keep their order
     for item in items:
-        name = item.module.__name__.rpartition(".")[2]
+        name = _module(item)
         if name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
         if name in SERIAL_MODULES:
@@ -106,10 +124,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "serial: run alone in one process after the parallel part of `make test`")
     # One persistent XLA cache for the whole run (and later runs): engines built by different
     # tests compile the same buckets, and the cache turns those repeats into loads.
+    # The processes the tests start (virtual-device meshes in tests/engine/test_tensor_parallel.py and
+    # test_data_parallel.py) inherit the path and use the same cache (`subprocess_compile_cache`).
     from slipstream.engine.device.compile_count import enable_compilation_cache
 
-    enable_compilation_cache(os.environ.get(
-        "SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache")))
+    os.environ.setdefault("SLIPSTREAM_TEST_COMPILE_CACHE", os.path.expanduser("~/.cache/slipstream/test-jax-cache"))
+    enable_compilation_cache(os.environ["SLIPSTREAM_TEST_COMPILE_CACHE"])
+
+
+def subprocess_compile_cache() -> None:
+    """In a process a test started: the run's persistent XLA cache (pytest_configure's), so a repeated
+    run (or a program another process of this run compiled) loads instead of compiling."""
+    from slipstream.engine.device.compile_count import enable_compilation_cache
+
+    enable_compilation_cache(os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE"))
 
 
 # f32 weights: these engines are checked against f32 references (the CPU default would be q8_0-a16)

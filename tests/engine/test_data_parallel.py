@@ -218,4 +218,7 @@ if __name__ == "__main__":
     import json
     import sys
 
+    from tests.conftest import subprocess_compile_cache
+
+    subprocess_compile_cache()
     print(json.dumps(worker(sys.argv[1])))

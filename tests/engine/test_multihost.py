@@ -198,7 +198,7 @@ def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
         assert r["k"]["devices"] == 8 and not r["k"]["fully_addressable"] and r["k"]["here"] == [r["k"]["shape"]] * 4
 
 SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
-         "--quantize", "none", "--compile-cache", ""]
+         "--quantize", "none"]
 START_S = 400  # two processes compiling on shared CPU cores
 EXIT_S = 30    # a survivor fails its requests and exits within this
 
@@ -215,7 +215,8 @@ def tiny(tmp_path_factory) -> str:
 def _serve(model: str, log: pathlib.Path, http: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "slipstream.server.cli", "serve", "--model", model, "--port", str(http),
-                                 *SERVE, *extra], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                                 *SERVE, "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", ""), *extra],
+                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -356,4 +357,7 @@ def test_sigterm_drains_the_group_and_every_process_exits_0(tiny, tmp_path):
 
 
 if __name__ == "__main__":
+    from tests.conftest import subprocess_compile_cache
+
+    subprocess_compile_cache()
     placement_worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])

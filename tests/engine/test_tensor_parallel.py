@@ -287,4 +287,7 @@ def test_tensor_parallel_default_model(default_model_path):
 
 
 if __name__ == "__main__":
+    from tests.conftest import subprocess_compile_cache
+
+    subprocess_compile_cache()
     print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))

@@ -4,6 +4,7 @@ transformers picks."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -61,7 +62,7 @@ def test_serve_hf_checkpoint_answers_with_transformers_tokens(tmp_path, family):
     server = subprocess.Popen(
         [sys.executable, "-m", "slipstream.server.cli", "serve", "--model", path, "--port", str(port), "--max-slots", "2",
          "--max-seq-len", "64", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
-         "--quantize", "none", "--compile-cache", ""],
+         "--quantize", "none", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
