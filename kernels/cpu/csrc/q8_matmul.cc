@@ -69,9 +69,9 @@
 #include "runtime/isa.h"
 #include "runtime/module.h"
 #include "runtime/parallel.h"
+#include "runtime/vec.h"
 #if defined(SLIPSTREAM_X86)
 #include "avx2_fma_block.h"
-#include "exp_avx512.h"
 #endif
 
 namespace ffi = xla::ffi;
@@ -381,13 +381,13 @@ void GatedRowPortable(const float* gu, int k, float* out) {
 }
 
 #if defined(SLIPSTREAM_X86)
-__attribute__((target("avx512f")))
+__attribute__((target("avx512f,avx2,fma")))
 void GatedRowAvx512(const float* gu, int k, float* out) {
   const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
   for (int i = 0; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
     const __m512 g = _mm512_maskz_loadu_ps(m, gu + i), u = _mm512_maskz_loadu_ps(m, gu + k + i);
-    const __m512 e = exp_avx512(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
+    const __m512 e = rt::Vec16::exp(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
     const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, zero, _CMP_GE_OQ), e, one);
     // 1 / (1 + e), 1 + e in [1, 2]: rcp14 and one Newton step (~1 ulp; vdivps would cost ~16
     // cycles per 16 values, the whole of XLA's slice-multiply fusion again)

@@ -43,6 +43,7 @@ struct Vec8 {
   SLIPSTREAM_VEC8 F add(F a, F b) { return _mm256_add_ps(a, b); }
   SLIPSTREAM_VEC8 F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   SLIPSTREAM_VEC8 F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  SLIPSTREAM_VEC8 F div(F a, F b) { return _mm256_div_ps(a, b); }
   SLIPSTREAM_VEC8 F max(F a, F b) { return _mm256_max_ps(a, b); }
   SLIPSTREAM_VEC8 F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
 
@@ -140,6 +141,7 @@ struct Vec16 {
   SLIPSTREAM_VEC16 F add(F a, F b) { return _mm512_add_ps(a, b); }
   SLIPSTREAM_VEC16 F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   SLIPSTREAM_VEC16 F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  SLIPSTREAM_VEC16 F div(F a, F b) { return _mm512_div_ps(a, b); }
   SLIPSTREAM_VEC16 F max(F a, F b) { return _mm512_max_ps(a, b); }
   SLIPSTREAM_VEC16 F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 
