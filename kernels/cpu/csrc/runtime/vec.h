@@ -32,6 +32,16 @@ struct Vec8 {
   SLIPSTREAM_VEC8 F broadcast(const float* x) { return _mm256_broadcast_ss(x); }
   SLIPSTREAM_VEC8 F load(const float* x) { return _mm256_loadu_ps(x); }
   SLIPSTREAM_VEC8 void store(float* x, F v) { _mm256_storeu_ps(x, v); }
+  // the first `valid` lanes of v at x (none when valid <= 0)
+  SLIPSTREAM_VEC8 void store_first(float* x, F v, int valid) {
+    if (valid >= 8) {
+      _mm256_storeu_ps(x, v);
+    } else if (valid > 0) {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, v);
+      std::memcpy(x, tmp, sizeof(float) * valid);
+    }
+  }
   // 8 values of a cache row, widened to f32 (exactly)
   SLIPSTREAM_VEC8 F load(const uint16_t* x) {  // bf16
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
@@ -131,6 +141,9 @@ struct Vec16 {
   SLIPSTREAM_VEC16 F broadcast(const float* x) { return _mm512_set1_ps(*x); }
   SLIPSTREAM_VEC16 F load(const float* x) { return _mm512_loadu_ps(x); }
   SLIPSTREAM_VEC16 void store(float* x, F v) { _mm512_storeu_ps(x, v); }
+  SLIPSTREAM_VEC16 void store_first(float* x, F v, int valid) {
+    if (valid > 0) _mm512_mask_storeu_ps(x, first(valid), v);
+  }
   SLIPSTREAM_VEC16 F load(const uint16_t* x) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
