@@ -25,7 +25,8 @@
 // scheduled on XLA's intra-op pool; a helper that starts late finds no work and returns, and the
 // caller waits only for items that are running.
 //
-// Instruction sets, chosen at run time: AVX-512, AVX2 + FMA, portable C++.
+// Instruction sets, chosen at run time: AVX-512 and AVX2 + FMA (one micro kernel over runtime/vec.h's
+// vector type, f32_matmul_tile.h), portable C++.
 #include <Python.h>
 
 #include <algorithm>
@@ -38,9 +39,7 @@
 #include "runtime/isa.h"
 #include "runtime/module.h"
 #include "runtime/parallel.h"
-#if defined(SLIPSTREAM_X86)
-#include "avx2_fma_block.h"
-#endif
+#include "runtime/vec.h"
 
 namespace ffi = xla::ffi;
 namespace rt = slipstream::runtime;
@@ -97,113 +96,23 @@ void TilePortable(const Problem& p, int row0, int panel0, Ahead) {
 }
 
 #if defined(SLIPSTREAM_X86)
+// AVX2 + FMA (8 lanes, 16 registers) and AVX-512 F (16 lanes, 32 registers): f32_matmul_tile.h, written once
+// over runtime/vec.h, compiled for each.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+using V = rt::Vec8;
+#include "f32_matmul_tile.h"
+}  // namespace avx2
+#pragma GCC pop_options
 
-template <int R, int P>
-__attribute__((target("avx512f")))
-void TileAvx512(const Problem& p, int row0, int panel0, Ahead ahead) {
-  const float* a = p.x + static_cast<size_t>(row0) * p.k;
-  constexpr int V = 2 * P;  // 16-float vectors per row
-  constexpr bool kStream = R <= kFewRows;
-  __m512 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  const float* b = p.w + panel0 * p.panel_floats();
-  const size_t stride = p.panel_floats();
-  if (kStream)
-    for (int c = 0; c < P; ++c)
-      for (int off = 0; off < kPrefetchBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + c * stride) + off, _MM_HINT_T0);
-  int countdown = ahead.every;
-  for (int kk = 0; kk < p.k; ++kk) {
-    if (!kStream && ahead.lines > 0 && --countdown == 0) {
-      _mm_prefetch(ahead.next, _MM_HINT_T1);
-      ahead.next += 64;
-      --ahead.lines;
-      countdown = ahead.every;
-    }
-    __m512 bv[V];
-    for (int c = 0; c < P; ++c) {
-      const float* bc = b + c * stride + static_cast<size_t>(kk) * kPanel;
-      if (kStream && (kk & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(bc) + kPrefetchBytes, _MM_HINT_T0);
-      bv[2 * c] = _mm512_loadu_ps(bc);
-      bv[2 * c + 1] = _mm512_loadu_ps(bc + 16);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(a[static_cast<size_t>(r) * p.k + kk]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
-    }
-  }
-  for (int v = 0; v < V; ++v) {
-    const int n0 = panel0 * kPanel + v * 16;
-    if (n0 >= p.n) break;
-    const int valid = std::min(16, p.n - n0);
-    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, acc[r][v]);
-  }
-}
-
-// Stores one row's columns n0 .. n0 + 7 of y, those below n.
-__attribute__((target("avx2,fma")))
-inline void StoreAvx2(const Problem& p, __m256 v, int row, int n0) {
-  StoreFirstAvx2(p.y + static_cast<size_t>(row) * p.n + n0, v, p.n - n0);
-}
-
-// AVX2 has 16 ymm registers. Few rows (decode, R <= 3): R x 4 vectors (one whole panel) with the
-// weights as FMA memory operands, one pass over the panel's stream. More rows (R = 4..6): R x 2
-// vectors over each half panel in turn (2R accumulators + 2 weight vectors + 1 broadcast = 15),
-// so that each 64-byte weight load feeds 2R FMAs: with one panel per pass the weights were re-read
-// from L1 by every row, and the loads, not the FMAs, bounded it (28% of the FMA peak on a Zen 3
-// EPYC at 256 rows, half of XLA's dots).
-template <int R, int P>
-__attribute__((target("avx2,fma")))
-void TileAvx2(const Problem& p, int row0, int panel0, Ahead ahead) {
-  const float* a = p.x + static_cast<size_t>(row0) * p.k;
-  static_assert(P == 1, "the AVX2 micro kernel spans one panel");
-  const float* b = p.w + panel0 * p.panel_floats();
-  if constexpr (R <= kFewRows) {
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (int kk = 0; kk < p.k; ++kk) {
-      const float* bk = b + static_cast<size_t>(kk) * kPanel;
-      for (int r = 0; r < R; ++r) {
-        const __m256 av = _mm256_broadcast_ss(a + static_cast<size_t>(r) * p.k + kk);
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 8 * v), acc[r][v]);
-      }
-    }
-    for (int v = 0; v < 4; ++v)
-      for (int r = 0; r < R; ++r) StoreAvx2(p, acc[r][v], row0 + r, panel0 * kPanel + v * 8);
-  } else {
-    int countdown = ahead.every;
-    for (int half = 0; half < 2; ++half) {
-      const int n0 = panel0 * kPanel + half * 16;
-      if (n0 >= p.n) break;
-      __m256 acc[R][2];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      const float* bh = b + half * 16;
-      const float* ar[R];  // row pointers: each broadcast is one load with an index, no address arithmetic
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) ar[r] = a + static_cast<size_t>(r) * p.k;
-#pragma GCC unroll 4
-      for (int kk = 0; kk < p.k; ++kk, bh += kPanel) {
-        if (ahead.lines > 0 && --countdown == 0) {  // the next panel, over the first half's pass
-          _mm_prefetch(ahead.next, _MM_HINT_T1);
-          ahead.next += 64;
-          --ahead.lines;
-          countdown = ahead.every;
-        }
-        FmaRows16Avx2<R>(ar, kk, bh, acc);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        StoreAvx2(p, acc[r][0], row0 + r, n0);
-        StoreAvx2(p, acc[r][1], row0 + r, n0 + 8);
-      }
-    }
-  }
-}
-
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+using V = rt::Vec16;
+#include "f32_matmul_tile.h"
+}  // namespace avx512
+#pragma GCC pop_options
 #endif  // SLIPSTREAM_X86
 
 // ---- dispatch over (ISA, rows, panels) -----------------------------------------------------------
@@ -213,19 +122,25 @@ using TileFn = void (*)(const Problem&, int, int, Ahead);
 constexpr int kMaxRows = 14;  // AVX-512: 2 * 14 accumulators + 2 weight vectors of 32 zmm
 
 // The largest row count of one micro kernel, per ISA.
-int MaxRows(Isa isa) { return isa == Isa::kAvx512 ? kMaxRows : isa == Isa::kAvx2 ? 6 : 4; }
+int MaxRows(Isa isa) {
+#if defined(SLIPSTREAM_X86)
+  if (isa == Isa::kAvx512) return avx512::kMaxTileRows;
+  if (isa == Isa::kAvx2) return avx2::kMaxTileRows;
+#endif
+  return 4;
+}
 
 template <int R>
 TileFn Pick(Isa isa, int panels) {
 #if defined(SLIPSTREAM_X86)
   if (isa == Isa::kAvx512) {
     if constexpr (R <= kFewRows) {
-      if (panels == kStreamPanels) return &TileAvx512<R, kStreamPanels>;
+      if (panels == kStreamPanels) return &avx512::Tile<R, kStreamPanels>;
     }
-    return &TileAvx512<R, 1>;
+    return &avx512::Tile<R, 1>;
   }
-  if constexpr (R <= 6) {
-    if (isa == Isa::kAvx2) return &TileAvx2<R, 1>;
+  if constexpr (R <= avx2::kMaxTileRows) {
+    if (isa == Isa::kAvx2) return &avx2::Tile<R, 1>;
   }
 #endif
   if constexpr (R <= 4) return &TilePortable<R, 1>;

@@ -69,10 +69,7 @@
 #include "runtime/isa.h"
 #include "runtime/module.h"
 #include "runtime/parallel.h"
-#if defined(SLIPSTREAM_X86)
-#include "avx2_fma_block.h"
-#include "exp_avx512.h"
-#endif
+#include "runtime/vec.h"
 
 namespace ffi = xla::ffi;
 namespace rt = slipstream::runtime;
@@ -381,13 +378,13 @@ void GatedRowPortable(const float* gu, int k, float* out) {
 }
 
 #if defined(SLIPSTREAM_X86)
-__attribute__((target("avx512f")))
+__attribute__((target("avx512f,avx2,fma")))
 void GatedRowAvx512(const float* gu, int k, float* out) {
   const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
   for (int i = 0; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
     const __m512 g = _mm512_maskz_loadu_ps(m, gu + i), u = _mm512_maskz_loadu_ps(m, gu + k + i);
-    const __m512 e = exp_avx512(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
+    const __m512 e = rt::Vec16::exp(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
     const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, zero, _CMP_GE_OQ), e, one);
     // 1 / (1 + e), 1 + e in [1, 2]: rcp14 and one Newton step (~1 ulp; vdivps would cost ~16
     // cycles per 16 values, the whole of XLA's slice-multiply fusion again)
@@ -640,7 +637,7 @@ void TileAvx2(const Problem& p, const Acts& a, int row0, int tile0) {
     const int n0 = (tile0 + v / 2) * kTile + (v % 2) * 8;
     for (int r = 0; r < R; r += p.parts) {
       const __m256 val = p.parts == 2 ? _mm256_add_ps(f[r][v], f[r + 1][v]) : f[r][v];
-      StoreFirstAvx2(p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0, val, p.n - n0);
+      rt::Vec8::store_first(p.y + static_cast<size_t>((row0 + r) / p.parts) * p.n + n0, val, p.n - n0);
     }
   }
 }
@@ -681,6 +678,22 @@ void DequantTileAvx2(const Problem& p, int tile, float* buf) {
   }
 }
 
+// R <= 6 rows of x times one k-row of 16 weights, accumulated into R x 2 ymm (12 accumulators + 2 weight
+// vectors + 1 broadcast = 15 of the 16 registers). The caller unrolls its k loop around it and keeps `acc`
+// in registers (#pragma GCC unroll on every loop over rows: a loop over acc left rolled makes GCC keep acc
+// in memory and store all of it on every k).
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void FmaRows16Avx2(const float* const* rows, int kk,
+                                                                             const float* w16, __m256 (&acc)[R][2]) {
+  const __m256 b0 = _mm256_loadu_ps(w16), b1 = _mm256_loadu_ps(w16 + 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256 av = _mm256_broadcast_ss(rows[r] + kk);
+    acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+  }
+}
+
 // y rows row0 .. row0 + R - 1, the tile's 16 columns (those below n) = x rows times buf [K][16].
 template <int R>
 __attribute__((target("avx2,fma")))
@@ -698,7 +711,7 @@ void TileF32Avx2(const Problem& p, const float* buf, int row0, int tile) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) {
       const int n0 = tile * kTile + h * 8;
-      StoreFirstAvx2(p.y + static_cast<size_t>(row0 + r) * p.n + n0, acc[r][h], p.n - n0);
+      rt::Vec8::store_first(p.y + static_cast<size_t>(row0 + r) * p.n + n0, acc[r][h], p.n - n0);
     }
 }
 

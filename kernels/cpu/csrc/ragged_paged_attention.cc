@@ -22,9 +22,10 @@
 // row then reads from L1; int8 scores times k_scale), the online-softmax step, then acc += P V
 // (int8: P times v_scale). As in the reference, the int8 scales multiply scores and probabilities.
 //
-// Instruction sets: each chunk step (scores, softmax, P x V, widening) has a portable loop and AVX2 /
-// AVX-512 versions beside it, chosen at run time from the CPU's features (__builtin_cpu_supports);
-// nothing is compiled with -march. Other architectures use the portable loops. On AVX2 and AVX-512, P x V
+// Instruction sets: each chunk step (scores, softmax, P x V, widening) has a portable loop and one vector
+// version written once over runtime/vec.h's width-generic type (attention_steps.h), compiled for AVX2 (8
+// lanes) and AVX-512 (16 lanes) and chosen at run time from the CPU's features (runtime/isa.h); nothing is
+// compiled with -march. Other architectures use the portable loops. On AVX2 and AVX-512, P x V
 // reads V rows in their cache type (widened in registers, once for all rows of the item); on AVX2 the
 // int8 scores read word-major K as it lies too (bytes widened in registers). With AVX-512 VNNI,
 // int8 KV (head_dim 64 or 128) never widens: S = Q K^T and P V run on vpdpbusd, with q and p split into
@@ -51,15 +52,11 @@
 #include "runtime/parallel.h"
 
 #if defined(SLIPSTREAM_X86)
-#define RPA_AVX2 __attribute__((target("avx2,fma")))
 #define RPA_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define RPA_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #endif
 
-#if defined(SLIPSTREAM_X86)
-#include "exp_avx2.h"
-#include "exp_avx512.h"
-#endif
+#include "runtime/vec.h"
 
 namespace ffi = xla::ffi;
 namespace rt = slipstream::runtime;
@@ -75,8 +72,7 @@ constexpr int kLoadChunks = 8;     // chunks of K/V loaded ahead of their comput
 constexpr int kStreamAhead = 2;    // chunks of int8 K/V prefetched ahead on a streamed run
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Calls fn<R>(args...) with R = rows (1..8) as a compile-time constant, inside the calling function, so
-// each instantiation inherits the caller's target attributes.
+// Calls fn<R>(args...) with R = rows (1..8) as a compile-time constant (the VNNI steps).
 #define RPA_FOR_ROWS(rows, fn, ...)       \
   switch (rows) {                         \
     case 1: return fn<1>(__VA_ARGS__);    \
@@ -88,27 +84,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     case 7: return fn<7>(__VA_ARGS__);    \
     default: return fn<8>(__VA_ARGS__);   \
   }
-
-// Calls fn<R, HD>(args...) with R as above and HD = head_dim when it is 64 or 128 (else 0: fn reads the
-// head_dim argument). A constant head_dim addresses the R query rows off one register: with a run-time
-// one gcc ran short of registers for 8 rows' addresses and kept their accumulators on the stack.
-#define RPA_FOR_ROWS_T(rows, fn, HD, ...)     \
-  switch (rows) {                             \
-    case 1: return fn<1, HD>(__VA_ARGS__);    \
-    case 2: return fn<2, HD>(__VA_ARGS__);    \
-    case 3: return fn<3, HD>(__VA_ARGS__);    \
-    case 4: return fn<4, HD>(__VA_ARGS__);    \
-    case 5: return fn<5, HD>(__VA_ARGS__);    \
-    case 6: return fn<6, HD>(__VA_ARGS__);    \
-    case 7: return fn<7, HD>(__VA_ARGS__);    \
-    default: return fn<8, HD>(__VA_ARGS__);   \
-  }
-#define RPA_FOR_ROWS_HD(rows, hd, fn, ...)                        \
-  do {                                                            \
-    if ((hd) == 64) RPA_FOR_ROWS_T(rows, fn, 64, __VA_ARGS__);    \
-    if ((hd) == 128) RPA_FOR_ROWS_T(rows, fn, 128, __VA_ARGS__);  \
-    RPA_FOR_ROWS_T(rows, fn, 0, __VA_ARGS__);                     \
-  } while (0)
 
 enum class KvType { kF32, kBF16, kI8 };
 
@@ -295,529 +270,29 @@ constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   nullptr, nullptr, nullptr, quantize_kv_row_portable};
 
 #if defined(SLIPSTREAM_X86)
-// ---- AVX2 + FMA: 8 lanes; needs hd % 8 == 0 ----
-RPA_AVX2 inline __m256 hsum8x8(const __m256* a) {  // lane i = sum of a[i]'s lanes
-  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+// ---- AVX2 + FMA (8 lanes, hd % 8 == 0) and AVX-512 F (16 lanes, hd % 16 == 0): attention_steps.h, written
+// once over runtime/vec.h, compiled for each. ----
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+using V = rt::Vec8;
+#include "attention_steps.h"
+}  // namespace avx2
+#pragma GCC pop_options
 
-RPA_AVX2 inline float hsum8(__m256 a) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+using V = rt::Vec16;
+#include "attention_steps.h"
+}  // namespace avx512
+#pragma GCC pop_options
 
-RPA_AVX2 void scores_avx2(const float* q, int rows, int hd, const float* k, int n, float* s) {
-  for (int r = 0; r < rows; ++r) {
-    const float* qr = q + r * hd;
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {  // 8 keys at once, reduced together
-      __m256 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-      for (int x = 0; x < hd; x += 8) {
-        const __m256 qx = _mm256_loadu_ps(qr + x);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + (j + i) * hd + x), a[i]);
-      }
-      _mm256_storeu_ps(s + r * kChunk + j, hsum8x8(a));
-    }
-    for (; j < n; ++j) {
-      __m256 a = _mm256_setzero_ps();
-      for (int x = 0; x < hd; x += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + x), _mm256_loadu_ps(k + j * hd + x), a);
-      s[r * kChunk + j] = hsum8(a);
-    }
-  }
-}
-
-RPA_AVX2 void softmax_avx2(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
-                           const int* pos, const int* lo, float* m, float* l, float* acc) {
-  const __m256i j0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), j1 = _mm256_add_epi32(j0, _mm256_set1_epi32(8));
-  const __m256i in0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), j0), in1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), j1);
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  __m256 ks0 = _mm256_set1_ps(1.f), ks1 = ks0;
-  if (kscale) ks0 = _mm256_maskload_ps(kscale, in0), ks1 = _mm256_maskload_ps(kscale + 8, in1);
-  const __m256i k0 = _mm256_add_epi32(j0, _mm256_set1_epi32(key)), k1 = _mm256_add_epi32(j1, _mm256_set1_epi32(key));
-  for (int r = 0; r < rows; ++r) {
-    float* sr = s + r * kChunk;
-    __m256 h0 = _mm256_mul_ps(_mm256_loadu_ps(sr), ks0), h1 = _mm256_mul_ps(_mm256_loadu_ps(sr + 8), ks1);
-    if (edge) {  // visible: j < n, lo <= key + j <= pos
-      const __m256i pr = _mm256_set1_epi32(pos[r]), lr = _mm256_set1_epi32(lo[r]);
-      const __m256i vis0 = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi32(k0, pr), _mm256_cmpgt_epi32(lr, k0)), in0);
-      const __m256i vis1 = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi32(k1, pr), _mm256_cmpgt_epi32(lr, k1)), in1);
-      h0 = _mm256_blendv_ps(neg_inf, h0, _mm256_castsi256_ps(vis0));
-      h1 = _mm256_blendv_ps(neg_inf, h1, _mm256_castsi256_ps(vis1));
-    }
-    // the row max grows in few chunks: a compare finds out, and the horizontal max runs only then (with
-    // m = -inf and every lane masked nothing is greater, so the shift is 0 and p = exp(-inf) = 0)
-    const __m256 mr = _mm256_set1_ps(m[r]);
-    const bool grows = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(h0, mr, _CMP_GT_OQ), _mm256_cmp_ps(h1, mr, _CMP_GT_OQ)));
-    float shift = m[r] == kNegInf ? 0.f : m[r];
-    if (grows) {
-      __m256 mx = _mm256_max_ps(h0, h1);
-      mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
-      mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0x4e));
-      mx = _mm256_max_ps(mx, _mm256_permute_ps(mx, 0xb1));
-      shift = raise_max(r, _mm256_cvtss_f32(mx), hd, m, l, acc);
-    }
-    const __m256 sh = _mm256_set1_ps(shift);
-    const __m256 p0 = exp_avx2(_mm256_sub_ps(h0, sh)), p1 = exp_avx2(_mm256_sub_ps(h1, sh));
-    _mm256_storeu_ps(sr, p0);
-    _mm256_storeu_ps(sr + 8, p1);
-    l[r] += hsum8(_mm256_add_ps(p0, p1));
-  }
-}
-
-// Lanes j < n of 8 keys set (maskload reads nothing past them).
-RPA_AVX2 inline __m256i lanes_below(int n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// 8 values of a cache row as f32
-RPA_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-RPA_AVX2 inline __m256 load8(const uint16_t* x) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-}
-RPA_AVX2 inline __m256 load8(const int8_t* x) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
-}
-
-// R <= 6 rows at once (2R accumulators of 16 columns, or R of the last 8): each V row's columns are
-// loaded (and widened) once for all R rows. A = 2 key phases keep >= 4 FMA chains in flight for 1-2 rows.
-template <int R, class T>
-RPA_AVX2 void pv_rows_avx2(const float* p, int hd, const T* v, int n, float* acc) {
-  constexpr int A = R <= 2 ? 2 : 1;
-  int x = 0;
-  for (; x + 16 <= hd; x += 16) {
-    __m256 a[A][R][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      a[0][r][0] = _mm256_loadu_ps(acc + r * hd + x), a[0][r][1] = _mm256_loadu_ps(acc + r * hd + x + 8);
-      for (int ph = 1; ph < A; ++ph) a[ph][r][0] = a[ph][r][1] = _mm256_setzero_ps();
-    }
-    int j = 0;
-    for (; j + A <= n; j += A)
-#pragma GCC unroll 2
-      for (int ph = 0; ph < A; ++ph) {
-        const __m256 v0 = load8(v + (j + ph) * hd + x), v1 = load8(v + (j + ph) * hd + x + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 pj = _mm256_broadcast_ss(p + r * kChunk + j + ph);
-          a[ph][r][0] = _mm256_fmadd_ps(pj, v0, a[ph][r][0]);
-          a[ph][r][1] = _mm256_fmadd_ps(pj, v1, a[ph][r][1]);
-        }
-      }
-    for (; j < n; ++j) {
-      const __m256 v0 = load8(v + j * hd + x), v1 = load8(v + j * hd + x + 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 pj = _mm256_broadcast_ss(p + r * kChunk + j);
-        a[0][r][0] = _mm256_fmadd_ps(pj, v0, a[0][r][0]);
-        a[0][r][1] = _mm256_fmadd_ps(pj, v1, a[0][r][1]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      for (int ph = 1; ph < A; ++ph)
-        a[0][r][0] = _mm256_add_ps(a[0][r][0], a[ph][r][0]), a[0][r][1] = _mm256_add_ps(a[0][r][1], a[ph][r][1]);
-      _mm256_storeu_ps(acc + r * hd + x, a[0][r][0]);
-      _mm256_storeu_ps(acc + r * hd + x + 8, a[0][r][1]);
-    }
-  }
-  if (x < hd) {  // hd % 16 == 8
-    __m256 a[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc + r * hd + x);
-    for (int j = 0; j < n; ++j) {
-      const __m256 v0 = load8(v + j * hd + x);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kChunk + j), v0, a[r]);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * hd + x, a[r]);
-  }
-}
-
-// More than 6 rows (up to kMaxRows) run as 4 + the rest: 16 registers hold no more accumulators.
-template <class T>
-RPA_AVX2 void pv_typed_avx2(const float* p, int rows, int hd, const T* v, int n, float* acc) {
-  if (rows > 6) {
-    pv_rows_avx2<4>(p, hd, v, n, acc);
-    p += 4 * kChunk, acc += 4 * hd, rows -= 4;
-  }
-  switch (rows) {
-    case 1: return pv_rows_avx2<1>(p, hd, v, n, acc);
-    case 2: return pv_rows_avx2<2>(p, hd, v, n, acc);
-    case 3: return pv_rows_avx2<3>(p, hd, v, n, acc);
-    case 4: return pv_rows_avx2<4>(p, hd, v, n, acc);
-    case 5: return pv_rows_avx2<5>(p, hd, v, n, acc);
-    default: return pv_rows_avx2<6>(p, hd, v, n, acc);
-  }
-}
-
-RPA_AVX2 void pv_avx2(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale, int n,
-                      float* acc, float*) {
-  switch (type) {
-    case KvType::kF32:
-      return pv_typed_avx2(p, rows, hd, static_cast<const float*>(v), n, acc);
-    case KvType::kBF16:
-      return pv_typed_avx2(p, rows, hd, static_cast<const uint16_t*>(v), n, acc);
-    case KvType::kI8: {  // p[r][j] * vscale[j], then the raw int8 rows
-      alignas(32) float ps[kMaxRows * kChunk];
-      const __m256 vs0 = _mm256_maskload_ps(vscale, lanes_below(n)), vs1 = _mm256_maskload_ps(vscale + 8, lanes_below(n - 8));
-      for (int r = 0; r < rows; ++r) {
-        _mm256_store_ps(ps + r * kChunk, _mm256_mul_ps(_mm256_loadu_ps(p + r * kChunk), vs0));
-        _mm256_store_ps(ps + r * kChunk + 8, _mm256_mul_ps(_mm256_loadu_ps(p + r * kChunk + 8), vs1));
-      }
-      return pv_typed_avx2(ps, rows, hd, static_cast<const int8_t*>(v), n, acc);
-    }
-  }
-}
-
-// f32 K word-major (column x of the chunk's keys: ps floats apart): keys in the lanes, two vectors of 8,
-// broadcast FMAs, no horizontal sums. R <= 4 rows; A column phases keep >= 8 FMA chains for 1-2 rows.
-template <int R>
-RPA_AVX2 void scores_f32_words_rows_avx2(const float* q, int hd, const float* k, int ps, int n, float* s) {
-  constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
-  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8);
-  __m256 acc[A][R][2];
-  for (int a = 0; a < A; ++a)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
-  for (int x = 0; x < hd; x += A)
-#pragma GCC unroll 4
-    for (int a = 0; a < A; ++a) {
-      const float* kx = k + int64_t(x + a) * ps;
-      const __m256 k0 = _mm256_maskload_ps(kx, m0), k1 = _mm256_maskload_ps(kx + 8, m1);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 qx = _mm256_broadcast_ss(q + r * hd + x + a);
-        acc[a][r][0] = _mm256_fmadd_ps(qx, k0, acc[a][r][0]);
-        acc[a][r][1] = _mm256_fmadd_ps(qx, k1, acc[a][r][1]);
-      }
-    }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    for (int a = 1; a < A; ++a)
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[a][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[a][r][1]);
-    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
-    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
-  }
-}
-
-// int8 K word-major (word w of 8 keys is 32 bytes: key j's columns 4w .. 4w+3 in int32 lane j): column
-// 4w + c of the 8 keys is byte c of each lane, sign-extended by two shifts, then converted and used as
-// in the f32 form. (AVX2 has no int8 dot worth the query's quantization here: cf. q8_matmul's AVX2 note.)
-template <int R>
-RPA_AVX2 void scores_i8_words_rows_avx2(const float* q, int hd, const int8_t* k, int ps, int n, float* s) {
-  constexpr int A = R <= 2 ? 2 : 1;  // column phases (c even / odd)
-  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8);
-  __m256 acc[A][R][2];
-  for (int a = 0; a < A; ++a)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
-  for (int w = 0; w < hd / 4; ++w) {
-    const int* kw = reinterpret_cast<const int*>(k + int64_t(w) * ps * 4);
-    const __m256i k0 = _mm256_maskload_epi32(kw, m0), k1 = _mm256_maskload_epi32(kw + 8, m1);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(k0, 24 - 8 * c), 24));
-      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(k1, 24 - 8 * c), 24));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 qx = _mm256_broadcast_ss(q + r * hd + 4 * w + c);
-        acc[c % A][r][0] = _mm256_fmadd_ps(qx, c0, acc[c % A][r][0]);
-        acc[c % A][r][1] = _mm256_fmadd_ps(qx, c1, acc[c % A][r][1]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    for (int a = 1; a < A; ++a)
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[a][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[a][r][1]);
-    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
-    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
-  }
-}
-
-// bf16 K word-major (word w of 8 keys is 32 bytes: key j's columns 2w, 2w+1 in int32 lane j): column 2w is
-// each lane's low half shifted up, column 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32
-// form. P column-parity accumulator sets keep >= 8 FMA chains for 1-2 rows.
-template <int R>
-RPA_AVX2 void scores_bf16_words_rows_avx2(const float* q, int hd, const uint16_t* k, int ps, int n, float* s) {
-  constexpr int P = R <= 2 ? 2 : 1;
-  const __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8), high = _mm256_set1_epi32(int(0xFFFF0000u));
-  __m256 acc[P][R][2];
-  for (int a = 0; a < P; ++a)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r][0] = acc[a][r][1] = _mm256_setzero_ps();
-  for (int w = 0; w < hd / 2; ++w) {
-    const int* kw = reinterpret_cast<const int*>(k + int64_t(w) * ps * 2);
-    const __m256i k0 = _mm256_maskload_epi32(kw, m0), k1 = _mm256_maskload_epi32(kw + 8, m1);
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16)), e1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
-    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(k0, high)), o1 = _mm256_castsi256_ps(_mm256_and_si256(k1, high));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256 qe = _mm256_broadcast_ss(q + r * hd + 2 * w), qo = _mm256_broadcast_ss(q + r * hd + 2 * w + 1);
-      acc[0][r][0] = _mm256_fmadd_ps(qe, e0, acc[0][r][0]);
-      acc[0][r][1] = _mm256_fmadd_ps(qe, e1, acc[0][r][1]);
-      acc[P - 1][r][0] = _mm256_fmadd_ps(qo, o0, acc[P - 1][r][0]);
-      acc[P - 1][r][1] = _mm256_fmadd_ps(qo, o1, acc[P - 1][r][1]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    if (P == 2)
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], acc[P - 1][r][0]), acc[0][r][1] = _mm256_add_ps(acc[0][r][1], acc[P - 1][r][1]);
-    _mm256_storeu_ps(s + r * kChunk, acc[0][r][0]);
-    _mm256_storeu_ps(s + r * kChunk + 8, acc[0][r][1]);
-  }
-}
-
-// Rows in blocks of at most 4 (each block reads the chunk's K again, from L1).
-template <class K, void (*Rows1)(const float*, int, const K*, int, int, float*),
-          void (*Rows2)(const float*, int, const K*, int, int, float*),
-          void (*Rows3)(const float*, int, const K*, int, int, float*),
-          void (*Rows4)(const float*, int, const K*, int, int, float*)>
-RPA_AVX2 void words_in_row_blocks(const float* q, int rows, int hd, const K* k, int ps, int n, float* s) {
-  for (; rows > 0; rows -= 4, q += 4 * hd, s += 4 * kChunk)
-    switch (std::min(rows, 4)) {
-      case 1: Rows1(q, hd, k, ps, n, s); break;
-      case 2: Rows2(q, hd, k, ps, n, s); break;
-      case 3: Rows3(q, hd, k, ps, n, s); break;
-      default: Rows4(q, hd, k, ps, n, s);
-    }
-}
-
-RPA_AVX2 void scores_f32_words_avx2(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  words_in_row_blocks<float, scores_f32_words_rows_avx2<1>, scores_f32_words_rows_avx2<2>,
-                      scores_f32_words_rows_avx2<3>, scores_f32_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
-}
-
-RPA_AVX2 void scores_bf16_words_avx2(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
-  words_in_row_blocks<uint16_t, scores_bf16_words_rows_avx2<1>, scores_bf16_words_rows_avx2<2>,
-                      scores_bf16_words_rows_avx2<3>, scores_bf16_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
-}
-
-RPA_AVX2 void scores_i8_words_avx2(const float* q, int rows, int hd, const int8_t* k, int ps, int n, float* s) {
-  words_in_row_blocks<int8_t, scores_i8_words_rows_avx2<1>, scores_i8_words_rows_avx2<2>,
-                      scores_i8_words_rows_avx2<3>, scores_i8_words_rows_avx2<4>>(q, rows, hd, k, ps, n, s);
-}
-
-// bf16 K rows are widened for the row-order scores: the portable loop, vectorized by the compiler for the
-// target. (int8 K and V are never widened on AVX2: word-major scores and P x V convert in registers.)
-RPA_AVX2 void widen_bf16_avx2(const uint16_t* src, int n, int hd, float* dst) {
-  for (int j = 0; j < n * hd; ++j) {
-    const uint32_t u = uint32_t(src[j]) << 16;
-    std::memcpy(dst + j, &u, 4);
-  }
-}
-
-constexpr ChunkSteps kAvx2 = {"avx2", scores_avx2, softmax_avx2, pv_avx2, widen_i8_portable, widen_bf16_avx2,
-                              scores_f32_words_avx2, scores_bf16_words_avx2, nullptr, nullptr, nullptr,
-                              scores_i8_words_avx2,
-                              quantize_kv_row_portable};
-
-// ---- AVX-512F: 16 lanes; needs hd % 16 == 0 ----
-// s[j] = q . k[j] for a full chunk: one accumulator per key, the 16 reduced together. HD > 0 fixes
-// head_dim at compile time so the 16 rows are addressed off one pointer.
-template <int HD>
-RPA_AVX512 inline void scores16_avx512(const float* q, int hd_runtime, const float* k, float* s) {
-  const int hd = HD > 0 ? HD : hd_runtime;
-  __m512 a[kChunk];
-  for (int i = 0; i < kChunk; ++i) a[i] = _mm512_setzero_ps();
-  for (int x = 0; x < hd; x += 16) {
-    const __m512 qx = _mm512_loadu_ps(q + x);
-    const float* kx = k + x;
-    for (int i = 0; i < kChunk; ++i, kx += hd) a[i] = _mm512_fmadd_ps(qx, _mm512_loadu_ps(kx), a[i]);
-  }
-  __m256 h[kChunk];  // fold 512 -> 256 bits, then two 8 x 8 transposing reductions
-  for (int i = 0; i < kChunk; ++i)
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-  _mm256_storeu_ps(s, hsum8x8(h));
-  _mm256_storeu_ps(s + 8, hsum8x8(h + 8));
-}
-
-RPA_AVX512 void scores_avx512(const float* q, int rows, int hd, const float* k, int n, float* s) {
-  for (int r = 0; r < rows; ++r) {
-    const float* qr = q + r * hd;
-    if (n == kChunk) {
-      if (hd == 64) scores16_avx512<64>(qr, hd, k, s + r * kChunk);
-      else if (hd == 128) scores16_avx512<128>(qr, hd, k, s + r * kChunk);
-      else scores16_avx512<0>(qr, hd, k, s + r * kChunk);
-      continue;
-    }
-    for (int j = 0; j < n; ++j) {
-      __m512 a = _mm512_setzero_ps();
-      for (int x = 0; x < hd; x += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + x), _mm512_loadu_ps(k + j * hd + x), a);
-      s[r * kChunk + j] = _mm512_reduce_add_ps(a);
-    }
-  }
-}
-
-RPA_AVX512 void softmax_avx512(float* s, int rows, int hd, const float* kscale, int key, int n, bool edge,
-                               const int* pos, const int* lo, float* m, float* l, float* acc) {
-  const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i k = _mm512_add_epi32(j, _mm512_set1_epi32(key));
-  const __mmask16 in_chunk = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(n));
-  const __m512 ks = kscale ? _mm512_maskz_loadu_ps(in_chunk, kscale) : _mm512_set1_ps(1.f);
-  for (int r = 0; r < rows; ++r) {
-    float* sr = s + r * kChunk;
-    __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(sr), ks);
-    if (edge) {  // visible: j < n, lo <= key + j <= pos
-      const __mmask16 visible = in_chunk & _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(pos[r])) &
-                                _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(lo[r]));
-      sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), visible, sv);
-    }
-    // the row max grows in few chunks: a compare finds out, and the horizontal max runs only then (with
-    // m = -inf and every lane masked nothing is greater, so the shift is 0 and p = exp(-inf) = 0)
-    const bool grows = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(m[r]), _CMP_GT_OQ) != 0;
-    const float shift = grows ? raise_max(r, _mm512_reduce_max_ps(sv), hd, m, l, acc) : m[r] == kNegInf ? 0.f : m[r];
-    const __m512 p = exp_avx512(_mm512_sub_ps(sv, _mm512_set1_ps(shift)));
-    _mm512_storeu_ps(sr, p);
-    l[r] += _mm512_reduce_add_ps(p);
-  }
-}
-
-// 16 values of a cache row as f32
-RPA_AVX512 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-RPA_AVX512 inline __m512 load16(const uint16_t* x) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-RPA_AVX512 inline __m512 load16(const int8_t* x) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
-}
-
-// R rows at once: each 32 columns of a V row are loaded (and widened) once for all R rows, whose
-// accumulators stay in registers (2R independent chains).
-template <int R, class T>
-RPA_AVX512 void pv_rows_avx512(const float* p, int hd, const T* v, int n, float* acc) {
-  int x = 0;
-  for (; x + 32 <= hd; x += 32) {
-    __m512 a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = _mm512_loadu_ps(acc + r * hd + x), a1[r] = _mm512_loadu_ps(acc + r * hd + x + 16);
-    for (int j = 0; j < n; ++j) {
-      const __m512 v0 = load16(v + j * hd + x), v1 = load16(v + j * hd + x + 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * kChunk + j]);
-        a0[r] = _mm512_fmadd_ps(pj, v0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(pj, v1, a1[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hd + x, a0[r]), _mm512_storeu_ps(acc + r * hd + x + 16, a1[r]);
-  }
-  if (x < hd) {  // hd % 32 == 16
-    __m512 a0[R];
-    for (int r = 0; r < R; ++r) a0[r] = _mm512_loadu_ps(acc + r * hd + x);
-    for (int j = 0; j < n; ++j) {
-      const __m512 v0 = load16(v + j * hd + x);
-      for (int r = 0; r < R; ++r) a0[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kChunk + j]), v0, a0[r]);
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * hd + x, a0[r]);
-  }
-}
-
-template <class T>
-RPA_AVX512 void pv_typed_avx512(const float* p, int rows, int hd, const T* v, int n, float* acc) {
-  RPA_FOR_ROWS(rows, pv_rows_avx512, p, hd, v, n, acc);
-}
-
-RPA_AVX512 void pv_avx512(const float* p, int rows, int hd, KvType type, const void* v, const float* vscale,
-                          int n, float* acc, float*) {
-  switch (type) {
-    case KvType::kF32:
-      return pv_typed_avx512(p, rows, hd, static_cast<const float*>(v), n, acc);
-    case KvType::kBF16:
-      return pv_typed_avx512(p, rows, hd, static_cast<const uint16_t*>(v), n, acc);
-    case KvType::kI8: {  // p[r][j] * vscale[j], then the raw int8 rows
-      alignas(64) float ps[kMaxRows * kChunk];
-      const __m512 sc = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), vscale);
-      for (int r = 0; r < rows; ++r) _mm512_storeu_ps(ps + r * kChunk, _mm512_mul_ps(_mm512_loadu_ps(p + r * kChunk), sc));
-      return pv_typed_avx512(ps, rows, hd, static_cast<const int8_t*>(v), n, acc);
-    }
-  }
-}
-
-RPA_AVX512 void widen_i8_avx512(const int8_t* src, int n, int hd, float* dst) {
-  for (int i = 0; i < n * hd; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
-}
-
-RPA_AVX512 void widen_bf16_avx512(const uint16_t* src, int n, int hd, float* dst) {
-  for (int i = 0; i < n * hd; i += 16) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-  }
-}
-
-// f32 K word-major: column x of the chunk's 16 keys is one (masked) load, and each row's scores gather
-// in the 16 lanes by broadcast FMAs, with no horizontal sums (row-order K needs a 16 x 16 transposing
-// reduction per row and chunk). A accumulators per row keep >= 8 FMA chains in flight for few rows.
-// (AMD Zen 4, 32 x 384 f32 step, consecutive pages: 26.8 -> 21.7 ms; K/V in cache: 9.5 -> 8.0 ms.)
-// Rows > 4 also take 2 column phases: with one, gcc stored every row's accumulator to the stack on each
-// column (objdump), which cost a prefill chunk's 8-row items more than their FMAs.
-template <int R, int HD>
-RPA_AVX512 void scores_f32_words_rows(const float* q, int hd_arg, const float* k, int ps, int n, float* s) {
-  const int hd = HD > 0 ? HD : hd_arg;  // RPA_FOR_ROWS_HD
-  constexpr int A = R <= 2 ? 4 : 2;  // hd % 16 == 0 here
-  const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-  __m512 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
-  for (int x = 0; x < hd; x += A)
-    for (int a = 0; a < A; ++a) {
-      const __m512 kx = _mm512_maskz_loadu_ps(m, k + int64_t(x + a) * ps);
-      for (int r = 0; r < R; ++r) acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * hd + x + a]), kx, acc[r][a]);
-    }
-  for (int r = 0; r < R; ++r) {
-    __m512 sum = acc[r][0];
-    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
-    _mm512_storeu_ps(s + r * kChunk, sum);
-  }
-}
-
-RPA_AVX512 void scores_f32_words_avx512(const float* q, int rows, int hd, const float* k, int ps, int n, float* s) {
-  RPA_FOR_ROWS_HD(rows, hd, scores_f32_words_rows, q, hd, k, ps, n, s);
-}
-
-// bf16 K word-major (word w of 16 keys is one 64-byte load: key j's columns 2w, 2w+1 in lane j): column 2w
-// is each lane's low half shifted up, 2w + 1 its high half (bf16 -> f32 is exact), then as in the f32 form,
-// with half its bytes. A word phases (two FMA chains each, per row) keep >= 8 chains for 1-2 rows. (With a
-// run-time head_dim, 8 rows' accumulators went to the stack on every word: 16 stores per 16 FMAs, and a
-// 256-token prefill's scores took 2.3x its P x V's samples.)
-template <int R, int HD>
-RPA_AVX512 void scores_bf16_words_rows(const float* q, int hd_arg, const uint16_t* k, int ps, int n, float* s) {
-  const int hd = HD > 0 ? HD : hd_arg;  // RPA_FOR_ROWS_HD
-  constexpr int A = R <= 2 ? 2 : 1;
-  const __mmask16 m = n >= kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
-  __m512 acc[R][2 * A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < 2 * A; ++a) acc[r][a] = _mm512_setzero_ps();
-  for (int w = 0; w < hd / 2; w += A)  // hd % 16 == 0: words is a multiple of A
-    for (int a = 0; a < A; ++a) {
-      const __m512i kw = _mm512_maskz_loadu_epi32(m, k + int64_t(w + a) * ps * 2);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(kw, high));
-      const float* qw = q + 2 * (w + a);
-      for (int r = 0; r < R; ++r) {
-        acc[r][2 * a] = _mm512_fmadd_ps(_mm512_set1_ps(qw[r * hd]), even, acc[r][2 * a]);
-        acc[r][2 * a + 1] = _mm512_fmadd_ps(_mm512_set1_ps(qw[r * hd + 1]), odd, acc[r][2 * a + 1]);
-      }
-    }
-  for (int r = 0; r < R; ++r) {
-    __m512 sum = acc[r][0];
-    for (int a = 1; a < 2 * A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
-    _mm512_storeu_ps(s + r * kChunk, sum);
-  }
-}
-
-RPA_AVX512 void scores_bf16_words_avx512(const float* q, int rows, int hd, const uint16_t* k, int ps, int n, float* s) {
-  RPA_FOR_ROWS_HD(rows, hd, scores_bf16_words_rows, q, hd, k, ps, n, s);
-}
+// int8 K rows are never widened on AVX2 (word-major scores and P x V convert in registers), nor are int8 KV
+// rows quantized in vectors there (the portable loop).
+constexpr ChunkSteps kAvx2 = {"avx2", avx2::scores, avx2::softmax, avx2::pv, avx2::widen<int8_t>,
+                              avx2::widen<uint16_t>, avx2::scores_f32_words, avx2::scores_bf16_words, nullptr,
+                              nullptr, nullptr, avx2::scores_i8_words, quantize_kv_row_portable};
 
 // quantize_kv_row_portable 16 values at a time (hd % 16 == 0), with the same IEEE division and rounding, so
 // the bytes and the scale are equal. (maxps keeps its second operand where either is NaN, as std::max does.)
@@ -837,9 +312,10 @@ RPA_AVX512 float quantize_kv_row_avx512(const float* x, int hd, int8_t* q) {
   return scale;
 }
 
-constexpr ChunkSteps kAvx512 = {"avx512", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                widen_bf16_avx512, scores_f32_words_avx512, scores_bf16_words_avx512, nullptr,
-                                nullptr, nullptr, nullptr, quantize_kv_row_avx512};
+// int8 K on AVX-512 without VNNI is widened to rows (memcpy of its words, then widen) for the row-order scores.
+constexpr ChunkSteps kAvx512 = {"avx512", avx512::scores, avx512::softmax, avx512::pv, avx512::widen<int8_t>,
+                                avx512::widen<uint16_t>, avx512::scores_f32_words, avx512::scores_bf16_words,
+                                nullptr, nullptr, nullptr, nullptr, quantize_kv_row_avx512};
 
 // ---- AVX-512 VNNI, int8 KV: vpdpbusd (unsigned x signed bytes, 4 products summed per int32 lane) ----
 // Scores: K is word-major in the cache (the page's bytes [hd / 4][ps][4]; k points at word 0 of the
@@ -974,9 +450,9 @@ RPA_VNNI void pv_i8_vnni(const float* p, int rows, int hd, const int8_t* v, cons
   RPA_FOR_ROWS(rows, pv_i8_rows_vnni, p, hd, v, vscale, n, acc);
 }
 
-constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", scores_avx512, softmax_avx512, pv_avx512, widen_i8_avx512,
-                                    widen_bf16_avx512, scores_f32_words_avx512, scores_bf16_words_avx512,
-                                    quantize_rows_vnni,
+constexpr ChunkSteps kAvx512Vnni = {"avx512_vnni", avx512::scores, avx512::softmax, avx512::pv,
+                                    avx512::widen<int8_t>, avx512::widen<uint16_t>, avx512::scores_f32_words,
+                                    avx512::scores_bf16_words, quantize_rows_vnni,
                                     scores_i8_words_vnni, pv_i8_vnni, nullptr, quantize_kv_row_avx512};
 #endif  // SLIPSTREAM_X86
 

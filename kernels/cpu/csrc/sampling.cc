@@ -41,10 +41,7 @@
 #include "runtime/module.h"
 #include "runtime/parallel.h"
 
-#if defined(SLIPSTREAM_X86)
-#include "exp_avx2.h"
-#include "exp_avx512.h"
-#endif
+#include "runtime/vec.h"
 
 namespace ffi = xla::ffi;
 namespace rt = slipstream::runtime;
@@ -138,22 +135,15 @@ struct RowOps {
 };
 
 #if defined(SLIPSTREAM_X86)
-// The vector types of sampling_rows.h, one per ISA, each compiled under its own target pragma.
+// The vector types of sampling_rows.h, one per ISA: runtime/vec.h's, plus the passes' own operations; each
+// compiled under its own target pragma.
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,avx2,fma")
 namespace avx512 {
-struct V {
-  static constexpr int W = 16;
-  using F = __m512;
+struct V : rt::Vec16 {
+  static constexpr int W = kLanes;
   using M = __mmask16;
   using D = __m512d;  // 8 double lanes
-  static F set1(float a) { return _mm512_set1_ps(a); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
-  static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F exp(F x) { return exp_avx512(x); }
   static M none() { return 0; }
   static M unordered(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static M either(M a, M b) { return a | b; }
@@ -194,23 +184,15 @@ struct V {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-struct V {
-  static constexpr int W = 8;
-  using F = __m256;
+struct V : rt::Vec8 {
+  static constexpr int W = kLanes;
   using M = __m256;   // compare results, all-ones lanes
   using D = __m256d;  // 4 double lanes
-  static F set1(float a) { return _mm256_set1_ps(a); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
-  static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F exp(F x) { return exp_avx2(x); }
   static M none() { return _mm256_setzero_ps(); }
   static M unordered(F a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
   static M either(M a, M b) { return _mm256_or_ps(a, b); }
   static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
-  static float reduce_max(F a) {
+  static float reduce_max(F a) {  // not Vec8::reduce_max, whose max chain may keep a NaN lane
     alignas(32) float m[8];
     _mm256_store_ps(m, a);
     float r = kNegInf;
