@@ -86,14 +86,15 @@ class StepPlanner:
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
                  speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None,
-                 proposer: Proposer | None = None, max_loras: int = 0) -> None:
+                 proposer: Proposer | None = None, max_loras: int = 0, token_buckets: tuple[int, ...] = ()) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if speculative is not None and max_seq_len is None:
             raise ValueError("speculative decoding needs the engine's max_seq_len")
         self.blocks = blocks
         self.max_seq_len = max_seq_len
-        self.speculator = Speculator(speculative, max_seq_len, proposer) if speculative is not None else None
+        self.speculator = (Speculator(speculative, max_seq_len, proposer, token_buckets)
+                           if speculative is not None else None)
         self.token_budget = token_budget
         self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self.running: list[Sequence] = []  # in admission order

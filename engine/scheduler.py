@@ -31,6 +31,13 @@ __all__ = ["Completion", "EngineUnavailable", "OutputProcessor", "Overloaded", "
 log = logging.getLogger(__name__)
 
 
+def _token_buckets(engine) -> tuple[int, ...]:
+    """The token counts the engine pads a step up to (a device engine's bucket ladder), or () where it
+    has none: n-gram speculation fills a step's padded rows with drafts (Speculator.fill_bucket)."""
+    buckets = getattr(engine, "buckets", None)
+    return tuple(getattr(buckets, "token_counts", ()))
+
+
 class Scheduler:
     """Token ids in and out: the output side (`output`, one per scheduler) turns them into text and
     stop-string finishes, and tells the scheduler through the callbacks it is started with."""
@@ -54,7 +61,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
                                     speculative=config.speculative, max_seq_len=engine.max_seq_len,
-                                    proposer=config.proposer, max_loras=getattr(engine, "max_loras", 0))
+                                    proposer=config.proposer, max_loras=getattr(engine, "max_loras", 0),
+                                    token_buckets=_token_buckets(engine))
         self._state = Lifecycle.NEW
         self._failed: str | None = None
         self._force_stop = False

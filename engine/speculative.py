@@ -153,12 +153,16 @@ class Speculator:
     """One scheduler's speculation: which decodes draft in the next step (proposed with no lock held,
     before the step is planned), their drafts for the planner, and what verification accepts."""
 
-    def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer: Proposer | None = None,
+                 token_buckets: Sequence[int] = ()) -> None:
         if proposer is None and config.method != "ngram":
             raise ValueError(f"speculative method {config.method!r} needs its proposer built from the draft model "
                              "(engine/device/draft.py's DraftModelProposer)")
         self.config, self.max_seq_len = config, max_seq_len
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # The engine's step sizes (ascending token counts a step is padded up to; empty: unknown). A step
+        # of n-gram drafts asks for more drafts where its bucket has padded rows left (fill_bucket).
+        self.token_buckets = tuple(sorted(token_buckets))
         self.counters = SpecCounters()
         self._drafts: dict["Seq", tuple[int, ...]] = {}
         self._misses: dict["Seq", int] = {}  # drafting steps in a row that gained nothing (absent: 0)
@@ -202,12 +206,38 @@ class Speculator:
                     self.max_seq_len - seq.num_tokens)
             if k >= 1:
                 asks.append((seq, k))
+        if asks and len(decodes) == len(running):
+            asks = self.fill_bucket(asks, len(running))
         if asks:
             self._drafts = {seq: tuple(d[:k]) for (seq, k), d in zip(asks, self.proposer.draft(asks)) if d}
             if may_overlap:
                 for seq, _ in asks:
                     if seq not in self._drafts:
                         self._missed(seq)
+
+    def fill_bucket(self, asks: list[tuple["Seq", int]], tokens: int) -> list[tuple["Seq", int]]:
+        """More n-gram drafts where they are free: a step of `tokens` decodes plus the asked drafts is
+        padded up to the engine's next token bucket, and the padded rows cost what a draft's row does
+        (1 + K = 5 query tokens run as 8). So each ask grows, round-robin, until the step fills its
+        bucket, each within MAX_SPECULATIVE_TOKENS, max_tokens and the context (what `propose` bounded
+        K by, less K). Only prompt lookup: a draft model pays a forward pass per draft."""
+        if not isinstance(self.proposer, NgramProposer) or not self.token_buckets:
+            return asks
+        total = tokens + sum(k for _, k in asks)
+        bucket = next((b for b in self.token_buckets if b >= total), None)
+        if bucket is None:
+            return asks
+        spare = bucket - total
+        room = [min(MAX_SPECULATIVE_TOKENS, seq.max_tokens - len(seq.output_ids) - 1,
+                    self.max_seq_len - seq.num_tokens) - k for seq, k in asks]
+        grown = [k for _, k in asks]
+        while spare > 0 and any(r > 0 for r in room):
+            for i in range(len(asks)):
+                if spare > 0 and room[i] > 0:
+                    grown[i] += 1
+                    room[i] -= 1
+                    spare -= 1
+        return [(seq, k) for (seq, _), k in zip(asks, grown)]
 
     def _missed(self, seq: "Seq") -> None:
         """Drafting gained nothing for `seq`: it rests twice as long as after its last miss."""

@@ -238,3 +238,49 @@ def test_without_overlap_to_gain_finding_no_draft_costs_no_rest():
     assert step([4, 0, 0], [103]) == (False, [(3, 4), ()])  # a drafts at once; none accepted
     assert step(None, [5]) == (False, [(), ()])         # a rests (4 would have found 100 2); b: nothing
     assert step(None, [6, 7, 1]) == (False, [(), (6, 7)])  # b drafts at once (5 was followed by 6 7)
+
+
+def test_ngram_drafts_fill_the_step_bucket_padded_rows():
+    """A step of K = 4 drafts (5 query tokens) runs as the engine's 8-token bucket: n-gram drafts grow,
+    round-robin, to fill the padded rows, within max_tokens; not for a draft model (each draft costs
+    it a forward pass), nor while a prompt is still prefilling (its chunk's length is not known yet)."""
+    import itertools
+
+    from slipstream.engine.block_manager import BlockManager
+    from slipstream.engine.request import Request
+    from slipstream.engine.schedule import StepPlanner
+    from slipstream.engine.sequence import Sequence
+
+    order = itertools.count()
+    motif = list(range(10, 30))
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+
+    def drafts(prompts, max_tokens=(100, 100), proposer=None, prefilling=False):
+        p = StepPlanner(BlockManager(256, 4, False), max_slots=32, token_budget=128, speculative=spec,
+                        max_seq_len=512, proposer=proposer, token_buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        seqs = [Sequence(Request(list(pr), SamplingParams(temperature=0.0, max_tokens=m)), order=next(order))
+                for pr, m in zip(prompts, max_tokens)]
+        for s in seqs:
+            p.enqueue(s)
+        p.admit()
+        p.advance(p.plan())  # the prompts
+        for s in seqs:
+            s.add_sample(motif[0])  # the motif goes on
+        if prefilling:
+            p.enqueue(Sequence(Request([1] * 40, SamplingParams(temperature=0.0)), order=next(order)))
+            p.admit()
+        p.propose(p.may_overlap())
+        got = {c.seq: len(c.draft) for c in p.plan().chunks}
+        return [got[s] for s in seqs]
+
+    assert drafts([motif * 2]) == [7]                       # 1 + 4 -> bucket 8: 7 drafts
+    assert drafts([motif * 2, motif * 2]) == [7, 7]         # 2 + 8 -> bucket 16: 14 drafts
+    # 3 drafts left for the first (max_tokens), 2 + 7 -> bucket 16: the second takes the 7 spare rows
+    assert drafts([motif * 2, motif * 2], max_tokens=(5, 100)) == [3, 11]
+    assert drafts([motif * 2], prefilling=True) == [4]
+
+    class Fixed:  # a proposer that is not prompt lookup (a draft model's place)
+        def draft(self, asks):
+            return [[5] * k for _, k in asks]
+
+    assert drafts([motif * 2], proposer=Fixed()) == [4]
