@@ -46,7 +46,7 @@ def _extensions() -> list[Extension]:
     if os.environ.get("SLIPSTREAM_KERNELS_DEBUG"):
         flags = ["-O0", "-g", "-std=c++17"]
     return [Extension(f"slipstream.kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
-                      include_dirs=[jax.ffi.include_dir()], extra_compile_args=flags,
+                      include_dirs=[jax.ffi.include_dir(), "kernels/cpu/csrc"], extra_compile_args=flags,
                       depends=sorted(glob.glob("kernels/cpu/csrc/**/*.h", recursive=True)),
                       language="c++", optional=True)
             for src in sorted(glob.glob("kernels/cpu/csrc/*.cc"))]

@@ -95,25 +95,9 @@ void TilePortable(const Problem& p, int row0, int panel0, Ahead) {
   }
 }
 
-#if defined(SLIPSTREAM_X86)
-// AVX2 + FMA (8 lanes, 16 registers) and AVX-512 F (16 lanes, 32 registers): f32_matmul_tile.h, written once
-// over runtime/vec.h, compiled for each.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-using V = rt::Vec8;
-#include "f32_matmul_tile.h"
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace avx512 {
-using V = rt::Vec16;
-#include "f32_matmul_tile.h"
-}  // namespace avx512
-#pragma GCC pop_options
-#endif  // SLIPSTREAM_X86
+// AVX2 + FMA and AVX-512 F: f32_matmul_tile.h, written once over runtime/vec.h, compiled for each.
+#define SLIPSTREAM_PER_ISA_BODY "f32_matmul_tile.h"
+#include "runtime/per_isa.h"
 
 // ---- dispatch over (ISA, rows, panels) -----------------------------------------------------------
 

@@ -269,24 +269,12 @@ constexpr ChunkSteps kPortable = {"portable", scores_portable, softmax_portable,
                                   scores_bf16_words_portable, nullptr,
                                   nullptr, nullptr, nullptr, quantize_kv_row_portable};
 
-#if defined(SLIPSTREAM_X86)
 // ---- AVX2 + FMA (8 lanes, hd % 8 == 0) and AVX-512 F (16 lanes, hd % 16 == 0): attention_steps.h, written
 // once over runtime/vec.h, compiled for each. ----
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-using V = rt::Vec8;
-#include "attention_steps.h"
-}  // namespace avx2
-#pragma GCC pop_options
+#define SLIPSTREAM_PER_ISA_BODY "attention_steps.h"
+#include "runtime/per_isa.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace avx512 {
-using V = rt::Vec16;
-#include "attention_steps.h"
-}  // namespace avx512
-#pragma GCC pop_options
+#if defined(SLIPSTREAM_X86)
 
 // int8 K rows are never widened on AVX2 (word-major scores and P x V convert in registers), nor are int8 KV
 // rows quantized in vectors there (the portable loop).
