@@ -202,8 +202,7 @@ class Speculator:
                 continue
             if seq.in_flight:
                 continue
-            k = min(self.config.num_speculative_tokens, seq.max_tokens - len(seq.output_ids) - 1,
-                    self.max_seq_len - seq.num_tokens)
+            k = min(self.config.num_speculative_tokens, self._room(seq))
             if k >= 1:
                 asks.append((seq, k))
         if asks and len(decodes) == len(running):
@@ -215,12 +214,16 @@ class Speculator:
                     if seq not in self._drafts:
                         self._missed(seq)
 
+    def _room(self, seq: "Seq") -> int:
+        """Drafts `seq` can take: within its max_tokens (the token after the drafts counts) and the context."""
+        return min(seq.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
+
     def fill_bucket(self, asks: list[tuple["Seq", int]], tokens: int) -> list[tuple["Seq", int]]:
         """More n-gram drafts where they are free: a step of `tokens` decodes plus the asked drafts is
         padded up to the engine's next token bucket, and the padded rows cost what a draft's row does
         (1 + K = 5 query tokens run as 8). So each ask grows, round-robin, until the step fills its
-        bucket, each within MAX_SPECULATIVE_TOKENS, max_tokens and the context (what `propose` bounded
-        K by, less K). Only prompt lookup: a draft model pays a forward pass per draft."""
+        bucket, each within MAX_SPECULATIVE_TOKENS and its room (`_room`). Only prompt lookup: a draft
+        model pays a forward pass per draft."""
         if not isinstance(self.proposer, NgramProposer) or not self.token_buckets:
             return asks
         total = tokens + sum(k for _, k in asks)
@@ -228,8 +231,7 @@ class Speculator:
         if bucket is None:
             return asks
         spare = bucket - total
-        room = [min(MAX_SPECULATIVE_TOKENS, seq.max_tokens - len(seq.output_ids) - 1,
-                    self.max_seq_len - seq.num_tokens) - k for seq, k in asks]
+        room = [min(MAX_SPECULATIVE_TOKENS, self._room(seq)) - k for seq, k in asks]
         grown = [k for _, k in asks]
         while spare > 0 and any(r > 0 for r in room):
             for i in range(len(asks)):

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jaxlib
@@ -91,17 +92,17 @@ class ExecutableStore:
         self.version_dir = self.root / hashlib.sha256(code.encode()).hexdigest()[:16]
         self.dir = self.version_dir / hashlib.sha256(config.encode()).hexdigest()[:32]
         self.loaded = 0
-        self.saved = 0
 
     @classmethod
-    def enabled(cls, devices: list, identity: str) -> ExecutableStore | None:
+    def enabled(cls, devices: list, identity: Callable[[], str]) -> ExecutableStore | None:
         """The store under the directory `enable` named, or None: not enabled (the default: engines
-        trace), or the engine spans processes (each process compiles its own part)."""
+        trace), on CPU, or the engine spans processes (each process compiles its own part). `identity`
+        (the engine's configuration as text) is asked only for a store."""
         if _root is None or jax.process_count() > 1 or devices[0].platform == "cpu":
             # XLA:CPU: an executable loaded this way can fail when it runs ("Function wrapped_iota not
             # found"); CPU programs trace in seconds, and JAX's own cache still serves them
             return None
-        return cls(_root, devices, identity)
+        return cls(_root, devices, identity())
 
     def replay_kernels(self) -> bool:
         """Before loading: the kernel choices the saved programs were traced with (native modules
@@ -124,7 +125,8 @@ class ExecutableStore:
     @staticmethod
     def compile(lowered):
         """A program compiled here, for `save`: never one JAX's own cache loaded (on XLA:CPU such an
-        executable, serialized again, misses the functions of its fusions when it runs)."""
+        executable, serialized again, missed the functions of its fusions when it ran; unverified on TPU,
+        so the store keeps only what it compiled itself)."""
         with jax_config.enable_compilation_cache(False):  # thread-local: this compile only
             return lowered.compile()
 
@@ -175,8 +177,6 @@ class ExecutableStore:
             os.replace(tmp, self._path(name))
         except OSError as e:  # a full disk, or another process pruning this version just now
             log.warning("compiled program %s not saved: %s", name, e)
-            return
-        self.saved += 1
 
     def prune(self, keep: int = KEEP_VERSIONS) -> None:
         """Removes the programs of all but the `keep` most recently used code versions (this one is the

@@ -246,10 +246,14 @@ class JaxEngine:
         what they are built from; on one device without a mesh (a sharded engine traces and uses JAX's cache)."""
         if self.tp is not None:
             return None
-        identity = "\n".join([repr(self.model_cfg), repr(self.config), repr(self.graphdef), repr(self.buckets),
-                               avals((self._model_args(self.buckets.token_counts[0]),
-                                      self._sample_args(self.buckets.sample_row_counts[0])))])
-        return ExecutableStore.enabled(jax.devices()[:1], re.sub(r"0x[0-9a-f]+", "0x", identity))
+
+        def identity() -> str:  # object addresses in reprs are not part of it
+            text = "\n".join([repr(self.model_cfg), repr(self.config), repr(self.graphdef), repr(self.buckets),
+                              avals((self._model_args(self.buckets.token_counts[0]),
+                                     self._sample_args(self.buckets.sample_row_counts[0])))])
+            return re.sub(r"0x[0-9a-f]+", "0x", text)
+
+        return ExecutableStore.enabled(jax.devices()[:1], identity)
 
     def _exe(self, table: dict, shape: int, jitted, args_fn):
         exe = table.get(shape)
