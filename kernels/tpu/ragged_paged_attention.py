@@ -35,11 +35,20 @@ def _lanes(x, n: int):
     return x[:, :1]
 
 
+def _widen(x, via: str):
+    """int8 values as a type Mosaic converts on to the matmul dtype."""
+    if via == "direct":
+        return x
+    if via == "i32":
+        return x.astype(jnp.int32).astype(jnp.float32)
+    return x.astype(jnp.float32)
+
+
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool):
+            merge_pages: bool, int8_via: str):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -150,7 +159,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                 k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
                 v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
             if int8:
-                k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+                k, v = _widen(k, int8_via), _widen(v, int8_via)
             s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
             if int8:   # per-key scales as one lane row [1, n*ps]
@@ -204,7 +213,9 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
     n_blocks = jnp.where(take, -(-q_lens // rows), 0)                      # [S]
     ends = jnp.cumsum(n_blocks)
     k = jnp.arange(max_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    # the sequence of item k: how many sequences' items end at or before k (one fused compare, where
+    # searchsorted lowers to a loop of tiny ops)
+    seq = jnp.minimum(jnp.sum(ends[None, :] <= k[:, None], axis=1), q_lens.shape[0] - 1).astype(jnp.int32)
     j = k - (ends[seq] - n_blocks[seq])                                    # block within its sequence
     row = cu_q_lens[seq] + j * rows
     first_pos = kv_lens[seq] - q_lens[seq] + j * rows
@@ -216,7 +227,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_via, name):
     kv = kv_cache["kv"]
     kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
@@ -234,18 +245,18 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages)
+        merge_pages=merge_pages, int8_via=int8_via)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=9, grid=(seq.shape[0],),
+            num_scalar_prefetch=9, grid=(count[0] if dynamic_grid else seq.shape[0],),
             in_specs=[any_spec] * (3 if int8 else 2), out_specs=any_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(q_pad.shape, jnp.float32),
         # the grid walks items in order: each step finishes the DMAs the previous one started
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        interpret=pltpu.InterpretParams() if interpret else False)
+        interpret=pltpu.InterpretParams() if interpret else False, name=name)
     operands = (q_pad, kv) + ((kv_cache["kv_scale"],) if int8 else ())
     return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
 
@@ -254,7 +265,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           interpret: bool = False):
+                           dynamic_grid: bool = False, int8_via: str = "f32", interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
@@ -292,18 +303,19 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                  merge_pages=merge_pages)
+                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_via=int8_via)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
-    def run(take, rows, max_items):
+    def run(take, rows, max_items, name):
         items = _items(q_lens, kv_lens, cu_q_lens, n, take, rows=rows, max_items=max_items, **item_kw)
         # always called: a call with no items is a few empty grid steps, and a lax.cond around it
         # would make its branches alias the cache (XLA copies it)
-        return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, **common)
+        return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, name=name, **common)
 
-    out_d = run(decode, decode_rows, min(n_rows, t_len))
+    out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
     # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence
-    out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)))
+    out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)),
+                "rpa_prefill")
     long_tok = prefill[seq]
     out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])
     if lanes:

@@ -23,14 +23,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.profiler import ProfileData
 
 from slipstream.kernels.tpu import layout
 from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
@@ -127,8 +131,36 @@ def cache_copies(compiled, cache: dict) -> int:
                if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
 
 
-def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, **block_kw) -> float:
-    """Seconds per layer (one compile); `copies`, when given, gets {"cache_copies": n, "compile_s": s}."""
+def device_ops(call, top: int = 14) -> tuple[list[str], list[tuple[str, float, int]]]:
+    """One call of `call` under the profiler: (the device planes' line names, the `top` device ops by time:
+    (name, us per layer, count))."""
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    jax.block_until_ready(call())
+    jax.profiler.stop_trace()
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    totals: dict[str, list] = {}
+    lines = []
+    for plane in ProfileData.from_file(paths[0]).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            lines.append(f"{plane.name}:{line.name}")
+            if "ops" not in line.name.lower():
+                continue
+            for e in line.events:
+                t = totals.setdefault(e.name, [0.0, 0])
+                t[0] += e.duration_ns
+                t[1] += 1
+    shutil.rmtree(d, ignore_errors=True)
+    ops = sorted(((n, v[0] / 1e3 / _layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
+    return lines, ops[:top]
+
+
+def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profile: list | None = None,
+              **block_kw) -> float:
+    """Seconds per layer (one compile); `copies`, when given, gets {"cache_copies": n, "compile_s": s};
+    `profile`, when given, gets the top device ops of one more call."""
     q, k, v, cache, *idx = args
     t0 = time.perf_counter()
     fn = layers_fn(sm_scale, interpret, **block_kw).lower(q, k, v, cache, *idx).compile()
@@ -142,7 +174,20 @@ def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, **blo
         return s
 
     t, _ = _best_time(lambda: once(), reps=reps)
+    if profile is not None:
+        try:
+            profile.append(device_ops(once))
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
+            profile.append(([f"profile failed: {type(exc).__name__}: {exc}"], []))
     return t / _layers
+
+
+def say_profile(rep, profile: list, label: str) -> None:
+    for lines, ops in profile:
+        if not ops:
+            rep.say(f"    profile {label}: no 'XLA Ops' events; device lines: {lines[:12]}")
+        for name, us, n in ops:
+            rep.say(f"    profile {label}: {us:9.2f} us/layer  x{n:<4d} {name[:90]}")
 
 
 class Report:
@@ -185,21 +230,31 @@ def correctness(rep: Report, interpret: bool) -> None:
         rep.save()
 
 
-def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
-    """(first jobs: each decode case at default blocks and the mixed step, the rest of the sweep)."""
+def _tag(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(kw.items())) or "default"
+
+
+# (pages_per_block, decode_rows, merge_pages) sweep of the default run; decode_rows 8 pads each decode item
+# to 32 query rows (GQA 4); merge_pages False: one softmax update per page
+SWEEP = [{}, {"merge_pages": False}, {"pages_per_block": 2}, {"pages_per_block": 8}, {"decode_rows": 8}]
+
+
+def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], cases: list[str] | None,
+               mixed_variants: list[dict], profile: bool) -> tuple[list, list]:
+    """(first jobs: each decode case at the first variant and the mixed step at its first, the rest)."""
     if smoke:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        ppbs, rows = ((1, 1, True), (2, 8, True)), (8,)
+        variants = [{"pages_per_block": 1}, {"pages_per_block": 2, "decode_rows": 8}]
+        mixed_variants = [{"prefill_rows": 8}]
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
-        # (pages_per_block, decode_rows, merge_pages): decode_rows 8 pads each decode item to 32 query rows
-        # (GQA 4); merge_pages False: one softmax update per page
-        ppbs, rows = ((4, 1, True), (4, 1, False), (2, 1, True), (8, 1, True), (4, 8, True)), (128, 256)
+    if cases:
+        decode_cases = [c for c in decode_cases if c[0] in cases]
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
     rep.data["hbm_read_gbs"] = hbm
     rep.say(f"HBM read (jnp.sum over {'4 MiB' if smoke else '2 GiB'} f32, best of 5): {hbm:.0f} GB/s")
@@ -209,49 +264,58 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
     dec, pre = mixed
     both = Step(dec.decodes, dec.ctx, pre.prefills, pre.chunk, pre.cached)
 
-    def decode(name, step, dtype, ppb, drows, merge):
-        tag = f"{ppb},{drows},{int(merge)}"
+    def decode(name, step, dtype, kw):
+        kw = dict(kw)
+        if kw.pop("only", name) not in name:     # {"only": "int8", ...}: a variant of the cases so named
+            return
+        tag = _tag(kw)
         entry = rep.data["decode"].setdefault(name, {"sweep": {}, "best": None})
         args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
         entry["kv_mb_per_layer"] = kv_bytes / 1e6
+        prof = [] if profile else None
         try:
             copies = {}
-            t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows,
-                          merge_pages=merge)
+            t = time_step(args, sm, interpret, reps, copies=copies, profile=prof, **kw)
             gbs = kv_bytes / t / 1e9
             entry["sweep"][tag] = {"ms": t * 1e3, "gbs": gbs, "of_hbm": gbs / hbm, **(copies or {})}
-            note = (f"   (compiled in {copies['compile_s']:.0f} s; cache-sized copies in the program: "
-                    f"{copies['cache_copies']})" if copies else "")
-            rep.say(f"  {name:14s} {tag:>14s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
-        except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
+            note = (f"   (compiled in {copies['compile_s']:.0f} s; cache-sized copies: {copies['cache_copies']})"
+                    if copies else "")
+            rep.say(f"  {name:14s} {tag:>34s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
+            if prof:
+                say_profile(rep, prof, name)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
             entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"  {name:14s} {tag:>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            rep.say(f"  {name:14s} {tag:>34s} FAILED {type(exc).__name__}: {str(exc)[:300]}")
         ok = [v for v in entry["sweep"].values() if "ms" in v]
         entry["best"] = min(ok, key=lambda v: v["ms"]) if ok else None
 
-    def mixed_run(r):
+    def mixed_run(kw):
+        tag = _tag(kw)
         try:
             ts = []
-            for step in (dec, pre, both):
+            for label, step in (("decode-only", dec), ("prefill-only", pre), ("mixed", both)):
                 args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
-                ts.append(time_step(args, sm, interpret, reps, prefill_rows=r))
+                prof = [] if profile else None
+                ts.append(time_step(args, sm, interpret, reps, profile=prof, **kw))
+                if prof:
+                    say_profile(rep, prof, label)
                 del args
-            rep.data["mixed"][r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
-                                    "ratio": ts[2] / (ts[0] + ts[1])}
+            rep.data["mixed"][tag] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
+                                      "ratio": ts[2] / (ts[0] + ts[1])}
             rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
-                    f"cached, bf16 KV), prefill_rows {r}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
+                    f"cached, bf16 KV), {tag}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
                     f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
                     "(decode + prefill)")
         except Exception as exc:  # noqa: BLE001
-            rep.data["mixed"][r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"(c) mixed, prefill_rows {r}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            rep.data["mixed"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rep.say(f"(c) mixed, {tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
 
-    # most important first, so a spent budget leaves every case with its default blocks measured
-    first = [functools.partial(decode, *c, *ppbs[0]) for c in decode_cases]
-    first.append(functools.partial(mixed_run, rows[0]))
-    rest = [functools.partial(decode, *c, *cfg) for cfg in ppbs[1:] for c in decode_cases]
-    rest += [functools.partial(mixed_run, r) for r in rows[1:]]
-    rep.say(f"  {'case':14s} {'blk,rows,merge':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
+    # most important first, so a spent budget leaves every case with its first variant measured
+    first = [functools.partial(decode, *c, variants[0]) for c in decode_cases]
+    first += [functools.partial(mixed_run, kw) for kw in mixed_variants[:1]]
+    rest = [functools.partial(decode, *c, kw) for kw in variants[1:] for c in decode_cases]
+    rest += [functools.partial(mixed_run, kw) for kw in mixed_variants[1:]]
+    rep.say(f"  {'case':14s} {'variant':>34s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
     return first, rest
 
 
@@ -271,6 +335,14 @@ def main(argv=None) -> int:
                     help="start no new measurement or case after this many seconds")
     ap.add_argument("--skip-cases", action="store_true", help="speed only")
     ap.add_argument("--skip-speed", action="store_true", help="property cases only")
+    ap.add_argument("--variants", type=json.loads, default=SWEEP,
+                    help="JSON list of kernel keyword sets for the decode cases (the first is measured first; "
+                         "\"only\": \"int8\" limits a set to the cases whose name contains int8)")
+    ap.add_argument("--mixed-variants", type=json.loads, default=[{"prefill_rows": 128}, {"prefill_rows": 256}],
+                    help="JSON list of kernel keyword sets for the mixed step")
+    ap.add_argument("--cases", type=lambda v: v.split(","), default=None,
+                    help="decode cases to time (comma-separated names; default all)")
+    ap.add_argument("--profile", action="store_true", help="print each program's top device ops")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() != "tpu"
     global _layers
@@ -281,7 +353,8 @@ def main(argv=None) -> int:
     rep = Report(os.path.join(os.environ.get("OUT", "."), "tpu_attention_check.json"), args.budget_s)
     rep.say(f"device: {rep.data['device']}, interpret={interpret}")
     # order: decode and mixed at default blocks, the property cases, then the block-size sweep
-    first, rest = speed_jobs(rep, args.smoke, interpret) if not args.skip_speed else ([], [])
+    first, rest = (speed_jobs(rep, args.smoke, interpret, args.variants, args.cases, args.mixed_variants,
+                              args.profile) if not args.skip_speed else ([], []))
     run_jobs(rep, first)
     if not args.skip_cases:
         correctness(rep, interpret)
