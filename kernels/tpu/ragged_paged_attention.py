@@ -18,37 +18,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
-from slipstream.kernels.tpu import layout
-
-# A finite "minus infinity": a masked score gives exp(MASK - m) == 0, never inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-LANES = 128
-
-
-def _lanes(x, n: int):
-    """x [r, 128], all lanes equal, as [r, n] (the patterns jax's own TPU flash attention lowers: a lane
-    tile, a prefix slice)."""
-    if n % LANES == 0:
-        return x if n == LANES else jnp.tile(x, (1, n // LANES))
-    if n < LANES:
-        return x[:, :n]
-    return x[:, :1]
-
-
-def _widen(x, via: str):
-    """int8 values as a type Mosaic converts on to the matmul dtype."""
-    if via == "direct":
-        return x
-    if via == "i32":
-        return x.astype(jnp.int32).astype(jnp.float32)
-    return x.astype(jnp.float32)
+from slipstream.kernels.tpu import decode_attention, layout, online_softmax
+from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, int8_via: str):
+            merge_pages: bool, int8_via: str, int8_mxu: bool):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -58,8 +36,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     nb, kvh, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the row width q and out use
     ps = kv_buf.shape[3] if lanes else kv_buf.shape[4]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
-    # explicit, so a global jax_default_matmul_precision never asks Mosaic for fp32 passes on bf16 operands
-    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
+    mxu8 = int8 and int8_mxu
     i = pl.program_id(0)
     n_items = num_items_ref[0]
     layer = layer_ref[0]
@@ -140,7 +117,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
             wait(i, blk, slot)
             for h in range(kvh):
-                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
+                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd)              # [r, hd] f32
+                q = online_softmax.prepare_q(q, mxu8=mxu8, cdt=cdt)
                 if merge_pages:
                     _keys(q, h, slice(None), blk * nb, slot)
                 else:
@@ -149,8 +127,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             return 1 - slot
 
         def _keys(q, h, pages, first_page, slot):
-            """Online-softmax update of head h's rows with the keys of buffer pages `pages` (a slice),
-            whose first is the sequence's page number first_page."""
+            """Head h's rows against the keys of buffer pages `pages` (a slice), whose first is the
+            sequence's page number first_page."""
             n = len(range(nb)[pages])
             keys = n * ps
             if lanes:  # rows [K | V]: q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
@@ -158,41 +136,17 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             else:
                 k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
                 v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
-            if int8:
-                k, v = _widen(k, int8_via), _widen(v, int8_via)
-            s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
-            if int8:   # per-key scales as one lane row [1, n*ps]
-                def scale_row(kv):
-                    return jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
-                s_ = s_ * scale_row(0)
-            if soft_cap is not None:
-                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-            # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
-            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, keys), 0).astype(jnp.float32) * (1.0 / group)
-                       + 0.5 / group).astype(jnp.int32)
-            q_pos = base + row_tok                                                       # [r, n*ps]
-            k_pos = first_page * ps + jax.lax.broadcasted_iota(jnp.int32, (r, keys), 1)
-            visible = k_pos <= q_pos
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
-            s_ = jnp.where(visible, s_, MASK_VALUE)
-            m_prev, l_prev = m_ref[h], l_ref[h]                                          # [r, 128]
-            m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s_ - _lanes(m_next, keys))
-            l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            m_ref[h] = m_next
-            if int8:
-                p = p * scale_row(1)
-            pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
-                         preferred_element_type=jnp.float32)                             # [r, hd]
-            acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
+            scales = None
+            if int8:   # per-key scales as lane rows [1, n*ps]
+                scales = tuple(jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]],
+                                               axis=1) for kv in (0, 1))
+            online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
+                                  first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via)
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
         for h in range(kvh):
-            l = _lanes(l_ref[h], hd)
-            out = acc_ref[h] / jnp.where(l > 0, l, 1.0)                                  # [r, hd]
+            out = online_softmax.finish(l_ref, acc_ref, h)                               # [r, hd]
             o_buf[qs, :, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
 
         @pl.when(i >= 1)
@@ -227,7 +181,8 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_via, name):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_via, int8_mxu,
+                  name):
     kv = kv_cache["kv"]
     kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
@@ -245,7 +200,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, int8_via=int8_via)
+        merge_pages=merge_pages, int8_via=int8_via, int8_mxu=int8_mxu)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -261,11 +216,34 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
 
 
+def _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, tok_seq, scalars, t_len, *, rows, batch,
+                 buffers, item_kw, group, sm_scale, sliding_window, soft_cap, cdt, interpret, vmem_limit_bytes,
+                 dynamic_grid, int8_via, int8_mxu, **_):
+    """The decode sequences through decode_attention.py's kernel: out rows in token order [T + pad, H, hd]."""
+    n_rows = q_lens.shape[0]
+    d_max = -(-min(n_rows, t_len) // batch) * batch
+    count, dseq, row, first, end = _items(q_lens, kv_lens, cu_q_lens, n, decode, rows=rows, max_items=d_max,
+                                          **item_kw)
+    base = kv_lens[dseq] - q_lens[dseq]                                    # position of each decode's row 0
+    q_dec = q_pad[row[:, None] + jnp.arange(rows)[None, :]]                # [D, rows, H, hd]
+    kv_lens_, pages_flat, cu_, layer, pages_per_seq = scalars
+    out_dec = decode_attention.decode_attention(
+        q_dec, kv_cache, count, dseq, first, end, base.astype(jnp.int32), pages_flat, layer,
+        pages_per_seq=pages_per_seq, group=group, batch=batch, buffers=buffers, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, int8_via=int8_via, int8_mxu=int8_mxu,
+        dynamic_grid=dynamic_grid, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
+    # token t of decode sequence s is row t - cu[s] of decode number (decodes before s)
+    d_of_seq = jnp.cumsum(decode.astype(jnp.int32)) - 1                   # [S]
+    t = jnp.arange(t_len)
+    return out_dec[jnp.clip(d_of_seq[tok_seq], 0, d_max - 1), jnp.clip(t - cu_q_lens[tok_seq], 0, rows - 1)]
+
+
 def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           dynamic_grid: bool = False, int8_via: str = "f32", interpret: bool = False):
+                           dynamic_grid: bool = False, int8_via: str = "f32", int8_mxu: bool = False,
+                           decode_batch: int = 0, decode_buffers: int = 4, interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
@@ -303,7 +281,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_via=int8_via)
+                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_via=int8_via, int8_mxu=int8_mxu)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):
@@ -312,12 +290,17 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         # would make its branches alias the cache (XLA copies it)
         return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, name=name, **common)
 
-    out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
+    if decode_batch:
+        out_d = _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, seq, scalars, t_len,
+                             rows=decode_rows, batch=decode_batch, buffers=decode_buffers, item_kw=item_kw,
+                             **common)
+    else:
+        out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
     # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence
     out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)),
                 "rpa_prefill")
     long_tok = prefill[seq]
-    out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])
+    out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])   # [T, H, hd]
     if lanes:
         out = out[..., hd:]
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache
