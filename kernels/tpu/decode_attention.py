@@ -27,6 +27,9 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
             q_ref, kv_hbm, *rest, batch: int, group: int, pages_per_seq: int, sm_scale: float,
             sliding_window: int | None, soft_cap: float | None, int8: bool, cdt, int8_via: str,
             int8_mxu: bool):
+    mxu8 = int8 and int8_mxu
+    split_bufs = rest[-2:] if mxu8 else (None, None)    # online_softmax.split_int8's: q rows, p rows
+    rest = rest[:-2] if mxu8 else rest
     if int8:
         sc_hbm, o_ref, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, cur = rest
     else:
@@ -37,7 +40,6 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
     ps = kv_buf.shape[2] if lanes else kv_buf.shape[3]
     rows, hd = q_ref.shape[1], q_ref.shape[-1]        # hd: the row width q and out use
     r = rows * group
-    mxu8 = int8 and int8_mxu
     b = pl.program_id(0)
     n_dec = num_ref[0]
     last_dec = seq_ref.shape[0] - 1
@@ -79,7 +81,7 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
             c.wait()
         for h in range(kvh):
             q = q_ref[j, :, h * group:(h + 1) * group, :].reshape(r, hd)                  # [r, hd]
-            q = online_softmax.prepare_q(q.astype(jnp.float32), mxu8=mxu8, cdt=cdt)
+            q = online_softmax.prepare_q(q.astype(jnp.float32), mxu8=mxu8, cdt=cdt, buf=split_bufs[0])
             if lanes:   # rows [K | V]: q's lanes past hd are zero; out takes the V lanes
                 k = v = kv_buf[slot, h]                                                  # [ps, 2hd]
             else:
@@ -87,7 +89,7 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
             scales = (sc_buf[slot, h, 0:1, :], sc_buf[slot, h, 1:2, :]) if int8 else None
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base_ref[d], group=group,
                                   first_key=p * ps, sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via)
+                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via, p_buf=split_bufs[1])
         cur[3] = cur[3] + 1
         fetch_next()                       # into the slot just consumed
         return carry
@@ -127,6 +129,9 @@ def decode_attention(q_dec, kv_cache, count, seq, first, end, base, pages_flat, 
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, buffers)),
                 pltpu.SMEM((4,), jnp.int32)]
+    if int8 and int8_mxu:
+        sr = online_softmax.split_rows(r)
+        scratch += [pltpu.VMEM((sr, hd), jnp.float32), pltpu.VMEM((sr, kv.shape[-2]), jnp.float32)]
     block = pl.BlockSpec((batch, rows, h, hd), lambda i, *_: (i, 0, 0, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(

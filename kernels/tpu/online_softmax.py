@@ -30,20 +30,27 @@ def widen(x, via: str):
     return x.astype(jnp.float32)
 
 
-def split_int8(x):
+def split_rows(r: int) -> int:
+    """Rows of split_int8's buffer for r rows: x1 at [0, r), x2 at [r16, r16 + r) (r16: r rounded up to 16,
+    so x2 starts on a sublane tile and the int8 operand fills int8's 32-row tile)."""
+    return 2 * (-(-r // 16) * 16)
+
+
+def split_int8(x, buf):
     """x [r, n] f32 as two int8 terms per row, x ~= a * x1 + b * x2 (about 15 bits of each row's range; bf16
-    keeps 8): (x8 [2 * r16, n] int8: x1 in rows [0, r), x2 in [r16, r16 + r), zeros elsewhere (r16: r
-    rounded up to 16, so x2 starts on a sublane tile and x8 fills int8's 32-row tile), a and b [r, 128])."""
+    keeps 8): (x8 [split_rows(r), n] int8, a, b [r, 128]). buf: a f32 VMEM scratch [split_rows(r), n]; the
+    terms are stored in its rows (aligned stores, where a sublane concatenation of r-row pieces may not
+    lower), its other rows are left as they are (their products are never read)."""
     r, n = x.shape
-    r16 = -(-r // 16) * 16
     amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)                                   # [r, 1]
     a = jnp.zeros((r, LANES), jnp.float32) + jnp.where(amax > 0, amax, 1.0) * (1.0 / 127)
     b = a * (1.0 / 254)
     x1 = jnp.floor(x / lanes(a, n) + 0.5)                                                # [-127, 127]
     x2 = jnp.clip(jnp.floor((x - x1 * lanes(a, n)) / lanes(b, n) + 0.5), -127, 127)
-    pad = [jnp.zeros((r16 - r, n), jnp.float32)] if r16 > r else []
-    x8 = jnp.concatenate([x1, *pad, x2, *pad], axis=0).astype(jnp.int32).astype(jnp.int8)
-    return x8, a, b
+    half = buf.shape[0] // 2
+    buf[0:r, :] = x1
+    buf[half:half + r, :] = x2
+    return buf[...].astype(jnp.int32).astype(jnp.int8), a, b
 
 
 def dot_int8(xs, w, contract: int):
@@ -56,17 +63,18 @@ def dot_int8(xs, w, contract: int):
     return acc[:r] * lanes(a, m) + acc[r16:r16 + r] * lanes(b, m)
 
 
-def prepare_q(q, *, mxu8: bool, cdt):
-    """A head's query rows [r, hd] (f32) as the score matmul takes them."""
-    return split_int8(q) if mxu8 else q.astype(cdt)
+def prepare_q(q, *, mxu8: bool, cdt, buf=None):
+    """A head's query rows [r, hd] (f32) as the score matmul takes them (buf: split_int8's, for mxu8)."""
+    return split_int8(q, buf) if mxu8 else q.astype(cdt)
 
 
 def update(q, k, v, scales, m_ref, l_ref, acc_ref, h, *, q_pos0, group: int, first_key, sm_scale: float,
-           sliding_window: int | None, soft_cap: float | None, cdt, mxu8: bool, int8_via: str):
+           sliding_window: int | None, soft_cap: float | None, cdt, mxu8: bool, int8_via: str, p_buf=None):
     """Online-softmax update of head h's state (m_ref, l_ref [KV, r, 128], acc_ref [KV, r, hd]) with keys
     k and values v [keys, hd] (k is v in the lanes form: rows [K | V], q's lanes past hd zero).
     q: prepare_q's form; scales: (k_scale, v_scale) [1, keys] of int8 pages, else None; q_pos0: the
-    position of query row 0 (row i is token i // group); first_key: the position of key 0."""
+    position of query row 0 (row i is token i // group); first_key: the position of key 0; p_buf:
+    split_int8's buffer [split_rows(r), keys] for mxu8."""
     r = m_ref.shape[1]
     keys = k.shape[0]
     hd = acc_ref.shape[-1]
@@ -100,7 +108,7 @@ def update(q, k, v, scales, m_ref, l_ref, acc_ref, h, *, q_pos0, group: int, fir
     if scales is not None:
         p = p * scales[1]
     if mxu8:
-        pv = dot_int8(split_int8(p), v, 0)                                               # [r, hd]
+        pv = dot_int8(split_int8(p, p_buf), v, 0)                                               # [r, hd]
     else:
         pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
                      preferred_element_type=jnp.float32)                                 # [r, hd]

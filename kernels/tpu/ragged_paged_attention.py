@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
-from slipstream.kernels.tpu import decode_attention, layout, online_softmax
+from slipstream.kernels.tpu import decode_attention, layout, online_softmax, write_kv
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
@@ -27,6 +27,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
             merge_pages: bool, int8_via: str, int8_mxu: bool):
+    split_bufs = rest[-2:] if int8 and int8_mxu else (None, None)
+    rest = rest[:-2] if int8 and int8_mxu else rest
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -118,7 +120,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             wait(i, blk, slot)
             for h in range(kvh):
                 q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd)              # [r, hd] f32
-                q = online_softmax.prepare_q(q, mxu8=mxu8, cdt=cdt)
+                q = online_softmax.prepare_q(q, mxu8=mxu8, cdt=cdt, buf=split_bufs[0])
                 if merge_pages:
                     _keys(q, h, slice(None), blk * nb, slot)
                 else:
@@ -142,7 +144,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                                                axis=1) for kv in (0, 1))
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
                                   first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via)
+                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via,
+                                  p_buf=split_bufs[1] if merge_pages else split_bufs[1].at[:, :ps])
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
         for h in range(kvh):
@@ -197,6 +200,10 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
+    if int8 and int8_mxu:   # online_softmax.split_int8's buffers: q rows, p rows
+        sr = online_softmax.split_rows(r)
+        scratch += [pltpu.VMEM((sr, hd), jnp.float32),
+                    pltpu.VMEM((sr, pages_per_block * kv.shape[-2]), jnp.float32)]
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
@@ -243,7 +250,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
                            dynamic_grid: bool = False, int8_via: str = "f32", int8_mxu: bool = False,
-                           decode_batch: int = 0, decode_buffers: int = 4, interpret: bool = False):
+                           decode_batch: int = 0, decode_buffers: int = 4, write: str = "scatter",
+                           interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
@@ -263,8 +271,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
 
     seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
     page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
-    kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
-                               quantize_kv)
+    writer = (functools.partial(write_kv.write_kv, interpret=interpret) if write == "dma" else layout.write_kv)
+    kv_cache = writer(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps, quantize_kv)
 
     i32 = jnp.int32
     n = jnp.reshape(num_seqs, ()).astype(i32)

@@ -182,12 +182,15 @@ def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profi
     return t / _layers
 
 
-def say_profile(rep, profile: list, label: str) -> None:
+def say_profile(rep, profile: list, label: str, top: int = 6) -> list:
+    """Print the top ops; returns them for the JSON."""
     for lines, ops in profile:
         if not ops:
             rep.say(f"    profile {label}: no 'XLA Ops' events; device lines: {lines[:12]}")
-        for name, us, n in ops:
+        for name, us, n in ops[:top]:
             rep.say(f"    profile {label}: {us:9.2f} us/layer  x{n:<4d} {name[:90]}")
+        return [[name, round(us, 2), n] for name, us, n in ops]
+    return []
 
 
 class Report:
@@ -206,15 +209,15 @@ class Report:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {line}", flush=True)
 
 
-def correctness(rep: Report, interpret: bool) -> None:
-    """On the chip: every case at 128-token pages (200 more cached tokens, so several pages) with the
-    default blocks; in --smoke: two cases at their 16-token pages."""
+def correctness(rep: Report, interpret: bool, case_kw: list[dict]) -> None:
+    """On the chip: every case at 128-token pages (200 more cached tokens, so several pages) with each
+    keyword set of case_kw; in --smoke: two cases at their 16-token pages."""
     rep.say("(a) property cases vs the reference (f32 matmuls at highest precision)")
     if interpret:
         variants = [(s, "ps16", {"pages_per_block": 2, "prefill_rows": 8}) for s in SPECS[:2]]
     else:
-        variants = [(dataclasses.replace(s, page_size=128, cached=tuple(c + 200 for c in s.cached)), "ps128", {})
-                    for s in SPECS]
+        variants = [(dataclasses.replace(s, page_size=128, cached=tuple(c + 200 for c in s.cached)),
+                     "ps128" + (f"/{_tag(kw)}" if kw else ""), kw) for kw in case_kw for s in SPECS]
     for spec, tag, block_kw in variants:
         name = f"{spec.name}/{tag}"
         if rep.out_of_time():
@@ -246,13 +249,15 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], 
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        variants = [{"pages_per_block": 1}, {"pages_per_block": 2, "decode_rows": 8}]
-        mixed_variants = [{"prefill_rows": 8}]
+        variants = variants or [{"pages_per_block": 1}, {"pages_per_block": 2, "decode_rows": 8}]
+        mixed_variants = mixed_variants or [{"prefill_rows": 8}]
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
+        variants = variants or SWEEP
+        mixed_variants = mixed_variants or [{"prefill_rows": 128}, {"prefill_rows": 256}]
     if cases:
         decode_cases = [c for c in decode_cases if c[0] in cases]
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
@@ -282,7 +287,7 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], 
                     if copies else "")
             rep.say(f"  {name:14s} {tag:>34s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
             if prof:
-                say_profile(rep, prof, name)
+                entry["sweep"][tag]["profile"] = say_profile(rep, prof, name)
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
             entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             rep.say(f"  {name:14s} {tag:>34s} FAILED {type(exc).__name__}: {str(exc)[:300]}")
@@ -292,16 +297,16 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], 
     def mixed_run(kw):
         tag = _tag(kw)
         try:
-            ts = []
+            ts, profs = [], {}
             for label, step in (("decode-only", dec), ("prefill-only", pre), ("mixed", both)):
                 args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
                 prof = [] if profile else None
                 ts.append(time_step(args, sm, interpret, reps, profile=prof, **kw))
                 if prof:
-                    say_profile(rep, prof, label)
+                    profs[label] = say_profile(rep, prof, label)
                 del args
             rep.data["mixed"][tag] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
-                                      "ratio": ts[2] / (ts[0] + ts[1])}
+                                      "ratio": ts[2] / (ts[0] + ts[1]), "profile": profs}
             rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
                     f"cached, bf16 KV), {tag}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
                     f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
@@ -335,14 +340,17 @@ def main(argv=None) -> int:
                     help="start no new measurement or case after this many seconds")
     ap.add_argument("--skip-cases", action="store_true", help="speed only")
     ap.add_argument("--skip-speed", action="store_true", help="property cases only")
-    ap.add_argument("--variants", type=json.loads, default=SWEEP,
-                    help="JSON list of kernel keyword sets for the decode cases (the first is measured first; "
+    ap.add_argument("--variants", type=json.loads, default=None,
+                    help="JSON list of kernel keyword sets for the decode cases (default: a block-size sweep; "
+                         "the first is measured first; "
                          "\"only\": \"int8\" limits a set to the cases whose name contains int8)")
-    ap.add_argument("--mixed-variants", type=json.loads, default=[{"prefill_rows": 128}, {"prefill_rows": 256}],
-                    help="JSON list of kernel keyword sets for the mixed step")
+    ap.add_argument("--mixed-variants", type=json.loads, default=None,
+                    help="JSON list of kernel keyword sets for the mixed step (default: prefill_rows 128, 256)")
     ap.add_argument("--cases", type=lambda v: v.split(","), default=None,
                     help="decode cases to time (comma-separated names; default all)")
     ap.add_argument("--profile", action="store_true", help="print each program's top device ops")
+    ap.add_argument("--case-kw", type=json.loads, default=[{}],
+                    help="JSON list of kernel keyword sets the property cases run with (each: all cases)")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() != "tpu"
     global _layers
@@ -357,7 +365,7 @@ def main(argv=None) -> int:
                               args.profile) if not args.skip_speed else ([], []))
     run_jobs(rep, first)
     if not args.skip_cases:
-        correctness(rep, interpret)
+        correctness(rep, interpret, args.case_kw)
     run_jobs(rep, rest)
     n_fail = sum(not c["pass"] for c in rep.data["cases"].values())
     copied = sorted(name for name, e in rep.data["decode"].items()
