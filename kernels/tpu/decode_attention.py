@@ -25,7 +25,7 @@ from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref,     # scalar prefetch
             q_ref, kv_hbm, *rest, batch: int, group: int, pages_per_seq: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None, int8: bool, cdt, int8_via: str,
+            sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
             int8_mxu: bool):
     mxu8 = int8 and int8_mxu
     split_bufs = rest[-2:] if mxu8 else (None, None)    # online_softmax.split_int8's: q rows, p rows
@@ -89,7 +89,7 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
             scales = (sc_buf[slot, h, 0:1, :], sc_buf[slot, h, 1:2, :]) if int8 else None
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base_ref[d], group=group,
                                   first_key=p * ps, sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via, p_buf=split_bufs[1])
+                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, p_buf=split_bufs[1])
         cur[3] = cur[3] + 1
         fetch_next()                       # into the slot just consumed
         return carry
@@ -113,7 +113,7 @@ def _kernel(num_ref, seq_ref, first_ref, end_ref, base_ref, pages_ref, layer_ref
 
 def decode_attention(q_dec, kv_cache, count, seq, first, end, base, pages_flat, layer, *, pages_per_seq: int,
                      group: int, batch: int, buffers: int, sm_scale: float, sliding_window: int | None,
-                     soft_cap: float | None, cdt, int8_via: str, int8_mxu: bool, dynamic_grid: bool,
+                     soft_cap: float | None, cdt, int8_mxu: bool, dynamic_grid: bool,
                      vmem_limit_bytes: int, interpret: bool):
     """q_dec [D, rows, H, hd]: the query rows of decode d (seq[d], keys in pages [first[d], end[d]),
     query row 0 at position base[d]), d < count[0]; D a multiple of batch. Returns out [D, rows, H, hd]
@@ -136,7 +136,7 @@ def decode_attention(q_dec, kv_cache, count, seq, first, end, base, pages_flat, 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(
         _kernel, batch=batch, group=group, pages_per_seq=pages_per_seq, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt, int8_via=int8_via,
+        sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
         int8_mxu=int8_mxu)
     steps = (count[0] + batch - 1) // batch if dynamic_grid else d_max // batch
     call = pl.pallas_call(

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
-from slipstream.kernels.tpu import decode_attention, layout, online_softmax, write_kv
+from slipstream.kernels.tpu import decode_attention, layout, online_softmax
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
@@ -26,7 +26,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, int8_via: str, int8_mxu: bool):
+            merge_pages: bool, int8_mxu: bool):
     split_bufs = rest[-2:] if int8 and int8_mxu else (None, None)
     rest = rest[:-2] if int8 and int8_mxu else rest
     if int8:
@@ -144,7 +144,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                                                axis=1) for kv in (0, 1))
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
                                   first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8, int8_via=int8_via,
+                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8,
                                   p_buf=split_bufs[1] if merge_pages else split_bufs[1].at[:, :ps])
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
@@ -184,7 +184,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_via, int8_mxu,
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_mxu,
                   name):
     kv = kv_cache["kv"]
     kvh = kv.shape[2]
@@ -207,7 +207,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, int8_via=int8_via, int8_mxu=int8_mxu)
+        merge_pages=merge_pages, int8_mxu=int8_mxu)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -225,7 +225,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
 
 def _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, tok_seq, scalars, t_len, *, rows, batch,
                  buffers, item_kw, group, sm_scale, sliding_window, soft_cap, cdt, interpret, vmem_limit_bytes,
-                 dynamic_grid, int8_via, int8_mxu, **_):
+                 dynamic_grid, int8_mxu, **_):
     """The decode sequences through decode_attention.py's kernel: out rows in token order [T + pad, H, hd]."""
     n_rows = q_lens.shape[0]
     d_max = -(-min(n_rows, t_len) // batch) * batch
@@ -237,7 +237,7 @@ def _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, tok_seq
     out_dec = decode_attention.decode_attention(
         q_dec, kv_cache, count, dseq, first, end, base.astype(jnp.int32), pages_flat, layer,
         pages_per_seq=pages_per_seq, group=group, batch=batch, buffers=buffers, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, int8_via=int8_via, int8_mxu=int8_mxu,
+        sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, int8_mxu=int8_mxu,
         dynamic_grid=dynamic_grid, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
     # token t of decode sequence s is row t - cu[s] of decode number (decodes before s)
     d_of_seq = jnp.cumsum(decode.astype(jnp.int32)) - 1                   # [S]
@@ -249,9 +249,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           dynamic_grid: bool = False, int8_via: str = "f32", int8_mxu: bool = False,
-                           decode_batch: int = 0, decode_buffers: int = 4, write: str = "scatter",
-                           interpret: bool = False):
+                           dynamic_grid: bool = False, int8_mxu: bool = False,
+                           decode_batch: int = 0, decode_buffers: int = 4, interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
@@ -271,8 +270,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
 
     seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
     page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
-    writer = (functools.partial(write_kv.write_kv, interpret=interpret) if write == "dma" else layout.write_kv)
-    kv_cache = writer(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps, quantize_kv)
+    kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
+                               quantize_kv)
 
     i32 = jnp.int32
     n = jnp.reshape(num_seqs, ()).astype(i32)
@@ -289,7 +288,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_via=int8_via, int8_mxu=int8_mxu)
+                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_mxu=int8_mxu)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):

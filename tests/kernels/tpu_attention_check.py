@@ -154,7 +154,16 @@ def device_ops(call, top: int = 14) -> tuple[list[str], list[tuple[str, float, i
                 t[1] += 1
     shutil.rmtree(d, ignore_errors=True)
     ops = sorted(((n, v[0] / 1e3 / _layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
-    return lines, ops[:top]
+    return lines, ops[:top], summarize(ops)
+
+
+def summarize(ops) -> dict:
+    """us per layer on the device: the layer loop (the while op spans its body: no per-call launch cost),
+    the attention kernels (rpa_*), the K/V write (scatter)."""
+    loops = [us for n, us, _ in ops if n.startswith("%while")]
+    return {"loop_us": max(loops) if loops else None,
+            "kernel_us": sum(us for n, us, _ in ops if "rpa_" in n.split("=")[0]),
+            "write_us": sum(us for n, us, _ in ops if "scatter" in n.split("=")[0])}
 
 
 def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profile: list | None = None,
@@ -178,19 +187,30 @@ def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profi
         try:
             profile.append(device_ops(once))
         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
-            profile.append(([f"profile failed: {type(exc).__name__}: {exc}"], []))
+            profile.append(([f"profile failed: {type(exc).__name__}: {exc}"], [], {}))
     return t / _layers
 
 
-def say_profile(rep, profile: list, label: str, top: int = 6) -> list:
-    """Print the top ops; returns them for the JSON."""
-    for lines, ops in profile:
+def say_profile(rep, profile: list, label: str, top: int = 4, kv_bytes: float | None = None,
+                hbm: float | None = None) -> dict:
+    """Print the device summary and the top ops; returns both for the JSON."""
+    for lines, ops, summary in profile:
         if not ops:
             rep.say(f"    profile {label}: no 'XLA Ops' events; device lines: {lines[:12]}")
+            return {}
+        line = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in summary.items() if v is not None)
+        if kv_bytes and summary.get("loop_us"):
+            gbs_loop = kv_bytes / summary["loop_us"] / 1e3
+            gbs_kernel = kv_bytes / summary["kernel_us"] / 1e3 if summary["kernel_us"] else 0.0
+            summary.update(loop_gbs=gbs_loop, loop_of_hbm=gbs_loop / hbm, kernel_gbs=gbs_kernel,
+                           kernel_of_hbm=gbs_kernel / hbm)
+            line += (f"; per layer on the device: {gbs_loop:.0f} GB/s ({gbs_loop / hbm:.0%} of HBM read), "
+                     f"kernel alone {gbs_kernel:.0f} GB/s ({gbs_kernel / hbm:.0%})")
+        rep.say(f"    device {label}: {line}")
         for name, us, n in ops[:top]:
-            rep.say(f"    profile {label}: {us:9.2f} us/layer  x{n:<4d} {name[:90]}")
-        return [[name, round(us, 2), n] for name, us, n in ops]
-    return []
+            rep.say(f"    profile {label}: {us:9.2f} us/layer  x{n:<4d} {name[:80]}")
+        return {"summary": summary, "ops": [[name[:300], round(us, 2), n] for name, us, n in ops]}
+    return {}
 
 
 class Report:
@@ -228,8 +248,8 @@ def correctness(rep: Report, interpret: bool, case_kw: list[dict]) -> None:
             rep.data["cases"][name] = {"pass": True, "max_abs_err": err}
             rep.say(f"  PASS {name:32s} max |out - ref| {err:.2e} (tolerance {tolerance(spec):.0e})")
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the next case still runs
-            rep.data["cases"][name] = {"pass": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            rep.say(f"  FAIL {name:32s} {type(exc).__name__}: {str(exc)[:300]}")
+            rep.data["cases"][name] = {"pass": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"  FAIL {name:32s} {type(exc).__name__}: {str(exc)[:1500]}")
         rep.save()
 
 
@@ -244,20 +264,20 @@ SWEEP = [{}, {"merge_pages": False}, {"pages_per_block": 2}, {"pages_per_block":
 
 def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], cases: list[str] | None,
                mixed_variants: list[dict], profile: bool) -> tuple[list, list]:
-    """(first jobs: each decode case at the first variant and the mixed step at its first, the rest)."""
+    """(first jobs: each decode case at the first variant; the rest: the other variants, then the mixed step)."""
     if smoke:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
         variants = variants or [{"pages_per_block": 1}, {"pages_per_block": 2, "decode_rows": 8}]
-        mixed_variants = mixed_variants or [{"prefill_rows": 8}]
+        mixed_variants = [{"prefill_rows": 8}] if mixed_variants is None else mixed_variants
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
         variants = variants or SWEEP
-        mixed_variants = mixed_variants or [{"prefill_rows": 128}, {"prefill_rows": 256}]
+        mixed_variants = [{"prefill_rows": 128}, {"prefill_rows": 256}] if mixed_variants is None else mixed_variants
     if cases:
         decode_cases = [c for c in decode_cases if c[0] in cases]
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
@@ -287,39 +307,44 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], 
                     if copies else "")
             rep.say(f"  {name:14s} {tag:>34s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
             if prof:
-                entry["sweep"][tag]["profile"] = say_profile(rep, prof, name)
+                entry["sweep"][tag]["profile"] = say_profile(rep, prof, name, kv_bytes=kv_bytes, hbm=hbm)
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
-            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"  {name:14s} {tag:>34s} FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"  {name:14s} {tag:>34s} FAILED {type(exc).__name__}: {str(exc)[:1500]}")
         ok = [v for v in entry["sweep"].values() if "ms" in v]
         entry["best"] = min(ok, key=lambda v: v["ms"]) if ok else None
 
     def mixed_run(kw):
         tag = _tag(kw)
         try:
-            ts, profs = [], {}
+            ts, profs, loops = [], {}, []
             for label, step in (("decode-only", dec), ("prefill-only", pre), ("mixed", both)):
                 args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
                 prof = [] if profile else None
                 ts.append(time_step(args, sm, interpret, reps, profile=prof, **kw))
                 if prof:
                     profs[label] = say_profile(rep, prof, label)
+                    if profs[label].get("summary", {}).get("loop_us"):
+                        loops.append(profs[label]["summary"]["loop_us"])
                 del args
             rep.data["mixed"][tag] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
                                       "ratio": ts[2] / (ts[0] + ts[1]), "profile": profs}
+            if len(loops) == 3:
+                rep.data["mixed"][tag]["device_ratio"] = loops[2] / (loops[0] + loops[1])
+                rep.say(f"    device per layer: decode {loops[0]:.1f} us, prefill {loops[1]:.1f} us, "
+                        f"mixed {loops[2]:.1f} us = {loops[2] / (loops[0] + loops[1]):.2f} x (decode + prefill)")
             rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
                     f"cached, bf16 KV), {tag}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
                     f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
                     "(decode + prefill)")
         except Exception as exc:  # noqa: BLE001
-            rep.data["mixed"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"(c) mixed, {tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            rep.data["mixed"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"(c) mixed, {tag}: FAILED {type(exc).__name__}: {str(exc)[:1500]}")
 
     # most important first, so a spent budget leaves every case with its first variant measured
     first = [functools.partial(decode, *c, variants[0]) for c in decode_cases]
-    first += [functools.partial(mixed_run, kw) for kw in mixed_variants[:1]]
     rest = [functools.partial(decode, *c, kw) for kw in variants[1:] for c in decode_cases]
-    rest += [functools.partial(mixed_run, kw) for kw in mixed_variants[1:]]
+    rest += [functools.partial(mixed_run, kw) for kw in mixed_variants]
     rep.say(f"  {'case':14s} {'variant':>34s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
     return first, rest
 
