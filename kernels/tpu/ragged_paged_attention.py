@@ -2,11 +2,10 @@
 
 The step's new K/V are scattered into their pages (in place, layout.write_kv), then two calls of one
 kernel attend, each over a list of work items (a sequence and a block of its query rows): blocks of
-`decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest. Per item the kernel walks
-the sequence's pages `pages_per_block` at a time, each page one DMA of all KV heads' K and V, double
-buffered; the next item's first block is fetched while this item's last block computes. A KV head's
-query-head group (G rows per token) attends together, with an f32 online softmax; int8 pages apply
-their per-token scales to the scores and to the probabilities.
+`decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest.
+Per item the kernel walks the sequence's pages `pages_per_block` at a time, each page one DMA of all KV
+heads' K and V, double buffered; the next item's first block is fetched while this item's last block
+computes. A KV head's query-head group (G rows per token) attends together (online_softmax.py).
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
-from slipstream.kernels.tpu import decode_attention, layout, online_softmax
+from slipstream.kernels.tpu import layout, online_softmax
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
@@ -26,9 +25,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, int8_mxu: bool):
-    split_bufs = rest[-2:] if int8 and int8_mxu else (None, None)
-    rest = rest[:-2] if int8 and int8_mxu else rest
+            merge_pages: bool):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -38,7 +35,6 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     nb, kvh, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the row width q and out use
     ps = kv_buf.shape[3] if lanes else kv_buf.shape[4]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
-    mxu8 = int8 and int8_mxu
     i = pl.program_id(0)
     n_items = num_items_ref[0]
     layer = layer_ref[0]
@@ -119,8 +115,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
             wait(i, blk, slot)
             for h in range(kvh):
-                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd)              # [r, hd] f32
-                q = online_softmax.prepare_q(q, mxu8=mxu8, cdt=cdt, buf=split_bufs[0])
+                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
                 if merge_pages:
                     _keys(q, h, slice(None), blk * nb, slot)
                 else:
@@ -144,8 +139,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                                                axis=1) for kv in (0, 1))
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
                                   first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,
-                                  soft_cap=soft_cap, cdt=cdt, mxu8=mxu8,
-                                  p_buf=split_bufs[1] if merge_pages else split_bufs[1].at[:, :ps])
+                                  soft_cap=soft_cap, cdt=cdt)
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
         for h in range(kvh):
@@ -184,8 +178,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, dynamic_grid, int8_mxu,
-                  name):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, name):
     kv = kv_cache["kv"]
     kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
@@ -200,19 +193,15 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
-    if int8 and int8_mxu:   # online_softmax.split_int8's buffers: q rows, p rows
-        sr = online_softmax.split_rows(r)
-        scratch += [pltpu.VMEM((sr, hd), jnp.float32),
-                    pltpu.VMEM((sr, pages_per_block * kv.shape[-2]), jnp.float32)]
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, int8_mxu=int8_mxu)
+        merge_pages=merge_pages)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=9, grid=(count[0] if dynamic_grid else seq.shape[0],),
+            num_scalar_prefetch=9, grid=(seq.shape[0],),
             in_specs=[any_spec] * (3 if int8 else 2), out_specs=any_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(q_pad.shape, jnp.float32),
         # the grid walks items in order: each step finishes the DMAs the previous one started
@@ -223,34 +212,11 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
 
 
-def _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, tok_seq, scalars, t_len, *, rows, batch,
-                 buffers, item_kw, group, sm_scale, sliding_window, soft_cap, cdt, interpret, vmem_limit_bytes,
-                 dynamic_grid, int8_mxu, **_):
-    """The decode sequences through decode_attention.py's kernel: out rows in token order [T + pad, H, hd]."""
-    n_rows = q_lens.shape[0]
-    d_max = -(-min(n_rows, t_len) // batch) * batch
-    count, dseq, row, first, end = _items(q_lens, kv_lens, cu_q_lens, n, decode, rows=rows, max_items=d_max,
-                                          **item_kw)
-    base = kv_lens[dseq] - q_lens[dseq]                                    # position of each decode's row 0
-    q_dec = q_pad[row[:, None] + jnp.arange(rows)[None, :]]                # [D, rows, H, hd]
-    kv_lens_, pages_flat, cu_, layer, pages_per_seq = scalars
-    out_dec = decode_attention.decode_attention(
-        q_dec, kv_cache, count, dseq, first, end, base.astype(jnp.int32), pages_flat, layer,
-        pages_per_seq=pages_per_seq, group=group, batch=batch, buffers=buffers, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, int8_mxu=int8_mxu,
-        dynamic_grid=dynamic_grid, vmem_limit_bytes=vmem_limit_bytes, interpret=interpret)
-    # token t of decode sequence s is row t - cu[s] of decode number (decodes before s)
-    d_of_seq = jnp.cumsum(decode.astype(jnp.int32)) - 1                   # [S]
-    t = jnp.arange(t_len)
-    return out_dec[jnp.clip(d_of_seq[tok_seq], 0, d_max - 1), jnp.clip(t - cu_q_lens[tok_seq], 0, rows - 1)]
-
-
 def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           dynamic_grid: bool = False, int8_mxu: bool = False,
-                           decode_batch: int = 0, decode_buffers: int = 4, interpret: bool = False):
+                           interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
@@ -288,7 +254,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                  merge_pages=merge_pages, dynamic_grid=dynamic_grid, int8_mxu=int8_mxu)
+                  merge_pages=merge_pages)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):
@@ -297,12 +263,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         # would make its branches alias the cache (XLA copies it)
         return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, name=name, **common)
 
-    if decode_batch:
-        out_d = _decode_ring(q_pad, kv_cache, decode, q_lens, kv_lens, cu_q_lens, n, seq, scalars, t_len,
-                             rows=decode_rows, batch=decode_batch, buffers=decode_buffers, item_kw=item_kw,
-                             **common)
-    else:
-        out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
+    out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
     # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence
     out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)),
                 "rpa_prefill")

@@ -1,20 +1,25 @@
 """Device check of the Pallas TPU ragged paged attention (kernels/tpu): speed and correctness on the chip.
 
-On the TPU:   python -m tests.kernels.tpu_attention_check            (about 4-5 minutes with compiles)
+On the TPU:   python -m tests.kernels.tpu_attention_check --profile  (about 4-5 minutes with compiles)
 On CPU:       JAX_PLATFORMS=cpu python -m tests.kernels.tpu_attention_check --smoke   (interpret mode, tiny)
 
 Order (each step is skipped once --budget-s seconds have passed; partial results print and save as they come):
 (b) Decode speed, Llama-3-8B heads (32 q heads, 8 KV heads, hd 128), 128-token pages, bf16 activations,
-    per layer, timed over a lax.scan of 8 layers (dispatch amortized; each layer writes its K/V and
-    attends): bf16 KV at 32 seqs x 384 and 64 x 2048, int8 KV at 64 x 2048. GB/s = KV bytes read (K, V
-    and int8 scales of every sequence's context) / time, and its fraction of the HBM read rate measured
-    in the same run (jnp.sum over 2 GiB of f32, best of 5). Targets: 64 x 2048 >= 70%, 32 x 384 >= 50%,
-    int8 >= 60%. The first program's count of cache-sized copies shows whether the K/V write is in place.
-(c) Mixed step: 32 decodes (1024 context) + one 512-token prefill chunk (after 512 cached tokens) in one
-    call, against the decode-only and prefill-only calls. Target: mixed <= 1.2 x (decode + prefill).
+    per layer, timed over a lax.scan of 8 layers (each layer writes its K/V and attends): bf16 KV at
+    32 seqs x 384 and 64 x 2048, int8 KV at 64 x 2048, with the first keyword set of --variants. GB/s = KV
+    bytes read (K, V and int8 scales of every sequence's context) / time, and its fraction of the HBM read
+    rate measured in the same run (jnp.sum over 2 GiB of f32, best of 5). Targets: 64 x 2048 >= 70%,
+    32 x 384 >= 50%, int8 >= 60%. The wall time per layer carries 1/8 of the call's launch cost (about
+    0.9 ms per call on the v5e); with --profile each program also reports its device time per layer
+    from the profiler (the layer loop, which holds the K/V write and the kernels, and the kernels alone).
+    Each program's count of cache-sized copies shows whether the K/V write is in place.
 (a) The property cases of tests/kernels/tpu_cases.py at 128-token pages, compiled for the chip, against the
-    pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error.
-Then the block-size sweep (pages_per_block, decode_rows, merge_pages; prefill_rows 256).
+    pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error, once
+    per keyword set of --case-kw.
+Then the other --variants (default: a block-size sweep: pages_per_block, decode_rows, merge_pages), and
+(c) the mixed step per --mixed-variants: 32 decodes (1024 context) + one 512-token prefill chunk (after 512
+    cached tokens) in one call, against the decode-only and prefill-only calls. Target: mixed <= 1.2 x
+    (decode + prefill).
 JSON: $OUT/tpu_attention_check.json (or ./ without OUT). Exit status 1 when a case fails or a decode
 program copies the cache (the K/V write must update the donated cache in place).
 """
