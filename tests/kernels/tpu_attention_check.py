@@ -136,9 +136,10 @@ def cache_copies(compiled, cache: dict) -> int:
                if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
 
 
-def device_ops(call, top: int = 14) -> tuple[list[str], list[tuple[str, float, int]]]:
+def device_ops(call, top: int = 14, layers: int | None = None) -> tuple[list[str], list, dict]:
     """One call of `call` under the profiler: (the device planes' line names, the `top` device ops by time:
-    (name, us per layer, count))."""
+    (name, us per layer, count), summarize's totals); a layer is 1/layers of the call (default: the scan's)."""
+    layers = layers or _layers
     d = tempfile.mkdtemp()
     jax.profiler.start_trace(d)
     jax.block_until_ready(call())
@@ -158,7 +159,7 @@ def device_ops(call, top: int = 14) -> tuple[list[str], list[tuple[str, float, i
                 t[0] += e.duration_ns
                 t[1] += 1
     shutil.rmtree(d, ignore_errors=True)
-    ops = sorted(((n, v[0] / 1e3 / _layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
+    ops = sorted(((n, v[0] / 1e3 / layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
     return lines, ops[:top], summarize(ops)
 
 
