@@ -2,11 +2,10 @@
 
 The step's new K/V are scattered into their pages (in place, layout.write_kv), then two calls of one
 kernel attend, each over a list of work items (a sequence and a block of its query rows): blocks of
-`decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest. Per item the kernel walks
-the sequence's pages `pages_per_block` at a time, each page one DMA of all KV heads' K and V, double
-buffered; the next item's first block is fetched while this item's last block computes. A KV head's
-query-head group (G rows per token) attends together, with an f32 online softmax; int8 pages apply
-their per-token scales to the scores and to the probabilities.
+`decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest.
+Per item the kernel walks the sequence's pages `pages_per_block` at a time, each page one DMA of all KV
+heads' K and V, double buffered; the next item's first block is fetched while this item's last block
+computes. A KV head's query-head group (G rows per token) attends together (online_softmax.py).
 """
 from __future__ import annotations
 
@@ -18,21 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from slipstream.kernels.ragged_tokens import quantize_kv, token_layout
-from slipstream.kernels.tpu import layout
-
-# A finite "minus infinity": a masked score gives exp(MASK - m) == 0, never inf - inf.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-LANES = 128
-
-
-def _lanes(x, n: int):
-    """x [r, 128], all lanes equal, as [r, n] (the patterns jax's own TPU flash attention lowers: a lane
-    tile, a prefix slice)."""
-    if n % LANES == 0:
-        return x if n == LANES else jnp.tile(x, (1, n // LANES))
-    if n < LANES:
-        return x[:, :n]
-    return x[:, :1]
+from slipstream.kernels.tpu import layout, online_softmax
+from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
@@ -49,8 +35,6 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     nb, kvh, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the row width q and out use
     ps = kv_buf.shape[3] if lanes else kv_buf.shape[4]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
-    # explicit, so a global jax_default_matmul_precision never asks Mosaic for fp32 passes on bf16 operands
-    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else jax.lax.Precision.DEFAULT
     i = pl.program_id(0)
     n_items = num_items_ref[0]
     layer = layer_ref[0]
@@ -140,8 +124,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             return 1 - slot
 
         def _keys(q, h, pages, first_page, slot):
-            """Online-softmax update of head h's rows with the keys of buffer pages `pages` (a slice),
-            whose first is the sequence's page number first_page."""
+            """Head h's rows against the keys of buffer pages `pages` (a slice), whose first is the
+            sequence's page number first_page."""
             n = len(range(nb)[pages])
             keys = n * ps
             if lanes:  # rows [K | V]: q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
@@ -149,41 +133,17 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             else:
                 k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
                 v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
-            if int8:
-                k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-            s_ = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32) * sm_scale     # [r, n*ps]
-            if int8:   # per-key scales as one lane row [1, n*ps]
-                def scale_row(kv):
-                    return jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]], axis=1)
-                s_ = s_ * scale_row(0)
-            if soft_cap is not None:
-                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-            # row i of a head's [r, hd] block is token i // G (f32 division: exact at these sizes)
-            row_tok = (jax.lax.broadcasted_iota(jnp.int32, (r, keys), 0).astype(jnp.float32) * (1.0 / group)
-                       + 0.5 / group).astype(jnp.int32)
-            q_pos = base + row_tok                                                       # [r, n*ps]
-            k_pos = first_page * ps + jax.lax.broadcasted_iota(jnp.int32, (r, keys), 1)
-            visible = k_pos <= q_pos
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
-            s_ = jnp.where(visible, s_, MASK_VALUE)
-            m_prev, l_prev = m_ref[h], l_ref[h]                                          # [r, 128]
-            m_next = jnp.maximum(m_prev, jnp.max(s_, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s_ - _lanes(m_next, keys))
-            l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            m_ref[h] = m_next
-            if int8:
-                p = p * scale_row(1)
-            pv = jnp.dot(p.astype(cdt), v.astype(cdt), precision=precision,
-                         preferred_element_type=jnp.float32)                             # [r, hd]
-            acc_ref[h] = acc_ref[h] * _lanes(alpha, hd) + pv
+            scales = None
+            if int8:   # per-key scales as lane rows [1, n*ps]
+                scales = tuple(jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]],
+                                               axis=1) for kv in (0, 1))
+            online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
+                                  first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap, cdt=cdt)
 
         slot_ref[0] = jax.lax.fori_loop(first_blk, last_blk + 1, block, slot_ref[0])
         for h in range(kvh):
-            l = _lanes(l_ref[h], hd)
-            out = acc_ref[h] / jnp.where(l > 0, l, 1.0)                                  # [r, hd]
+            out = online_softmax.finish(l_ref, acc_ref, h)                               # [r, hd]
             o_buf[qs, :, h * group:(h + 1) * group, :] = out.reshape(rows, group, hd)
 
         @pl.when(i >= 1)
@@ -204,7 +164,9 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
     n_blocks = jnp.where(take, -(-q_lens // rows), 0)                      # [S]
     ends = jnp.cumsum(n_blocks)
     k = jnp.arange(max_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, k, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    # the sequence of item k: how many sequences' items end at or before k (one fused compare, where
+    # searchsorted lowers to a loop of tiny ops)
+    seq = jnp.minimum(jnp.sum(ends[None, :] <= k[:, None], axis=1), q_lens.shape[0] - 1).astype(jnp.int32)
     j = k - (ends[seq] - n_blocks[seq])                                    # block within its sequence
     row = cu_q_lens[seq] + j * rows
     first_pos = kv_lens[seq] - q_lens[seq] + j * rows
@@ -216,7 +178,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, name):
     kv = kv_cache["kv"]
     kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
@@ -245,7 +207,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
         # the grid walks items in order: each step finishes the DMAs the previous one started
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        interpret=pltpu.InterpretParams() if interpret else False)
+        interpret=pltpu.InterpretParams() if interpret else False, name=name)
     operands = (q_pad, kv) + ((kv_cache["kv_scale"],) if int8 else ())
     return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
 
@@ -295,17 +257,18 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                   merge_pages=merge_pages)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
-    def run(take, rows, max_items):
+    def run(take, rows, max_items, name):
         items = _items(q_lens, kv_lens, cu_q_lens, n, take, rows=rows, max_items=max_items, **item_kw)
         # always called: a call with no items is a few empty grid steps, and a lax.cond around it
         # would make its branches alias the cache (XLA copies it)
-        return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, **common)
+        return _attend_items(q_pad, kv_cache, scalars, items, rows=rows, name=name, **common)
 
-    out_d = run(decode, decode_rows, min(n_rows, t_len))
+    out_d = run(decode, decode_rows, min(n_rows, t_len), "rpa_decode")
     # each prefill sequence has > decode_rows tokens: at most T / prefill_rows blocks plus one per sequence
-    out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)))
+    out_p = run(prefill, prefill_rows, -(-t_len // prefill_rows) + min(n_rows, t_len // (decode_rows + 1)),
+                "rpa_prefill")
     long_tok = prefill[seq]
-    out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])
+    out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])   # [T, H, hd]
     if lanes:
         out = out[..., hd:]
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache

@@ -1,20 +1,25 @@
 """Device check of the Pallas TPU ragged paged attention (kernels/tpu): speed and correctness on the chip.
 
-On the TPU:   python -m tests.kernels.tpu_attention_check            (about 4-5 minutes with compiles)
+On the TPU:   python -m tests.kernels.tpu_attention_check --profile  (about 4-5 minutes with compiles)
 On CPU:       JAX_PLATFORMS=cpu python -m tests.kernels.tpu_attention_check --smoke   (interpret mode, tiny)
 
 Order (each step is skipped once --budget-s seconds have passed; partial results print and save as they come):
 (b) Decode speed, Llama-3-8B heads (32 q heads, 8 KV heads, hd 128), 128-token pages, bf16 activations,
-    per layer, timed over a lax.scan of 8 layers (dispatch amortized; each layer writes its K/V and
-    attends): bf16 KV at 32 seqs x 384 and 64 x 2048, int8 KV at 64 x 2048. GB/s = KV bytes read (K, V
-    and int8 scales of every sequence's context) / time, and its fraction of the HBM read rate measured
-    in the same run (jnp.sum over 2 GiB of f32, best of 5). Targets: 64 x 2048 >= 70%, 32 x 384 >= 50%,
-    int8 >= 60%. The first program's count of cache-sized copies shows whether the K/V write is in place.
-(c) Mixed step: 32 decodes (1024 context) + one 512-token prefill chunk (after 512 cached tokens) in one
-    call, against the decode-only and prefill-only calls. Target: mixed <= 1.2 x (decode + prefill).
+    per layer, timed over a lax.scan of 8 layers (each layer writes its K/V and attends): bf16 KV at
+    32 seqs x 384 and 64 x 2048, int8 KV at 64 x 2048, with the first keyword set of --variants. GB/s = KV
+    bytes read (K, V and int8 scales of every sequence's context) / time, and its fraction of the HBM read
+    rate measured in the same run (jnp.sum over 2 GiB of f32, best of 5). Targets: 64 x 2048 >= 70%,
+    32 x 384 >= 50%, int8 >= 60%. The wall time per layer carries 1/8 of the call's launch cost (about
+    0.9 ms per call on the v5e); with --profile each program also reports its device time per layer
+    from the profiler (the layer loop, which holds the K/V write and the kernels, and the kernels alone).
+    Each program's count of cache-sized copies shows whether the K/V write is in place.
 (a) The property cases of tests/kernels/tpu_cases.py at 128-token pages, compiled for the chip, against the
-    pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error.
-Then the block-size sweep (pages_per_block, decode_rows, merge_pages; prefill_rows 256).
+    pure-JAX reference (its f32 matmuls at highest precision): PASS/FAIL per case with the max error, once
+    per keyword set of --case-kw.
+Then the other --variants (default: a block-size sweep: pages_per_block, decode_rows, merge_pages), and
+(c) the mixed step per --mixed-variants: 32 decodes (1024 context) + one 512-token prefill chunk (after 512
+    cached tokens) in one call, against the decode-only and prefill-only calls. Target: mixed <= 1.2 x
+    (decode + prefill).
 JSON: $OUT/tpu_attention_check.json (or ./ without OUT). Exit status 1 when a case fails or a decode
 program copies the cache (the K/V write must update the donated cache in place).
 """
@@ -23,14 +28,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.profiler import ProfileData
 
 from slipstream.kernels.tpu import layout
 from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
@@ -127,8 +136,46 @@ def cache_copies(compiled, cache: dict) -> int:
                if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
 
 
-def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, **block_kw) -> float:
-    """Seconds per layer (one compile); `copies`, when given, gets {"cache_copies": n, "compile_s": s}."""
+def device_ops(call, top: int = 14, layers: int | None = None) -> tuple[list[str], list, dict]:
+    """One call of `call` under the profiler: (the device planes' line names, the `top` device ops by time:
+    (name, us per layer, count), summarize's totals); a layer is 1/layers of the call (default: the scan's)."""
+    layers = layers or _layers
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    jax.block_until_ready(call())
+    jax.profiler.stop_trace()
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    totals: dict[str, list] = {}
+    lines = []
+    for plane in ProfileData.from_file(paths[0]).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            lines.append(f"{plane.name}:{line.name}")
+            if "ops" not in line.name.lower():
+                continue
+            for e in line.events:
+                t = totals.setdefault(e.name, [0.0, 0])
+                t[0] += e.duration_ns
+                t[1] += 1
+    shutil.rmtree(d, ignore_errors=True)
+    ops = sorted(((n, v[0] / 1e3 / layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
+    return lines, ops[:top], summarize(ops)
+
+
+def summarize(ops) -> dict:
+    """us per layer on the device: the layer loop (the while op spans its body: no per-call launch cost),
+    the attention kernels (rpa_*), the K/V write (scatter)."""
+    loops = [us for n, us, _ in ops if n.startswith("%while")]
+    return {"loop_us": max(loops) if loops else None,
+            "kernel_us": sum(us for n, us, _ in ops if "rpa_" in n.split("=")[0]),
+            "write_us": sum(us for n, us, _ in ops if "scatter" in n.split("=")[0])}
+
+
+def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profile: list | None = None,
+              **block_kw) -> float:
+    """Seconds per layer (one compile); `copies`, when given, gets {"cache_copies": n, "compile_s": s};
+    `profile`, when given, gets the top device ops of one more call."""
     q, k, v, cache, *idx = args
     t0 = time.perf_counter()
     fn = layers_fn(sm_scale, interpret, **block_kw).lower(q, k, v, cache, *idx).compile()
@@ -142,7 +189,34 @@ def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, **blo
         return s
 
     t, _ = _best_time(lambda: once(), reps=reps)
+    if profile is not None:
+        try:
+            profile.append(device_ops(once))
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
+            profile.append(([f"profile failed: {type(exc).__name__}: {exc}"], [], {}))
     return t / _layers
+
+
+def say_profile(rep, profile: list, label: str, top: int = 4, kv_bytes: float | None = None,
+                hbm: float | None = None) -> dict:
+    """Print the device summary and the top ops; returns both for the JSON."""
+    for lines, ops, summary in profile:
+        if not ops:
+            rep.say(f"    profile {label}: no 'XLA Ops' events; device lines: {lines[:12]}")
+            return {}
+        line = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in summary.items() if v is not None)
+        if kv_bytes and summary.get("loop_us"):
+            gbs_loop = kv_bytes / summary["loop_us"] / 1e3
+            gbs_kernel = kv_bytes / summary["kernel_us"] / 1e3 if summary["kernel_us"] else 0.0
+            summary.update(loop_gbs=gbs_loop, loop_of_hbm=gbs_loop / hbm, kernel_gbs=gbs_kernel,
+                           kernel_of_hbm=gbs_kernel / hbm)
+            line += (f"; per layer on the device: {gbs_loop:.0f} GB/s ({gbs_loop / hbm:.0%} of HBM read), "
+                     f"kernel alone {gbs_kernel:.0f} GB/s ({gbs_kernel / hbm:.0%})")
+        rep.say(f"    device {label}: {line}")
+        for name, us, n in ops[:top]:
+            rep.say(f"    profile {label}: {us:9.2f} us/layer  x{n:<4d} {name[:80]}")
+        return {"summary": summary, "ops": [[name[:300], round(us, 2), n] for name, us, n in ops]}
+    return {}
 
 
 class Report:
@@ -161,15 +235,15 @@ class Report:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {line}", flush=True)
 
 
-def correctness(rep: Report, interpret: bool) -> None:
-    """On the chip: every case at 128-token pages (200 more cached tokens, so several pages) with the
-    default blocks; in --smoke: two cases at their 16-token pages."""
+def correctness(rep: Report, interpret: bool, case_kw: list[dict]) -> None:
+    """On the chip: every case at 128-token pages (200 more cached tokens, so several pages) with each
+    keyword set of case_kw; in --smoke: two cases at their 16-token pages."""
     rep.say("(a) property cases vs the reference (f32 matmuls at highest precision)")
     if interpret:
         variants = [(s, "ps16", {"pages_per_block": 2, "prefill_rows": 8}) for s in SPECS[:2]]
     else:
-        variants = [(dataclasses.replace(s, page_size=128, cached=tuple(c + 200 for c in s.cached)), "ps128", {})
-                    for s in SPECS]
+        variants = [(dataclasses.replace(s, page_size=128, cached=tuple(c + 200 for c in s.cached)),
+                     "ps128" + (f"/{_tag(kw)}" if kw else ""), kw) for kw in case_kw for s in SPECS]
     for spec, tag, block_kw in variants:
         name = f"{spec.name}/{tag}"
         if rep.out_of_time():
@@ -180,26 +254,38 @@ def correctness(rep: Report, interpret: bool) -> None:
             rep.data["cases"][name] = {"pass": True, "max_abs_err": err}
             rep.say(f"  PASS {name:32s} max |out - ref| {err:.2e} (tolerance {tolerance(spec):.0e})")
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the next case still runs
-            rep.data["cases"][name] = {"pass": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            rep.say(f"  FAIL {name:32s} {type(exc).__name__}: {str(exc)[:300]}")
+            rep.data["cases"][name] = {"pass": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"  FAIL {name:32s} {type(exc).__name__}: {str(exc)[:1500]}")
         rep.save()
 
 
-def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
-    """(first jobs: each decode case at default blocks and the mixed step, the rest of the sweep)."""
+def _tag(kw: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(kw.items())) or "default"
+
+
+# (pages_per_block, decode_rows, merge_pages) sweep of the default run; decode_rows 8 pads each decode item
+# to 32 query rows (GQA 4); merge_pages False: one softmax update per page
+SWEEP = [{}, {"merge_pages": False}, {"pages_per_block": 2}, {"pages_per_block": 8}, {"decode_rows": 8}]
+
+
+def speed_jobs(rep: Report, smoke: bool, interpret: bool, variants: list[dict], cases: list[str] | None,
+               mixed_variants: list[dict], profile: bool) -> tuple[list, list]:
+    """(first jobs: each decode case at the first variant; the rest: the other variants, then the mixed step)."""
     if smoke:
         kvh, group, hd, ps, reps = 2, 2, 128, 16, 1
         decode_cases = [("bf16_4x40", Step(4, 40), jnp.bfloat16), ("int8_4x40", Step(4, 40), jnp.int8)]
         mixed = (Step(3, 40), Step(0, 0, 1, 24, 16))
-        ppbs, rows = ((1, 1, True), (2, 8, True)), (8,)
+        variants = variants or [{"pages_per_block": 1}, {"pages_per_block": 2, "decode_rows": 8}]
+        mixed_variants = [{"prefill_rows": 8}] if mixed_variants is None else mixed_variants
     else:
         kvh, group, hd, ps, reps = 8, 4, 128, 128, 5
         decode_cases = [("bf16_32x384", Step(32, 384), jnp.bfloat16), ("bf16_64x2048", Step(64, 2048), jnp.bfloat16),
                         ("int8_64x2048", Step(64, 2048), jnp.int8)]
         mixed = (Step(32, 1024), Step(0, 0, 1, 512, 512))
-        # (pages_per_block, decode_rows, merge_pages): decode_rows 8 pads each decode item to 32 query rows
-        # (GQA 4); merge_pages False: one softmax update per page
-        ppbs, rows = ((4, 1, True), (4, 1, False), (2, 1, True), (8, 1, True), (4, 8, True)), (128, 256)
+        variants = variants or SWEEP
+        mixed_variants = [{"prefill_rows": 128}, {"prefill_rows": 256}] if mixed_variants is None else mixed_variants
+    if cases:
+        decode_cases = [c for c in decode_cases if c[0] in cases]
     hbm = hbm_read_gbs(2 ** 20 * (4 if smoke else 2048))
     rep.data["hbm_read_gbs"] = hbm
     rep.say(f"HBM read (jnp.sum over {'4 MiB' if smoke else '2 GiB'} f32, best of 5): {hbm:.0f} GB/s")
@@ -209,49 +295,63 @@ def speed_jobs(rep: Report, smoke: bool, interpret: bool) -> tuple[list, list]:
     dec, pre = mixed
     both = Step(dec.decodes, dec.ctx, pre.prefills, pre.chunk, pre.cached)
 
-    def decode(name, step, dtype, ppb, drows, merge):
-        tag = f"{ppb},{drows},{int(merge)}"
+    def decode(name, step, dtype, kw):
+        kw = dict(kw)
+        if kw.pop("only", name) not in name:     # {"only": "int8", ...}: a variant of the cases so named
+            return
+        tag = _tag(kw)
         entry = rep.data["decode"].setdefault(name, {"sweep": {}, "best": None})
         args, kv_bytes = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=dtype)
         entry["kv_mb_per_layer"] = kv_bytes / 1e6
+        prof = [] if profile else None
         try:
             copies = {}
-            t = time_step(args, sm, interpret, reps, copies=copies, pages_per_block=ppb, decode_rows=drows,
-                          merge_pages=merge)
+            t = time_step(args, sm, interpret, reps, copies=copies, profile=prof, **kw)
             gbs = kv_bytes / t / 1e9
             entry["sweep"][tag] = {"ms": t * 1e3, "gbs": gbs, "of_hbm": gbs / hbm, **(copies or {})}
-            note = (f"   (compiled in {copies['compile_s']:.0f} s; cache-sized copies in the program: "
-                    f"{copies['cache_copies']})" if copies else "")
-            rep.say(f"  {name:14s} {tag:>14s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
-        except Exception as exc:  # noqa: BLE001 - a block size that fails to compile is reported, not fatal
-            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"  {name:14s} {tag:>14s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            note = (f"   (compiled in {copies['compile_s']:.0f} s; cache-sized copies: {copies['cache_copies']})"
+                    if copies else "")
+            rep.say(f"  {name:14s} {tag:>34s} {t * 1e3:8.3f} {gbs:7.1f} {gbs / hbm:7.0%}{note}")
+            if prof:
+                entry["sweep"][tag]["profile"] = say_profile(rep, prof, name, kv_bytes=kv_bytes, hbm=hbm)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+            entry["sweep"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"  {name:14s} {tag:>34s} FAILED {type(exc).__name__}: {str(exc)[:1500]}")
         ok = [v for v in entry["sweep"].values() if "ms" in v]
         entry["best"] = min(ok, key=lambda v: v["ms"]) if ok else None
 
-    def mixed_run(r):
+    def mixed_run(kw):
+        tag = _tag(kw)
         try:
-            ts = []
-            for step in (dec, pre, both):
+            ts, profs, loops = [], {}, []
+            for label, step in (("decode-only", dec), ("prefill-only", pre), ("mixed", both)):
                 args, _ = make_step(step, kv_heads=kvh, group=group, hd=hd, page_size=ps, dtype=jnp.bfloat16)
-                ts.append(time_step(args, sm, interpret, reps, prefill_rows=r))
+                prof = [] if profile else None
+                ts.append(time_step(args, sm, interpret, reps, profile=prof, **kw))
+                if prof:
+                    profs[label] = say_profile(rep, prof, label)
+                    if profs[label].get("summary", {}).get("loop_us"):
+                        loops.append(profs[label]["summary"]["loop_us"])
                 del args
-            rep.data["mixed"][r] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
-                                    "ratio": ts[2] / (ts[0] + ts[1])}
+            rep.data["mixed"][tag] = {"decode_ms": ts[0] * 1e3, "prefill_ms": ts[1] * 1e3, "mixed_ms": ts[2] * 1e3,
+                                      "ratio": ts[2] / (ts[0] + ts[1]), "profile": profs}
+            if len(loops) == 3:
+                rep.data["mixed"][tag]["device_ratio"] = loops[2] / (loops[0] + loops[1])
+                rep.say(f"    device per layer: decode {loops[0]:.1f} us, prefill {loops[1]:.1f} us, "
+                        f"mixed {loops[2]:.1f} us = {loops[2] / (loops[0] + loops[1]):.2f} x (decode + prefill)")
             rep.say(f"(c) mixed ({dec.decodes} decodes x {dec.ctx} + a {pre.chunk}-token chunk after {pre.cached} "
-                    f"cached, bf16 KV), prefill_rows {r}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
+                    f"cached, bf16 KV), {tag}: decode alone {ts[0] * 1e3:.3f} ms, prefill alone "
                     f"{ts[1] * 1e3:.3f} ms, mixed {ts[2] * 1e3:.3f} ms = {ts[2] / (ts[0] + ts[1]):.2f} x "
                     "(decode + prefill)")
         except Exception as exc:  # noqa: BLE001
-            rep.data["mixed"][r] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            rep.say(f"(c) mixed, prefill_rows {r}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            rep.data["mixed"][tag] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            rep.say(f"(c) mixed, {tag}: FAILED {type(exc).__name__}: {str(exc)[:1500]}")
 
-    # most important first, so a spent budget leaves every case with its default blocks measured
-    first = [functools.partial(decode, *c, *ppbs[0]) for c in decode_cases]
-    first.append(functools.partial(mixed_run, rows[0]))
-    rest = [functools.partial(decode, *c, *cfg) for cfg in ppbs[1:] for c in decode_cases]
-    rest += [functools.partial(mixed_run, r) for r in rows[1:]]
-    rep.say(f"  {'case':14s} {'blk,rows,merge':>14s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
+    # most important first, so a spent budget leaves every case with its first variant measured
+    first = [functools.partial(decode, *c, variants[0]) for c in decode_cases]
+    rest = [functools.partial(decode, *c, kw) for kw in variants[1:] for c in decode_cases]
+    rest += [functools.partial(mixed_run, kw) for kw in mixed_variants]
+    rep.say(f"  {'case':14s} {'variant':>34s} {'ms':>8s} {'GB/s':>7s} {'of HBM':>7s}")
     return first, rest
 
 
@@ -271,6 +371,17 @@ def main(argv=None) -> int:
                     help="start no new measurement or case after this many seconds")
     ap.add_argument("--skip-cases", action="store_true", help="speed only")
     ap.add_argument("--skip-speed", action="store_true", help="property cases only")
+    ap.add_argument("--variants", type=json.loads, default=None,
+                    help="JSON list of kernel keyword sets for the decode cases (default: a block-size sweep; "
+                         "the first is measured first; "
+                         "\"only\": \"int8\" limits a set to the cases whose name contains int8)")
+    ap.add_argument("--mixed-variants", type=json.loads, default=None,
+                    help="JSON list of kernel keyword sets for the mixed step (default: prefill_rows 128, 256)")
+    ap.add_argument("--cases", type=lambda v: v.split(","), default=None,
+                    help="decode cases to time (comma-separated names; default all)")
+    ap.add_argument("--profile", action="store_true", help="print each program's top device ops")
+    ap.add_argument("--case-kw", type=json.loads, default=[{}],
+                    help="JSON list of kernel keyword sets the property cases run with (each: all cases)")
     args = ap.parse_args(argv)
     interpret = args.smoke or jax.default_backend() != "tpu"
     global _layers
@@ -281,10 +392,11 @@ def main(argv=None) -> int:
     rep = Report(os.path.join(os.environ.get("OUT", "."), "tpu_attention_check.json"), args.budget_s)
     rep.say(f"device: {rep.data['device']}, interpret={interpret}")
     # order: decode and mixed at default blocks, the property cases, then the block-size sweep
-    first, rest = speed_jobs(rep, args.smoke, interpret) if not args.skip_speed else ([], [])
+    first, rest = (speed_jobs(rep, args.smoke, interpret, args.variants, args.cases, args.mixed_variants,
+                              args.profile) if not args.skip_speed else ([], []))
     run_jobs(rep, first)
     if not args.skip_cases:
-        correctness(rep, interpret)
+        correctness(rep, interpret, args.case_kw)
     run_jobs(rep, rest)
     n_fail = sum(not c["pass"] for c in rep.data["cases"].values())
     copied = sorted(name for name, e in rep.data["decode"].items()

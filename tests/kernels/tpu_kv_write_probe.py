@@ -1,0 +1,144 @@
+"""Device probe: the K/V write's cost on the chip per cache layout, to choose the next TPU page layout.
+
+On the v5e XLA's scatter costs 70-95 ns per index whatever the row size, and layout.write_kv's rows are
+one per (token, KV head, K or V): 16 indices per token at 8 KV heads, 35 us per layer for 32 decodes and
+562 us for a 512-token prefill chunk (tests/kernels/tpu_attention_check.py --profile). This times the write
+alone (8 layers under one lax.scan, the cache donated) for layouts with fewer, longer rows per token:
+
+  rows16  [L, pages, KV, 2, ps, hd]    a row per token, head and K|V (layout.py's split form, today)
+  rows8   [L, pages, KV, ps, 2 * hd]   a row per token and head: [K | V] (layout.py's lanes form, at any hd)
+  rows1   [L, pages, ps, KV * 2 * hd]  a row per token: all heads' [K | V]
+  window  rows16's array, one scatter index per token with a [KV * 2, hd] window (strided)
+
+Per layout: device us per layer of the scatter (profiler) and the count of cache-sized copies in the
+program (a layout XLA would copy every layer is no candidate).
+
+On the TPU:  python -m tests.kernels.tpu_kv_write_probe          (under a minute)
+On CPU:      JAX_PLATFORMS=cpu python -m tests.kernels.tpu_kv_write_probe --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tests.kernels.tpu_attention_check import cache_copies, device_ops
+
+LAYOUTS = ("rows16", "rows8", "rows1", "window")
+
+
+def cache_shape(name: str, layers: int, pages: int, kvh: int, ps: int, hd: int) -> tuple[int, ...]:
+    return {"rows16": (layers, pages, kvh, 2, ps, hd), "rows8": (layers, pages, kvh, ps, 2 * hd),
+            "rows1": (layers, pages, ps, kvh * 2 * hd), "window": (layers, pages, kvh, 2, ps, hd)}[name]
+
+
+def write(name: str, cache, layer, k, v, page, off):
+    """Scatter k, v [T, KV, hd] at (layer, page [T], offset [T]) into `cache` of layout `name`."""
+    layers, pages = cache.shape[:2]
+    t_len, kvh, hd = k.shape
+    lp = layer * pages + page                                                          # [T]
+    if name == "window":
+        view = cache.reshape(layers * pages, kvh * 2, cache.shape[4], hd)
+        new = jnp.stack([k, v], axis=2).reshape(t_len, kvh * 2, hd)
+        return view.at[lp, :, off, :].set(new).reshape(cache.shape)
+    if name == "rows16":
+        ps = cache.shape[4]
+        rows = ((lp[:, None, None] * kvh + jnp.arange(kvh)[None, :, None]) * 2
+                + jnp.arange(2)[None, None, :]) * ps + off[:, None, None]             # [T, KV, 2]
+        new = jnp.stack([k, v], axis=2)                                                # [T, KV, 2, hd]
+    elif name == "rows8":
+        ps = cache.shape[3]
+        rows = (lp[:, None] * kvh + jnp.arange(kvh)[None, :]) * ps + off[:, None]      # [T, KV]
+        new = jnp.concatenate([k, v], axis=-1)                                         # [T, KV, 2hd]
+    else:
+        ps = cache.shape[2]
+        rows = lp * ps + off                                                           # [T]
+        new = jnp.stack([k, v], axis=2)                                                # [T, KV, 2, hd]
+    width = cache.shape[-1]
+    flat = cache.reshape(-1, width).at[rows.reshape(-1)].set(new.reshape(-1, width).astype(cache.dtype))
+    return flat.reshape(cache.shape)
+
+
+def read(name: str, cache, layer, page, off, kvh: int, hd: int):
+    """The rows `write` wrote at (layer, page [T], offset [T]): [T, KV, 2, hd]."""
+    if name in ("rows16", "window"):
+        return cache[layer, page, :, :, off, :]
+    if name == "rows8":
+        return cache[layer, page, :, off, :].reshape(-1, kvh, 2, hd)
+    return cache[layer, page, off, :].reshape(-1, kvh, 2, hd)
+
+
+def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool) -> dict:
+    rng = np.random.default_rng(0)
+    pages = max(8, -(-t_len // ps) * 2)
+    cache = jnp.zeros(cache_shape(name, layers, pages, kvh, ps, hd), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((t_len, kvh, hd)), jnp.bfloat16)
+    # tokens at distinct (page, offset): a prefill chunk's run of offsets, or one token per decode page
+    pos = np.arange(t_len)
+    page = jnp.asarray(pos // ps if t_len > 64 else pos % pages, jnp.int32)
+    off = jnp.asarray(pos % ps if t_len > 64 else (pos * 37) % ps, jnp.int32)
+
+    def run(c):
+        def body(c, layer):
+            return write(name, c, layer, k, k, page, off), None
+        return jax.lax.scan(body, c, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    # the write lands where the kernel would read it (one layer, on a fresh cache)
+    got = read(name, write(name, cache, 1 % layers, k, -k, page, off), 1 % layers, page, off, kvh, hd)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.stack([k, -k], axis=2), np.float32))
+    fn = jax.jit(run, donate_argnums=(0,)).lower(cache).compile()
+    out = {"cache_copies": cache_copies(fn, {"kv": cache})}
+    state = {"c": cache}
+
+    def once():
+        state["c"] = fn(state["c"])
+        return state["c"]
+
+    jax.block_until_ready(once())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(once())
+        best = min(best, time.perf_counter() - t)
+    out["wall_us_per_layer"] = best / layers * 1e6
+    if profile:
+        _, ops, _ = device_ops(once, layers=layers)
+        out["scatter_us_per_layer"] = sum(us for n, us, _ in ops if "scatter" in n.split("=")[0])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
+    ap.add_argument("--tokens", default="32,512", help="comma-separated token counts per write")
+    args = ap.parse_args(argv)
+    on_tpu = jax.default_backend() == "tpu"
+    if not on_tpu and not args.smoke:
+        print("not on a TPU: run with --smoke", file=sys.stderr)
+        return 2
+    dims = dict(layers=8, kvh=8, hd=128, ps=128, reps=5) if not args.smoke else dict(layers=2, kvh=2, hd=128, ps=16,
+                                                                                   reps=1)
+    results = {}
+    print(f"device: {jax.devices()[0]}; KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}, bf16",
+          flush=True)
+    for t_len in map(int, args.tokens.split(",")):
+        for name in LAYOUTS:
+            try:
+                r = probe(name, t_len, profile=on_tpu, **dims)
+            except Exception as exc:  # noqa: BLE001 - one layout failing must not hide the others
+                r = {"error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
+            results[f"{name}/{t_len}"] = r
+            print(f"  {t_len:5d} tokens {name:7s} {json.dumps(r)}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
