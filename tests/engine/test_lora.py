@@ -227,9 +227,10 @@ def test_multi_host_workers_get_an_adapters_weights_only_when_a_slot_loads_it(lo
 
 
 def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tiny_model):
-    """XLA:CPU's packed stacks (kernels/f32_matmul, read at the layer index) against the plain
-    [L, in, S*r] / [L, S*r, out] ones: the same adapters written into the same slots (swaps
-    included) unpack to the same A and B, and give each token the same delta in a scanned layer loop."""
+    """XLA:CPU's packed stacks (kernels/f32_matmul's layout, read at the layer index by
+    kernels/lora_delta) against the plain [L, in, S*r] / [L, S*r, out] ones: the same adapters written
+    into the same slots (swaps included) unpack to the same A and B, and give each token the same delta
+    in a scanned layer loop."""
     from slipstream.engine.device.lora_slots import LoraSlots
     from slipstream.kernels import f32_matmul as f32
     from slipstream.quantization import ops
@@ -252,6 +253,7 @@ def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tin
     token_slots = np.array([0, 1, 2, 3, 3, 1, 0], np.int32)
     x = jax.random.normal(jax.random.key(0), (len(token_slots), cfg.hidden_size), np.float32)
     for m in ("q_proj", "gate_proj"):
+        y = jax.random.normal(jax.random.key(1), (len(token_slots), targets[m].d_out), np.float32)
         outs = []
         for s in slots:
             a, b = s.stacks[m]
@@ -262,7 +264,8 @@ def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tin
 
             def body(carry, i, leaves=leaves, treedef=treedef):
                 layer = [ops.pick(leaf, i) if ops.per_layer(leaf) else leaf[i] for leaf in leaves]
-                return carry, jax.tree.unflatten(treedef, layer).delta(x)
+                return carry, jax.tree.unflatten(treedef, layer).add_to(y, x)
             outs.append(np.asarray(jax.lax.scan(body, 0, np.arange(cfg.num_layers, dtype=np.int32))[1]))
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6, err_msg=m)
-        assert np.abs(outs[0][:, 0]).max() == 0 and np.abs(outs[0][:, 1]).max() > 1e-3  # base token, adapter token
+        delta = outs[0] - np.asarray(y)
+        assert np.abs(delta[:, 0]).max() == 0 and np.abs(delta[:, 1]).max() > 1e-3  # base token, adapter token
