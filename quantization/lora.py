@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels.lora_delta import lora_add
+from slipstream.kernels.q8_matmul import gated_input
 
 
 @jax.tree_util.register_dataclass
@@ -67,9 +68,11 @@ class LoraWeight:
     def shape(self):
         return (self.a.shape[-2], self.b.shape[-1])
 
-    def add_to(self, y: jax.Array, x: jax.Array) -> jax.Array:
-        """y [T, out] (x's product by the base weight) plus each token's B(A(x)) for x [T, in], in
-        y's dtype (f32 accumulation); nothing added for slot 0.
+    def add_to(self, y: jax.Array, x: jax.Array, col: int = 0, gated: bool = False) -> jax.Array:
+        """y [T, W] holding x's product by the base weight in columns col .. col + out (a fused group's
+        output holds its other members' around it), plus each token's B(A(x)) there, for x [T, in]
+        (gated: a gated MLP's gate | up [T, 2*in], the input silu(gate) * up), in y's dtype (f32
+        accumulation); nothing added for slot 0.
         - Packed stacks (XLA:CPU): kernels/lora_delta, each token through its own slot's A and B only,
           y updated in place.
         - Arrays: one dense pair of matmuls over all S slots, the other slots' columns masked: a fixed
@@ -82,8 +85,9 @@ class LoraWeight:
         slots = self.slots.reshape(-1)
         if isinstance(self.a, PackedPick):
             out = lora_add(y2, x2, self.a.stack.packed, self.b.stack.packed, slots, rank=self.rank,
-                           layer=self.a.index)
+                           layer=self.a.index, col=col, n=self.b.stack.n, gated=gated)
             return out.reshape(*lead, out.shape[-1]).astype(y.dtype)
+        x2 = gated_input(x2) if gated else x2
 
         def dense(x2):
             h = _matmul(x2, self.a)                                                   # [T,S*r] f32
@@ -93,7 +97,8 @@ class LoraWeight:
 
         d = jax.lax.cond(jnp.any(slots > 0), dense,
                          lambda x2: jnp.zeros((x2.shape[0], self.b.shape[-1]), jnp.float32), x2)
-        return (y2 + d).reshape(*lead, d.shape[-1]).astype(y.dtype)
+        out = y2.at[:, col:col + d.shape[-1]].add(d)
+        return out.reshape(*lead, out.shape[-1]).astype(y.dtype)
 
 
 def split(weights) -> tuple[list, list[LoraWeight | None]]:
@@ -105,3 +110,12 @@ def split(weights) -> tuple[list, list[LoraWeight | None]]:
 
 def add_deltas(x: jax.Array, ys, loras) -> tuple[jax.Array, ...]:
     return tuple(y if lo is None else lo.add_to(y, x) for y, lo in zip(ys, loras))
+
+
+def add_fused(x: jax.Array, y: jax.Array, spans, loras) -> jax.Array:
+    """A fused group's product y [T, W] (member j in columns spans[j] = (first, width)) with each
+    member's delta added where its columns lie: no member's columns are copied out for it."""
+    for (first, _), lo in zip(spans, loras):
+        if lo is not None:
+            y = lo.add_to(y, x, col=first)
+    return y

@@ -1,6 +1,8 @@
 """The multi-LoRA delta kernel equals its pure-JAX reference and a float64 oracle on every instruction-set
 path this CPU has: each token through its own slot's A and B (slot 0 untouched), odd sizes, ranks 1..64 that
-cross panel boundaries, stacks read at a traced layer index, y updated in place without touching the caller's."""
+cross panel boundaries, a member's columns of a fused output (the others untouched), a gated MLP's gate | up
+as the input (silu(gate) * up), stacks read at a traced layer index, y updated in place without touching the
+caller's."""
 from __future__ import annotations
 
 import jax
@@ -46,18 +48,25 @@ def oracle(y, x, a, b, slots, rank):
     return want, mag
 
 
-def close(got, want, mag, k, rank):
-    # two f32 sums (k terms, then rank), one add to y, in any order: within (k + rank + 2) ulps of |terms|
-    bound = (k + rank + 2) * 2.0**-24 * 1.01 * mag + 1e-30
+def silu_times_up(gu):
+    """float64 silu(gate) * up of gate | up rows."""
+    g, u = np.split(gu.astype(np.float64), 2, axis=-1)
+    return g / (1 + np.exp(-g)) * u
+
+
+def close(got, want, mag, k, rank, gated=False):
+    # two f32 sums (k terms, then rank), one add to y, in any order: within (k + rank + 2) ulps of |terms|;
+    # a gated input's silu(gate) * up within a few ulps of its own
+    bound = (k + rank + 2 + 8 * gated) * 2.0**-24 * 1.01 * mag + 1e-30
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= bound).all(), f"max error {err.max():.3g}, {(err > bound).sum()} outputs over the bound"
 
 
-def run(y, x, pa, pb, slots, rank, isa=None, layer=None):
+def run(y, x, pa, pb, slots, rank, isa=None, layer=None, col=0, n=None, gated=False):
     prev = ext.set_isa(isa) if isa else None
     try:
         if layer is None:
-            f = jax.jit(lambda y, x, a, b, s: ld.lora_add(y, x, a, b, s, rank=rank))
+            f = jax.jit(lambda y, x, a, b, s: ld.lora_add(y, x, a, b, s, rank=rank, col=col, n=n, gated=gated))
             return np.asarray(f(y, x, pa, pb, slots))
         f = jax.jit(lambda y, x, a, b, s, i: ld.lora_add(y, x, a, b, s, rank=rank, layer=i))
         return np.asarray(f(y, x, pa, pb, slots, np.int32(layer)))
@@ -69,22 +78,39 @@ def run(y, x, pa, pb, slots, rank, isa=None, layer=None):
 @needs_native
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 70), k=st.integers(1, 150), n=st.integers(1, 100), rank=st.integers(1, 64),
-       num_slots=st.integers(1, 4), isa=st.sampled_from(ISAS or ["-"]), seed=st.integers(0, 2**31 - 1))
-def test_each_token_gets_its_own_slots_delta(t, k, n, rank, num_slots, isa, seed):
-    y, x, a, b, slots = case(np.random.default_rng(seed), t, k, n, rank, num_slots)
+       num_slots=st.integers(1, 4), before=st.sampled_from([0, 0, 5, 32]), after=st.sampled_from([0, 0, 3, 40]),
+       gated=st.booleans(), isa=st.sampled_from(ISAS or ["-"]), seed=st.integers(0, 2**31 - 1))
+def test_each_token_gets_its_own_slots_delta(t, k, n, rank, num_slots, before, after, gated, isa, seed):
+    """In columns before .. before + n of y (a fused output's member, when before or after is not 0)."""
+    rng = np.random.default_rng(seed)
+    _, x, a, b, slots = case(rng, t, k, n, rank, num_slots)
+    y = rng.standard_normal((t, before + n + after), np.float32)
+    if gated:
+        x = rng.standard_normal((t, 2 * k), np.float32) * 2
     pa, pb = fm.pack(a), fm.pack(b)
-    want, mag = oracle(y, x, a, b, slots, rank)
-    got = run(y, x, pa, pb, slots, rank, isa)
-    close(got, want, mag, k, rank)
+    want, mag = oracle(y[:, before:before + n], silu_times_up(x) if gated else x, a, b, slots, rank)
+    got = run(y, x, pa, pb, slots, rank, isa, col=before, n=n, gated=gated)
+    close(got[:, before:before + n], want, mag, k, rank, gated)
     np.testing.assert_array_equal(got[slots == 0], y[slots == 0])  # base-model rows as they were, bit for bit
+    np.testing.assert_array_equal(got[:, :before], y[:, :before])  # the other members' columns too
+    np.testing.assert_array_equal(got[:, before + n:], y[:, before + n:])
 
 
-@pytest.mark.parametrize("t,k,n,rank,num_slots", [(5, 33, 70, 1, 3), (17, 100, 45, 24, 4), (3, 9, 130, 64, 2)])
-def test_the_reference_gives_each_token_its_own_slots_delta(t, k, n, rank, num_slots):
+@pytest.mark.parametrize("t,k,n,rank,num_slots,col,gated", [(5, 33, 70, 1, 3, 0, False), (17, 100, 45, 24, 4, 7, False),
+                                                             (3, 9, 130, 64, 2, 0, True)])
+def test_the_reference_gives_each_token_its_own_slots_delta(t, k, n, rank, num_slots, col, gated):
     """The JAX path (other platforms, SLIPSTREAM_KERNELS=reference) against the same oracle."""
-    y, x, a, b, slots = case(np.random.default_rng(t), t, k, n, rank, num_slots)
-    ref = jax.jit(lambda *args: ld.reference(*args, rank=rank))(y, x, fm.pack(a), fm.pack(b), slots, np.int32(0))
-    close(np.asarray(ref), *oracle(y, x, a, b, slots, rank), k, rank)
+    rng = np.random.default_rng(t)
+    _, x, a, b, slots = case(rng, t, k, n, rank, num_slots)
+    if gated:
+        x = rng.standard_normal((t, 2 * k), np.float32)
+    y = rng.standard_normal((t, col + n + col), np.float32)
+    ref = jax.jit(lambda *args: ld.reference(*args, rank=rank, col=col, n=n, gated=gated))(
+        y, x, fm.pack(a), fm.pack(b), slots, np.int32(0))
+    ref = np.asarray(ref)
+    want, mag = oracle(y[:, col:col + n], silu_times_up(x) if gated else x, a, b, slots, rank)
+    close(ref[:, col:col + n], want, mag, k, rank, gated)
+    np.testing.assert_array_equal(np.delete(ref, np.s_[col:col + n], axis=1), np.delete(y, np.s_[col:col + n], axis=1))
 
 
 @needs_native
@@ -133,5 +159,8 @@ def test_rejects_stacks_of_another_shape():
     y, x, a, b, slots = case(np.random.default_rng(4), 4, 16, 20, 4, 2)
     with pytest.raises(ValueError, match="do not fit"):
         ld.lora_add(jnp.asarray(y), jnp.asarray(x), fm.pack(a), fm.pack(b), jnp.asarray(slots), rank=3)
+    with pytest.raises(ValueError, match="do not fit"):
+        ld.lora_add(jnp.zeros((4, 30)), jnp.asarray(x), fm.pack(a), fm.pack(b), jnp.asarray(slots), rank=4, col=11,
+                    n=20)
     with pytest.raises(ValueError, match="do not fit"):
         ld.lora_add(jnp.zeros((4, 40)), jnp.asarray(x), fm.pack(a), fm.pack(b), jnp.asarray(slots), rank=4)

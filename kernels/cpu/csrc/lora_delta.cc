@@ -1,6 +1,9 @@
 // Multi-LoRA delta as an XLA FFI custom call on CPU: y[t] += (x[t] A_s) B_s for every token t on an adapter
 // slot s = slots[t] >= 1; a token on slot 0 (the base model) keeps its row. y is updated in place (the call
-// aliases it to its result).
+// aliases it to its result), in columns col .. col + N - 1 of its rows: a fused group's output (q | k | v,
+// gate | up) takes each member's delta where it lies, with no copy of the member's columns. With `gated`,
+// x is a gated MLP's gate | up [T, 2K] and a token's input row is silu(gate) * up (the down projection's
+// delta beside kernels/q8_matmul's gated down projection), formed here for the adapter tokens only.
 //
 // The adapters of S slots of rank r lie side by side in two stacks packed for kernels/f32_matmul (its
 // pack(); quantization/lora.py's PackedStack), read at `layer` where they lie:
@@ -21,6 +24,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -43,11 +47,12 @@ constexpr int kBlock = 28;  // tokens per work item at most: two AVX-512 tiles
 rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx2, Isa::kAvx512};
 
 struct Problem {
-  const float* x;  // [t, k]
+  const float* x;  // [t, ldx]: the input rows, or gate | up rows (ldx = 2k) when gated
   const float* a;  // the layer's A panels [ceil(cols/32)][k][32]
   const float* b;  // the layer's B panels [ceil(n/32)][cols][32]
-  float* y;        // [t, n], updated in place
-  int k, n, rank, cols;
+  float* y;        // [t, ldy] from the member's first column: n of each row updated in place
+  int k, n, ldx, ldy, rank, cols;
+  bool gated;
 };
 
 // One slot's columns of A (rows of B) as the vector paths read them: from column c0, rounded out to whole
@@ -61,9 +66,16 @@ struct Span {
 
 void RunPortable(const Problem& p, int slot, const int* tok, int count) {
   const int c0 = (slot - 1) * p.rank;
-  std::vector<float> h(p.rank);
+  std::vector<float> h(p.rank), gated(p.gated ? p.k : 0);
   for (int t = 0; t < count; ++t) {
-    const float* x = p.x + static_cast<size_t>(tok[t]) * p.k;
+    const float* x = p.x + static_cast<size_t>(tok[t]) * p.ldx;
+    if (p.gated) {  // silu(g) * u as lora_delta_tile.h's GatedRow
+      for (int i = 0; i < p.k; ++i) {
+        const float g = x[i], e = std::exp(-std::fabs(g));
+        gated[i] = g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * x[p.k + i];
+      }
+      x = gated.data();
+    }
     for (int j = 0; j < p.rank; ++j) {
       const int c = c0 + j;
       const float* a = p.a + static_cast<size_t>(c / kPanel) * p.k * kPanel + c % kPanel;
@@ -71,7 +83,7 @@ void RunPortable(const Problem& p, int slot, const int* tok, int count) {
       for (int kk = 0; kk < p.k; ++kk) acc += x[kk] * a[static_cast<size_t>(kk) * kPanel];
       h[j] = acc;
     }
-    float* y = p.y + static_cast<size_t>(tok[t]) * p.n;
+    float* y = p.y + static_cast<size_t>(tok[t]) * p.ldy;
     for (int c = 0; c < p.n; ++c) {
       const float* b = p.b + static_cast<size_t>(c / kPanel) * p.cols * kPanel + static_cast<size_t>(c0) * kPanel +
                        c % kPanel;
@@ -102,12 +114,13 @@ struct Item {
 
 ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y_in, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::S32> slots,
-                         ffi::Buffer<ffi::S32> layer, int64_t rank, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::S32> layer, int64_t rank, int64_t col, int64_t n, int64_t gated,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto yd = y_in.dimensions(), xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
   if (yd.size() != 2 || xd.size() != 2 || ad.size() != bd.size() || (ad.size() != 2 && ad.size() != 3) ||
       slots.dimensions().size() != 1 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "lora_delta: y [T,N], x [T,K], a [(L,) ceil(S*r/32), K*32], b [(L,) ceil(N/32), S*r*32], slots [T], "
+        "lora_delta: y [T,W], x [T,K] (gated: [T,2K]), a [(L,) ceil(S*r/32), K*32], b [(L,) ceil(N/32), S*r*32], slots [T], "
         "layer []");
   const size_t rk = ad.size();
   const int64_t stack = rk == 3 ? ad[0] : 1, index = rk == 3 ? layer.typed_data()[0] : 0;
@@ -115,8 +128,13 @@ ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y_in, ffi::
   if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("lora_delta: layer index out of range");
   Problem p;
   const int64_t t = xd[0];
-  p.k = static_cast<int>(xd[1]);
-  p.n = static_cast<int>(yd[1]);
+  p.gated = gated != 0;
+  if (p.gated && xd[1] % 2) return ffi::Error::InvalidArgument("lora_delta: a gated x holds gate | up, an even width");
+  p.ldx = static_cast<int>(xd[1]);
+  p.k = p.gated ? p.ldx / 2 : p.ldx;
+  if (col < 0 || n < 0 || col + n > yd[1]) return ffi::Error::InvalidArgument("lora_delta: columns col .. col + n outside y");
+  p.n = static_cast<int>(n);
+  p.ldy = static_cast<int>(yd[1]);
   p.cols = static_cast<int>(bd[rk - 1] / kPanel);
   if (rank < 1 || p.cols % rank != 0)
     return ffi::Error::InvalidArgument("lora_delta: B's rows are not whole slots of the rank");
@@ -128,7 +146,8 @@ ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y_in, ffi::
       pb != (p.n + kPanel - 1) / kPanel)
     return ffi::Error::InvalidArgument("lora_delta: y, x, A, B and slots shapes disagree");
   p.y = y->typed_data();
-  if (p.y != y_in.typed_data()) std::memcpy(p.y, y_in.typed_data(), sizeof(float) * static_cast<size_t>(t) * p.n);
+  if (p.y != y_in.typed_data()) std::memcpy(p.y, y_in.typed_data(), sizeof(float) * static_cast<size_t>(t) * p.ldy);
+  p.y += col;
   p.x = x.typed_data();
   p.a = a.typed_data() + index * pa * int64_t(p.k) * kPanel;
   p.b = b.typed_data() + index * pb * int64_t(p.cols) * kPanel;
@@ -174,7 +193,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamLoraDelta, LoraDeltaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]: 0 the base model
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of the stacks [L, ...]
                                   .Attr<int64_t>("rank")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y + the deltas [T, N]
+                                  .Attr<int64_t>("col")           // the first of y's columns updated
+                                  .Attr<int64_t>("n")             // how many: B's width N
+                                  .Attr<int64_t>("gated")         // 1: x is gate | up, the input silu(gate) * up
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y, its columns col .. col + N - 1 + the deltas
 
 PyMODINIT_FUNC PyInit__lora_delta() {
   static rt::ModuleSpec spec{
