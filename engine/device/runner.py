@@ -66,8 +66,8 @@ class JaxEngine:
         self.weight_mode = config.weight_mode()
         # LoRA: adapter slots over the linears as loaded (the engine's own forms of them come next)
         # (on XLA:CPU: packed stacks the native delta kernel reads at the layer index, per token)
-        packed = (jax.default_backend() == "cpu" and config.tensor_parallel == 1 and self.dtype == jnp.float32
-                  and lora_native_available())
+        packed = (config.max_loras > 0 and jax.default_backend() == "cpu" and config.tensor_parallel == 1
+                  and self.dtype == jnp.float32 and lora_native_available())
         self.lora = (LoraSlots(lora_targets(model), model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                self.dtype, packed=packed) if config.max_loras else None)
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
