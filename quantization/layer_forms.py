@@ -14,7 +14,7 @@ import numpy as np
 
 from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
-from slipstream.quantization import int8, ops
+from slipstream.quantization import int8, lora, ops
 from slipstream.quantization.groupwise import host_empty
 from slipstream.quantization.weights import QuantizedWeight
 
@@ -150,27 +150,37 @@ class StackedPick:
             raise ValueError(f"weights fused as a group of {len(widths)} linears are multiplied as that "
                              f"group, in order (got {len(picks)} weights); see engine/layer_stack.FUSED")
 
-    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+    def fused_linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, tuple[tuple[int, int], ...]]:
+        """The group's product whole, f32 [M, W], and each member's columns in it (first, width)."""
         self._check_group(picks)
         y = self.stack.matmul(x.reshape(-1, x.shape[-1]), self.index)
-        return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype)
-                     for o, n in zip(self.stack.offsets, self.stack.widths))
+        return y, tuple(zip(self.stack.offsets, self.stack.widths))
 
-    def gated_down(self, x: jax.Array, picks: tuple, down) -> jax.Array | None:
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        y, spans = self.fused_linears(x, picks)
+        return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype) for o, n in spans)
+
+    def gated_down(self, x: jax.Array, picks: tuple, down, loras: tuple = (None, None, None)) -> jax.Array | None:
         """down(silu(gate(x)) * up(x)) for this int8 gate/up group and an int8 down weight: the
         gate/up output [M, 2F] goes to the down projection's kernel whole, which forms silu(gate) * up
         per row as it quantizes (kernels.q8_matmul, gated). None where that does not apply (f32
-        stacks, members of other widths, no AVX-512 kernel): the caller then multiplies unfused."""
+        stacks, members of other widths, no AVX-512 kernel): the caller then multiplies unfused.
+        loras: gate's, up's and down's LoraWeight or None: gate's and up's deltas go into the gate/up
+        output before the activation, down's (its input gate | up, gated) onto the product."""
         stack = self.stack
         if not (isinstance(stack, StackedQ8) and isinstance(down, StackedPick) and isinstance(down.stack, StackedQ8)
                 and len(stack.widths) == 2 and stack.widths[0] == stack.widths[1] == stack.offsets[1]
                 and down.stack.weight.logical[0] == stack.widths[0] and gated_native()):
             return None
         self._check_group(picks)
-        gate_up = self.stack.matmul(x.reshape(-1, x.shape[-1]), self.index)          # [M, 2F]
+        x2 = x.reshape(-1, x.shape[-1])
+        gate_up = self.stack.matmul(x2, self.index)                                   # [M, 2F]
+        gate_up = lora.add_fused(x2, gate_up, tuple(zip(stack.offsets, stack.widths)), loras[:2])
         w = down.stack.weight
         y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
-                      layer=down.index, gated=True)
+                      layer=down.index, gated=True)                                   # [M, out]
+        if loras[2] is not None:
+            y = loras[2].add_to(y, gate_up, gated=True)
         return y.reshape(*x.shape[:-1], w.logical[1]).astype(x.dtype)
 
 

@@ -10,14 +10,17 @@ import jax
 import jax.numpy as jnp
 
 from slipstream.kernels import f32_matmul as f32
+from slipstream.kernels.lora_delta import lora_add
+from slipstream.kernels.q8_matmul import gated_input
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedStack:
     """One side of every layer's adapter weights (A [in, S*r] or B [S*r, out]) as one stack packed
-    for kernels/f32_matmul ([L, Np/32, K*32]): the scanned layer body reads layer i where it lies
-    (ops.per_layer), instead of XLA:CPU copying each layer's slice out of an [L, ...] stack."""
+    for kernels/f32_matmul ([L, Np/32, K*32]): the scanned layer body passes the whole stack and the
+    layer index to kernels/lora_delta (ops.per_layer), which reads layer i where it lies, instead of
+    XLA:CPU copying each layer's slice out of an [L, ...] stack."""
 
     packed: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
@@ -41,14 +44,8 @@ class PackedPick:
     def shape(self) -> tuple[int, ...]:
         return self.stack.shape[1:]
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        """x [T, K] -> f32 [T, n]."""
-        return f32.f32_matmul(x, self.stack.packed, n=self.stack.n, layer=self.index)
 
-
-def _matmul(x: jax.Array, w) -> jax.Array:
-    if isinstance(w, PackedPick):
-        return w.matmul(x)
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("ti,io->to", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -71,25 +68,37 @@ class LoraWeight:
     def shape(self):
         return (self.a.shape[-2], self.b.shape[-1])
 
-    def delta(self, x: jax.Array) -> jax.Array:
-        """x [T, in] -> [T, out] f32: each token through its slot's B(A(x)), zero for slot 0.
-        One dense pair of matmuls over all S slots, the other slots' columns masked: a fixed shape
-        whatever the batch's mix of adapters (Punica's segment matmuls in dense form), and the cost
-        S*r*(in+out) per token, small next to the base weight's in*out for S*r << in. Skipped (zeros)
-        in a step with no token on an adapter."""
+    def add_to(self, y: jax.Array, x: jax.Array, col: int = 0, gated: bool = False) -> jax.Array:
+        """y [T, W] holding x's product by the base weight in columns col .. col + out (a fused group's
+        output holds its other members' around it), plus each token's B(A(x)) there, for x [T, in]
+        (gated: a gated MLP's gate | up [T, 2*in], the input silu(gate) * up), in y's dtype (f32
+        accumulation); nothing added for slot 0.
+        - Packed stacks (XLA:CPU): kernels/lora_delta, each token through its own slot's A and B only,
+          y updated in place.
+        - Arrays: one dense pair of matmuls over all S slots, the other slots' columns masked: a fixed
+          shape whatever the batch's mix of adapters (Punica's segment matmuls in dense form), and the
+          cost S*r*(in+out) per token, small next to the base weight's in*out for S*r << in. Skipped
+          in a step with no token on an adapter."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        slots = self.slots.reshape(-1, 1)
+        y2 = y.reshape(-1, y.shape[-1]).astype(jnp.float32)
+        slots = self.slots.reshape(-1)
+        if isinstance(self.a, PackedPick):
+            out = lora_add(y2, x2, self.a.stack.packed, self.b.stack.packed, slots, rank=self.rank,
+                           layer=self.a.index, col=col, n=self.b.stack.n, gated=gated)
+            return out.reshape(*lead, out.shape[-1]).astype(y.dtype)
+        x2 = gated_input(x2) if gated else x2
 
         def dense(x2):
             h = _matmul(x2, self.a)                                                   # [T,S*r] f32
             cols = jnp.arange(self.a.shape[-1], dtype=jnp.int32) // self.rank + 1     # [S*r] slot of each column
-            h = jnp.where(slots == cols[None, :], h, 0.0)
+            h = jnp.where(slots[:, None] == cols[None, :], h, 0.0)
             return _matmul(h, self.b)                                                 # [T,out] f32
 
-        y = jax.lax.cond(jnp.any(slots > 0), dense,
+        d = jax.lax.cond(jnp.any(slots > 0), dense,
                          lambda x2: jnp.zeros((x2.shape[0], self.b.shape[-1]), jnp.float32), x2)
-        return y.reshape(*lead, y.shape[-1])
+        out = y2.at[:, col:col + d.shape[-1]].add(d)
+        return out.reshape(*lead, out.shape[-1]).astype(y.dtype)
 
 
 def split(weights) -> tuple[list, list[LoraWeight | None]]:
@@ -100,5 +109,13 @@ def split(weights) -> tuple[list, list[LoraWeight | None]]:
 
 
 def add_deltas(x: jax.Array, ys, loras) -> tuple[jax.Array, ...]:
-    return tuple(y if lo is None else (y.astype(jnp.float32) + lo.delta(x)).astype(y.dtype)
-                 for y, lo in zip(ys, loras))
+    return tuple(y if lo is None else lo.add_to(y, x) for y, lo in zip(ys, loras))
+
+
+def add_fused(x: jax.Array, y: jax.Array, spans, loras) -> jax.Array:
+    """A fused group's product y [T, W] (member j in columns spans[j] = (first, width)) with each
+    member's delta added where its columns lie: no member's columns are copied out for it."""
+    for (first, _), lo in zip(spans, loras):
+        if lo is not None:
+            y = lo.add_to(y, x, col=first)
+    return y

@@ -61,9 +61,14 @@ def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
     """x @ each weight of a group one input feeds (q/k/v, gate/up), in the model's order. A form that
     multiplies a whole group (a `linears` method: layer_forms' picks, engine/sharding.py's weights)
     gets it at once, so a per-layer switch or a fused stack serves the group with one call. LoRA
-    weights: the base forms as a group, then each member's delta."""
+    weights: the base forms as a group, then each member's delta (into the group's fused product where
+    its form has one: `fused_linears`)."""
     bases, loras = lora.split(weights)
     if any(lo is not None for lo in loras):
+        if hasattr(bases[0], "fused_linears"):
+            y, spans = bases[0].fused_linears(x, tuple(bases))                       # [M, W] f32
+            y = lora.add_fused(x.reshape(-1, x.shape[-1]), y, spans, loras)
+            return tuple(y[:, o:o + n].reshape(*x.shape[:-1], n).astype(x.dtype) for o, n in spans)
         return lora.add_deltas(x, linears(x, bases), loras)
     if hasattr(weights[0], "linears"):
         return weights[0].linears(x, tuple(weights))
@@ -73,12 +78,11 @@ def linears(x: jax.Array, weights: Sequence[Any]) -> tuple[jax.Array, ...]:
 def gated_down(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array | None:
     """down(silu(gate(x)) * up(x)) where the weights' form multiplies the whole MLP at once (int8
     stacks on CPU form silu(gate) * up inside the down projection's kernel); None elsewhere, and the
-    caller multiplies the three linears itself. Not with LoRA (gate and up get their deltas before
-    the activation)."""
-    if any(isinstance(w, lora.LoraWeight) for w in (gate, up, down)):
-        return None
+    caller multiplies the three linears itself. LoRA weights: the base forms' MLP with the deltas
+    (gate's and up's before the activation) added inside."""
+    (gate, up, down), loras = lora.split((gate, up, down))
     if hasattr(gate, "gated_down"):
-        return gate.gated_down(x, (gate, up), down)
+        return gate.gated_down(x, (gate, up), down, loras=tuple(loras))
     return None
 
 

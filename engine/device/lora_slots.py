@@ -3,10 +3,11 @@
 columns), written in place by one precompiled program, and attached to the step's linear weights as
 quantization.lora.LoraWeight. Shapes never depend on which adapters are loaded: no recompiles.
 
-`packed` (XLA:CPU with kernels/f32_matmul's native kernel, f32 adapters): each stack is kept packed
-for that kernel ([L, Np/32, K*32], quantization.lora.PackedStack), which reads layer i's A and B
-where they lie; a scan over plain [L, ...] stacks made XLA copy each layer's slice out first (8 of
-the 24 ms LoRA added to a 32-decode step on the default model)."""
+`packed` (XLA:CPU with kernels/lora_delta's native kernel, f32 adapters): each stack is kept packed in
+kernels/f32_matmul's column panels ([L, Np/32, K*32], quantization.lora.PackedStack), and the kernel
+reads layer i's A and B where they lie, each token's own slot only; a scan over plain [L, ...] stacks
+made XLA copy each layer's slice out first (8 of the 24 ms LoRA added to a 32-decode step on the
+default model)."""
 from __future__ import annotations
 
 import jax

@@ -40,7 +40,7 @@ from slipstream.engine.device.params import prepare_model
 from slipstream.engine.device.sharding import TensorParallel
 from flax import nnx
 from slipstream.kernels.attention import kv_layout
-from slipstream.kernels.f32_matmul import native_available as f32_native_available
+from slipstream.kernels.lora_delta import native_available as lora_native_available
 from slipstream.models.base import CausalLM, init_kv_cache, step_fn
 from slipstream.models.config import ModelConfig
 from slipstream.models.lora import lora_targets
@@ -65,9 +65,9 @@ class JaxEngine:
         kv_dtype = config.kv_dtype()
         self.weight_mode = config.weight_mode()
         # LoRA: adapter slots over the linears as loaded (the engine's own forms of them come next)
-        # (on XLA:CPU, as the f32 linears: packed stacks the native kernel reads at the layer index)
-        packed = (jax.default_backend() == "cpu" and config.tensor_parallel == 1 and self.dtype == jnp.float32
-                  and f32_native_available())
+        # (on XLA:CPU: packed stacks the native delta kernel reads at the layer index, per token)
+        packed = (config.max_loras > 0 and jax.default_backend() == "cpu" and config.tensor_parallel == 1
+                  and self.dtype == jnp.float32 and lora_native_available())
         self.lora = (LoraSlots(lora_targets(model), model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                self.dtype, packed=packed) if config.max_loras else None)
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)

@@ -154,6 +154,38 @@ def test_adapters_over_int8_base_weights(lora_setup, tiny_model, quantize, monke
     assert logits[1].argmax() == lora_ref.argmax()
 
 
+def test_the_fused_int8_mlp_adds_the_adapters_deltas_as_the_unfused_one(lora_setup, tiny_model, monkeypatch):
+    """Over CPU's group-wise int8 stacks the gated MLP kernel stays on under LoRA: gate's and up's deltas go
+    into the gate | up product, down's comes from gate | up (silu(gate) * up formed by the delta kernel).
+    Its logits equal those of the same engine with the MLP unfused (silu(gate) * up in XLA, then the down
+    projection and its delta), far closer than the adapter moves them."""
+    from slipstream.kernels.q8_matmul import gated_native
+    from slipstream.quantization import layer_forms
+
+    if not gated_native():
+        pytest.skip("no native gated int8 MLP kernel on this CPU")
+    _, _, adapters, _ = lora_setup
+    cfg, model = tiny_model
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(layer_forms.StackedPick, "gated_down", lambda *a, **kw: None)
+        jax.clear_caches()  # traces are shared across engines: trace this form afresh
+        engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": "q8_0-a16"}, max_loras=1,
+                                                    max_lora_rank=8), precompile=False)
+        assert engine.lora.packed
+        engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+        engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapters["mlp"]))
+        out[fused] = engine.model_logits(StepBatch([
+            StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1], sample=True),
+            StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[2], sample=True, lora_slot=1)]))
+    jax.clear_caches()
+    moved = np.abs(out[True][1] - out[True][0]).max()
+    assert moved > 0.05
+    np.testing.assert_allclose(out[True], out[False], rtol=0, atol=2e-3 * moved)
+
+
 def test_speculative_decoding_verifies_drafts_under_each_adapter(lora_setup):
     """n-gram drafts are verified with their sequence's adapter: repetitive prompts (drafts accepted)
     under two adapters and the base model give transformers + peft's greedy tokens."""
@@ -227,9 +259,10 @@ def test_multi_host_workers_get_an_adapters_weights_only_when_a_slot_loads_it(lo
 
 
 def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tiny_model):
-    """XLA:CPU's packed stacks (kernels/f32_matmul, read at the layer index) against the plain
-    [L, in, S*r] / [L, S*r, out] ones: the same adapters written into the same slots (swaps
-    included) unpack to the same A and B, and give each token the same delta in a scanned layer loop."""
+    """XLA:CPU's packed stacks (kernels/f32_matmul's layout, read at the layer index by
+    kernels/lora_delta) against the plain [L, in, S*r] / [L, S*r, out] ones: the same adapters written
+    into the same slots (swaps included) unpack to the same A and B, and give each token the same delta
+    in a scanned layer loop."""
     from slipstream.engine.device.lora_slots import LoraSlots
     from slipstream.kernels import f32_matmul as f32
     from slipstream.quantization import ops
@@ -252,6 +285,7 @@ def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tin
     token_slots = np.array([0, 1, 2, 3, 3, 1, 0], np.int32)
     x = jax.random.normal(jax.random.key(0), (len(token_slots), cfg.hidden_size), np.float32)
     for m in ("q_proj", "gate_proj"):
+        y = jax.random.normal(jax.random.key(1), (len(token_slots), targets[m].d_out), np.float32)
         outs = []
         for s in slots:
             a, b = s.stacks[m]
@@ -262,7 +296,8 @@ def test_packed_slot_stacks_hold_and_multiply_what_plain_ones_do(lora_setup, tin
 
             def body(carry, i, leaves=leaves, treedef=treedef):
                 layer = [ops.pick(leaf, i) if ops.per_layer(leaf) else leaf[i] for leaf in leaves]
-                return carry, jax.tree.unflatten(treedef, layer).delta(x)
+                return carry, jax.tree.unflatten(treedef, layer).add_to(y, x)
             outs.append(np.asarray(jax.lax.scan(body, 0, np.arange(cfg.num_layers, dtype=np.int32))[1]))
         np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6, err_msg=m)
-        assert np.abs(outs[0][:, 0]).max() == 0 and np.abs(outs[0][:, 1]).max() > 1e-3  # base token, adapter token
+        delta = outs[0] - np.asarray(y)
+        assert np.abs(delta[:, 0]).max() == 0 and np.abs(delta[:, 1]).max() > 1e-3  # base token, adapter token

@@ -55,6 +55,7 @@ struct Vec8 {
   SLIPSTREAM_VEC8 F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   SLIPSTREAM_VEC8 F div(F a, F b) { return _mm256_div_ps(a, b); }
   SLIPSTREAM_VEC8 F max(F a, F b) { return _mm256_max_ps(a, b); }
+  SLIPSTREAM_VEC8 F abs(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
   SLIPSTREAM_VEC8 F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
 
   // Masks: lanes below n (none for n <= 0; maskload reads nothing past them)
@@ -65,6 +66,7 @@ struct Vec8 {
                                                _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), k)),
                                m);
   }
+  SLIPSTREAM_VEC8 Mask ge(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }  // a >= b
   SLIPSTREAM_VEC8 F select(Mask m, F yes, F no) { return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(m)); }
   SLIPSTREAM_VEC8 bool any_gt(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
   SLIPSTREAM_VEC8 F load(const float* x, Mask m) { return _mm256_maskload_ps(x, m); }  // 0 outside m
@@ -156,12 +158,14 @@ struct Vec16 {
   SLIPSTREAM_VEC16 F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   SLIPSTREAM_VEC16 F div(F a, F b) { return _mm512_div_ps(a, b); }
   SLIPSTREAM_VEC16 F max(F a, F b) { return _mm512_max_ps(a, b); }
+  SLIPSTREAM_VEC16 F abs(F a) { return _mm512_abs_ps(a); }
   SLIPSTREAM_VEC16 F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 
   SLIPSTREAM_VEC16 Mask first(int n) { return n >= 16 ? Mask(0xFFFF) : n <= 0 ? Mask(0) : Mask((1u << n) - 1); }
   SLIPSTREAM_VEC16 Mask in_range(Mask m, I k, int lo, int hi) {
     return m & _mm512_cmple_epi32_mask(k, _mm512_set1_epi32(hi)) & _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(lo));
   }
+  SLIPSTREAM_VEC16 Mask ge(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   SLIPSTREAM_VEC16 F select(Mask m, F yes, F no) { return _mm512_mask_mov_ps(no, m, yes); }
   SLIPSTREAM_VEC16 bool any_gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
   SLIPSTREAM_VEC16 F load(const float* x, Mask m) { return _mm512_maskz_loadu_ps(m, x); }
