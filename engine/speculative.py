@@ -23,6 +23,10 @@ MAX_SPECULATIVE_TOKENS = 16
 # again (Speculator.propose); a probe every MAX_REST steps finds where drafts start to hit again (a
 # loop, a quote).
 MAX_REST = 16
+# An n-gram match whose earlier occurrence agrees with at least this many of the sequence's last tokens
+# (the n-gram and the tokens before it) is a copy in progress: it drafts 2K + 1 tokens, not K
+# (Speculator._ngram_drafts).
+LONG_MATCH = 12
 
 
 class Proposer(Protocol):
@@ -106,17 +110,26 @@ class NgramProposer:
         return [self.propose(seq.tokens, k) for seq, k in asks]
 
     def propose(self, seq_tokens: Sequence[int], k: int) -> list[int]:
+        return self.lookup(seq_tokens, k)[0]
+
+    def lookup(self, seq_tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """propose()'s draft, and how many of the sequence's last tokens its match agrees with (the
+        n-gram and the agreeing tokens before it, counted up to LONG_MATCH; 0 without a match)."""
         tokens = list(seq_tokens)
         size = len(tokens)
         if k < 1:
-            return []
+            return [], 0
         for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
             suffix = tokens[size - n:]
             # the occurrence must end before the suffix starts being itself: start < size - n
             for start in range(size - n - 1, -1, -1):
                 if tokens[start] == suffix[0] and tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + k]
-        return []
+                    agree = n
+                    while agree < LONG_MATCH and start + n - agree > 0 and \
+                            tokens[start + n - agree - 1] == tokens[size - agree - 1]:
+                        agree += 1
+                    return tokens[start + n:start + n + k], agree
+        return [], 0
 
 
 def accepted_length(drafts: Sequence[int], samples: Sequence[int]) -> int:
@@ -205,41 +218,57 @@ class Speculator:
             k = min(self.config.num_speculative_tokens, self._room(seq))
             if k >= 1:
                 asks.append((seq, k))
-        if asks and len(decodes) == len(running):
-            asks = self.fill_bucket(asks, len(running))
-        if asks:
+        if not asks:
+            return
+        if isinstance(self.proposer, NgramProposer):
+            self._drafts = self._ngram_drafts(asks, len(running) if len(decodes) == len(running) else 0)
+        else:
             self._drafts = {seq: tuple(d[:k]) for (seq, k), d in zip(asks, self.proposer.draft(asks)) if d}
-            if may_overlap:
-                for seq, _ in asks:
-                    if seq not in self._drafts:
-                        self._missed(seq)
+        if may_overlap:
+            for seq, _ in asks:
+                if seq not in self._drafts:
+                    self._missed(seq)
 
     def _room(self, seq: "Seq") -> int:
         """Drafts `seq` can take: within its max_tokens (the token after the drafts counts) and the context."""
         return min(seq.max_tokens - len(seq.output_ids) - 1, self.max_seq_len - seq.num_tokens)
 
-    def fill_bucket(self, asks: list[tuple["Seq", int]], tokens: int) -> list[tuple["Seq", int]]:
-        """More n-gram drafts where they are free: a step of `tokens` decodes plus the asked drafts is
-        padded up to the engine's next token bucket, and the padded rows cost what a draft's row does
-        (1 + K = 5 query tokens run as 8). So each ask grows, round-robin, until the step fills its
-        bucket, each within MAX_SPECULATIVE_TOKENS and its room (`_room`). Only prompt lookup: a draft
-        model pays a forward pass per draft."""
-        if not isinstance(self.proposer, NgramProposer) or not self.token_buckets:
-            return asks
-        total = tokens + sum(k for _, k in asks)
+    def _ngram_drafts(self, asks: list[tuple["Seq", int]], decodes: int) -> dict["Seq", tuple[int, ...]]:
+        """Prompt lookup's drafts for the asks ((sequence, K) each), looked up as far as
+        MAX_SPECULATIVE_TOKENS and the room (`_room`) allow. A match of LONG_MATCH tokens or more asks
+        for twice the rows, 2K + 1 drafts (a copy in progress goes on for more than K tokens); in a step
+        of only `decodes` decoding sequences (0: a prompt also runs), the drafts then grow into the
+        step's padded rows (fill_bucket)."""
+        found = []
+        for seq, k in asks:
+            draft, agree = self.proposer.lookup(seq.tokens, min(MAX_SPECULATIVE_TOKENS, self._room(seq)))
+            if draft:
+                found.append((seq, draft, min(2 * k + 1 if agree >= LONG_MATCH else k, len(draft))))
+        if decodes:
+            found = self.fill_bucket(found, decodes)
+        return {seq: tuple(draft[:k]) for seq, draft, k in found}
+
+    def fill_bucket(self, found: list[tuple["Seq", list[int], int]], tokens: int
+                    ) -> list[tuple["Seq", list[int], int]]:
+        """More n-gram drafts where they are free: a step of `tokens` decodes plus the drafts kept
+        ((sequence, its looked-up draft, how many of it are kept) each) is padded up to the engine's next
+        token bucket, and the padded rows cost what a draft's row does (1 + K = 5 query tokens run as 8).
+        So each keeps more of its draft, round-robin, until the step fills its bucket. Only prompt lookup:
+        a draft model pays a forward pass per draft."""
+        total = tokens + sum(k for _, _, k in found)
         bucket = next((b for b in self.token_buckets if b >= total), None)
         if bucket is None:
-            return asks
+            return found
         spare = bucket - total
-        room = [min(MAX_SPECULATIVE_TOKENS, self._room(seq)) - k for seq, k in asks]
-        grown = [k for _, k in asks]
+        room = [len(draft) - k for _, draft, k in found]
+        grown = [k for _, _, k in found]
         while spare > 0 and any(r > 0 for r in room):
-            for i in range(len(asks)):
+            for i in range(len(found)):
                 if spare > 0 and room[i] > 0:
                     grown[i] += 1
                     room[i] -= 1
                     spare -= 1
-        return [(seq, k) for (seq, _), k in zip(asks, grown)]
+        return [(seq, draft, k) for (seq, draft, _), k in zip(found, grown)]
 
     def _missed(self, seq: "Seq") -> None:
         """Drafting gained nothing for `seq`: it rests twice as long as after its last miss."""

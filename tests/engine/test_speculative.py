@@ -273,14 +273,35 @@ def test_ngram_drafts_fill_the_step_bucket_padded_rows():
         got = {c.seq: len(c.draft) for c in p.plan().chunks}
         return [got[s] for s in seqs]
 
-    assert drafts([motif * 2]) == [7]                       # 1 + 4 -> bucket 8: 7 drafts
-    assert drafts([motif * 2, motif * 2]) == [7, 7]         # 2 + 8 -> bucket 16: 14 drafts
+    # the motif's first token follows 5 once before: a 2-token match, K = 4 asked
+    short = [5] + motif + [7, 8, 5]
+    assert drafts([short]) == [7]                           # 1 + 4 -> bucket 8: 7 drafts
+    assert drafts([short, short]) == [7, 7]                 # 2 + 8 -> bucket 16: 14 drafts
     # 3 drafts left for the first (max_tokens), 2 + 7 -> bucket 16: the second takes the 7 spare rows
-    assert drafts([motif * 2, motif * 2], max_tokens=(5, 100)) == [3, 11]
-    assert drafts([motif * 2], prefilling=True) == [4]
+    assert drafts([short, short], max_tokens=(5, 100)) == [3, 11]
+    assert drafts([short], prefilling=True) == [4]
 
     class Fixed:  # a proposer that is not prompt lookup (a draft model's place)
         def draft(self, asks):
             return [[5] * k for _, k in asks]
 
     assert drafts([motif * 2], proposer=Fixed()) == [4]
+    # the motif repeated: its match agrees with the last 20 tokens, a copy in progress asks for 2K + 1
+    assert drafts([motif * 2], prefilling=True) == [9]
+    assert drafts([motif * 2]) == [15]                      # 1 + 9 -> bucket 16: 15 drafts
+    assert drafts([motif * 2, short]) == [10, 4]            # 2 + 13 -> bucket 16: one spare row
+
+
+def test_ngram_lookup_counts_how_far_its_match_agrees():
+    """The match's agreement with the sequence's last tokens (the n-gram and the tokens before it), up
+    to LONG_MATCH: what tells a copy in progress from a chance match."""
+    from slipstream.engine.speculative import LONG_MATCH
+
+    p = NgramProposer(2, 3)
+    assert p.lookup([9, 1, 2, 3, 4, 7, 1, 2, 3], 2) == ([4, 7], 3)   # the 3-gram; 9 != 7 before it
+    assert p.lookup([9, 1, 2, 3, 4, 9, 1, 2, 3], 2) == ([4, 9], 4)   # 9 == 9 before it, then the start
+    assert p.lookup([1, 2, 5, 1, 2], 1) == ([5], 2)
+    assert p.lookup([1, 2, 3], 2) == ([], 0)
+    run = list(range(100, 130))
+    assert p.lookup(run + [0] + run[:20], 3) == (run[20:23], LONG_MATCH)
+
