@@ -13,7 +13,8 @@ Three measurements in one run, so their ratios share the machine's state:
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts);
   4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and the
-     two-part kernel on the tile unit against its AVX-512 VNNI path at each --rows, timed alternately.
+     two-part kernel on the tile unit (weights with their pack_tiles, at every row count: the crossover) against
+     its AVX-512 VNNI path at each --rows, timed alternately.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
     python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx]
@@ -192,12 +193,15 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     print(f"\n[4] AMX: dense tile products on {cores} cores (benchmarks/amx_peak.c, random data): int8 "
           f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The q8_0-a16 kernel on the tile unit (amx) "
           "and on AVX-512 VNNI, timed alternately; GOP/s = 2*M*K*N / median time; share of the int8 and bf16 peaks")
+    min_rows = ext.amx_rows(1)  # the tile unit at every row count, to find where it wins
     print(f"    {'shape':20} {'M':>4} | {'vnni ms':>8} {'GOP/s':>6} | {'amx ms':>8} {'GOP/s':>6} {'int8 pk':>7} "
           f"{'bf16 pk':>7} | {'amx/vnni':>8}")
     for m in rows:
         for name, (k, n) in PREFILL_SHAPES.items():
             packed, scales, offsets = random_q8(rng, k, n, offsets=True)
-            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, n=n: q8.q8_matmul(x, p, s, o, n=n, parts=2))
+            tiles = jnp.asarray(q8.pack_tiles(packed, scales, offsets))
+            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, t=tiles, n=n:
+                         q8.q8_matmul(x, p, s, o, n=n, parts=2, tiles=t))
             x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
             times: dict[str, list[float]] = {"avx512_vnni": [], "amx": []}
             for isa in times:  # warm-up: compile once, touch both paths
@@ -216,6 +220,7 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
             print(f"    {name:20} {m:>4} | {vnni * 1e3:8.3f} {ops / vnni / 1e9:6.0f} | {amx * 1e3:8.3f} "
                   f"{ops / amx / 1e9:6.0f} {ops / amx / 1e9 / peaks['int8']:7.1%} {ops / amx / 1e9 / peaks['bf16']:7.1%} "
                   f"| {ratio:7.2f}x", flush=True)
+    ext.amx_rows(min_rows)
 
 
 def main(argv: list[str] | None = None) -> None:
