@@ -792,26 +792,64 @@ void TileBf16(const Problem& p, const Acts& a, int rt0, int tile0) {
   if constexpr (CT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
   if constexpr (RT == 2 && CT == 2) _tile_zero(3);
-  // each (r, c) of the block: C(r, c) += A(r) B(c)
-  auto products = []() __attribute__((always_inline)) {
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (CT == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (RT == 2 && CT == 2) _tile_dpbf16ps(3, 5, 7);
-  };
-  for (int g = 0; g < p.groups; ++g) {
-    const size_t xg = static_cast<size_t>(g) * kElems, wg = 2 * xg;  // w: hi then lo per group
-    _tile_loadd(4, xl + xg, 64);
-    if constexpr (RT == 2) _tile_loadd(5, xl + x_step + xg, 64);
-    _tile_loadd(6, w + wg, 64);
-    if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg, 64);
-    products();  // x_lo w_hi
-    _tile_loadd(4, xh + xg, 64);
-    if constexpr (RT == 2) _tile_loadd(5, xh + x_step + xg, 64);
-    products();  // x_hi w_hi
-    _tile_loadd(6, w + wg + kElems, 64);
-    if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg + kElems, 64);
-    products();  // x_hi w_lo
+  if constexpr (RT == 2 && CT == 2) {
+    // Tile registers are not renamed: a load into tmm4-7 waits for the products still reading it. So each load
+    // is issued right after the last product that reads its register, while the others keep the unit busy,
+    // and the next group's first operands are loaded during this group's last products.
+    _tile_loadd(4, xl, 64);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + w_step, 64);
+    _tile_loadd(5, xl + x_step, 64);
+    for (int g = 0; g < p.groups; ++g) {
+      const size_t xg = static_cast<size_t>(g) * kElems, wg = 2 * xg;  // w: hi then lo per group
+      const bool next = g + 1 < p.groups;
+      // x_lo w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(4, xh + xg, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, xh + x_step + xg, 64);
+      // x_hi w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(6, w + wg + kElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(7, w + w_step + wg + kElems, 64);
+      // x_hi w_lo, then the next group's x_lo and w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (next) _tile_loadd(6, w + wg + 2 * kElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (next) _tile_loadd(4, xl + xg + kElems, 64);
+      _tile_dpbf16ps(3, 5, 7);
+      if (next) {
+        _tile_loadd(7, w + w_step + wg + 2 * kElems, 64);
+        _tile_loadd(5, xl + x_step + xg + kElems, 64);
+      }
+    }
+  } else {
+    // each (r, c) of the block: C(r, c) += A(r) B(c)
+    auto products = []() __attribute__((always_inline)) {
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (CT == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
+    };
+    for (int g = 0; g < p.groups; ++g) {
+      const size_t xg = static_cast<size_t>(g) * kElems, wg = 2 * xg;  // w: hi then lo per group
+      _tile_loadd(4, xl + xg, 64);
+      if constexpr (RT == 2) _tile_loadd(5, xl + x_step + xg, 64);
+      _tile_loadd(6, w + wg, 64);
+      if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg, 64);
+      products();  // x_lo w_hi
+      _tile_loadd(4, xh + xg, 64);
+      if constexpr (RT == 2) _tile_loadd(5, xh + x_step + xg, 64);
+      products();  // x_hi w_hi
+      _tile_loadd(6, w + wg + kElems, 64);
+      if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg + kElems, 64);
+      products();  // x_hi w_lo
+    }
   }
   alignas(64) float c[4][kAmxRows * kTile];
   _tile_stored(0, c[0], 64);
