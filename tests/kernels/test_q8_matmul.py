@@ -83,7 +83,7 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
 # pack_tiles runs on the tile unit: x and the dequantized weight each split into bf16 hi + lo, three bf16
 # products summed in f32 (~16 bits per product). Fewer rows, one-part calls and weights without tiles run the
 # AVX-512 VNNI path's code. run_kernel passes the tiles on the AMX path.
-AMX_MIN_ROWS = 256
+AMX_MIN_ROWS = 64
 
 
 def takes_split_path(isa: str | None, parts: int, rows: int) -> bool:

@@ -743,10 +743,11 @@ constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
 // Blocking: 2 row tiles x 2 column tiles: C in tmm0-3 (tmm(2r + c)), x's A tiles in tmm4-5, the weights' B
 // tiles in tmm6-7; per group 8 tile loads for 12 products.
 constexpr int kBf16BlockRows = 256;  // input rows per item: each column tile's B panel serves 16 row tiles
-// From this many input rows a two-part call with prepacked tiles runs on the tile unit.
-// Measured (Xeon Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows
-// ...`): see benchmarks/results.d/intel-emerald-rapids.md.
-constexpr int kAmxMinRows = 256;
+// From this many input rows a two-part call with prepacked tiles runs on the tile unit. Measured (Xeon Emerald
+// Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows 32,64,128,256,512`): the
+// kernel alone wins from 32 rows, but a 32-slot decode step took the same time either way (its tiles, 4 bytes a
+// weight, stream from memory where the int8 weights stay in L3), so decode steps keep the VNNI path.
+constexpr int kAmxMinRows = 64;
 std::atomic<int> g_amx_min_rows{kAmxMinRows};  // amx_rows() changes it, for benchmarks
 
 #if defined(SLIPSTREAM_X86)
