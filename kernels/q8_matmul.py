@@ -16,6 +16,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from slipstream.kernels import native
@@ -108,8 +109,6 @@ def pack_tiles(packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray | Non
     [Np/16, Kp*32]: w = q * d (+ m) rounded once to f32 (q * d is exact in f32), w_hi = bf16(w), w_lo = bf16(w -
     w_hi) (nearest even); per 16-column tile and group of 32 inputs w_hi's tile, then w_lo's, each 16 rows
     [input pair j][column][2]. 4 bytes per weight, made once at load (kernels/cpu/csrc/q8_matmul.cc, TileBf16)."""
-    import ml_dtypes
-
     packed, scales = np.asarray(packed), np.asarray(scales)
     if packed_bits(packed.shape[-1], scales.shape[-1]) == 4:
         packed = widen(packed)

@@ -738,7 +738,7 @@ constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
 // and a product at half depth (K = 32 of 64 costs 0.85x a full one here); a bit-exact int8 version measured
 // 0.96-1.2x the VNNI path's time. Why three bf16 products and not the integer q in bf16 (exact) times x hi +
 // lo with the scales applied per group: measured on this project's Emerald Rapids (one core, 256 rows x 96
-// columns, operands prepacked, benchmarks/amx_blocking.cc): 731 useful GFLOP/s for these three products in
+// columns, operands prepacked, benchmarks/amx_blocking.cc, A2 and B1): 731 useful GFLOP/s for these three products in
 // 2 x 2 blocks against 517 for that two-product scheme (its per-group pass, 1 x 2 blocks), 583 in 1 x 2 blocks.
 // Blocking: 2 row tiles x 2 column tiles: C in tmm0-3 (tmm(2r + c)), x's A tiles in tmm4-5, the weights' B
 // tiles in tmm6-7; per group 8 tile loads for 12 products.
