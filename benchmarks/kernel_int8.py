@@ -13,10 +13,15 @@ Three measurements in one run, so their ratios share the machine's state:
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts);
   4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and the
-     two-part kernel on the tile unit against its AVX-512 VNNI path at each --rows, timed alternately.
+     two-part kernel on the tile unit (weights with their pack_tiles, at every row count: the crossover) against
+     its AVX-512 VNNI path at each --rows, timed alternately;
+  5. with --amx --engine: the default model's engine (q8_0-a16, bf16 K/V, 32 slots at 384 tokens of context): a
+     32-slot decode step and a 256-token prefill chunk on the VNNI path, on the tile unit from kAmxMinRows rows
+     (the default), and on it from 32 rows, the three alternated within each rep; the q8 calls' time by the
+     kernel's own clock, and the step's attention alone.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
-    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx]
+    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]]
 """
 from __future__ import annotations
 
@@ -192,12 +197,15 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     print(f"\n[4] AMX: dense tile products on {cores} cores (benchmarks/amx_peak.c, random data): int8 "
           f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The q8_0-a16 kernel on the tile unit (amx) "
           "and on AVX-512 VNNI, timed alternately; GOP/s = 2*M*K*N / median time; share of the int8 and bf16 peaks")
+    min_rows = ext.amx_rows(1)  # the tile unit at every row count, to find where it wins
     print(f"    {'shape':20} {'M':>4} | {'vnni ms':>8} {'GOP/s':>6} | {'amx ms':>8} {'GOP/s':>6} {'int8 pk':>7} "
           f"{'bf16 pk':>7} | {'amx/vnni':>8}")
     for m in rows:
         for name, (k, n) in PREFILL_SHAPES.items():
             packed, scales, offsets = random_q8(rng, k, n, offsets=True)
-            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, n=n: q8.q8_matmul(x, p, s, o, n=n, parts=2))
+            tiles = jnp.asarray(q8.pack_tiles(packed, scales, offsets))
+            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, t=tiles, n=n:
+                         q8.q8_matmul(x, p, s, o, n=n, parts=2, tiles=t))
             x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
             times: dict[str, list[float]] = {"avx512_vnni": [], "amx": []}
             for isa in times:  # warm-up: compile once, touch both paths
@@ -216,6 +224,68 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
             print(f"    {name:20} {m:>4} | {vnni * 1e3:8.3f} {ops / vnni / 1e9:6.0f} | {amx * 1e3:8.3f} "
                   f"{ops / amx / 1e9:6.0f} {ops / amx / 1e9 / peaks['int8']:7.1%} {ops / amx / 1e9 / peaks['bf16']:7.1%} "
                   f"| {ratio:7.2f}x", flush=True)
+    ext.amx_rows(min_rows)
+
+
+def amx_engine(ext, reps: int) -> None:
+    """[5]: decode and prefill steps of the default model with the q8 kernel's paths alternated per rep."""
+    import statistics
+
+    from benchmarks.engine import attention_only, build_from_args, decodes, fill, parse_args
+    from slipstream.engine.api import StepBatch, StepSeq
+    from slipstream.models.loader import load_model
+    from slipstream.models.registry import resolve_model
+
+    args = parse_args(["--slots", "32", "--context", "384", "--prefill-lengths", "256", "--quantize", "q8_0-a16",
+                       "--kv-cache-dtype", "bfloat16"])
+    cfg, params = load_model(resolve_model(args.model), quantize="q8_0-a16")
+    setup = build_from_args(cfg, params, args)
+    engine = setup.engine
+    fill(setup, 0)
+    slot = engine.max_slots - 1
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, engine.vocab_size, 256)]
+    chunk = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
+    attention = attention_only(setup, 32)
+    default_rows = ext.amx_rows()
+    paths = {"vnni": ("avx512_vnni", default_rows), f"amx from {default_rows} rows": ("amx", default_rows),
+             "amx from 32 rows": ("amx", 32)}
+    times = {name: {part: [] for part in ("decode", "decode q8", "prefill", "prefill q8")} for name in paths}
+    attention_ms = []
+
+    def timed(run):
+        ext.profile(True)
+        start = time.perf_counter()
+        run()
+        jax.block_until_ready(engine.cache)
+        took = time.perf_counter() - start
+        return took, sum(end - begin for begin, end, _, _ in ext.profile(False)) / 1e9
+
+    try:
+        for rep in range(reps + 2):  # two warm-up rounds
+            for name, (isa, rows) in paths.items():
+                ext.set_isa(isa)
+                ext.amx_rows(rows)
+                setup.rewind()  # every decode step writes the same position
+                for part, run in (("decode", lambda: engine.step(StepBatch(decodes(setup, 32)))),
+                                  ("prefill", lambda: engine.step(chunk))):
+                    took, q8_s = timed(run)
+                    if rep >= 2:
+                        times[name][part].append(took)
+                        times[name][part + " q8"].append(q8_s)
+            start = time.perf_counter()
+            jax.block_until_ready(attention())
+            if rep >= 2:
+                attention_ms.append((time.perf_counter() - start) * 1e3)
+    finally:
+        ext.set_isa("amx")
+        ext.amx_rows(default_rows)
+    med = lambda v: statistics.median(v) * 1e3  # noqa: E731
+    print(f"\n[5] engine steps, default model q8_0-a16, bf16 K/V (medians of {reps}, paths alternated): a 32-slot "
+          f"decode step at 384 context (its attention alone: {statistics.median(attention_ms):.1f} ms) and a 256-token "
+          "prefill chunk; q8: the time inside the q8 matmul calls")
+    for name, t in times.items():
+        print(f"    {name:18} decode {med(t['decode']):6.1f} ms (q8 {med(t['decode q8']):5.1f})   prefill "
+              f"{med(t['prefill']):6.1f} ms (q8 {med(t['prefill q8']):5.1f})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the chained decode step at these one-row prefetch distances (bytes into "
                              "L1 and L2; the CPU's own setting is printed first)")
     parser.add_argument("--amx", action="store_true", help="only [4]: the tile unit against the VNNI path")
+    parser.add_argument("--engine", action="store_true", help="with --amx, only [5]: engine steps on each path")
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
@@ -235,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
     rng = np.random.default_rng(0)
+    if args.amx and args.engine:
+        return amx_engine(ext, args.reps)
     if args.amx:
         return amx_rows(ext, rng, [int(r) for r in args.rows.split(",")], args.reps)
     probe = probe_call()

@@ -136,7 +136,12 @@ def profile_ops(fn: Callable[[], object], reps: int, top: int) -> list[tuple[str
 
 
 def _leaf_bytes(tree) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+    """Bytes of a params tree as a decode step reads it: a StackedQ8's AMX tiles serve only many-row calls."""
+    from slipstream.quantization.layer_forms import StackedQ8
+
+    stacks = lambda v: isinstance(v, StackedQ8)  # noqa: E731
+    return sum(_leaf_bytes(leaf.weight) if stacks(leaf) else leaf.nbytes
+               for leaf in jax.tree_util.tree_leaves(tree, is_leaf=stacks))
 
 
 def weight_bytes_read_per_token(params) -> int:

@@ -16,6 +16,7 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from slipstream.kernels import native
@@ -95,6 +96,35 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None, *, bits: int
 
     out = (np.ascontiguousarray(packed), per_group(d))
     return out if m is None else (*out, per_group(m))
+
+
+def amx_tiles_wanted() -> bool:
+    """True when the native kernel runs on the AMX tile unit here (an Intel CPU and OS that grant it): then a
+    two-part (q8_0-a16) weight that serves many-row calls is worth its pack_tiles copy."""
+    return native_available() and importlib.import_module("slipstream.kernels._q8_matmul").isa() == "amx"
+
+
+def pack_tiles(packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
+    """A packed weight (pack's outputs, 8 or 4 bits) -> its bf16 B tiles for the AMX path, uint16 bits
+    [Np/16, Kp*32]: w = q * d (+ m) rounded once to f32 (q * d is exact in f32), w_hi = bf16(w), w_lo = bf16(w -
+    w_hi) (nearest even); per 16-column tile and group of 32 inputs w_hi's tile, then w_lo's, each 16 rows
+    [input pair j][column][2]. 4 bytes per weight, made once at load (kernels/cpu/csrc/q8_matmul.cc, TileBf16)."""
+    packed, scales = np.asarray(packed), np.asarray(scales)
+    if packed_bits(packed.shape[-1], scales.shape[-1]) == 4:
+        packed = widen(packed)
+    tiles, width = packed.shape
+    kp, g = width // TILE, width // TILE // GROUP
+    q = packed.reshape(tiles, kp // 4, TILE, 4).transpose(0, 2, 1, 3).reshape(tiles, TILE, kp)  # [T, 16, Kp] + 128
+    per_input = lambda v: np.repeat(np.asarray(v).reshape(tiles, g, TILE).transpose(0, 2, 1).astype(np.float32),  # noqa: E731
+                                    GROUP, axis=-1)  # [T, 16, Kp]
+    w = (q.astype(np.float32) - SHIFT) * per_input(scales)
+    if offsets is not None:
+        w += per_input(offsets)
+    hi = w.astype(ml_dtypes.bfloat16)
+    lo = (w - hi.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    split = np.stack([hi.view(np.uint16), lo.view(np.uint16)], axis=2)           # [T, 16, 2, Kp]
+    out = split.reshape(tiles, TILE, 2, g, TILE, 2).transpose(0, 3, 2, 4, 1, 5)  # [T, G, hi/lo, pair, col, 2]
+    return np.ascontiguousarray(out).reshape(tiles, kp * 32)
 
 
 def _widened(xp, packed):
@@ -183,12 +213,14 @@ def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     return y[:, :n]
 
 
-def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, layer: jax.Array, *,
-            n: int, parts: int, gated: bool = False) -> jax.Array:
+def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, tiles: jax.Array | None,
+            layer: jax.Array, *, n: int, parts: int, gated: bool = False) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if offsets is None:
         offsets = jnp.zeros((0,), jnp.float16)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, layer, parts=np.int32(parts),
+    if tiles is None:
+        tiles = jnp.zeros((0,), jnp.uint16)
+    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, tiles, layer, parts=np.int32(parts),
                                          gated=np.int32(gated),
                                          bits=np.int32(packed_bits(packed.shape[-1], scales.shape[-1])))
 
@@ -199,7 +231,7 @@ def gated_input(x: jax.Array) -> jax.Array:
     return jax.nn.silu(x[..., :k]) * x[..., k:]
 
 
-def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None,
+def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, tiles,
                   layer: jax.Array, *, n: int, parts: int, gated: bool = False) -> jax.Array:
     if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
         pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
@@ -208,14 +240,17 @@ def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: j
 
 
 def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
-              n: int, parts: int = 1, layer: jax.Array | int | None = None, gated: bool = False) -> jax.Array:
+              n: int, parts: int = 1, layer: jax.Array | int | None = None, gated: bool = False,
+              tiles: jax.Array | None = None) -> jax.Array:
     """x [..., K] (any float dtype) times a packed weight -> f32 [..., n]. parts: 1 (int8
     activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual).
     With `layer` (an int32 scalar, traced or not), packed / scales / offsets are a stack of weights
     [L, ...] (pack's outputs stacked) and weight `layer` is used: the native kernel reads it where it
     lies, so a scanned layer loop passes the whole stack and no slice of it is copied.
     gated: x is gate | up [..., 2K] (a gated MLP's gate/up output) and the matmul's input is
-    silu(gate) * up (gated_input), which the native kernel forms row by row as it quantizes."""
+    silu(gate) * up (gated_input), which the native kernel forms row by row as it quantizes.
+    tiles: the weight's pack_tiles (stacked like packed when `layer` is given), or None: with them, two-part
+    calls of many rows run on the AMX tile unit where the kernel has it (the reference ignores them)."""
     if gated and x.shape[-1] % 2:
         raise ValueError(f"q8_matmul: a gated x holds gate | up, an even width; got {x.shape}")
     k = x.shape[-1] // 2 if gated else x.shape[-1]
@@ -230,6 +265,9 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
                          f"[{k}, {n}] weight{'' if layer is None else ' stack [L, ...]'} (expected "
                          f"{(*lead_w, np_ // TILE, kp * TILE)} (4 bits: half as wide) / {(*lead_w, *group_shape)}, offsets like "
                          "scales); build them with kernels.q8_matmul.pack")
+    if tiles is not None and (tiles.dtype != jnp.uint16 or tiles.shape != (*lead_w, np_ // TILE, kp * 32)):
+        raise ValueError(f"q8_matmul: tiles {tiles.dtype} {tiles.shape} are not this weight's pack_tiles (expected "
+                         f"uint16 {(*lead_w, np_ // TILE, kp * 32)})")
     if scales.dtype != jnp.float16 or (offsets is not None and offsets.dtype != jnp.float16):
         raise ValueError(f"q8_matmul: scales and offsets are f16 (kernels.q8_matmul.pack), got {scales.dtype}"
                          + ("" if offsets is None else f" / {offsets.dtype}"))
@@ -240,9 +278,9 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     ref = functools.partial(_reference_at, n=n, parts=parts, gated=gated)
     if native.load("q8_matmul", "q8_matmul"):
-        y = jax.lax.platform_dependent(x2, packed, scales, offsets, index,
+        y = jax.lax.platform_dependent(x2, packed, scales, offsets, tiles, index,
                                        cpu=functools.partial(_native, n=n, parts=parts, gated=gated), default=ref)
     else:
-        y = ref(x2, packed, scales, offsets, index)
+        y = ref(x2, packed, scales, offsets, tiles, index)
     return y.reshape(*lead, n)
 

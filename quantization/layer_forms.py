@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from slipstream.kernels import f32_matmul as f32
-from slipstream.kernels.q8_matmul import TILE, gated_native, q8_matmul, widen
+from slipstream.kernels.q8_matmul import TILE, amx_tiles_wanted, gated_native, pack_tiles, q8_matmul, widen
 from slipstream.quantization import int8, lora, ops
 from slipstream.quantization.groupwise import host_empty
 from slipstream.quantization.weights import QuantizedWeight
@@ -57,10 +57,12 @@ class LayerPick:
 class StackedQ8:
     """The group-wise int8 weights of every layer as one stack (a QuantizedWeight [L, K, N]) for one
     linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles)
-    and number widths[j]."""
+    and number widths[j]. tiles: the stack's kernels.q8_matmul.pack_tiles [L, Np/16, Kp*32] where the kernel
+    runs two-part calls on the AMX tile unit (fuse_q8 makes them), else None."""
 
     weight: QuantizedWeight
     widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tiles: jax.Array | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -73,7 +75,8 @@ class StackedQ8:
     def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         """x f32 [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
         w = self.weight
-        return q8_matmul(x, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2, layer=layer)
+        return q8_matmul(x, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2, layer=layer,
+                         tiles=self.tiles)
 
 
 @jax.tree_util.register_dataclass
@@ -178,17 +181,34 @@ class StackedPick:
         gate_up = lora.add_fused(x2, gate_up, tuple(zip(stack.offsets, stack.widths)), loras[:2])
         w = down.stack.weight
         y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
-                      layer=down.index, gated=True)                                   # [M, out]
+                      layer=down.index, gated=True, tiles=down.stack.tiles)            # [M, out]
         if loras[2] is not None:
             y = loras[2].add_to(y, gate_up, gated=True)
         return y.reshape(*x.shape[:-1], w.logical[1]).astype(x.dtype)
 
 
+def stack_tiles(w: QuantizedWeight) -> jax.Array | None:
+    """A stacked q8_0-a16 weight's bf16 tiles (kernels.q8_matmul.pack_tiles per layer) where the kernel runs on the
+    AMX tile unit, else None: 4 bytes per weight (the default model's layers: 425 MB) buy its many-row calls
+    (prefill, batched decode) the tile unit."""
+    if w.mode == "q8_0" or not amx_tiles_wanted():
+        return None
+    q, scale = np.asarray(w.q), np.asarray(w.scale)
+    offset = None if w.offset is None else np.asarray(w.offset)
+    first = pack_tiles(q[0], scale[0], None if offset is None else offset[0])
+    out = host_empty((q.shape[0], *first.shape), np.uint16)
+    out[0] = first
+    for i in range(1, q.shape[0]):
+        out[i] = pack_tiles(q[i], scale[i], None if offset is None else offset[i])
+    return jax.device_put(out)  # hands numpy's buffer to XLA
+
+
 def fuse_q8(weights: list[QuantizedWeight]) -> StackedQ8:
-    """Stacked int8 weights [L, K, N_j] sharing K and mode -> one StackedQ8 over their columns."""
+    """Stacked int8 weights [L, K, N_j] sharing K and mode -> one StackedQ8 over their columns (with its AMX
+    tiles where stack_tiles makes them)."""
     widths = tuple(w.logical[1] for w in weights)
     if len(weights) == 1:
-        return StackedQ8(weights[0], widths)
+        return StackedQ8(weights[0], widths, stack_tiles(weights[0]))
     def cat(arrays):  # along the tile axis, in numpy (jnp would compile a program per shape)
         arrays = [np.asarray(a) for a in arrays]
         if len({a.shape[-1] for a in arrays}) > 1:  # 4- and 8-bit members: all at 8 bits
@@ -205,7 +225,7 @@ def fuse_q8(weights: list[QuantizedWeight]) -> StackedQ8:
     fused = QuantizedWeight(q=cat([w.q for w in weights]), scale=cat([w.scale for w in weights]),
                             mode=weights[0].mode, offset=offset,
                             logical=(weights[0].logical[0], sum(-(-n // TILE) * TILE for n in widths[:-1]) + widths[-1]))
-    return StackedQ8(fused, widths)
+    return StackedQ8(fused, widths, stack_tiles(fused))
 
 
 def fuse_f32(weights: list) -> StackedF32:

@@ -1,13 +1,15 @@
-"""Engine-level, on Intel CPUs with AMX: greedy output with the q8 matmul's tile-unit path (two-part calls of at
-least kAmxMinRows rows: here the prefill step) equals that with its AVX-512 VNNI path in the default q8_0-a16
-mode."""
+"""Engine-level, on Intel CPUs with AMX: the q8_0-a16 layer stacks come with their bf16 tiles, and greedy output
+with the q8 matmul's tile-unit path (two-part calls of at least kAmxMinRows rows: here the prefill step) equals
+that with its AVX-512 VNNI path."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.kernels import native
+from slipstream.quantization.layer_forms import StackedQ8
 from tests.conftest import TINY_ENGINE
 from tests.engine.test_kernel_paths import greedy
 from tests.kernels.isas import runnable_isas
@@ -33,6 +35,9 @@ def test_greedy_with_amx_equals_vnni(tiny_model):
     config = EngineConfig(**{**TINY_ENGINE, "max_slots": len(prompts), "num_pages": 96, "max_num_batched_tokens": 320,
                              "quantize": "q8_0-a16", "kv_cache_dtype": "bfloat16"})
     engine = JaxEngine(cfg, params, config, precompile=False)
+    stacks = [leaf for leaf in jax.tree_util.tree_leaves(engine.params, is_leaf=lambda v: isinstance(v, StackedQ8))
+              if isinstance(leaf, StackedQ8)]
+    assert stacks and all(s.tiles is not None for s in stacks)  # made at load for the tile unit
     prev = ext.set_isa("amx")
     try:
         with_amx = greedy(engine, prompts)

@@ -79,10 +79,11 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
     return (isa or ext.isa()) == "avx2" and parts == 2 and rows >= AVX2_F32_MIN_ROWS
 
 
-# q8_matmul.cc's kAmxMinRows: from this many rows a two-part call on the AMX path runs on the tile unit: x and
-# the dequantized weight each split into bf16 hi + lo, three bf16 products summed in f32 (~16 bits per
-# product). Fewer rows, and one-part calls, run the AVX-512 VNNI path's code.
-AMX_MIN_ROWS = 256
+# q8_matmul.cc's kAmxMinRows: from this many rows a two-part call on the AMX path whose weight comes with its
+# pack_tiles runs on the tile unit: x and the dequantized weight each split into bf16 hi + lo, three bf16
+# products summed in f32 (~16 bits per product). Fewer rows, one-part calls and weights without tiles run the
+# AVX-512 VNNI path's code. run_kernel passes the tiles on the AMX path.
+AMX_MIN_ROWS = 64
 
 
 def takes_split_path(isa: str | None, parts: int, rows: int) -> bool:
@@ -98,11 +99,14 @@ def assert_split_product_close(got, x, q, d, m=None):
     np.testing.assert_array_less(np.abs(got - exact), (2.0**-14 + k * 2.0**-24) * terms + 1e-30)
 
 
-def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False):
+def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False, tiles="auto"):
+    """The kernel's output; tiles "auto": on the AMX path with two parts, with the weight's pack_tiles (else none)."""
+    if isinstance(tiles, str):
+        tiles = q8.pack_tiles(packed, scales, offsets) if (isa or ext.isa()) == "amx" and parts == 2 else None
     prev = ext.set_isa(isa) if isa else None
     try:
-        fn = jax.jit(lambda x, p, s, o: q8.q8_matmul(x, p, s, o, n=n, parts=parts, gated=gated))
-        return np.asarray(fn(x, packed, scales, offsets))
+        fn = jax.jit(lambda x, p, s, o, t: q8.q8_matmul(x, p, s, o, n=n, parts=parts, gated=gated, tiles=t))
+        return np.asarray(fn(x, packed, scales, offsets, tiles))
     finally:
         if prev:
             ext.set_isa(prev)
@@ -180,7 +184,7 @@ def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, 
         assert_split_product_close(got, x, q, d, off)
     else:
         assert_close(got, want, x, q, d, off, slack=step)
-    ref = jax.jit(lambda x, p, s, o: q8._reference_at(x, p, s, o, jnp.int32(0), n=n, parts=parts, gated=True))
+    ref = jax.jit(lambda x, p, s, o: q8._reference_at(x, p, s, o, None, jnp.int32(0), n=n, parts=parts, gated=True))
     assert_close(np.asarray(ref(gate_up, packed, scales, packed_off)), want, x, q, d, off, slack=step)
 
 
@@ -347,7 +351,7 @@ def test_stacked_weights_at_a_traced_layer_equal_each_weight_alone(offsets, part
         alone = run_kernel(x[i], w[0], w[1], n, offsets=w[2] if offsets else None, parts=parts)
         np.testing.assert_array_equal(got[i], alone)
     def reference(x, packed, scales, offsets=None, *, n, parts, layer):
-        return q8._reference_at(x, packed, scales, offsets, layer, n=n, parts=parts)
+        return q8._reference_at(x, packed, scales, offsets, None, layer, n=n, parts=parts)
 
     with_reference = np.asarray(scanned(reference)(x))
     for i, w in enumerate(weights):

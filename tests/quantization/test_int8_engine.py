@@ -10,7 +10,9 @@ from flax import nnx
 from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.kernels.q8_matmul import amx_tiles_wanted
 from slipstream.quantization import QuantizedWeight, weight_bytes
+from slipstream.quantization.layer_forms import StackedQ8
 from tests.conftest import TINY_ENGINE
 
 STEPS = 8
@@ -87,9 +89,19 @@ def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_o
     agree = np.mean([t == r for row, ref in zip(got, f32_outputs) for (t, _), (r, _) in zip(row, ref)])
     assert agree >= 0.9, f"{mode}: only {agree:.0%} greedy tokens equal f32"
     # the weights the engine holds are int8: the layers take about a quarter of the f32 bytes (int8:
-    # plus an f32 scale and offset per 32 inputs)
+    # plus an f32 scale and offset per 32 inputs). Where the q8 kernel runs on AMX, q8_0-a16 stacks also hold
+    # their bf16 tiles for many-row calls (kernels.q8_matmul.pack_tiles), an extra 4 bytes per weight, and
+    # nothing else does.
     f32_layers = weight_bytes(nnx.state(tiny_model[1].blocks))
-    assert weight_bytes(engine.params["blocks"]) <= (0.32 if mode == "int8" else 0.3) * f32_layers
+    stacks = [leaf for leaf in jax.tree_util.tree_leaves(engine.params["blocks"], is_leaf=lambda v: isinstance(v, StackedQ8))
+              if isinstance(leaf, StackedQ8)]
+    tiles = [s.tiles for s in stacks if s.tiles is not None]
+    assert bool(tiles) == (mode == "q8_0-a16" and amx_tiles_wanted())
+    for s, t in zip(stacks, tiles):
+        layers, col_tiles, groups16 = s.weight.scale.shape  # [L, Np/16, Kp/32*16]
+        assert t.nbytes == 4 * layers * (col_tiles * 16) * (groups16 * 2)  # 4 bytes per (padded) weight
+    held = weight_bytes(engine.params["blocks"]) - sum(t.nbytes for t in tiles)
+    assert held <= (0.32 if mode == "int8" else 0.3) * f32_layers
 
 
 def test_int8_kv_cache_keeps_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs):

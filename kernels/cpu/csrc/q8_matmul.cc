@@ -48,8 +48,8 @@
 // quantized (GatedRow), so XLA never writes the [M, K] product (its slice-multiply fusion of the
 // gate/up output was 4% of a 1052-token step).
 //
-// Instruction sets, chosen at run time: AMX (two-part calls of at least kAmxMinRows rows on the BF16 tile
-// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// Instruction sets, chosen at run time: AMX (two-part calls of at least kAmxMinRows rows whose weights come
+// with their bf16 tiles, prepacked at load, on the BF16 tile unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -114,6 +114,7 @@ struct Problem {
   const uint8_t* w;
   const uint16_t* ws;  // f16 scales
   const uint16_t* wo;  // f16 offsets, or nullptr
+  const uint16_t* wt = nullptr;  // the weights split into bf16 hi + lo B tiles (see TileBf16), or nullptr
   int n, kp, groups, tiles, parts;
   int bits = 8;  // 8, or 4: two weights per byte (see the top of the file)
   float* y;  // [m, n]
@@ -122,6 +123,7 @@ struct Problem {
   bool pf_nta = false;
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile * bits / 8; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
+  size_t tile_bf16() const { return static_cast<size_t>(groups) * 2 * kTile * kGroup; }  // uint16s per tile of wt
 };
 
 // IEEE half -> float, for the portable path (the vector paths convert with vcvtph2ps).
@@ -724,22 +726,29 @@ constexpr TileF32Fn kTileF32Avx2[kF32Rows] = {&TileF32Avx2<1>, &TileF32Avx2<2>, 
 // ---- AMX ---------------------------------------------------------------------------------------
 constexpr int kAmxRows = 16;  // rows of a tile: input rows per micro block
 
-// AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo. On int8 tiles the
-// per-group scales would cost a tile product at half depth (K = 32 of 64), a tile store and a float pass
-// per group and tile for each part (a bit-exact int8 version measured 0.96-1.2x the VNNI path's time on
-// this project's AMX Xeon, one part, 8-256 rows). Instead the tile unit multiplies in bf16 with f32 sums:
-// each tile's weights are widened once per item to w = q * d (+ m) in f32 and split into w_hi = bf16(w),
-// w_lo = bf16(w - w_hi), x likewise, and the three products x_hi w_hi + x_hi w_lo + x_lo w_hi accumulate
-// over all of K in the C tiles, with no work per group. Each product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it):
-// closer to f32 than the two int8 parts (~15 bits of x per group). Tiles: C in tmm0 and tmm1 (two column
-// tiles), x_hi and x_lo in tmm4 and tmm5, the first tile's w_hi and w_lo in tmm6 and tmm7, the second's in
-// tmm2 and tmm3; all 16 rows of 64 bytes (32 bf16, one group of K).
-constexpr int kBf16BlockRows = 256;  // input rows per item: each widened tile serves 16 row tiles
-// From this many input rows a two-part call runs on the tile unit (a 256-token prefill chunk, a mixed step).
-// Measured (Xeon Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows
-// 128,256,512`, medians of 15): 1.01-1.38x the VNNI path's time at 128 rows, 0.84-1.14x at 256, 0.77-0.98x at
-// 512 (fewer rows do not amortize each item's split of its weights).
-constexpr int kAmxMinRows = 256;
+// AMX-BF16, two parts: x times the dequantized weight, each split into bf16 hi + lo, and the three products
+// x_lo w_hi + x_hi w_hi + x_hi w_lo summed in f32 over all of K in the C tiles, with no work per group. Each
+// product carries ~16 significant bits (the dropped x_lo w_lo is below 2^-16 of it): closer to f32 than the two
+// int8 parts (~15 bits of x per group).
+// The weights' split is made once, at load (kernels/q8_matmul.py, pack_tiles: w = q * d (+ m) rounded once to
+// f32, w_hi = bf16(w), w_lo = bf16(w - w_hi)), and passed as `tiles`: per column tile and group, w_hi's B tile
+// then w_lo's (16 rows of 64 bytes: row j holds inputs 2j and 2j + 1 of the group for the 16 columns), 4 bytes
+// per weight. x is split per call into A tiles (SplitRowBf16).
+// Why not int8 tiles with the group-32 scales: a scale pass per group and C tile (tile store, a float pass)
+// and a product at half depth (K = 32 of 64 costs 0.85x a full one here); a bit-exact int8 version measured
+// 0.96-1.2x the VNNI path's time. Why three bf16 products and not the integer q in bf16 (exact) times x hi +
+// lo with the scales applied per group: measured on this project's Emerald Rapids (one core, 256 rows x 96
+// columns, operands prepacked, benchmarks/amx_blocking.cc, A2 and B1): 731 useful GFLOP/s for these three products in
+// 2 x 2 blocks against 517 for that two-product scheme (its per-group pass, 1 x 2 blocks), 583 in 1 x 2 blocks.
+// Blocking: 2 row tiles x 2 column tiles: C in tmm0-3 (tmm(2r + c)), x's A tiles in tmm4-5, the weights' B
+// tiles in tmm6-7; per group 8 tile loads for 12 products.
+constexpr int kBf16BlockRows = 256;  // input rows per item: each column tile's B panel serves 16 row tiles
+// From this many input rows a two-part call with prepacked tiles runs on the tile unit. Measured (Xeon Emerald
+// Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows 32,64,128,256,512`): the
+// kernel alone wins from 32 rows, but a 32-slot decode step took the same time either way (its tiles, 4 bytes a
+// weight, stream from memory where the int8 weights stay in L3), so decode steps keep the VNNI path.
+constexpr int kAmxMinRows = 64;
+std::atomic<int> g_amx_min_rows{kAmxMinRows};  // amx_rows() changes it, for benchmarks
 
 #if defined(SLIPSTREAM_X86)
 struct AmxBf16Config {
@@ -769,81 +778,94 @@ void SplitRowBf16(const float* x, int k, Acts& a, int row) {
   }
 }
 
-// Tile `tile` of the weight as w = q * d (+ m) split into bf16 hi and lo, in the tile unit's B layout: per
-// group a 16 x 64-byte tile whose row j holds inputs 2j and 2j + 1 of the group for each of the 16 columns.
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-void DequantTileBf16(const Problem& p, int tile, uint16_t* hi, uint16_t* lo) {
-  const uint8_t* w = p.w + tile * p.tile_bytes();
-  const uint16_t* ws = p.ws + tile * p.tile_scales();
-  const uint16_t* wo = p.wo ? p.wo + tile * p.tile_scales() : nullptr;
-  const __m512i byte = _mm512_set1_epi32(0xFF), shift = _mm512_set1_epi32(128);
-  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int g = 0; g < p.groups; ++g) {
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
-    const __m512 of = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
-                         : _mm512_setzero_ps();
-    for (int v = 0; v < kGroup / 4; ++v) {  // 4 inputs x 16 columns: B rows 2v and 2v + 1
-      const int vi = g * (kGroup / 4) + v;
-      __m512i raw;
-      if (p.bits == 8) {
-        raw = _mm512_loadu_si512(w + static_cast<size_t>(vi) * 64);
-      } else {
-        const __m512i pair = _mm512_loadu_si512(w + static_cast<size_t>(vi / 2) * 64);
-        raw = _mm512_ternarylogic_epi32((vi & 1) ? _mm512_srli_epi16(pair, 4) : pair, nib, top, 0xEA);
-      }
-      __m512i h[4], l[4];
-      for (int e = 0; e < 4; ++e) {
-        const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, 8 * e), byte), shift);
-        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, of);
-        const __m256bh fh = _mm512_cvtneps_pbh(f);
-        const __m256bh fl = _mm512_cvtneps_pbh(_mm512_sub_ps(f, Bf16Float(fh)));
-        h[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fh));
-        l[e] = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(fl));
-      }
-      const size_t row = (static_cast<size_t>(g) * 16 + 2 * v) * 32;  // uint16 offset of B row 2v
-      _mm512_storeu_si512(hi + row, _mm512_or_si512(h[0], _mm512_slli_epi32(h[1], 16)));
-      _mm512_storeu_si512(hi + row + 32, _mm512_or_si512(h[2], _mm512_slli_epi32(h[3], 16)));
-      _mm512_storeu_si512(lo + row, _mm512_or_si512(l[0], _mm512_slli_epi32(l[1], 16)));
-      _mm512_storeu_si512(lo + row + 32, _mm512_or_si512(l[2], _mm512_slli_epi32(l[3], 16)));
-    }
-  }
-}
-
-// Input rows row0 .. + rows - 1 (rows <= 16; rows past them are read, not used) times one or two column
-// tiles (tile0, tile0 + 1 when w1_hi is given) whose split weights DequantTileBf16 wrote.
+// RT row tiles (from row tile rt0) x CT column tiles (from tile0), RT, CT in {1, 2}, over all of K. Rows past
+// p.m (the last row tile's) are computed from whatever the A buffer holds and not stored.
+template <int RT, int CT>
 __attribute__((target("amx-tile,amx-bf16,avx512f")))
-void TileBf16(const Problem& p, const Acts& a, const uint16_t* w0_hi, const uint16_t* w0_lo, const uint16_t* w1_hi,
-              const uint16_t* w1_lo, int row0, int rows, int tile0) {
-  const size_t tile_elems = kAmxRows * kGroup;  // one A or B tile: 16 rows of 32 bf16
-  const uint16_t* xh = a.hi.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
-  const uint16_t* xl = a.lo.data() + static_cast<size_t>(row0 / kAmxRows) * p.groups * tile_elems;
+void TileBf16(const Problem& p, const Acts& a, int rt0, int tile0) {
+  constexpr size_t kElems = kAmxRows * kGroup;  // one A or B tile: 16 rows of 32 bf16
+  const size_t x_step = static_cast<size_t>(p.groups) * kElems;  // one row tile's A tiles
+  const uint16_t* xh = a.hi.data() + rt0 * x_step;
+  const uint16_t* xl = a.lo.data() + rt0 * x_step;
+  const size_t w_step = p.tile_bf16();
+  const uint16_t* w = p.wt + tile0 * w_step;
   _tile_zero(0);
-  _tile_zero(1);
-  for (int g = 0; g < p.groups; ++g) {
-    const size_t wg = static_cast<size_t>(g) * tile_elems;
-    _tile_loadd(4, xh + wg, 64);
-    _tile_loadd(5, xl + wg, 64);
-    _tile_loadd(6, w0_hi + wg, 64);
-    _tile_loadd(7, w0_lo + wg, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_dpbf16ps(0, 4, 7);
-    _tile_dpbf16ps(0, 4, 6);
-    if (w1_hi) {
-      _tile_loadd(2, w1_hi + wg, 64);
-      _tile_loadd(3, w1_lo + wg, 64);
-      _tile_dpbf16ps(1, 5, 2);
-      _tile_dpbf16ps(1, 4, 3);
-      _tile_dpbf16ps(1, 4, 2);
+  if constexpr (CT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  if constexpr (RT == 2 && CT == 2) {
+    // Tile registers are not renamed: a load into tmm4-7 waits for the products still reading it. So each load
+    // is issued right after the last product that reads its register, while the others keep the unit busy,
+    // and the next group's first operands are loaded during this group's last products.
+    _tile_loadd(4, xl, 64);
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + w_step, 64);
+    _tile_loadd(5, xl + x_step, 64);
+    for (int g = 0; g < p.groups; ++g) {
+      const size_t xg = static_cast<size_t>(g) * kElems, wg = 2 * xg;  // w: hi then lo per group
+      const bool next = g + 1 < p.groups;
+      // x_lo w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(4, xh + xg, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, xh + x_step + xg, 64);
+      // x_hi w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(6, w + wg + kElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(7, w + w_step + wg + kElems, 64);
+      // x_hi w_lo, then the next group's x_lo and w_hi
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (next) _tile_loadd(6, w + wg + 2 * kElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (next) _tile_loadd(4, xl + xg + kElems, 64);
+      _tile_dpbf16ps(3, 5, 7);
+      if (next) {
+        _tile_loadd(7, w + w_step + wg + 2 * kElems, 64);
+        _tile_loadd(5, xl + x_step + xg + kElems, 64);
+      }
+    }
+  } else {
+    // each (r, c) of the block: C(r, c) += A(r) B(c)
+    auto products = []() __attribute__((always_inline)) {
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (CT == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (RT == 2) _tile_dpbf16ps(2, 5, 6);
+    };
+    for (int g = 0; g < p.groups; ++g) {
+      const size_t xg = static_cast<size_t>(g) * kElems, wg = 2 * xg;  // w: hi then lo per group
+      _tile_loadd(4, xl + xg, 64);
+      if constexpr (RT == 2) _tile_loadd(5, xl + x_step + xg, 64);
+      _tile_loadd(6, w + wg, 64);
+      if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg, 64);
+      products();  // x_lo w_hi
+      _tile_loadd(4, xh + xg, 64);
+      if constexpr (RT == 2) _tile_loadd(5, xh + x_step + xg, 64);
+      products();  // x_hi w_hi
+      _tile_loadd(6, w + wg + kElems, 64);
+      if constexpr (CT == 2) _tile_loadd(7, w + w_step + wg + kElems, 64);
+      products();  // x_hi w_lo
     }
   }
-  alignas(64) float c[2][kAmxRows * kTile];
+  alignas(64) float c[4][kAmxRows * kTile];
   _tile_stored(0, c[0], 64);
-  if (w1_hi) _tile_stored(1, c[1], 64);
-  for (int t = 0; t < (w1_hi ? 2 : 1); ++t) {
-    const int n0 = (tile0 + t) * kTile, valid = std::min(kTile, p.n - n0);
-    const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    for (int r = 0; r < rows; ++r)
-      _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + r) * p.n + n0, mask, _mm512_load_ps(c[t] + r * kTile));
+  if constexpr (CT == 2) _tile_stored(1, c[1], 64);
+  if constexpr (RT == 2) _tile_stored(2, c[2], 64);
+  if constexpr (RT == 2 && CT == 2) _tile_stored(3, c[3], 64);
+  for (int r = 0; r < RT; ++r) {
+    const int row0 = (rt0 + r) * kAmxRows, rows = std::min(kAmxRows, p.m - row0);
+    for (int t = 0; t < CT; ++t) {
+      const int n0 = (tile0 + t) * kTile, valid = std::min(kTile, p.n - n0);
+      const __mmask16 mask = valid >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+      const float* ct = c[2 * r + t];
+      for (int i = 0; i < rows; ++i)
+        _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + i) * p.n + n0, mask, _mm512_load_ps(ct + i * kTile));
+    }
   }
 }
 
@@ -1017,26 +1039,26 @@ struct Job {
   }
 
 #if defined(SLIPSTREAM_X86)
-  // AMX-BF16 (see TileBf16): the chunk's tiles two at a time, split once, against the block's rows, 16 at a time.
+  // AMX-BF16 (see TileBf16): the chunk's column tiles against the block's row tiles, in 2 x 2 blocks (column
+  // pairs outer: a pair's B panel serves every row tile of the block from L2).
   void RunItemBf16(int chunk, int rb) {
     EnsureRows(rb);
-    thread_local std::vector<uint16_t> wide;
-    const size_t tile_elems = static_cast<size_t>(p.kp) * kTile;
-    wide.resize(4 * tile_elems);
-    uint16_t* w0h = wide.data();
-    uint16_t *w0l = w0h + tile_elems, *w1h = w0l + tile_elems, *w1l = w1h + tile_elems;
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    const int rt_lo = row_lo / kAmxRows, rt_hi = (row_hi + kAmxRows - 1) / kAmxRows;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    AmxBeginBf16();
     for (int t = tile_lo; t < tile_hi; t += 2) {
-      const bool two = t + 1 < tile_hi;
-      DequantTileBf16(p, t, w0h, w0l);
-      if (two) DequantTileBf16(p, t + 1, w1h, w1l);
-      AmxBeginBf16();
-      for (int row = row_lo; row < row_hi; row += kAmxRows)
-        TileBf16(p, acts, w0h, w0l, two ? w1h : nullptr, w1l, row, std::min(kAmxRows, row_hi - row), t);
-      AmxEnd();
+      const bool two_cols = t + 1 < tile_hi;
+      for (int rt = rt_lo; rt < rt_hi; rt += 2) {
+        const bool two_rows = rt + 1 < rt_hi;
+        if (two_rows && two_cols) TileBf16<2, 2>(p, acts, rt, t);
+        else if (two_rows) TileBf16<2, 1>(p, acts, rt, t);
+        else if (two_cols) TileBf16<1, 2>(p, acts, rt, t);
+        else TileBf16<1, 1>(p, acts, rt, t);
+      }
     }
+    AmxEnd();
   }
 
   // The AVX2 two-part path (see DequantTileAvx2): x unquantized, each tile widened once per item.
@@ -1083,7 +1105,8 @@ void AdviseHugePages(void* data, size_t bytes) {
 }
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::S32> layer,
+                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::U16> tiles,
+                        ffi::Buffer<ffi::S32> layer,
                         ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   // packed and scales (and offsets) are one weight [T, W], or a stack of L weights [L, T, W] of which
@@ -1091,7 +1114,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const size_t rank = wd.size();
   if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank || yd.size() != 2 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "q8_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales [(L,) Np/16, Kp/2], layer [] or [1], y [M,N]");
+        "q8_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales [(L,) Np/16, Kp/2], tiles [(L,) Np/16, Kp*32] or [0], "
+        "layer [] or [1], y [M,N]");
   if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("q8_matmul: parts must be 1 or 2");
   if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("q8_matmul: bits must be 8 or 4");
   if (gated != 0 && (gated != 1 || xd[1] % 2))
@@ -1119,7 +1143,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (yd[0] != xd[0] || (wd[lw + 1] * 8 / bits) % (kTile * kGroup) || sd[lw] != wd[lw] || sd[lw + 1] != int64_t(p.groups) * kTile ||
       (rank == 3 && sd[0] != wd[0]) || p.k > p.kp || p.k + kGroup <= p.kp || p.n > p.tiles * kTile ||
       p.n + kTile <= p.tiles * kTile ||
-      (offsets.element_count() != 0 && offsets.element_count() != scales.element_count()))
+      (offsets.element_count() != 0 && offsets.element_count() != scales.element_count()) ||
+      (tiles.element_count() != 0 &&
+       tiles.element_count() != static_cast<size_t>(stack) * p.tiles * p.groups * 2 * kTile * kGroup))
     return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, offsets, x and y shapes disagree");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const size_t weight_bytes = static_cast<size_t>(p.tiles) * p.tile_bytes();
@@ -1128,12 +1154,13 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.w = packed.typed_data() + index * weight_bytes;
   p.ws = scales.typed_data() + index * weight_scales;
   p.wo = offsets.element_count() ? offsets.typed_data() + index * weight_scales : nullptr;
+  p.wt = tiles.element_count() ? tiles.typed_data() + index * static_cast<size_t>(p.tiles) * p.tile_bf16() : nullptr;
   p.y = y->typed_data();
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
-  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= kAmxMinRows;
+  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
 #if defined(SLIPSTREAM_X86)
@@ -1183,6 +1210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // scales [Np/16, Kp/32*16]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // offsets like scales, or [0]
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // tiles [(L,) Np/16, Kp/32*1024] bf16 bits, or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
                                   .Attr<int32_t>("parts")        // int8 parts per activation
@@ -1216,6 +1244,16 @@ static PyObject* PrefetchPy(PyObject*, PyObject* args) {
   if (near >= 0) g_pf_near.store(near / 64 * 64);
   if (far >= 0) g_pf_far.store(far / 64 * 64);
   return prev;
+}
+
+// amx_rows(min_rows) -> the previous: two-part calls of at least this many rows run on the tile unit (where it
+// and prepacked tiles are at hand); negative keeps it. For benchmarks measuring the crossover against VNNI.
+static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
+  int rows = -1;
+  if (!PyArg_ParseTuple(args, "|i", &rows)) return nullptr;
+  const int prev = g_amx_min_rows.load();
+  if (rows >= 0) g_amx_min_rows.store(std::max(rows, 1));
+  return PyLong_FromLong(prev);
 }
 
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
@@ -1265,6 +1303,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
        {"prefetch", PrefetchPy, METH_VARARGS,
         "prefetch(near, far): the one-row prefetch distances in bytes, into L1 and L2 (negative: keep); returns "
         "the previous."},
+       {"amx_rows", AmxRowsPy, METH_VARARGS,
+        "amx_rows(min_rows): two-part calls of at least this many rows (with tiles) run on the tile unit "
+        "(negative: keep); returns the previous."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
