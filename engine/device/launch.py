@@ -77,11 +77,15 @@ class PreviousSamples:
         self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
         self._scratch = max_slots
         self._record = jax.jit(_record, donate_argnums=(0,))
+        self._compiled: dict[int, jax.stages.Compiled] = {}
 
     def warm(self, buckets: Buckets) -> None:
-        """Compile the recorder for every bucket now, so steady state never compiles."""
+        """Compile the recorder for every bucket now and keep the executables, so steady state never compiles
+        (held here, not in jit's process-wide cache, where other engines' programs could evict them)."""
         for b in buckets.sample_row_counts:
-            self.record(np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32)))
+            slot_ids, tokens = np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32))
+            self._compiled[b] = self._record.lower(self.last, slot_ids, tokens).compile()
+            self.record(slot_ids, tokens)
 
     def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
-        self.last = self._record(self.last, slot_ids, tokens)
+        self.last = self._compiled.get(len(slot_ids), self._record)(self.last, slot_ids, tokens)
