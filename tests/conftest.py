@@ -103,6 +103,15 @@ SLOWEST_FIRST = ("test_tensor_parallel", "test_data_parallel", "test_device", "t
                  "test_real_engine")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m serial` (the second part of `make test`) imports only the serial files: collecting
+    the whole suite to deselect all but those costs seconds."""
+    if (config.getoption("markexpr") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and collection_path.stem not in SERIAL_MODULES):
+        return True
+    return None
+
+
 def _module(item) -> str:
     return item.module.__name__.rpartition(".")[2]
 
