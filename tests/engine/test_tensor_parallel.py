@@ -279,9 +279,9 @@ DEFAULT_LAYERS = 4
 
 
 def test_tensor_parallel_default_model(default_model_path):
-    """SmolLM2-135M (9 query heads over 3 KV heads, int8 weights as served on CPU): at TP=3 heads
-    split, one KV head per device; at TP=2 they do not divide, so attention and the KV cache are
-    replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
+    """SmolLM2-135M's first layers (9 query heads over 3 KV heads, int8 weights as served on CPU): at
+    TP=3 heads split, one KV head per device; at TP=2 they do not divide, so attention and the KV cache
+    are replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
     devices 2 and 3. (TP=4, the same layout as TP=2, is left to the tiny model.)"""
     [report] = _run([{"model_path": default_model_path, "quantize": "q8_0-a16", "tps": (1, 3, "2x2"),
                       "layers": DEFAULT_LAYERS}], "auto")
