@@ -17,14 +17,12 @@ REQUIREMENTS = $(PY) -c "import sys, tomllib; p = tomllib.load(open('pyproject.t
 
 # The venv and what the kernel build needs (jax for jaxlib's FFI headers, setuptools). The two installs
 # that follow run side by side; the dependencies' install finds these satisfied and leaves them (pip
-# changes an installed package only where a requirement asks for another version). --no-compile: Python
-# writes the bytecode of the modules a process imports, a fraction of the ~20k files (PyTorch alone:
-# 11 -> 4 s of CPU to install).
+# changes an installed package only where a requirement asks for another version).
 $(BUILD_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(REQUIREMENTS) build > $(VENV)/build-requirements.txt
-	$(PY) -m pip install -q --no-compile -r $(VENV)/build-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/build-requirements.txt
 	touch $@
 
 # The package, editable, and the native kernels (kernels/cpu/csrc) built by pip: rebuilt when they
@@ -37,14 +35,14 @@ $(KERNELS_STAMP): $(BUILD_STAMP) setup.py $(wildcard kernels/cpu/csrc/*.cc kerne
 
 $(RUNTIME_STAMP): $(BUILD_STAMP)
 	$(REQUIREMENTS) runtime > $(VENV)/runtime-requirements.txt
-	$(PY) -m pip install -q --no-compile -r $(VENV)/runtime-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/runtime-requirements.txt
 	touch $@
 
 # the runtime and test dependencies in one resolution
 $(TEST_STAMP): $(BUILD_STAMP)
 	$(REQUIREMENTS) runtime > $(VENV)/test-requirements.txt
 	$(REQUIREMENTS) test >> $(VENV)/test-requirements.txt
-	$(PY) -m pip install -q --no-compile -r $(VENV)/test-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/test-requirements.txt
 	touch $@ $(RUNTIME_STAMP)
 
 # The kernels compile (on both cores for a while) while pip unpacks the dependencies (mostly one core):
