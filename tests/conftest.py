@@ -66,6 +66,22 @@ def _randomize_norms(model, torch) -> None:
                 p.normal_(0, 0.3)
 
 
+def first_layers(cfg, model, n: int):
+    """(config, model) of a loaded model's first n layers, with its own embedding, final norm and head:
+    a real checkpoint's shapes and weights in a model that compiles and runs in a fraction of the time."""
+    import dataclasses
+
+    from flax import nnx
+
+    from slipstream.models.architectures import build_abstract
+
+    short = dataclasses.replace(cfg, num_layers=n, layer_types=cfg.layer_types[:n])
+    graphdef, _ = nnx.split(build_abstract(short))
+    flat = [(path, var.replace(var.get_value()[:n]) if path[0] == "blocks" else var)
+            for path, var in nnx.to_flat_state(nnx.state(model))]
+    return short, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return build_tiny_hf(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
@@ -101,6 +117,15 @@ SLOWEST_FIRST = ("test_tensor_parallel", "test_data_parallel", "test_device", "t
                  "test_unix_socket", "test_default_model", "test_serve_hf_models", "test_tokenizer",
                  "test_int8_engine", "test_speculative_engine", "test_speculative_draft", "test_lora",
                  "test_real_engine")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m serial` (the second part of `make test`) imports only the serial files: collecting
+    the whole suite to deselect all but those costs seconds."""
+    if (config.getoption("markexpr") == "serial" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and collection_path.stem not in SERIAL_MODULES):
+        return True
+    return None
 
 
 def _module(item) -> str:
