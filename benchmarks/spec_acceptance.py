@@ -4,6 +4,12 @@ repeat and random datasets, greedy and drawn. Counts only:
 
     python -m benchmarks.spec_acceptance [--model M] [--draft D | --ngram] [--k 4] [--prompts 8] [--json out.json]
 
+With --identity N, greedy identity instead: N random prompts (every fifth sharing the previous one's first
+48 tokens: prefix-cache hits) plus N/5 drawn requests in the same batches, through a KV cache of
+--identity-pages pages (preemption), without and with speculation; exits 1 if any greedy output differs:
+
+    python -m benchmarks.spec_acceptance --identity 50 [--ngram | --draft D]
+
 With --time, its speed instead: one engine with the serve defaults, schedulers without and with
 speculation taking turns on the same requests (closed loop of --concurrency clients, the order flipped
 each round), each round's TPOT p50 (per request: engine time from its first to its last token over
@@ -53,16 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="--time: rounds after a warm-up round")
     p.add_argument("--datasets", default="repeat,random", help="--time: of repeat, random")
     p.add_argument("--temperatures", default="0,0.8", help="--time: comma-separated")
+    p.add_argument("--identity", type=int, default=0, help="greedy identity over this many random prompts")
+    p.add_argument("--identity-pages", type=int, default=96, help="--identity: KV pages (few: preemption)")
     args = p.parse_args(argv)
 
     # a step samples at most max_slots rows: room for every request's k drafts beside its own row;
     # timing uses the serve defaults
-    config = EngineConfig() if args.time else EngineConfig(max_slots=args.prompts * (args.k + 1), max_seq_len=1024,
-                                                           max_num_batched_tokens=256)
+    if args.identity:
+        config = EngineConfig(max_slots=32, max_seq_len=1024, max_num_batched_tokens=256, num_pages=args.identity_pages)
+    else:
+        config = EngineConfig() if args.time else EngineConfig(max_slots=args.prompts * (args.k + 1),
+                                                               max_seq_len=1024, max_num_batched_tokens=256)
     target = engine_for(args.model, config)
     tokenizer = load_tokenizer(resolve_model(args.model))
     # counting: every step speculates; timing: as served (no speculation in steps of large batches)
-    batch_off = SpeculativeConfig.disable_by_batch_size if args.time else 64
+    batch_off = SpeculativeConfig.disable_by_batch_size if args.time else 64  # identity: drafts in every step
     if args.ngram:
         spec, proposer = SpeculativeConfig(num_speculative_tokens=args.k, disable_by_batch_size=batch_off), None
     else:
@@ -70,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpeculativeConfig(method="draft_model", model=args.draft or args.model,
                                  num_speculative_tokens=args.k, disable_by_batch_size=batch_off)
         proposer = DraftModelProposer(draft, target.vocab_size)
+    if args.identity:
+        return identity(args, target, tokenizer, spec, proposer)
     datasets = {"repeat": repeat_dataset(tokenizer, num_prompts=args.prompts, passage_len=200, seed=0),
                 "random": random_dataset(tokenizer, num_prompts=args.prompts, input_len=256,
                                          output_len=args.output_len, seed=0)}
@@ -100,6 +113,39 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(dict(model=args.model, draft=None if args.ngram else args.draft or args.model, k=args.k,
                            rows=rows), f, indent=1)
     return 0
+
+
+def identity(args, engine, tokenizer, spec, proposer) -> int:
+    """Greedy outputs with and without speculation over the same mixed batch; 0 if all equal."""
+    samples = random_dataset(tokenizer, num_prompts=args.identity, input_len=96, output_len=32, range_ratio=0.5,
+                             seed=1)
+    prompts = [tokenizer.encode(s.prompt, add_special_tokens=False) for s in samples]
+    for i in range(5, len(prompts), 5):  # prefix hits: the previous prompt's first 48 tokens, then its own
+        prompts[i] = prompts[i - 1][:48] + prompts[i]
+    greedy = [Request(p, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)) for p in prompts]
+    drawn = [Request(prompts[i], SamplingParams(temperature=0.8, seed=i, max_tokens=32, ignore_eos=True))
+             for i in range(0, len(prompts), 5)]
+    outputs = {}
+    for name, config in (("without", SchedulerConfig()),
+                         ("with", SchedulerConfig(speculative=spec, proposer=proposer))):
+        scheduler = Scheduler(engine, OutputProcessor(tokenizer), config)
+        scheduler.start()
+        try:
+            results = scheduler.generate([Request(r.prompt_ids, r.params, request_id=f"{name}-{i}")
+                                          for i, r in enumerate(greedy + drawn)])
+            stats = scheduler.stats()
+        finally:
+            scheduler.shutdown()
+        errors = [r.error for r in results if r.error is not None]
+        if errors:
+            raise RuntimeError(f"requests failed {name} speculation: {errors[:3]}")
+        outputs[name] = [r.token_ids for r in results[:len(greedy)]]
+        print(f"{name:7s} speculation: {len(results)} requests, preemptions {stats.preemptions}, prefix hits "
+              f"{stats.prefix_hits}, drafts {stats.spec_draft_tokens}, accepted {stats.spec_accepted_tokens}",
+              flush=True)
+    same = sum(a == b for a, b in zip(outputs["without"], outputs["with"]))
+    print(f"greedy outputs identical: {same}/{len(greedy)} ({len(drawn)} drawn requests in the same batches)")
+    return 0 if same == len(greedy) else 1
 
 
 def run_closed_loop(engine, tokenizer, requests: list[Request], spec, proposer, concurrency: int
