@@ -1,8 +1,7 @@
 """Token sampling from logits [B, V]: one token per row, greedy or drawn (temperature, top-k, top-p,
 min-p, then an inverse-CDF draw with a given uniform per row), and the model's logprobs.
 
-Two entry points, `sample_tokens` and `top_logprobs` (and `verify_drafts`, speculative sampling's
-acceptance rule, JAX only). On CPU they run the native kernel
+Two entry points, `sample_tokens` and `top_logprobs`. On CPU they run the native kernel
 (kernels/cpu/csrc/sampling.cc) through XLA's FFI; elsewhere, or with SLIPSTREAM_KERNELS=reference,
 `reference` and `top_logprobs_reference` do the same in JAX. sample_tokens' contract:
 per row, with x = (logits - max) / T and e = exp(x):
@@ -183,29 +182,6 @@ def reference(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: greedy_token, draw)
     return jnp.where(greedy, greedy_token, drawn)
-
-
-def verify_drafts(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  min_p: jax.Array, draft: jax.Array, token: jax.Array, u_accept: jax.Array,
-                  u_draw: jax.Array) -> jax.Array:
-    """i32[B]: speculative sampling's rule for drafts that are deterministic (all their proposal mass
-    on the draft): a drawn row (temperature > 0) with a draft (>= 0) keeps it with probability p(draft)
-    under sample_tokens' distribution p (temperature, top-k, top-p, min-p), else draws from p without
-    the draft, renormalised (with u_draw); greedy rows and rows without a draft keep `token`. The
-    result is distributed as p either way. JAX on every backend (only drafting rows pay for it)."""
-    drawn = (temperature > 0) & (draft >= 0)                                 # [B]
-
-    def verify() -> jax.Array:
-        x = (logits - jnp.max(logits, -1, keepdims=True)) / jnp.where(drawn, temperature, 1.0)[:, None]
-        e = jnp.exp(x)                                                       # [B, V]
-        w = jnp.where(_keep_mask(x, jnp.zeros((x.shape[0], 1), x.dtype), e, top_k, top_p, min_p), e, 0.0)
-        d = jnp.maximum(draft, 0)
-        w_d = jnp.take_along_axis(w, d[:, None], 1)[:, 0]                    # [B]
-        accept = u_accept * jnp.sum(w, -1) < w_d                             # u < p(draft)
-        rest = jnp.where(jnp.arange(w.shape[1])[None, :] == d[:, None], 0.0, w)
-        return jnp.where(drawn, jnp.where(accept, d, _draw(rest, u_draw)), token)
-
-    return jax.lax.cond(jnp.any(drawn), verify, lambda: token)
 
 
 def _native(logits, temperature, top_k, top_p, min_p, u) -> jax.Array:

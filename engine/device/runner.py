@@ -172,7 +172,7 @@ class JaxEngine:
         counts, pmask = state
         logits = logits.astype(jnp.float32)
         penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts)
-        result = sample_penalized(logits, penalized, sarrays, drafts)
+        result = sample_penalized(logits, penalized, sarrays)
         return result, (update_counts(counts, slot_ids, result.token, active & drafts.kept(result.token)), pmask)
 
     @staticmethod

@@ -3,8 +3,12 @@
 Every per-request setting is a [B] array, so new settings never recompile. The token itself
 (greedy, temperature, top-k/top-p/min-p and the draw) is kernels.sampling.sample_tokens and the
 logprobs kernels.sampling.top_logprobs: a native kernel on CPU, its JAX reference elsewhere.
-Speculative verification rows (DraftRows) see the drafts before them in the penalties, and drawn
-rows take speculative sampling's acceptance rule (kernels.sampling.verify_drafts).
+Speculative verification rows (DraftRows) see the drafts before them in the penalties. A drawn row
+verifying a draft needs no rule of its own: drafts are deterministic, and for a proposal with all its
+mass on the draft, speculative sampling's rule (keep it with probability p(draft), else draw from p
+without it) gives the same joint law of (kept, token) as drawing the row's token from p and keeping
+the draft when the two are equal. Rows draw from their seed's stream at their index in the output, so a
+seeded request samples the same tokens with and without speculation.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import numpy as np
 
 from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from slipstream.engine.structured import mask_words
-from slipstream.kernels.sampling import sample_tokens, top_logprobs, verify_drafts
+from slipstream.kernels.sampling import sample_tokens, top_logprobs
 
 _GREEDY = SamplingParams(temperature=0.0)
 Array = jax.Array | np.ndarray  # numpy from the host-side builder, jax.Array inside jit
@@ -192,12 +196,11 @@ def constrain(logits: jax.Array, bitmask: jax.Array, arrays: SamplingArrays, out
     return jax.lax.cond(needed, adjusted, lambda: logits)
 
 
-def _row_uniforms(arrays: SamplingArrays, salt: int = 0) -> jax.Array:
-    """One U[0, 1) per row from fold_in(PRNGKey(seed), step) (salt > 0: folded in once more, an
-    independent stream): independent of row and batch."""
+def _row_uniforms(arrays: SamplingArrays) -> jax.Array:
+    """One U[0, 1) per row from fold_in(PRNGKey(seed), step): independent of row and batch."""
     def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.wrap_key_data(seed_words, impl="threefry2x32"), step.astype(jnp.uint32))
-        return jax.random.uniform(jax.random.fold_in(key, salt) if salt else key, ())
+        return jax.random.uniform(key, ())
 
     return jax.vmap(one)(arrays.seed, arrays.step)
 
@@ -212,18 +215,14 @@ def sample(logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
     return sample_penalized(logits, constrain(logits, no_mask, arrays, output_counts, prompt_mask, rows), arrays)
 
 
-def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays,
-                     drafts: DraftRows | None = None) -> SampleResult:
+def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays) -> SampleResult:
     """sample() once the penalties are applied: `penalized` picks the token, the raw `logits`
-    give the reported logprobs (the model's own, as vLLM reports by default). A drawn row verifying
-    a draft keeps it or redraws by speculative sampling's rule (greedy rows: the argmax either way)."""
+    give the reported logprobs (the model's own, as vLLM reports by default). A row verifying a
+    draft samples as any other (DraftRows.kept: the draft is kept where the row's token equals it)."""
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
-    u = _row_uniforms(arrays)
-    token = sample_tokens(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p, u)
-    if drafts is not None:
-        token = verify_drafts(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p,
-                              drafts.draft, token, _row_uniforms(arrays, salt=1), u)
+    token = sample_tokens(penalized, arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p,
+                          _row_uniforms(arrays))
 
     n_top = min(MAX_TOP_LOGPROBS, vocab)
     pad = ((0, 0), (0, MAX_TOP_LOGPROBS - n_top))

@@ -1,7 +1,8 @@
 """Speculative sampling keeps the target distribution: a drawn request verifying a draft gets tokens
 distributed as without speculation (chi-square over many seeded samples of the tiny model's next
-tokens, at the engine and end to end through the scheduler with n-gram drafts), with temperature,
-top-k/top-p/min-p and penalties applied to the target; its rows' penalty counts hold only kept tokens."""
+tokens), with temperature, top-k/top-p/min-p and penalties applied to the target; end to end through
+the scheduler with n-gram drafts, seeded drawn requests get the very tokens they get without
+speculation; verification rows' penalty counts hold only kept tokens."""
 from __future__ import annotations
 
 import collections
@@ -111,9 +112,9 @@ def test_penalty_counts_hold_only_kept_tokens(engine):
             engine.free(i)
 
 
-def test_scheduler_drawn_outputs_keep_their_distribution_with_ngram_drafts(tiny_model):
+def test_scheduler_seeded_drawn_outputs_are_unchanged_by_ngram_drafts(tiny_model):
     """End to end through the scheduler: seeded drawn requests on a repetitive prompt (n-gram drafts
-    accepted and rejected), each output position distributed as without speculation."""
+    accepted and rejected) give token for token the outputs they give without speculation."""
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from slipstream.engine.request import Request
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
@@ -140,9 +141,9 @@ def test_scheduler_drawn_outputs_keep_their_distribution_with_ngram_drafts(tiny_
         finally:
             scheduler.shutdown(timeout=5)
 
-    base, _ = outputs(None, range(400))
-    fast, stats = outputs(spec, range(1000, 1400))
-    assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 100
-    for pos in range(1, 4):
-        assert _same_distribution([o[pos] for o in base], [o[pos] for o in fast]) > 1e-3, pos
-    assert _same_distribution([tuple(o[1:3]) for o in base], [tuple(o[1:3]) for o in fast]) > 1e-3
+    base, _ = outputs(None, range(200))
+    fast, stats = outputs(spec, range(200))
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 50
+    assert stats.spec_draft_tokens - stats.spec_accepted_tokens > 50  # rejections too
+    assert len({tuple(o) for o in base}) > 20  # the outputs vary with the seed
+    assert fast == base
