@@ -873,6 +873,149 @@ __attribute__((target("amx-tile"))) void AmxBeginBf16() { _tile_loadconfig(&kAmx
 __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 #endif  // SLIPSTREAM_X86
 
+// AMX-INT8: the VNNI path's arithmetic on the tile unit, bit for bit. Per group of 32 inputs, tdpbsud (A signed
+// int8 activations x B unsigned w + 128) gives each act row's int32 sum over the group, as vpdpbusd does; a vector
+// pass adds the row's -128 * sum(xq) and, with two parts, combines the pair of act rows as 254 * acc0 + acc1 (exact
+// in int32, the same integer the VNNI path forms), then applies f = fma(f32(total), ws * xs, f) (and the offsets'
+// fma) in group order: the same float operations in the same order, so every output equals the VNNI path's.
+// Operands as they lie, nothing repacked: the 8-bit packed weight [Kp/4][16][4] per column tile is tdpbsud's B layout
+// (a group: 8 rows of 64 bytes), and the quantized act rows (part p of input row m at row m * P + p, Kp bytes each)
+// are A tiles of 16 act rows x 32 bytes with stride Kp. With two parts a tile's 16 act rows are 8 input rows.
+// Blocking: 2 row tiles x 2 column tiles, C in tmm0-3 (tmm(2r + c)), A in tmm4-5, B in tmm6-7: per group 4 tile
+// loads for 4 products. The group's C tiles are stored and scaled while the next group's products run (the tile
+// unit and the vector units work side by side; C is double-buffered in memory).
+// 4-bit weights (their packing is not a B layout) stay on the VNNI path.
+constexpr int kAmxBlockRows = 256;  // input rows per item: each column tile pair's B panel serves 16 row tiles
+
+#if defined(SLIPSTREAM_X86)
+struct AmxInt8Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 32, 32, 64, 64};  // C: 16 int32, A: 32 int8, B: 64 bytes (16 cols x 4)
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};      // B: a group's 32 inputs in 8 rows of 4
+};
+alignas(64) const AmxInt8Config kAmxInt8Config{};
+
+// RT row tiles of act rows (from act row at0, a multiple of 16) x CT column tiles (from tile0), RT, CT in {1, 2},
+// over all of K. Act rows past p.m * P (in the last row tile) are multiplied and never read back.
+template <int RT, int CT, int P>
+struct Int8Block {
+  static constexpr int kC = kAmxRows * kTile;          // int32s of one C tile
+  static constexpr int Y = RT * kAmxRows / P;          // output rows of the block
+  static constexpr size_t kGroupBytes = kGroup * kTile;  // a group's B tile: 512 bytes
+  const Problem& p;
+  const int tile0, groups;
+  int valid[RT];  // act rows of each row tile that hold input rows
+  const int8_t* xq;
+  size_t x_step;  // one row tile's act rows
+  const uint8_t* w;
+  size_t w_step;
+  const int32_t* xb;
+  const float *xs, *xsum;
+  alignas(64) int32_t cbuf[2][RT * CT][kC];
+  alignas(64) float f[Y][CT][kTile];
+
+  Int8Block(const Problem& p_, const Acts& a, int at0, int tile0_) : p(p_), tile0(tile0_), groups(p_.groups) {
+    for (int r = 0; r < RT; ++r) valid[r] = std::max(0, std::min(kAmxRows, p.m * P - (at0 + r * kAmxRows)));
+    xq = a.q.data() + static_cast<size_t>(at0) * p.kp;
+    x_step = static_cast<size_t>(kAmxRows) * p.kp;
+    w = p.w + tile0 * p.tile_bytes();
+    w_step = p.tile_bytes();
+    xb = a.bias.data() + static_cast<size_t>(at0) * p.groups;
+    xs = a.scale.data() + static_cast<size_t>(at0) * p.groups;
+    xsum = a.sum.data() + static_cast<size_t>(at0) * p.groups;
+  }
+
+  __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void Products(int g) {
+    _tile_zero(0);
+    if constexpr (CT == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+    _tile_loadd(4, xq + g * kGroup, p.kp);
+    _tile_loadd(6, w + g * kGroupBytes, 64);
+    if constexpr (CT == 2) _tile_loadd(7, w + w_step + g * kGroupBytes, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (CT == 2) _tile_dpbsud(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, xq + x_step + g * kGroup, p.kp);
+      _tile_dpbsud(2, 5, 6);
+      if constexpr (CT == 2) _tile_dpbsud(3, 5, 7);
+    }
+  }
+
+  __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void Store(int g) {
+    int32_t(*cb)[kC] = cbuf[g & 1];
+    _tile_stored(0, cb[0], 64);
+    if constexpr (CT == 2) _tile_stored(1, cb[1], 64);
+    if constexpr (RT == 2) _tile_stored(2, cb[CT], 64);
+    if constexpr (RT == 2 && CT == 2) _tile_stored(3, cb[3], 64);
+  }
+
+  // the VNNI path's integer and float steps for group g (TileAvx512)
+  __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline void Scale(int g) {
+    const int32_t(*cb)[kC] = cbuf[g & 1];
+    for (int c = 0; c < CT; ++c) {
+      const size_t so = static_cast<size_t>(tile0 + c) * p.tile_scales() + g * kTile;
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.ws + so)));
+      const __m512 oc = p.wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.wo + so)))
+                             : _mm512_setzero_ps();
+      for (int r = 0; r < RT; ++r) {
+        const int32_t* ct = cb[r * CT + c];
+        const int rows = valid[r];
+#pragma GCC unroll 16
+        for (int i = 0; i < kAmxRows; i += P) {
+          if (i >= rows) break;
+          const size_t ag = static_cast<size_t>(r * kAmxRows + i) * groups + g;
+          __m512i total = _mm512_add_epi32(_mm512_load_si512(ct + i * kTile), _mm512_set1_epi32(xb[ag]));
+          if constexpr (P == 2) {  // 254 * acc0 + acc1
+            const __m512i acc1 =
+                _mm512_add_epi32(_mm512_load_si512(ct + (i + 1) * kTile), _mm512_set1_epi32(xb[ag + groups]));
+            total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
+          }
+          const __m512 s = _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag + (P - 1) * groups]));
+          float* fy = f[(r * kAmxRows + i) / P][c];
+          __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), s, _mm512_load_ps(fy));
+          if (p.wo) acc = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), acc);
+          _mm512_store_ps(fy, acc);
+        }
+      }
+    }
+  }
+};
+
+template <int RT, int CT, int P>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
+void TileInt8(const Problem& p, const Acts& a, int at0, int tile0) {
+  Int8Block<RT, CT, P> b(p, a, at0, tile0);
+  constexpr int Y = Int8Block<RT, CT, P>::Y;
+  for (int y = 0; y < Y; ++y)
+    for (int c = 0; c < CT; ++c) _mm512_store_ps(b.f[y][c], _mm512_setzero_ps());
+  b.Products(0);
+  for (int g = 0; g < p.groups; ++g) {
+#ifndef AMX_NOSCALE
+    if (g > 0) b.Scale(g - 1);  // while group g's products run
+#endif
+    b.Store(g);
+    if (g + 1 < p.groups) b.Products(g + 1);
+  }
+  b.Scale(p.groups - 1);
+  const int out0 = at0 / P;
+  for (int c = 0; c < CT; ++c) {
+    const int n0 = (tile0 + c) * kTile, cols = std::min(kTile, p.n - n0);
+    const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    for (int y = 0; y < Y && out0 + y < p.m; ++y)
+      _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + y) * p.n + n0, mask, _mm512_load_ps(b.f[y][c]));
+  }
+}
+
+using TileInt8Fn = void (*)(const Problem&, const Acts&, int, int);
+// [parts - 1][two row tiles][two column tiles]
+constexpr TileInt8Fn kTileInt8[2][2][2] = {
+    {{&TileInt8<1, 1, 1>, &TileInt8<1, 2, 1>}, {&TileInt8<2, 1, 1>, &TileInt8<2, 2, 1>}},
+    {{&TileInt8<1, 1, 2>, &TileInt8<1, 2, 2>}, {&TileInt8<2, 1, 2>, &TileInt8<2, 2, 2>}}};
+
+__attribute__((target("amx-tile"))) void AmxBeginInt8() { _tile_loadconfig(&kAmxInt8Config); }
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -974,6 +1117,7 @@ struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
   bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
+  bool int8_tiles = false;  // AMX, 8-bit weights, at least g_amx_min_rows rows: RunItemInt8
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1021,6 +1165,7 @@ struct Job {
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
     if (bf16) return RunItemBf16(chunk, rb);
+    if (int8_tiles) return RunItemInt8(chunk, rb);
 #endif
     EnsureRows(rb);
     // act rows of this block
@@ -1057,6 +1202,23 @@ struct Job {
         else if (two_cols) TileBf16<1, 2>(p, acts, rt, t);
         else TileBf16<1, 1>(p, acts, rt, t);
       }
+    }
+    AmxEnd();
+  }
+
+  // AMX-INT8 (see TileInt8): the chunk's column tiles against the block's act row tiles in 2 x 2 blocks (column
+  // pairs outer: a pair's B panel serves every row tile of the block from L1/L2).
+  void RunItemInt8(int chunk, int rb) {
+    EnsureRows(rb);
+    const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    AmxBeginInt8();
+    for (int t = tile_lo; t < tile_hi; t += 2) {
+      const bool two_cols = t + 1 < tile_hi;
+      for (int at = at_lo; at < at_hi; at += 2)
+        kTileInt8[p.parts - 1][at + 1 < at_hi][two_cols](p, acts, at * kAmxRows, t);
     }
     AmxEnd();
   }
@@ -1161,8 +1323,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
   job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
+  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && bits == 8 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
+  if (job.int8_tiles) job.block_rows = kAmxBlockRows;
 #if defined(SLIPSTREAM_X86)
   job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
 #endif
@@ -1173,6 +1337,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.parts = parts;
   // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
   if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
+  else if (job.int8_tiles) a.Resize((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-act-row tiles
   else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
