@@ -189,8 +189,8 @@ class StackedPick:
 
 def stack_tiles(w: QuantizedWeight) -> jax.Array | None:
     """A stacked q8_0-a16 weight's bf16 tiles (kernels.q8_matmul.pack_tiles per layer) where the kernel runs on the
-    AMX tile unit, else None: 4 bytes per weight (the default model's layers: 425 MB) buy its many-row calls
-    (prefill, batched decode) the tile unit."""
+    AMX tile unit and SLIPSTREAM_AMX_BF16=1 asks for its bf16 path, else None: 4 bytes per weight (the default
+    model's layers: 425 MB) buy its many-row calls (prefill) the bf16 tile unit."""
     if w.mode == "q8_0" or not amx_tiles_wanted():
         return None
     q, scale = np.asarray(w.q), np.asarray(w.scale)
