@@ -260,9 +260,9 @@ def amx_engine(ext, reps: int) -> None:
     chunk = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
     attention = attention_only(setup, 32)
     default_rows = ext.amx_rows()
-    bf16 = "the bf16 path from" if settings.AMX_BF16.get() else "no bf16 tiles (SLIPSTREAM_AMX_BF16 unset): VNNI from"
+    bf16 = f"bf16 from {default_rows[3]}" if settings.AMX_BF16.get() else "no bf16 tiles"
     paths = {"vnni": ("avx512_vnni", default_rows),
-             f"amx: int8 {default_rows[0]}-{default_rows[1]} rows, {bf16} {default_rows[3]}": ("amx", default_rows)}
+             f"amx (int8 {default_rows[0]}-{default_rows[1]} rows, {bf16})": ("amx", default_rows)}
     times = {name: {part: [] for part in ("decode", "decode q8", "prefill", "prefill q8")} for name in paths}
     attention_ms = []
 
@@ -298,7 +298,7 @@ def amx_engine(ext, reps: int) -> None:
           f"decode step at 384 context (its attention alone: {statistics.median(attention_ms):.1f} ms) and a 256-token "
           "prefill chunk; q8: the time inside the q8 matmul calls")
     for name, t in times.items():
-        print(f"    {name:60} decode {med(t['decode']):6.1f} ms (q8 {med(t['decode q8']):5.1f})   prefill "
+        print(f"    {name:40} decode {med(t['decode']):6.1f} ms (q8 {med(t['decode q8']):5.1f})   prefill "
               f"{med(t['prefill']):6.1f} ms (q8 {med(t['prefill q8']):5.1f})", flush=True)
 
 
