@@ -252,7 +252,9 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     gated: x is gate | up [..., 2K] (a gated MLP's gate/up output) and the matmul's input is
     silu(gate) * up (gated_input), which the native kernel forms row by row as it quantizes.
     tiles: the weight's pack_tiles (stacked like packed when `layer` is given), or None: with them, two-part
-    calls of many rows run on the AMX tile unit where the kernel has it (the reference ignores them)."""
+    calls of many rows run on the AMX bf16 tile path where the kernel has it (close to, not bit for bit, the
+    other paths' results; the reference ignores them). Without them AMX runs the int8 tile path, which gives the
+    VNNI path's outputs exactly."""
     if gated and x.shape[-1] % 2:
         raise ValueError(f"q8_matmul: a gated x holds gate | up, an even width; got {x.shape}")
     k = x.shape[-1] // 2 if gated else x.shape[-1]

@@ -58,7 +58,7 @@ class StackedQ8:
     """The group-wise int8 weights of every layer as one stack (a QuantizedWeight [L, K, N]) for one
     linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles)
     and number widths[j]. tiles: the stack's kernels.q8_matmul.pack_tiles [L, Np/16, Kp*32] where the kernel
-    runs two-part calls on the AMX tile unit (fuse_q8 makes them), else None."""
+    runs two-part calls on the AMX bf16 tile path (SLIPSTREAM_AMX_BF16=1; fuse_q8 makes them), else None."""
 
     weight: QuantizedWeight
     widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
