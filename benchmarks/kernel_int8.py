@@ -12,13 +12,13 @@ Three measurements in one run, so their ratios share the machine's state:
      share of (1);
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts);
-  4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and the
-     two-part kernel on the tile unit (weights with their pack_tiles, at every row count: the crossover) against
-     its AVX-512 VNNI path at each --rows, timed alternately;
+  4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and, at every
+     --rows (the tile unit forced at every row count: the crossover), the int8 tile path (q8_0 and q8_0-a16) and
+     the bf16 path (q8_0-a16 with its pack_tiles) against the AVX-512 VNNI path, timed alternately;
   5. with --amx --engine: the default model's engine (q8_0-a16, bf16 K/V, 32 slots at 384 tokens of context): a
-     32-slot decode step and a 256-token prefill chunk on the VNNI path, on the tile unit from kAmxMinRows rows
-     (the default), and on it from 32 rows, the three alternated within each rep; the q8 calls' time by the
-     kernel's own clock, and the step's attention alone.
+     32-slot decode step and a 256-token prefill chunk on the VNNI path and on the AMX path as configured (bf16
+     tiles only with SLIPSTREAM_AMX_BF16=1), alternated within each rep; the q8 calls' time by the kernel's own
+     clock, and the step's attention alone.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
     python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]]
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.measure import amx_peak, cpu_model
-from slipstream.kernels import native
+from slipstream.kernels import native, settings
 from slipstream.kernels import q8_matmul as q8
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query / 3 KV heads of 64, vocab 49152, 30 layers. The engine
@@ -185,7 +185,9 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
 
 
 def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
-    """[4]: the tile unit's dense peak, then the two-part (q8_0-a16) kernel on it against its VNNI path."""
+    """[4]: the tile unit's dense peak, then the q8 kernel's AMX paths against its VNNI path, timed alternately in
+    one process: the exact int8 tile path (tdpbsud, bit for bit VNNI's) for q8_0 and q8_0-a16, and for q8_0-a16 the
+    bf16 hi + lo path (pack_tiles)."""
     cores = len(os.sched_getaffinity(0))
     try:
         ext.set_isa("amx")
@@ -195,36 +197,47 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     if None in peaks.values():
         raise SystemExit("benchmarks/amx_peak.c could not be built or run here (a C compiler with -mamx-*)")
     print(f"\n[4] AMX: dense tile products on {cores} cores (benchmarks/amx_peak.c, random data): int8 "
-          f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The q8_0-a16 kernel on the tile unit (amx) "
-          "and on AVX-512 VNNI, timed alternately; GOP/s = 2*M*K*N / median time; share of the int8 and bf16 peaks")
-    min_rows = ext.amx_rows(1)  # the tile unit at every row count, to find where it wins
-    print(f"    {'shape':20} {'M':>4} | {'vnni ms':>8} {'GOP/s':>6} | {'amx ms':>8} {'GOP/s':>6} {'int8 pk':>7} "
-          f"{'bf16 pk':>7} | {'amx/vnni':>8}")
-    for m in rows:
-        for name, (k, n) in PREFILL_SHAPES.items():
-            packed, scales, offsets = random_q8(rng, k, n, offsets=True)
-            tiles = jnp.asarray(q8.pack_tiles(packed, scales, offsets))
-            fn = jax.jit(lambda x, p=packed, s=scales, o=offsets, t=tiles, n=n:
-                         q8.q8_matmul(x, p, s, o, n=n, parts=2, tiles=t))
-            x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-            times: dict[str, list[float]] = {"avx512_vnni": [], "amx": []}
-            for isa in times:  # warm-up: compile once, touch both paths
-                ext.set_isa(isa)
-                fn(x).block_until_ready()
-            for _ in range(reps):
-                for isa, ts in times.items():
-                    ext.set_isa(isa)
-                    t0 = time.perf_counter()
-                    fn(x).block_until_ready()
-                    ts.append(time.perf_counter() - t0)
-            ext.set_isa("amx")
-            ops = 2.0 * m * k * n
-            vnni, amx = np.median(times["avx512_vnni"]), np.median(times["amx"])
-            ratio = np.median(np.array(times["amx"]) / np.array(times["avx512_vnni"]))
-            print(f"    {name:20} {m:>4} | {vnni * 1e3:8.3f} {ops / vnni / 1e9:6.0f} | {amx * 1e3:8.3f} "
-                  f"{ops / amx / 1e9:6.0f} {ops / amx / 1e9 / peaks['int8']:7.1%} {ops / amx / 1e9 / peaks['bf16']:7.1%} "
-                  f"| {ratio:7.2f}x", flush=True)
-    ext.amx_rows(min_rows)
+          f"{peaks['int8']:.0f} GOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s. The kernel's paths timed alternately: vnni, "
+          "int8 (the exact tile path), bf16 (q8_0-a16 with pack_tiles); ms = median; GOP/s = 2*M*K*N / median; "
+          "int8 pk = int8's share of the int8 peak; ratios = medians of the per-rep ratios")
+    default_rows = ext.amx_rows(1, 1 << 30, 1, 1)  # the tile unit at every row count, to find where it wins
+    print(f"    {'form':8} {'shape':20} {'M':>4} | {'vnni ms':>8} | {'int8 ms':>8} {'GOP/s':>6} {'int8 pk':>7} | "
+          f"{'bf16 ms':>8} | {'int8/vnni':>9} {'bf16/vnni':>9} {'int8/bf16':>9}")
+    try:
+        for m in rows:
+            for name, (k, n) in PREFILL_SHAPES.items():
+                packed, scales, offsets = random_q8(rng, k, n, offsets=True)
+                x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+                for form, parts in (("q8_0", 1), ("q8_0-a16", 2)):
+                    off = offsets if parts == 2 else None
+                    plain = jax.jit(lambda x, p=packed, s=scales, o=off, n=n, parts=parts:
+                                    q8.q8_matmul(x, p, s, o, n=n, parts=parts))
+                    paths = {"vnni": ("avx512_vnni", plain), "int8": ("amx", plain)}
+                    if parts == 2:
+                        tiles = jnp.asarray(q8.pack_tiles(packed, scales, offsets))
+                        paths["bf16"] = ("amx", jax.jit(lambda x, p=packed, s=scales, o=offsets, t=tiles, n=n:
+                                                        q8.q8_matmul(x, p, s, o, n=n, parts=2, tiles=t)))
+                    times: dict[str, list[float]] = {path: [] for path in paths}
+                    for isa, fn in paths.values():  # warm-up: compile once, touch every path
+                        ext.set_isa(isa)
+                        fn(x).block_until_ready()
+                    for _ in range(reps):
+                        for path, (isa, fn) in paths.items():
+                            ext.set_isa(isa)
+                            t0 = time.perf_counter()
+                            fn(x).block_until_ready()
+                            times[path].append(time.perf_counter() - t0)
+                    t = {path: np.array(v) for path, v in times.items()}
+                    med = {path: np.median(v) for path, v in t.items()}
+                    ops = 2.0 * m * k * n
+                    ratio = lambda a, b: f"{np.median(t[a] / t[b]):8.2f}x" if a in t and b in t else f"{'-':>9}"  # noqa: E731
+                    bf16 = f"{med['bf16'] * 1e3:8.3f}" if "bf16" in med else f"{'-':>8}"
+                    print(f"    {form:8} {name:20} {m:>4} | {med['vnni'] * 1e3:8.3f} | {med['int8'] * 1e3:8.3f} "
+                          f"{ops / med['int8'] / 1e9:6.0f} {ops / med['int8'] / 1e9 / peaks['int8']:7.1%} | {bf16} | "
+                          f"{ratio('int8', 'vnni')} {ratio('bf16', 'vnni')} {ratio('int8', 'bf16')}", flush=True)
+    finally:
+        ext.set_isa("amx")
+        ext.amx_rows(*default_rows)
 
 
 def amx_engine(ext, reps: int) -> None:
@@ -247,8 +260,9 @@ def amx_engine(ext, reps: int) -> None:
     chunk = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
     attention = attention_only(setup, 32)
     default_rows = ext.amx_rows()
-    paths = {"vnni": ("avx512_vnni", default_rows), f"amx from {default_rows} rows": ("amx", default_rows),
-             "amx from 32 rows": ("amx", 32)}
+    bf16 = f"bf16 from {default_rows[3]}" if settings.AMX_BF16.get() else "no bf16 tiles"
+    paths = {"vnni": ("avx512_vnni", default_rows),
+             f"amx (int8 {default_rows[0]}-{default_rows[1]} rows, {bf16})": ("amx", default_rows)}
     times = {name: {part: [] for part in ("decode", "decode q8", "prefill", "prefill q8")} for name in paths}
     attention_ms = []
 
@@ -264,7 +278,7 @@ def amx_engine(ext, reps: int) -> None:
         for rep in range(reps + 2):  # two warm-up rounds
             for name, (isa, rows) in paths.items():
                 ext.set_isa(isa)
-                ext.amx_rows(rows)
+                ext.amx_rows(*rows)
                 setup.rewind()  # every decode step writes the same position
                 for part, run in (("decode", lambda: engine.step(StepBatch(decodes(setup, 32)))),
                                   ("prefill", lambda: engine.step(chunk))):
@@ -278,13 +292,13 @@ def amx_engine(ext, reps: int) -> None:
                 attention_ms.append((time.perf_counter() - start) * 1e3)
     finally:
         ext.set_isa("amx")
-        ext.amx_rows(default_rows)
+        ext.amx_rows(*default_rows)
     med = lambda v: statistics.median(v) * 1e3  # noqa: E731
     print(f"\n[5] engine steps, default model q8_0-a16, bf16 K/V (medians of {reps}, paths alternated): a 32-slot "
           f"decode step at 384 context (its attention alone: {statistics.median(attention_ms):.1f} ms) and a 256-token "
           "prefill chunk; q8: the time inside the q8 matmul calls")
     for name, t in times.items():
-        print(f"    {name:18} decode {med(t['decode']):6.1f} ms (q8 {med(t['decode q8']):5.1f})   prefill "
+        print(f"    {name:40} decode {med(t['decode']):6.1f} ms (q8 {med(t['decode q8']):5.1f})   prefill "
               f"{med(t['prefill']):6.1f} ms (q8 {med(t['prefill q8']):5.1f})", flush=True)
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from slipstream.kernels import native
+from slipstream.kernels import native, settings
 
 GROUP = 32  # input channels per scale (a Q8_0 block)
 TILE = 16   # output columns per packed tile: 16 int32 lanes of one AVX-512 vector
@@ -99,9 +99,11 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None, *, bits: int
 
 
 def amx_tiles_wanted() -> bool:
-    """True when the native kernel runs on the AMX tile unit here (an Intel CPU and OS that grant it): then a
-    two-part (q8_0-a16) weight that serves many-row calls is worth its pack_tiles copy."""
-    return native_available() and importlib.import_module("slipstream.kernels._q8_matmul").isa() == "amx"
+    """True when the native kernel runs on the AMX tile unit here (an Intel CPU and OS that grant it) and
+    SLIPSTREAM_AMX_BF16=1 asks for the bf16 path: then a two-part (q8_0-a16) weight that serves many-row calls gets
+    its pack_tiles copy. Without it the tile unit runs the int8 path, which needs no copy."""
+    return (settings.AMX_BF16.get() and native_available()
+            and importlib.import_module("slipstream.kernels._q8_matmul").isa() == "amx")
 
 
 def pack_tiles(packed: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
@@ -250,7 +252,9 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     gated: x is gate | up [..., 2K] (a gated MLP's gate/up output) and the matmul's input is
     silu(gate) * up (gated_input), which the native kernel forms row by row as it quantizes.
     tiles: the weight's pack_tiles (stacked like packed when `layer` is given), or None: with them, two-part
-    calls of many rows run on the AMX tile unit where the kernel has it (the reference ignores them)."""
+    calls of many rows run on the AMX bf16 tile path where the kernel has it (close to, not bit for bit, the
+    other paths' results; the reference ignores them). Without them AMX runs the int8 tile path, which gives the
+    VNNI path's outputs exactly."""
     if gated and x.shape[-1] % 2:
         raise ValueError(f"q8_matmul: a gated x holds gate | up, an even width; got {x.shape}")
     k = x.shape[-1] // 2 if gated else x.shape[-1]

@@ -36,4 +36,9 @@ CPU_ISA: Setting[str | None] = Setting(
     "amx|avx512_vnni|avx512|avx2|portable: the highest instruction set the native CPU kernels may use (each runs "
     "its best path at or below it); unset: the best this CPU and OS allow (logged at start-up, in /metrics)")
 
-KERNEL_SETTINGS: tuple[Setting, ...] = (KERNELS, KV_LOAD_AHEAD, KV_HUGE_PAGES, CPU_ISA)
+AMX_BF16 = Setting("SLIPSTREAM_AMX_BF16", lambda text: text == "1", False,
+                   "1: on AMX, q8_0-a16 weights also get bf16 hi + lo copies at load (4 bytes a weight) and calls of "
+                   "64 rows or more multiply them on the BF16 tile unit: faster prefill, but results that depend on "
+                   "a call's row count; unset: the int8 tile path, bit for bit the VNNI path's")
+
+KERNEL_SETTINGS: tuple[Setting, ...] = (KERNELS, KV_LOAD_AHEAD, KV_HUGE_PAGES, CPU_ISA, AMX_BF16)

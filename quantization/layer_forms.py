@@ -58,7 +58,7 @@ class StackedQ8:
     """The group-wise int8 weights of every layer as one stack (a QuantizedWeight [L, K, N]) for one
     linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles)
     and number widths[j]. tiles: the stack's kernels.q8_matmul.pack_tiles [L, Np/16, Kp*32] where the kernel
-    runs two-part calls on the AMX tile unit (fuse_q8 makes them), else None."""
+    runs two-part calls on the AMX bf16 tile path (SLIPSTREAM_AMX_BF16=1; fuse_q8 makes them), else None."""
 
     weight: QuantizedWeight
     widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
@@ -189,8 +189,8 @@ class StackedPick:
 
 def stack_tiles(w: QuantizedWeight) -> jax.Array | None:
     """A stacked q8_0-a16 weight's bf16 tiles (kernels.q8_matmul.pack_tiles per layer) where the kernel runs on the
-    AMX tile unit, else None: 4 bytes per weight (the default model's layers: 425 MB) buy its many-row calls
-    (prefill, batched decode) the tile unit."""
+    AMX tile unit and SLIPSTREAM_AMX_BF16=1 asks for its bf16 path, else None: 4 bytes per weight (the default
+    model's layers: 425 MB) buy its many-row calls (prefill) the bf16 tile unit."""
     if w.mode == "q8_0" or not amx_tiles_wanted():
         return None
     q, scale = np.asarray(w.q), np.asarray(w.scale)

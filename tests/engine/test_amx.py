@@ -1,6 +1,6 @@
-"""Engine-level, on Intel CPUs with AMX: the q8_0-a16 layer stacks come with their bf16 tiles, and greedy output
-with the q8 matmul's tile-unit path (two-part calls of at least kAmxMinRows rows: here the prefill step) equals
-that with its AVX-512 VNNI path."""
+"""Engine-level, on Intel CPUs with AMX: greedy output with the q8 matmul's int8 tile path equals that with its
+AVX-512 VNNI path, token for token, with the tile unit on its default row window and on every call (the prefill
+steps and the one-row decode steps alike); the q8_0-a16 layer stacks need no bf16 copies for it."""
 from __future__ import annotations
 
 import jax
@@ -37,12 +37,16 @@ def test_greedy_with_amx_equals_vnni(tiny_model):
     engine = JaxEngine(cfg, params, config, precompile=False)
     stacks = [leaf for leaf in jax.tree_util.tree_leaves(engine.params, is_leaf=lambda v: isinstance(v, StackedQ8))
               if isinstance(leaf, StackedQ8)]
-    assert stacks and all(s.tiles is not None for s in stacks)  # made at load for the tile unit
-    prev = ext.set_isa("amx")
+    assert stacks and all(s.tiles is None for s in stacks)  # no bf16 copies unless SLIPSTREAM_AMX_BF16=1
+    prev = ext.set_isa("avx512_vnni")
     try:
-        with_amx = greedy(engine, prompts)
-        ext.set_isa("avx512_vnni")
         with_vnni = greedy(engine, prompts)
+        ext.set_isa("amx")
+        assert greedy(engine, prompts) == with_vnni
+        rows = ext.amx_rows(1, 1 << 30, 1, -1)  # every call on the tile unit
+        try:
+            assert greedy(engine, prompts) == with_vnni
+        finally:
+            ext.amx_rows(*rows)
     finally:
         ext.set_isa(prev)
-    assert with_amx == with_vnni

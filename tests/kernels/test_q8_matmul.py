@@ -79,15 +79,12 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
     return (isa or ext.isa()) == "avx2" and parts == 2 and rows >= AVX2_F32_MIN_ROWS
 
 
-# q8_matmul.cc's kAmxMinRows: from this many rows a two-part call on the AMX path whose weight comes with its
-# pack_tiles runs on the tile unit: x and the dequantized weight each split into bf16 hi + lo, three bf16
-# products summed in f32 (~16 bits per product). Fewer rows, one-part calls and weights without tiles run the
-# AVX-512 VNNI path's code. run_kernel passes the tiles on the AMX path.
+# q8_matmul.cc's kAmxMinRows: from this many rows a call on the AMX path runs on the tile unit. Its int8 path
+# (tdpbsud, 8-bit weights) gives the AVX-512 VNNI path's outputs bit for bit, so a row's output never depends on
+# the call's row count. With a q8_0-a16 weight's pack_tiles (SLIPSTREAM_AMX_BF16=1) two-part calls instead
+# multiply x and the dequantized weight each split into bf16 hi + lo, three bf16 products summed in f32 (~16
+# bits per product): tests/kernels/test_q8_matmul_amx.py.
 AMX_MIN_ROWS = 64
-
-
-def takes_split_path(isa: str | None, parts: int, rows: int) -> bool:
-    return (isa or ext.isa()) == "amx" and parts == 2 and rows >= AMX_MIN_ROWS
 
 
 def assert_split_product_close(got, x, q, d, m=None):
@@ -99,10 +96,8 @@ def assert_split_product_close(got, x, q, d, m=None):
     np.testing.assert_array_less(np.abs(got - exact), (2.0**-14 + k * 2.0**-24) * terms + 1e-30)
 
 
-def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False, tiles="auto"):
-    """The kernel's output; tiles "auto": on the AMX path with two parts, with the weight's pack_tiles (else none)."""
-    if isinstance(tiles, str):
-        tiles = q8.pack_tiles(packed, scales, offsets) if (isa or ext.isa()) == "amx" and parts == 2 else None
+def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=False, tiles=None):
+    """The kernel's output on `isa` (None: the module's current choice); tiles: a weight's pack_tiles, or None."""
     prev = ext.set_isa(isa) if isa else None
     try:
         fn = jax.jit(lambda x, p, s, o, t: q8.q8_matmul(x, p, s, o, n=n, parts=parts, gated=gated, tiles=t))
@@ -110,6 +105,13 @@ def run_kernel(x, packed, scales, n, isa=None, offsets=None, parts=1, gated=Fals
     finally:
         if prev:
             ext.set_isa(prev)
+
+
+def assert_amx_equals_vnni(got, isa, *args, **kwargs):
+    """On the AMX path, got must be the VNNI path's output bit for bit (the tile path mirrors its integer sums and
+    float steps), whatever the row count."""
+    if (isa or ext.isa()) == "amx":
+        np.testing.assert_array_equal(got, run_kernel(*args, isa="avx512_vnni", **kwargs))
 
 
 def run_reference(x, packed, scales, n, offsets=None, parts=1):
@@ -147,10 +149,8 @@ def test_kernel_matches_reference_and_oracle(m, k, n, seed, isa, parts, offsets)
     got = run_kernel(x, packed, scales, n, isa, packed_off, parts)
     want = oracle(x, q, d, off, parts)
     assert got.shape == (m, n)
-    if takes_split_path(isa, parts, m):
-        assert_split_product_close(got, x, q, d, off)
-    else:
-        assert_close(got, exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else want, x, q, d, off)
+    assert_close(got, exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else want, x, q, d, off)
+    assert_amx_equals_vnni(got, isa, x, packed, scales, n, offsets=packed_off, parts=parts)
     # XLA may fuse the reference's max|x| / 127 into a reduction that divides through a reciprocal,
     # one ulp off the true division the kernel and the oracle do; at a rounding tie (x / xs = j + 0.5)
     # that moves one activation by one step. Allow the reference one such step per output.
@@ -180,10 +180,8 @@ def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, 
     assert got.shape == (m, n)
     step = 2 * np.abs(x).max(initial=0) / 127 * np.abs(q.astype(np.float32)).max(initial=0) * d.max(initial=0)
     want = exact_product(x, q, d, off) if takes_f32_path(isa, parts, m) else oracle(x, q, d, off, parts)
-    if takes_split_path(isa, parts, m):
-        assert_split_product_close(got, x, q, d, off)
-    else:
-        assert_close(got, want, x, q, d, off, slack=step)
+    assert_close(got, want, x, q, d, off, slack=step)
+    assert_amx_equals_vnni(got, isa, gate_up, packed, scales, n, offsets=packed_off, parts=parts, gated=True)
     ref = jax.jit(lambda x, p, s, o: q8._reference_at(x, p, s, o, None, jnp.int32(0), n=n, parts=parts, gated=True))
     assert_close(np.asarray(ref(gate_up, packed, scales, packed_off)), want, x, q, d, off, slack=step)
 

@@ -1,6 +1,9 @@
-"""The Q8_0 matmul's AMX path (Intel CPUs whose OS grants the tile state): two-part calls of AMX_MIN_ROWS rows
-or more whose weight comes with its tiles (pack_tiles, made at load) multiply x and the dequantized weights split
-into bf16 hi + lo; below that, for one part, and without tiles, the AVX-512 VNNI path's bits. The property tests of tests/kernels/test_q8_matmul.py sample this path among the others."""
+"""The Q8_0 matmul's AMX path (Intel CPUs whose OS grants the tile state): calls of AMX_MIN_ROWS rows or more
+with 8-bit weights run on the int8 tile unit and give the AVX-512 VNNI path's outputs bit for bit, for one and
+two activation parts, so a row's output never depends on how many rows its call has. With a q8_0-a16 weight's
+pack_tiles (made at load only with SLIPSTREAM_AMX_BF16=1) two-part calls of that many rows multiply x and the
+dequantized weights split into bf16 hi + lo instead. The property tests of tests/kernels/test_q8_matmul.py
+sample the int8 path among the others."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -12,18 +15,77 @@ from slipstream.kernels import q8_matmul as q8
 from tests.kernels.test_q8_matmul import (AMX_MIN_ROWS, ISAS, assert_split_product_close, exact_product, f16,
                                           outlier_case, random_weight, run_kernel)
 
+if "amx" in ISAS:
+    import slipstream.kernels._q8_matmul as ext
+
 pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-INT8/BF16, or the OS did not grant "
                                 "the tile state (lscpu: amx_int8, amx_bf16)")
+
+# around the tile path's threshold, its 16-row tiles (two parts: 8 input rows a tile) and its 256-row items
+ROW_COUNTS = [1, 7, 8, 9, 15, 16, 17, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 255, 256, 257, 600]
+
+
+@pytest.fixture(params=["default", "every call"])
+def tile_rows(request):
+    """The int8 tile unit's row window: the kernel's default (two-part calls of 8..64 rows), or every call of 8-bit
+    weights whatever its rows and parts."""
+    prev = ext.amx_rows(1, 1 << 30, 1, -1) if request.param == "every call" else None
+    yield request.param
+    if prev:
+        ext.amx_rows(*prev)
+
+
+@pytest.mark.parametrize("m", ROW_COUNTS)
+@pytest.mark.parametrize("parts", [1, 2])
+def test_amx_equals_vnni_bit_for_bit_at_every_row_count(m, parts, tile_rows):
+    # odd K and N (a partial group and a partial column tile), offsets, an outlier column
+    q, d, off, packed, scales, packed_off, x = outlier_case(m, True)
+    n = q.shape[0]
+    for offsets in (None, packed_off):
+        np.testing.assert_array_equal(run_kernel(x, packed, scales, n, "amx", offsets, parts=parts),
+                                      run_kernel(x, packed, scales, n, "avx512_vnni", offsets, parts=parts))
+
+
+def test_a_row_is_the_same_alone_and_in_a_tile_unit_call(tile_rows):
+    # what speculative verification relies on: row i of a many-row call equals the one-row call on row i
+    q, d, off, packed, scales, packed_off, x = outlier_case(AMX_MIN_ROWS + 3, True)
+    n = q.shape[0]
+    for parts in (1, 2):
+        whole = run_kernel(x, packed, scales, n, "amx", packed_off, parts=parts)
+        for i in (0, 17, AMX_MIN_ROWS + 2):
+            np.testing.assert_array_equal(whole[i:i + 1], run_kernel(x[i:i + 1], packed, scales, n, "amx", packed_off,
+                                                                     parts=parts))
+
+
+def test_stacked_weights_at_a_traced_layer_on_the_tile_unit_equal_vnni(tile_rows):
+    import jax
+
+    rng = np.random.default_rng(5)
+    layers, m, k, n = 3, AMX_MIN_ROWS, 70, 40
+    weights = []
+    for _ in range(layers):
+        q, d = random_weight(rng, k, n)
+        weights.append(q8.pack(q, d, f16(rng.standard_normal(d.shape) * 1e-2)))
+    stack = [jnp.asarray(np.stack([w[i] for w in weights])) for i in range(3)]
+    x = rng.standard_normal((layers, m, k)).astype(np.float32)
+
+    def body(_, xs):
+        xi, i = xs
+        return None, q8.q8_matmul(xi, *stack, n=n, parts=2, layer=i)
+
+    got = np.asarray(jax.jit(lambda x: jax.lax.scan(body, None, (x, jnp.arange(layers, dtype=jnp.int32)))[1])(x))
+    for i, (packed, scales, packed_off) in enumerate(weights):
+        np.testing.assert_array_equal(got[i], run_kernel(x[i], packed, scales, n, "avx512_vnni", packed_off, parts=2))
 
 
 @pytest.mark.parametrize("m", [1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 600])
 @pytest.mark.parametrize("offsets", [False, True])
-def test_amx_two_parts_are_the_float_product_from_its_row_count(m, offsets):
-    # Row counts across the 256-row items: from AMX_MIN_ROWS on, closer to the float product than the two
-    # int8 parts, whose quantization shows; below it, the VNNI path's bits.
+def test_bf16_tiles_give_the_float_product_from_their_row_count(m, offsets):
+    # With pack_tiles, two-part calls from AMX_MIN_ROWS on are closer to the float product than the two int8
+    # parts, whose quantization shows; below it, the VNNI path's bits.
     q, d, off, packed, scales, packed_off, x = outlier_case(m, offsets)
     n = q.shape[0]
-    got = run_kernel(x, packed, scales, n, "amx", packed_off, parts=2)
+    got = run_kernel(x, packed, scales, n, "amx", packed_off, parts=2, tiles=q8.pack_tiles(packed, scales, packed_off))
     int8_parts = run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=2)
     if m >= AMX_MIN_ROWS:
         assert_split_product_close(got, x, q, d, off)
@@ -33,21 +95,6 @@ def test_amx_two_parts_are_the_float_product_from_its_row_count(m, offsets):
         np.testing.assert_array_equal(got, int8_parts)
 
 
-def test_one_part_calls_stay_on_the_vnni_bits():
-    # q8_0 (one int8 part) never runs on the tile unit, whatever the row count.
-    q, d, off, packed, scales, packed_off, x = outlier_case(AMX_MIN_ROWS + 1, True)
-    n = q.shape[0]
-    np.testing.assert_array_equal(run_kernel(x, packed, scales, n, "amx", packed_off),
-                                  run_kernel(x, packed, scales, n, "avx512_vnni", packed_off))
-
-
-def test_two_parts_without_tiles_stay_on_the_vnni_bits():
-    q, d, off, packed, scales, packed_off, x = outlier_case(AMX_MIN_ROWS + 1, True)
-    n = q.shape[0]
-    np.testing.assert_array_equal(run_kernel(x, packed, scales, n, "amx", packed_off, parts=2, tiles=None),
-                                  run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=2))
-
-
 def test_tiles_of_another_weight_are_refused():
     q, d, off, packed, scales, packed_off, x = outlier_case(4, True)
     tiles = q8.pack_tiles(packed, scales, packed_off)
@@ -55,17 +102,25 @@ def test_tiles_of_another_weight_are_refused():
         q8.q8_matmul(x, packed, scales, packed_off, n=q.shape[0], parts=2, tiles=tiles[:, :-32])
 
 
-def test_fuse_q8_gives_a16_stacks_their_tiles_and_q8_0_none():
+@pytest.mark.parametrize("bf16", ["1", None])
+def test_fuse_q8_gives_a16_stacks_bf16_tiles_only_when_asked(monkeypatch, bf16):
     from slipstream.quantization import groupwise
     from slipstream.quantization.layer_forms import fuse_q8
 
+    if bf16:
+        monkeypatch.setenv("SLIPSTREAM_AMX_BF16", bf16)
+    else:
+        monkeypatch.delenv("SLIPSTREAM_AMX_BF16", raising=False)
     w = np.random.default_rng(3).standard_normal((2, 64, 48)).astype(np.float32)
     a16 = fuse_q8([groupwise.quantize_weight(w, "q8_0-a16"), groupwise.quantize_weight(w[..., :32], "q8_0-a16")])
-    assert a16.tiles is not None and a16.tiles.shape == (2, (48 + 32) // 16, 64 * 32)
+    if bf16:
+        assert a16.tiles is not None and a16.tiles.shape == (2, (48 + 32) // 16, 64 * 32)
+    else:
+        assert a16.tiles is None  # the int8 tile path needs no copy
     assert fuse_q8([groupwise.quantize_weight(w, "q8_0")]).tiles is None
 
 
-def test_stacked_tiles_at_a_traced_layer_equal_each_weight_alone():
+def test_stacked_bf16_tiles_at_a_traced_layer_equal_each_weight_alone():
     # the kernel finds layer i's tiles in a stack [L, ...] as it finds its packed weight
     import jax
 

@@ -89,7 +89,7 @@ def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_o
     agree = np.mean([t == r for row, ref in zip(got, f32_outputs) for (t, _), (r, _) in zip(row, ref)])
     assert agree >= 0.9, f"{mode}: only {agree:.0%} greedy tokens equal f32"
     # the weights the engine holds are int8: the layers take about a quarter of the f32 bytes (int8:
-    # plus an f32 scale and offset per 32 inputs). Where the q8 kernel runs on AMX, q8_0-a16 stacks also hold
+    # plus an f32 scale and offset per 32 inputs). Where the q8 kernel runs on AMX and SLIPSTREAM_AMX_BF16=1, q8_0-a16 stacks also hold
     # their bf16 tiles for many-row calls (kernels.q8_matmul.pack_tiles), an extra 4 bytes per weight, and
     # nothing else does.
     f32_layers = weight_bytes(nnx.state(tiny_model[1].blocks))

@@ -48,8 +48,10 @@
 // quantized (GatedRow), so XLA never writes the [M, K] product (its slice-multiply fusion of the
 // gate/up output was 4% of a 1052-token step).
 //
-// Instruction sets, chosen at run time: AMX (two-part calls of at least kAmxMinRows rows whose weights come
-// with their bf16 tiles, prepacked at load, on the BF16 tile unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows on the INT8 tile
+// unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part calls of at least
+// kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile unit, see
+// TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -873,6 +875,114 @@ __attribute__((target("amx-tile"))) void AmxBeginBf16() { _tile_loadconfig(&kAmx
 __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 #endif  // SLIPSTREAM_X86
 
+// AMX-INT8: the VNNI path's arithmetic on the tile unit, bit for bit. Per group of 32 inputs, tdpbsud (A signed
+// int8 activations x B unsigned w + 128) gives each act row's int32 sum over the group, as vpdpbusd does; a vector
+// pass adds the row's -128 * sum(xq) and, with two parts, combines the pair of act rows as 254 * acc0 + acc1 (exact
+// in int32, the same integer the VNNI path forms), then applies f = fma(f32(total), ws * xs, f) (and the offsets'
+// fma) in group order: the same float operations in the same order, so every output equals the VNNI path's.
+// Operands as they lie, nothing repacked: the 8-bit packed weight [Kp/4][16][4] per column tile is tdpbsud's B layout
+// (a group: 8 rows of 64 bytes), and the quantized act rows (part p of input row m at row m * P + p, Kp bytes each)
+// are A tiles of 16 act rows x 32 bytes with stride Kp. With two parts a tile's 16 act rows are 8 input rows.
+// Each 16 x 16 output block runs two groups at a time on its own tile registers (TileInt8), its f32 sums in 16
+// zmm registers. Why it gains so little (one core, benchmarks/amx_blocking.cc-style probes on this Emerald Rapids):
+// a K = 32 product costs what a K = 64 one does (~5 ns), every group's C tile must be stored (~5 ns, not
+// overlapped with the products), and the vector pass over the stored tile (bias, combine, convert, scale, fma:
+// ~13 ns per 16 x 16 tile) overlaps the tile work only in part (~21 ns for both against ~11 + 13): per group and
+// 16 x 16 block ~20-30 ns against VNNI's ~32. Also tried: 2 x 2 tile blocks (four C tiles, f32 sums in memory)
+// 1.05-1.10x the VNNI time at 256 rows, double-buffered 1 x 1 blocks as here 0.89-0.98x; row tiles outer or column
+// tiles outer: the same. 4-bit weights (their packing is not a B layout) stay on the VNNI path.
+constexpr int kAmxBlockRows = 256;  // input rows per item
+// The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
+// Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows 8,...,512`): two
+// parts 0.78-0.99x the VNNI time from 8 to 64 rows, 0.93-1.14x at 128, 0.95-1.10x at 256 and 512; one part
+// 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile
+// cost as much as the VNNI products they replace), so one-part calls stay on VNNI.
+constexpr int kInt8MinRows = 8, kInt8MaxRows = 64;
+std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
+
+#if defined(SLIPSTREAM_X86)
+struct AmxInt8Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 0, 0, 32, 32, 64, 64};  // C: 16 int32, A: 32 int8, B: 64 bytes (16 cols x 4)
+  uint8_t rows[16] = {16, 16, 0, 0, 16, 16, 8, 8};      // B: a group's 32 inputs in 8 rows of 4
+};
+alignas(64) const AmxInt8Config kAmxInt8Config{};
+
+// One row tile of act rows (from act row at0, a multiple of 16) x one column tile (tile0), over all of K, with two
+// groups in flight: group g's C tile, A tile and B tile are tmm(g % 2), tmm(4 + g % 2) and tmm(6 + g % 2), so the
+// tile unit multiplies group g + 1 while group g's C tile is stored and scaled, and the block's 16 output rows
+// (8 with two parts) stay in registers across the groups. Act rows past p.m * P (in the last row tile) are
+// multiplied and never read back.
+template <int P>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
+void TileInt8(const Problem& p, const Acts& a, int at0, int tile0) {
+  constexpr int Y = kAmxRows / P;  // output rows
+  constexpr size_t kGroupBytes = kGroup * kTile;  // a group's B tile: 512 bytes
+  const int rows = std::min(kAmxRows, p.m * P - at0), groups = p.groups, kp = p.kp;
+  const int8_t* const xq = a.q.data() + static_cast<size_t>(at0) * kp;
+  const uint8_t* const w = p.w + tile0 * p.tile_bytes();
+  const int32_t* const xb = a.bias.data() + static_cast<size_t>(at0) * groups;
+  const float* const xs = a.scale.data() + static_cast<size_t>(at0) * groups + (P - 1) * groups;
+  const float* const xsum = a.sum.data() + static_cast<size_t>(at0) * groups;
+  const uint16_t* const ws = p.ws + tile0 * p.tile_scales();
+  const uint16_t* const wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
+  alignas(64) int32_t cbuf[4][kAmxRows * kTile];
+  __m512 f[Y];
+  for (int y = 0; y < Y; ++y) f[y] = _mm512_setzero_ps();
+  // tile register numbers must be constants
+#define Q8_INT8_PRODUCT(C, A, B, g)                \
+  do {                                             \
+    _tile_zero(C);                                 \
+    _tile_loadd(A, xq + (g) * kGroup, kp);         \
+    _tile_loadd(B, w + (g) * kGroupBytes, 64);     \
+    _tile_dpbsud(C, A, B);                         \
+  } while (0)
+  // group g's scale pass (the VNNI path's integer and float steps, TileAvx512) from its stored C tile
+  auto scale = [&](const int32_t* cb, int g) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,f16c"))) {
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
+    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
+                         : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int y = 0; y < Y; ++y) {
+      const int i = y * P;  // rows past `rows` scale whatever their tile rows hold and are never stored
+      const size_t ag = static_cast<size_t>(i) * groups + g;
+      __m512i total = _mm512_add_epi32(_mm512_load_si512(cb + i * kTile), _mm512_set1_epi32(xb[ag]));
+      if constexpr (P == 2) {  // 254 * acc0 + acc1
+        const __m512i acc1 = _mm512_add_epi32(_mm512_load_si512(cb + (i + 1) * kTile), _mm512_set1_epi32(xb[ag + groups]));
+        total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
+      }
+      f[y] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), f[y]);
+      if (wo) f[y] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), f[y]);
+    }
+  };
+  Q8_INT8_PRODUCT(0, 4, 6, 0);
+  if (groups > 1) Q8_INT8_PRODUCT(1, 5, 7, 1);
+  // groups g (tile buffer 0) and g + 1 (buffer 1) are in flight; each C tile is scaled a group after its store, so
+  // the vector loads do not wait for it
+  for (int g = 0; g < groups; g += 2) {
+    _tile_stored(0, cbuf[g & 2], 64);
+    if (g + 2 < groups) Q8_INT8_PRODUCT(0, 4, 6, g + 2);
+    if (g > 0) scale(cbuf[(g - 1) & 3], g - 1);
+    if (g + 1 >= groups) break;
+    _tile_stored(1, cbuf[(g + 1) & 3], 64);
+    if (g + 3 < groups) Q8_INT8_PRODUCT(1, 5, 7, g + 3);
+    scale(cbuf[g & 3], g);
+  }
+  scale(cbuf[(groups - 1) & 3], groups - 1);
+#undef Q8_INT8_PRODUCT
+  const int out0 = at0 / P, n0 = tile0 * kTile, cols = std::min(kTile, p.n - n0);
+  const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+#pragma GCC unroll 16
+  for (int y = 0; y < Y; ++y)
+    if (y * P < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + y) * p.n + n0, mask, f[y]);
+}
+
+using TileInt8Fn = void (*)(const Problem&, const Acts&, int, int);
+constexpr TileInt8Fn kTileInt8[2] = {&TileInt8<1>, &TileInt8<2>};  // [parts - 1]
+
+__attribute__((target("amx-tile"))) void AmxBeginInt8() { _tile_loadconfig(&kAmxInt8Config); }
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -974,6 +1084,7 @@ struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
   bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
+  bool int8_tiles = false;  // AMX, 8-bit weights, g_int8_min_rows..g_int8_max_rows rows: RunItemInt8
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1021,6 +1132,7 @@ struct Job {
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
     if (bf16) return RunItemBf16(chunk, rb);
+    if (int8_tiles) return RunItemInt8(chunk, rb);
 #endif
     EnsureRows(rb);
     // act rows of this block
@@ -1058,6 +1170,20 @@ struct Job {
         else TileBf16<1, 1>(p, acts, rt, t);
       }
     }
+    AmxEnd();
+  }
+
+  // AMX-INT8 (see TileInt8): the chunk's column tiles against the block's act row tiles in 2 x 2 blocks (column
+  // pairs outer: a pair's B panel serves every row tile of the block from L1/L2).
+  void RunItemInt8(int chunk, int rb) {
+    EnsureRows(rb);
+    const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    AmxBeginInt8();
+    for (int at = at_lo; at < at_hi; ++at)
+      for (int t = tile_lo; t < tile_hi; ++t) kTileInt8[p.parts - 1](p, acts, at * kAmxRows, t);
     AmxEnd();
   }
 
@@ -1161,8 +1287,11 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
   job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
+  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && bits == 8 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
+                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) && p.m <= g_int8_max_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
+  if (job.int8_tiles) job.block_rows = kAmxBlockRows;
 #if defined(SLIPSTREAM_X86)
   job.f32_path = job.isa == Isa::kAvx2 && parts == 2 && p.m >= kF32MinRows;
 #endif
@@ -1173,6 +1302,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   a.parts = parts;
   // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
   if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
+  else if (job.int8_tiles) a.Resize((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-act-row tiles
   else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
@@ -1246,14 +1376,20 @@ static PyObject* PrefetchPy(PyObject*, PyObject* args) {
   return prev;
 }
 
-// amx_rows(min_rows) -> the previous: two-part calls of at least this many rows run on the tile unit (where it
-// and prepacked tiles are at hand); negative keeps it. For benchmarks measuring the crossover against VNNI.
+// amx_rows(int8_min, int8_max, int8_parts, bf16_min) -> the previous four: calls of int8_min..int8_max rows with at
+// least int8_parts parts run on the int8 tile unit, and two-part calls of at least bf16_min rows whose weight comes
+// with its pack_tiles on the bf16 one; a negative argument keeps that setting. For tests (every row count on the
+// tile unit) and benchmarks measuring the crossover against VNNI.
 static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
-  int rows = -1;
-  if (!PyArg_ParseTuple(args, "|i", &rows)) return nullptr;
-  const int prev = g_amx_min_rows.load();
-  if (rows >= 0) g_amx_min_rows.store(std::max(rows, 1));
-  return PyLong_FromLong(prev);
+  int lo = -1, hi = -1, parts = -1, bf16 = -1;
+  if (!PyArg_ParseTuple(args, "|iiii", &lo, &hi, &parts, &bf16)) return nullptr;
+  PyObject* prev = Py_BuildValue("(iiii)", g_int8_min_rows.load(), g_int8_max_rows.load(), g_int8_min_parts.load(),
+                                 g_amx_min_rows.load());
+  if (lo >= 0) g_int8_min_rows.store(std::max(lo, 1));
+  if (hi >= 0) g_int8_max_rows.store(hi);
+  if (parts >= 0) g_int8_min_parts.store(std::max(std::min(parts, 2), 1));
+  if (bf16 >= 0) g_amx_min_rows.store(std::max(bf16, 1));
+  return prev;
 }
 
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
@@ -1304,8 +1440,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "prefetch(near, far): the one-row prefetch distances in bytes, into L1 and L2 (negative: keep); returns "
         "the previous."},
        {"amx_rows", AmxRowsPy, METH_VARARGS,
-        "amx_rows(min_rows): two-part calls of at least this many rows (with tiles) run on the tile unit "
-        "(negative: keep); returns the previous."},
+        "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
+        "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
+        "bf16 one (negative: keep); returns the previous four."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
