@@ -8,10 +8,11 @@ read, at the read bandwidth measured in the same run: numpy sums of a 1 GiB arra
 Shapes default to SmolLM2-135M: 30 layers, 9 query heads, 3 KV heads, head_dim 64, page_size 16.
 --page-order sequential | descending | shared change the page tables (shared: every sequence reads the
 same pages, so K/V stay in cache and the time is the compute alone). SLIPSTREAM_KV_HUGE_PAGES=0 keeps the
-cache on 4 KiB pages (the kernel's A/B switch). --load-ahead all,scattered times the kernel's two
+cache on 4 KiB pages (the kernel's A/B switch). --load-ahead all,scattered,prefetch times the kernel's
 load-ahead modes against each other in this run (rounds of reps alternated): every block of K/V touched
-right before its compute, or only blocks not on one run of page ids (left to the hardware prefetchers;
-SLIPSTREAM_KV_LOAD_AHEAD sets the server's). --prefill T times one sequence's T-token prefill chunk instead (its K/V
+right before its compute, only blocks not on one run of page ids (left to the hardware prefetchers), or
+only an item's first block with each chunk prefetching the one a block ahead
+(SLIPSTREAM_KV_LOAD_AHEAD sets the server's). --prefill T times one sequence's T-token prefill chunk instead (its K/V
 written and attended, as a prompt's chunk runs in the engine).
 """
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-ahead", default="", metavar="MODES",
                         help="comma-separated kernel load-ahead modes to time against each other in this run: all "
                              "(every block of K/V loaded right before its compute), scattered (only blocks not on "
-                             "one run of page ids); default: the kernel's choice for this CPU")
+                             "one run of page ids), prefetch (the first block; each chunk prefetches one a block "
+                             "ahead); default: the kernel's choice for this CPU")
     parser.add_argument("--prefill", type=int, default=0, metavar="T",
                         help="time one sequence's T-token prefill chunk instead of the decode step")
     args = parser.parse_args(argv)

@@ -68,12 +68,12 @@ def _cap_isa(ext) -> None:
 
 def _attention_env(ext) -> None:
     """The attention kernel's K/V settings from the environment (the C++ reads none):
-    SLIPSTREAM_KV_LOAD_AHEAD=all|scattered and SLIPSTREAM_KV_HUGE_PAGES=0."""
+    SLIPSTREAM_KV_LOAD_AHEAD=all|scattered|prefetch and SLIPSTREAM_KV_HUGE_PAGES=0."""
     asked = settings.KV_LOAD_AHEAD.get()
-    if asked in ("all", "scattered"):
+    if asked in ("all", "scattered", "prefetch"):
         ext.load_ahead(asked)
     elif asked is not None:
-        log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all' or 'scattered': using this CPU's default (%s)",
+        log.warning("SLIPSTREAM_KV_LOAD_AHEAD=%r is not 'all', 'scattered' or 'prefetch': using this CPU's default (%s)",
                     asked, ext.load_ahead())
     if not settings.KV_HUGE_PAGES.get():
         ext.huge_pages(False)

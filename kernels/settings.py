@@ -27,7 +27,7 @@ KERNELS = Setting("SLIPSTREAM_KERNELS", str.lower, "auto",
                   "reference: run the pure-JAX reference of every kernel instead of the native CPU ones (logged)")
 KV_LOAD_AHEAD: Setting[str | None] = Setting(
     "SLIPSTREAM_KV_LOAD_AHEAD", str, None,
-    "all|scattered: the CPU attention kernel's K/V load-ahead; unset: this CPU's default (logged at start-up)")
+    "all|scattered|prefetch: the CPU attention kernel's K/V load-ahead; unset: this CPU's default (logged at start-up)")
 KV_HUGE_PAGES = Setting("SLIPSTREAM_KV_HUGE_PAGES", lambda text: text != "0", True,
                         "0: keep the CPU K/V cache off 2 MiB pages")
 

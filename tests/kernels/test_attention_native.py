@@ -111,9 +111,10 @@ def test_consecutive_pages_match_oracle(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_load_ahead_modes_read_the_same_keys(kv_dtype):
-    """Touching a block's K/V before computing it, or leaving runs of pages to the hardware prefetchers
-    (load_ahead 'all' / 'scattered'), changes only timing: outputs are bitwise equal and match the oracle,
-    on pages in one run, scattered, and a table mixing both (a run broken mid-sequence)."""
+    """Touching a block's K/V before computing it, leaving runs of pages to the hardware prefetchers, or
+    prefetching a block ahead (load_ahead 'all' / 'scattered' / 'prefetch'), changes only timing: outputs are
+    bitwise equal and match the oracle, on pages in one run, scattered, and a table mixing both (a run broken
+    mid-sequence)."""
     rng = np.random.default_rng(5)
     fn = jax.jit(ragged_paged_attention_cpu, static_argnames=("sm_scale",))
     try:
@@ -127,13 +128,14 @@ def test_load_ahead_modes_read_the_same_keys(kv_dtype):
                 case.page_indices[0, 12:18], case.page_indices[1, :6] = b, a
             want, want_cache = oracle(case, sm_scale=0.125)
             outs = {}
-            for mode in ("all", "scattered"):
+            for mode in ("all", "scattered", "prefetch"):
                 assert ext.load_ahead(mode) == mode
                 out, cache = fn(*_args(case), sm_scale=0.125)
                 _assert_matches(out, cache, want, want_cache, case, kv_dtype, f"{layout} {kv_dtype} {mode}",
                                 _tolerance(kv_dtype, ext.isa(), 64))
                 outs[mode] = np.asarray(out)
-            np.testing.assert_array_equal(outs["all"], outs["scattered"], err_msg=f"{layout} {kv_dtype}")
+            for mode in ("scattered", "prefetch"):
+                np.testing.assert_array_equal(outs["all"], outs[mode], err_msg=f"{layout} {kv_dtype} {mode}")
     finally:
         ext.load_ahead("default")
     with pytest.raises(ValueError, match="load_ahead"):
@@ -157,7 +159,7 @@ def test_load_ahead_environment_sets_the_mode(env, mode, warned):
                          env={**os.environ, "SLIPSTREAM_KV_LOAD_AHEAD": env}).stdout
     got, default = out.split("MODE ")[1].split()[0], out.split("DEFAULT ")[1].split()[0]
     assert got == (mode or default), out
-    assert ("is not 'all' or 'scattered'" in out) == warned, out
+    assert ("is not 'all', 'scattered' or 'prefetch'" in out) == warned, out
     assert f"load_ahead={got}" in out, out
 
 
