@@ -101,11 +101,11 @@ SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", 
                 "test_unix_socket", "test_chat_page", "test_grammar_abuse", "test_real_engine",
                 "test_lora_tensor_parallel")
 
-# Tests that assert the process-wide compile count across a long window, or compare one request's
-# latency idle and under load: `make test` runs the rest on two pytest-xdist workers, then these alone
+# Tests that assert the process-wide compile count across a long window, compare one request's latency
+# idle and under load, or hold a fake server's stamps to its schedule within milliseconds: `make test` runs the rest on two pytest-xdist workers, then these alone
 # in one process, where no other test's engine compiles or computes beside them (on 2 cores the other
 # worker's load swings between the idle and the loaded measurement).
-SERIAL_MODULES = ("test_lora_serving", "test_grammar_abuse")
+SERIAL_MODULES = ("test_lora_serving", "test_grammar_abuse", "test_trace_server")
 
 
 # The slowest files, slowest first (per-file times of a full run): `make test` hands whole files to its
