@@ -1173,8 +1173,8 @@ struct Job {
     AmxEnd();
   }
 
-  // AMX-INT8 (see TileInt8): the chunk's column tiles against the block's act row tiles in 2 x 2 blocks (column
-  // pairs outer: a pair's B panel serves every row tile of the block from L1/L2).
+  // AMX-INT8 (see TileInt8): each of the block's act row tiles against each of the chunk's column tiles, one
+  // 16 x 16 output block at a time (the chunk's B panel stays in L1/L2 across the row tiles).
   void RunItemInt8(int chunk, int rb) {
     EnsureRows(rb);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
