@@ -25,7 +25,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_REST = 16
 # An n-gram match whose earlier occurrence agrees with at least this many of the sequence's last tokens
 # (the n-gram and the tokens before it) is a copy in progress: it drafts 2K + 1 tokens, not K
-# (Speculator._ngram_drafts).
+# (Speculator._ngram_drafts), unless its last verification rejected a draft (then K - 1).
 LONG_MATCH = 12
 
 
@@ -112,24 +112,39 @@ class NgramProposer:
     def propose(self, seq_tokens: Sequence[int], k: int) -> list[int]:
         return self.lookup(seq_tokens, k)[0]
 
-    def lookup(self, seq_tokens: Sequence[int], k: int) -> tuple[list[int], int]:
-        """propose()'s draft, and how many of the sequence's last tokens its match agrees with (the
-        n-gram and the agreeing tokens before it, counted up to LONG_MATCH; 0 without a match)."""
+    def lookup(self, seq_tokens: Sequence[int], k: int, after: int | None = None) -> tuple[list[int], int, int]:
+        """propose()'s draft; how many of the sequence's last tokens its match agrees with (the n-gram
+        and the agreeing tokens before it, counted up to LONG_MATCH; 0 without a match); and where the
+        draft starts in seq_tokens (-1 without a match).
+
+        `after`: where the sequence's last accepted draft ended in seq_tokens (the text it is copying
+        reads on from there). Of the n-gram's occurrences, the first one from there on is taken (a
+        copy that skips ahead, as a small model repeating a text with recurring phrases does, lands on
+        the next occurrence of what it wrote, not the last one); with none, or without `after`, the
+        most recent one."""
         tokens = list(seq_tokens)
         size = len(tokens)
         if k < 1:
-            return [], 0
+            return [], 0, -1
         for n in range(min(self.ngram_max, size - 1), self.ngram_min - 1, -1):
             suffix = tokens[size - n:]
+            recent = ahead = -1
             # the occurrence must end before the suffix starts being itself: start < size - n
             for start in range(size - n - 1, -1, -1):
                 if tokens[start] == suffix[0] and tokens[start:start + n] == suffix:
-                    agree = n
-                    while agree < LONG_MATCH and start + n - agree > 0 and \
-                            tokens[start + n - agree - 1] == tokens[size - agree - 1]:
-                        agree += 1
-                    return tokens[start + n:start + n + k], agree
-        return [], 0
+                    if recent < 0:
+                        recent = start
+                    if after is None or start < after - n:
+                        break
+                    ahead = start
+            start = ahead if ahead >= 0 else recent
+            if start >= 0:
+                agree = n
+                while agree < LONG_MATCH and start + n - agree > 0 and \
+                        tokens[start + n - agree - 1] == tokens[size - agree - 1]:
+                    agree += 1
+                return tokens[start + n:start + n + k], agree, start + n
+        return [], 0, -1
 
 
 def accepted_length(drafts: Sequence[int], samples: Sequence[int]) -> int:
@@ -180,6 +195,13 @@ class Speculator:
         self._drafts: dict["Seq", tuple[int, ...]] = {}
         self._misses: dict["Seq", int] = {}  # drafting steps in a row that gained nothing (absent: 0)
         self._rest: dict["Seq", int] = {}    # steps left before the sequence drafts again (absent: 0)
+        # n-gram drafting: where each sequence's drafts start in its tokens (proposed; taken, until verified),
+        # where its last accepted draft ended (NgramProposer.lookup's `after`), and whether its last
+        # verification kept every draft
+        self._sources: dict["Seq", int] = {}
+        self._verifying: dict["Seq", int] = {}
+        self._copied_to: dict["Seq", int] = {}
+        self._kept_all: dict["Seq", bool] = {}
 
     def active(self, running: Sequence["Seq"]) -> bool:
         """Whether the next step may draft for some running sequence (its tokens must be on the
@@ -198,9 +220,9 @@ class Speculator:
         none, and, when its steps could overlap otherwise (`may_overlap`: the planner's conditions
         without speculation), after a step the proposer found no draft for; each miss in a row doubles
         the rest, an accepted draft ends the run of misses."""
-        self._drafts = {}
+        self._drafts, self._sources = {}, {}
         live = set(running)
-        for pace in (self._misses, self._rest):
+        for pace in (self._misses, self._rest, self._copied_to, self._kept_all):
             for seq in [s for s in pace if s not in live]:
                 del pace[seq]
         decodes = [s for s in running if s.remaining == 1 and not s.last_in_flight]
@@ -235,15 +257,23 @@ class Speculator:
 
     def _ngram_drafts(self, asks: list[tuple["Seq", int]], decodes: int) -> dict["Seq", tuple[int, ...]]:
         """Prompt lookup's drafts for the asks ((sequence, K) each), looked up as far as
-        MAX_SPECULATIVE_TOKENS and the room (`_room`) allow. A match of LONG_MATCH tokens or more asks
-        for twice the rows, 2K + 1 drafts (a copy in progress goes on for more than K tokens); in a step
-        of only `decodes` decoding sequences (0: a prompt also runs), the drafts then grow into the
-        step's padded rows (fill_bucket)."""
+        MAX_SPECULATIVE_TOKENS and the room (`_room`) allow, reading on from where the last accepted draft
+        ended. A sequence whose last verification rejected a draft keeps K - 1 (its step, 1 + K - 1
+        tokens, fills a smaller bucket: with K = 4, 4 rows instead of 8); else a match of LONG_MATCH tokens
+        or more asks for twice the rows, 2K + 1 drafts (a copy in progress goes on for more than K
+        tokens), a shorter one K. In a step of only `decodes` decoding sequences (0: a prompt also runs),
+        the drafts then grow into the step's padded rows (fill_bucket)."""
         found = []
         for seq, k in asks:
-            draft, agree = self.proposer.lookup(seq.tokens, min(MAX_SPECULATIVE_TOKENS, self._room(seq)))
+            draft, agree, source = self.proposer.lookup(seq.tokens, min(MAX_SPECULATIVE_TOKENS, self._room(seq)),
+                                                        self._copied_to.get(seq))
             if draft:
-                found.append((seq, draft, min(2 * k + 1 if agree >= LONG_MATCH else k, len(draft))))
+                if self._kept_all.get(seq) is False:
+                    keep = max(1, k - 1)
+                else:
+                    keep = 2 * k + 1 if agree >= LONG_MATCH else k
+                found.append((seq, draft, min(keep, len(draft))))
+                self._sources[seq] = source
         if decodes:
             found = self.fill_bucket(found, decodes)
         return {seq: tuple(draft[:k]) for seq, draft, k in found}
@@ -277,7 +307,10 @@ class Speculator:
 
     def take(self, seq: "Seq", room: int) -> tuple[int, ...]:
         """The drafts proposed for `seq`, at most `room` (the planner's token budget and sample rows)."""
-        return self._drafts.pop(seq, ())[:max(room, 0)]
+        draft = self._drafts.pop(seq, ())[:max(room, 0)]
+        if draft and seq in self._sources:
+            self._verifying[seq] = self._sources[seq]
+        return draft
 
     def accept(self, chunk, samples: list["Sampled"]) -> list["Sampled"]:
         """Verification of a drafting chunk (engine/schedule.py's Chunk): the samples it keeps (the accepted drafts, as sampled at
@@ -285,6 +318,10 @@ class Speculator:
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, [s.token_id for s in samples])
         self.counters.record(len(draft), accepted)
+        source = self._verifying.pop(seq, -1)
+        if source >= 0:
+            self._copied_to[seq] = source + accepted
+            self._kept_all[seq] = accepted == len(draft)
         if accepted:
             self._misses.pop(seq, None)
         else:

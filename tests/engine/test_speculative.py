@@ -220,9 +220,11 @@ def test_a_sequence_whose_drafts_miss_rests_longer_each_time_and_its_steps_may_o
     assert step([1]) == (True, [()])              # resting (1 would have found 2 3)
     assert step([9, 9, 9]) == (False, [(2, 3)])   # none accepted -> rest 2
     assert step([6]) == (True, [()]) and step([1]) == (True, [()])
-    assert step([9, 6, 5]) == (False, [(9, 6)])   # 1 was last followed by 9 6: accepted, the run ends
+    # 1 at the start, where the rejected draft came from (lookup's `after`), is followed by 2 (K - 1 = 1
+    # draft after a rejection): accepted, the run ends
+    assert step([2, 5]) == (False, [(2,)])
     assert step() == (False, [()])                # 5: nothing -> rest 1 (not 4)
-    assert p.speculator.counters.snapshot()[:2] == (6, 4)
+    assert p.speculator.counters.snapshot()[:2] == (5, 3)
     # fresh tokens only: probes with 1, 2, 4 ... MAX_REST resting steps between them
     expected = "o." + "oo." + "oooo." + "o" * 8 + "." + ("o" * 16 + ".") * 2 + "o" * MAX_REST + "."
     assert "".join("o" if step()[0] else "." for _ in expected) == expected
@@ -294,14 +296,60 @@ def test_ngram_drafts_fill_the_step_bucket_padded_rows():
 
 def test_ngram_lookup_counts_how_far_its_match_agrees():
     """The match's agreement with the sequence's last tokens (the n-gram and the tokens before it), up
-    to LONG_MATCH: what tells a copy in progress from a chance match."""
+    to LONG_MATCH: what tells a copy in progress from a chance match; and where its draft starts."""
     from slipstream.engine.speculative import LONG_MATCH
 
     p = NgramProposer(2, 3)
-    assert p.lookup([9, 1, 2, 3, 4, 7, 1, 2, 3], 2) == ([4, 7], 3)   # the 3-gram; 9 != 7 before it
-    assert p.lookup([9, 1, 2, 3, 4, 9, 1, 2, 3], 2) == ([4, 9], 4)   # 9 == 9 before it, then the start
-    assert p.lookup([1, 2, 5, 1, 2], 1) == ([5], 2)
-    assert p.lookup([1, 2, 3], 2) == ([], 0)
+    assert p.lookup([9, 1, 2, 3, 4, 7, 1, 2, 3], 2) == ([4, 7], 3, 4)   # the 3-gram; 9 != 7 before it
+    assert p.lookup([9, 1, 2, 3, 4, 9, 1, 2, 3], 2) == ([4, 9], 4, 4)   # 9 == 9 before it, then the start
+    assert p.lookup([1, 2, 5, 1, 2], 1) == ([5], 2, 2)
+    assert p.lookup([1, 2, 3], 2) == ([], 0, -1)
     run = list(range(100, 130))
-    assert p.lookup(run + [0] + run[:20], 3) == (run[20:23], LONG_MATCH)
+    assert p.lookup(run + [0] + run[:20], 3) == (run[20:23], LONG_MATCH, 20)
 
+
+def test_ngram_lookup_reads_on_from_where_the_last_accepted_draft_ended():
+    """With `after` (where the last accepted draft ended), the n-gram's first occurrence from there on
+    is taken, not the most recent one (a copy that skipped ahead lands on the next occurrence of what
+    it wrote); with none from there on, the most recent one."""
+    p = NgramProposer(1, 2)
+    text = [1, 2, 10, 11, 1, 2, 20, 21, 1, 2, 30, 31, 5]
+    seq = text + [1, 2]                                    # [1, 2] at 0, 4 and 8
+    assert p.lookup(seq, 2) == ([30, 31], 2, 10)             # the most recent
+    assert p.lookup(seq, 2, after=2) == ([10, 11], 2, 2)     # the copy read up to 2: the occurrence at 0
+    assert p.lookup(seq, 2, after=3) == ([20, 21], 2, 6)     # past it: the next one, at 4
+    assert p.lookup(seq, 2, after=11) == ([30, 31], 2, 10)   # none from 9 on: the most recent
+
+
+def test_ngram_drafting_follows_its_copy_and_drafts_fewer_after_a_rejection():
+    """A sequence copying a text whose "sentences" share a phrase (7 8): after a verification that kept
+    every draft, the next lookup reads on from where it ended (the next 7 8 in the text, not the most
+    recent one); after one that rejected a draft it asks for K - 1 drafts (a step of K tokens: a smaller
+    bucket), not K filled up to the bucket."""
+    from slipstream.engine.api import Sampled
+    from slipstream.engine.block_manager import BlockManager
+    from slipstream.engine.request import Request
+    from slipstream.engine.schedule import StepPlanner
+    from slipstream.engine.sequence import Sequence
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    p = StepPlanner(BlockManager(256, 4, False), max_slots=32, token_budget=128, speculative=spec,
+                    max_seq_len=512, token_buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    text = [0, 1, 2, 7, 8, 31, 32, 3, 4, 7, 8, 41, 42, 5, 6, 7, 8, 51, 52, 9, 0, 1]
+    seq = Sequence(Request(text, SamplingParams(temperature=0.0, max_tokens=100)), order=0)
+    p.enqueue(seq)
+    p.admit()
+
+    def step(*samples):
+        p.propose(p.may_overlap())
+        plan = p.plan()
+        p.advance(plan)
+        p.complete(plan, [Sampled(t, None) for t in samples], frozenset(), 512)
+        return plan.chunks[0].draft
+
+    assert step(2) == ()                                  # the prompt; the copy of the text starts: 0 1 2
+    assert step(7, 8, 31, 32) == (7, 8, 31)               # K = 2 filled to the 4-token bucket; all kept
+    assert step(3, 4, 7, 8) == (3, 4, 7)                  # all kept, then 8: the copy is at 4 7 8 (9-10)
+    # 7 8 was last written at 23-24 (followed by 31 32 3): the copy reads on from the text's next 7 8
+    assert step(41, 5, 0, 0) == (41, 42, 5)               # 41 kept, then the copy skips to 5 (13)
+    assert step(6, 7) == (6,)                             # after a rejection K - 1 = 1 draft: 2 tokens
