@@ -1,23 +1,28 @@
-"""Where a speculative step's time goes, at concurrency 1: per engine step of a closed loop (one
-engine, n-gram speculation and none taking turns request by request, as benchmarks.spec_acceptance
---time runs them), the host's time around the step (drafting, planning, dispatch, collecting) and the
-wait for the device, by kind of step (verification by token bucket, plain decode, prefill); then the
-model and sampling programs alone, timed synchronously per token bucket:
+"""Profile of n-gram speculation's steps at concurrency 1, against the same engine without it.
 
-    python -m benchmarks.spec_profile [--dataset repeat] [--prompts 4] [--output-len 64] [--rounds 2]
+Per engine step of a closed loop (one engine, speculation and none taking turns request by request, as
+benchmarks.spec_acceptance --time runs them): the host's time around the step (launch, then collecting,
+accepting, drafting, planning) and the wait for the device, by kind of step (verification by token bucket,
+plain decode), with the drafts and what verification accepted; then the model and sampling programs
+alone, timed synchronously per token bucket on each q8 instruction set, with the time inside the q8
+matmul calls:
+
+    python -m benchmarks.spec_profile [--dataset repeat] [--prompts 8] [--output-len 64] [--rounds 2] [--reps 20]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import statistics
 import sys
 import time
+import types
 
 import jax
 
 from benchmarks.spec_acceptance import engine_for, run_closed_loop
-from slipstream.engine.api import StepBatch, StepSeq
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.device.runner import EngineConfig
 from slipstream.engine.request import Request, SamplingParams
 from slipstream.engine.schedule import StepPlanner
@@ -27,7 +32,8 @@ from slipstream.server.bench.datasets import random_dataset, repeat_dataset
 
 
 class Probe:
-    """Wraps the engine thread's calls with timers; one record per launched step."""
+    """Timers around the engine thread's calls (the engine's launch; the planner's and the Speculator's
+    methods, patched on their classes: one Probe per process); one record per launched step."""
 
     def __init__(self, engine) -> None:
         self.steps: list[dict] = []
@@ -67,7 +73,6 @@ class Probe:
                 t0 = time.perf_counter()
                 out = result()
                 record.setdefault("wait", time.perf_counter() - t0)
-                record.setdefault("ready", time.perf_counter())
                 return out
             launched.result = timed_result
             return launched
@@ -85,6 +90,7 @@ class Probe:
 
 
 def kind(step: dict) -> str:
+    """A step's row in the tables."""
     if step["prefill"]:
         return "prefill"
     if step["drafts"]:
@@ -96,9 +102,6 @@ def program_times(engine, context: int, reps: int) -> None:
     """The model program alone and model + sampling (engine.step), one sequence at `context`, per token
     bucket up to 16, on the default ISA (AMX where there is one) and on AVX-512 VNNI: medians of `reps`,
     taken round-robin; and the time inside the q8 matmul calls (the kernel's own clock)."""
-    import importlib
-
-    from slipstream.engine.api import SlotState
     ext = importlib.import_module("slipstream.kernels._q8_matmul")
     isas = [ext.isa()] + (["avx512_vnni"] if ext.isa() == "amx" else [])
     buckets = [t for t in engine.buckets.token_counts if t <= 16]
@@ -137,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dataset", default="repeat", choices=("repeat", "random"))
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="rounds after a warm-up round")
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--reps", type=int, default=30, help="program timings: repetitions per bucket")
+    p.add_argument("--reps", type=int, default=20, help="program timings: repetitions per bucket")
     args = p.parse_args(argv)
     engine = engine_for(args.model, EngineConfig())
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -166,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                 got[side] = (t + tpots, n + tokens, 0)
     print(f"{args.dataset}, {args.prompts} prompts x {args.output_len} greedy tokens, {args.rounds} rounds, k {args.k}")
     for side in ("off", "on"):
-        view = Probe.__new__(Probe)
-        view.steps = [s for steps, _, _ in records[side] for s in steps]
-        view.host = sum((h for _, h, _ in records[side]), collections.Counter())
-        view.accepts = [a for _, _, accepts in records[side] for a in accepts]
+        view = types.SimpleNamespace(steps=[s for steps, _, _ in records[side] for s in steps],
+                                     host=sum((h for _, h, _ in records[side]), collections.Counter()),
+                                     accepts=[a for _, _, accepts in records[side] for a in accepts])
         # cycles only within a request: its last step has none
         for steps, _, _ in records[side]:
             for a, b in zip(steps, steps[1:]):
@@ -181,13 +183,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_side(view, label: str, tokens: int, tpot_ms: float) -> None:
-    steps = [s for s in view.steps if "cycle" in s]
+    # a request's first step (its prompt) is outside TPOT, and a step planned ahead of it has no cycle
+    steps = [s for s in view.steps if "cycle" in s and not s["prefill"]]
     by = collections.defaultdict(list)
     for s in steps:
         by[kind(s)].append(s)
     total = sum(s["cycle"] for s in steps)
-    print(f"\n{label}: TPOT p50 {tpot_ms:.2f} ms; {len(view.steps)} steps, {tokens} output tokens, "
-          f"engine-thread time in steps {total * 1e3:.0f} ms ({total / max(1, tokens) * 1e3:.2f} ms a token)")
+    print(f"\n{label}: TPOT p50 {tpot_ms:.2f} ms; {len(steps)} steps after the prompts', {tokens} output tokens, "
+          f"engine-thread time in them {total * 1e3:.0f} ms ({total / max(1, tokens) * 1e3:.2f} ms a token)")
     print(f"  {'step kind':28s} {'steps':>6s} {'cycle ms':>9s} {'launch':>7s} {'wait':>7s} {'host':>7s} {'drafts':>7s} {'share':>6s}")
     for k, group in sorted(by.items()):
         med = lambda f: statistics.median(f(s) for s in group) * 1e3  # noqa: E731
@@ -206,7 +209,8 @@ def report_side(view, label: str, tokens: int, tpot_ms: float) -> None:
               f"({accepted / max(1, drafted):.2f}), tokens per verification {1 + accepted / n:.2f}")
         print("  accepted-length histogram: " + " ".join(f"{a}:{c}" for a, c in
                                                          sorted(collections.Counter(a for _, a in view.accepts).items())))
-    print("  prefill steps are the request's first; cycle = launch to next launch on the engine thread")
+    print("  cycle: launch to the next launch on the engine thread; launch: engine.launch; wait: in result() for "
+          "the samples; host: the rest (collect, accept, draft, plan)")
 
 
 if __name__ == "__main__":
