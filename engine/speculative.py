@@ -222,9 +222,9 @@ class Speculator:
         the rest, an accepted draft ends the run of misses."""
         self._drafts, self._sources = {}, {}
         live = set(running)
-        for pace in (self._misses, self._rest, self._copied_to, self._kept_all):
-            for seq in [s for s in pace if s not in live]:
-                del pace[seq]
+        for per_seq in (self._misses, self._rest, self._verifying, self._copied_to, self._kept_all):
+            for seq in [s for s in per_seq if s not in live]:
+                del per_seq[seq]
         decodes = [s for s in running if s.remaining == 1 and not s.last_in_flight]
         if len(decodes) >= self.config.disable_by_batch_size:
             return
