@@ -59,6 +59,16 @@ def pack(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return np.ascontiguousarray(packed), scales, colsum
 
 
+def pack_jax(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """pack in JAX (inside a traced program: a weight not packed at load), q int8 [K, N] in -127..127, scale [N]."""
+    k, n = q.shape
+    kp, np_ = padded(k, n)
+    full = jnp.pad(q.T, ((0, np_ - n), (0, kp - k)))                                     # [Np, Kp]
+    packed = full.reshape(np_ // TILE, TILE, kp // 4, 4).transpose(0, 2, 1, 3).reshape(np_ // TILE, kp * TILE)
+    scales = jnp.pad(scale.astype(jnp.float32).reshape(-1), (0, np_ - n))
+    return packed, scales, full.astype(jnp.int32).sum(axis=1)
+
+
 def unpack(packed: np.ndarray) -> np.ndarray:
     """Inverse of pack's layout: int8 [Np/16, Kp*16] -> q int8 [Kp, Np] (padding kept)."""
     tiles, width = packed.shape
