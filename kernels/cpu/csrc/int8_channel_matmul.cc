@@ -81,12 +81,19 @@ struct Problem {
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
 };
 
-// Quantized activations: act row m * parts + p holds part p of input row m as xq + 128, Kp bytes; xs its scale.
-// Rows past m * parts (to whole A tiles) hold xq = 0 and scale 0.
+// Quantized activations: act row m * parts + p holds part p of input row m as xq + 128; xs its scale. Laid out in
+// A tiles: [act row / 16][Kp / 64][act row % 16][64], so that one A tile (16 act rows x 64 inputs) is 1 KiB in a
+// row and a row tile's tiles follow each other along K. Rows past m * parts (to whole tiles) hold xq = 0, scale 0.
 struct Acts {
   std::vector<uint8_t> u;
   std::vector<float> xs;
 };
+
+// Act row `ar`'s first 64 inputs; its inputs k..k+63 (k a multiple of 64) lie k / 64 * kTileBytes further on.
+constexpr size_t kTileBytes = kAmxRows * kStep;
+inline size_t ActRow(int ar, int kp) {
+  return (static_cast<size_t>(ar / kAmxRows) * (kp / kStep)) * kTileBytes + (ar % kAmxRows) * kStep;
+}
 
 // ---- quantization (the same operations on every path) ----------------------------------------------
 
@@ -175,9 +182,10 @@ void TilePortable(const Problem& p, const Acts& a, int row, int tile) {
   for (int c = 0; c < cols; ++c) {
     int32_t acc[2] = {0, 0};
     for (int q = 0; q < p.parts; ++q) {
-      const uint8_t* x = a.u.data() + static_cast<size_t>(row * p.parts + q) * p.kp;
+      const uint8_t* x = a.u.data() + ActRow(row * p.parts + q, p.kp);
       int32_t s = 0;
-      for (int i = 0; i < p.kp; ++i) s += static_cast<int32_t>(x[i]) * w[(i / 4) * 64 + c * 4 + i % 4];
+      for (int i = 0; i < p.kp; ++i)
+        s += static_cast<int32_t>(x[i / kStep * kTileBytes + i % kStep]) * w[(i / 4) * 64 + c * 4 + i % 4];
       acc[q] = s;
     }
     const float* xs = a.xs.data() + static_cast<size_t>(row) * p.parts;
@@ -192,7 +200,8 @@ template <int R, int C, int P>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
   const size_t kp = p.kp, tb = p.tile_bytes();
-  const uint8_t* x = a.u.data() + ar0 * kp;
+  const uint8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.u.data() + ActRow(ar0 + r, p.kp);
   const int8_t* w = p.w + tile0 * tb;
   __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -203,9 +212,10 @@ void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
       if constexpr (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(w + c * tb + k4 * 64 + 1024), _MM_HINT_T0);
       wv[c] = _mm512_loadu_si512(w + c * tb + k4 * 64);
     }
+    const size_t at = k4 / 16 * kTileBytes + k4 % 16 * 4;  // inputs 4 k4.. in the A tile layout
     for (int r = 0; r < R; ++r) {
       int32_t four;
-      std::memcpy(&four, x + r * kp + k4 * 4, 4);
+      std::memcpy(&four, x[r] + at, 4);
       const __m512i xb = _mm512_set1_epi32(four);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
     }
@@ -235,41 +245,46 @@ alignas(64) const AmxConfig kAmxConfig{};
 __attribute__((target("amx-tile"))) void AmxBegin() { _tile_loadconfig(&kAmxConfig); }
 __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 
-// C tile (2r + c) = A tile of act rows (rt0 + r) * 16.. x B tile of column tile tile0 + c. Act rows past
-// m * parts (the last row tile's) hold zeros and are never stored.
+// C tile (2r + t) = A tile row tile rt0 + r x B tile of column tile tile0 + t over all of K (RT, CT in {1, 2}), stored
+// once; then the float steps (Finish) of each output row below m and column below n.
 template <int RT, int CT, int P>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
-  const size_t kp = p.kp, tb = p.tile_bytes();
-  const uint8_t* x = a.u.data() + static_cast<size_t>(rt0) * kAmxRows * kp;
-  const int8_t* w = p.w + tile0 * tb;
-  const size_t x_step = kAmxRows * kp;  // the next row tile
+  const size_t row_tile = static_cast<size_t>(p.kp / kStep) * kTileBytes;  // one row tile's A tiles
+  const uint8_t* x = a.u.data() + rt0 * row_tile;
+  const int8_t* w = p.w + tile0 * p.tile_bytes();
   _tile_zero(0);
   if constexpr (CT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
   if constexpr (RT == 2 && CT == 2) _tile_zero(3);
-  for (size_t k0 = 0; k0 < kp; k0 += kStep) {
-    _tile_loadd(4, x + k0, kp);
-    _tile_loadd(6, w + k0 * kTile, 64);
-    if constexpr (CT == 2) _tile_loadd(7, w + tb + k0 * kTile, 64);
-    if constexpr (RT == 2) _tile_loadd(5, x + x_step + k0, kp);
+  for (int k = 0; k < p.kp; k += kStep) {
+    const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
+    _tile_loadd(4, x + xa, kStep);
+    _tile_loadd(6, w + wb, 64);
     _tile_dpbusd(0, 4, 6);
-    if constexpr (CT == 2) _tile_dpbusd(1, 4, 7);
-    if constexpr (RT == 2) _tile_dpbusd(2, 5, 6);
-    if constexpr (RT == 2 && CT == 2) _tile_dpbusd(3, 5, 7);
+    if constexpr (CT == 2) {
+      _tile_loadd(7, w + p.tile_bytes() + wb, 64);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if constexpr (RT == 2) {
+      _tile_loadd(5, x + row_tile + xa, kStep);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (CT == 2) _tile_dpbusd(3, 5, 7);
+    }
   }
-  alignas(64) int32_t cbuf[4][kAmxRows * kTile];
-  _tile_stored(0, cbuf[0], 64);
-  if constexpr (CT == 2) _tile_stored(1, cbuf[1], 64);
-  if constexpr (RT == 2) _tile_stored(2, cbuf[2], 64);
-  if constexpr (RT == 2 && CT == 2) _tile_stored(3, cbuf[3], 64);
+  constexpr int kC = kAmxRows * kTile;  // int32s of one C tile
+  alignas(64) int32_t cbuf[4 * kC];
+  _tile_stored(0, cbuf, 64);
+  if constexpr (CT == 2) _tile_stored(1, cbuf + kC, 64);
+  if constexpr (RT == 2) _tile_stored(2, cbuf + 2 * kC, 64);
+  if constexpr (RT == 2 && CT == 2) _tile_stored(3, cbuf + 3 * kC, 64);
   for (int t = 0; t < CT; ++t) {
     const int n0 = (tile0 + t) * kTile, cols = std::min(kTile, p.n - n0);
     const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsum + n0), 7);
     const __m512 ws = _mm512_maskz_loadu_ps(mask, p.ws + n0);
     for (int r = 0; r < RT; ++r) {
-      const int32_t* c = cbuf[2 * r + t];
+      const int32_t* c = cbuf + (2 * r + t) * kC;
       const int row0 = (rt0 + r) * (kAmxRows / P), rows = std::min(kAmxRows / P, p.m - row0);
       for (int i = 0; i < rows; ++i) {
         const float* xs = a.xs.data() + static_cast<size_t>(row0 + i) * P;
@@ -295,15 +310,19 @@ struct Job {
     const int lo = item * kQuantRows, hi = std::min(lo + kQuantRows, p.m);
     for (int row = lo; row < hi; ++row) {
       const float* x = p.x + static_cast<size_t>(row) * p.k;
-      uint8_t* u = acts->u.data() + static_cast<size_t>(row) * p.parts * p.kp;
+      thread_local std::vector<uint8_t> u;  // [parts][Kp], then scattered into the A tile layout
+      u.resize(static_cast<size_t>(p.parts) * p.kp);
       float* xs = acts->xs.data() + static_cast<size_t>(row) * p.parts;
 #if defined(SLIPSTREAM_X86)
-      if (isa != Isa::kPortable) {
-        QuantizeRowAvx512(x, p.k, p.kp, p.parts, u, xs);
-        continue;
-      }
+      if (isa != Isa::kPortable) QuantizeRowAvx512(x, p.k, p.kp, p.parts, u.data(), xs);
+      else
 #endif
-      QuantizeRowPortable(x, p.k, p.kp, p.parts, u, xs);
+        QuantizeRowPortable(x, p.k, p.kp, p.parts, u.data(), xs);
+      for (int part = 0; part < p.parts; ++part) {
+        uint8_t* dst = acts->u.data() + ActRow(row * p.parts + part, p.kp);
+        for (int k0 = 0; k0 < p.kp; k0 += kStep)
+          std::memcpy(dst + k0 / kStep * kTileBytes, u.data() + static_cast<size_t>(part) * p.kp + k0, kStep);
+      }
     }
   }
 
@@ -367,21 +386,21 @@ struct Job {
     const int rt_lo = row_lo / per_tile, rt_hi = (row_hi + per_tile - 1) / per_tile;
     AmxBegin();
     for (int t = tile_lo; t < tile_hi; t += 2) {
-      const bool two_cols = t + 1 < tile_hi;
+      const int cts = std::min(2, tile_hi - t);
       for (int rt = rt_lo; rt < rt_hi; rt += 2) {
-        const bool two_rows = rt + 1 < rt_hi;
-        if (p.parts == 2) Amx<2>(two_rows, two_cols, rt, t);
-        else Amx<1>(two_rows, two_cols, rt, t);
+        const int rts = std::min(2, rt_hi - rt);
+        if (p.parts == 2) AmxBlock<2>(rts, cts, rt, t);
+        else AmxBlock<1>(rts, cts, rt, t);
       }
     }
     AmxEnd();
   }
 
   template <int P>
-  void Amx(bool two_rows, bool two_cols, int rt, int t) {
-    if (two_rows && two_cols) TileAmx<2, 2, P>(p, *acts, rt, t);
-    else if (two_rows) TileAmx<2, 1, P>(p, *acts, rt, t);
-    else if (two_cols) TileAmx<1, 2, P>(p, *acts, rt, t);
+  void AmxBlock(int rts, int cts, int rt, int t) {
+    if (rts == 2 && cts == 2) TileAmx<2, 2, P>(p, *acts, rt, t);
+    else if (rts == 2) TileAmx<2, 1, P>(p, *acts, rt, t);
+    else if (cts == 2) TileAmx<1, 2, P>(p, *acts, rt, t);
     else TileAmx<1, 1, P>(p, *acts, rt, t);
   }
 #endif
@@ -434,7 +453,8 @@ ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   acts.u.resize(act_rows * p.kp);
   acts.xs.resize(act_rows);
   const size_t used = static_cast<size_t>(p.m) * parts;
-  std::memset(acts.u.data() + used * p.kp, 128, (act_rows - used) * p.kp);  // xq = 0 past the rows
+  for (size_t ar = used; ar < act_rows; ++ar)  // xq = 0 past the rows
+    for (int k0 = 0; k0 < p.kp; k0 += kStep) std::memset(acts.u.data() + ActRow(ar, p.kp) + k0 / kStep * kTileBytes, 128, kStep);
   std::fill(acts.xs.begin() + used, acts.xs.end(), 0.0f);
   const int threads = g_max_threads.load(std::memory_order_relaxed);
   rt::ParallelFor(pool, (p.m + kQuantRows - 1) / kQuantRows, threads,
