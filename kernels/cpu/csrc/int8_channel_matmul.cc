@@ -30,8 +30,9 @@
 // kChunkTiles column tiles, block of input rows) are claimed from an atomic counter (runtime/parallel.h),
 // column-chunk major so that a chunk's weights come from memory once and serve every row block from cache.
 // VNNI: micro blocks of R act rows x C column tiles over all of K in zmm accumulators. AMX (calls of at least
-// g_amx_min_rows input rows): 2 x 2 blocks of 16 x 16 C tiles (tmm0-3) from A tiles of 16 act rows x 64 inputs
-// (tmm4-5) and B tiles of 64 inputs x 16 columns (tmm6-7) over all of K, each C tile stored once.
+// g_amx_min_rows input rows; one-row decode, bound by reading the weights, stays on VNNI): 2 x 2 blocks of 16 x 16
+// C tiles (tmm0-3) from A tiles of 16 act rows x 64 inputs (tmm4-5) and B tiles of 64 inputs x 16 columns
+// (tmm6-7) over all of K, each C tile stored once.
 #include <Python.h>
 
 #include <algorithm>
@@ -65,9 +66,11 @@ constexpr float kInt8Max = 127.0f;
 constexpr float kLoSteps = 254.0f;  // the second part's scale: xs_0 / 254
 
 rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx512Vnni, Isa::kAmx};
-// From this many input rows a call runs on the tile unit (where it is chosen). Measured on a Xeon Emerald Rapids
-// (2 cores, the default model's shapes, `python -m benchmarks.kernel int8 --channel`): see docs/kernels.md.
-constexpr int kAmxMinRows = 16;
+// From this many input rows a call runs on the tile unit (where it is chosen; its outputs are the VNNI path's, so
+// this changes speed only). Measured on a Xeon Emerald Rapids (2 cores, the default model's five layer shapes,
+// `python -m benchmarks.kernel int8 --channel --rows 1,2,4,8,16`): the tile unit even with VNNI at 1-2 rows, even
+// or ahead from 4 (0.83-1.03x the time, one part; 0.63-1.05x, two), 0.55-0.79x at 8 and 0.43-0.81x at 16.
+constexpr int kAmxMinRows = 4;
 std::atomic<int> g_amx_min_rows{kAmxMinRows};  // amx_rows() changes it, for tests and benchmarks
 std::atomic<int> g_max_threads{0};             // threading(): 0 is the pool's size
 
