@@ -69,7 +69,7 @@ rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx512Vnni, Isa::kAmx};
 // From this many input rows a call runs on the tile unit (where it is chosen; its outputs are the VNNI path's, so
 // this changes speed only). Measured on a Xeon Emerald Rapids (2 cores, the default model's five layer shapes,
 // `python -m benchmarks.kernel int8 --channel --rows 1,2,4,8,16`): the tile unit even with VNNI at 1-2 rows, even
-// or ahead from 4 (0.83-1.03x the time, one part; 0.63-1.05x, two), 0.55-0.79x at 8 and 0.43-0.81x at 16.
+// or ahead from 4 (0.82-1.06x the time with one part, 0.63-0.95x with two), 0.42-0.90x at 8, 0.34-0.81x at 16.
 constexpr int kAmxMinRows = 4;
 std::atomic<int> g_amx_min_rows{kAmxMinRows};  // amx_rows() changes it, for tests and benchmarks
 std::atomic<int> g_max_threads{0};             // threading(): 0 is the pool's size
