@@ -17,7 +17,7 @@ from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels.q8_matmul import TILE, amx_tiles_wanted, gated_native, pack_tiles, q8_matmul, widen
 from slipstream.quantization import int8, lora, ops
-from slipstream.quantization.groupwise import host_empty
+from slipstream.quantization.groupwise import host_copy, host_empty
 from slipstream.quantization.weights import QuantizedWeight
 
 
@@ -160,8 +160,8 @@ def channel_weight(w: int8.Int8Weight) -> bool:
 def pack_channel(w: int8.Int8Weight) -> PackedChannel:
     """A 2-D per-channel Int8Weight [K, N] -> its PackedChannel (numpy, once)."""
     packed, scales, colsum = icm.pack(np.asarray(w.q), np.asarray(w.scale)[0])
-    return PackedChannel(jax.device_put(packed), jax.device_put(scales), jax.device_put(colsum), int(w.q.shape[1]),
-                         w.parts)
+    return PackedChannel(jax.device_put(host_copy(packed)), jax.device_put(scales), jax.device_put(colsum),
+                         int(w.q.shape[1]), w.parts)  # huge pages: a decode step streams the LM head
 
 
 def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
