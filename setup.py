@@ -36,6 +36,15 @@ def _packages() -> dict[str, str]:
     return found
 
 
+# A kernel whose float steps must be the same operations on every path (its outputs bit for bit equal whichever
+# unit formed the integer sums): no mul + add contracted into an fma behind its back.
+OWN_FLAGS = {"int8_channel_matmul": ["-ffp-contract=off"]}
+
+
+def _name(src: str) -> str:
+    return os.path.splitext(os.path.basename(src))[0]
+
+
 def _extensions() -> list[Extension]:
     import jax.ffi  # build-system.requires pins jax/jaxlib to the runtime's version
 
@@ -45,8 +54,9 @@ def _extensions() -> list[Extension]:
     flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-fno-wrapv"]
     if os.environ.get("SLIPSTREAM_KERNELS_DEBUG"):
         flags = ["-O0", "-g", "-std=c++17"]
-    return [Extension(f"slipstream.kernels._{os.path.splitext(os.path.basename(src))[0]}", [src],
-                      include_dirs=[jax.ffi.include_dir(), "kernels/cpu/csrc"], extra_compile_args=flags,
+    return [Extension(f"slipstream.kernels._{_name(src)}", [src],
+                      include_dirs=[jax.ffi.include_dir(), "kernels/cpu/csrc"],
+                      extra_compile_args=flags + OWN_FLAGS.get(_name(src), []),
                       depends=sorted(glob.glob("kernels/cpu/csrc/**/*.h", recursive=True)),
                       language="c++", optional=True)
             for src in sorted(glob.glob("kernels/cpu/csrc/*.cc"))]

@@ -75,6 +75,9 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
         elif name == "slipstream-vnni":  # default flags without the AMX tile unit: the A/B of its matmul path
             specs.append(peers.ServerSpec(name, "Slipstream, default flags, SLIPSTREAM_CPU_ISA=avx512_vnni",
                                           [slipstream, *common], env={"SLIPSTREAM_CPU_ISA": "avx512_vnni"}))
+        elif name == "slipstream-channel":  # per-channel int8 weights, two-part activations: the AMX tile path
+            specs.append(peers.ServerSpec(name, "Slipstream, `--quantize int8-channel-a16`",
+                                          [slipstream, *common, "--quantize", "int8-channel-a16"]))
         elif name == "slipstream-fast":
             specs.append(peers.ServerSpec(name, f"Slipstream, fastest mode (`{args.slipstream_fast_flags}`)",
                                           [slipstream, *common, *shlex.split(args.slipstream_fast_flags)]))
@@ -93,7 +96,8 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
                                            "--max-model-len", "2048", "--max-num-seqs", "32", "--host", "127.0.0.1",
                                            "--port", "{port}"], env=VLLM_ENV, cwd=str(peers.PEERS)))
         else:
-            raise ValueError(f"unknown server {name!r}; choose from {', '.join(ALL_SERVERS)}, slipstream-vnni")
+            raise ValueError(f"unknown server {name!r}; choose from {', '.join(ALL_SERVERS)}, slipstream-vnni, "
+                             "slipstream-channel")
     return specs, versions
 
 

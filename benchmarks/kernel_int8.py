@@ -19,9 +19,13 @@ Three measurements in one run, so their ratios share the machine's state:
      32-slot decode step and a 256-token prefill chunk on the VNNI path and on the AMX path as configured (bf16
      tiles only with SLIPSTREAM_AMX_BF16=1), alternated within each rep; the q8 calls' time by the kernel's own
      clock, and the step's attention alone.
+  6. with --channel: the per-output-channel kernel (kernels/int8_channel_matmul.py: the int8-channel modes, one
+     and two activation parts) at --rows on the default model's layer shapes, on the AMX tile unit (where the CPU
+     has it) and on AVX-512 VNNI, against the q8 kernel's q8_0 and q8_0-a16 on their default paths, all timed
+     alternately; with AMX, the tile unit's int8 peak (benchmarks/amx_peak.c) measured in the same run.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
-    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]]
+    python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]] [--channel]
 """
 from __future__ import annotations
 
@@ -240,6 +244,64 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
         ext.amx_rows(*default_rows)
 
 
+CHANNEL_SHAPES = {name: shape for name, shape in PREFILL_SHAPES.items() if not name.startswith("lm_head")}
+
+
+def channel_rows(rng: np.random.Generator, rows: list[int], reps: int) -> None:
+    """[6]: the per-channel kernel's paths against the q8 kernel's default ones, timed alternately in one process."""
+    from slipstream.kernels import int8_channel_matmul as icm
+
+    if not icm.native_available():
+        raise SystemExit("the native int8_channel_matmul kernel is not available (see the log above)")
+    import slipstream.kernels._int8_channel_matmul as cext
+
+    cores = len(os.sched_getaffinity(0))
+    amx = cext.isa() == "amx"
+    peak = amx_peak(cores, "int8") if amx else None
+    print(f"\n[6] per-channel int8 (int8_channel_matmul isa {cext.isa()}) against q8_0 / q8_0-a16 (q8_matmul on its "
+          "default paths); ms = median; GOP/s = 2*M*K*N / median (useful work, whatever the parts)"
+          + (f"; AMX int8 peak on {cores} cores (benchmarks/amx_peak.c, same run): {peak:.0f} GOP/s, pk = share of it"
+             if peak else ""))
+    paths = [("q8_0", None), ("q8_0-a16", None)]
+    for parts in (1, 2):
+        paths += [(f"ch{parts} vnni", "avx512_vnni")] + ([(f"ch{parts} amx", "amx")] if amx else [])
+    print(f"    {'shape':18} {'M':>4} | " + " | ".join(f"{name:>11} ms {'GOP/s':>6}" + (f" {'pk':>5}" if peak else "")
+                                                     for name, _ in paths))
+    prev_rows = cext.amx_rows(1)  # the tile unit at every row count where it is asked for
+    try:
+        for m in rows:
+            for name, (k, n) in CHANNEL_SHAPES.items():
+                x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+                q8w = random_q8(rng, k, n, offsets=False)
+                q8o = random_q8(rng, k, n, offsets=True)
+                q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+                packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, rng.random(n).astype(np.float32) / 100))
+                fns = {"q8_0": jax.jit(lambda x, w=q8w, n=n: q8.q8_matmul(x, *w[:2], n=n, parts=1)),
+                       "q8_0-a16": jax.jit(lambda x, w=q8o, n=n: q8.q8_matmul(x, *w, n=n, parts=2))}
+                for parts in (1, 2):
+                    fn = jax.jit(lambda x, n=n, parts=parts: icm.int8_channel_matmul(x, packed, scales, colsum, n=n,
+                                                                                     parts=parts))
+                    fns[f"ch{parts} vnni"] = fns[f"ch{parts} amx"] = fn
+                times: dict[str, list[float]] = {path: [] for path, _ in paths}
+                for rep in range(reps + 1):  # rep 0 warms up
+                    for path, isa in paths:
+                        if isa:
+                            cext.set_isa(isa)
+                        t0 = time.perf_counter()
+                        fns[path](x).block_until_ready()
+                        if rep:
+                            times[path].append(time.perf_counter() - t0)
+                ops = 2.0 * m * k * n
+                cells = []
+                for path, _ in paths:
+                    med = float(np.median(times[path]))
+                    cells.append(f"{med * 1e3:14.3f} {ops / med / 1e9:6.0f}" + (f" {ops / med / 1e9 / peak:5.1%}" if peak else ""))
+                print(f"    {name:18} {m:>4} | " + " | ".join(cells), flush=True)
+    finally:
+        cext.set_isa("amx" if amx else cext.isa())
+        cext.amx_rows(prev_rows)
+
+
 def amx_engine(ext, reps: int) -> None:
     """[5]: decode and prefill steps of the default model with the q8 kernel's paths alternated per rep."""
     import statistics
@@ -312,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                              "L1 and L2; the CPU's own setting is printed first)")
     parser.add_argument("--amx", action="store_true", help="only [4]: the tile unit against the VNNI path")
     parser.add_argument("--engine", action="store_true", help="with --amx, only [5]: engine steps on each path")
+    parser.add_argument("--channel", action="store_true", help="only [6]: the per-channel kernel against q8_0(-a16)")
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
@@ -320,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
     rng = np.random.default_rng(0)
+    if args.channel:
+        return channel_rows(rng, [int(r) for r in args.rows.split(",")], args.reps)
     if args.amx and args.engine:
         return amx_engine(ext, args.reps)
     if args.amx:

@@ -179,7 +179,7 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
-    from slipstream.engine.device.layer_stack import PerLayer, StackedF32, StackedInt8, StackedQ8
+    from slipstream.engine.device.layer_stack import PackedChannel, PerLayer, StackedChannel, StackedF32, StackedInt8, StackedQ8
     from slipstream.models.layers import linear
     from slipstream.quantization import int8
 
@@ -213,6 +213,14 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
                 return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
 
             return run, first.packed
+        if isinstance(first, StackedChannel):
+            from slipstream.kernels.int8_channel_matmul import int8_channel_matmul
+
+            def run(x, arrays):
+                y = int8_channel_matmul(x, *arrays, n=first.offsets[-1] + first.widths[-1], parts=first.parts, layer=i)
+                return tuple(y[:, o:o + n] for o, n in zip(first.offsets, first.widths))
+
+            return run, (first.packed, first.scales, first.colsum)
         if isinstance(first, StackedInt8):  # the TPU's int8 stacks: each read at the layer index
             def run(x, arrays):
                 return tuple(int8.matmul(x, w, layer=i).astype(x.dtype) for w in arrays)
@@ -238,6 +246,8 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
             x = x + down(gate * up, a_down)[0]
         if head_tied:
             return jnp.einsum("bd,vd->bv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        if isinstance(head, PackedChannel):
+            return head.linears(x, (head,))[0]
         return linear(x, head)
 
     return functools.partial(run, arrays, head)

@@ -1,6 +1,9 @@
 """int8 weights for the MXU and GPU tensor cores, quantized on the device in JAX: "int8" (one scale and
 offset per 32 inputs per output channel, dequantized to the activation dtype inside the dot) and
-"int8-channel" (one symmetric scale per output channel; int8 x int8 dots for steps of many rows)."""
+"int8-channel" (one symmetric scale per output channel; int8 x int8 dots for steps of many rows) and
+"int8-channel-a16" (the same weights, activations never rounded to one int8 part). On CPU both run the native
+per-channel kernel (kernels/int8_channel_matmul.py) at every row count: activations rounded per row to one int8
+part (int8-channel) or two (int8-channel-a16, ~15 bits), so a row's result never depends on the call's rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +12,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels import native
 
-MODES: tuple[str, ...] = ("int8", "int8-channel")
+MODES: tuple[str, ...] = ("int8", "int8-channel", "int8-channel-a16")
+CHANNEL_MODES: tuple[str, ...] = ("int8-channel", "int8-channel-a16")
 GROUP = 32        # inputs per scale and offset in mode "int8" (a GGUF block: Q4_1/Q8_0 sources round exactly)
 A8_MIN_ROWS = 256  # "int8-channel": steps of this many rows or more quantize activations (prefill chunks)
 LEVELS = 255.0    # asymmetric: q in -128..127 spans [min, max] of a group
@@ -25,13 +30,16 @@ class Int8Weight:
     channel: q int8 [..., in, out], scale f32 [..., G, out] with G = ceil(in / block), offset like scale
     or None (symmetric). Leading axes (stacked layers L) are sliced by lax.scan like any leaf.
     a8_rows (static): a matmul of at least this many rows rounds each row of activations to int8
-    (one scale per row) and multiplies in int32; None: always float activations (w8a16)."""
+    (one scale per row) and multiplies in int32; None: always float activations (w8a16). On CPU, where the
+    native per-channel kernel runs (one scale per output channel), a8_rows is not used: every call rounds each
+    row to `parts` int8 parts (static: 1 or 2), whatever its row count."""
 
     q: jax.Array
     scale: jax.Array
     offset: jax.Array | None = None
     block: int = dataclasses.field(default=GROUP, metadata=dict(static=True))
     a8_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    parts: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -73,7 +81,9 @@ def _weight(parts: tuple[jax.Array, ...], mode: str, k: int) -> Int8Weight:
         q, scale, offset = parts
         return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
     q, scale = parts
-    return Int8Weight(q=q, scale=scale, block=k, a8_rows=A8_MIN_ROWS)
+    if mode == "int8-channel-a16":
+        return Int8Weight(q=q, scale=scale, block=k, a8_rows=None, parts=2)
+    return Int8Weight(q=q, scale=scale, block=k, a8_rows=A8_MIN_ROWS, parts=1)
 
 
 def _index_layer(layer: jax.Array, w: jax.Array) -> jax.Array:
@@ -178,7 +188,8 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w [in, out] -> f32 [..., out]. Per output channel: the dot of x (or of its int8
-    rows, from w.a8_rows rows on: the step's row count is static) with q, then the scale. Per block: q
+    rows, from w.a8_rows rows on: the step's row count is static) with q, then the scale; on CPU the native
+    kernel's rows of w.parts int8 parts at every row count. Per block: q
     dequantized to x's dtype inside the dot (one float rounding of each weight, as a float model has).
     layer: w is a stack [L, in, out] and this traced index picks the layer to multiply by. Where the
     TPU kernel runs, it reads that layer's blocks of the stack where they lie (no copy of the layer's
@@ -197,16 +208,34 @@ def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.A
         return y.reshape(*lead, n)
     if layer is not None:
         w = jax.tree.map(functools.partial(_index_layer, layer), w)
-    if not grouped:
-        if w.a8_rows is not None and x2.shape[0] >= w.a8_rows:
-            xq, xs = quantize_rows(x2)
-            acc = jax.lax.dot_general(xq, w.q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-            y = acc.astype(jnp.float32) * xs[:, None] * w.scale[0]
-        else:
-            y = jnp.einsum("mk,kn->mn", x2, w.q.astype(x2.dtype), preferred_element_type=jnp.float32) * w.scale[0]
+    if not grouped and _cpu_channel_native():
+        y = jax.lax.platform_dependent(x2, w.q, w.scale, cpu=functools.partial(_cpu_channel, parts=w.parts),
+                                       default=functools.partial(_per_channel, a8_rows=w.a8_rows))
+    elif not grouped:
+        y = _per_channel(x2, w.q, w.scale, a8_rows=w.a8_rows)
     else:
         y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
     return y.reshape(*lead, n)
+
+
+def _per_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, a8_rows: int | None) -> jax.Array:
+    """x2 [M, K] @ a per-channel weight in XLA: int8 rows times q in int32 from a8_rows rows on, else float."""
+    if a8_rows is not None and x2.shape[0] >= a8_rows:
+        xq, xs = quantize_rows(x2)
+        acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc.astype(jnp.float32) * xs[:, None] * scale[0]
+    return jnp.einsum("mk,kn->mn", x2, q.astype(x2.dtype), preferred_element_type=jnp.float32) * scale[0]
+
+
+def _cpu_channel_native() -> bool:
+    return icm.native_available()
+
+
+def _cpu_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, parts: int) -> jax.Array:
+    """The native CPU kernel on a weight packed here, per call (the engine packs its weights once, at load:
+    quantization/layer_forms.py's StackedChannel / PackedChannel)."""
+    packed, scales, colsum = icm.pack_jax(q, scale[0])
+    return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=parts)
 
 
 def _xla_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array,

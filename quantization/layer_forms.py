@@ -2,8 +2,9 @@
 (which form a weight takes, and why XLA:CPU and the TPU need them: engine/layer_stack.py). Each form is
 picked per layer by quantization.ops.pick and multiplied through quantization.ops.linears: per-layer
 buffers behind a layer switch (PerLayer), or one stack a kernel reads at the layer index (StackedQ8,
-StackedF32: native CPU kernels, fused groups' other members are FusedMember markers; StackedInt8: the
-TPU's Pallas int8 kernel)."""
+StackedF32, StackedChannel: native CPU kernels, fused groups' other members are FusedMember markers;
+StackedInt8: the TPU's Pallas int8 kernel), or, for a weight outside the layer stack (the LM head), packed once
+for its CPU kernel (PackedChannel)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,10 @@ import jax
 import numpy as np
 
 from slipstream.kernels import f32_matmul as f32
+from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels.q8_matmul import TILE, amx_tiles_wanted, gated_native, pack_tiles, q8_matmul, widen
 from slipstream.quantization import int8, lora, ops
-from slipstream.quantization.groupwise import host_empty
+from slipstream.quantization.groupwise import host_copy, host_empty
 from slipstream.quantization.weights import QuantizedWeight
 
 
@@ -103,6 +105,87 @@ class StackedF32:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StackedChannel:
+    """The per-output-channel int8 weights (int8-channel modes) of every layer, packed for
+    kernels/int8_channel_matmul.py as one stack (packed [L, Np/16, Kp*16], scales and colsum [L, Np]) for one
+    linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles) and number
+    widths[j]. parts: the activations' int8 parts (1 or 2)."""
+
+    packed: jax.Array
+    scales: jax.Array
+    colsum: jax.Array
+    widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    parts: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        starts = np.cumsum([0] + [-(-w // icm.TILE) * icm.TILE for w in self.widths[:-1]])
+        return tuple(int(s) for s in starts)
+
+    def pick(self, index: jax.Array) -> "StackedPick":
+        return StackedPick(index, self)
+
+    def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
+        return icm.int8_channel_matmul(x, self.packed, self.scales, self.colsum, n=self.offsets[-1] + self.widths[-1],
+                                       parts=self.parts, layer=layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedChannel:
+    """One per-output-channel int8 weight outside the layer stack (the LM head), packed once for
+    kernels/int8_channel_matmul.py; multiplied through quantization.ops.linears as a group of one."""
+
+    packed: jax.Array
+    scales: jax.Array
+    colsum: jax.Array
+    n: int = dataclasses.field(metadata=dict(static=True))
+    parts: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
+        if len(picks) != 1 or picks[0] is not self:
+            raise ValueError(f"a packed int8-channel weight is multiplied alone (got a group of {len(picks)})")
+        y = icm.int8_channel_matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales, self.colsum, n=self.n,
+                                    parts=self.parts)
+        return (y.reshape(*x.shape[:-1], self.n).astype(x.dtype),)
+
+
+def channel_weight(w: int8.Int8Weight) -> bool:
+    """True for a per-output-channel Int8Weight that the native CPU kernel can multiply (packed at load)."""
+    return (isinstance(w, int8.Int8Weight) and w.offset is None and w.scale.shape[-2] == 1
+            and icm.native_available())
+
+
+def pack_channel(w: int8.Int8Weight) -> PackedChannel:
+    """A 2-D per-channel Int8Weight [K, N] -> its PackedChannel (numpy, once)."""
+    packed, scales, colsum = icm.pack(np.asarray(w.q), np.asarray(w.scale)[0])
+    return PackedChannel(jax.device_put(host_copy(packed)), jax.device_put(scales), jax.device_put(colsum),
+                         int(w.q.shape[1]), w.parts)  # huge pages: a decode step streams the LM head
+
+
+def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
+    """Stacked per-channel Int8Weights [L, K, N_j] sharing L, K and parts -> one StackedChannel over their columns,
+    packed layer by layer (numpy) into memory laid out for huge pages (the decode step streams it)."""
+    qs = [np.asarray(w.q) for w in weights]
+    scales = [np.asarray(w.scale) for w in weights]
+    layers, k = qs[0].shape[:2]
+    widths = tuple(int(q.shape[2]) for q in qs)
+    tiles = [icm.padded(k, n)[1] // icm.TILE for n in widths]
+    starts = np.cumsum([0] + tiles)
+    kp = icm.padded(k, 1)[0]
+    packed = host_empty((layers, int(starts[-1]), kp * icm.TILE), np.int8)
+    sc = np.zeros((layers, int(starts[-1]) * icm.TILE), np.float32)
+    cs = np.zeros((layers, int(starts[-1]) * icm.TILE), np.int32)
+    for j in range(len(weights)):
+        cols = slice(int(starts[j]) * icm.TILE, int(starts[j + 1]) * icm.TILE)
+        for i in range(layers):
+            packed[i, starts[j]:starts[j + 1]], sc[i, cols], cs[i, cols] = icm.pack(qs[j][i], scales[j][i, 0])
+    return StackedChannel(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), widths, weights[0].parts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StackedInt8:
     """A quantization/int8 weight of every layer as one stack (an Int8Weight [L, K, N]), multiplied at
     the traced layer index by int8.matmul: on TPU its Pallas kernel reads that layer's blocks of the
@@ -131,7 +214,8 @@ class Int8Pick:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FusedMember:
-    """A linear whose weight lives in its group's StackedQ8 or StackedF32, as member `index` (no arrays)."""
+    """A linear whose weight lives in its group's StackedQ8, StackedF32 or StackedChannel, as member `index` (no
+    arrays)."""
 
     index: int = dataclasses.field(metadata=dict(static=True))
 
@@ -141,10 +225,10 @@ class FusedMember:
 
 @dataclasses.dataclass(frozen=True)
 class StackedPick:
-    """Layer `index` of a StackedQ8 or StackedF32, inside the scanned layer body."""
+    """Layer `index` of a StackedQ8, StackedF32 or StackedChannel, inside the scanned layer body."""
 
     index: jax.Array
-    stack: StackedQ8 | StackedF32
+    stack: StackedQ8 | StackedF32 | StackedChannel
 
     def _check_group(self, picks: tuple) -> None:
         widths = self.stack.widths

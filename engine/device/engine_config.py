@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: see kv_dtype(); or float32, bfloat16, int8
     quantize: str = "auto"                  # auto: see weight_mode(); or none, q8_0, q8_0-a16, int8,
-                                            # int8-channel (see quantization/)
+                                            # int8-channel, int8-channel-a16 (see quantization/)
     tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
     max_loras: int = 0                      # LoRA adapter slots on the device (0: no LoRA)
     max_lora_rank: int = 64                 # every slot's rank (adapters of lower rank are zero-padded)
@@ -53,9 +53,9 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
                              f"{self.max_lora_rank}")
-        if self.quantize == "int8-channel" and self.tensor_parallel > 1:
+        if self.quantize.startswith("int8-channel") and self.tensor_parallel > 1:
             # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
-            raise ValueError(f"quantize int8-channel runs on one device, not with tensor_parallel "
+            raise ValueError(f"quantize {self.quantize} runs on one device, not with tensor_parallel "
                              f"{self.tensor_parallel}; use int8")
 
     def weight_mode(self, backend: str | None = None) -> str:

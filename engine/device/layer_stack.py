@@ -3,14 +3,16 @@ multiplies by.
 
 A scan over stacked weights [L, ...] makes XLA:CPU copy each layer's slice out of the stack before
 its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So on CPU:
-- group-wise int8 weights (`StackedQ8`) and f32 ones (`StackedF32`, packed in column panels) stay
+- group-wise int8 weights (`StackedQ8`), per-channel int8 ones (`StackedChannel`, the int8-channel modes) and
+  f32 ones (`StackedF32`, packed in column panels) stay
   one stack [L, ...] that a native kernel reads at the traced layer index, where it lies: no slice,
   no switch. The linears one input feeds (q/k/v, gate/up: `FUSED`) are fused along their output
   columns at load, so each group is one kernel call (one fixed per-call cost instead of three or
   two); the other members hold a `FusedMember` marker;
 - other float weights (bf16; f32 without the native kernel), group-wise int8 ones under tensor
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
-  i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch.
+  i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
+- a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
 become `StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the traced layer index, so
 the Pallas int8 kernel reads each layer's blocks where they lie instead of a slice the scan copies out
@@ -31,7 +33,8 @@ from slipstream.models import layers
 from slipstream.models.base import CausalLM
 from slipstream.quantization import Int8Weight, QuantizedWeight
 from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
-    FusedMember, Int8Pick, LayerPick, PerLayer, StackedF32, StackedInt8, StackedPick, StackedQ8, fuse_f32, fuse_q8)
+    FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedInt8, StackedPick,
+    StackedQ8, channel_weight, fuse_channel, fuse_f32, fuse_q8, pack_channel)
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
 FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -45,10 +48,11 @@ def _stackable_f32(value) -> bool:
 
 
 def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool | None = None) -> None:
-    """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): int8 ones as
-    StackedQ8 when `stack_int8`, f32 ones as StackedF32 when `stack_f32` (by default: as
-    `stack_int8`, and only where kernels/f32_matmul's native kernel runs), FUSED groups fused;
-    everything else as PerLayer."""
+    """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): group-wise int8 ones as
+    StackedQ8 and per-channel ones as StackedChannel when `stack_int8`, f32 ones as StackedF32 when `stack_f32`
+    (by default: as `stack_int8`, and only where kernels/f32_matmul's native kernel runs), FUSED groups fused;
+    everything else as PerLayer. A per-channel int8 weight outside the stack (the LM head) becomes a
+    PackedChannel when `stack_int8`."""
     if stack_f32 is None:
         stack_f32 = stack_int8
     stack_f32 = stack_f32 and f32.native_available()
@@ -60,7 +64,8 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
         key = tuple(w.path.split("."))
         if w.linear and w.per_layer and key in flat:
             value = flat[key].get_value()
-            if (stack_int8 and isinstance(value, QuantizedWeight)) or (stack_f32 and _stackable_f32(value)):
+            if ((stack_int8 and (isinstance(value, QuantizedWeight) or channel_weight(value)))
+                    or (stack_f32 and _stackable_f32(value))):
                 candidates[key] = value
     stacked: dict[tuple, object] = {}
     for path, module in nnx.iter_modules(model):
@@ -73,6 +78,10 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
                 if len({(g.logical[0], g.mode, g.q.shape[0]) for g in group}) != 1:
                     continue  # not one input, mode and depth: left unfused
                 stacked[keys[0]] = fuse_q8(group)
+            elif all(isinstance(g, Int8Weight) for g in group):
+                if len({(g.q.shape[:2], g.parts) for g in group}) != 1:
+                    continue
+                stacked[keys[0]] = fuse_channel(group)
             elif all(_stackable_f32(g) for g in group) and len({g.shape[:2] for g in group}) == 1:
                 stacked[keys[0]] = fuse_f32(group)
             else:
@@ -82,6 +91,9 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))
         var = flat.get(key)
+        if var is not None and w.linear and not w.per_layer and stack_int8 and channel_weight(var.get_value()):
+            var.set_value(pack_channel(var.get_value()))
+            continue
         if var is None or not (w.linear and w.per_layer):
             continue
         if key in stacked:
@@ -89,7 +101,8 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
             continue
         value = var.get_value()
         if key in candidates:
-            var.set_value(fuse_q8([value]) if isinstance(value, QuantizedWeight) else fuse_f32([value]))
+            var.set_value(fuse_q8([value]) if isinstance(value, QuantizedWeight) else
+                          fuse_channel([value]) if isinstance(value, Int8Weight) else fuse_f32([value]))
             continue
         var.set_value(PerLayer(tuple(jax.tree.map(lambda a, i=i: a[i], value) for i in range(n))))
     nnx.update(model, state)

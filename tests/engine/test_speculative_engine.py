@@ -206,3 +206,21 @@ def test_penalized_and_logprob_requests_speculate_and_equal_greedy(spec_engine):
                 for x, y in zip(a.logprobs, b.logprobs):
                     assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
                     assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_greedy_equal_with_and_without_speculation_on_per_channel_int8(tiny_model):
+    # int8-channel-a16 on CPU: the native kernel rounds each row by itself and sums over all of K in int32 (VNNI
+    # for one row, the AMX tile unit from 4 where the CPU has it), so verifying drafts in a many-row step gives each
+    # token what a one-row decode gives it
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+
+    cfg, params = tiny_model
+    engine = JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64,
+                                                    "quantize": "int8-channel-a16"}), precompile=False)
+    rnd = random.Random(5)
+    requests = [Request(prompt, SamplingParams(temperature=0.0, max_tokens=rnd.randint(4, 16), ignore_eos=True))
+                for prompt in _prompts(rnd, 6)]
+    base, _ = _run(engine, requests, None)
+    spec, stats = _run(engine, requests, SPEC)
+    assert [b.token_ids for b in spec] == [a.token_ids for a in base]
+    assert stats.spec_accepted_tokens > 0

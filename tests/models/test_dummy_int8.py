@@ -45,9 +45,9 @@ def test_each_layer_is_its_own_rounded_random_layer(mode):
     layers = 5
     w = _draw_quantized(jax.random.key(3), (layers, IN, OUT), mode, jnp.bfloat16)
     assert isinstance(w, int8.Int8Weight) and w.shape == (layers, IN, OUT) and w.q.dtype == jnp.int8
-    groups = 1 if mode == "int8-channel" else IN // int8.GROUP
+    groups = 1 if mode in int8.CHANNEL_MODES else IN // int8.GROUP
     assert w.scale.shape == (layers, groups, OUT)
-    assert (w.offset is None) == (mode == "int8-channel")
+    assert (w.offset is None) == (mode in int8.CHANNEL_MODES)
     # the same as rounding each float layer alone with the public function
     draw_key, shift_key = jax.random.split(jax.random.key(3))
     one = jax.random.normal(draw_key, (IN, OUT), jnp.bfloat16) * jnp.asarray(1 / math.sqrt(IN), jnp.bfloat16)

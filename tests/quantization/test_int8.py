@@ -1,5 +1,7 @@
 """quantization/int8.py (the TPU/GPU modes): matmuls against a float64 oracle of the stored weight,
-rounding on the device, the exactness that keeps the default model's accuracy, and `auto` per backend."""
+rounding on the device, the exactness that keeps the default model's accuracy, and `auto` per backend. The
+per-channel modes' XLA path (what TPU and GPU run) is pinned by `xla_per_channel`; on CPU they run the native
+kernel, with every row rounded to int8 parts whatever the call's rows (the last tests)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from slipstream.engine.device.engine_config import EngineConfig
+from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes
 
 SHAPES = [(1, 70, 33), (5, 64, 40), (3, 96, 17), (7, 33, 129)]  # K not a multiple of 32, N odd
@@ -31,12 +34,18 @@ def stored(qw: Int8Weight) -> np.ndarray:
 
 
 def linear(x, w):
-    return jax.jit(ops.linear)(x, w)
+    return ops.linear(x, w)  # eager: the path is chosen per call (xla_per_channel), no trace cached across tests
+
+
+@pytest.fixture
+def xla_per_channel(monkeypatch):
+    """The per-channel modes on XLA's path (as on TPU/GPU), not the native CPU kernel."""
+    monkeypatch.setattr(int8, "_cpu_channel_native", lambda: False)
 
 
 @pytest.mark.parametrize("mode", int8.MODES)
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k, n):
+def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k, n, xla_per_channel):
     x, w = make(m, k, n)
     qw = quantize_weight(jnp.asarray(w), mode)
     got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
@@ -48,7 +57,7 @@ def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_w8a8_matmul_equals_the_float64_product_of_int8_rows_and_weights(m, k, n):
+def test_w8a8_matmul_equals_the_float64_product_of_int8_rows_and_weights(m, k, n, xla_per_channel):
     x, w = make(m, k, n, seed=1)
     qw = dataclasses.replace(quantize_weight(jnp.asarray(w), "int8-channel"), a8_rows=m)  # w8a8 from m rows
     got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
@@ -68,10 +77,27 @@ def test_w8a8_matmul_equals_the_float64_product_of_int8_rows_and_weights(m, k, n
 def test_int8_channel_uses_int8_activations_from_prefill_sized_steps():
     qw = quantize_weight(jnp.ones((16, 4)), "int8-channel")
     assert qw.a8_rows == int8.A8_MIN_ROWS and quantize_weight(jnp.ones((16, 4)), "int8").a8_rows is None
+    a16 = quantize_weight(jnp.ones((16, 4)), "int8-channel-a16")
+    assert a16.a8_rows is None and (qw.parts, a16.parts) == (1, 2)
+
+
+@pytest.mark.skipif(not icm.native_available(), reason="the native int8_channel_matmul kernel is not built")
+@pytest.mark.parametrize("mode,parts", [("int8-channel", 1), ("int8-channel-a16", 2)])
+def test_per_channel_modes_on_cpu_round_every_row_in_the_native_kernel(mode, parts):
+    x, w = make(300, 70, 33, seed=4)
+    qw = quantize_weight(jnp.asarray(w), mode)
+    got = np.asarray(jax.jit(ops.linear)(jnp.asarray(x), qw))
+    want = icm.reference_numpy(x, np.asarray(qw.q), np.asarray(qw.scale)[0], parts)
+    np.testing.assert_array_equal(got, want)  # 300 rows: past A8_MIN_ROWS, and the same steps at every row count
+    np.testing.assert_array_equal(np.asarray(jax.jit(ops.linear)(jnp.asarray(x[7:8]), qw)), want[7:8])
+    # within half an activation step (max|x| / 127, two parts: / 254 again) per product of the stored weight's
+    ref = x.astype(np.float64) @ stored(qw)
+    step = np.abs(x).max(axis=1, keepdims=True) / 127 / (254 if parts == 2 else 1)
+    assert np.all(np.abs(got - ref) <= 0.5 * step * np.abs(stored(qw)).sum(axis=0) * 1.01 + 1e-6)
 
 
 @pytest.mark.parametrize("mode", int8.MODES)
-def test_leading_dims_scan_and_bf16_activations(mode):
+def test_leading_dims_scan_and_bf16_activations(mode, xla_per_channel):
     n_layers, d = 3, 64
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((n_layers, d, d)) / np.sqrt(d)).astype(np.float32)

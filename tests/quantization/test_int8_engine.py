@@ -2,6 +2,8 @@
 the weights shrink, and the same KV memory budget holds several times the pages."""
 from __future__ import annotations
 
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.kernels.q8_matmul import amx_tiles_wanted
 from slipstream.quantization import QuantizedWeight, weight_bytes
-from slipstream.quantization.layer_forms import StackedQ8
+from slipstream.kernels.int8_channel_matmul import native_available as channel_native
+from slipstream.quantization.layer_forms import PackedChannel, StackedChannel, StackedQ8
 from tests.conftest import TINY_ENGINE
 
 STEPS = 8
@@ -76,7 +79,7 @@ def f32_outputs(tiny_model, prompts):
     return _decode(_engine(tiny_model), prompts)
 
 
-@pytest.mark.parametrize("mode", ["q8_0", "q8_0-a16", "int8", "int8-channel"])
+@pytest.mark.parametrize("mode", ["q8_0", "q8_0-a16", "int8", "int8-channel", "int8-channel-a16"])
 def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs, mode):
     engine = _engine(tiny_model, quantize=mode)
     got = _decode(engine, prompts, feed=f32_outputs)
@@ -104,6 +107,27 @@ def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_o
         assert s.tiles.nbytes == 4 * layers * (col_tiles * 16) * (groups16 * 2)  # 4 bytes per (padded) weight
     held = weight_bytes(engine.params["blocks"]) - sum(t.nbytes for t in tiles)
     assert held <= (0.32 if mode == "int8" else 0.3) * f32_layers
+
+
+@pytest.mark.parametrize("mode", ["int8-channel", "int8-channel-a16"])
+def test_per_channel_int8_decodes_a_row_alike_alone_and_in_a_batch(tiny_model, prompts, mode):
+    # on CPU the per-channel kernel rounds each row by itself and sums in int32 (VNNI or AMX): a row's tokens and
+    # logprobs do not depend on which other rows share its steps. Where the CPU has AMX the batch's calls of 2 rows
+    # or more run on the tile unit, the lone row's decode calls on VNNI.
+    engine = _engine(tiny_model, quantize=mode)
+    ext = importlib.import_module("slipstream.kernels._int8_channel_matmul") if channel_native() else None
+    prev = ext.amx_rows(2) if ext else None
+    try:
+        together = _decode(engine, prompts)
+    finally:
+        if ext:
+            ext.amx_rows(prev)
+    for i in (0, len(prompts) - 1):
+        assert _decode(engine, prompts[i:i + 1]) == together[i:i + 1]
+    if jax.default_backend() == "cpu" and channel_native():
+        stacks = [leaf for leaf in jax.tree_util.tree_leaves(engine.params, is_leaf=lambda v: isinstance(
+            v, (StackedChannel, PackedChannel))) if isinstance(leaf, (StackedChannel, PackedChannel))]
+        assert stacks and all(s.parts == (2 if mode.endswith("a16") else 1) for s in stacks)
 
 
 def test_int8_kv_cache_keeps_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs):

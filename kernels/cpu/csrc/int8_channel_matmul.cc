@@ -1,0 +1,521 @@
+// Per-output-channel int8 matmul as an XLA FFI custom call on CPU.
+//
+//   acc_p[m, n] = sum_k xq_p[m, k] * w[n, k]                 int32 over all of K (exact)
+//   y[m, n] = (f32(acc_0) * xs_0[m]) * ws[n]                                        one part
+//   y[m, n] = (f32(acc_0) * xs_0[m] + f32(acc_1) * xs_1[m]) * ws[n]                 two parts
+//
+// w: symmetric int8 weights (q in -127..127) with one f32 scale ws per output column, prepacked at load
+// (kernels/int8_channel_matmul.py, pack()) as
+//   packed  s8  [Np/16][Kp/4][16][4]   16 columns x 4 inputs in one 64-byte vector (vpdpbusd's operand), and
+//                                      16 such rows (64 inputs) are one AMX B tile: one layout for both paths
+//   scales  f32 [Np]
+//   colsum  s32 [Np]                   sum_k w[n, k], for the +128 shift below
+// (Np, Kp: N rounded up to 16, K to 64; padding is zero weight and zero scale).
+// x is quantized per row (token) over its whole K: xs_0 = max|x| / 127, xq_0 = round-half-even(x / xs_0) in
+// [-127, 127]; with two parts the residual r = x - xq_0 * xs_0 again with xs_1 = xs_0 / 254 (|r| <= xs_0 / 2, so
+// xq_1 fits in [-127, 127]): ~15-bit activations for twice the products.
+//
+// vpdpbusd and tdpbusd multiply unsigned by signed bytes: the activations are the unsigned side, stored
+// xq + 128, and the weights the signed side as they are, so each sum carries 128 * colsum[n], subtracted
+// exactly in int32 before the float steps.
+//
+// Why bit-identical outputs at every row count: the int32 sums are exact whichever unit forms them, and the
+// float steps after them are one fixed sequence (Finish / FinishPortable) on every path, compiled without
+// contraction into fma (setup.py builds this file with -ffp-contract=off). So a row's output is the same in a
+// one-row decode, a 256-row prefill chunk, on VNNI or on AMX: speculative decoding and batch invariance rely
+// on it. kernels/int8_channel_matmul.py's numpy reference computes the same operations in the same order and
+// equals the kernel bit for bit.
+//
+// Work split: the activations are quantized first (items of kQuantRows rows), then items of (chunk of
+// kChunkTiles column tiles, block of input rows) are claimed from an atomic counter (runtime/parallel.h),
+// column-chunk major so that a chunk's weights come from memory once and serve every row block from cache.
+// VNNI: micro blocks of R act rows x C column tiles over all of K in zmm accumulators. AMX (calls of at least
+// g_amx_min_rows input rows; one-row decode, bound by reading the weights, stays on VNNI): 2 x 2 blocks of 16 x 16
+// C tiles (tmm0-3) from A tiles of 16 act rows x 64 inputs (tmm4-5) and B tiles of 64 inputs x 16 columns
+// (tmm6-7) over all of K, each C tile stored once.
+#include <Python.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "runtime/huge_pages.h"
+#include "runtime/isa.h"
+#include "runtime/module.h"
+#include "runtime/parallel.h"
+
+namespace ffi = xla::ffi;
+namespace rt = slipstream::runtime;
+using rt::Isa;
+
+namespace {
+
+constexpr int kTile = 16;        // columns per packed tile
+constexpr int kStep = 64;        // K is padded to this: one AMX tile's inputs
+constexpr int kAmxRows = 16;     // act rows per A tile
+constexpr int kChunkTiles = 6;   // column tiles per work item
+constexpr int kRowBlock = 64;    // input rows per VNNI work item
+constexpr int kAmxBlock = 256;   // input rows per AMX work item
+constexpr int kQuantRows = 4;    // input rows per quantization item
+constexpr int kMaxK = 65536;     // 255 * 127 * K stays below 2^31
+constexpr float kInt8Max = 127.0f;
+constexpr float kLoSteps = 254.0f;  // the second part's scale: xs_0 / 254
+
+rt::IsaChoice g_isa{Isa::kPortable, Isa::kAvx512Vnni, Isa::kAmx};
+// From this many input rows a call runs on the tile unit (where it is chosen; its outputs are the VNNI path's, so
+// this changes speed only). Measured on a Xeon Emerald Rapids (2 cores, the default model's five layer shapes,
+// `python -m benchmarks.kernel int8 --channel --rows 1,2,4,8,16`): the tile unit even with VNNI at 1-2 rows, even
+// or ahead from 4 (0.82-1.06x the time with one part, 0.63-0.95x with two), 0.42-0.90x at 8, 0.34-0.81x at 16.
+constexpr int kAmxMinRows = 4;
+std::atomic<int> g_amx_min_rows{kAmxMinRows};  // amx_rows() changes it, for tests and benchmarks
+std::atomic<int> g_max_threads{0};             // threading(): 0 is the pool's size
+
+struct Problem {
+  const float* x;
+  int m, k, kp, n, tiles, parts;
+  const int8_t* w;
+  const float* ws;
+  const int32_t* colsum;
+  float* y;
+  size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
+};
+
+// Quantized activations: act row m * parts + p holds part p of input row m as xq + 128; xs its scale. Laid out in
+// A tiles: [act row / 16][Kp / 64][act row % 16][64], so that one A tile (16 act rows x 64 inputs) is 1 KiB in a
+// row and a row tile's tiles follow each other along K. Rows past m * parts (to whole tiles) hold xq = 0, scale 0.
+struct Acts {
+  std::vector<uint8_t> u;
+  std::vector<float> xs;
+};
+
+// Act row `ar`'s first 64 inputs; its inputs k..k+63 (k a multiple of 64) lie k / 64 * kTileBytes further on.
+constexpr size_t kTileBytes = kAmxRows * kStep;
+inline size_t ActRow(int ar, int kp) {
+  return (static_cast<size_t>(ar / kAmxRows) * (kp / kStep)) * kTileBytes + (ar % kAmxRows) * kStep;
+}
+
+// ---- quantization (the same operations on every path) ----------------------------------------------
+
+inline int Clamp127(float v) {
+  const int q = static_cast<int>(std::nearbyint(v));
+  return std::min(127, std::max(-127, q));
+}
+
+void QuantizeRowPortable(const float* x, int k, int kp, int parts, uint8_t* u, float* xs) {
+  float amax = 0.0f;
+  for (int i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  float s = amax / kInt8Max;
+  for (int p = 0; p < parts; ++p) {
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    uint8_t* row = u + static_cast<size_t>(p) * kp;
+    for (int i = 0; i < k; ++i) {
+      float v = x[i];
+      if (p == 1) {  // the residual of part 0, recomputed from its integer
+        const float prod = static_cast<float>(static_cast<int>(u[i]) - 128) * xs[0];
+        v = v - prod;
+      }
+      row[i] = static_cast<uint8_t>(Clamp127(v * inv) + 128);
+    }
+    std::memset(row + k, 128, kp - k);
+    xs[p] = s;
+    s = s / kLoSteps;
+  }
+}
+
+#if defined(SLIPSTREAM_X86)
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void QuantizeRowAvx512(const float* x, int k, int kp, int parts, uint8_t* u, float* xs) {
+  __m512 vmax = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  float s = amax / kInt8Max;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), shift = _mm512_set1_epi32(128);
+  for (int p = 0; p < parts; ++p) {
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv), vs0 = _mm512_set1_ps(xs[0]);
+    uint8_t* row = u + static_cast<size_t>(p) * kp;
+    for (i = 0; i < k; i += 16) {
+      const __mmask16 mask = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+      __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+      if (p == 1) {
+        const __m512i q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, u + i)), shift);
+        v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), vs0));
+      }
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));  // round half to even (MXCSR's default)
+      q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), shift);
+      _mm_mask_storeu_epi8(row + i, mask, _mm512_cvtepi32_epi8(q));
+    }
+    std::memset(row + k, 128, kp - k);
+    xs[p] = s;
+    s = s / kLoSteps;
+  }
+}
+#endif
+
+// ---- the float steps after the int32 sums --------------------------------------------------------
+
+inline float FinishPortable(int32_t acc0, int32_t acc1, int32_t corr, float xs0, float xs1, float ws, int parts) {
+  float f = static_cast<float>(acc0 - corr) * xs0;
+  if (parts == 2) f = f + static_cast<float>(acc1 - corr) * xs1;
+  return f * ws;
+}
+
+#if defined(SLIPSTREAM_X86)
+template <int P>
+__attribute__((target("avx512f"), always_inline)) inline __m512 Finish(__m512i acc0, __m512i acc1, __m512i corr,
+                                                                        float xs0, float xs1, __m512 ws) {
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc0, corr)), _mm512_set1_ps(xs0));
+  if constexpr (P == 2)
+    f = _mm512_add_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1, corr)), _mm512_set1_ps(xs1)));
+  return _mm512_mul_ps(f, ws);
+}
+#endif
+
+// ---- portable: one act row block x one column tile ------------------------------------------------
+
+void TilePortable(const Problem& p, const Acts& a, int row, int tile) {
+  const int8_t* w = p.w + tile * p.tile_bytes();
+  const int n0 = tile * kTile, cols = std::min(kTile, p.n - n0);
+  for (int c = 0; c < cols; ++c) {
+    int32_t acc[2] = {0, 0};
+    for (int q = 0; q < p.parts; ++q) {
+      const uint8_t* x = a.u.data() + ActRow(row * p.parts + q, p.kp);
+      int32_t s = 0;
+      for (int i = 0; i < p.kp; ++i)
+        s += static_cast<int32_t>(x[i / kStep * kTileBytes + i % kStep]) * w[(i / 4) * 64 + c * 4 + i % 4];
+      acc[q] = s;
+    }
+    const float* xs = a.xs.data() + static_cast<size_t>(row) * p.parts;
+    p.y[static_cast<size_t>(row) * p.n + n0 + c] = FinishPortable(
+        acc[0], acc[1], 128 * p.colsum[n0 + c], xs[0], p.parts == 2 ? xs[1] : 0.0f, p.ws[n0 + c], p.parts);
+  }
+}
+
+#if defined(SLIPSTREAM_X86)
+// ---- AVX-512 VNNI: R act rows (R / P input rows) x C column tiles over all of K -------------------
+template <int R, int C, int P>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
+  const size_t kp = p.kp, tb = p.tile_bytes();
+  const uint8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = a.u.data() + ActRow(ar0 + r, p.kp);
+  const int8_t* w = p.w + tile0 * tb;
+  __m512i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (size_t k4 = 0; k4 < kp / 4; ++k4) {
+    __m512i wv[C];
+    for (int c = 0; c < C; ++c) {
+      if constexpr (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(w + c * tb + k4 * 64 + 1024), _MM_HINT_T0);
+      wv[c] = _mm512_loadu_si512(w + c * tb + k4 * 64);
+    }
+    const size_t at = k4 / 16 * kTileBytes + k4 % 16 * 4;  // inputs 4 k4.. in the A tile layout
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x[r] + at, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int n0 = (tile0 + c) * kTile, cols = std::min(kTile, p.n - n0);
+    const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsum + n0), 7);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, p.ws + n0);
+    for (int i = 0; i < R / P; ++i) {
+      const int row = ar0 / P + i;
+      const float* xs = a.xs.data() + static_cast<size_t>(row) * P;
+      const __m512 f = Finish<P>(acc[i * P][c], acc[i * P + P - 1][c], corr, xs[0], xs[P - 1], ws);
+      _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row) * p.n + n0, mask, f);
+    }
+  }
+}
+
+// ---- AMX-INT8: RT row tiles x CT column tiles of 16 x 16 over all of K ----------------------------
+struct AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};  // C: 16 int32; A: 64 inputs; B: 16 columns x 4
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};    // B: 64 inputs in 16 rows of 4
+};
+alignas(64) const AmxConfig kAmxConfig{};
+
+__attribute__((target("amx-tile"))) void AmxBegin() { _tile_loadconfig(&kAmxConfig); }
+__attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
+
+// C tile (2r + t) = A tile row tile rt0 + r x B tile of column tile tile0 + t over all of K (RT, CT in {1, 2}), stored
+// once; then the float steps (Finish) of each output row below m and column below n.
+template <int RT, int CT, int P>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
+  const size_t row_tile = static_cast<size_t>(p.kp / kStep) * kTileBytes;  // one row tile's A tiles
+  const uint8_t* x = a.u.data() + rt0 * row_tile;
+  const int8_t* w = p.w + tile0 * p.tile_bytes();
+  _tile_zero(0);
+  if constexpr (CT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  for (int k = 0; k < p.kp; k += kStep) {
+    const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
+    _tile_loadd(4, x + xa, kStep);
+    _tile_loadd(6, w + wb, 64);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (CT == 2) {
+      _tile_loadd(7, w + p.tile_bytes() + wb, 64);
+      _tile_dpbusd(1, 4, 7);
+    }
+    if constexpr (RT == 2) {
+      _tile_loadd(5, x + row_tile + xa, kStep);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (CT == 2) _tile_dpbusd(3, 5, 7);
+    }
+  }
+  constexpr int kC = kAmxRows * kTile;  // int32s of one C tile
+  alignas(64) int32_t cbuf[4 * kC];
+  _tile_stored(0, cbuf, 64);
+  if constexpr (CT == 2) _tile_stored(1, cbuf + kC, 64);
+  if constexpr (RT == 2) _tile_stored(2, cbuf + 2 * kC, 64);
+  if constexpr (RT == 2 && CT == 2) _tile_stored(3, cbuf + 3 * kC, 64);
+  for (int t = 0; t < CT; ++t) {
+    const int n0 = (tile0 + t) * kTile, cols = std::min(kTile, p.n - n0);
+    const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsum + n0), 7);
+    const __m512 ws = _mm512_maskz_loadu_ps(mask, p.ws + n0);
+    for (int r = 0; r < RT; ++r) {
+      const int32_t* c = cbuf + (2 * r + t) * kC;
+      const int row0 = (rt0 + r) * (kAmxRows / P), rows = std::min(kAmxRows / P, p.m - row0);
+      for (int i = 0; i < rows; ++i) {
+        const float* xs = a.xs.data() + static_cast<size_t>(row0 + i) * P;
+        const __m512 f = Finish<P>(_mm512_load_si512(c + i * P * kTile), _mm512_load_si512(c + (i * P + P - 1) * kTile),
+                                   corr, xs[0], xs[P - 1], ws);
+        _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + i) * p.n + n0, mask, f);
+      }
+    }
+  }
+}
+#endif  // SLIPSTREAM_X86
+
+// ---- items ------------------------------------------------------------------------------------------
+
+struct Job {
+  Problem p;
+  Isa isa;
+  bool amx = false;
+  int block_rows = kRowBlock, row_blocks = 1;
+  Acts* acts;
+
+  void Quantize(int item) {
+    const int lo = item * kQuantRows, hi = std::min(lo + kQuantRows, p.m);
+    for (int row = lo; row < hi; ++row) {
+      const float* x = p.x + static_cast<size_t>(row) * p.k;
+      thread_local std::vector<uint8_t> u;  // [parts][Kp], then scattered into the A tile layout
+      u.resize(static_cast<size_t>(p.parts) * p.kp);
+      float* xs = acts->xs.data() + static_cast<size_t>(row) * p.parts;
+#if defined(SLIPSTREAM_X86)
+      if (isa != Isa::kPortable) QuantizeRowAvx512(x, p.k, p.kp, p.parts, u.data(), xs);
+      else
+#endif
+        QuantizeRowPortable(x, p.k, p.kp, p.parts, u.data(), xs);
+      for (int part = 0; part < p.parts; ++part) {
+        uint8_t* dst = acts->u.data() + ActRow(row * p.parts + part, p.kp);
+        for (int k0 = 0; k0 < p.kp; k0 += kStep)
+          std::memcpy(dst + k0 / kStep * kTileBytes, u.data() + static_cast<size_t>(part) * p.kp + k0, kStep);
+      }
+    }
+  }
+
+  void Run(int item) {
+    const int chunk = item / row_blocks, rb = item % row_blocks;
+    const int tile_lo = chunk * kChunkTiles, tile_hi = std::min(tile_lo + kChunkTiles, p.tiles);
+    const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+#if defined(SLIPSTREAM_X86)
+    if (amx) return RunAmx(tile_lo, tile_hi, row_lo, row_hi);
+    if (isa == Isa::kAvx512Vnni) return p.parts == 2 ? RunVnni<2>(tile_lo, tile_hi, row_lo, row_hi)
+                                                     : RunVnni<1>(tile_lo, tile_hi, row_lo, row_hi);
+#endif
+    for (int t = tile_lo; t < tile_hi; ++t)
+      for (int row = row_lo; row < row_hi; ++row) TilePortable(p, *acts, row, t);
+  }
+
+#if defined(SLIPSTREAM_X86)
+  // One input row (decode) streams 4 tiles at a time; more rows reuse each weight vector over up to 6 act rows x 3
+  // tiles (18 accumulators: enough independent vpdpbusd to hide its latency).
+  template <int P>
+  void RunVnni(int tile_lo, int tile_hi, int row_lo, int row_hi) {
+    if (row_hi - row_lo == 1) {
+      for (int t = tile_lo; t < tile_hi; t += 4) VnniOneRow<P>(std::min(4, tile_hi - t), row_lo * P, t);
+      return;
+    }
+    constexpr int kRows = 6 / P;  // input rows per micro block
+    for (int t = tile_lo; t < tile_hi; t += 3) {
+      const int c = std::min(3, tile_hi - t);
+      for (int row = row_lo; row < row_hi; row += kRows) VnniFn<P>(std::min(kRows, row_hi - row), c)(p, *acts, row * P, t);
+    }
+  }
+
+  template <int P>
+  void VnniOneRow(int c, int ar0, int t) {
+    if (c == 4) TileVnni<P, 4, P>(p, *acts, ar0, t);
+    else if (c == 3) TileVnni<P, 3, P>(p, *acts, ar0, t);
+    else if (c == 2) TileVnni<P, 2, P>(p, *acts, ar0, t);
+    else TileVnni<P, 1, P>(p, *acts, ar0, t);
+  }
+
+  using TileFn = void (*)(const Problem&, const Acts&, int, int);
+  template <int P, int Rows>
+  static constexpr std::array<TileFn, 3> kRowFns = {&TileVnni<Rows * P, 1, P>, &TileVnni<Rows * P, 2, P>,
+                                                    &TileVnni<Rows * P, 3, P>};
+  // the micro kernel of `rows` input rows (1..6/P) x c tiles (1..3)
+  template <int P>
+  static TileFn VnniFn(int rows, int c) {
+    if constexpr (P == 2) {
+      static constexpr std::array<std::array<TileFn, 3>, 3> table = {kRowFns<2, 1>, kRowFns<2, 2>, kRowFns<2, 3>};
+      return table[rows - 1][c - 1];
+    } else {
+      static constexpr std::array<std::array<TileFn, 3>, 6> table = {kRowFns<1, 1>, kRowFns<1, 2>, kRowFns<1, 3>,
+                                                                     kRowFns<1, 4>, kRowFns<1, 5>, kRowFns<1, 6>};
+      return table[rows - 1][c - 1];
+    }
+  }
+
+  // The chunk's column pairs outer (their B panel stays in L1/L2), the block's row tile pairs inner.
+  void RunAmx(int tile_lo, int tile_hi, int row_lo, int row_hi) {
+    const int per_tile = kAmxRows / p.parts;  // input rows per A tile
+    const int rt_lo = row_lo / per_tile, rt_hi = (row_hi + per_tile - 1) / per_tile;
+    AmxBegin();
+    for (int t = tile_lo; t < tile_hi; t += 2) {
+      const int cts = std::min(2, tile_hi - t);
+      for (int rt = rt_lo; rt < rt_hi; rt += 2) {
+        const int rts = std::min(2, rt_hi - rt);
+        if (p.parts == 2) AmxBlock<2>(rts, cts, rt, t);
+        else AmxBlock<1>(rts, cts, rt, t);
+      }
+    }
+    AmxEnd();
+  }
+
+  template <int P>
+  void AmxBlock(int rts, int cts, int rt, int t) {
+    if (rts == 2 && cts == 2) TileAmx<2, 2, P>(p, *acts, rt, t);
+    else if (rts == 2) TileAmx<2, 1, P>(p, *acts, rt, t);
+    else if (cts == 2) TileAmx<1, 2, P>(p, *acts, rt, t);
+    else TileAmx<1, 1, P>(p, *acts, rt, t);
+  }
+#endif
+};
+
+ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                 ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::S32> layer,
+                                 ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+  const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), cd = colsum.dimensions(),
+             yd = y->dimensions();
+  // one weight [Np/16, Kp*16] (scales, colsum [Np]), or a stack of L of them of which `layer` picks one (read
+  // where it lies: a scanned layer loop passes the whole stack)
+  const size_t rank = wd.size();
+  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank - 1 || cd.size() != rank - 1 ||
+      yd.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "int8_channel_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales and colsum [(L,) Np], layer [], y [M,N]");
+  if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("int8_channel_matmul: parts must be 1 or 2");
+  const int64_t stack = rank == 3 ? wd[0] : 1;
+  const int64_t index = rank == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("int8_channel_matmul: layer index out of range");
+  const size_t lw = rank - 2;
+  Job job;
+  Problem& p = job.p;
+  p.m = static_cast<int>(xd[0]);
+  p.k = static_cast<int>(xd[1]);
+  p.tiles = static_cast<int>(wd[lw]);
+  p.kp = static_cast<int>(wd[lw + 1] / kTile);
+  p.n = static_cast<int>(yd[1]);
+  p.parts = parts;
+  if (yd[0] != xd[0] || wd[lw + 1] % (kTile * kStep) || p.k > p.kp || p.k + kStep <= p.kp || p.kp > kMaxK ||
+      p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile || sd[lw] != int64_t(p.tiles) * kTile ||
+      cd[lw] != sd[lw] || (rank == 3 && (sd[0] != wd[0] || cd[0] != wd[0])))
+    return ffi::Error::InvalidArgument("int8_channel_matmul: packed weight, scales, colsum, x and y shapes disagree");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  const size_t np = static_cast<size_t>(p.tiles) * kTile;
+  p.x = x.typed_data();
+  p.w = packed.typed_data() + index * np * p.kp;
+  p.ws = scales.typed_data() + index * np;
+  p.colsum = colsum.typed_data() + index * np;
+  p.y = y->typed_data();
+  // a large output (the LM head over many rows) is usually fresh memory: 2 MiB pages fault ~500x less often
+  const size_t out_bytes = static_cast<size_t>(p.m) * p.n * sizeof(float);
+  if (out_bytes >= 8 * rt::kHugePage) rt::AdviseHugePages(rt::HugeAligned(p.y, out_bytes));
+  job.isa = g_isa.get();
+  job.amx = job.isa == Isa::kAmx && p.m >= g_amx_min_rows.load(std::memory_order_relaxed);
+  if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  if (job.amx) job.block_rows = kAmxBlock;
+  // the calling thread's buffer, kept between calls; helpers use it only while this call waits for them
+  thread_local Acts acts;
+  job.acts = &acts;
+  const size_t act_rows = (static_cast<size_t>(p.m) * parts + kAmxRows - 1) / kAmxRows * kAmxRows;
+  acts.u.resize(act_rows * p.kp);
+  acts.xs.resize(act_rows);
+  const size_t used = static_cast<size_t>(p.m) * parts;
+  for (size_t ar = used; ar < act_rows; ++ar)  // xq = 0 past the rows
+    for (int k0 = 0; k0 < p.kp; k0 += kStep) std::memset(acts.u.data() + ActRow(ar, p.kp) + k0 / kStep * kTileBytes, 128, kStep);
+  std::fill(acts.xs.begin() + used, acts.xs.end(), 0.0f);
+  const int threads = g_max_threads.load(std::memory_order_relaxed);
+  rt::ParallelFor(pool, (p.m + kQuantRows - 1) / kQuantRows, threads,
+                  [&job](int64_t item) { job.Quantize(static_cast<int>(item)); });
+  job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
+  const int chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
+  rt::ParallelFor(pool, int64_t(chunks) * job.row_blocks, threads, [&job](int64_t item) { job.Run(static_cast<int>(item)); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmul, Int8ChannelMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed [(L,) Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer: which of a stack [L, ...]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("parts"));     // int8 parts per activation
+
+// ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the test/benchmark setters ----
+
+// amx_rows(min_rows) -> the previous: calls of at least min_rows input rows run on the tile unit where it is chosen
+// (1: every call; a huge value: none); negative keeps it. For tests (results must not change) and benchmarks.
+static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
+  int rows = -1;
+  if (!PyArg_ParseTuple(args, "|i", &rows)) return nullptr;
+  const int prev = g_amx_min_rows.load();
+  if (rows >= 0) g_amx_min_rows.store(std::max(rows, 1));
+  return PyLong_FromLong(prev);
+}
+
+// threading(max_threads) -> the previous (0: the pool's size); negative keeps it.
+static PyObject* ThreadingPy(PyObject*, PyObject* args) {
+  int max_threads = -1;
+  if (!PyArg_ParseTuple(args, "|i", &max_threads)) return nullptr;
+  const int prev = g_max_threads.load();
+  if (max_threads >= 0) g_max_threads.store(max_threads);
+  return PyLong_FromLong(prev);
+}
+
+PyMODINIT_FUNC PyInit__int8_channel_matmul() {
+  static rt::ModuleSpec spec{
+      "_int8_channel_matmul", "Per-output-channel int8 matmul for XLA:CPU through the FFI.",
+      {{"slipstream_int8_channel_matmul", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmul)}},
+      &g_isa,
+      {{"amx_rows", AmxRowsPy, METH_VARARGS,
+        "amx_rows(min_rows): calls of at least min_rows input rows run on the tile unit (negative: keep); returns "
+        "the previous."},
+       {"threading", ThreadingPy, METH_VARARGS,
+        "threading(max_threads): at most this many threads per call (0: the pool's; negative: keep); returns the "
+        "previous."}}};
+  return rt::CreateModule(spec);
+}

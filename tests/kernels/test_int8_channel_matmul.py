@@ -1,0 +1,157 @@
+"""The per-output-channel int8 matmul (kernels/int8_channel_matmul.py): its outputs equal the numpy reference of
+the same integer and float steps bit for bit on every instruction set, and a row's output is the same whatever the
+call's row count and whether the tile unit (AMX) or VNNI formed its sums: what speculative decoding and batch
+invariance rely on."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from slipstream.kernels import int8_channel_matmul as icm
+from slipstream.kernels import native
+from tests.kernels.isas import runnable_isas
+
+NATIVE = icm.native_available()
+if NATIVE:
+    import slipstream.kernels._int8_channel_matmul as ext
+ISAS = runnable_isas(ext, ("amx", "avx512_vnni", "portable")) if NATIVE else []
+needs_native = pytest.mark.skipif(not NATIVE, reason="slipstream.kernels._int8_channel_matmul is not built")
+needs_amx = pytest.mark.skipif("amx" not in ISAS, reason="this CPU has no AMX-INT8, or the OS did not grant the tile "
+                               "state (lscpu: amx_int8)")
+
+ROWS = [1, 3, 17, 64, 257]
+
+
+def case(rng, m: int, k: int, n: int):
+    """x with an outlier row and a zero row, q over the whole -127..127 range with a zero column."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[m // 2] *= 50.0
+    if m > 2:
+        x[1] = 0.0
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    q[:, n // 3] = 0
+    scale = (rng.random(n) * 1e-2).astype(np.float32)
+    return x, q, scale
+
+
+def run(x, q, scale, parts, isa=None, amx_rows=None):
+    """The kernel's outputs (numpy), on `isa` (None: this CPU's best) with the tile unit from `amx_rows` rows."""
+    packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, scale))
+    prev_isa = ext.set_isa(isa) if isa else None
+    prev_rows = ext.amx_rows(amx_rows) if amx_rows else None
+    try:
+        return np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=q.shape[1], parts=parts))
+    finally:
+        if prev_isa:
+            ext.set_isa(prev_isa)
+        if prev_rows:
+            ext.amx_rows(prev_rows)
+
+
+@needs_native
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("m", ROWS)
+def test_kernel_equals_the_reference_bit_for_bit_on_every_isa(m, parts):
+    # K not a multiple of 64 (nor of 4), N not a multiple of 16
+    x, q, scale = case(np.random.default_rng(m), m, 201, 37)
+    want = icm.reference_numpy(x, q, scale, parts)
+    for isa in ISAS:
+        for amx_rows in ((1, 1 << 30) if isa == "amx" else (None,)):
+            np.testing.assert_array_equal(run(x, q, scale, parts, isa, amx_rows), want, err_msg=f"{isa} {amx_rows}")
+
+
+@needs_native
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_row_is_the_same_alone_and_in_a_call_of_many_rows(parts):
+    x, q, scale = case(np.random.default_rng(5), 257, 576, 200)
+    paths = [("avx512_vnni" if "avx512_vnni" in ISAS else ISAS[0], None)]
+    if "amx" in ISAS:
+        paths += [("amx", 1), ("amx", 1 << 30)]  # the tile unit at every row count, and never
+    outs = [run(x, q, scale, parts, isa, rows) for isa, rows in paths]
+    for other in outs[1:]:
+        np.testing.assert_array_equal(other, outs[0])
+    for i in (0, 1, 128, 256):  # a one-row call takes the decode path
+        for isa, rows in paths:
+            np.testing.assert_array_equal(run(x[i:i + 1], q, scale, parts, isa, rows), outs[0][i:i + 1])
+
+
+@needs_amx
+def test_tile_unit_and_vnni_agree_on_wide_k():
+    # a long int32 chain (K = 1536, the default model's down projection) near the int8 extremes
+    rng = np.random.default_rng(3)
+    x = np.where(rng.random((40, 1536)) < 0.5, -1.0, 1.0).astype(np.float32)
+    q = np.where(rng.random((1536, 48)) < 0.5, -127, 127).astype(np.int8)
+    scale = np.ones(48, np.float32)
+    for parts in (1, 2):
+        np.testing.assert_array_equal(run(x, q, scale, parts, "amx", 1), run(x, q, scale, parts, "avx512_vnni"))
+        np.testing.assert_array_equal(run(x, q, scale, parts, "amx", 1), icm.reference_numpy(x, q, scale, parts))
+
+
+def test_two_parts_hold_activations_to_about_15_bits():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 512)).astype(np.float32)
+    q = rng.integers(-127, 128, (512, 32)).astype(np.int8)
+    scale = np.ones(32, np.float32)
+    exact = x.astype(np.float64) @ q.astype(np.float64)
+    err = [np.abs(icm.reference_numpy(x, q, scale, parts) - exact).max() for parts in (1, 2)]
+    bound = np.abs(x).max(axis=1, keepdims=True) / 127 * np.abs(q).sum(axis=0) / 2  # half a step per product
+    assert err[0] <= bound.max() and err[1] <= bound.max() / 200 and err[1] < err[0] / 50
+
+
+def test_jax_reference_is_close_to_the_numpy_reference():
+    x, q, scale = case(np.random.default_rng(2), 17, 130, 40)
+    packed, scales, _ = icm.pack(q, scale)
+    for parts in (1, 2):
+        got = np.asarray(icm.reference(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), n=40, parts=parts))
+        np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, parts), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_stacked_weights_at_a_traced_layer_equal_each_weight_alone():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 100)).astype(np.float32)
+    layers = [case(rng, 1, 100, 30)[1:] for _ in range(3)]
+    packs = [icm.pack(q, s) for q, s in layers]
+    stack = [jnp.asarray(np.stack([p[i] for p in packs])) for i in range(3)]
+    f = jax.jit(lambda x, layer: icm.int8_channel_matmul(x, *stack, n=30, parts=2, layer=layer))
+    for i, (q, s) in enumerate(layers):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.int32(i))), icm.reference_numpy(x, q, s, 2))
+
+
+def test_pack_round_trips_and_sums_columns():
+    q = np.random.default_rng(6).integers(-127, 128, (70, 33)).astype(np.int8)
+    packed, scales, colsum = icm.pack(q, np.ones(33, np.float32))
+    assert packed.shape == (3, 128 * 16) and scales.shape == colsum.shape == (48,)
+    np.testing.assert_array_equal(icm.unpack(packed)[:70, :33], q)
+    np.testing.assert_array_equal(colsum[:33], q.sum(axis=0))
+    jp, js, jc = icm.pack_jax(jnp.asarray(q), jnp.ones(33, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(jp), packed)
+    np.testing.assert_array_equal(np.asarray(jc), colsum)
+
+
+def test_bad_shapes_and_values_are_rejected():
+    q = np.zeros((64, 16), np.int8)
+    packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, np.ones(16, np.float32)))
+    with pytest.raises(ValueError, match="do not hold a"):
+        icm.int8_channel_matmul(jnp.ones((2, 65)), packed, scales, colsum, n=16)
+    with pytest.raises(ValueError, match="do not hold a"):
+        icm.int8_channel_matmul(jnp.ones((2, 64)), packed, scales, colsum, n=17)
+    with pytest.raises(ValueError, match="parts must be 1 or 2"):
+        icm.int8_channel_matmul(jnp.ones((2, 64)), packed, scales, colsum, n=16, parts=3)
+    with pytest.raises(ValueError, match="int8"):
+        icm.int8_channel_matmul(jnp.ones((2, 64)), packed.astype(jnp.uint8), scales, colsum, n=16)
+    with pytest.raises(ValueError, match="-127..127"):
+        icm.pack(np.full((4, 4), -128, np.int8), np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="int8 q"):
+        icm.pack(q.astype(np.int16), np.ones(16, np.float32))
+
+
+@needs_native
+def test_reference_forced_by_environment(monkeypatch):
+    x, q, scale = case(np.random.default_rng(8), 3, 64, 16)
+    monkeypatch.setitem(native._paths, "int8_channel_matmul", "reference")
+    packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, scale))
+    got = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=16, parts=2))
+    np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, 2), rtol=1e-5, atol=1e-5)
