@@ -54,6 +54,11 @@ class LayerPick:
         return tuple(o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
+def tile_offsets(widths: tuple[int, ...], tile: int) -> tuple[int, ...]:
+    """Where each member of a fused group starts: its columns padded to whole tiles of `tile` columns."""
+    return tuple(int(s) for s in np.cumsum([0] + [-(-w // tile) * tile for w in widths[:-1]]))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StackedQ8:
@@ -68,8 +73,7 @@ class StackedQ8:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        starts = np.cumsum([0] + [-(-w // TILE) * TILE for w in self.widths[:-1]])
-        return tuple(int(s) for s in starts)
+        return tile_offsets(self.widths, TILE)
 
     def pick(self, index: jax.Array) -> "StackedPick":
         return StackedPick(index, self)
@@ -119,8 +123,7 @@ class StackedChannel:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        starts = np.cumsum([0] + [-(-w // icm.TILE) * icm.TILE for w in self.widths[:-1]])
-        return tuple(int(s) for s in starts)
+        return tile_offsets(self.widths, icm.TILE)
 
     def pick(self, index: jax.Array) -> "StackedPick":
         return StackedPick(index, self)
