@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--prefill-tokens", type=int, default=2048, help="the prefill chunk (the engine's token budget)")
     size.add_argument("--steps", type=int, default=10, help="timed repetitions of each engine measurement")
     size.add_argument("--warmup", type=int, default=2)
+    size.add_argument("--profile", action="store_true",
+                      help="the device's top ops of one decode step per batch and of the prefill chunk (profiler)")
     spec = p.add_argument_group("spec phase (speculative decoding: benchmarks/device_spec.py)")
     spec.add_argument("--spec-slots", type=_ints, default=[1, 32], help="sequences per verification step")
     spec.add_argument("--spec-drafts", type=_ints, default=[0, 2, 4, 8],

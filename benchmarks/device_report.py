@@ -8,6 +8,10 @@ def _g(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
+def _ops(ops: list) -> str:
+    return ", ".join(f"{name} {us:.0f} us (x{n})" for name, us, n in ops)
+
+
 def markdown(r: dict) -> str:
     m = r.get("machine", {})
     device = (m["device"] if "device" in m else
@@ -43,6 +47,8 @@ def markdown(r: dict) -> str:
         lines += [f"| {d['slots']} | {_g(d['step_ms'])} | {_g(d['tok_s'])} | {_g(d.get('floor_ms', 0))} | "
                   f"{d.get('step_over_floor', 0):.2f} |" for d in r["decode"]]
         lines.append("")
+        lines += [f"Device time of one {d['slots']}-slot step by op: {_ops(d['device_ops'])}" for d in r["decode"]
+                  if d.get("device_ops")]
     if "prefill" in r:
         p = r["prefill"]
         line = (f"Prefill of {p['tokens']} tokens: {_g(p['ms'])} ms ({_g(p['tok_s'])} tok/s), "
@@ -51,6 +57,8 @@ def markdown(r: dict) -> str:
             line += (f"; floor at this run's {p['matmul_kind']} rate (m={p['rate_m']}: {_g(p['rate_tflops'])} "
                      f"TFLOP/s) {_g(p['floor_ms'])} ms, prefill/floor {p['over_floor']:.2f}")
         lines += [line, ""]
+        if p.get("device_ops"):
+            lines += [f"Device time of the prefill step by op: {_ops(p['device_ops'])}", ""]
     lines += _spec_markdown(r)
     if "startup" in r:
         s = r["startup"]

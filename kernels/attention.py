@@ -185,7 +185,7 @@ def ragged_paged_attention_reference(q, k_new, v_new, kv_cache, layer, kv_lens, 
     if "kv" in kv_cache:
         from slipstream.kernels.tpu import layout
 
-        std = layout.to_standard(kv_cache)
+        std = layout.to_standard(kv_cache, k_new.shape[-1])
         if k_words_major(std):
             std["k"] = k_page_to_cache(std["k"])
         out, std = ragged_paged_attention_reference(q, k_new, v_new, std, layer, kv_lens, page_indices, cu_q_lens,

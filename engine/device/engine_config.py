@@ -23,7 +23,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     kv_cache_memory: int = 768 << 20        # bytes for K/V pages (34k bf16 tokens of the default model)
     num_pages: int | None = None            # overrides kv_cache_memory (tests)
-    max_num_batched_tokens: int = 288       # tokens per step: a whole 256-token chunk plus 32 decodes
+    max_num_batched_tokens: int | None = None   # tokens per step; None: step_tokens()'s backend default
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: see kv_dtype(); or float32, bfloat16, int8
     quantize: str = "auto"                  # auto: see weight_mode(); or none, q8_0, q8_0-a16, int8,
@@ -39,7 +39,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.max_num_batched_tokens < self.max_slots:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_slots:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_slots "
                              f"({self.max_slots}): every running sequence decodes in each step")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -57,6 +57,16 @@ class EngineConfig:
             # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
             raise ValueError(f"quantize {self.quantize} runs on one device, not with tensor_parallel "
                              f"{self.tensor_parallel}; use int8")
+
+    def step_tokens(self, backend: str | None = None) -> int:
+        """Tokens per engine step (the largest step bucket): max_num_batched_tokens, or by default 288 on
+        CPU (a whole 256-token chunk plus 32 decodes) and 1024 on accelerators, where a step's matmuls
+        cost about the same from one row to hundreds (the weights' read sets it) and a 1024-token prompt
+        then prefills in one step (at least max_slots either way: every running sequence decodes in a step)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        backend = backend or jax.default_backend()
+        return max(self.max_slots, 1024 if backend in ACCELERATORS else 288)
 
     def weight_mode(self, backend: str | None = None) -> str:
         """The quantization mode `auto` stands for on `backend` (default: JAX's): on CPU, group-wise

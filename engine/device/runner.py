@@ -103,7 +103,7 @@ class JaxEngine:
             dtype_bytes=kv_dtype.itemsize, scale_bytes=4 if kv_dtype == jnp.int8 else 0)
         self.num_pages = config.num_pages or num_pages_for_budget(
             config.kv_cache_memory, page_size=self.page_size, bytes_per_token=self.bytes_per_token)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.step_tokens()
         self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
         self.buckets = Buckets.build(max_num_batched_tokens=self.max_num_batched_tokens, max_slots=self.max_slots)

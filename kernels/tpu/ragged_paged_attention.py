@@ -31,9 +31,10 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     else:
         o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
         sc_hbm = sc_buf = None
-    lanes = kv_buf.ndim == 5      # [2, nb, KV, ps, 2hd]: K and V side by side in the lanes (layout.py)
-    nb, kvh, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the row width q and out use
-    ps = kv_buf.shape[3] if lanes else kv_buf.shape[4]
+    nb, ps, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the width q and out use
+    kvh = q_buf.shape[2] // group
+    head_w = kv_buf.shape[-1] // kvh     # kv_buf [2, nb, ps, KV * 2hd]: head h's [K | V] in lanes h * head_w...
+    padded = hd == head_w                # heads of 64: q is [q | 0], as wide as a head's [K | V]
     r = rows * group                                    # query rows per KV head: token-major, group-minor
     i = pl.program_id(0)
     n_items = num_items_ref[0]
@@ -128,11 +129,11 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             sequence's page number first_page."""
             n = len(range(nb)[pages])
             keys = n * ps
-            if lanes:  # rows [K | V]: q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
-                k = v = kv_buf[slot, pages, h].reshape(keys, hd)                         # [n*ps, 2hd]
-            else:
-                k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
-                v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
+            kv_rows = kv_buf[slot, pages, :, h * head_w:(h + 1) * head_w].reshape(keys, head_w)  # [n*ps, 2hd]
+            if padded:  # q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
+                k = v = kv_rows
+            else:       # 128-lane-aligned slices
+                k, v = kv_rows[:, :hd], kv_rows[:, hd:]                                   # [n*ps, hd]
             scales = None
             if int8:   # per-key scales as lane rows [1, n*ps]
                 scales = tuple(jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]],
@@ -180,7 +181,6 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
                   soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, name):
     kv = kv_cache["kv"]
-    kvh = kv.shape[2]
     int8 = "kv_scale" in kv_cache
     h, hd = q_pad.shape[1], q_pad.shape[2]
     kv_lens, pages_flat, cu_q_lens, layer, pages_per_seq = scalars
@@ -189,7 +189,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
                pltpu.VMEM((2, pages_per_block) + kv.shape[2:], kv.dtype)]
     if int8:
         scratch.append(pltpu.VMEM((2, pages_per_block) + kv_cache["kv_scale"].shape[2:], jnp.float32))
-    r = rows * group
+    r, kvh = rows * group, h // group
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
                 pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
@@ -225,11 +225,12 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")
     t_len, h, hd = q.shape
-    lanes = layout.is_lanes(kv_cache)
-    num_pages, kvh = kv_cache["kv"].shape[1:3]
-    ps = kv_cache["kv"].shape[3 if lanes else 4]
-    if h % kvh:
-        raise ValueError(f"q has {h} heads, not a multiple of the cache's {kvh} KV heads")
+    num_pages, ps, width = kv_cache["kv"].shape[1:]
+    padded = layout.pads_q(hd)
+    if width % (2 * hd) or h % (width // (2 * hd)):
+        raise ValueError(f"q has {h} heads of {hd}, not a multiple of the cache's KV heads "
+                         f"(rows of {width} = KV heads x 2 x head_dim)")
+    kvh = width // (2 * hd)
     group = h // kvh
     nb = pages_per_block or max(1, 512 // ps)
     n_rows, pages_per_seq = page_indices.shape
@@ -250,8 +251,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                jnp.asarray(layer, i32).reshape(1), pages_per_seq)
     cdt = jnp.float32 if jnp.float32 in (q.dtype, kv_cache["kv"].dtype) else jnp.bfloat16
     pad = max(decode_rows, prefill_rows)
-    # item rows past T; in the lanes form q's rows are [q | 0], as wide as a cache row [K | V]
-    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if lanes else 0)))
+    # item rows past T; heads of 64: q's rows are [q | 0], as wide as a head's [K | V]
+    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if padded else 0)))
     common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
                   merge_pages=merge_pages)
@@ -269,6 +270,6 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                 "rpa_prefill")
     long_tok = prefill[seq]
     out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])   # [T, H, hd]
-    if lanes:
+    if padded:
         out = out[..., hd:]
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache

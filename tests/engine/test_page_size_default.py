@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import pytest
 
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.kernels.attention import kv_layout
@@ -20,3 +21,14 @@ def test_default_page_size_is_the_backends_and_an_explicit_one_wins(tiny_model):
     assert {k: v.shape for k, v in engine.cache.items()} == {k: v.shape for k, v in spec.items()}
     explicit = JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "page_size": 32}), precompile=False)
     assert explicit.page_size == 32
+
+
+def test_step_tokens_default_per_backend_and_an_explicit_budget_wins():
+    """--max-num-batched-tokens: 288 on CPU, 1024 on accelerators (a 1024-token prompt prefills in one
+    step there), never below max_slots by default; an explicit budget is kept and checked."""
+    assert EngineConfig().step_tokens("cpu") == 288
+    assert EngineConfig().step_tokens("tpu") == EngineConfig().step_tokens("gpu") == 1024
+    assert EngineConfig(max_slots=512).step_tokens("cpu") == 512
+    assert EngineConfig(max_num_batched_tokens=64).step_tokens("tpu") == 64
+    with pytest.raises(ValueError, match="max_num_batched_tokens .*max_slots"):
+        EngineConfig(max_slots=64, max_num_batched_tokens=32)

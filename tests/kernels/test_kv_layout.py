@@ -18,21 +18,19 @@ def test_cpu_keeps_the_standard_layout_and_16_token_pages():
     assert shapes["k_scale"].shape == (3, 2, 10, 16) and shapes["k_scale"].dtype == jnp.float32
 
 
-def test_tpu_merges_k_and_v_per_page_with_128_token_pages():
+def test_tpu_keeps_a_token_in_one_row_with_128_token_pages():
     lay = kv_layout("tpu")
     assert (lay.name, lay.page_size, lay.head_axis) == ("merged", 128, 2)
     cache = lay.init(3, 2, 10, 128, 64, jnp.bfloat16)
-    assert set(cache) == {"kv"} and cache["kv"].shape == (3, 10, 2, 128, 128)   # heads of 64: [K | V] lanes
+    assert set(cache) == {"kv"} and cache["kv"].shape == (3, 10, 128, 2 * 2 * 64)   # a row per token: all heads' K, V
     assert cache["kv"].dtype == jnp.bfloat16
     int8 = lay.shapes(3, 2, 10, 128, 64, jnp.int8)
     assert int8["kv"].dtype == jnp.int8 and int8["kv_scale"].shape == (3, 10, 2, 2, 128)
 
 
 def _head(kv, layer, page, head, j, hd):
-    """Head `head`'s K (j=0) or V (j=1) rows [ps, hd] of (layer, page) in either form."""
-    if kv.ndim == 5:                                     # lanes: [K | V] per row
-        return np.asarray(kv)[layer, page, head, :, j * hd:(j + 1) * hd]
-    return np.asarray(kv)[layer, page, head, j]
+    """Head `head`'s K (j=0) or V (j=1) rows [ps, hd] of (layer, page): lanes (2 * head + j) * hd..."""
+    return np.asarray(kv)[layer, page, :, (2 * head + j) * hd:(2 * head + j + 1) * hd]
 
 
 @pytest.mark.parametrize("hd", [8, 128])
@@ -43,19 +41,19 @@ def test_merged_layout_round_trip_and_page_contiguity(hd):
            "k_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32),
            "v_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32)}
     merged = layout.from_standard(std)
-    assert merged["kv"].ndim == (5 if hd == 8 else 6)
+    assert merged["kv"].shape == (2, 5, 4, 3 * 2 * hd)
     # layer 1, page 4: all heads' K and V in one block
     np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 0, hd), std["k"][1, 2, 4])
     np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 1, hd), std["v"][1, 2, 4])
     np.testing.assert_array_equal(merged["kv_scale"][1, 4, 2, 1], std["v_scale"][1, 2, 4])
-    back = layout.to_standard(merged)
+    back = layout.to_standard(merged, hd)
     for name in std:
         np.testing.assert_array_equal(back[name], std[name])
 
 
 @pytest.mark.parametrize("hd", [16, 128])
 def test_write_kv_places_rows_and_drops_pages_past_the_cache(hd):
-    """The flat-row scatter: each token's K and V land at (layer, page, head, offset); a page index past
+    """The flat-row scatter: each token's K and V (all heads) land at (layer, page, offset); a page index past
     the cache (padding tokens) writes nothing, not even into the next layer's first page."""
     from slipstream.kernels.ragged_tokens import quantize_kv
     rng = np.random.default_rng(1)
@@ -67,7 +65,7 @@ def test_write_kv_places_rows_and_drops_pages_past_the_cache(hd):
         v_new = jnp.asarray(rng.standard_normal((3, 2, hd)), jnp.float32)
         page, offset = jnp.asarray([2, 4, 3]), jnp.asarray([5, 0, 7])     # token 1: page 4 == num_pages
         out = layout.write_kv(cache, jnp.int32(1), k_new, v_new, page, offset, quantize_kv)
-        std, new = layout.to_standard(cache), {}
+        std = layout.to_standard(cache, hd)
         expect = {k: np.array(v) for k, v in std.items()}
         for t in (0, 2):
             for j, (name, x) in enumerate((("k", k_new), ("v", v_new))):
@@ -78,6 +76,6 @@ def test_write_kv_places_rows_and_drops_pages_past_the_cache(hd):
                     expect[name + "_scale"][1, :, p, o] = np.asarray(sc)
                 else:
                     expect[name][1, :, p, o] = np.asarray(x[t])
-        got = layout.to_standard(out)
+        got = layout.to_standard(out, hd)
         for k in expect:
             np.testing.assert_array_equal(np.asarray(got[k]), expect[k], err_msg=f"{dtype.__name__} hd {hd} {k}")

@@ -28,19 +28,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.profiler import ProfileData
 
+from benchmarks.device_profile import device_ops as profiled_ops
 from slipstream.kernels.tpu import layout
 from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.tpu_cases import SPECS, check, tolerance
@@ -127,39 +124,19 @@ def layers_fn(sm_scale: float, interpret: bool, **block_kw):
     return jax.jit(run, donate_argnums=(3,))
 
 
-def cache_copies(compiled, cache: dict) -> int:
-    """How many copy instructions of a whole layer-stacked cache array the compiled program holds (0: the
-    K/V write updates the donated cache in place)."""
+def copy_lines(compiled, cache: dict) -> list[str]:
+    """The compiled program's copy instructions of a whole layer-stacked cache array (none: the K/V write
+    updates the donated cache in place); each line shows the layouts it converts between."""
     hlo_types = {"bfloat16": "bf16", "float32": "f32", "int8": "s8"}
     shapes = [f"{hlo_types[jnp.dtype(a.dtype).name]}[{','.join(map(str, a.shape))}]" for a in cache.values()]
-    return sum(1 for line in compiled.as_text().splitlines()
-               if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line))
+    return [line.strip() for line in compiled.as_text().splitlines()
+            if any(f"= {s}" in line for s in shapes) and (" copy(" in line or "copy-start(" in line)]
 
 
 def device_ops(call, top: int = 14, layers: int | None = None) -> tuple[list[str], list, dict]:
     """One call of `call` under the profiler: (the device planes' line names, the `top` device ops by time:
     (name, us per layer, count), summarize's totals); a layer is 1/layers of the call (default: the scan's)."""
-    layers = layers or _layers
-    d = tempfile.mkdtemp()
-    jax.profiler.start_trace(d)
-    jax.block_until_ready(call())
-    jax.profiler.stop_trace()
-    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    totals: dict[str, list] = {}
-    lines = []
-    for plane in ProfileData.from_file(paths[0]).planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            lines.append(f"{plane.name}:{line.name}")
-            if "ops" not in line.name.lower():
-                continue
-            for e in line.events:
-                t = totals.setdefault(e.name, [0.0, 0])
-                t[0] += e.duration_ns
-                t[1] += 1
-    shutil.rmtree(d, ignore_errors=True)
-    ops = sorted(((n, v[0] / 1e3 / layers, v[1]) for n, v in totals.items()), key=lambda x: -x[1])
+    lines, ops = profiled_ops(call, top=10 ** 6, per=layers or _layers)
     return lines, ops[:top], summarize(ops)
 
 
@@ -181,7 +158,11 @@ def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profi
     fn = layers_fn(sm_scale, interpret, **block_kw).lower(q, k, v, cache, *idx).compile()
     if copies is not None:
         copies["compile_s"] = time.perf_counter() - t0
-        copies["cache_copies"] = cache_copies(fn, cache)
+        lines = copy_lines(fn, cache)
+        copies["cache_copies"] = len(lines)
+        if lines:
+            copies["copy_lines"] = [line[:700] for line in lines[:3]]
+            print(f"  cache-sized copy: {lines[0][:700]}", flush=True)
     state = {"cache": cache}
 
     def once():

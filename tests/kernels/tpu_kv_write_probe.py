@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.kernels.tpu_attention_check import cache_copies, device_ops
+from tests.kernels.tpu_attention_check import copy_lines, device_ops
 
 LAYOUTS = ("rows16", "rows8", "rows1", "window")
 
@@ -74,11 +74,12 @@ def read(name: str, cache, layer, page, off, kvh: int, hd: int):
     return cache[layer, page, off, :].reshape(-1, kvh, 2, hd)
 
 
-def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool) -> dict:
+def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool,
+          dtype=jnp.bfloat16) -> dict:
     rng = np.random.default_rng(0)
-    pages = max(8, -(-t_len // ps) * 2)
-    cache = jnp.zeros(cache_shape(name, layers, pages, kvh, ps, hd), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((t_len, kvh, hd)), jnp.bfloat16)
+    pages = max(8, -(-t_len // ps) * 2, t_len + 1 if t_len <= 64 else 0)   # decodes: a page each
+    cache = jnp.zeros(cache_shape(name, layers, pages, kvh, ps, hd), dtype)
+    k = jnp.asarray(rng.integers(-100, 100, (t_len, kvh, hd)), dtype)
     # tokens at distinct (page, offset): a prefill chunk's run of offsets, or one token per decode page
     pos = np.arange(t_len)
     page = jnp.asarray(pos // ps if t_len > 64 else pos % pages, jnp.int32)
@@ -93,7 +94,10 @@ def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, rep
     got = read(name, write(name, cache, 1 % layers, k, -k, page, off), 1 % layers, page, off, kvh, hd)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.stack([k, -k], axis=2), np.float32))
     fn = jax.jit(run, donate_argnums=(0,)).lower(cache).compile()
-    out = {"cache_copies": cache_copies(fn, {"kv": cache})}
+    copies = copy_lines(fn, {"kv": cache})
+    out = {"cache_copies": len(copies)}
+    if copies:
+        out["copies"] = [c[:700] for c in copies[:3]]
     state = {"c": cache}
 
     def once():
@@ -117,6 +121,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU")
     ap.add_argument("--tokens", default="32,512", help="comma-separated token counts per write")
+    ap.add_argument("--dtypes", default="bfloat16", help="comma-separated cache dtypes (bfloat16, int8)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ",".join(LAYOUTS))
     args = ap.parse_args(argv)
     on_tpu = jax.default_backend() == "tpu"
     if not on_tpu and not args.smoke:
@@ -125,16 +131,16 @@ def main(argv=None) -> int:
     dims = dict(layers=8, kvh=8, hd=128, ps=128, reps=5) if not args.smoke else dict(layers=2, kvh=2, hd=128, ps=16,
                                                                                    reps=1)
     results = {}
-    print(f"device: {jax.devices()[0]}; KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}, bf16",
-          flush=True)
-    for t_len in map(int, args.tokens.split(",")):
-        for name in LAYOUTS:
-            try:
-                r = probe(name, t_len, profile=on_tpu, **dims)
-            except Exception as exc:  # noqa: BLE001 - one layout failing must not hide the others
-                r = {"error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
-            results[f"{name}/{t_len}"] = r
-            print(f"  {t_len:5d} tokens {name:7s} {json.dumps(r)}", flush=True)
+    print(f"device: {jax.devices()[0]}; KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}", flush=True)
+    for dtype in args.dtypes.split(","):
+        for t_len in map(int, args.tokens.split(",")):
+            for name in args.layouts.split(","):
+                try:
+                    r = probe(name, t_len, profile=on_tpu, dtype=jnp.dtype(dtype), **dims)
+                except Exception as exc:  # noqa: BLE001 - one layout failing must not hide the others
+                    r = {"error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
+                results[f"{name}/{t_len}/{dtype}"] = r
+                print(f"  {dtype:8s} {t_len:5d} tokens {name:7s} {json.dumps(r)}", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0
