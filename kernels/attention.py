@@ -49,7 +49,6 @@ class KVLayout:
 
     name: str             # "standard" ([L, KV, pages, page_size, hd] "k"/"v") or "merged" (kernels/tpu/layout.py)
     page_size: int        # the default page size (--page-size overrides it)
-    head_axis: int        # the KV-head axis of every cache array (tensor parallelism splits it)
 
     def shapes(self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
                dtype) -> dict[str, jax.ShapeDtypeStruct]:
@@ -76,8 +75,8 @@ def kv_layout(platform: str) -> KVLayout:
     all heads merged per page, 128-token pages (the Pallas kernel's DMAs); elsewhere the standard layout
     with 16-token pages (the native CPU kernel, the reference)."""
     if platform == "tpu":
-        return KVLayout("merged", page_size=128, head_axis=2)
-    return KVLayout("standard", page_size=16, head_axis=1)
+        return KVLayout("merged", page_size=128)
+    return KVLayout("standard", page_size=16)
 
 
 def ragged_paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: KVCache,

@@ -52,7 +52,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     step_tokens = flag_env("max-num-batched-tokens", None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None if step_tokens is None else int(step_tokens),
                    help="tokens per engine step (decodes plus prefill chunks); steps are compiled on a "
-                        "power-of-two ladder up to it (default: 288 on CPU, 1024 on TPU/GPU)")
+                        "power-of-two ladder up to it (default: 288 on CPU, 1152 on TPU/GPU)")
     p.add_argument("--quantize", default=flag_env("quantize", "auto"),
                    choices=["auto", "none", "q8_0-a16", "q8_0", "int8", "int8-channel", "int8-channel-a16"],
                    help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), int8 on TPU/GPU "

@@ -15,8 +15,18 @@ MODEL_AXIS = "model"
 
 
 def cache_head_axis(kv_cache: dict) -> int:
-    """The KV-head axis of the cache's arrays: 2 in the merged TPU layout ("kv"), else 1."""
-    return 2 if "kv" in kv_cache else 1
+    """The KV-head axis of the cache's arrays: 1 in the CPU layout; in the TPU layouts (kernels/tpu/layout.py)
+    2 in the per-head forms, 3 in "tokens" (a row's lanes hold head after head: a split of the axis in n
+    equal parts gives each device whole heads)."""
+    if "kv" not in kv_cache:
+        return 1
+    return 3 if kv_cache["kv"].ndim == 4 else 2
+
+
+def cache_kv_heads(kv_cache: dict, head_dim: int) -> int:
+    """The KV heads the cache holds."""
+    n = next(iter(kv_cache.values())).shape[cache_head_axis(kv_cache)]
+    return n // (2 * head_dim) if "kv" in kv_cache and kv_cache["kv"].ndim == 4 else n
 
 
 def paged_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv_cache: dict, layer: jax.Array,
@@ -42,7 +52,7 @@ def _per_shard(mesh, q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu
     n = mesh.shape[MODEL_AXIS]
     axis = cache_head_axis(kv_cache)
     heads, kvh = q.shape[1], k_new.shape[1]
-    cache_heads = next(iter(kv_cache.values())).shape[axis]
+    cache_heads = cache_kv_heads(kv_cache, k_new.shape[-1])
     if cache_heads != kvh:
         if cache_heads % kvh:
             raise ValueError(f"a cache of {cache_heads} KV heads cannot repeat {kvh} KV heads")

@@ -59,14 +59,15 @@ class EngineConfig:
                              f"{self.tensor_parallel}; use int8")
 
     def step_tokens(self, backend: str | None = None) -> int:
-        """Tokens per engine step (the largest step bucket): max_num_batched_tokens, or by default 288 on
-        CPU (a whole 256-token chunk plus 32 decodes) and 1024 on accelerators, where a step's matmuls
-        cost about the same from one row to hundreds (the weights' read sets it) and a 1024-token prompt
-        then prefills in one step (at least max_slots either way: every running sequence decodes in a step)."""
+        """Tokens per engine step (the largest step bucket): max_num_batched_tokens, or by default a whole
+        256-token chunk plus 32 decodes on CPU (288) and a whole 1024-token chunk plus 128 decodes on
+        accelerators (1152), where a step's matmuls cost about the same from one row to hundreds (the
+        weights' read sets it): a prompt of 1024 tokens and its BOS then prefill in one step. At least
+        max_slots either way: every running sequence decodes in a step."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         backend = backend or jax.default_backend()
-        return max(self.max_slots, 1024 if backend in ACCELERATORS else 288)
+        return max(self.max_slots, 1024 + 128 if backend in ACCELERATORS else 256 + 32)
 
     def weight_mode(self, backend: str | None = None) -> str:
         """The quantization mode `auto` stands for on `backend` (default: JAX's): on CPU, group-wise

@@ -1,16 +1,21 @@
-"""The TPU KV page layout: one row per token holding every KV head's K and V, so a page is one DMA and the
-step's K/V write is one scatter index per token.
+"""The TPU KV page layouts: K and V of all KV heads of one page merged, so one DMA moves a whole page.
 
-  kv       [L, num_pages, page_size, KV * 2 * hd]   row (layer, page, offset): [K_0 | V_0 | K_1 | V_1 | ...]
-  kv_scale [L, num_pages, KV, 2, page_size]          f32, int8 caches only (per token and head)
+  16/32-bit K/V, "tokens": kv [L, num_pages, page_size, KV * 2 * hd]  row (layer, page, offset):
+                                                                  [K_0 | V_0 | K_1 | V_1 | ...]
+  int8 K/V, hd >= 128, "split": kv [L, num_pages, KV, 2, page_size, hd]   index 0 of the "2" axis is K, 1 is V
+  int8 K/V, hd <= 64, "lanes":  kv [L, num_pages, KV, page_size, 2 * hd]  a token's K in lanes [0, hd), V in [hd, 2hd)
+  int8 scales:             kv_scale [L, num_pages, KV, 2, page_size]      f32 (per token and head)
 
-A page (all heads, K and V) is one contiguous block [page_size, KV * 2hd]; a head's keys lie in sublanes and
-its [K | V] in lanes [h * 2hd, (h + 1) * 2hd), so the kernel's score and value matmuls read them as they lie
-(128-lane slices; heads of 64 share one 128-lane slice [K | V], and the kernel pads q to it). XLA's TPU
-scatter costs about 70-95 ns per index whatever the row's width, so the write's cost is set by its index
-count: one per token here (a row per token and head was 8-16 per token at 8 KV heads: 565 us per layer for a
-512-token chunk of 8B heads). The row's width is a multiple of 128 lanes at any head size of 64 or more, so
-TPU memory tiles carry no padding. The "kv" key marks the layout (the CPU layout has "k" and "v").
+A page (all heads, K and V) is one contiguous block; a head's keys lie in sublanes, so the kernel's score
+and value matmuls read them as they lie (in "tokens", head h's [K | V] are lanes [h * 2hd, (h + 1) * 2hd)).
+The step's K/V write is an XLA scatter into a flat view of the rows, and on the v5e it costs 70-95 ns per
+index whatever the row's width: one index per token in "tokens" (a 512-token chunk of 8B heads: 97 us
+per layer), one per token, head and K|V in "split" (562 us). int8 stays in the per-head forms: scattering
+int8 rows wider than 128 lanes, XLA (jax 0.10) copies the whole cache into its packed (32, 128) tiling in
+every layer (tests/kernels/tpu_kv_write_probe: "rows8" and "rows1" at int8). TPU memory tiles pad the minor
+dimension to 128 lanes: a [page_size, 64] tile would take twice its bytes and XLA then picks another layout
+and copies, so int8 heads of 64 put K and V side by side ("lanes"). The "kv" key marks these layouts (the
+CPU layout has "k" and "v").
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ PAGE_SIZE = 128
 
 
 def is_merged(kv_cache: dict) -> bool:
-    """Whether the cache has this layout (else kernels.attention's CPU layout)."""
+    """Whether the cache has one of these layouts (else kernels.attention's CPU layout)."""
     return "kv" in kv_cache
 
 
@@ -32,10 +37,23 @@ def pads_q(head_dim: int) -> bool:
     return 2 * head_dim <= 128
 
 
+PAGE_AXIS = {"tokens": 2, "lanes": 3, "split": 4}   # the page_size axis of each form's kv array
+
+
+def form(kv_cache: dict) -> str:
+    """"tokens", "split" or "lanes" (see the module's docstring)."""
+    return {4: "tokens", 5: "lanes", 6: "split"}[kv_cache["kv"].ndim]
+
+
 def shapes(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
            dtype) -> dict[str, jax.ShapeDtypeStruct]:
     """The cache's arrays: name -> shape and dtype."""
-    kv = (num_layers, num_pages, page_size, num_kv_heads * 2 * head_dim)
+    if jnp.dtype(dtype) != jnp.int8:
+        kv = (num_layers, num_pages, page_size, num_kv_heads * 2 * head_dim)
+    elif pads_q(head_dim):
+        kv = (num_layers, num_pages, num_kv_heads, page_size, 2 * head_dim)
+    else:
+        kv = (num_layers, num_pages, num_kv_heads, 2, page_size, head_dim)
     out = {"kv": jax.ShapeDtypeStruct(kv, jnp.dtype(dtype))}
     if jnp.dtype(dtype) == jnp.int8:
         out["kv_scale"] = jax.ShapeDtypeStruct((num_layers, num_pages, num_kv_heads, 2, page_size), jnp.float32)
@@ -46,9 +64,16 @@ def from_standard(cache: dict) -> dict:
     """A CPU-layout cache ({"k", "v": [L, KV, pages, ps, hd]} in row order, optional scales) -> this layout.
     K must be in row order (kernels.attention.k_page_from_cache undoes the CPU's word-major K)."""
     n_layers, kvh, n_pages, ps, hd = cache["k"].shape
-    kv = jnp.stack([cache["k"], cache["v"]], axis=-2)                  # [L,KV,NP,ps,2,hd]
-    kv = jnp.transpose(kv, (0, 2, 3, 1, 4, 5))                         # [L,NP,ps,KV,2,hd]
-    out = {"kv": kv.reshape(n_layers, n_pages, ps, kvh * 2 * hd)}
+    if cache["k"].dtype != jnp.int8:
+        kv = jnp.stack([cache["k"], cache["v"]], axis=-2)              # [L,KV,NP,ps,2,hd]
+        kv = jnp.transpose(kv, (0, 2, 3, 1, 4, 5))                     # [L,NP,ps,KV,2,hd]
+        out = {"kv": kv.reshape(n_layers, n_pages, ps, kvh * 2 * hd)}
+    elif pads_q(hd):
+        kv = jnp.concatenate([cache["k"], cache["v"]], axis=-1)        # [L,KV,NP,ps,2hd]
+        out = {"kv": jnp.transpose(kv, (0, 2, 1, 3, 4))}               # [L,NP,KV,ps,2hd]
+    else:
+        kv = jnp.stack([cache["k"], cache["v"]], axis=2)              # [L,KV,2,NP,ps,hd]
+        out = {"kv": jnp.transpose(kv, (0, 3, 1, 2, 4, 5))}           # [L,NP,KV,2,ps,hd]
     if "k_scale" in cache:
         sc = jnp.stack([cache["k_scale"], cache["v_scale"]], axis=2)  # [L,KV,2,NP,ps]
         out["kv_scale"] = jnp.transpose(sc, (0, 3, 1, 2, 4))
@@ -57,39 +82,61 @@ def from_standard(cache: dict) -> dict:
 
 def to_standard(cache: dict, head_dim: int) -> dict:
     """Inverse of from_standard: {"k", "v": [L, KV, pages, ps, hd]} in row order (and scales)."""
-    n_layers, n_pages, ps, width = cache["kv"].shape
-    kvh = width // (2 * head_dim)
-    kv = cache["kv"].reshape(n_layers, n_pages, ps, kvh, 2, head_dim)
-    kv = jnp.transpose(kv, (0, 3, 1, 2, 4, 5))                         # [L,KV,NP,ps,2,hd]
-    out = {"k": kv[..., 0, :], "v": kv[..., 1, :]}
+    kind = form(cache)
+    if kind == "tokens":
+        n_layers, n_pages, ps, width = cache["kv"].shape
+        kv = cache["kv"].reshape(n_layers, n_pages, ps, width // (2 * head_dim), 2, head_dim)
+        kv = jnp.transpose(kv, (0, 3, 1, 2, 4, 5))                     # [L,KV,NP,ps,2,hd]
+        out = {"k": kv[..., 0, :], "v": kv[..., 1, :]}
+    elif kind == "lanes":
+        kv = jnp.transpose(cache["kv"], (0, 2, 1, 3, 4))              # [L,KV,NP,ps,2hd]
+        out = {"k": kv[..., :head_dim], "v": kv[..., head_dim:]}
+    else:
+        kv = jnp.transpose(cache["kv"], (0, 2, 3, 1, 4, 5))           # [L,KV,2,NP,ps,hd]
+        out = {"k": kv[:, :, 0], "v": kv[:, :, 1]}
     if "kv_scale" in cache:
         sc = jnp.transpose(cache["kv_scale"], (0, 2, 3, 1, 4))        # [L,KV,2,NP,ps]
         out["k_scale"], out["v_scale"] = sc[:, :, 0], sc[:, :, 1]
     return out
 
 
+def _head_rows(lp, offset, kvh: int, ps: int, split: bool) -> jax.Array:
+    """The flat row of each (token, head[, K|V]) of a per-head form: [T, KV(, 2)]; lp = layer * pages + page."""
+    slot = lp[:, None] * kvh + jnp.arange(kvh)[None, :]                                # [T,KV]
+    if split:
+        slot = slot[:, :, None] * 2 + jnp.arange(2)[None, None, :]                      # [T,KV,2]
+    return slot * ps + offset.reshape((-1,) + (1,) * (slot.ndim - 1))
+
+
 def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, page: jax.Array,
              offset: jax.Array, quantize) -> dict:
     """Scatter the step's K/V [T, KV, hd] at (page [T], offset [T]); a page past the cache (num_pages)
-    writes nothing. The scatter runs on a flat view of the cache's rows, one index per token (the scales:
-    one per token, head and K|V): scattered in its own shape, XLA gave the cache a layout of its own and
-    copied all of it to the kernel's row-major one in every layer; the flat view is written in place."""
+    writes nothing. The scatter runs on a flat view of the cache's rows (one per token in "tokens"; per
+    token and head in "lanes"; per token, head and K|V in "split" and the scales): scattered in its own
+    shape, XLA gave the cache a layout of its own and copied all of it to the kernel's row-major one in
+    every layer; the flat view is written in place."""
     out = dict(kv_cache)
     buf = kv_cache["kv"]
+    kind = form(kv_cache)
     t_len, kvh, _ = k_new.shape
-    num_pages, ps, width = buf.shape[1:]
+    num_pages, width = buf.shape[1], buf.shape[-1]
+    ps = buf.shape[PAGE_AXIS[kind]]
     lp = layer * num_pages + page                                                      # [T]
     gone = page >= num_pages
     if "kv_scale" in kv_cache:   # scales: [L, pages, KV, 2, ps]
         (k_new, ks), (v_new, vs) = quantize(k_new), quantize(v_new)
         sc = kv_cache["kv_scale"]
-        at = ((lp[:, None, None] * kvh + jnp.arange(kvh)[None, :, None]) * 2
-              + jnp.arange(2)[None, None, :]) * ps + offset[:, None, None]             # [T, KV, 2]
-        at = jnp.where(gone[:, None, None], sc.size, at).reshape(-1)
+        at = jnp.where(gone[:, None, None], sc.size, _head_rows(lp, offset, kvh, ps, True)).reshape(-1)
         out["kv_scale"] = sc.reshape(-1).at[at].set(jnp.stack([ks, vs], axis=2).reshape(-1),
                                                     mode="drop").reshape(sc.shape)
-    new = jnp.stack([k_new, v_new], axis=2).reshape(t_len, width)                     # [T, KV*2*hd]
-    rows = jnp.where(gone, buf.size // width, lp * ps + offset)
-    flat = buf.reshape(-1, width).at[rows].set(new.astype(buf.dtype), mode="drop")
+    if kind == "tokens":
+        new = jnp.stack([k_new, v_new], axis=2)                                        # [T, KV, 2, hd]
+        rows = lp * ps + offset
+    else:   # lanes: row (layer, page, head, offset) holds [K | V]; split: row (layer, page, head, K|V, offset)
+        new = jnp.concatenate([k_new, v_new], axis=-1) if kind == "lanes" else jnp.stack([k_new, v_new], axis=2)
+        rows = _head_rows(lp, offset, kvh, ps, kind == "split")
+    past = buf.size // width
+    rows = jnp.where(gone.reshape((-1,) + (1,) * (rows.ndim - 1)), past, rows).reshape(-1)
+    flat = buf.reshape(-1, width).at[rows].set(new.reshape(-1, width).astype(buf.dtype), mode="drop")
     out["kv"] = flat.reshape(buf.shape)
     return out

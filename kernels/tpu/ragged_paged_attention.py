@@ -31,10 +31,14 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     else:
         o_hbm, q_buf, o_buf, kv_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
         sc_hbm = sc_buf = None
-    nb, ps, hd = pages_per_block, kv_buf.shape[2], q_buf.shape[-1]   # hd: the width q and out use
+    # kv_buf [2, nb] + a page of layout.py's form: tokens [ps, KV * 2hd], lanes [KV, ps, 2hd], split [KV, 2, ps, hd]
+    kind = {4: "tokens", 5: "lanes", 6: "split"}[kv_buf.ndim]
+    nb, hd = pages_per_block, q_buf.shape[-1]          # hd: the width q and out use
+    ps = kv_buf.shape[layout.PAGE_AXIS[kind]]
     kvh = q_buf.shape[2] // group
-    head_w = kv_buf.shape[-1] // kvh     # kv_buf [2, nb, ps, KV * 2hd]: head h's [K | V] in lanes h * head_w...
-    padded = hd == head_w                # heads of 64: q is [q | 0], as wide as a head's [K | V]
+    head_w = kv_buf.shape[-1] // kvh                   # tokens: head h's [K | V] in lanes h * head_w...
+    # heads of 64: q is [q | 0], as wide as a head's [K | V]
+    padded = kind != "split" and hd == (head_w if kind == "tokens" else kv_buf.shape[-1])
     r = rows * group                                    # query rows per KV head: token-major, group-minor
     i = pl.program_id(0)
     n_items = num_items_ref[0]
@@ -129,11 +133,18 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             sequence's page number first_page."""
             n = len(range(nb)[pages])
             keys = n * ps
-            kv_rows = kv_buf[slot, pages, :, h * head_w:(h + 1) * head_w].reshape(keys, head_w)  # [n*ps, 2hd]
-            if padded:  # q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
-                k = v = kv_rows
-            else:       # 128-lane-aligned slices
-                k, v = kv_rows[:, :hd], kv_rows[:, hd:]                                   # [n*ps, hd]
+            if kind == "split":
+                k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
+                v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
+            else:
+                if kind == "tokens":
+                    kv_rows = kv_buf[slot, pages, :, h * head_w:(h + 1) * head_w].reshape(keys, head_w)
+                else:
+                    kv_rows = kv_buf[slot, pages, h].reshape(keys, hd)                  # [n*ps, 2hd]
+                if padded:  # q's lanes past hd are zero, and out takes the V lanes of P.[K | V]
+                    k = v = kv_rows
+                else:       # 128-lane-aligned slices
+                    k, v = kv_rows[:, :hd], kv_rows[:, hd:]                               # [n*ps, hd]
             scales = None
             if int8:   # per-key scales as lane rows [1, n*ps]
                 scales = tuple(jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]],
@@ -225,12 +236,14 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")
     t_len, h, hd = q.shape
-    num_pages, ps, width = kv_cache["kv"].shape[1:]
+    kind, shape = layout.form(kv_cache), kv_cache["kv"].shape
+    num_pages = shape[1]
+    ps = shape[layout.PAGE_AXIS[kind]]
+    kvh = shape[-1] // (2 * hd) if kind == "tokens" else shape[2]
     padded = layout.pads_q(hd)
-    if width % (2 * hd) or h % (width // (2 * hd)):
-        raise ValueError(f"q has {h} heads of {hd}, not a multiple of the cache's KV heads "
-                         f"(rows of {width} = KV heads x 2 x head_dim)")
-    kvh = width // (2 * hd)
+    if kvh < 1 or h % kvh:
+        raise ValueError(f"q has {h} heads of {hd}, not a multiple of the cache's {kvh} KV heads "
+                         f"(cache {kind} {tuple(shape)})")
     group = h // kvh
     nb = pages_per_block or max(1, 512 // ps)
     n_rows, pages_per_seq = page_indices.shape

@@ -24,10 +24,10 @@ def test_default_page_size_is_the_backends_and_an_explicit_one_wins(tiny_model):
 
 
 def test_step_tokens_default_per_backend_and_an_explicit_budget_wins():
-    """--max-num-batched-tokens: 288 on CPU, 1024 on accelerators (a 1024-token prompt prefills in one
-    step there), never below max_slots by default; an explicit budget is kept and checked."""
+    """--max-num-batched-tokens: 288 on CPU, 1152 on accelerators (a 1024-token prompt and its BOS prefill
+    in one step there), never below max_slots by default; an explicit budget is kept and checked."""
     assert EngineConfig().step_tokens("cpu") == 288
-    assert EngineConfig().step_tokens("tpu") == EngineConfig().step_tokens("gpu") == 1024
+    assert EngineConfig().step_tokens("tpu") == EngineConfig().step_tokens("gpu") == 1152
     assert EngineConfig(max_slots=512).step_tokens("cpu") == 512
     assert EngineConfig(max_num_batched_tokens=64).step_tokens("tpu") == 64
     with pytest.raises(ValueError, match="max_num_batched_tokens .*max_slots"):

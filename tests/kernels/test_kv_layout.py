@@ -7,12 +7,13 @@ import pytest
 import numpy as np
 
 from slipstream.kernels.attention import kv_layout
+from slipstream.engine.device.attention_layer import cache_head_axis, cache_kv_heads
 from slipstream.kernels.tpu import layout
 
 
 def test_cpu_keeps_the_standard_layout_and_16_token_pages():
     lay = kv_layout("cpu")
-    assert (lay.name, lay.page_size, lay.head_axis) == ("standard", 16, 1)
+    assert (lay.name, lay.page_size) == ("standard", 16)
     shapes = lay.shapes(3, 2, 10, 16, 64, jnp.int8)
     assert shapes["k"].shape == shapes["v"].shape == (3, 2, 10, 16, 64)
     assert shapes["k_scale"].shape == (3, 2, 10, 16) and shapes["k_scale"].dtype == jnp.float32
@@ -20,12 +21,16 @@ def test_cpu_keeps_the_standard_layout_and_16_token_pages():
 
 def test_tpu_keeps_a_token_in_one_row_with_128_token_pages():
     lay = kv_layout("tpu")
-    assert (lay.name, lay.page_size, lay.head_axis) == ("merged", 128, 2)
+    assert (lay.name, lay.page_size) == ("merged", 128)
     cache = lay.init(3, 2, 10, 128, 64, jnp.bfloat16)
     assert set(cache) == {"kv"} and cache["kv"].shape == (3, 10, 128, 2 * 2 * 64)   # a row per token: all heads' K, V
-    assert cache["kv"].dtype == jnp.bfloat16
+    assert cache["kv"].dtype == jnp.bfloat16 and cache_head_axis(cache) == 3 and cache_kv_heads(cache, 64) == 2
+    # int8 keeps a row per token and head (XLA copies an int8 cache scattered in wider rows)
     int8 = lay.shapes(3, 2, 10, 128, 64, jnp.int8)
-    assert int8["kv"].dtype == jnp.int8 and int8["kv_scale"].shape == (3, 10, 2, 2, 128)
+    assert int8["kv"].shape == (3, 10, 2, 128, 128) and int8["kv"].dtype == jnp.int8
+    assert int8["kv_scale"].shape == (3, 10, 2, 2, 128)
+    assert lay.shapes(3, 2, 10, 128, 128, jnp.int8)["kv"].shape == (3, 10, 2, 2, 128, 128)
+    assert cache_head_axis(int8) == 2 and cache_kv_heads(int8, 64) == 2
 
 
 def _head(kv, layer, page, head, j, hd):
@@ -34,17 +39,25 @@ def _head(kv, layer, page, head, j, hd):
 
 
 @pytest.mark.parametrize("hd", [8, 128])
-def test_merged_layout_round_trip_and_page_contiguity(hd):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
+def test_merged_layout_round_trip_and_page_contiguity(hd, dtype):
     rng = np.random.default_rng(0)
-    std = {"k": jnp.asarray(rng.standard_normal((2, 3, 5, 4, hd)), jnp.float32),
-           "v": jnp.asarray(rng.standard_normal((2, 3, 5, 4, hd)), jnp.float32),
+    std = {"k": jnp.asarray(rng.integers(-100, 100, (2, 3, 5, 4, hd)), dtype),
+           "v": jnp.asarray(rng.integers(-100, 100, (2, 3, 5, 4, hd)), dtype),
            "k_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32),
            "v_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32)}
     merged = layout.from_standard(std)
-    assert merged["kv"].shape == (2, 5, 4, 3 * 2 * hd)
-    # layer 1, page 4: all heads' K and V in one block
-    np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 0, hd), std["k"][1, 2, 4])
-    np.testing.assert_array_equal(_head(merged["kv"], 1, 4, 2, 1, hd), std["v"][1, 2, 4])
+    kv = np.asarray(merged["kv"])
+    if dtype == jnp.int8:   # a row per token and head: [K | V] lanes (hd 8) or K and V rows apart (hd 128)
+        assert layout.form(merged) == ("lanes" if hd == 8 else "split")
+        assert kv.shape == ((2, 5, 3, 4, 2 * hd) if hd == 8 else (2, 5, 3, 2, 4, hd))
+        k_rows = kv[1, 4, 2, :, :hd] if hd == 8 else kv[1, 4, 2, 0]
+        v_rows = kv[1, 4, 2, :, hd:] if hd == 8 else kv[1, 4, 2, 1]
+    else:                   # layer 1, page 4: all heads' K and V in one block, a row per token
+        assert layout.form(merged) == "tokens" and kv.shape == (2, 5, 4, 3 * 2 * hd)
+        k_rows, v_rows = _head(kv, 1, 4, 2, 0, hd), _head(kv, 1, 4, 2, 1, hd)
+    np.testing.assert_array_equal(k_rows, std["k"][1, 2, 4])
+    np.testing.assert_array_equal(v_rows, std["v"][1, 2, 4])
     np.testing.assert_array_equal(merged["kv_scale"][1, 4, 2, 1], std["v_scale"][1, 2, 4])
     back = layout.to_standard(merged, hd)
     for name in std:
