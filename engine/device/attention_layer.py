@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from slipstream.kernels.attention import ragged_paged_attention
+from slipstream.kernels.tpu.layout import pairs_heads
 
 # The mesh axis attention heads are split over under tensor parallelism (engine/sharding.py).
 MODEL_AXIS = "model"
@@ -59,6 +60,8 @@ def _per_shard(mesh, q, k_new, v_new, kv_cache, layer, kv_lens, page_indices, cu
         k_new = jnp.repeat(k_new, cache_heads // kvh, axis=1)                     # [T,C,hd]
         v_new = jnp.repeat(v_new, cache_heads // kvh, axis=1)
     split_heads = heads % n == 0 and cache_heads % n == 0
+    if split_heads and cache_head_axis(kv_cache) == 3 and pairs_heads(k_new.shape[-1], cache_heads):
+        split_heads = (cache_heads // n) % 2 == 0   # token rows pair heads of 64: whole pairs per device
     split = P(None, MODEL_AXIS) if split_heads else P()
     cache_split = P(*([None] * axis), MODEL_AXIS) if split_heads else P()
     cache_specs = {name: cache_split for name in kv_cache}

@@ -1,7 +1,8 @@
 """The TPU KV page layouts: K and V of all KV heads of one page merged, so one DMA moves a whole page.
 
   16/32-bit K/V, "tokens": kv [L, num_pages, page_size, KV * 2 * hd]  row (layer, page, offset):
-                                                                  [K_0 | V_0 | K_1 | V_1 | ...]
+                                 [K_0 | V_0 | K_1 | V_1 | ...]; an even count of heads of 64 pairs them
+                                 (pairs_heads): [K_0 | K_1 | V_0 | V_1 | K_2 | K_3 | ...]
   int8 K/V, hd >= 128, "split": kv [L, num_pages, KV, 2, page_size, hd]   index 0 of the "2" axis is K, 1 is V
   int8 K/V, hd <= 64, "lanes":  kv [L, num_pages, KV, page_size, 2 * hd]  a token's K in lanes [0, hd), V in [hd, 2hd)
   int8 scales:             kv_scale [L, num_pages, KV, 2, page_size]      f32 (per token and head)
@@ -40,6 +41,26 @@ def pads_q(head_dim: int) -> bool:
 PAGE_AXIS = {"tokens": 2, "lanes": 3, "split": 4}   # the page_size axis of each form's kv array
 
 
+def pairs_heads(head_dim: int, num_kv_heads: int) -> bool:
+    """Whether a "tokens" row pairs heads of 64: [K_0 | K_1 | V_0 | V_1 | K_2 | ...], so that a pair's K
+    and its V are each one 128-lane slice, read by the kernel as one head of 128 (its query rows twice as
+    many: a KV head's q in the lanes of its K). An odd count of heads of 64 keeps [K_0 | V_0 | K_1 | ...]."""
+    return 2 * head_dim == 128 and num_kv_heads % 2 == 0
+
+
+def _paired(x: jax.Array, axis: int) -> jax.Array:
+    """Heads of 64 on `axis` (the head dim last) -> pairs [.., heads / 2, .., 128]: [x_2j | x_2j+1]."""
+    x = jnp.moveaxis(x, axis, -2)
+    x = x.reshape(*x.shape[:-2], x.shape[-2] // 2, 2 * x.shape[-1])
+    return jnp.moveaxis(x, -2, axis)
+
+
+def _unpaired(x: jax.Array, axis: int) -> jax.Array:
+    x = jnp.moveaxis(x, axis, -2)
+    x = x.reshape(*x.shape[:-2], x.shape[-2] * 2, x.shape[-1] // 2)
+    return jnp.moveaxis(x, -2, axis)
+
+
 def form(kv_cache: dict) -> str:
     """"tokens", "split" or "lanes" (see the module's docstring)."""
     return {4: "tokens", 5: "lanes", 6: "split"}[kv_cache["kv"].ndim]
@@ -65,8 +86,11 @@ def from_standard(cache: dict) -> dict:
     K must be in row order (kernels.attention.k_page_from_cache undoes the CPU's word-major K)."""
     n_layers, kvh, n_pages, ps, hd = cache["k"].shape
     if cache["k"].dtype != jnp.int8:
-        kv = jnp.stack([cache["k"], cache["v"]], axis=-2)              # [L,KV,NP,ps,2,hd]
-        kv = jnp.transpose(kv, (0, 2, 3, 1, 4, 5))                     # [L,NP,ps,KV,2,hd]
+        k, v = cache["k"], cache["v"]
+        if pairs_heads(hd, kvh):
+            k, v = _paired(k, 1), _paired(v, 1)                        # [L,KV/2,NP,ps,128]
+        kv = jnp.stack([k, v], axis=-2)                                # [L,KV',NP,ps,2,hd']
+        kv = jnp.transpose(kv, (0, 2, 3, 1, 4, 5))                     # [L,NP,ps,KV',2,hd']
         out = {"kv": kv.reshape(n_layers, n_pages, ps, kvh * 2 * hd)}
     elif pads_q(hd):
         kv = jnp.concatenate([cache["k"], cache["v"]], axis=-1)        # [L,KV,NP,ps,2hd]
@@ -85,9 +109,13 @@ def to_standard(cache: dict, head_dim: int) -> dict:
     kind = form(cache)
     if kind == "tokens":
         n_layers, n_pages, ps, width = cache["kv"].shape
-        kv = cache["kv"].reshape(n_layers, n_pages, ps, width // (2 * head_dim), 2, head_dim)
-        kv = jnp.transpose(kv, (0, 3, 1, 2, 4, 5))                     # [L,KV,NP,ps,2,hd]
+        kvh = width // (2 * head_dim)
+        hd = 2 * head_dim if pairs_heads(head_dim, kvh) else head_dim
+        kv = cache["kv"].reshape(n_layers, n_pages, ps, width // (2 * hd), 2, hd)
+        kv = jnp.transpose(kv, (0, 3, 1, 2, 4, 5))                     # [L,KV',NP,ps,2,hd']
         out = {"k": kv[..., 0, :], "v": kv[..., 1, :]}
+        if hd != head_dim:
+            out = {name: _unpaired(x, 1) for name, x in out.items()}
     elif kind == "lanes":
         kv = jnp.transpose(cache["kv"], (0, 2, 1, 3, 4))              # [L,KV,NP,ps,2hd]
         out = {"k": kv[..., :head_dim], "v": kv[..., head_dim:]}
@@ -130,7 +158,9 @@ def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Arra
         out["kv_scale"] = sc.reshape(-1).at[at].set(jnp.stack([ks, vs], axis=2).reshape(-1),
                                                     mode="drop").reshape(sc.shape)
     if kind == "tokens":
-        new = jnp.stack([k_new, v_new], axis=2)                                        # [T, KV, 2, hd]
+        if pairs_heads(k_new.shape[-1], kvh):
+            k_new, v_new = _paired(k_new, 1), _paired(v_new, 1)                        # [T, KV/2, 128]
+        new = jnp.stack([k_new, v_new], axis=2)                                        # [T, KV', 2, hd']
         rows = lp * ps + offset
     else:   # lanes: row (layer, page, head, offset) holds [K | V]; split: row (layer, page, head, K|V, offset)
         new = jnp.concatenate([k_new, v_new], axis=-1) if kind == "lanes" else jnp.stack([k_new, v_new], axis=2)

@@ -240,7 +240,10 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     num_pages = shape[1]
     ps = shape[layout.PAGE_AXIS[kind]]
     kvh = shape[-1] // (2 * hd) if kind == "tokens" else shape[2]
-    padded = layout.pads_q(hd)
+    # an even count of heads of 64 in token rows: the kernel reads each pair as one head of 128
+    # (layout.pairs_heads), a KV head's q in the lanes of its K; else heads of 64 pad q to [K | V]
+    pairs = kind == "tokens" and layout.pairs_heads(hd, kvh)
+    padded = layout.pads_q(hd) and not pairs
     if kvh < 1 or h % kvh:
         raise ValueError(f"q has {h} heads of {hd}, not a multiple of the cache's {kvh} KV heads "
                          f"(cache {kind} {tuple(shape)})")
@@ -264,9 +267,14 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                jnp.asarray(layer, i32).reshape(1), pages_per_seq)
     cdt = jnp.float32 if jnp.float32 in (q.dtype, kv_cache["kv"].dtype) else jnp.bfloat16
     pad = max(decode_rows, prefill_rows)
-    # item rows past T; heads of 64: q's rows are [q | 0], as wide as a head's [K | V]
-    q_pad = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, hd if padded else 0)))
-    common = dict(group=group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
+    q32 = q.astype(jnp.float32)
+    odd = ((jnp.arange(h) // group) % 2 == 1)[None, :, None]        # pairs: the second KV head of a pair
+    if pairs:   # [q | 0] against [K_2j | K_2j+1] for KV head 2j, [0 | q] for 2j + 1
+        zeros = jnp.zeros_like(q32)
+        q32 = jnp.where(odd, jnp.concatenate([zeros, q32], -1), jnp.concatenate([q32, zeros], -1))
+    # item rows past T; padded heads of 64: q's rows are [q | 0], as wide as a head's [K | V]
+    q_pad = jnp.pad(q32, ((0, pad), (0, 0), (0, hd if padded else 0)))
+    common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
                   merge_pages=merge_pages)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
@@ -285,4 +293,6 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     out = jnp.where(long_tok[:, None, None], out_p[:t_len], out_d[:t_len])   # [T, H, hd]
     if padded:
         out = out[..., hd:]
+    elif pairs:   # P.[V_2j | V_2j+1]: KV head 2j's output in the first half of the lanes
+        out = jnp.where(odd, out[..., hd:], out[..., :hd])
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype), kv_cache

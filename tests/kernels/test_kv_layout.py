@@ -33,29 +33,34 @@ def test_tpu_keeps_a_token_in_one_row_with_128_token_pages():
     assert cache_head_axis(int8) == 2 and cache_kv_heads(int8, 64) == 2
 
 
-def _head(kv, layer, page, head, j, hd):
-    """Head `head`'s K (j=0) or V (j=1) rows [ps, hd] of (layer, page): lanes (2 * head + j) * hd..."""
-    return np.asarray(kv)[layer, page, :, (2 * head + j) * hd:(2 * head + j + 1) * hd]
+def _head(kv, layer, page, head, j, hd, paired=False):
+    """Head `head`'s K (j=0) or V (j=1) rows [ps, hd] of (layer, page) in token rows: lanes (2 * head + j) * hd...,
+    or with heads of 64 in pairs, [K_0 | K_1 | V_0 | V_1 | ...]."""
+    at = ((head // 2) * 4 + 2 * j + head % 2) * hd if paired else (2 * head + j) * hd
+    return np.asarray(kv)[layer, page, :, at:at + hd]
 
 
-@pytest.mark.parametrize("hd", [8, 128])
+@pytest.mark.parametrize("hd,kvh", [(8, 3), (64, 3), (64, 4), (128, 3)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8])
-def test_merged_layout_round_trip_and_page_contiguity(hd, dtype):
+def test_merged_layout_round_trip_and_page_contiguity(hd, kvh, dtype):
     rng = np.random.default_rng(0)
-    std = {"k": jnp.asarray(rng.integers(-100, 100, (2, 3, 5, 4, hd)), dtype),
-           "v": jnp.asarray(rng.integers(-100, 100, (2, 3, 5, 4, hd)), dtype),
-           "k_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32),
-           "v_scale": jnp.asarray(rng.random((2, 3, 5, 4)), jnp.float32)}
+    std = {"k": jnp.asarray(rng.integers(-100, 100, (2, kvh, 5, 4, hd)), dtype),
+           "v": jnp.asarray(rng.integers(-100, 100, (2, kvh, 5, 4, hd)), dtype),
+           "k_scale": jnp.asarray(rng.random((2, kvh, 5, 4)), jnp.float32),
+           "v_scale": jnp.asarray(rng.random((2, kvh, 5, 4)), jnp.float32)}
     merged = layout.from_standard(std)
     kv = np.asarray(merged["kv"])
-    if dtype == jnp.int8:   # a row per token and head: [K | V] lanes (hd 8) or K and V rows apart (hd 128)
-        assert layout.form(merged) == ("lanes" if hd == 8 else "split")
-        assert kv.shape == ((2, 5, 3, 4, 2 * hd) if hd == 8 else (2, 5, 3, 2, 4, hd))
-        k_rows = kv[1, 4, 2, :, :hd] if hd == 8 else kv[1, 4, 2, 0]
-        v_rows = kv[1, 4, 2, :, hd:] if hd == 8 else kv[1, 4, 2, 1]
+    lanes = hd <= 64
+    if dtype == jnp.int8:   # a row per token and head: [K | V] lanes (hd <= 64) or K and V rows apart (hd 128)
+        assert layout.form(merged) == ("lanes" if lanes else "split")
+        assert kv.shape == ((2, 5, kvh, 4, 2 * hd) if lanes else (2, 5, kvh, 2, 4, hd))
+        k_rows = kv[1, 4, 2, :, :hd] if lanes else kv[1, 4, 2, 0]
+        v_rows = kv[1, 4, 2, :, hd:] if lanes else kv[1, 4, 2, 1]
     else:                   # layer 1, page 4: all heads' K and V in one block, a row per token
-        assert layout.form(merged) == "tokens" and kv.shape == (2, 5, 4, 3 * 2 * hd)
-        k_rows, v_rows = _head(kv, 1, 4, 2, 0, hd), _head(kv, 1, 4, 2, 1, hd)
+        assert layout.form(merged) == "tokens" and kv.shape == (2, 5, 4, kvh * 2 * hd)
+        paired = layout.pairs_heads(hd, kvh)
+        assert paired == (hd == 64 and kvh == 4)
+        k_rows, v_rows = _head(kv, 1, 4, 2, 0, hd, paired), _head(kv, 1, 4, 2, 1, hd, paired)
     np.testing.assert_array_equal(k_rows, std["k"][1, 2, 4])
     np.testing.assert_array_equal(v_rows, std["v"][1, 2, 4])
     np.testing.assert_array_equal(merged["kv_scale"][1, 4, 2, 1], std["v_scale"][1, 2, 4])
@@ -64,7 +69,7 @@ def test_merged_layout_round_trip_and_page_contiguity(hd, dtype):
         np.testing.assert_array_equal(back[name], std[name])
 
 
-@pytest.mark.parametrize("hd", [16, 128])
+@pytest.mark.parametrize("hd", [16, 64, 128])
 def test_write_kv_places_rows_and_drops_pages_past_the_cache(hd):
     """The flat-row scatter: each token's K and V (all heads) land at (layer, page, offset); a page index past
     the cache (padding tokens) writes nothing, not even into the next layer's first page."""

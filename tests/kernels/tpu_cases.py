@@ -40,6 +40,9 @@ SPECS = (
     Spec("mixed_window_softcap", q_lens=(1, 1, 17, 3), cached=(37, 0, 9, 20), window=12, soft_cap=5.0),
     Spec("mixed_int8_hd64", q_lens=(1, 18, 1), cached=(33, 14, 2), head_dim=64, int8=True),
     Spec("mixed_int8_hd128", q_lens=(1, 9), cached=(21, 30), kv_heads=2, group=2, int8=True),
+    # heads of 64: an even count is read in pairs (layout.pairs_heads; prefill_gqa1_hd64 too), an odd one padded
+    Spec("mixed_hd64_3kv_bf16", q_lens=(1, 6), cached=(25, 3), kv_heads=3, group=3, head_dim=64,
+         dtype="bfloat16", q_dtype="bfloat16"),
 )
 
 
