@@ -275,8 +275,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     # item rows past T; padded heads of 64: q's rows are [q | 0], as wide as a head's [K | V]
     q_pad = jnp.pad(q32, ((0, pad), (0, 0), (0, hd if padded else 0)))
     common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-                  merge_pages=merge_pages)
+                  sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret,
+                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):
