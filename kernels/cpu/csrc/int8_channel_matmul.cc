@@ -26,13 +26,14 @@
 // on it. kernels/int8_channel_matmul.py's numpy reference computes the same operations in the same order and
 // equals the kernel bit for bit.
 //
-// Work split: the activations are quantized first (items of kQuantRows rows), then items of (chunk of
-// kChunkTiles column tiles, block of input rows) are claimed from an atomic counter (runtime/parallel.h),
-// column-chunk major so that a chunk's weights come from memory once and serve every row block from cache.
-// VNNI: micro blocks of R act rows x C column tiles over all of K in zmm accumulators. AMX (calls of at least
-// g_amx_min_rows input rows; one-row decode, bound by reading the weights, stays on VNNI): 2 x 2 blocks of 16 x 16
-// C tiles (tmm0-3) from A tiles of 16 act rows x 64 inputs (tmm4-5) and B tiles of 64 inputs x 16 columns
-// (tmm6-7) over all of K, each C tile stored once.
+// Work split: the activations are quantized first (items of kQuantRows rows), then items of (chunk of column
+// tiles, block of input rows) are claimed from an atomic counter (runtime/parallel.h), column-chunk major so that a
+// chunk's weights come from memory once and serve every row block from cache.
+// VNNI: chunks of kChunkTiles; micro blocks of R act rows x C column tiles over all of K in zmm accumulators. AMX
+// (calls of at least g_amx_min_rows input rows; one-row decode, bound by reading the weights, stays on VNNI): chunks
+// of up to kAmxChunkTiles, row tile pairs outer and column pairs inner, in 2 x 2 blocks of 16 x 16 C tiles (tmm0-3)
+// from A tiles of 16 act rows x 64 inputs (tmm4-5) and B tiles of 64 inputs x 16 columns (tmm6-7) over all of K,
+// each C tile stored once.
 #include <Python.h>
 
 #include <algorithm>
@@ -59,7 +60,8 @@ namespace {
 constexpr int kTile = 16;        // columns per packed tile
 constexpr int kStep = 64;        // K is padded to this: one AMX tile's inputs
 constexpr int kAmxRows = 16;     // act rows per A tile
-constexpr int kChunkTiles = 6;   // column tiles per work item
+constexpr int kChunkTiles = 6;   // column tiles per VNNI work item
+constexpr int kAmxChunkTiles = 48;  // at most this many column tiles per AMX work item (see Split)
 constexpr int kRowBlock = 64;    // input rows per VNNI work item
 constexpr int kAmxBlock = 256;   // input rows per AMX work item
 constexpr int kQuantRows = 4;    // input rows per quantization item
@@ -335,7 +337,7 @@ struct Job {
   Problem p;
   Isa isa;
   bool amx = false;
-  int block_rows = kRowBlock, row_blocks = 1;
+  int block_rows = kRowBlock, row_blocks = 1, chunk_tiles = kChunkTiles, chunks = 1;
   Acts* acts;
 
   void Quantize(int item) {
@@ -362,9 +364,20 @@ struct Job {
     }
   }
 
+  // Work items: (chunk of chunk_tiles column tiles, block of block_rows input rows), chunk major. On the tile unit a
+  // chunk is up to 48 column tiles (at K = 576 its B panel, 432 KiB, stays in L2), at least one per thread.
+  void Split(int threads) {
+    if (amx) {
+      chunks = std::max((p.tiles + kAmxChunkTiles - 1) / kAmxChunkTiles, std::min(threads, (p.tiles + 1) / 2));
+      chunk_tiles = ((p.tiles + chunks - 1) / chunks + 1) / 2 * 2;  // whole column pairs
+    }
+    chunks = (p.tiles + chunk_tiles - 1) / chunk_tiles;
+    row_blocks = (p.m + block_rows - 1) / block_rows;
+  }
+
   void Run(int item) {
     const int chunk = item / row_blocks, rb = item % row_blocks;
-    const int tile_lo = chunk * kChunkTiles, tile_hi = std::min(tile_lo + kChunkTiles, p.tiles);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
 #if defined(SLIPSTREAM_X86)
     if (amx) return RunAmx(tile_lo, tile_hi, row_lo, row_hi);
@@ -416,15 +429,17 @@ struct Job {
     }
   }
 
-  // The chunk's column pairs outer (their B panel stays in L1/L2), the block's row tile pairs inner.
+  // The block's row tile pairs outer (their A tiles stay in L1), the chunk's column pairs inner (its B panel in L2):
+  // each output row is written along the chunk, 128 bytes a block. The other order (column pairs outer) wrote
+  // 32-row x 128-byte strips down the output and took 1.1-1.2x the time at q/k/v and gate/up (one thread, 256 rows).
   void RunAmx(int tile_lo, int tile_hi, int row_lo, int row_hi) {
     const int per_tile = kAmxRows / p.parts;  // input rows per A tile
     const int rt_lo = row_lo / per_tile, rt_hi = (row_hi + per_tile - 1) / per_tile;
     AmxBegin();
-    for (int t = tile_lo; t < tile_hi; t += 2) {
-      const int cts = std::min(2, tile_hi - t);
-      for (int rt = rt_lo; rt < rt_hi; rt += 2) {
-        const int rts = std::min(2, rt_hi - rt);
+    for (int rt = rt_lo; rt < rt_hi; rt += 2) {
+      const int rts = std::min(2, rt_hi - rt);
+      for (int t = tile_lo; t < tile_hi; t += 2) {
+        const int cts = std::min(2, tile_hi - t);
         if (p.parts == 2) AmxBlock<2>(rts, cts, rt, t);
         else AmxBlock<1>(rts, cts, rt, t);
       }
@@ -498,9 +513,10 @@ ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   const int threads = g_max_threads.load(std::memory_order_relaxed);
   rt::ParallelFor(pool, (p.m + kQuantRows - 1) / kQuantRows, threads,
                   [&job](int64_t item) { job.Quantize(static_cast<int>(item)); });
-  job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
-  const int chunks = (p.tiles + kChunkTiles - 1) / kChunkTiles;
-  rt::ParallelFor(pool, int64_t(chunks) * job.row_blocks, threads, [&job](int64_t item) { job.Run(static_cast<int>(item)); });
+  const int pool_threads = std::max<int>(1, pool.num_threads());
+  job.Split(threads > 0 ? std::min(threads, pool_threads) : pool_threads);
+  rt::ParallelFor(pool, int64_t(job.chunks) * job.row_blocks, threads,
+                  [&job](int64_t item) { job.Run(static_cast<int>(item)); });
   return ffi::Error::Success();
 }
 
