@@ -145,18 +145,46 @@ void QuantizeRowPortable(const float* x, int k, int kp, int parts, uint8_t* u, f
 }
 
 #if defined(SLIPSTREAM_X86)
-// Four vectors of xq (int32 in -127..127) -> their 64 bytes in order, each xq + 128.
+// Four vectors of round(v) (int32) -> their 64 bytes in order, each clamped to -127..127 and stored as xq + 128.
+// The packs saturate to -128..127; max_epi8 then lifts -128 to -127: the same clamp as Clamp127's.
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512i PackActs(const __m512i* q) {
   // packs_epi32 then packs_epi16 leave 128-bit lane l holding inputs 4l..4l+3 of each of the four vectors in turn
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
-  return _mm512_xor_si512(_mm512_permutexvar_epi32(order, b), _mm512_set1_epi8(static_cast<char>(0x80)));  // + 128
+  const __m512i c = _mm512_max_epi8(_mm512_permutexvar_epi32(order, b), _mm512_set1_epi8(-127));
+  return _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));  // xq ^ 0x80 is xq + 128 as a u8
+}
+
+// 64 inputs from x (the first `valid` of them; the rest read as 0) -> P parts' A tile rows at dst[p].
+template <int P, bool kFull>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void QuantizeStep(
+    const float* x, int valid, __m512 inv0, __m512 inv1, __m512 vs0, uint8_t* dst0, uint8_t* dst1) {
+  __m512i q0[4], q1[4];
+  for (int v = 0; v < 4; ++v) {
+    __m512 xv;
+    if constexpr (kFull) {
+      xv = _mm512_loadu_ps(x + v * 16);
+    } else {
+      const int left = valid - v * 16;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+      xv = _mm512_maskz_loadu_ps(mask, x + v * 16);
+    }
+    q0[v] = _mm512_cvtps_epi32(_mm512_mul_ps(xv, inv0));  // round half to even (MXCSR's default)
+    if constexpr (P == 2) {  // the residual of part 0 (clamped first, as Clamp127)
+      const __m512i c0 = _mm512_min_epi32(_mm512_max_epi32(q0[v], _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+      const __m512 r = _mm512_sub_ps(xv, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), vs0));
+      q1[v] = _mm512_cvtps_epi32(_mm512_mul_ps(r, inv1));
+    }
+  }
+  _mm512_store_si512(dst0, PackActs(q0));
+  if constexpr (P == 2) _mm512_store_si512(dst1, PackActs(q1));
 }
 
 // The same operations as QuantizeRowPortable, 64 inputs at a time, each part's 64 bytes stored straight into its A
 // tile row: dst[p] is act row (row * parts + p)'s first 64 inputs (ActRow); the padding past k gets xq = 0.
+template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void QuantizeRowAvx512(const float* x, int k, int kp, int parts, uint8_t* const* dst, float* xs) {
+void QuantizeRowAvx512(const float* x, int k, int kp, uint8_t* const* dst, float* xs) {
   __m512 vmax[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   int i = 0;
   for (; i + 64 <= k; i += 64)  // four chains: max's latency
@@ -166,25 +194,17 @@ void QuantizeRowAvx512(const float* x, int k, int kp, int parts, uint8_t* const*
   for (; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float s0 = amax / kInt8Max, s1 = s0 / kLoSteps;
   xs[0] = s0;
-  if (parts == 2) xs[1] = s1;
+  if constexpr (P == 2) xs[1] = s1;
   const __m512 inv0 = _mm512_set1_ps(s0 > 0.0f ? 1.0f / s0 : 0.0f), inv1 = _mm512_set1_ps(s1 > 0.0f ? 1.0f / s1 : 0.0f);
   const __m512 vs0 = _mm512_set1_ps(s0);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  for (int k0 = 0; k0 < kp; k0 += kStep) {
-    __m512i q0[4], q1[4];
-    for (int v = 0; v < 4; ++v) {
-      const int at = k0 + v * 16;
-      const __mmask16 mask = at + 16 <= k ? __mmask16(0xFFFF) : at >= k ? __mmask16(0) : __mmask16((1u << (k - at)) - 1);
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + at);
-      q0[v] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(xv, inv0)), lo), hi);  // half to even
-      if (parts == 2) {  // the residual of part 0
-        const __m512 r = _mm512_sub_ps(xv, _mm512_mul_ps(_mm512_cvtepi32_ps(q0[v]), vs0));
-        q1[v] = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(r, inv1)), lo), hi);
-      }
-    }
+  int k0 = 0;
+  for (; k0 + kStep <= k; k0 += kStep) {
     const size_t at = static_cast<size_t>(k0 / kStep) * kTileBytes;
-    _mm512_store_si512(dst[0] + at, PackActs(q0));
-    if (parts == 2) _mm512_store_si512(dst[1] + at, PackActs(q1));
+    QuantizeStep<P, true>(x + k0, kStep, inv0, inv1, vs0, dst[0] + at, dst[1] + at);
+  }
+  for (; k0 < kp; k0 += kStep) {
+    const size_t at = static_cast<size_t>(k0 / kStep) * kTileBytes;
+    QuantizeStep<P, false>(x + k0, k - k0, inv0, inv1, vs0, dst[0] + at, dst[1] + at);
   }
 }
 #endif
@@ -349,7 +369,8 @@ struct Job {
       if (isa != Isa::kPortable) {
         uint8_t* dst[2] = {acts->u.data() + ActRow(row * p.parts, p.kp),
                            acts->u.data() + ActRow(row * p.parts + p.parts - 1, p.kp)};
-        QuantizeRowAvx512(x, p.k, p.kp, p.parts, dst, xs);
+        if (p.parts == 2) QuantizeRowAvx512<2>(x, p.k, p.kp, dst, xs);
+        else QuantizeRowAvx512<1>(x, p.k, p.kp, dst, xs);
         continue;
       }
 #endif
