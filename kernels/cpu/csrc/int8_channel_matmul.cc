@@ -26,9 +26,10 @@
 // on it. kernels/int8_channel_matmul.py's numpy reference computes the same operations in the same order and
 // equals the kernel bit for bit.
 //
-// Work split: the activations are quantized first (items of kQuantRows rows), then items of (chunk of column
-// tiles, block of input rows) are claimed from an atomic counter (runtime/parallel.h), column-chunk major so that a
-// chunk's weights come from memory once and serve every row block from cache.
+// Work split: items of (chunk of column tiles, block of input rows) are claimed from an atomic counter
+// (runtime/parallel.h), column-chunk major so that a chunk's weights come from memory once and serve every row block
+// from cache; an item first makes sure its row block is quantized (groups of kQuantRows rows, shared by the items
+// that start on it: EnsureRows).
 // VNNI: chunks of kChunkTiles; micro blocks of R act rows x C column tiles over all of K in zmm accumulators. AMX
 // (calls of at least g_amx_min_rows input rows; one-row decode, bound by reading the weights, stays on VNNI): chunks
 // of up to kAmxChunkTiles, row tile pairs outer and column pairs inner, in 2 x 2 blocks of 16 x 16 C tiles (tmm0-3)
@@ -42,7 +43,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -360,6 +363,27 @@ struct Job {
   int block_rows = kRowBlock, row_blocks = 1, chunk_tiles = kChunkTiles, chunks = 1;
   Acts* acts;
 
+  std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
+  int quant_blocks = 0;
+
+  // The rows of row block rb, quantized: the caller quantizes every group of kQuantRows rows of the block that
+  // nobody has claimed, then waits for those others are quantizing (they are running). So the threads that start
+  // on one row block share its quantization, in the same parallel loop as the products (one wake-up of the pool's
+  // threads per call, not two), as the q8 kernel does.
+  void EnsureRows(int rb) {
+    const int lo = rb * (block_rows / kQuantRows), hi = std::min(lo + block_rows / kQuantRows, quant_blocks);
+    for (int qb = lo; qb < hi; ++qb) {
+      int expected = 0;
+      if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
+          !row_state[qb].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
+        continue;
+      Quantize(qb);
+      row_state[qb].store(2, std::memory_order_release);
+    }
+    for (int qb = lo; qb < hi; ++qb)
+      while (row_state[qb].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+  }
+
   void Quantize(int item) {
     const int lo = item * kQuantRows, hi = std::min(lo + kQuantRows, p.m);
     for (int row = lo; row < hi; ++row) {
@@ -398,6 +422,7 @@ struct Job {
 
   void Run(int item) {
     const int chunk = item / row_blocks, rb = item % row_blocks;
+    EnsureRows(rb);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
 #if defined(SLIPSTREAM_X86)
@@ -532,8 +557,8 @@ ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
     for (int k0 = 0; k0 < p.kp; k0 += kStep) std::memset(acts.u.data() + ActRow(ar, p.kp) + k0 / kStep * kTileBytes, 128, kStep);
   std::fill(acts.xs.begin() + used, acts.xs.end(), 0.0f);
   const int threads = g_max_threads.load(std::memory_order_relaxed);
-  rt::ParallelFor(pool, (p.m + kQuantRows - 1) / kQuantRows, threads,
-                  [&job](int64_t item) { job.Quantize(static_cast<int>(item)); });
+  job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
+  job.row_state = std::make_unique<std::atomic<int>[]>(job.quant_blocks);  // value-initialized: 0
   const int pool_threads = std::max<int>(1, pool.num_threads());
   job.Split(threads > 0 ? std::min(threads, pool_threads) : pool_threads);
   rt::ParallelFor(pool, int64_t(job.chunks) * job.row_blocks, threads,
