@@ -335,6 +335,10 @@ void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
   if constexpr (CT == 2) _tile_stored(1, cbuf + kC, 64);
   if constexpr (RT == 2) _tile_stored(2, cbuf + 2 * kC, 64);
   if constexpr (RT == 2 && CT == 2) _tile_stored(3, cbuf + 3 * kC, 64);
+  // locals: the output stores could alias p's and a's fields, which the compiler would then load again per vector
+  float* const y = p.y;
+  const size_t n = p.n;
+  const float* const xs_all = a.xs.data();
   for (int t = 0; t < CT; ++t) {
     const int n0 = (tile0 + t) * kTile, cols = std::min(kTile, p.n - n0);
     const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
@@ -343,11 +347,12 @@ void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
     for (int r = 0; r < RT; ++r) {
       const int32_t* c = cbuf + (2 * r + t) * kC;
       const int row0 = (rt0 + r) * (kAmxRows / P), rows = std::min(kAmxRows / P, p.m - row0);
-      for (int i = 0; i < rows; ++i) {
-        const float* xs = a.xs.data() + static_cast<size_t>(row0 + i) * P;
+      const float* xs = xs_all + static_cast<size_t>(row0) * P;
+      float* out = y + static_cast<size_t>(row0) * n + n0;
+      for (int i = 0; i < rows; ++i, xs += P, out += n) {
         const __m512 f = Finish<P>(_mm512_load_si512(c + i * P * kTile), _mm512_load_si512(c + (i * P + P - 1) * kTile),
                                    corr, xs[0], xs[P - 1], ws);
-        _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row0 + i) * p.n + n0, mask, f);
+        _mm512_mask_storeu_ps(out, mask, f);
       }
     }
   }
