@@ -3,9 +3,11 @@
  * Built against the kernel's own source (it includes the .cc file) and the XLA FFI headers:
  *     python -m benchmarks.kernel int8 --channel-parts [--rows 256]      (builds and runs this for the five shapes)
  * or by hand:
- *     g++ -O3 -std=c++17 -ffp-contract=off -Ikernels/cpu/csrc -I$(python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
+ *     g++ -O3 -std=c++17 -ffp-contract=off -Ikernels/cpu/csrc \
+ *         -I$(python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
  *         -I$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])') benchmarks/int8_channel_parts.cc \
- *         -o int8_channel_parts && ./int8_channel_parts M K N P [REPS]
+ *         -L$LIBDIR -lpython3.11 -o int8_channel_parts && ./int8_channel_parts M K N P [REPS [PEAK]]
+ * (the kernel's module entry points link against libpython; LIBDIR: sysconfig's, also on LD_LIBRARY_PATH).
  * Stages, each with everything before it, in the kernel's order (row tile pairs outer, column pairs inner, chunks
  * of up to 48 column tiles), the sums the kernel's own:
  *   quant   the row quantization (Job::Quantize) alone
@@ -48,8 +50,8 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stag
   AmxBegin();
   for (int chunk = 0; chunk < job.chunks; ++chunk) {
     const int tile_lo = chunk * job.chunk_tiles, tile_hi = std::min(tile_lo + job.chunk_tiles, p.tiles);
-    for (int rt = 0; rt + 1 < row_tiles; rt += 2)  // whole row tile and column pairs: the shapes here have them
-      for (int t = tile_lo; t + 1 < tile_hi; t += 2) {
+    for (int rt = 0; rt < row_tiles; rt += 2)  // whole row tile and column pairs (main checks)
+      for (int t = tile_lo; t < tile_hi; t += 2) {
         const uint8_t* x = a.u.data() + rt * row_tile;
         const int8_t* w = p.w + t * p.tile_bytes();
         _tile_zero(0);
@@ -111,8 +113,9 @@ int main(int argc, char** argv) {
   const int m = atoi(argv[1]), k = atoi(argv[2]), n = atoi(argv[3]), parts = atoi(argv[4]);
   const int reps = argc > 5 ? atoi(argv[5]) : 30;
   const double peak = argc > 6 ? atof(argv[6]) : 0.0;
-  if (m < 1 || k < 1 || n < 1 || (parts != 1 && parts != 2) || k > kMaxK) {
-    fprintf(stderr, "M, K, N >= 1, K <= %d, P 1 or 2\n", kMaxK);
+  if (m < 1 || k < 1 || n < 1 || (parts != 1 && parts != 2) || k > kMaxK || (m * parts) % 32 || n % 32) {
+    fprintf(stderr, "M, K, N >= 1, K <= %d, P 1 or 2, M * P and N multiples of 32 (the stages run whole 2 x 2 "
+            "blocks)\n", kMaxK);
     return 2;
   }
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {

@@ -38,7 +38,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -314,6 +313,8 @@ def channel_rows(rng: np.random.Generator, rows: list[int], reps: int) -> None:
 
 def channel_parts(rows: list[int], reps: int) -> None:
     """[7]: benchmarks/int8_channel_parts.cc on the default model's layer shapes, one and two parts."""
+    if any(m % 32 for m in rows):
+        raise SystemExit("--channel-parts times whole 2 x 2 tile blocks: --rows must be multiples of 32")
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise SystemExit("--channel-parts needs a C++ compiler")
@@ -326,17 +327,17 @@ def channel_parts(rows: list[int], reps: int) -> None:
           f"{reps}, thread CPU time); AMX int8 peak of one core (benchmarks/amx_peak.c, same run): {peak:.0f} GOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "int8_channel_parts")
+        libdir = sysconfig.get_config_var("LIBDIR") or ""  # the module's Python entry points link against libpython
         subprocess.run([cxx, "-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-w",
                         f"-I{os.path.join(root, 'kernels', 'cpu', 'csrc')}", f"-I{jax.ffi.include_dir()}",
                         f"-I{sysconfig.get_paths()['include']}", os.path.join(here, "int8_channel_parts.cc"), "-o", exe,
-                        f"-L{sysconfig.get_config_var('LIBDIR')}", f"-lpython{sys.version_info.major}.{sys.version_info.minor}"],
-                       check=True)
-        env = dict(os.environ, LD_LIBRARY_PATH=sysconfig.get_config_var("LIBDIR") or "")
+                        f"-L{libdir}", f"-lpython{sysconfig.get_python_version()}"], check=True)
+        env = dict(os.environ, LD_LIBRARY_PATH=libdir)
         for m in rows:
             for name, (k, n) in CHANNEL_SHAPES.items():
                 for parts in (1, 2):
-                    out = subprocess.run([exe, str(m), str(k), str(n), str(parts), str(reps), f"{peak:.0f}"], check=True,
-                                         capture_output=True, text=True, env=env).stdout.strip()
+                    out = subprocess.run([exe, str(m), str(k), str(n), str(parts), str(reps), f"{peak:.0f}"],
+                                         check=True, capture_output=True, text=True, env=env).stdout.strip()
                     print(f"    {name:18} {out}", flush=True)
 
 
