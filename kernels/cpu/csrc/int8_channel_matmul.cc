@@ -92,7 +92,7 @@ struct Problem {
 };
 
 // Cache-line aligned storage: an A tile row (64 bytes) that straddles two lines costs the tile load twice the line
-// reads (std::vector's own storage is 16-byte aligned; a misaligned A took the 256-row tile loop to ~0.6x its rate).
+// reads (std::vector's own storage is 16-byte aligned: it took one thread's 256-row tile loop to ~0.65x its rate).
 template <typename T>
 struct LineAligned {
   using value_type = T;
