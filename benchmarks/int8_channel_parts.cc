@@ -15,7 +15,11 @@
  *   cstore  + the four C tile stores per block
  *   finish  + the float steps, each output vector stored to one small L1-resident buffer
  *   call    the kernel's own items (Job::Run: quantization, products, float steps, stores to the [M, N] output)
- * Prints microseconds and, for loop and call, GOP/s (2*M*K*N over the time) and the share of `peak` if given. */
+ *   gated   what a gated gate/up call would do (not in the kernel): quantization, then 2 x 2 blocks pairing column
+ *           tile t with tile t + N/32 (gate and up), both finished and silu(g) * u (fixed operations, SiluMul)
+ *           stored once: half the output stores, the same tile products
+ * Prints microseconds and, for loop, call and gated, GOP/s (2*M*K*N over the time) and the share of `peak` if
+ * given. */
 #include "int8_channel_matmul.cc"  // NOLINT: the kernel's translation unit, its anonymous namespace included
 
 #include <sys/syscall.h>
@@ -35,9 +39,24 @@ double ThreadSeconds() {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-enum Stage { kLoop, kCStore, kFinish };
+enum Stage { kLoop, kCStore, kFinish, kGated };
 
 alignas(64) float g_sink[2][kAmxRows * 2 * kTile];  // the finish stage's outputs: one block's, kept in L1
+
+// silu(g) * u by fixed operations: exp(-g) by range reduction, a degree-6 Horner polynomial and scaling by 2^n, its
+// argument clamped to [-87, 88] (no subnormals), then a division: what a gated gate/up call would add per output.
+__attribute__((target("avx512f"), always_inline)) inline __m512 SiluMul(__m512 g, __m512 u) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));
+  __m512 q = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(c));
+  const __m512 e = _mm512_scalef_ps(q, n);
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
 
 template <int P>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stages(const Job& job, Stage stage) {
@@ -48,6 +67,59 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stag
   constexpr int kC = kAmxRows * kTile;
   alignas(64) int32_t cbuf[4 * kC];
   AmxBegin();
+  if (stage == kGated) {  // gate tile t and up tile t + half in each block; silu(g) * u into [M, N / 2]
+    const int half = p.tiles / 2;
+    const size_t out_n = static_cast<size_t>(half) * kTile;
+    for (int chunk = 0; chunk < job.chunks; ++chunk) {
+      const int tile_lo = chunk * job.chunk_tiles / 2, tile_hi = std::min(tile_lo + job.chunk_tiles / 2, half);
+      for (int rt = 0; rt < row_tiles; rt += 2)
+        for (int t = tile_lo; t < tile_hi; ++t) {
+          const uint8_t* x = a.u.data() + rt * row_tile;
+          const int8_t* wg = p.w + t * p.tile_bytes();
+          const int8_t* wu = p.w + (t + half) * p.tile_bytes();
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int k = 0; k < p.kp; k += kStep) {
+            const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
+            _tile_loadd(4, x + xa, kStep);
+            _tile_loadd(6, wg + wb, 64);
+            _tile_dpbusd(0, 4, 6);
+            _tile_loadd(7, wu + wb, 64);
+            _tile_dpbusd(1, 4, 7);
+            _tile_loadd(5, x + row_tile + xa, kStep);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+          }
+          _tile_stored(0, cbuf, 64);
+          _tile_stored(1, cbuf + kC, 64);
+          _tile_stored(2, cbuf + 2 * kC, 64);
+          _tile_stored(3, cbuf + 3 * kC, 64);
+          const int ng = t * kTile, nu = (t + half) * kTile;
+          const __m512i cg = _mm512_slli_epi32(_mm512_loadu_si512(p.colsum + ng), 7);
+          const __m512i cu = _mm512_slli_epi32(_mm512_loadu_si512(p.colsum + nu), 7);
+          const __m512 wsg = _mm512_loadu_ps(p.ws + ng), wsu = _mm512_loadu_ps(p.ws + nu);
+          for (int r = 0; r < 2; ++r) {
+            const int32_t* c0 = cbuf + 2 * r * kC;
+            const int32_t* c1 = c0 + kC;
+            const int row0 = (rt + r) * (kAmxRows / P);
+            const float* xs = a.xs.data() + static_cast<size_t>(row0) * P;
+            float* out = p.y + static_cast<size_t>(row0) * out_n + ng;
+            for (int i = 0; i < kAmxRows / P; ++i, out += out_n) {
+              const int at = i * P * kTile, at1 = (i * P + P - 1) * kTile;
+              const __m512 g = Finish<P>(_mm512_load_si512(c0 + at), _mm512_load_si512(c0 + at1), cg, xs[i * P],
+                                         xs[i * P + P - 1], wsg);
+              const __m512 u = Finish<P>(_mm512_load_si512(c1 + at), _mm512_load_si512(c1 + at1), cu, xs[i * P],
+                                         xs[i * P + P - 1], wsu);
+              _mm512_storeu_ps(out, SiluMul(g, u));
+            }
+          }
+        }
+    }
+    AmxEnd();
+    return;
+  }
   for (int chunk = 0; chunk < job.chunks; ++chunk) {
     const int tile_lo = chunk * job.chunk_tiles, tile_hi = std::min(tile_lo + job.chunk_tiles, p.tiles);
     for (int rt = 0; rt < row_tiles; rt += 2)  // whole row tile and column pairs (main checks)
@@ -166,7 +238,7 @@ int main(int argc, char** argv) {
   auto stage = [&](Stage s) { return [&job, s, parts] { parts == 2 ? Stages<2>(job, s) : Stages<1>(job, s); }; };
   call();  // warm: buffers, pages, the tile state
   const auto tq = time(quant), tl = time(stage(kLoop)), tc = time(stage(kCStore)), tf = time(stage(kFinish)),
-             tcall = time(call);
+             tcall = time(call), tg = time([&] { quant(); stage(kGated)(); });
   const double ops = 2.0 * m * k * n;
   auto rate = [&](double us) {
     static char s[64];
@@ -175,8 +247,9 @@ int main(int argc, char** argv) {
     return std::string(s);
   };
   printf("M %d K %d N %d P %d (best / median of %d, us): quant %.1f / %.1f | loop %.1f / %.1f (%s) | cstore %.1f / "
-         "%.1f | finish %.1f / %.1f | call %.1f / %.1f (%s)\n",
+         "%.1f | finish %.1f / %.1f | call %.1f / %.1f (%s) | gated call %.1f / %.1f (%s)\n",
          m, k, n, parts, reps, tq.first, tq.second, tl.first, tl.second, rate(tl.second).c_str(), tc.first, tc.second,
-         tf.first, tf.second, tcall.first, tcall.second, rate(tcall.second).c_str());
+         tf.first, tf.second, tcall.first, tcall.second, rate(tcall.second).c_str(), tg.first, tg.second,
+         rate(tg.second).c_str());
   return 0;
 }
