@@ -23,14 +23,23 @@ Three measurements in one run, so their ratios share the machine's state:
      and two activation parts) at --rows on the default model's layer shapes, on the AMX tile unit (where the CPU
      has it) and on AVX-512 VNNI, against the q8 kernel's q8_0 and q8_0-a16 on their default paths, all timed
      alternately; with AMX, the tile unit's int8 peak (benchmarks/amx_peak.c) measured in the same run.
+  7. with --channel-parts, on a CPU with AMX: where one thread's time goes in that kernel's tile path at --rows
+     (benchmarks/int8_channel_parts.cc, built against the kernel's source: the row quantization, the tile loop
+     alone, + the C tile stores, + the float steps, the whole call), thread CPU time, with the tile unit's int8
+     peak per core (benchmarks/amx_peak.c on one thread) measured in the same run.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
     python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]] [--channel]
+                                     [--channel-parts]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
 import time
 
 import jax
@@ -302,6 +311,36 @@ def channel_rows(rng: np.random.Generator, rows: list[int], reps: int) -> None:
         cext.amx_rows(prev_rows)
 
 
+def channel_parts(rows: list[int], reps: int) -> None:
+    """[7]: benchmarks/int8_channel_parts.cc on the default model's layer shapes, one and two parts."""
+    if any(m % 32 for m in rows):
+        raise SystemExit("--channel-parts times whole 2 x 2 tile blocks: --rows must be multiples of 32")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise SystemExit("--channel-parts needs a C++ compiler")
+    peak = amx_peak(1, "int8")
+    if peak is None:
+        raise SystemExit("--channel-parts needs AMX-INT8 and the OS's grant of the tile state")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    print(f"\n[7] per-channel kernel's tile path, one thread (benchmarks/int8_channel_parts.cc; us best / median of "
+          f"{reps}, thread CPU time); AMX int8 peak of one core (benchmarks/amx_peak.c, same run): {peak:.0f} GOP/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "int8_channel_parts")
+        libdir = sysconfig.get_config_var("LIBDIR") or ""  # the module's Python entry points link against libpython
+        subprocess.run([cxx, "-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-w",
+                        f"-I{os.path.join(root, 'kernels', 'cpu', 'csrc')}", f"-I{jax.ffi.include_dir()}",
+                        f"-I{sysconfig.get_paths()['include']}", os.path.join(here, "int8_channel_parts.cc"), "-o", exe,
+                        f"-L{libdir}", f"-lpython{sysconfig.get_python_version()}"], check=True)
+        env = dict(os.environ, LD_LIBRARY_PATH=libdir)
+        for m in rows:
+            for name, (k, n) in CHANNEL_SHAPES.items():
+                for parts in (1, 2):
+                    out = subprocess.run([exe, str(m), str(k), str(n), str(parts), str(reps), f"{peak:.0f}"],
+                                         check=True, capture_output=True, text=True, env=env).stdout.strip()
+                    print(f"    {name:18} {out}", flush=True)
+
+
 def amx_engine(ext, reps: int) -> None:
     """[5]: decode and prefill steps of the default model with the q8 kernel's paths alternated per rep."""
     import statistics
@@ -375,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--amx", action="store_true", help="only [4]: the tile unit against the VNNI path")
     parser.add_argument("--engine", action="store_true", help="with --amx, only [5]: engine steps on each path")
     parser.add_argument("--channel", action="store_true", help="only [6]: the per-channel kernel against q8_0(-a16)")
+    parser.add_argument("--channel-parts", action="store_true",
+                        help="only [7]: where one thread's time goes in the per-channel kernel's tile path")
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
@@ -383,6 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cpu: {cpu_model()} ({os.cpu_count()} logical CPUs, L3 {l3_bytes() >> 20} MiB); kernel isa: "
           f"{ext.isa()}; one-row prefetch near/far {ext.prefetch()} bytes; jax {jax.__version__}, backend {jax.default_backend()}; medians of {args.reps}")
     rng = np.random.default_rng(0)
+    if args.channel_parts:
+        return channel_parts([int(r) for r in args.rows.split(",")], args.reps)
     if args.channel:
         return channel_rows(rng, [int(r) for r in args.rows.split(",")], args.reps)
     if args.amx and args.engine:

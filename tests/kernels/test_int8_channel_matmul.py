@@ -64,6 +64,17 @@ def test_kernel_equals_the_reference_bit_for_bit_on_every_isa(m, parts):
 
 @needs_native
 @pytest.mark.parametrize("parts", [1, 2])
+def test_wide_outputs_in_several_column_chunks_equal_the_reference(parts):
+    # 98 column tiles: the tile unit splits them into chunks of up to 48 (the last one odd-sized), 257 rows into two
+    # row blocks
+    x, q, scale = case(np.random.default_rng(9), 257, 100, 1560)
+    want = icm.reference_numpy(x, q, scale, parts)
+    for isa in ISAS:
+        np.testing.assert_array_equal(run(x, q, scale, parts, isa, 1 if isa == "amx" else None), want, err_msg=isa)
+
+
+@needs_native
+@pytest.mark.parametrize("parts", [1, 2])
 def test_a_row_is_the_same_alone_and_in_a_call_of_many_rows(parts):
     x, q, scale = case(np.random.default_rng(5), 257, 576, 200)
     paths = [("avx512_vnni" if "avx512_vnni" in ISAS else ISAS[0], None)]
