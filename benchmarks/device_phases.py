@@ -250,7 +250,7 @@ def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
         if rate:
             row.update(rate_m=nearest["m"], rate_tflops=rate, floor_ms=flops / (rate * 1e12) * 1e3)
             row["over_floor"] = row["ms"] / row["floor_ms"]
-    if profile:
+    if profile is not None:
         row["device_ops"] = profile
     record(args, "prefill", row)
 

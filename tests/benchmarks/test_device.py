@@ -31,9 +31,11 @@ def _report(out) -> dict:
 def test_in_process_phases(tiny_dir, tmp_path):
     # random weights for the directory's config, as the TPU run draws a preset's
     out = tmp_path / "out"
-    assert device.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--skip-serving",
+    assert device.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--skip-serving", "--profile",
                         "--output-dir", str(out)]) == 0
     r = _report(out)
+    # --profile: the device's ops of a step (a CPU has no device planes: the lists are there, empty)
+    assert all(isinstance(d["device_ops"], list) for d in r["decode"] + [r["prefill"]])
     assert r["machine"]["platform"] == "cpu" and r["machine"]["device_kind"]
     assert r["machine"]["load_format"] == "dummy"
     assert r["hbm"]["bytes"] == 8 << 20 and r["hbm"]["read_gbs"] > 0
