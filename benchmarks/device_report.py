@@ -42,10 +42,13 @@ def markdown(r: dict) -> str:
                   f"({e['kv_bytes_per_token']} bytes/token), pages of {e['page_size']}, context {e['context']}, "
                   f"ready in {e['ready_s']:.1f} s ({e['programs']} programs)", ""]
     if r.get("decode"):
-        lines += ["| slots | step ms | tok/s | floor ms (weights + KV at HBM read) | step/floor |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += ["| slots | step ms | tok/s | floor ms (weights + KV at HBM read) | step/floor | pipelined step ms "
+                  "| pipelined/floor |", "|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {d['slots']} | {_g(d['step_ms'])} | {_g(d['tok_s'])} | {_g(d.get('floor_ms', 0))} | "
-                  f"{d.get('step_over_floor', 0):.2f} |" for d in r["decode"]]
+                  f"{d.get('step_over_floor', 0):.2f} | {_g(d.get('pipelined_ms', 0))} | "
+                  f"{d.get('pipelined_over_floor', 0):.2f} |" for d in r["decode"]]
+        lines += ["", "Pipelined: each step launched before the previous one's samples are read (its tokens "
+                  "the device's latest samples), as the server runs decodes."]
         lines.append("")
         lines += [f"Device time of one {d['slots']}-slot step by op: {_ops(d['device_ops'])}" for d in r["decode"]
                   if d.get("device_ops")]

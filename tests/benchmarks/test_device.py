@@ -51,6 +51,8 @@ def test_in_process_phases(tiny_dir, tmp_path):
         want = (r["engine"]["weight_mb"] * 1e6 + d["kv_read_mb"] * 1e6) / (r["hbm"]["read_gbs"] * 1e9) * 1e3
         assert d["floor_ms"] == pytest.approx(want) and d["step_ms"] > 0
         assert d["step_over_floor"] == pytest.approx(d["step_ms"] / d["floor_ms"])
+        # steps with one in flight, as the server runs them
+        assert d["pipelined_ms"] > 0 and d["pipelined_over_floor"] == pytest.approx(d["pipelined_ms"] / d["floor_ms"])
     p = r["prefill"]
     assert p["tokens"] == 32 and p["matmul_kind"] == "f32" and p["rate_m"] == 8
     assert p["rate_tflops"] == r["matmul"]["rows"][1]["kinds"]["f32"]["tflops"] and p["over_floor"] > 0
