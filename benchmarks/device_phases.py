@@ -202,7 +202,7 @@ def _decode_batches(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs:
         setup.rewind()
         row["pipelined_ms"] = pipelined_ms(setup, batch, args.steps + args.warmup)
         if args.profile:
-            row["device_ops"] = step_profile(step)
+            row.update(step_profile(step))
         if hbm_gbs:
             row["floor_ms"] = (weights + kv_read_bytes(setup, batch)) / (hbm_gbs * 1e9) * 1e3
             row["step_over_floor"] = ms / row["floor_ms"]
@@ -236,22 +236,23 @@ def pipelined_ms(setup, batch: int, n: int) -> float:
     return (time.perf_counter() - start) / (n + 1) * 1e3
 
 
-def step_profile(step, top: int = 12) -> list:
-    """The device's top ops of one engine step, by op kind (name up to its first '.', '=' or ':'):
-    [kind, us in the step, count]."""
+def step_profile(step, top: int = 12) -> dict:
+    """The device's top ops of one engine step: {"device_ops": by op kind (name up to its first '.', '='
+    or ':'), "device_top_ops": the ops themselves (HLO text, cut)}, each [name, us in the step, count]."""
     from benchmarks.device_profile import device_ops
 
     try:
         _, ops = device_ops(lambda: (step(), jnp.zeros(()))[1], top=10 ** 6)
     except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
-        return [[f"profile failed: {type(exc).__name__}: {exc}"[:300], 0.0, 0]]
+        return {"device_ops": [[f"profile failed: {type(exc).__name__}: {exc}"[:300], 0.0, 0]]}
     kinds: dict[str, list] = {}
     for name, us, n in ops:
         kind = name.split("=")[0].strip().lstrip("%").split(".")[0].split(":")[0]
         k = kinds.setdefault(kind, [kind, 0.0, 0])
         k[1] += us
         k[2] += n
-    return [[k, round(us, 1), n] for k, us, n in sorted(kinds.values(), key=lambda x: -x[1])[:top]]
+    return {"device_ops": [[k, round(us, 1), n] for k, us, n in sorted(kinds.values(), key=lambda x: -x[1])[:top]],
+            "device_top_ops": [[name[:240], round(us, 1), n] for name, us, n in ops[:top]]}
 
 
 def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
@@ -265,7 +266,7 @@ def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
     batch = StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
     seconds = statistics.median(interleaved({"prefill": lambda: engine.step(batch)}, max(3, args.steps // 2),
                                             warmup=1)["prefill"])
-    profile = step_profile(lambda: engine.step(batch)) if args.profile else None
+    profile = step_profile(lambda: engine.step(batch)) if args.profile else {}
     flops = n * linear_flops_per_token(cfg) + 2 * cfg.hidden_size * cfg.vocab_size  # + the sampled row's head
     row = {"tokens": n, "ms": seconds * 1e3, "tok_s": n / seconds, "matmul_flops": flops,
            "matmul_tflops": flops / seconds / 1e12,
@@ -278,8 +279,7 @@ def prefill(args: argparse.Namespace, setup, cfg: ModelConfig) -> None:
         if rate:
             row.update(rate_m=nearest["m"], rate_tflops=rate, floor_ms=flops / (rate * 1e12) * 1e3)
             row["over_floor"] = row["ms"] / row["floor_ms"]
-    if profile is not None:
-        row["device_ops"] = profile
+    row.update(profile)
     record(args, "prefill", row)
 
 
