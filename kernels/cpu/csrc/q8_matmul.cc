@@ -889,20 +889,24 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // What a group of one 16 x 16 block costs (one core, this Emerald Rapids, operands in L1): the K = 32 product ~5 ns
 // (as long as a K = 64 one), the C tile's store ~5 ns, the vector pass over the stored tile (bias, combine,
 // convert, scale, fma) ~10-13 ns; VNNI's products and float steps for the same block ~32 ns (8-bit weights).
-// What made the tile path pay at few rows (kernel alone, 4-bit 576 x 3072, 8 input rows, two parts: 1.05x -> 0.75x
-// the VNNI time): the weights prefetched ahead, as the one-row VNNI path does (the stream from memory stalled the
-// tile loads), each C tile stored two items after its product (a store right behind its product waited for it,
-// and the tile unit takes its instructions in order), the scale pass six items behind the store, and no division
-// per item. Earlier layouts: 2 x 2 tile blocks (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256
-// rows, 1 x 1 blocks with two groups in flight 0.89-0.98x.
+// What made the tile path pay at few rows (one core, benchmarks/q8_tile_probe.cc, 4-bit 576 x 3072, 8 input rows, two
+// parts: 1.05x -> 0.78x the VNNI time): the weights prefetched ahead, as the one-row VNNI path does (the stream from
+// memory stalled the tile loads), each C tile stored two items after its product (a store right behind its product
+// waited for it, and the tile unit takes its instructions in order), the scale pass six items behind the store, and
+// no division per item. What it costs now per item at 8 input rows (same probe): ~12-15 ns of tile work (products,
+// tile loads, C store, widening) and ~14 ns of scale pass, which hardly overlap. Earlier layouts: 2 x 2 tile blocks
+// (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight
+// 0.89-0.98x.
 constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
-// Emerald Rapids): the kernel alone at 4 / 8 / 16 input rows, two parts, 0.73-0.87x the VNNI time (4-bit and 8-bit
-// weights of the default model's shapes, one core); at 1-2 rows 1.03-1.45x (the VNNI one-row path streams the
-// weights with less work per group). Earlier (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128
-// rows, 0.95-1.10x at 256 and 512; one part 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and
-// scale pass per group and 16 x 16 tile cost as much as the VNNI products they replace), so one-part calls stay on
-// VNNI.
+// Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
+// 1.4-1.6x at 1-2 rows (the VNNI one-row path streams the weights with less work per group); in the default model's
+// program on both cores (`python -m benchmarks.spec_profile`), its q8 calls 0.97x at 4 tokens, 1.05x at 8 and 16 on
+// a quiet machine, 0.78-0.87x with other work on the second core: the tile path scales worse to two threads than
+// VNNI (not understood: two processes or two threads of the probe do not slow each other). A 32-slot decode step:
+// 0.94x. Earlier (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and
+// 512; one part 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and
+// 16 x 16 tile cost as much as the VNNI products they replace), so one-part calls stay on VNNI.
 constexpr int kInt8MinRows = 4, kInt8MaxRows = 64;
 std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
 
