@@ -200,8 +200,8 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
 
 def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     """[4]: the tile unit's dense peak, then the q8 kernel's AMX paths against its VNNI path, timed alternately in
-    one process: the exact int8 tile path (tdpbsud, bit for bit VNNI's) for q8_0, q8_0-a16 and q4-a16, and for q8_0-a16 the
-    bf16 hi + lo path (pack_tiles)."""
+    one process: the exact int8 tile path (tdpbsud, bit for bit VNNI's) for q8_0, q8_0-a16 and q4-a16, and for
+    q8_0-a16 the bf16 hi + lo path (pack_tiles)."""
     cores = len(os.sched_getaffinity(0))
     try:
         ext.set_isa("amx")

@@ -6,8 +6,9 @@
  * measurement (default 1), REPS (200), MEDIAN=1 for medians instead of minima, ONLY_AMX=1 / ONLY_VNNI=1.
  *     g++ -O3 -std=c++17 -fno-math-errno -fno-wrapv -I$(python -c "import jax.ffi; print(jax.ffi.include_dir())") \
  *       -Ikernels/cpu/csrc -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
- *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -L$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
- *       -lpython3.11 -Wl,-rpath,$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+ *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -lpython3.11 \
+ *       -L$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
+ *       -Wl,-rpath,$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
  *     ./q8_tile_probe K N COPIES BITS      (e.g. 576 3072 40 4: the default model's gate/up, 4-bit) */
 #include "q8_matmul.cc"
 
@@ -26,7 +27,8 @@ double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 void Probe(int k, int n, int copies, int bits) {
   const int groups = k / kGroup, tiles = n / kTile;
   std::mt19937 rng(1);
-  const size_t wbytes = static_cast<size_t>(tiles) * k * kTile * bits / 8, sbytes = static_cast<size_t>(tiles) * groups * kTile;
+  const size_t wbytes = static_cast<size_t>(tiles) * k * kTile * bits / 8;
+  const size_t sbytes = static_cast<size_t>(tiles) * groups * kTile;
   std::vector<uint8_t> w(wbytes * copies);
   for (auto& b : w) b = static_cast<uint8_t>(rng());
   std::vector<uint16_t> ws(sbytes * copies), wo(sbytes * copies);

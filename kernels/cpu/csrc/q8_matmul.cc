@@ -49,9 +49,9 @@
 // gate/up output was 4% of a 1052-token step).
 //
 // Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
-// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part calls of at least
-// kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile unit, see
-// TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part
+// calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
+// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
