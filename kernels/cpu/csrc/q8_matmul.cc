@@ -901,12 +901,11 @@ constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
 // Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
 // 1.4-1.6x at 1-2 rows (the VNNI one-row path streams the weights with less work per group); in the default model's
-// program on both cores (`python -m benchmarks.spec_profile`), its q8 calls 0.97x at 4 tokens, 1.05x at 8 and 16 on
-// a quiet machine, 0.78-0.87x with other work on the second core: the tile path scales worse to two threads than
-// VNNI (not understood: two processes or two threads of the probe do not slow each other). A 32-slot decode step:
-// 0.94x. Earlier (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and
-// 512; one part 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and
-// 16 x 16 tile cost as much as the VNNI products they replace), so one-part calls stay on VNNI.
+// program on both cores (`python -m benchmarks.spec_profile`, the threads on contiguous segments, see Job::workers),
+// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16. A 32-slot decode step: 0.94x (before the segments). Earlier
+// (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and 512; one part
+// 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile cost as
+// much as the VNNI products they replace), so one-part calls stay on VNNI.
 constexpr int kInt8MinRows = 4, kInt8MaxRows = 64;
 std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
 
@@ -1187,6 +1186,15 @@ struct Job {
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
+  // The int8 tile path's work split: item w (a worker, one per thread) runs the chunks of segment w, a contiguous
+  // range of the call's chunks, then takes what is left of the others' segments. With the chunks handed out in turn
+  // (the VNNI path's split) two threads of one call each ran the tile path's items ~1.3x slower than one thread
+  // alone (two threads of benchmarks/q8_tile_probe.cc's kind on one shared output: neighbouring chunks' stores;
+  // contiguous halves ran at the one-thread speed); the model program's 8- and 16-token q8 calls went from 1.05x the
+  // VNNI path's time to 0.83x.
+  int workers = 0;
+  std::unique_ptr<std::atomic<int>[]> seg_next;
+  int SegBegin(int s) const { return static_cast<int>(static_cast<int64_t>(s) * chunks / workers); }
   bool f32_path = false;  // AVX2, two parts, at least kF32MinRows rows: RunItemF32
   int quant_blocks;
   std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
@@ -1226,6 +1234,16 @@ struct Job {
   }
 
   void RunItem(int item) {
+#if defined(SLIPSTREAM_X86)
+    if (workers) {
+      for (int k = 0; k < workers; ++k) {
+        const int s = (item + k) % workers, end = SegBegin(s + 1);
+        for (int c; (c = seg_next[s].fetch_add(1, std::memory_order_relaxed)) < end;)
+          for (int rb = 0; rb < row_blocks; ++rb) RunItemInt8(c, rb);
+      }
+      return;
+    }
+#endif
     const int chunk = item / row_blocks, rb = item % row_blocks;
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
@@ -1418,6 +1436,15 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
   job.chunks = (p.tiles + ChunkTiles(job.isa) - 1) / ChunkTiles(job.isa);
   job.items = job.row_blocks * job.chunks;
+  if (job.int8_tiles) {
+    const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t cap = g_max_threads.load(std::memory_order_relaxed);
+    const int64_t threads = cap > 0 ? std::min(cap, pool_threads) : pool_threads;
+    job.workers = static_cast<int>(std::min<int64_t>(threads, job.chunks));
+    job.seg_next.reset(new std::atomic<int>[job.workers]);
+    for (int s = 0; s < job.workers; ++s) job.seg_next[s].store(job.SegBegin(s));
+    job.items = job.workers;
+  }
   job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
   job.row_state.reset(new std::atomic<int>[job.quant_blocks]);
   for (int i = 0; i < job.quant_blocks; ++i) job.row_state[i].store(0);
