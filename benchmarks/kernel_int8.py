@@ -13,7 +13,8 @@ Three measurements in one run, so their ratios share the machine's state:
   3. many rows (prefill): each default-model shape at --rows, the kernel vs XLA's f32 matmul on
      the same x, timed alternately; GOP/s = 2*M*K*N / time (the useful work, whatever the parts);
   4. with --amx, on a CPU with AMX: the tile unit's dense peak (benchmarks/amx_peak.c, int8 and bf16) and, at every
-     --rows (the tile unit forced at every row count: the crossover), the int8 tile path (q8_0 and q8_0-a16) and
+     --rows (the tile unit forced at every row count: the crossover), the int8 tile path (q8_0, q8_0-a16, and
+     q4-a16: q8_0-a16 with 4-bit packed weights, as the default model's Q4_1 layers load) and
      the bf16 path (q8_0-a16 with its pack_tiles) against the AVX-512 VNNI path, timed alternately;
   5. with --amx --engine: the default model's engine (q8_0-a16, bf16 K/V, 32 slots at 384 tokens of context): a
      32-slot decode step and a 256-token prefill chunk on the VNNI path and on the AMX path as configured (bf16
@@ -78,6 +79,15 @@ def random_q8(rng: np.random.Generator, k: int, n: int, offsets: bool = False) -
     m = (rng.standard_normal(d.shape) * 1e-2).astype(np.float32) if offsets else None
     arrays = q8.pack(q, d, m)
     return tuple(jnp.asarray(a) for a in arrays) + ((None,) if m is None else ())
+
+
+def random_q4(rng: np.random.Generator, k: int, n: int) -> tuple:
+    """(packed, scales, offsets) of a random [k, n] weight with values in 0..15 and offsets (GGUF's Q4_1), packed at
+    4 bits."""
+    q = rng.integers(0, 16, (n, k), dtype=np.int8)
+    d = (rng.random((n, -(-k // q8.GROUP))) * 1e-2).astype(np.float16).astype(np.float32)
+    m = (rng.standard_normal(d.shape) * 1e-2).astype(np.float16).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in q8.pack(q, d, m, bits=4))
 
 
 def copies_beyond_l3(k: int, n: int, offsets: bool) -> int:
@@ -199,8 +209,8 @@ def prefetch_ab(ext, call: tuple, settings: str, reps: int, form: str) -> None:
 
 def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
     """[4]: the tile unit's dense peak, then the q8 kernel's AMX paths against its VNNI path, timed alternately in
-    one process: the exact int8 tile path (tdpbsud, bit for bit VNNI's) for q8_0 and q8_0-a16, and for q8_0-a16 the
-    bf16 hi + lo path (pack_tiles)."""
+    one process: the exact int8 tile path (tdpbsud, bit for bit VNNI's) for q8_0, q8_0-a16 and q4-a16, and for
+    q8_0-a16 the bf16 hi + lo path (pack_tiles)."""
     cores = len(os.sched_getaffinity(0))
     try:
         ext.set_isa("amx")
@@ -220,13 +230,18 @@ def amx_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
         for m in rows:
             for name, (k, n) in PREFILL_SHAPES.items():
                 packed, scales, offsets = random_q8(rng, k, n, offsets=True)
+                nibbles = random_q4(rng, k, n)
                 x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-                for form, parts in (("q8_0", 1), ("q8_0-a16", 2)):
+                for form, parts in (("q8_0", 1), ("q8_0-a16", 2), ("q4-a16", 2)):
+                    if form == "q4-a16" and name.startswith("lm_head"):
+                        continue  # the GGUF's LM head is Q8_0
+                    if form == "q4-a16":  # 4-bit packing, as the default model's Q4_1 layers load
+                        packed, scales, offsets = nibbles
                     off = offsets if parts == 2 else None
                     plain = jax.jit(lambda x, p=packed, s=scales, o=off, n=n, parts=parts:
                                     q8.q8_matmul(x, p, s, o, n=n, parts=parts))
                     paths = {"vnni": ("avx512_vnni", plain), "int8": ("amx", plain)}
-                    if parts == 2:
+                    if form == "q8_0-a16":
                         tiles = jnp.asarray(q8.pack_tiles(packed, scales, offsets))
                         paths["bf16"] = ("amx", jax.jit(lambda x, p=packed, s=scales, o=offsets, t=tiles, n=n:
                                                         q8.q8_matmul(x, p, s, o, n=n, parts=2, tiles=t)))

@@ -80,8 +80,8 @@ def takes_f32_path(isa: str | None, parts: int, rows: int) -> bool:
 
 
 # q8_matmul.cc's kAmxMinRows: from this many rows a call on the AMX path runs on the tile unit. Its int8 path
-# (tdpbsud, 8-bit weights) gives the AVX-512 VNNI path's outputs bit for bit, so a row's output never depends on
-# the call's row count. With a q8_0-a16 weight's pack_tiles (SLIPSTREAM_AMX_BF16=1) two-part calls instead
+# (tdpbsud, 8- or 4-bit weights) gives the AVX-512 VNNI path's outputs bit for bit, so a row's output never depends
+# on the call's row count. With a q8_0-a16 weight's pack_tiles (SLIPSTREAM_AMX_BF16=1) two-part calls instead
 # multiply x and the dequantized weight each split into bf16 hi + lo, three bf16 products summed in f32 (~16
 # bits per product): tests/kernels/test_q8_matmul_amx.py.
 AMX_MIN_ROWS = 64

@@ -1,5 +1,5 @@
 """The Q8_0 matmul's AMX path (Intel CPUs whose OS grants the tile state): calls of AMX_MIN_ROWS rows or more
-with 8-bit weights run on the int8 tile unit and give the AVX-512 VNNI path's outputs bit for bit, for one and
+with 8- or 4-bit weights run on the int8 tile unit and give the AVX-512 VNNI path's outputs bit for bit, for one and
 two activation parts, so a row's output never depends on how many rows its call has. With a q8_0-a16 weight's
 pack_tiles (made at load only with SLIPSTREAM_AMX_BF16=1) two-part calls of that many rows multiply x and the
 dequantized weights split into bf16 hi + lo instead. The property tests of tests/kernels/test_q8_matmul.py
@@ -27,8 +27,8 @@ ROW_COUNTS = [1, 7, 8, 9, 15, 16, 17, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, AMX_MIN_RO
 
 @pytest.fixture(params=["default", "every call"])
 def tile_rows(request):
-    """The int8 tile unit's row window: the kernel's default (two-part calls of 8..64 rows), or every call of 8-bit
-    weights whatever its rows and parts."""
+    """The int8 tile unit's row window: the kernel's default (two-part calls of 4..64 rows), or every call whatever
+    its rows and parts."""
     prev = ext.amx_rows(1, 1 << 30, 1, -1) if request.param == "every call" else None
     yield request.param
     if prev:
@@ -44,6 +44,28 @@ def test_amx_equals_vnni_bit_for_bit_at_every_row_count(m, parts, tile_rows):
     for offsets in (None, packed_off):
         np.testing.assert_array_equal(run_kernel(x, packed, scales, n, "amx", offsets, parts=parts),
                                       run_kernel(x, packed, scales, n, "avx512_vnni", offsets, parts=parts))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16, 17, 64, 65, 300])
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("gated", [False, True])
+def test_four_bit_weights_on_the_tile_unit_equal_vnni(m, parts, gated, tile_rows):
+    # 4-bit packing (the default model's Q4_1 layers): the tile path widens each group's nibbles to a B tile and
+    # adds no bias back; its outputs are the VNNI path's bit for bit, on tiles of fewer than 16 act rows (a call of
+    # 1-7 input rows with two parts) as on whole ones, with and without offsets
+    rng = np.random.default_rng(m * 4 + parts * 2 + gated)
+    k, n = 333, 75
+    q = rng.integers(0, 16, (n, k)).astype(np.int8)
+    d = f16(rng.random((n, -(-k // q8.GROUP))) * 1e-2)
+    off = f16(rng.standard_normal(d.shape) * 1e-2)
+    x = rng.standard_normal((m, 2 * k if gated else k)).astype(np.float32)
+    x[:, 7] = 50.0
+    for offsets in (None, off):
+        packed, scales, *rest = q8.pack(q, d, offsets, bits=4)
+        packed_off = rest[0] if rest else None
+        np.testing.assert_array_equal(
+            run_kernel(x, packed, scales, n, "amx", packed_off, parts=parts, gated=gated),
+            run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=parts, gated=gated))
 
 
 def test_a_row_is_the_same_alone_and_in_a_tile_unit_call(tile_rows):

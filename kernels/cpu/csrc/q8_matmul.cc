@@ -48,10 +48,10 @@
 // quantized (GatedRow), so XLA never writes the [M, K] product (its slice-multiply fusion of the
 // gate/up output was 4% of a 1052-token step).
 //
-// Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows on the INT8 tile
-// unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part calls of at least
-// kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile unit, see
-// TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part
+// calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
+// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -64,6 +64,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -883,104 +884,200 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // Operands as they lie, nothing repacked: the 8-bit packed weight [Kp/4][16][4] per column tile is tdpbsud's B layout
 // (a group: 8 rows of 64 bytes), and the quantized act rows (part p of input row m at row m * P + p, Kp bytes each)
 // are A tiles of 16 act rows x 32 bytes with stride Kp. With two parts a tile's 16 act rows are 8 input rows.
-// Each 16 x 16 output block runs two groups at a time on its own tile registers (TileInt8), its f32 sums in 16
-// zmm registers. Why it gains so little (one core, benchmarks/amx_blocking.cc-style probes on this Emerald Rapids):
-// a K = 32 product costs what a K = 64 one does (~5 ns), every group's C tile must be stored (~5 ns, not
-// overlapped with the products), and the vector pass over the stored tile (bias, combine, convert, scale, fma:
-// ~13 ns per 16 x 16 tile) overlaps the tile work only in part (~21 ns for both against ~11 + 13): per group and
-// 16 x 16 block ~20-30 ns against VNNI's ~32. Also tried: 2 x 2 tile blocks (four C tiles, f32 sums in memory)
-// 1.05-1.10x the VNNI time at 256 rows, double-buffered 1 x 1 blocks as here 0.89-0.98x; row tiles outer or column
-// tiles outer: the same. 4-bit weights (their packing is not a B layout) stay on the VNNI path.
+// 4-bit weights are widened per group into a B tile (TileInt8). Each row tile runs over its item's column tiles
+// group by group, one stream of (column tile, group) items with four C tiles in rotation, its f32 sums in registers.
+// What a group of one 16 x 16 block costs (one core, this Emerald Rapids, operands in L1): the K = 32 product ~5 ns
+// (as long as a K = 64 one), the C tile's store ~5 ns, the vector pass over the stored tile (bias, combine,
+// convert, scale, fma) ~10-13 ns; VNNI's products and float steps for the same block ~32 ns (8-bit weights).
+// What made the tile path pay at few rows (one core, benchmarks/q8_tile_probe.cc, 4-bit 576 x 3072, 8 input rows, two
+// parts: 1.05x -> 0.78x the VNNI time): the weights prefetched ahead, as the one-row VNNI path does (the stream from
+// memory stalled the tile loads), each C tile stored two items after its product (a store right behind its product
+// waited for it, and the tile unit takes its instructions in order), the scale pass six items behind the store, and
+// no division per item. What it costs now per item at 8 input rows (same probe): ~12-15 ns of tile work (products,
+// tile loads, C store, widening) and ~14 ns of scale pass, which hardly overlap. Earlier layouts: 2 x 2 tile blocks
+// (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight
+// 0.89-0.98x.
 constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
-// Emerald Rapids, 2 cores, default model shapes, `python -m benchmarks.kernel int8 --amx --rows 8,...,512`): two
-// parts 0.78-0.99x the VNNI time from 8 to 64 rows, 0.93-1.14x at 128, 0.95-1.10x at 256 and 512; one part
-// 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile
-// cost as much as the VNNI products they replace), so one-part calls stay on VNNI.
-constexpr int kInt8MinRows = 8, kInt8MaxRows = 64;
+// Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
+// 1.4-1.6x at 1-2 rows (the VNNI one-row path streams the weights with less work per group); in the default model's
+// program on both cores (`python -m benchmarks.spec_profile`, the threads on contiguous segments, see Job::workers),
+// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16. A 32-slot decode step: 0.94x (before the segments). Earlier
+// (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and 512; one part
+// 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile cost as
+// much as the VNNI products they replace), so one-part calls stay on VNNI.
+constexpr int kInt8MinRows = 4, kInt8MaxRows = 64;
 std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
 
 #if defined(SLIPSTREAM_X86)
-struct AmxInt8Config {
+struct alignas(64) AmxInt8Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 0, 0, 32, 32, 64, 64};  // C: 16 int32, A: 32 int8, B: 64 bytes (16 cols x 4)
-  uint8_t rows[16] = {16, 16, 0, 0, 16, 16, 8, 8};      // B: a group's 32 inputs in 8 rows of 4
+  uint16_t colsb[16] = {64, 64, 64, 64, 32, 32, 64, 64};  // C: 16 int32, A: 32 int8, B: 64 bytes (16 cols x 4)
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};      // B: a group's 32 inputs in 8 rows of 4
 };
-alignas(64) const AmxInt8Config kAmxInt8Config{};
 
-// One row tile of act rows (from act row at0, a multiple of 16) x one column tile (tile0), over all of K, with two
-// groups in flight: group g's C tile, A tile and B tile are tmm(g % 2), tmm(4 + g % 2) and tmm(6 + g % 2), so the
-// tile unit multiplies group g + 1 while group g's C tile is stored and scaled, and the block's 16 output rows
-// (8 with two parts) stay in registers across the groups. Act rows past p.m * P (in the last row tile) are
-// multiplied and never read back.
-template <int P>
+// One row tile of act rows (from act row at0, a multiple of 16) x column tiles tile_lo .. tile_hi - 1, over all of K:
+// items (column tile, group) in order, item i's product in C tile tmm(i % 4), stored two items later into a ring of
+// buffers and scaled kLag items after its product, so the tile unit, the stores and the vector pass work on
+// different items; the row tile's output rows (8 with two parts) stay in registers across a column tile's groups.
+// Act rows past p.m * P (in the last row tile) are multiplied and never stored; the tile rows in use (the
+// configuration's, see AmxBeginInt8) may be fewer than 16.
+// 4-bit weights (B = 4): each group's nibbles are widened to a B tile in a buffer, as the nibbles themselves
+// (0..15, not + 128): tdpbsud then gives sum(q * xq) directly, the same integer as the VNNI path's -128 * sum(xq) +
+// sum((q + 128) * xq), so no bias is added back. Y: the output rows scaled (those of the tile rows in use).
+template <int P, int B, int Y>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
-void TileInt8(const Problem& p, const Acts& a, int at0, int tile0) {
-  constexpr int Y = kAmxRows / P;  // output rows
-  constexpr size_t kGroupBytes = kGroup * kTile;  // a group's B tile: 512 bytes
+void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi) {
+  static_assert(Y * P <= kAmxRows, "a tile holds 16 act rows");
+  constexpr size_t kGroupBytes = kGroup * kTile * B / 8;  // a group's packed weights: 512 or 256 bytes
+  constexpr int kLag = 6, kRing = 8;  // items between a C tile's store and its scale pass; C buffers
+  constexpr int kAhead = 4096 / kGroupBytes;  // items prefetched ahead: 4 KiB of packed weights
+  // B = 4: items widened ahead (a tile load reads the widened bytes from L1 once their stores have left the store
+  // buffer, not before) and the ring of widened B tiles
+  constexpr int kWLead = 8, kWRing = 16;
   const int rows = std::min(kAmxRows, p.m * P - at0), groups = p.groups, kp = p.kp;
+  const int items = (tile_hi - tile_lo) * groups;
   const int8_t* const xq = a.q.data() + static_cast<size_t>(at0) * kp;
-  const uint8_t* const w = p.w + tile0 * p.tile_bytes();
   const int32_t* const xb = a.bias.data() + static_cast<size_t>(at0) * groups;
   const float* const xs = a.scale.data() + static_cast<size_t>(at0) * groups + (P - 1) * groups;
   const float* const xsum = a.sum.data() + static_cast<size_t>(at0) * groups;
-  const uint16_t* const ws = p.ws + tile0 * p.tile_scales();
-  const uint16_t* const wo = p.wo ? p.wo + tile0 * p.tile_scales() : nullptr;
-  alignas(64) int32_t cbuf[4][kAmxRows * kTile];
+  alignas(64) int32_t cbuf[kRing][Y * P * kTile];
+  alignas(64) uint8_t bbuf[kWRing][kGroup * kTile];  // B = 4: item i's widened B tile in bbuf[i % kWRing]
   __m512 f[Y];
   for (int y = 0; y < Y; ++y) f[y] = _mm512_setzero_ps();
-  // tile register numbers must be constants
-#define Q8_INT8_PRODUCT(C, A, B, g)                \
-  do {                                             \
-    _tile_zero(C);                                 \
-    _tile_loadd(A, xq + (g) * kGroup, kp);         \
-    _tile_loadd(B, w + (g) * kGroupBytes, 64);     \
-    _tile_dpbsud(C, A, B);                         \
+  // item i: column tile tile_lo + i / groups, group i % groups. The tiles' weights, scales and offsets lie one
+  // after another (a tile is its groups' in order), so item i's are at i times a group's size from tile_lo's.
+  const uint8_t* const w = p.w + tile_lo * p.tile_bytes();
+  const uint16_t* const ws = p.ws + tile_lo * p.tile_scales();
+  const uint16_t* const wo = p.wo ? p.wo + tile_lo * p.tile_scales() : nullptr;
+  auto weights = [&](int i) __attribute__((always_inline)) { return w + static_cast<size_t>(i) * kGroupBytes; };
+  // B = 4: item i's nibbles widened into bbuf[i % 4] (vectors 2j and 2j + 1 from packed bytes 64j .. 64j + 63)
+  auto widen = [&](int i) __attribute__((always_inline, target("avx512f,avx512bw"))) {
+    if constexpr (B == 4) {
+      if (i >= items) return;
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      const uint8_t* in = weights(i);
+      uint8_t* out = bbuf[i % kWRing];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(in + j * 64);
+        _mm512_store_si512(out + j * 128, _mm512_and_si512(raw, low));
+        _mm512_store_si512(out + j * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+      }
+    }
+  };
+  auto b_tile = [&](int i) __attribute__((always_inline)) -> const void* {
+    if constexpr (B == 4) return bbuf[i % kWRing];
+    else return weights(i);
+  };
+  // tile register numbers must be constants: even items use tmm0 / 4 / 6, odd ones tmm1 / 5 / 7
+  // tile register numbers must be constants: item i multiplies into tmm(i % 4) from A tile tmm(4 + i % 2) and B
+  // tile tmm(6 + i % 2), and its C tile is stored two items later, so the tile unit has the next products queued
+  // while a product finishes (a store right after its product waits for it, and the unit takes its instructions in
+  // order)
+#define Q8_INT8_PRODUCT(C, A, Bt, i, g)                                       \
+  do {                                                                        \
+    _tile_zero(C);                                                            \
+    _tile_loadd(A, xq + (g) * kGroup, kp);                                    \
+    _tile_loadd(Bt, b_tile(i), 64);                                           \
+    _tile_dpbsud(C, A, Bt);                                                   \
   } while (0)
-  // group g's scale pass (the VNNI path's integer and float steps, TileAvx512) from its stored C tile
-  auto scale = [&](const int32_t* cb, int g) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,f16c"))) {
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + g * kTile)));
-    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + g * kTile)))
+  // item i's scale pass (the VNNI path's integer and float steps, TileAvx512) from its stored C tile; after its
+  // column tile's last group the output rows are stored
+  int st = tile_lo, sg = 0;  // the scale pass's next item: its column tile and group
+  auto scale = [&](int i) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,f16c"))) {
+    const int t = st, g = sg;
+    if (++sg == groups) sg = 0, ++st;
+    const int32_t* cb = cbuf[i % kRing];
+    const size_t so = static_cast<size_t>(i) * kTile;
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + so)));
+    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + so)))
                          : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int y = 0; y < Y; ++y) {
-      const int i = y * P;  // rows past `rows` scale whatever their tile rows hold and are never stored
-      const size_t ag = static_cast<size_t>(i) * groups + g;
-      __m512i total = _mm512_add_epi32(_mm512_load_si512(cb + i * kTile), _mm512_set1_epi32(xb[ag]));
+      const int r = y * P;  // rows past `rows` scale whatever their tile rows hold and are never stored
+      const size_t ag = static_cast<size_t>(r) * groups + g;
+      __m512i total = _mm512_load_si512(cb + r * kTile);
+      if constexpr (B == 8) total = _mm512_add_epi32(total, _mm512_set1_epi32(xb[ag]));
       if constexpr (P == 2) {  // 254 * acc0 + acc1
-        const __m512i acc1 = _mm512_add_epi32(_mm512_load_si512(cb + (i + 1) * kTile), _mm512_set1_epi32(xb[ag + groups]));
+        __m512i acc1 = _mm512_load_si512(cb + (r + 1) * kTile);
+        if constexpr (B == 8) acc1 = _mm512_add_epi32(acc1, _mm512_set1_epi32(xb[ag + groups]));
         total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
       }
       f[y] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), f[y]);
       if (wo) f[y] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), f[y]);
     }
-  };
-  Q8_INT8_PRODUCT(0, 4, 6, 0);
-  if (groups > 1) Q8_INT8_PRODUCT(1, 5, 7, 1);
-  // groups g (tile buffer 0) and g + 1 (buffer 1) are in flight; each C tile is scaled a group after its store, so
-  // the vector loads do not wait for it
-  for (int g = 0; g < groups; g += 2) {
-    _tile_stored(0, cbuf[g & 2], 64);
-    if (g + 2 < groups) Q8_INT8_PRODUCT(0, 4, 6, g + 2);
-    if (g > 0) scale(cbuf[(g - 1) & 3], g - 1);
-    if (g + 1 >= groups) break;
-    _tile_stored(1, cbuf[(g + 1) & 3], 64);
-    if (g + 3 < groups) Q8_INT8_PRODUCT(1, 5, 7, g + 3);
-    scale(cbuf[g & 3], g);
-  }
-  scale(cbuf[(groups - 1) & 3], groups - 1);
-#undef Q8_INT8_PRODUCT
-  const int out0 = at0 / P, n0 = tile0 * kTile, cols = std::min(kTile, p.n - n0);
-  const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    if (g == groups - 1) {
+      const int out0 = at0 / P, n0 = t * kTile, cols = std::min(kTile, p.n - n0);
+      const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
 #pragma GCC unroll 16
-  for (int y = 0; y < Y; ++y)
-    if (y * P < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + y) * p.n + n0, mask, f[y]);
+      for (int y = 0; y < Y; ++y) {
+        if (y * P < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + y) * p.n + n0, mask, f[y]);
+        f[y] = _mm512_setzero_ps();
+      }
+    }
+  };
+  // The weights stream from memory (a verification step's calls read each weight once): item i + kAhead's
+  // packed weights, scales and offsets are prefetched while item i is multiplied.
+  auto prefetch = [&](int i) __attribute__((always_inline)) {
+    if (i >= items) return;
+    const char* wi = reinterpret_cast<const char*>(weights(i));
+    for (size_t b = 0; b < kGroupBytes; b += 64) _mm_prefetch(wi + b, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + static_cast<size_t>(i) * kTile), _MM_HINT_T0);
+    if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + static_cast<size_t>(i) * kTile), _MM_HINT_T0);
+  };
+  for (int i = 0; i < std::min(items, kAhead); ++i) prefetch(i);
+  for (int i = 0; i < kWLead; ++i) widen(i);
+  int g = 0;  // the next product's group
+#define Q8_INT8_STEP(j, C, A, Bt, Cprev)                           \
+  do {                                                             \
+    if ((j) < items) {                                             \
+      prefetch((j) + kAhead);                                      \
+      widen((j) + kWLead);                                         \
+      Q8_INT8_PRODUCT(C, A, Bt, j, g);                             \
+      if (++g == groups) g = 0;                                    \
+    }                                                              \
+    if ((j) >= 2 && (j) - 2 < items)                               \
+      _tile_stored(Cprev, cbuf[((j) - 2) % kRing], 64);            \
+    if ((j) >= kLag && (j) - kLag < items) scale((j) - kLag);      \
+  } while (0)
+  for (int i = 0; i < items + kLag; i += 4) {
+    Q8_INT8_STEP(i, 0, 4, 6, 2);
+    Q8_INT8_STEP(i + 1, 1, 5, 7, 3);
+    Q8_INT8_STEP(i + 2, 2, 4, 6, 0);
+    Q8_INT8_STEP(i + 3, 3, 5, 7, 1);
+  }
+#undef Q8_INT8_STEP
+#undef Q8_INT8_PRODUCT
 }
 
-using TileInt8Fn = void (*)(const Problem&, const Acts&, int, int);
-constexpr TileInt8Fn kTileInt8[2] = {&TileInt8<1>, &TileInt8<2>};  // [parts - 1]
+using TileInt8Fn = void (*)(const Problem&, const Acts&, int, int, int);
+// [parts - 1][bits == 4][output rows of the tile in use - 1]
+template <int P, int B, size_t... I>
+constexpr std::array<TileInt8Fn, sizeof...(I)> Int8Rows(std::index_sequence<I...>) {
+  return {&TileInt8<P, B, static_cast<int>(I) + 1>...};
+}
+constexpr std::array<TileInt8Fn, 16> kTileInt8P1[2] = {Int8Rows<1, 8>(std::make_index_sequence<16>()),
+                                                       Int8Rows<1, 4>(std::make_index_sequence<16>())};
+constexpr std::array<TileInt8Fn, 8> kTileInt8P2[2] = {Int8Rows<2, 8>(std::make_index_sequence<8>()),
+                                                      Int8Rows<2, 4>(std::make_index_sequence<8>())};
+TileInt8Fn PickTileInt8(int parts, int bits, int tile_rows) {
+  const int y = tile_rows / parts;
+  return parts == 1 ? kTileInt8P1[bits == 4][y - 1] : kTileInt8P2[bits == 4][y - 1];
+}
 
-__attribute__((target("amx-tile"))) void AmxBeginInt8() { _tile_loadconfig(&kAmxInt8Config); }
+// The int8 tile configuration with `rows` act rows in the A and C tiles (16, or fewer for a call whose act rows
+// fill less than one tile: the products, tile loads and C stores then cost less).
+struct AmxInt8Rows {
+  AmxInt8Config config[kAmxRows + 1];
+  AmxInt8Rows() {
+    for (int r = 1; r <= kAmxRows; ++r) {
+      for (int t : {0, 1, 2, 3, 4, 5}) config[r].rows[t] = static_cast<uint8_t>(r);  // C and A tiles
+    }
+  }
+};
+alignas(64) const AmxInt8Rows kAmxInt8Rows;
+
+__attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconfig(&kAmxInt8Rows.config[rows]); }
 #endif  // SLIPSTREAM_X86
 
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
@@ -1089,6 +1186,15 @@ struct Job {
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
   int row_blocks, chunks, items;
+  // The int8 tile path's work split: item w (a worker, one per thread) runs the chunks of segment w, a contiguous
+  // range of the call's chunks, then takes what is left of the others' segments. With the chunks handed out in turn
+  // (the VNNI path's split) two threads of one call each ran the tile path's items ~1.3x slower than one thread
+  // alone (two threads of benchmarks/q8_tile_probe.cc's kind on one shared output: neighbouring chunks' stores;
+  // contiguous halves ran at the one-thread speed); the model program's 8- and 16-token q8 calls went from 1.05x the
+  // VNNI path's time to 0.83x.
+  int workers = 0;
+  std::unique_ptr<std::atomic<int>[]> seg_next;
+  int SegBegin(int s) const { return static_cast<int>(static_cast<int64_t>(s) * chunks / workers); }
   bool f32_path = false;  // AVX2, two parts, at least kF32MinRows rows: RunItemF32
   int quant_blocks;
   std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
@@ -1128,6 +1234,16 @@ struct Job {
   }
 
   void RunItem(int item) {
+#if defined(SLIPSTREAM_X86)
+    if (workers) {
+      for (int k = 0; k < workers; ++k) {
+        const int s = (item + k) % workers, end = SegBegin(s + 1);
+        for (int c; (c = seg_next[s].fetch_add(1, std::memory_order_relaxed)) < end;)
+          for (int rb = 0; rb < row_blocks; ++rb) RunItemInt8(c, rb);
+      }
+      return;
+    }
+#endif
     const int chunk = item / row_blocks, rb = item % row_blocks;
 #if defined(SLIPSTREAM_X86)
     if (f32_path) return RunItemF32(chunk, rb);
@@ -1181,9 +1297,12 @@ struct Job {
     const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
-    AmxBeginInt8();
-    for (int at = at_lo; at < at_hi; ++at)
-      for (int t = tile_lo; t < tile_hi; ++t) kTileInt8[p.parts - 1](p, acts, at * kAmxRows, t);
+    // a block of one partial row tile runs on tiles of its act rows; otherwise every tile has 16 (the last one's
+    // rows past the call's are multiplied and not stored)
+    const int tile_rows = at_hi - at_lo == 1 ? std::min(kAmxRows, row_hi * p.parts - at_lo * kAmxRows) : kAmxRows;
+    const TileInt8Fn tile = PickTileInt8(p.parts, p.bits, (tile_rows + p.parts - 1) / p.parts * p.parts);
+    AmxBeginInt8(tile_rows);
+    for (int at = at_lo; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
     AmxEnd();
   }
 
@@ -1287,7 +1406,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
   job.isa = g_isa.get();
   job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
-  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && bits == 8 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
+  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
                    p.m >= g_int8_min_rows.load(std::memory_order_relaxed) && p.m <= g_int8_max_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
@@ -1317,6 +1436,15 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job.row_blocks = (p.m + job.block_rows - 1) / job.block_rows;
   job.chunks = (p.tiles + ChunkTiles(job.isa) - 1) / ChunkTiles(job.isa);
   job.items = job.row_blocks * job.chunks;
+  if (job.int8_tiles) {
+    const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t cap = g_max_threads.load(std::memory_order_relaxed);
+    const int64_t threads = cap > 0 ? std::min(cap, pool_threads) : pool_threads;
+    job.workers = static_cast<int>(std::min<int64_t>(threads, job.chunks));
+    job.seg_next.reset(new std::atomic<int>[job.workers]);
+    for (int s = 0; s < job.workers; ++s) job.seg_next[s].store(job.SegBegin(s));
+    job.items = job.workers;
+  }
   job.quant_blocks = (p.m + kQuantRows - 1) / kQuantRows;
   job.row_state.reset(new std::atomic<int>[job.quant_blocks]);
   for (int i = 0; i < job.quant_blocks; ++i) job.row_state[i].store(0);

@@ -1,0 +1,124 @@
+/* The q8 matmul's micro kernels alone (kernels/cpu/csrc/q8_matmul.cc, compiled in): for one weight shape, two-part
+ * activations and 1, 2, 4, 8, 16 input rows, the VNNI blocks (TileAvx512 as RunItem picks them, 6-tile chunks) against
+ * the int8 tile path (TileInt8 over the same chunks), per thread, in ns per (column tile, group) item; the outputs
+ * are compared bit for bit when COPIES is 1. COPIES distinct weights are used in turn (enough to leave L2: the
+ * weights then come from L3 or memory, as in an engine step). Environment: NT threads each running the whole
+ * measurement (default 1), REPS (200), MEDIAN=1 for medians instead of minima, ONLY_AMX=1 / ONLY_VNNI=1.
+ *     g++ -O3 -std=c++17 -fno-math-errno -fno-wrapv -I$(python -c "import jax.ffi; print(jax.ffi.include_dir())") \
+ *       -Ikernels/cpu/csrc -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
+ *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -lpython3.11 \
+ *       -L$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
+ *       -Wl,-rpath,$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+ *     ./q8_tile_probe K N COPIES BITS      (e.g. 576 3072 40 4: the default model's gate/up, 4-bit) */
+#include "q8_matmul.cc"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+namespace {
+
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+void Probe(int k, int n, int copies, int bits) {
+  const int groups = k / kGroup, tiles = n / kTile;
+  std::mt19937 rng(1);
+  const size_t wbytes = static_cast<size_t>(tiles) * k * kTile * bits / 8;
+  const size_t sbytes = static_cast<size_t>(tiles) * groups * kTile;
+  std::vector<uint8_t> w(wbytes * copies);
+  for (auto& b : w) b = static_cast<uint8_t>(rng());
+  std::vector<uint16_t> ws(sbytes * copies), wo(sbytes * copies);
+  for (auto& h : ws) h = 0x2000 + (rng() & 0x3ff);
+  for (auto& h : wo) h = 0x2000 + (rng() & 0x3ff);
+  const int reps = getenv("REPS") ? atoi(getenv("REPS")) : 200;
+  const bool only_amx = getenv("ONLY_AMX"), only_vnni = getenv("ONLY_VNNI"), median = getenv("MEDIAN");
+  constexpr int kParts = 2, kChunk = 6;
+  for (int m : {1, 2, 4, 8, 16}) {
+    std::vector<float> x(static_cast<size_t>(m) * k);
+    for (auto& v : x) v = (rng() % 2001) / 1000.f - 1.f;
+    std::vector<float> y_vnni(static_cast<size_t>(m) * n), y_amx(static_cast<size_t>(m) * n);
+    Acts a;
+    a.kp = k;
+    a.groups = groups;
+    a.parts = kParts;
+    a.Resize((m * kParts + kAmxRows - 1) / kAmxRows * kAmxRows);
+    for (int r = 0; r < m; ++r) QuantizeRow(Isa::kAvx512Vnni, x.data() + static_cast<size_t>(r) * k, k, a, r);
+    Problem p{};
+    p.x = x.data();
+    p.m = m;
+    p.k = k;
+    p.n = n;
+    p.kp = k;
+    p.groups = groups;
+    p.tiles = tiles;
+    p.parts = kParts;
+    p.bits = bits;
+    auto use = [&](int c) {
+      p.w = w.data() + c * wbytes;
+      p.ws = ws.data() + c * sbytes;
+      p.wo = wo.data() + c * sbytes;
+    };
+    std::vector<double> t_vnni, t_amx;
+    for (int rep = 0; rep < reps; ++rep) {
+      if (!only_amx) {
+        use(rep % copies);
+        p.y = y_vnni.data();
+        const double t0 = Now();
+        for (int t = 0; t < tiles; t += kChunk) {
+          const int hi = std::min(t + kChunk, tiles);
+          int r, c;
+          for (int tt = t; tt < hi; tt += c) {
+            MicroShape(Isa::kAvx512Vnni, m * kParts, kParts, &r, &c);
+            c = std::min(c, hi - tt);
+            for (int row = 0; row < m * kParts; row += r)
+              PickTile(Isa::kAvx512Vnni, std::min(r, m * kParts - row), c, kParts, bits)(p, a, row, tt);
+          }
+        }
+        t_vnni.push_back(Now() - t0);
+      }
+      if (!only_vnni) {
+        use((rep + copies / 2) % copies);
+        p.y = y_amx.data();
+        const double t0 = Now();
+        const int row_tiles = (m * kParts + kAmxRows - 1) / kAmxRows;
+        const int tile_rows = row_tiles == 1 ? m * kParts : kAmxRows;
+        const TileInt8Fn tile = PickTileInt8(kParts, bits, tile_rows);
+        AmxBeginInt8(tile_rows);
+        for (int t = 0; t < tiles; t += kChunk)
+          for (int at = 0; at < row_tiles; ++at) tile(p, a, at * kAmxRows, t, std::min(t + kChunk, tiles));
+        AmxEnd();
+        t_amx.push_back(Now() - t0);
+      }
+    }
+    if (copies == 1 && !only_amx && !only_vnni && y_vnni != y_amx) printf("M %d: the outputs differ\n", m);
+    auto stat = [&](std::vector<double>& v) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return (median ? v[v.size() / 2] : v[0]) / (static_cast<double>(tiles) * groups) * 1e9;
+    };
+    const double v = stat(t_vnni), am = stat(t_amx);
+    printf("bits %d K %d N %d copies %d M %2d: vnni %.1f ns/item, amx %.1f ns/item (%.2fx)\n", bits, k, n, copies, m, v,
+           am, v > 0 ? am / v : 0.0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+  const int k = argc > 1 ? atoi(argv[1]) : 576, n = argc > 2 ? atoi(argv[2]) : 576;
+  const int copies = argc > 3 ? atoi(argv[3]) : 1, bits = argc > 4 ? atoi(argv[4]) : 4;
+  if (k % kGroup || n % kTile || copies < 1 || (bits != 4 && bits != 8)) {
+    fprintf(stderr, "usage: q8_tile_probe K N COPIES BITS (K a multiple of 32, N of 16, BITS 4 or 8)\n");
+    return 2;
+  }
+  const int threads = getenv("NT") ? atoi(getenv("NT")) : 1;
+  std::vector<std::thread> others;
+  for (int i = 1; i < threads; ++i) others.emplace_back([=] { Probe(k, n, copies, bits); });
+  Probe(k, n, copies, bits);
+  for (auto& t : others) t.join();
+}
