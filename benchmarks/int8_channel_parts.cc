@@ -58,6 +58,33 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 SiluMul(__m512 g
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
+// C tiles 0-3 = rows x (row tile pair) . columns w0 | w1, over all of K (the kernel's 2 x 2 block).
+__attribute__((target("amx-tile,amx-int8"))) inline void Block2x2(const uint8_t* x, size_t row_tile, const int8_t* w0,
+                                                                 const int8_t* w1, int kp) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int k = 0; k < kp; k += kStep) {
+    const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
+    _tile_loadd(4, x + xa, kStep);
+    _tile_loadd(6, w0 + wb, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_loadd(7, w1 + wb, 64);
+    _tile_dpbusd(1, 4, 7);
+    _tile_loadd(5, x + row_tile + xa, kStep);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+}
+
+__attribute__((target("amx-tile,amx-int8"))) inline void StoreC(int32_t* cbuf, int kc) {
+  _tile_stored(0, cbuf, 64);
+  _tile_stored(1, cbuf + kc, 64);
+  _tile_stored(2, cbuf + 2 * kc, 64);
+  _tile_stored(3, cbuf + 3 * kc, 64);
+}
+
 template <int P>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stages(const Job& job, Stage stage) {
   const Problem& p = job.p;
@@ -77,25 +104,8 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stag
           const uint8_t* x = a.u.data() + rt * row_tile;
           const int8_t* wg = p.w + t * p.tile_bytes();
           const int8_t* wu = p.w + (t + half) * p.tile_bytes();
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int k = 0; k < p.kp; k += kStep) {
-            const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
-            _tile_loadd(4, x + xa, kStep);
-            _tile_loadd(6, wg + wb, 64);
-            _tile_dpbusd(0, 4, 6);
-            _tile_loadd(7, wu + wb, 64);
-            _tile_dpbusd(1, 4, 7);
-            _tile_loadd(5, x + row_tile + xa, kStep);
-            _tile_dpbusd(2, 5, 6);
-            _tile_dpbusd(3, 5, 7);
-          }
-          _tile_stored(0, cbuf, 64);
-          _tile_stored(1, cbuf + kC, 64);
-          _tile_stored(2, cbuf + 2 * kC, 64);
-          _tile_stored(3, cbuf + 3 * kC, 64);
+          Block2x2(x, row_tile, wg, wu, p.kp);
+          StoreC(cbuf, kC);
           const int ng = t * kTile, nu = (t + half) * kTile;
           const __m512i cg = _mm512_slli_epi32(_mm512_loadu_si512(p.colsum + ng), 7);
           const __m512i cu = _mm512_slli_epi32(_mm512_loadu_si512(p.colsum + nu), 7);
@@ -126,26 +136,9 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl"))) void Stag
       for (int t = tile_lo; t < tile_hi; t += 2) {
         const uint8_t* x = a.u.data() + rt * row_tile;
         const int8_t* w = p.w + t * p.tile_bytes();
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int k = 0; k < p.kp; k += kStep) {
-          const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
-          _tile_loadd(4, x + xa, kStep);
-          _tile_loadd(6, w + wb, 64);
-          _tile_dpbusd(0, 4, 6);
-          _tile_loadd(7, w + p.tile_bytes() + wb, 64);
-          _tile_dpbusd(1, 4, 7);
-          _tile_loadd(5, x + row_tile + xa, kStep);
-          _tile_dpbusd(2, 5, 6);
-          _tile_dpbusd(3, 5, 7);
-        }
+        Block2x2(x, row_tile, w, w + p.tile_bytes(), p.kp);
         if (stage == kLoop) continue;
-        _tile_stored(0, cbuf, 64);
-        _tile_stored(1, cbuf + kC, 64);
-        _tile_stored(2, cbuf + 2 * kC, 64);
-        _tile_stored(3, cbuf + 3 * kC, 64);
+        StoreC(cbuf, kC);
         if (stage == kCStore) continue;
         for (int tt = 0; tt < 2; ++tt) {
           const int n0 = (t + tt) * kTile;

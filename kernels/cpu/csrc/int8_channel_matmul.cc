@@ -371,22 +371,12 @@ struct Job {
   std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
   int quant_blocks = 0;
 
-  // The rows of row block rb, quantized: the caller quantizes every group of kQuantRows rows of the block that
-  // nobody has claimed, then waits for those others are quantizing (they are running). So the threads that start
-  // on one row block share its quantization, in the same parallel loop as the products (one wake-up of the pool's
-  // threads per call, not two), as the q8 kernel does.
+  // The rows of row block rb, quantized (rt::ClaimOnce: the threads that start on one row block share
+  // its quantization), in the same parallel loop as the products (one wake-up of the pool's threads per call,
+  // not two), as the q8 kernel does.
   void EnsureRows(int rb) {
     const int lo = rb * (block_rows / kQuantRows), hi = std::min(lo + block_rows / kQuantRows, quant_blocks);
-    for (int qb = lo; qb < hi; ++qb) {
-      int expected = 0;
-      if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
-          !row_state[qb].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
-        continue;
-      Quantize(qb);
-      row_state[qb].store(2, std::memory_order_release);
-    }
-    for (int qb = lo; qb < hi; ++qb)
-      while (row_state[qb].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+    rt::ClaimOnce(row_state.get(), lo, hi, [this](int qb) { Quantize(qb); });
   }
 
   void Quantize(int item) {

@@ -1199,17 +1199,11 @@ struct Job {
   int quant_blocks;
   std::unique_ptr<std::atomic<int>[]> row_state;  // per kQuantRows rows: 0 not quantized, 1 in progress, 2 ready
 
-  // The rows of row block rb, quantized: the caller quantizes every group of kQuantRows rows of
-  // the block that nobody has claimed, then waits for those others are quantizing (they are
-  // running). So the threads that start on one row block (a decode step's 32 rows are one) share
-  // its quantization instead of one doing it while the rest wait.
+  // The rows of row block rb, quantized (rt::ClaimOnce: the threads that start on one row block, a
+  // decode step's 32 rows are one, share its quantization instead of one doing it while the rest wait).
   void EnsureRows(int rb) {
     const int lo = rb * (block_rows / kQuantRows), hi = std::min(lo + block_rows / kQuantRows, quant_blocks);
-    for (int qb = lo; qb < hi; ++qb) {
-      int expected = 0;
-      if (row_state[qb].load(std::memory_order_relaxed) != 0 ||
-          !row_state[qb].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
-        continue;
+    rt::ClaimOnce(row_state.get(), lo, hi, [this](int qb) {
       const int row_hi = std::min((qb + 1) * kQuantRows, p.m);
       thread_local std::vector<float> gated;
       if (p.gated) gated.resize(p.k);
@@ -1227,10 +1221,7 @@ struct Job {
 #endif
         QuantizeRow(isa, x, p.k, acts, row);
       }
-      row_state[qb].store(2, std::memory_order_release);
-    }
-    for (int qb = lo; qb < hi; ++qb)
-      while (row_state[qb].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+    });
   }
 
   void RunItem(int item) {

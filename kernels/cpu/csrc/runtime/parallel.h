@@ -37,4 +37,22 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int threads, F&& fn) {
   while (c->done.load(std::memory_order_acquire) != n) std::this_thread::yield();
 }
 
+// Shared work inside a ParallelFor item: for every i in [lo, hi) whose state is 0, the first thread to claim
+// it (0 -> 1) runs fn(i) and marks it done (2); then the caller waits until all of [lo, hi) are done. So the
+// threads whose items need the same rows (a decode step's 32 rows are one block) share their quantization
+// instead of one doing it while the rest wait.
+template <class F>
+void ClaimOnce(std::atomic<int>* state, int lo, int hi, F&& fn) {
+  for (int i = lo; i < hi; ++i) {
+    int expected = 0;
+    if (state[i].load(std::memory_order_relaxed) != 0 ||
+        !state[i].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
+      continue;
+    fn(i);
+    state[i].store(2, std::memory_order_release);
+  }
+  for (int i = lo; i < hi; ++i)
+    while (state[i].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+}
+
 }  // namespace slipstream::runtime
