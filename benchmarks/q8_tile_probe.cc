@@ -2,14 +2,15 @@
  * activations and 1, 2, 4, 8, 16 input rows, the VNNI blocks (TileAvx512 as RunItem picks them, 6-tile chunks) against
  * the int8 tile path (TileInt8 over the same chunks), per thread, in ns per (column tile, group) item; the outputs
  * are compared bit for bit when COPIES is 1. COPIES distinct weights are used in turn (enough to leave L2: the
- * weights then come from L3 or memory, as in an engine step). Environment: NT threads each running the whole
- * measurement (default 1), REPS (200), MEDIAN=1 for medians instead of minima, ONLY_AMX=1 / ONLY_VNNI=1.
+ * weights then come from L3 or memory, as in an engine step). Options after the four numbers: --threads T (each
+ * thread runs the whole measurement; default 1), --reps R (200), --median (medians instead of minima),
+ * --only-amx / --only-vnni.
  *     g++ -O3 -std=c++17 -fno-math-errno -fno-wrapv -I$(python -c "import jax.ffi; print(jax.ffi.include_dir())") \
  *       -Ikernels/cpu/csrc -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
  *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -lpython3.11 \
  *       -L$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
  *       -Wl,-rpath,$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
- *     ./q8_tile_probe K N COPIES BITS      (e.g. 576 3072 40 4: the default model's gate/up, 4-bit) */
+ *     ./q8_tile_probe K N COPIES BITS [options]   (e.g. 576 3072 40 4: the default model's gate/up, 4-bit) */
 #include "q8_matmul.cc"
 
 #include <sys/syscall.h>
@@ -18,13 +19,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <thread>
 
 namespace {
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-void Probe(int k, int n, int copies, int bits) {
+struct Options {
+  int threads = 1, reps = 200;
+  bool median = false, only_amx = false, only_vnni = false;
+};
+
+void Probe(int k, int n, int copies, int bits, const Options& opt) {
   const int groups = k / kGroup, tiles = n / kTile;
   std::mt19937 rng(1);
   const size_t wbytes = static_cast<size_t>(tiles) * k * kTile * bits / 8;
@@ -34,8 +41,8 @@ void Probe(int k, int n, int copies, int bits) {
   std::vector<uint16_t> ws(sbytes * copies), wo(sbytes * copies);
   for (auto& h : ws) h = 0x2000 + (rng() & 0x3ff);
   for (auto& h : wo) h = 0x2000 + (rng() & 0x3ff);
-  const int reps = getenv("REPS") ? atoi(getenv("REPS")) : 200;
-  const bool only_amx = getenv("ONLY_AMX"), only_vnni = getenv("ONLY_VNNI"), median = getenv("MEDIAN");
+  const int reps = opt.reps;
+  const bool only_amx = opt.only_amx, only_vnni = opt.only_vnni, median = opt.median;
   constexpr int kParts = 2, kChunk = 6;
   for (int m : {1, 2, 4, 8, 16}) {
     std::vector<float> x(static_cast<size_t>(m) * k);
@@ -112,13 +119,24 @@ int main(int argc, char** argv) {
   syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
   const int k = argc > 1 ? atoi(argv[1]) : 576, n = argc > 2 ? atoi(argv[2]) : 576;
   const int copies = argc > 3 ? atoi(argv[3]) : 1, bits = argc > 4 ? atoi(argv[4]) : 4;
-  if (k % kGroup || n % kTile || copies < 1 || (bits != 4 && bits != 8)) {
-    fprintf(stderr, "usage: q8_tile_probe K N COPIES BITS (K a multiple of 32, N of 16, BITS 4 or 8)\n");
+  Options opt;
+  bool bad = k % kGroup || n % kTile || copies < 1 || (bits != 4 && bits != 8);
+  for (int i = 5; i < argc && !bad; ++i) {
+    const std::string a = argv[i];
+    if (a == "--threads" && i + 1 < argc) opt.threads = atoi(argv[++i]);
+    else if (a == "--reps" && i + 1 < argc) opt.reps = atoi(argv[++i]);
+    else if (a == "--median") opt.median = true;
+    else if (a == "--only-amx") opt.only_amx = true;
+    else if (a == "--only-vnni") opt.only_vnni = true;
+    else bad = true;
+  }
+  if (bad || opt.threads < 1 || opt.reps < 1) {
+    fprintf(stderr, "usage: q8_tile_probe K N COPIES BITS [--threads T] [--reps R] [--median] [--only-amx | "
+                    "--only-vnni] (K a multiple of 32, N of 16, BITS 4 or 8)\n");
     return 2;
   }
-  const int threads = getenv("NT") ? atoi(getenv("NT")) : 1;
   std::vector<std::thread> others;
-  for (int i = 1; i < threads; ++i) others.emplace_back([=] { Probe(k, n, copies, bits); });
-  Probe(k, n, copies, bits);
+  for (int i = 1; i < opt.threads; ++i) others.emplace_back([=] { Probe(k, n, copies, bits, opt); });
+  Probe(k, n, copies, bits, opt);
   for (auto& t : others) t.join();
 }
