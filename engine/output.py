@@ -264,7 +264,8 @@ class OutputProcessor:
         # Added by open (a submitting thread), removed by this thread when the request ends: keys are
         # never reused, so each is touched by one thread at a time.
         self._trackers: dict[int, Tracker] = {}
-        self._queue: queue.Queue = queue.Queue()  # unbounded: the engine must never block here
+        # unbounded, and in C: the engine thread must never block here, nor run Python-level locking per step
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wakes: list | None = None  # while a step's records are handled: the wake-ups they owe
         self._thread = threading.Thread(target=self._run, name="slipstream-output", daemon=True)
 

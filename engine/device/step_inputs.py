@@ -74,12 +74,13 @@ def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np
     if where.size == 0:
         return None
     src = np.full(len(tokens), -1, np.int32)
-    for pos, i in zip(where, np.searchsorted(cu, where, side="right") - 1):
-        seq = batch.seqs[i]
-        if len(seq.token_ids) != 1:
-            raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
-                             f"decode's one token, got a chunk of {len(seq.token_ids)}")
-        src[pos] = seq.slot
+    owner = np.searchsorted(cu, where, side="right") - 1  # the sequence of each such position
+    longer = np.flatnonzero(cu[owner + 1] - cu[owner] != 1)
+    if longer.size:
+        seq = batch.seqs[owner[longer[0]]]
+        raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
+                         f"decode's one token, got a chunk of {len(seq.token_ids)}")
+    src[where] = np.asarray([seq.slot for seq in batch.seqs], np.int32)[owner]
     return src
 
 
