@@ -137,8 +137,9 @@ class RequestStream:
         return self._done.is_set()
 
     def _push(self, text: str, ids: list[int], logprobs: list[TokenLogprob],
-              finish: FinishReason | None, error: str | None = None) -> None:
-        """Output thread: add one delta, merging it into the one the consumer has not taken."""
+              finish: FinishReason | None, error: str | None = None, wakes: list | None = None) -> None:
+        """Output thread: add one delta, merging it into the one the consumer has not taken. The
+        consumer's event loop is woken now, or with the rest of `wakes` (see wake_all)."""
         with self._lock:
             self._text.append(text)
             self._ids.extend(ids)
@@ -154,15 +155,33 @@ class RequestStream:
             loop = self._loop if not self._wake_queued else None
             self._wake_queued = self._wake_queued or loop is not None
         if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._on_wake)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            if wakes is not None:
+                wakes.append((loop, self._on_wake))
+            else:
+                wake_all([(loop, self._on_wake)])
 
     def _on_wake(self) -> None:
         with self._lock:
             self._wake_queued = False
         self._wake.set()
+
+
+def wake_all(wakes: list) -> None:
+    """Run each (loop, callback) on its loop: one call_soon_threadsafe per loop, not per stream (a
+    step's tokens for many streams on one event loop would otherwise wake it once per stream)."""
+    by_loop: dict = {}
+    for loop, callback in wakes:
+        by_loop.setdefault(loop, []).append(callback)
+    for loop, callbacks in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_call_each, callbacks)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _call_each(callbacks: list) -> None:
+    for callback in callbacks:
+        callback()
 
 
 def _in_event_loop() -> bool:
@@ -245,7 +264,9 @@ class OutputProcessor:
         # Added by open (a submitting thread), removed by this thread when the request ends: keys are
         # never reused, so each is touched by one thread at a time.
         self._trackers: dict[int, Tracker] = {}
-        self._queue: queue.Queue = queue.Queue()  # unbounded: the engine must never block here
+        # unbounded, and in C: the engine thread must never block here, nor run Python-level locking per step
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakes: list | None = None  # while a step's records are handled: the wake-ups they owe
         self._thread = threading.Thread(target=self._run, name="slipstream-output", daemon=True)
 
     def start(self, release: Callable[[str], None], on_finish: Callable[[RequestMetrics], None]) -> None:
@@ -277,20 +298,28 @@ class OutputProcessor:
                 return
             produced_at, records = item
             now = time.monotonic()
-            for record in records:
-                tr = self._trackers.get(record.key)
-                if tr is None:
-                    continue  # finished here by a stop string; the engine had not dropped it yet
-                try:
-                    self._handle(tr, record, produced_at, now)
-                except Exception:  # noqa: BLE001 - one bad request must not stop the rest
-                    # The traceback stays in the log; the client learns only that its request failed.
-                    log.exception("output processing failed for %s", tr.request.request_id)
-                    if not tr.done:
-                        self._release(tr.request.request_id)
-                    self._finish(tr, [], [], FinishReason.ERROR, now, error="output processing failed")
-                if tr.done:
-                    del self._trackers[record.key]
+            self._wakes = []  # the streams this step's records woke: one wake-up per event loop
+            try:
+                self._handle_all(records, produced_at, now)
+            finally:
+                wakes, self._wakes = self._wakes, None
+                wake_all(wakes)
+
+    def _handle_all(self, records: list[Emit], produced_at: float, now: float) -> None:
+        for record in records:
+            tr = self._trackers.get(record.key)
+            if tr is None:
+                continue  # finished here by a stop string; the engine had not dropped it yet
+            try:
+                self._handle(tr, record, produced_at, now)
+            except Exception:  # noqa: BLE001 - one bad request must not stop the rest
+                # The traceback stays in the log; the client learns only that its request failed.
+                log.exception("output processing failed for %s", tr.request.request_id)
+                if not tr.done:
+                    self._release(tr.request.request_id)
+                self._finish(tr, [], [], FinishReason.ERROR, now, error="output processing failed")
+            if tr.done:
+                del self._trackers[record.key]
 
     def _handle(self, tr: Tracker, rec: Emit, produced_at: float, now: float) -> None:
         if rec.admitted_at is not None and tr.admitted_at is None:
@@ -323,7 +352,7 @@ class OutputProcessor:
                 self._release(tr.request.request_id)
             self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
         elif ids:
-            tr.stream._push("".join(text), ids, logprobs, None)
+            tr.stream._push("".join(text), ids, logprobs, None, wakes=self._wakes)
 
     def _finish(self, tr: Tracker, text: list[str], ids: list[int], finish: FinishReason,
                 now: float, logprobs: Sequence[TokenLogprob] = (), error: str | None = None
@@ -345,4 +374,4 @@ class OutputProcessor:
             self._on_finish(metrics)
         except Exception:  # noqa: BLE001 - a broken listener must not stop the output thread
             log.exception("metrics listener failed for %s", req.request_id)
-        tr.stream._push("".join(text), ids, list(logprobs), finish, error)
+        tr.stream._push("".join(text), ids, list(logprobs), finish, error, wakes=self._wakes)

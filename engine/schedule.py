@@ -180,14 +180,20 @@ class StepPlanner:
         chunks: list[Chunk] = []
         preempted: list[Sequence] = []
         freed: list[int] = []
+        used = [0]  # tokens of `chunks` (kept as they change: summing them per decode is quadratic)
 
         def left() -> int:
-            return self.token_budget - sum(c.length for c in chunks)
+            return self.token_budget - used[0]
+
+        def add(chunk: Chunk) -> None:
+            chunks.append(chunk)
+            used[0] += chunk.length
 
         def grow(seq: Sequence, num_tokens: int) -> bool:
             while not self.blocks.grow(seq, num_tokens):
                 victim = max(self.running, key=lambda s: s.admit_seq)
                 chunks[:] = [c for c in chunks if c.seq is not victim]
+                used[0] = sum(c.length for c in chunks)
                 preempted.append(victim)
                 slot = self.preempt(victim)
                 if slot is not None:
@@ -210,7 +216,7 @@ class StepPlanner:
                 room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
                 draft = self._draft(seq, room)
                 drafted += len(draft)
-                chunks.append(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
+                add(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
                 completes |= seq.num_computed < seq.prefill_end
         # The oldest prompt always advances (no starvation); the rest go shortest-remaining first,
         # so a short request does not wait behind every long prompt admitted before it.
@@ -227,7 +233,7 @@ class StepPlanner:
                 # closed loop at 32 concurrent, 256 in / 128 out: 25 of 96 second-wave requests).
                 n -= 1
             if seq.status is Status.RUNNING and grow(seq, seq.num_computed + n):
-                chunks.append(Chunk(seq, seq.num_computed, n, sample=n == seq.remaining))
+                add(Chunk(seq, seq.num_computed, n, sample=n == seq.remaining))
                 completes |= n == seq.remaining
         return Plan(chunks, preempted, freed)
 

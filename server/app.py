@@ -30,7 +30,7 @@ from slipstream.server.grpc_service import GrpcServer, start_grpc_server
 from slipstream.server.lora import LoraUsage
 from slipstream.server.lora_routes import add_lora_routes
 from slipstream.server.metrics import Metrics
-from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion
+from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              ErrorResponse, ModelCard, ModelList)
 from slipstream.server.service import Generation, Service
@@ -232,25 +232,19 @@ def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_u
     async def events() -> AsyncIterator[bytes]:
         try:
             for chunk in fmt.opening_chunks():
-                yield _sse(chunk, include_usage)
+                yield sse_event(chunk, include_usage)
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for delta in deltas:
-                    chunk = fmt.chunk(delta)
-                    if chunk is not None:
-                        yield _sse(chunk, include_usage)
+                    if event := fmt.sse(delta, include_usage):
+                        yield event
             if include_usage:
-                yield _sse(fmt.usage_chunk(), include_usage)
+                yield sse_event(fmt.usage_chunk(), include_usage)
         except Exception as exc:  # noqa: BLE001 - headers are gone: the error becomes the last event
             # OpenAI clients raise on a data event carrying "error".
             yield b"data: " + json.dumps(error_body(service_error(exc)), separators=(",", ":")).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return _EventStream(events(), gen.cancel)
-
-
-def _sse(chunk: BaseModel, include_usage: bool) -> bytes:
-    # OpenAI sends "usage": null on every chunk when usage was asked for, and no key otherwise.
-    return b"data: " + chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode() + b"\n\n"
 
 
 def _json_response(body: BaseModel) -> Response:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from slipstream.engine.output import Delta
 from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
@@ -126,6 +127,29 @@ def _reason(d: Delta) -> str | None:
     return None if d.finish_reason is None else d.finish_reason.value
 
 
+def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
+    """A streamed chunk as its SSE event. OpenAI sends "usage": null on every chunk when usage was
+    asked for, and no key otherwise."""
+    return b"data: " + chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode() + b"\n\n"
+
+
+class _ChunkEvents:
+    """A generation's one-choice chunk events as bytes, without building their pydantic models: the
+    event of a chunk with no choices, split where its choices go, around a choice written directly.
+    At high concurrency one event per token per stream is most of the event loop's work; the bytes
+    equal sse_event's (tests/server/test_sse_events.py)."""
+
+    def __init__(self, empty: BaseModel, include_usage: bool) -> None:
+        whole = sse_event(empty, include_usage)
+        at = whole.index(b'"choices":[]') + len(b'"choices":[')
+        self.head, self.tail = whole[:at], whole[at:]
+
+    def event(self, index: int, body: bytes, reason: str | None) -> bytes:
+        """body: the choice's fields between its index and its (null) logprobs."""
+        return (self.head + b'{"index":' + str(index).encode() + body + b',"logprobs":null,"finish_reason":'
+                + (b"null" if reason is None else to_json(reason)) + b"}" + self.tail)
+
+
 class CompletionFormat:
     """/v1/completions bodies and chunks for one Generation."""
 
@@ -133,6 +157,7 @@ class CompletionFormat:
         self.service, self.gen, self.model = service, gen, body.model or service.model_name
         self.created = int(time.time())
         self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
+        self._events: tuple[bool, _ChunkEvents] | None = None  # sse()'s, per include_usage
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -171,6 +196,17 @@ class CompletionFormat:
                                   finish_reason=_reason(d))
         return self._chunk([choice])
 
+    def sse(self, d: Delta, include_usage: bool) -> bytes:
+        """chunk(d)'s SSE event (b"" for none); a delta without logprobs written directly."""
+        if d.logprobs is not None:
+            chunk = self.chunk(d)
+            return b"" if chunk is None else sse_event(chunk, include_usage)
+        if not d.text and d.finish_reason is None:
+            return b""
+        if self._events is None or self._events[0] != include_usage:
+            self._events = (include_usage, _ChunkEvents(self._chunk([]), include_usage))
+        return self._events[1].event(d.index, b',"text":' + to_json(d.text), _reason(d))
+
     def usage_chunk(self) -> CompletionResponse:
         return self._chunk([], usage=self.usage())
 
@@ -187,6 +223,7 @@ class ChatFormat:
         self.top_logprobs = body.top_logprobs or 0
         self.tools = tool_plan(body.tools, body.tool_choice)
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
+        self._events: tuple[bool, _ChunkEvents] | None = None  # sse()'s, per include_usage
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -240,6 +277,18 @@ class ChatFormat:
         delta = ChatDelta(content=text or None, tool_calls=calls)
         return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
                                             finish_reason=reason)])
+
+    def sse(self, d: Delta, include_usage: bool) -> bytes:
+        """chunk(d)'s SSE event (b"" for none); without tools and logprobs written directly."""
+        if self.tools or d.logprobs is not None:
+            chunk = self.chunk(d)
+            return b"" if chunk is None else sse_event(chunk, include_usage)
+        if not d.text and d.finish_reason is None:
+            return b""
+        if self._events is None or self._events[0] != include_usage:
+            self._events = (include_usage, _ChunkEvents(self._chunk([]), include_usage))
+        delta = b'{"content":' + to_json(d.text) + b"}" if d.text else b"{}"
+        return self._events[1].event(d.index, b',"delta":' + delta, _reason(d))
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], usage=self.usage())

@@ -83,6 +83,21 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of all choices in arrival order; raises ServiceError if a choice fails."""
+        if len(self._streams) == 1:  # one choice (most requests): no pump task and queue per token
+            stream = self._streams[0]
+            try:
+                while True:
+                    try:
+                        delta = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except Exception as exc:  # noqa: BLE001 - as the pumps hand it on below
+                        raise service_error(exc)
+                    yield self._checked(0, delta)
+                self._open.discard(0)
+            finally:
+                self.cancel()
+            return
         # Bounded: while the consumer is slow the pumps wait, and each RequestStream merges what
         # arrives meanwhile into one pending Delta instead of this queue growing per token.
         queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue(maxsize=len(self._streams))

@@ -9,9 +9,11 @@ chunk was written (`sends`; `first` and `last` of them). perf_counter is CLOCK_M
 their requests with, so the lines join a client's --save-detailed results by request id. Diagnostics only:
 not how Slipstream is served.
 
-With SLIPSTREAM_TRACE_STEPS=FILE it also appends one JSON line per planned step: when the planner was asked
-(perf_counter), its decodes, its prefill chunks (request id, start, length, whether it samples) and the
-requests still waiting, so a request's TTFT can be split into the steps it waited for.
+With SLIPSTREAM_TRACE_STEPS=FILE it also (or only, without SLIPSTREAM_TRACE) appends one JSON line per
+planned step: when the planner was asked (perf_counter), its decodes, its prefill chunks (request id, start,
+length, whether it samples) and the requests still waiting, so a request's TTFT can be split into the steps
+it waited for. `python -m benchmarks.bench.trace_server steps FILE [FULL]` prints the steps' intervals by
+kind (step_intervals): with FULL the batch size, the decode steps' p50 is the server's step time.
 
 read_trace / join_trace / server_view read a trace back against a client's --save-detailed results.
 """
@@ -129,21 +131,43 @@ def step_writer(path: str) -> Callable[[StepEvent], None]:
     return write
 
 
+def step_intervals(path: str, full: int) -> dict[str, dict[str, float]]:
+    """A step trace's time from each plan to the next, by kind of step: "decode, full" (decodes only, at
+    least `full` of them: a busy server's steady state), "decode" (fewer) and "prefill" (with a chunk).
+    Per kind: steps, p10/p50/p90 ms and the seconds they took. At steady state the decodes' interval
+    is the server's step time, the engine's device time plus whatever host work it waits for."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    kinds: dict[str, list[float]] = {"decode, full": [], "decode": [], "prefill": []}
+    for line, after in zip(lines, lines[1:]):
+        kind = "prefill" if line["prefill"] else "decode, full" if line["decodes"] >= full else "decode"
+        kinds[kind].append((after["t"] - line["t"]) * 1e3)
+    return {kind: {"steps": len(ms), "p10_ms": float(np.percentile(ms, 10)), "p50_ms": float(np.median(ms)),
+                   "p90_ms": float(np.percentile(ms, 90)), "seconds": sum(ms) / 1e3}
+            for kind, ms in kinds.items() if ms}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["steps"]:  # python -m benchmarks.bench.trace_server steps FILE [FULL]
+        for kind, row in step_intervals(argv[1], int(argv[2]) if len(argv) > 2 else 1).items():
+            print(f"{kind}: {row['steps']} steps, plan to plan p50 {row['p50_ms']:.2f} ms (p10 {row['p10_ms']:.2f}, "
+                  f"p90 {row['p90_ms']:.2f}), {row['seconds']:.2f} s")
+        return 0
     import slipstream.server.app
     from slipstream.server import cli
 
     path = os.environ.get("SLIPSTREAM_TRACE")
-    if not path:
-        print("trace_server: set SLIPSTREAM_TRACE to the JSONL file to append to", file=sys.stderr)
+    steps = os.environ.get("SLIPSTREAM_TRACE_STEPS")
+    if not path and not steps:
+        print("trace_server: set SLIPSTREAM_TRACE (requests) and/or SLIPSTREAM_TRACE_STEPS (steps) to the JSONL "
+              "files to append to", file=sys.stderr)
         return 2
     create_app = slipstream.server.app.create_app
 
-    steps = os.environ.get("SLIPSTREAM_TRACE_STEPS")
-
     def traced_create_app(service, *args, **kwargs):
         app = create_app(service, *args, **kwargs)
-        app.add_middleware(TraceRequests, path=path)
+        if path:  # a wrapper around every response chunk: leave it out to time the steps alone
+            app.add_middleware(TraceRequests, path=path)
         if steps:
             for scheduler in service.scheduler.replicas:
                 scheduler.add_step_listener(step_writer(steps))

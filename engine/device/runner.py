@@ -376,7 +376,9 @@ class JaxEngine:
         record[:n][np.append(slot_ids[:n][1:] == slot_ids[:n][:-1], False)] = self.max_slots
         self._previous.record(record, result.token)
         # what the samples are read with is taken now: the slots may be rebound before result()
-        rows = [(int(self._slot_logprobs[slot]), self._matchers.get(slot)) for slot in sample_slots]
+        matchers = self._matchers
+        rows = list(zip(self._slot_logprobs[slot_ids[:n]].tolist(),
+                        [matchers.get(slot) for slot in sample_slots] if matchers else [None] * n))
         if all(k < 0 for k, _ in rows):  # no logprobs asked: the tokens are all the host reads
             result = dataclasses.replace(result, logprob=None, top_ids=None, top_logprobs=None)
         for leaf in jax.tree.leaves(result):

@@ -27,7 +27,11 @@ def step_inputs(batch: StepBatch, buckets: Buckets, *, max_slots: int, max_pages
     cu = np.zeros(s + 1, np.int32)
     sample_index = np.zeros(buckets.sample_rows(t), np.int32)
     sample_slots: list[int] = []
-    at = 0
+    # gathered in lists and written once: numpy calls per sequence cost more than the values
+    token_list: list[int] = []
+    position_list: list[int] = []
+    end_list: list[int] = []
+    sample_list: list[int] = []
     for i, seq in enumerate(seqs):
         n, end = len(seq.token_ids), seq.end_pos
         if n == 0 or end > max_seq_len:
@@ -36,20 +40,28 @@ def step_inputs(batch: StepBatch, buckets: Buckets, *, max_slots: int, max_pages
         if len(seq.page_ids) < pages_needed(end, page_size):
             raise ValueError(f"sequence in slot {seq.slot}: {len(seq.page_ids)} pages do not cover "
                              f"{end} tokens")
-        tokens[at:at + n] = seq.token_ids
-        positions[at:at + n] = np.arange(seq.start_pos, end)
-        kv_lens[i] = end
+        token_list.extend(seq.token_ids)
+        if n == 1:
+            position_list.append(end - 1)
+        else:
+            position_list.extend(range(seq.start_pos, end))
+        end_list.append(end)
         k = min(len(seq.page_ids), max_pages_per_seq)
         pages[i, :k] = seq.page_ids[:k]
-        at += n
-        cu[i + 1] = at
         if seq.sample:
             rows = seq.num_samples
+            at = len(token_list)
             if not 1 <= rows <= n or len(sample_slots) + rows > len(sample_index):
                 raise ValueError(f"sequence in slot {seq.slot}: {rows} samples of a {n}-token chunk "
                                  f"(1..{n}; the step samples at most {len(sample_index)} rows)")
-            sample_index[len(sample_slots):len(sample_slots) + rows] = np.arange(at - rows, at)
+            sample_list.extend(range(at - rows, at))
             sample_slots.extend([seq.slot] * rows)
+    at = len(token_list)
+    tokens[:at] = token_list
+    positions[:at] = position_list
+    kv_lens[:len(seqs)] = end_list
+    cu[1:len(seqs) + 1] = np.cumsum([len(seq.token_ids) for seq in seqs])
+    sample_index[:len(sample_list)] = sample_list
     cu[len(seqs) + 1:] = at
     num_seqs = np.asarray([len(seqs)], np.int32)
     return t, (tokens, positions, kv_lens, pages, cu, num_seqs, sample_index), sample_slots
@@ -62,12 +74,13 @@ def previous_sources(batch: StepBatch, tokens: np.ndarray, cu: np.ndarray) -> np
     if where.size == 0:
         return None
     src = np.full(len(tokens), -1, np.int32)
-    for pos, i in zip(where, np.searchsorted(cu, where, side="right") - 1):
-        seq = batch.seqs[i]
-        if len(seq.token_ids) != 1:
-            raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
-                             f"decode's one token, got a chunk of {len(seq.token_ids)}")
-        src[pos] = seq.slot
+    owner = np.searchsorted(cu, where, side="right") - 1  # the sequence of each such position
+    longer = np.flatnonzero(cu[owner + 1] - cu[owner] != 1)
+    if longer.size:
+        seq = batch.seqs[owner[longer[0]]]
+        raise ValueError(f"sequence in slot {seq.slot}: PREVIOUS_SAMPLE is only valid as a "
+                         f"decode's one token, got a chunk of {len(seq.token_ids)}")
+    src[where] = np.asarray([seq.slot for seq in batch.seqs], np.int32)[owner]
     return src
 
 
@@ -76,10 +89,12 @@ def draft_rows(batch: StepBatch, rows: int) -> tuple[DraftRows, np.ndarray]:
     samples after), padded to `rows`: a sequence sampling at its chunk's last r positions verifies the
     r - 1 drafts it was fed, one per row but the last."""
     out, positions = DraftRows.none(rows), np.zeros(rows, np.int32)
+    sampling = [seq for seq in batch.seqs if seq.sample]
+    if all(seq.num_samples == 1 for seq in sampling):  # no drafts: a row per sequence, as none() has them
+        positions[:len(sampling)] = [seq.end_pos - 1 for seq in sampling]
+        return out, positions
     at = 0
-    for seq in batch.seqs:
-        if not seq.sample:
-            continue
+    for seq in sampling:
         r = seq.num_samples
         if r > 1:
             out.draft[at:at + r - 1] = seq.token_ids[len(seq.token_ids) - r + 1:]

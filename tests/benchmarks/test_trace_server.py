@@ -47,3 +47,15 @@ def test_step_trace_lists_each_step_prefill_chunks_and_decodes(tmp_path):
     assert [line["prefill"] for line in ran[:2]] == [[[rid, 0, 8, False]], [[rid, 8, 4, True]]]
     assert [line["decodes"] for line in ran] == [0, 0, 1, 1]
     assert all(a["t"] <= b["t"] for a, b in zip(lines, lines[1:]))
+
+
+def test_step_intervals_split_full_decode_steps_from_the_rest(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    lines = [(0.000, 0, [["a", 0, 8, True]]), (0.010, 4, []), (0.030, 4, []), (0.050, 2, []), (0.055, 2, [])]
+    path.write_text("".join(json.dumps({"t": t, "decodes": d, "running": 4, "prefill": p, "waiting": []}) + "\n"
+                            for t, d, p in lines))
+    got = trace_server.step_intervals(str(path), full=4)
+    assert set(got) == {"prefill", "decode, full", "decode"}
+    assert got["prefill"]["steps"] == 1 and abs(got["prefill"]["p50_ms"] - 10) < 1e-6
+    assert got["decode, full"]["steps"] == 2 and abs(got["decode, full"]["p50_ms"] - 20) < 1e-6
+    assert got["decode"]["steps"] == 1 and abs(got["decode"]["p50_ms"] - 5) < 1e-6

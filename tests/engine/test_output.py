@@ -267,3 +267,26 @@ def test_a_failing_detokenizer_fails_only_its_request_without_leaking_the_except
     assert "secret" not in failed.error and "RuntimeError" not in failed.error
     assert (ok.text, ok.finish_reason) == ("fine", FinishReason.LENGTH)
     assert sorted(m.finish_reason.value for m in finished) == ["error", "length"]
+
+
+def test_wake_all_wakes_each_event_loop_once():
+    """A step's deltas for many streams wake their event loop once, with every stream's callback in order;
+    a closed loop does not keep the others from waking."""
+    from slipstream.engine.output import wake_all
+
+    class Loop:
+        def __init__(self, closed=False):
+            self.calls, self.closed = 0, closed
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls += 1
+            fn(*args)
+
+    ran = []
+    a, b, gone = Loop(), Loop(), Loop(closed=True)
+    wake_all([(a, lambda: ran.append(1)), (gone, lambda: ran.append("x")), (b, lambda: ran.append(2)),
+              (a, lambda: ran.append(3))])
+    assert (a.calls, b.calls) == (1, 1)
+    assert ran == [1, 3, 2]
