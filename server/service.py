@@ -152,7 +152,7 @@ class Generation:
         if reason is FinishReason.CANCELLED:
             raise ServiceError(503, "the server cancelled this request (shutting down?)", code="cancelled")
         self.completion_tokens += len(delta.token_ids)
-        return dataclasses.replace(delta, index=index)
+        return delta if delta.index == index else dataclasses.replace(delta, index=index)
 
 
 class Service:
