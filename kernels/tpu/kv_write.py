@@ -36,6 +36,7 @@ SLOTS = 3            # VMEM buffer slots of the item pipeline
 PAD_ROWS = TILE      # source rows before token 0: a tile's window may start up to 31 rows before its first token
 CHUNK_BYTES = 16 << 20   # int8 source bytes per call (8B heads: 8192 tokens)
 VMEM_CAP = 100 << 20
+DOT_DTYPE = jnp.int8     # the one-hot matmul's operands by default (int8 or bfloat16: both exact)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -113,8 +114,8 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
         lo, hi, src = lo_ref[i], hi_ref[i], src_ref[i]
         for j in range(n_tiles):
             touched, full = span(i, j)
-            d = src + PAD_ROWS + j * TILE - lo          # the source row of the tile's row 0
-            a = pl.multiple_of((d // TILE) * TILE, TILE)
+            d = src + PAD_ROWS + j * TILE - lo          # the source row of the tile's row 0 (> 0)
+            a = pl.multiple_of(jax.lax.div(d, TILE) * TILE, TILE)
             s = d - a                                    # 0..31
             as_lies = full & (s == 0)
 
@@ -142,10 +143,10 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
                                                        old).astype(jnp.int8)
 
         # scales: lane l of the page <- source token src + l - lo, a rotated window of whole lane tiles
-        d = src + pad_sc - lo
-        a = pl.multiple_of((d // LANES) * LANES, LANES)
+        d = src + pad_sc - lo                                                              # > 0
+        a = pl.multiple_of(jax.lax.div(d, LANES) * LANES, LANES)
         win = new_sc_buf[:, pl.ds(a, win_sc)]                                              # [KV*2, win]
-        sc_tmp[...] = pltpu.roll(win, (win_sc - (d - a)) % win_sc, 1)[:, :ps]              # [KV*2, ps]
+        sc_tmp[...] = pltpu.roll(win, win_sc - (d - a), 1)[:, :ps]                         # [KV*2, ps]
         lane = jax.lax.broadcasted_iota(jnp.int32, (2, ps), 1)
         keep = (lane >= lo) & (lane < hi)
         for h in range(kvh):
@@ -232,13 +233,13 @@ def _write_chunk(kv, sc, layer, new, new_sc, page, offset, *, max_items, dot_dty
 
 def write(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, page: jax.Array,
           offset: jax.Array, quantize, *, max_items: int | None = None, chunk_tokens: int | None = None,
-          dot_dtype=jnp.int8, interpret: bool = False) -> dict:
+          dot_dtype=None, interpret: bool = False) -> dict:
     """layout.write_kv for the int8 forms ("split" [L, pages, KV, 2, ps, hd], "lanes" [L, pages, KV, ps, 2hd],
     scales [L, pages, KV, 2, ps]): K/V [T, KV, hd] quantized by `quantize` at (page [T], offset [T]); a page
     outside [0, num_pages) writes nothing. A page's tokens must be consecutive in T with consecutive offsets
     (one run per page and step, as ragged steps have). max_items bounds the runs (default T); chunk_tokens:
     tokens per call (default: CHUNK_BYTES of int8 source); dot_dtype: the one-hot matmul's operands (int8 or
-    bfloat16, both exact); interpret: Pallas' TPU interpreter (tests on CPU)."""
+    bfloat16, both exact; default DOT_DTYPE); interpret: Pallas' TPU interpreter (tests on CPU)."""
     kv, sc = kv_cache["kv"], kv_cache.get("kv_scale")
     if kv.dtype != jnp.int8 or kv.ndim not in (5, 6) or sc is None:
         raise ValueError(f"the int8 K/V write takes an int8 cache of layout.py's split or lanes form with "
@@ -258,5 +259,6 @@ def write(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, 
     for t0 in range(0, t_len, chunk):
         t1 = min(t_len, t0 + chunk)
         kv, sc = _write_chunk(kv, sc, layer, new[t0:t1], new_sc[t0:t1], page[t0:t1], offset[t0:t1],
-                              max_items=max_items, dot_dtype=jnp.dtype(dot_dtype), interpret=interpret)
+                              max_items=max_items, dot_dtype=jnp.dtype(dot_dtype or DOT_DTYPE),
+                              interpret=interpret)
     return {**kv_cache, "kv": kv, "kv_scale": sc}

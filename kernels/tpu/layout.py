@@ -10,8 +10,9 @@
 A page (all heads, K and V) is one contiguous block; a head's keys lie in sublanes, so the kernel's score
 and value matmuls read them as they lie (in "tokens", head h's [K | V] are lanes [h * 2hd, (h + 1) * 2hd)).
 The step's K/V write is an XLA scatter into a flat view of the rows (int8: or kv_write.py's Pallas kernel,
-INT8_WRITE), and on the v5e the scatter costs 70-95 ns per index whatever the row's width: one index per token in "tokens" (a 512-token chunk of 8B heads: 97 us
-per layer), one per token, head and K|V in "split" (562 us). int8 stays in the per-head forms: scattering
+INT8_WRITE), and on the v5e the scatter costs 70-95 ns per index whatever the row's width: one index per
+token in "tokens" (a 512-token chunk of 8B heads: 97 us per layer), one per token, head and K|V in "split"
+(562 us). int8 stays in the per-head forms: scattering
 int8 rows wider than 128 lanes, XLA (jax 0.10) copies the whole cache into its packed (32, 128) tiling in
 every layer (tests/kernels/tpu_kv_write_probe: "rows8" and "rows1" at int8). TPU memory tiles pad the minor
 dimension to 128 lanes: a [page_size, 64] tile would take twice its bytes and XLA then picks another layout

@@ -231,7 +231,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
-    page); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret: Pallas' TPU interpreter (tests on CPU)."""
+    page); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
+    Pallas' TPU interpreter (tests on CPU)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")

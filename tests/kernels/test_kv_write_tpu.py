@@ -54,18 +54,17 @@ FORMS = [pytest.param(128, id="split_hd128"), pytest.param(64, id="lanes_hd64")]
 
 
 @pytest.mark.parametrize("hd", FORMS)
-def test_decode_rows_of_several_sequences_and_padding(hd):
-    # one row each: mid-tile, a tile's first and last rows, a page's last row; then 3 padding tokens
-    runs = [([4], 37, 1), ([0, 2], 64, 1), ([5], 31, 1), ([1], 63, 1), ([6, 3], 96, 1)]
+def test_decodes_and_a_chunk_from_mid_tile_over_pages_with_padding(hd):
+    # decode rows mid-tile, at a tile's first and last rows and a page's last row; a 150-token chunk from
+    # position 45: rows 45..63 of page 2 (a partial tile, then a whole one), pages 5 and 0 whole, 3 rows of
+    # page 4; then padding tokens (page == num_pages)
+    runs = [([4], 37, 1), ([1, 6], 64, 1), ([2, 5, 0, 4], 45, 150), ([3], 31, 1), ([6], 63, 1)]
     _check(hd, 64, runs, pad=3)
 
 
-@pytest.mark.parametrize("hd", FORMS)
-def test_prefill_chunk_from_mid_tile_over_pages_with_a_decode(hd):
-    # 150 tokens from position 45: rows 45..63 of page 2 (a partial tile, then a whole one), pages 5 and 0
-    # whole, 3 rows of page 4; a decode of another sequence between, padding after
-    runs = [([6], 20, 1), ([2, 5, 0, 4], 45, 150), ([1], 50, 1)]
-    _check(hd, 64, runs, pad=5, seed=1)
+def test_bf16_one_hot_matmul():
+    # the merge's one-hot matmul in bf16 (exact for int8 values too): a decode and a chunk from mid-tile
+    _check(128, 64, [([3], 40, 1), ([2, 5], 50, 30)], pad=1, seed=4, dot_dtype=jnp.bfloat16)
 
 
 def test_chunk_from_a_page_start_and_128_token_pages():
@@ -75,9 +74,9 @@ def test_chunk_from_a_page_start_and_128_token_pages():
 
 
 def test_a_step_over_several_calls_and_a_tight_item_bound():
-    # 16-token calls split runs mid-tile; max_items = T // ps + 2 * sequences
+    # 24-token calls split runs mid-tile; max_items = T // ps + 2 * sequences
     runs = [([2, 5], 27, 50), ([1], 5, 1), ([4], 60, 4)]
-    _check(128, 64, runs, pad=2, seed=3, chunk_tokens=16, max_items=57 // 64 + 2 * 3)
+    _check(128, 64, runs, pad=2, seed=3, chunk_tokens=24, max_items=57 // 64 + 2 * 3)
 
 
 def test_work_items_are_runs_of_a_page():
