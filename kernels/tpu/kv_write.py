@@ -132,9 +132,12 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
                 col = jax.lax.broadcasted_iota(jnp.int32, (TILE, 2 * TILE), 1)
                 row = j * TILE + r
                 pick = (col == r + s) & (row >= lo) & (row < hi)                           # [32, 64] one-hot
-                acc = jnp.int32 if dot_dtype == jnp.int8 else jnp.float32
-                new = jnp.dot(pick.astype(dot_dtype), win.astype(dot_dtype), preferred_element_type=acc)
-                new = new.astype(jnp.int32)                                                # [32, KV*2*hd]
+                if dot_dtype == jnp.int8:
+                    new = jnp.dot(pick.astype(jnp.int32).astype(jnp.int8), win, preferred_element_type=jnp.int32)
+                else:   # conversions through f32 (int8 -> f32 as int8_matmul.py does)
+                    one = jnp.where(pick, 1.0, 0.0).astype(dot_dtype)
+                    new = jnp.dot(one, win.astype(jnp.float32).astype(dot_dtype),
+                                  preferred_element_type=jnp.float32).astype(jnp.int32)           # [32, KV*2*hd]
                 row = j * TILE + jax.lax.broadcasted_iota(jnp.int32, (TILE, piece_w), 0)
                 keep = (row >= lo) & (row < hi)
                 for p, idx in enumerate(pieces):
