@@ -18,7 +18,10 @@ kernels/tpu/kv_write.py's Pallas kernel, in one run: per --tokens case (N: N dec
 scattered offsets; N@P: one chunk of N tokens from position P, its edge tiles partly filled) the two caches after
 one layer's write are compared bit for bit (exit status 1 if they differ), then each program (8 layers under one
 lax.scan, the cache donated) reports its cache-sized copies, its wall time and, on the TPU, its device time per
-layer from the profiler (loop: the scan's body; write: the scatter ops or the kernel).
+layer from the profiler (loop: the scan's body; write: the scatter ops or the kernel). Within whole attention
+layers (and the property cases written by the kernel): python -m tests.kernels.tpu_attention_check --profile
+--cases int8_64x2048 --variants '[{}, {"int8_write": "kernel"}]' --mixed-variants '[]' --case-kw
+'[{"int8_write": "kernel"}]'.
 
 On the TPU:  python -m tests.kernels.tpu_kv_write_probe          (under a minute)
              python -m tests.kernels.tpu_kv_write_probe --int8-write
@@ -193,8 +196,7 @@ def probe_int8_write(spec: str, *, layers: int, kvh: int, hd: int, ps: int, reps
         if profile:
             _, ops, summary = device_ops(once, top=6, layers=layers)
             r["loop_us_per_layer"] = summary["loop_us"]
-            r["write_us_per_layer"] = sum(us for n, us, _ in ops if any(w in n.split("=")[0]
-                                                                        for w in ("scatter", "kv_write")))
+            r["write_us_per_layer"] = summary["write_us"]
             r["top_ops"] = [[n[:120], round(us, 2), c] for n, us, c in ops]
         out[how] = r
         del state, cache
