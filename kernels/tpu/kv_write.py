@@ -149,7 +149,8 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
         d = src + pad_sc - lo                                                              # > 0
         a = pl.multiple_of(jax.lax.div(d, LANES) * LANES, LANES)
         win = new_sc_buf[:, pl.ds(a, win_sc)]                                              # [KV*2, win]
-        sc_tmp[...] = pltpu.roll(win, win_sc - (d - a), 1)[:, :ps]                         # [KV*2, ps]
+        shift = jax.lax.rem(win_sc - (d - a), win_sc)                                      # in [0, win)
+        sc_tmp[...] = pltpu.roll(win, shift, 1)[:, :ps]                                    # [KV*2, ps]
         lane = jax.lax.broadcasted_iota(jnp.int32, (2, ps), 1)
         keep = (lane >= lo) & (lane < hi)
         for h in range(kvh):

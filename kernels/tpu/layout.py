@@ -24,8 +24,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from slipstream.kernels.tpu import kv_write
-
 # 128-token pages: a bf16 page of 8 KV heads x hd 128 is a 512 KiB DMA (sglang-jax found 128 necessary).
 PAGE_SIZE = 128
 
@@ -161,6 +159,8 @@ def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Arra
     how = INT8_WRITE if int8_write is None else int8_write
     if how not in INT8_WRITES:
         raise ValueError(f"int8_write must be one of {INT8_WRITES}, got {how!r}")
+    if how == "kernel" and kind != "tokens":
+        from slipstream.kernels.tpu import kv_write   # Pallas: imported where used (the CPU engine imports this file)
     if how == "kernel" and kind != "tokens" and buf.shape[PAGE_AXIS[kind]] % kv_write.TILE == 0:
         return kv_write.write(kv_cache, layer, k_new, v_new, page, offset, quantize, max_items=max_items,
                               interpret=interpret)

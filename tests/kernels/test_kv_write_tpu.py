@@ -94,3 +94,10 @@ def test_rejects_pages_that_do_not_tile():
     k = jnp.zeros((1, 2, 128), jnp.float32)
     with pytest.raises(ValueError, match="multiple of 32"):
         kv_write.write(cache, jnp.int32(0), k, k, jnp.asarray([0]), jnp.asarray([0]), quantize_kv, interpret=True)
+
+
+def test_write_kv_rejects_an_unknown_int8_write():
+    cache = _cache(np.random.default_rng(0), 128, 64)
+    k = jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="int8_write must be one of"):
+        layout.write_kv(cache, jnp.int32(0), k, k, jnp.asarray([0]), jnp.asarray([0]), quantize_kv, int8_write="dma")
