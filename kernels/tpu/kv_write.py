@@ -16,7 +16,7 @@ Mosaic moves int8 to and from HBM by whole (32, 128) tiles, so the unit of work 
 The new K/V are quantized outside the kernel by the same `quantize` callable the scatter uses (the cache
 content is bit-identical) and DMA'd whole into VMEM token-major, [rows, KV * 2 * hd] int8 and their scales
 [KV * 2, tokens] f32, padded so every window below stays inside. A tile's new rows are a shifted window of
-that source: 64 rows at a 32-aligned offset picked by a one-hot [32, 64] matmul on the MXU (exact: one
+that source: WINDOW = 64 rows at a 32-aligned offset picked by a one-hot [32, 64] matmul on the MXU (exact: one
 product of an int8 value and 1 per output), or copied as they lie when the item's rows start where the
 tile does; the scales' window is a dynamic lane rotation. Steps with more tokens than CHUNK_BYTES of
 source are written in several calls.
@@ -34,6 +34,7 @@ TILE = 32            # int8 rows per (32, 128) memory tile: the DMA unit
 LANES = 128
 SLOTS = 3            # VMEM buffer slots of the item pipeline
 PAD_ROWS = TILE      # source rows before token 0: a tile's window may start up to 31 rows before its first token
+WINDOW = 2 * TILE    # source rows under a tile's one-hot matmul (its contraction): any 32 rows from a 32-aligned start
 CHUNK_BYTES = 16 << 20   # int8 source bytes per call (8B heads: 8192 tokens)
 VMEM_CAP = 100 << 20
 DOT_DTYPE = jnp.int8     # the one-hot matmul's operands by default (int8 or bfloat16: both exact)
@@ -127,9 +128,9 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
 
             @pl.when(touched & ~as_lies)
             def _shifted():
-                win = new_buf[pl.ds(a, 2 * TILE), :]                                       # [64, KV*2*hd]
-                r = jax.lax.broadcasted_iota(jnp.int32, (TILE, 2 * TILE), 0)
-                col = jax.lax.broadcasted_iota(jnp.int32, (TILE, 2 * TILE), 1)
+                win = new_buf[pl.ds(a, WINDOW), :]                                         # [64, KV*2*hd]
+                r = jax.lax.broadcasted_iota(jnp.int32, (TILE, WINDOW), 0)
+                col = jax.lax.broadcasted_iota(jnp.int32, (TILE, WINDOW), 1)
                 row = j * TILE + r
                 pick = (col == r + s) & (row >= lo) & (row < hi)                           # [32, 64] one-hot
                 if dot_dtype == jnp.int8:
@@ -209,7 +210,7 @@ def _write_chunk(kv, sc, layer, new, new_sc, page, offset, *, max_items, dot_dty
     split = kv.ndim == 6
     kvh, ps = kv.shape[2], kv.shape[4 if split else 3]
     items = work_items(page, offset, kv.shape[1], min(max_items, t_len))
-    rows = _round_up(PAD_ROWS + t_len + 2 * TILE, TILE)
+    rows = _round_up(PAD_ROWS + t_len + WINDOW, TILE)
     new = jnp.pad(new, ((PAD_ROWS, rows - PAD_ROWS - t_len), (0, 0)))                        # [R, KV*2*hd]
     lanes = _round_up(_sc_pad(ps) + t_len + _sc_window(ps), LANES)
     new_sc = jnp.pad(new_sc.reshape(t_len, 2 * kvh).T, ((0, 0), (_sc_pad(ps), lanes - _sc_pad(ps) - t_len)))
@@ -220,7 +221,7 @@ def _write_chunk(kv, sc, layer, new, new_sc, page, offset, *, max_items, dot_dty
                pltpu.SemaphoreType.DMA((2, SLOTS)), pltpu.SemaphoreType.DMA((2,))]
     # the source, its scales (sublanes padded to 8), the slots, and the merge's [64, width] f32 temporaries
     need = new.size + 8 * new_sc.shape[1] * 4 * -(-2 * kvh // 8) + SLOTS * (ps * width + kvh * 8 * ps * 4) \
-        + 6 * 2 * TILE * width * 4
+        + 6 * WINDOW * width * 4
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     call = pl.pallas_call(
         functools.partial(_kernel, dot_dtype=dot_dtype),
