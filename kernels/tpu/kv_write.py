@@ -9,8 +9,8 @@ Mosaic moves int8 to and from HBM by whole (32, 128) tiles, so the unit of work 
     heads' K and V into VMEM (skipped for a tile the item fills), and one DMA the page's scales [KV, 2, ps];
   - the new rows are merged into the tiles and scales, and the same DMAs write them back, in place (the cache
     is aliased to the output: no cache-sized copy);
-  - items are pipelined over 3 buffer slots: item i + 1's reads start before item i merges, item i's writes
-    complete while items i + 1 and i + 2 run. Items touch distinct pages (a page is written by one sequence,
+  - items are pipelined over SLOTS buffer slots: items i + 1 and i + 2's reads are in flight while item i
+    merges, and item i's writes complete during item i + 1. Items touch distinct pages (a page is written by one sequence,
     in one run of rows), so the reordered DMAs never meet.
 
 The new K/V are quantized outside the kernel by the same `quantize` callable the scatter uses (the cache
@@ -32,7 +32,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 TILE = 32            # int8 rows per (32, 128) memory tile: the DMA unit
 LANES = 128
-SLOTS = 3            # VMEM buffer slots of the item pipeline
+PREFETCH = 2         # items whose reads are in flight ahead of the one merging (a DMA outlasts a decode's merge)
+SLOTS = PREFETCH + 2  # VMEM buffer slots: those reads, the item merging, and one item's writes in flight
 PAD_ROWS = TILE      # source rows before token 0: a tile's window may start up to 31 rows before its first token
 WINDOW = 2 * TILE    # source rows under a tile's one-hot matmul (its contraction): any 32 rows from a 32-aligned start
 CHUNK_BYTES = 16 << 20   # int8 source bytes per call (8B heads: 8192 tokens)
@@ -162,22 +163,23 @@ def _kernel(count_ref, page_ref, lo_ref, hi_ref, src_ref, layer_ref,            
     for c in src_copies:
         c.start()
 
-    @pl.when(n > 0)
-    def _():
-        start(copies(0, 0, False))
+    for first in range(PREFETCH):
+        pl.when(first < n)(lambda first=first: start(copies(first, first, False)))
 
     for c in src_copies:
         c.wait()
 
     def item(i, carry):
-        slot, nxt = jax.lax.rem(i, SLOTS), jax.lax.rem(i + 1, SLOTS)
+        slot, ahead = jax.lax.rem(i, SLOTS), i + PREFETCH
 
-        @pl.when(i + 1 < n)
+        @pl.when(ahead < n)
         def _prefetch():
-            @pl.when(i + 1 >= SLOTS)
-            def _():   # the slot's previous item's writes
-                wait(copies(i + 1 - SLOTS, nxt, True))
-            start(copies(i + 1, nxt, False))
+            nxt = jax.lax.rem(ahead, SLOTS)
+
+            @pl.when(ahead >= SLOTS)
+            def _():   # the writes of the slot's previous item
+                wait(copies(ahead - SLOTS, nxt, True))
+            start(copies(ahead, nxt, False))
 
         wait(copies(i, slot, False))
         merge(i, slot)
