@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ",".join(LAYOUTS))
     ap.add_argument("--int8-write", action="store_true",
                     help="the int8 write: XLA's scatter against kernels/tpu/kv_write.py (--tokens default "
-                         "32,64,512,2048,512@45)")
+                         "32,64,512@0,2048@0,512@45)")
     ap.add_argument("--head-dim", type=int, default=128, help="--int8-write: 128 (split form) or 64 (lanes)")
     ap.add_argument("--dot-dtype", default="int8", help="--int8-write: the kernel's one-hot matmul operands "
                                                         "(int8 or bfloat16)")
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
 def _main_int8_write(args, dims: dict, on_tpu: bool) -> int:
     kv_write.DOT_DTYPE = jnp.dtype(args.dot_dtype)
     dims = dict(dims, hd=args.head_dim, **(dict(ps=64) if args.smoke else {}))
-    tokens = "32,64,512,2048,512@45" if args.tokens == "32,512" else args.tokens
+    tokens = "32,64,512@0,2048@0,512@45" if args.tokens == "32,512" else args.tokens
     if args.smoke:
         tokens = "4,70@45"
     print(f"device: {jax.devices()[0]}; int8 write, KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}, "
