@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128, help="--int8-write: 128 (split form) or 64 (lanes)")
     ap.add_argument("--dot-dtype", default="int8", help="--int8-write: the kernel's one-hot matmul operands "
                                                         "(int8 or bfloat16)")
+    ap.add_argument("--window-rows", type=int, default=None,
+                    help="--int8-write: the kernel's one-hot window (kv_write.WINDOW: 64, or 128 for a 128-deep dot)")
     args = ap.parse_args(argv)
     on_tpu = jax.default_backend() == "tpu"
     if not on_tpu and not args.smoke:
@@ -246,12 +248,13 @@ def main(argv=None) -> int:
 
 def _main_int8_write(args, dims: dict, on_tpu: bool) -> int:
     kv_write.DOT_DTYPE = jnp.dtype(args.dot_dtype)
+    kv_write.WINDOW = args.window_rows or kv_write.WINDOW
     dims = dict(dims, hd=args.head_dim, **(dict(ps=64) if args.smoke else {}))
     tokens = "32,64,512@0,2048@0,512@45" if args.tokens == "32,512" else args.tokens
     if args.smoke:
         tokens = "4,70@45"
     print(f"device: {jax.devices()[0]}; int8 write, KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}, "
-          f"{dims['layers']} layers, one-hot matmul in {args.dot_dtype}", flush=True)
+          f"{dims['layers']} layers, one-hot matmul in {args.dot_dtype} over {kv_write.WINDOW} rows", flush=True)
     results, ok = {}, True
     for spec in tokens.split(","):
         try:
