@@ -9,9 +9,10 @@
 
 A page (all heads, K and V) is one contiguous block; a head's keys lie in sublanes, so the kernel's score
 and value matmuls read them as they lie (in "tokens", head h's [K | V] are lanes [h * 2hd, (h + 1) * 2hd)).
-The step's K/V write is an XLA scatter into a flat view of the rows, and on the v5e it costs 70-95 ns per
-index whatever the row's width: one index per token in "tokens" (a 512-token chunk of 8B heads: 97 us
-per layer), one per token, head and K|V in "split" (562 us). int8 stays in the per-head forms: scattering
+The step's K/V write is an XLA scatter into a flat view of the rows (int8: or kv_write.py's Pallas kernel,
+INT8_WRITE), and on the v5e the scatter costs 70-95 ns per index whatever the row's width: one index per
+token in "tokens" (a 512-token chunk of 8B heads: 97 us per layer), one per token, head and K|V in "split"
+(562 us). int8 stays in the per-head forms: scattering
 int8 rows wider than 128 lanes, XLA (jax 0.10) copies the whole cache into its packed (32, 128) tiling in
 every layer (tests/kernels/tpu_kv_write_probe: "rows8" and "rows1" at int8). TPU memory tiles pad the minor
 dimension to 128 lanes: a [page_size, 64] tile would take twice its bytes and XLA then picks another layout
@@ -39,6 +40,12 @@ def pads_q(head_dim: int) -> bool:
 
 
 PAGE_AXIS = {"tokens": 2, "lanes": 3, "split": 4}   # the page_size axis of each form's kv array
+
+# How write_kv writes the int8 forms: "scatter" (XLA, 2 * KV row and scale indices per token) or "kernel"
+# (kv_write.py's Pallas kernel, 32-row tiles by DMA; for pages of a multiple of 32 tokens: smaller pages,
+# as in the CPU tests' 16, keep the scatter)
+INT8_WRITES = ("scatter", "kernel")
+INT8_WRITE = "scatter"
 
 
 def pairs_heads(head_dim: int, num_kv_heads: int) -> bool:
@@ -137,15 +144,26 @@ def _head_rows(lp, offset, kvh: int, ps: int, split: bool) -> jax.Array:
 
 
 def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, page: jax.Array,
-             offset: jax.Array, quantize) -> dict:
+             offset: jax.Array, quantize, *, int8_write: str | None = None, max_items: int | None = None,
+             interpret: bool = False) -> dict:
     """Scatter the step's K/V [T, KV, hd] at (page [T], offset [T]); a page past the cache (num_pages)
     writes nothing. The scatter runs on a flat view of the cache's rows (one per token in "tokens"; per
     token and head in "lanes"; per token, head and K|V in "split" and the scales): scattered in its own
     shape, XLA gave the cache a layout of its own and copied all of it to the kernel's row-major one in
-    every layer; the flat view is written in place."""
+    every layer; the flat view is written in place.
+    int8_write: the int8 forms' write (default INT8_WRITE); "kernel" also takes max_items (a bound on the
+    step's runs of tokens per page, kv_write.work_items) and interpret (Pallas' TPU interpreter)."""
     out = dict(kv_cache)
     buf = kv_cache["kv"]
     kind = form(kv_cache)
+    how = INT8_WRITE if int8_write is None else int8_write
+    if how not in INT8_WRITES:
+        raise ValueError(f"int8_write must be one of {INT8_WRITES}, got {how!r}")
+    if how == "kernel" and kind != "tokens":
+        from slipstream.kernels.tpu import kv_write   # Pallas: imported where used (the CPU engine imports this file)
+    if how == "kernel" and kind != "tokens" and buf.shape[PAGE_AXIS[kind]] % kv_write.TILE == 0:
+        return kv_write.write(kv_cache, layer, k_new, v_new, page, offset, quantize, max_items=max_items,
+                              interpret=interpret)
     t_len, kvh, _ = k_new.shape
     num_pages, width = buf.shape[1], buf.shape[-1]
     ps = buf.shape[PAGE_AXIS[kind]]

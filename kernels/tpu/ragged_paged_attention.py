@@ -227,11 +227,12 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           interpret: bool = False):
+                           int8_write: str | None = None, interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
-    page); interpret: Pallas' TPU interpreter (tests on CPU)."""
+    page); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
+    Pallas' TPU interpreter (tests on CPU)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")
@@ -253,8 +254,10 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
 
     seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
     page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
+    # a sequence's tokens fill at most ceil(q_len / ps) + 1 pages: the write's runs of tokens per page
     kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
-                               quantize_kv)
+                               quantize_kv, int8_write=int8_write, max_items=min(t_len, t_len // ps + 2 * n_rows),
+                               interpret=interpret)
 
     i32 = jnp.int32
     n = jnp.reshape(num_seqs, ()).astype(i32)

@@ -4,6 +4,8 @@ sliding window, soft-cap, int8 pages with per-token scales, padding tokens and r
 same K/V into the cache."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.kernels.tpu_cases import SPECS, check, tolerance
@@ -20,3 +22,10 @@ def test_multi_row_decode_items():
     one softmax update per page instead of per block of pages."""
     spec = next(s for s in SPECS if s.name == "mixed_window_softcap")
     check(spec, interpret=True, atol=1e-4, pages_per_block=2, decode_rows=4, prefill_rows=16, merge_pages=False)
+
+
+def test_int8_pages_written_by_the_pallas_write():
+    """int8 K/V written by kernels/tpu/kv_write.py (32-token pages: the chunk crosses a page): the cache equals
+    the reference's bit for bit and the outputs match."""
+    spec = dataclasses.replace(next(s for s in SPECS if s.name == "mixed_int8_hd128"), page_size=32)
+    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=2, prefill_rows=8, int8_write="kernel")

@@ -142,11 +142,11 @@ def device_ops(call, top: int = 14, layers: int | None = None) -> tuple[list[str
 
 def summarize(ops) -> dict:
     """us per layer on the device: the layer loop (the while op spans its body: no per-call launch cost),
-    the attention kernels (rpa_*), the K/V write (scatter)."""
+    the attention kernels (rpa_*), the K/V write (the scatter, or kernels/tpu/kv_write.py's kv_write_int8)."""
     loops = [us for n, us, _ in ops if n.startswith("%while")]
     return {"loop_us": max(loops) if loops else None,
             "kernel_us": sum(us for n, us, _ in ops if "rpa_" in n.split("=")[0]),
-            "write_us": sum(us for n, us, _ in ops if "scatter" in n.split("=")[0])}
+            "write_us": sum(us for n, us, _ in ops if any(w in n.split("=")[0] for w in ("scatter", "kv_write")))}
 
 
 def time_step(args, sm_scale, interpret, reps, copies: dict | None = None, profile: list | None = None,
