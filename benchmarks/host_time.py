@@ -22,9 +22,8 @@ import time
 
 from benchmarks.device import _ready, stop_server
 from benchmarks.measure import cpu_model
+from slipstream.models.registry import PRESET_DIR
 
-PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "presets",
-                      "llama-3.2-1b.json")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": [2]}
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="slip-host-")
-    with open(PRESET) as f:
+    with open(os.path.join(PRESET_DIR, "llama-3.2-1b.json")) as f:
         config = {**json.load(f), **TINY}
     os.makedirs(os.path.join(work, "model"))
     with open(os.path.join(work, "model", "config.json"), "w") as f:
