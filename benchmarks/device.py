@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serving-concurrency", type=int, default=32)
     serve.add_argument("--serving-input-len", type=int, default=512)
     serve.add_argument("--serving-output-len", type=int, default=128)
+    serve.add_argument("--serving-temperature", type=float, default=0.0,
+                       help="the requests' temperature (0: greedy, as issue 48's serving targets are measured)")
     serve.add_argument("--serve-flags", default="", help="extra `slipstream serve` flags, one string")
     return p
 
@@ -265,6 +267,7 @@ def run_client(args: argparse.Namespace, uds: str) -> dict:
            "--random-input-len", str(args.serving_input_len), "--random-output-len", str(args.serving_output_len),
            "--ignore-eos", "--num-prompts", str(args.serving_prompts),
            "--max-concurrency", str(args.serving_concurrency), "--tokenizer", tokenizer, "--disable-tqdm",
+           "--temperature", str(args.serving_temperature),
            "--save-result", "--result-dir", args.output_dir, "--result-filename", out_name]
     done = subprocess.run(cmd, env=_cpu_env(), timeout=args.phase_timeout, capture_output=True, text=True)
     print(done.stdout[-4000:], flush=True)
@@ -274,6 +277,7 @@ def run_client(args: argparse.Namespace, uds: str) -> dict:
         result = json.load(f)
     return {"prompts": args.serving_prompts, "concurrency": args.serving_concurrency,
             "input_len": args.serving_input_len, "output_len": args.serving_output_len,
+            "temperature": args.serving_temperature,
             "completed": result["completed"], "failed": result.get("failed", 0),
             "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
             "tpot_p50_ms": result["median_tpot_ms"], "duration_s": result["duration"]}
