@@ -4,7 +4,8 @@
  * are compared bit for bit when COPIES is 1. COPIES distinct weights are used in turn (enough to leave L2: the
  * weights then come from L3 or memory, as in an engine step). Options after the four numbers: --threads T (each
  * thread runs the whole measurement; default 1), --reps R (200), --median (medians instead of minima),
- * --only-amx / --only-vnni.
+ * --only-amx / --only-vnni, --rows M,M,... (the input row counts; default 1,2,4,8,16), --pair (BITS 4: the tile
+ * path's row tiles two at a time, TileInt8Pair, as calls of more than 64 rows run).
  *     g++ -O3 -std=c++17 -fno-math-errno -fno-wrapv -I$(python -c "import jax.ffi; print(jax.ffi.include_dir())") \
  *       -Ikernels/cpu/csrc -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
  *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -lpython3.11 \
@@ -29,6 +30,8 @@ double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 struct Options {
   int threads = 1, reps = 200;
   bool median = false, only_amx = false, only_vnni = false;
+  std::vector<int> rows = {1, 2, 4, 8, 16};
+  bool pair = false;
 };
 
 void Probe(int k, int n, int copies, int bits, const Options& opt) {
@@ -44,7 +47,7 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
   const int reps = opt.reps;
   const bool only_amx = opt.only_amx, only_vnni = opt.only_vnni, median = opt.median;
   constexpr int kParts = 2, kChunk = 6;
-  for (int m : {1, 2, 4, 8, 16}) {
+  for (int m : opt.rows) {
     std::vector<float> x(static_cast<size_t>(m) * k);
     for (auto& v : x) v = (rng() % 2001) / 1000.f - 1.f;
     std::vector<float> y_vnni(static_cast<size_t>(m) * n), y_amx(static_cast<size_t>(m) * n);
@@ -70,6 +73,7 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
       p.wo = wo.data() + c * sbytes;
     };
     std::vector<double> t_vnni, t_amx;
+    alignas(64) static uint8_t wide[kChunk * 64 * 512];  // a chunk's widened B tiles (K up to 2048)
     for (int rep = 0; rep < reps; ++rep) {
       if (!only_amx) {
         use(rep % copies);
@@ -95,8 +99,15 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
         const int tile_rows = row_tiles == 1 ? m * kParts : kAmxRows;
         const TileInt8Fn tile = PickTileInt8(kParts, bits, tile_rows);
         AmxBeginInt8(tile_rows);
-        for (int t = 0; t < tiles; t += kChunk)
-          for (int at = 0; at < row_tiles; ++at) tile(p, a, at * kAmxRows, t, std::min(t + kChunk, tiles));
+        for (int t = 0; t < tiles; t += kChunk) {
+          const int hi = std::min(t + kChunk, tiles);
+          int at = 0;
+          if (opt.pair && row_tiles >= 2) {  // as Job::RunItemInt8 with int8_pair
+            WidenChunk(p, t, hi, wide);
+            for (; at + 2 <= row_tiles; at += 2) TileInt8Pair(p, a, at * kAmxRows, t, hi, wide);
+          }
+          for (; at < row_tiles; ++at) tile(p, a, at * kAmxRows, t, hi);
+        }
         AmxEnd();
         t_amx.push_back(Now() - t0);
       }
@@ -126,13 +137,23 @@ int main(int argc, char** argv) {
     if (a == "--threads" && i + 1 < argc) opt.threads = atoi(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) opt.reps = atoi(argv[++i]);
     else if (a == "--median") opt.median = true;
+    else if (a == "--pair") opt.pair = true;
     else if (a == "--only-amx") opt.only_amx = true;
     else if (a == "--only-vnni") opt.only_vnni = true;
+    else if (a == "--rows" && i + 1 < argc) {
+      opt.rows.clear();
+      for (const char* s = argv[++i]; *s;) {
+        char* end;
+        opt.rows.push_back(static_cast<int>(strtol(s, &end, 10)));
+        if (end == s || opt.rows.back() < 1) { bad = true; break; }
+        s = *end == ',' ? end + 1 : end;
+      }
+    }
     else bad = true;
   }
-  if (bad || opt.threads < 1 || opt.reps < 1) {
+  if (bad || opt.threads < 1 || opt.reps < 1 || (opt.pair && bits != 4)) {
     fprintf(stderr, "usage: q8_tile_probe K N COPIES BITS [--threads T] [--reps R] [--median] [--only-amx | "
-                    "--only-vnni] (K a multiple of 32, N of 16, BITS 4 or 8)\n");
+                    "--only-vnni] [--rows M,M,...] [--pair (BITS 4)] (K a multiple of 32, N of 16, BITS 4 or 8)\n");
     return 2;
   }
   std::vector<std::thread> others;

@@ -49,7 +49,8 @@
 // gate/up output was 4% of a 1052-token step).
 //
 // Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
-// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; two-part calls of more rows with 4-bit
+// weights there too, two row tiles at a time, see TileInt8Pair; with SLIPSTREAM_AMX_BF16=1, two-part
 // calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
 // unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
@@ -1080,6 +1081,135 @@ alignas(64) const AmxInt8Rows kAmxInt8Rows;
 __attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconfig(&kAmxInt8Rows.config[rows]); }
 #endif  // SLIPSTREAM_X86
 
+// Many rows, 4-bit weights (two-part calls of at least g_int8_pair_min_rows input rows): TileInt8's arithmetic, bit
+// for bit, on two row tiles at a time (TileInt8Pair). Per item (column tile, group) one B tile serves two products
+// (act rows at0 .. at0 + 15 and at0 + 16 .. at0 + 31), and the pair's 16 output rows stay in registers across a column
+// tile's groups. The weights come widened once per chunk (WidenChunk: `wide` holds item i's B tile at i * 512 bytes,
+// the 8-bit layout of the nibbles themselves), not once per row tile, and are not prefetched (a chunk's panel serves
+// every row tile of the call from L1/L2). The pair of act rows combines in float, fma(f32(acc0), 254, f32(acc1)):
+// |acc| <= 32 * 127 * 15, so 254 * acc0 + acc1 < 2^24 is exact in f32 and equals the VNNI path's integer converted
+// (two conversions and an fma instead of four integer ops and one). The output sums are named variables, not an array
+// (TileInt8's f[Y], reached from its lambda, stays on the stack: GCC stores it after each fma, since a float load
+// through xs or xsum may alias it). The C tiles of item i (tmm 2 (i % 2) and 2 (i % 2) + 1) are stored one item later
+// and scaled kLag items after their products.
+// One core (benchmarks/q8_tile_probe.cc --pair, operands in L2, 4-bit, medians; Xeon Emerald Rapids, other jobs on the
+// host): 576 x 3072 at 256 rows 0.63-0.70x the VNNI path's time (TileInt8 one row tile at a time: 0.84-0.93x), 576 x 960
+// and 1536 x 576 0.73-0.74x; at 64-128 rows 0.84-0.88x TileInt8's. Where a pair item's time goes (576 x 3072, 256 rows):
+// the tile products and loads ~40%, the C stores ~15%, the scale pass ~45%, with little overlap (interleaving the
+// scale pass's rows between the tile instructions: within noise). 8-bit weights gain nothing on it (0.90-1.11x VNNI:
+// no widening to save, and their bias adds and integer combine stay), so they keep the VNNI path above kInt8MaxRows.
+// Calls of 4 to kInt8MaxRows rows keep TileInt8 (the few-row path).
+constexpr int kInt8PairMinRows = kInt8MaxRows + 1;
+std::atomic<int> g_int8_pair_min_rows{kInt8PairMinRows};  // int8_pair_rows()
+
+#if defined(SLIPSTREAM_X86)
+// The nibbles of column tiles tile_lo .. tile_hi - 1 (4-bit weights) widened to B tiles, item after item, into wide.
+__attribute__((target("avx512f,avx512bw")))
+void WidenChunk(const Problem& p, int tile_lo, int tile_hi, uint8_t* wide) {
+  const int items = (tile_hi - tile_lo) * p.groups;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* in = p.w + tile_lo * p.tile_bytes();
+  for (int i = 0; i < items; ++i, in += 256, wide += 512) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(in + j * 64);
+      _mm512_store_si512(wide + j * 128, _mm512_and_si512(raw, low));
+      _mm512_store_si512(wide + j * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
+void TileInt8Pair(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi, const uint8_t* wide) {
+  constexpr int P = 2, Y = kAmxRows / P;  // output rows per row tile
+  constexpr int kLag = 4, kRing = 6;
+  const int rows = std::min(2 * kAmxRows, p.m * P - at0), groups = p.groups, kp = p.kp;
+  const int items = (tile_hi - tile_lo) * groups;
+  const int8_t* const xq = a.q.data() + static_cast<size_t>(at0) * kp;
+  const float* const xs = a.scale.data() + static_cast<size_t>(at0) * groups + (P - 1) * groups;
+  const float* const xsum = a.sum.data() + static_cast<size_t>(at0) * groups;
+  alignas(64) int32_t cbuf[kRing][2 * kAmxRows * kTile];
+  // the 16 output rows' sums: named registers, not an array (an array of vectors that a lambda or a loop reaches by
+  // reference stays in memory, and every float load through xs / xsum, which may alias it, then forces a store)
+  __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0, f8 = f0, f9 = f0,
+         f10 = f0, f11 = f0, f12 = f0, f13 = f0, f14 = f0, f15 = f0;
+  const uint8_t* const w = wide;
+  const uint16_t* const ws = p.ws + tile_lo * p.tile_scales();
+  const uint16_t* const wo = p.wo ? p.wo + tile_lo * p.tile_scales() : nullptr;
+  const __m512 k254 = _mm512_set1_ps(254.0f);
+  int st = tile_lo, sg = 0;  // the scale pass's next item: its column tile and group
+  int g = 0;  // the next product's group
+#define Q8_PAIR_PRODUCT(C0, C1, Bt, i)                                        \
+  do {                                                                        \
+    _tile_zero(C0);                                                           \
+    _tile_zero(C1);                                                           \
+    _tile_loadd(Bt, w + static_cast<size_t>(i) * 512, 64);                    \
+    _tile_loadd(4, xq + g * kGroup, kp);                                      \
+    _tile_dpbsud(C0, 4, Bt);                                                  \
+    _tile_loadd(5, xq + static_cast<size_t>(kAmxRows) * kp + g * kGroup, kp); \
+    _tile_dpbsud(C1, 5, Bt);                                                  \
+  } while (0)
+  // output row y of the pair (act rows r = 2y, 2y + 1 of C rows; rows 0..15 are tile 0's, 16..31 tile 1's)
+#define Q8_PAIR_ROW(F, R_)                                                                                      \
+  do {                                                                                                         \
+    const size_t ag = static_cast<size_t>(2 * (R_)) * groups + sg_;                                            \
+    const __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 2 * (R_) * kTile)), k254,   \
+                                         _mm512_cvtepi32_ps(_mm512_load_si512(cb + (2 * (R_) + 1) * kTile))); \
+    F = _mm512_fmadd_ps(total, _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), F);                                  \
+    if (wo) F = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), F);                                              \
+  } while (0)
+#define Q8_PAIR_OUT(F, R_)                                                                                      \
+  do {                                                                                                         \
+    if (2 * (R_) < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + (R_)) * p.n + n0, mask, F);     \
+    F = _mm512_setzero_ps();                                                                                   \
+  } while (0)
+  // item i's scale pass (TileInt8's integer and float steps) from its stored C tiles; after its column tile's last
+  // group the 16 output rows are stored
+#define Q8_PAIR_SCALE(i)                                                                                       \
+  do {                                                                                                         \
+    const int t_ = st, sg_ = sg;                                                                               \
+    if (++sg == groups) sg = 0, ++st;                                                                          \
+    const int32_t* cb = cbuf[(i) % kRing];                                                                     \
+    const size_t so = static_cast<size_t>(i) * kTile;                                                          \
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + so)));          \
+    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + so)))      \
+                         : _mm512_setzero_ps();                                                                \
+    Q8_PAIR_ROW(f0, 0); Q8_PAIR_ROW(f1, 1); Q8_PAIR_ROW(f2, 2); Q8_PAIR_ROW(f3, 3);                             \
+    Q8_PAIR_ROW(f4, 4); Q8_PAIR_ROW(f5, 5); Q8_PAIR_ROW(f6, 6); Q8_PAIR_ROW(f7, 7);                            \
+    Q8_PAIR_ROW(f8, 8); Q8_PAIR_ROW(f9, 9); Q8_PAIR_ROW(f10, 10); Q8_PAIR_ROW(f11, 11);                        \
+    Q8_PAIR_ROW(f12, 12); Q8_PAIR_ROW(f13, 13); Q8_PAIR_ROW(f14, 14); Q8_PAIR_ROW(f15, 15);                    \
+    if (sg_ == groups - 1) {                                                                                   \
+      const int out0 = at0 / P, n0 = t_ * kTile, cols = std::min(kTile, p.n - n0);                             \
+      const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);                  \
+      Q8_PAIR_OUT(f0, 0); Q8_PAIR_OUT(f1, 1); Q8_PAIR_OUT(f2, 2); Q8_PAIR_OUT(f3, 3);                          \
+      Q8_PAIR_OUT(f4, 4); Q8_PAIR_OUT(f5, 5); Q8_PAIR_OUT(f6, 6); Q8_PAIR_OUT(f7, 7);                          \
+      Q8_PAIR_OUT(f8, 8); Q8_PAIR_OUT(f9, 9); Q8_PAIR_OUT(f10, 10); Q8_PAIR_OUT(f11, 11);                      \
+      Q8_PAIR_OUT(f12, 12); Q8_PAIR_OUT(f13, 13); Q8_PAIR_OUT(f14, 14); Q8_PAIR_OUT(f15, 15);                  \
+    }                                                                                                          \
+  } while (0)
+#define Q8_PAIR_STEP(j, C0, C1, Bt, P0, P1)                                   \
+  do {                                                                        \
+    if ((j) < items) {                                                        \
+      Q8_PAIR_PRODUCT(C0, C1, Bt, j);                                         \
+      if (++g == groups) g = 0;                                               \
+    }                                                                         \
+    if ((j) >= 1 && (j) - 1 < items) {                                        \
+      _tile_stored(P0, cbuf[((j) - 1) % kRing], 64);                          \
+      _tile_stored(P1, cbuf[((j) - 1) % kRing] + kAmxRows * kTile, 64);       \
+    }                                                                         \
+    if ((j) >= kLag && (j) - kLag < items) Q8_PAIR_SCALE((j) - kLag);         \
+  } while (0)
+  for (int i = 0; i < items + kLag; i += 2) {
+    Q8_PAIR_STEP(i, 0, 1, 6, 2, 3);
+    Q8_PAIR_STEP(i + 1, 2, 3, 7, 0, 1);
+  }
+#undef Q8_PAIR_STEP
+#undef Q8_PAIR_SCALE
+#undef Q8_PAIR_OUT
+#undef Q8_PAIR_ROW
+#undef Q8_PAIR_PRODUCT
+}
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -1182,6 +1312,7 @@ struct Job {
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
   bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
   bool int8_tiles = false;  // AMX, 8-bit weights, g_int8_min_rows..g_int8_max_rows rows: RunItemInt8
+  bool int8_pair = false;  // int8_tiles, two parts, 4-bit weights, at least g_int8_pair_min_rows rows: TileInt8Pair
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1293,7 +1424,15 @@ struct Job {
     const int tile_rows = at_hi - at_lo == 1 ? std::min(kAmxRows, row_hi * p.parts - at_lo * kAmxRows) : kAmxRows;
     const TileInt8Fn tile = PickTileInt8(p.parts, p.bits, (tile_rows + p.parts - 1) / p.parts * p.parts);
     AmxBeginInt8(tile_rows);
-    for (int at = at_lo; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
+    int at = at_lo;
+    if (int8_pair && at_hi - at_lo >= 2) {  // the row tiles in pairs (TileInt8Pair), an odd last one alone
+      thread_local std::vector<uint8_t> panel;  // the chunk's B tiles, widened once for all its row tiles
+      panel.resize(static_cast<size_t>(tile_hi - tile_lo) * p.groups * 512 + 64);
+      uint8_t* const wide = panel.data() + (-reinterpret_cast<uintptr_t>(panel.data()) & 63);
+      WidenChunk(p, tile_lo, tile_hi, wide);
+      for (; at + 2 <= at_hi; at += 2) TileInt8Pair(p, acts, at * kAmxRows, tile_lo, tile_hi, wide);
+    }
+    for (; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
     AmxEnd();
   }
 
@@ -1398,7 +1537,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job.isa = g_isa.get();
   job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
   job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
-                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) && p.m <= g_int8_max_rows.load(std::memory_order_relaxed);
+                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) &&
+                   (p.m <= g_int8_max_rows.load(std::memory_order_relaxed) ||
+                    (parts == 2 && bits == 4 && p.m >= g_int8_pair_min_rows.load(std::memory_order_relaxed)));
+  job.int8_pair = job.int8_tiles && parts == 2 && bits == 4 && p.m >= g_int8_pair_min_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
   if (job.int8_tiles) job.block_rows = kAmxBlockRows;
@@ -1511,6 +1653,16 @@ static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// int8_pair_rows(min) -> the previous min: two-part calls with 4-bit weights of at least min rows run on the int8 tile
+// unit two row tiles at a time (TileInt8Pair); a negative argument keeps it. For tests and benchmarks.
+static PyObject* Int8PairRowsPy(PyObject*, PyObject* args) {
+  int lo = -1;
+  if (!PyArg_ParseTuple(args, "|i", &lo)) return nullptr;
+  PyObject* prev = PyLong_FromLong(g_int8_pair_min_rows.load());
+  if (lo >= 0) g_int8_pair_min_rows.store(std::max(lo, 1));
+  return prev;
+}
+
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
 static PyObject* NontemporalPy(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -1562,6 +1714,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
         "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
         "bf16 one (negative: keep); returns the previous four."},
+       {"int8_pair_rows", Int8PairRowsPy, METH_VARARGS,
+        "int8_pair_rows(min): two-part calls with 4-bit weights of at least min rows run on the int8 tile unit two "
+        "row tiles at a time (negative: keep); returns the previous min."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
