@@ -1100,8 +1100,9 @@ __attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconf
 // row tiles at a time with one B tile per two products (h-prefill 3ac8af3) measured the same as this path in the
 // same runs. Where an int8 pair item's time went (576 x 3072): products and tile loads ~40%, C stores ~15%, the vector
 // pass ~45%, which did not overlap (interleaving the vector pass's rows between the tile instructions changed
-// nothing); halving the stores and the vector pass here did not make the item cheaper either, so the bound is
-// elsewhere (the tile loads' traffic from L2 is the next suspect: a chunk's B panel is 6 x groups KiB).
+// nothing); halving the stores and the vector pass here did not make the item cheaper either, nor did chunks of 2 or
+// 3 column tiles (B panels that stay in L1) instead of 6, so what bounds an item (~55 ns, about 5x its two products)
+// is still open (this VM exposes no hardware counters).
 constexpr int kInt8PairMinRows = kInt8MaxRows + 1;
 std::atomic<int> g_int8_pair_min_rows{kInt8PairMinRows};  // int8_pair_rows()
 
