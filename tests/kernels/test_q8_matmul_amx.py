@@ -70,17 +70,17 @@ def test_four_bit_weights_on_the_tile_unit_equal_vnni(m, parts, gated, tile_rows
 
 
 @pytest.fixture
-def pairs_from_one_row():
+def many_row_path_from_one_row():
     """The bf16 tile path of many rows (TileQ4Bf16, the default for two-part calls of more than 64 rows with 4-bit
     weights) for every two-part call with 4-bit weights that reaches the tile unit."""
-    prev = ext.int8_pair_rows(1)
+    prev = ext.q4_bf16_rows(1)
     yield
-    ext.int8_pair_rows(prev)
+    ext.q4_bf16_rows(prev)
 
 
 @pytest.mark.parametrize("m", [8, 9, 16, 17, 24, 65, 257])
 @pytest.mark.parametrize("gated", [False, True])
-def test_many_row_bf16_tiles_equal_vnni(m, gated, pairs_from_one_row):
+def test_many_row_bf16_tiles_equal_vnni(m, gated, many_row_path_from_one_row):
     # many-row calls sum each group's 254 * xq0 + xq1 (split into exact bf16 hi + lo) times the nibbles on the bf16
     # tile unit, exactly in f32: still the VNNI path's outputs bit for bit. Whole 16-row tiles and partial last
     # ones; 13 column tiles (several chunks, a partial last one), 11 groups (a partial last one)

@@ -1082,7 +1082,7 @@ __attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconf
 #endif  // SLIPSTREAM_X86
 
 // ---- many rows, 4-bit weights: the VNNI path's integers on the BF16 tile unit ---------------------------------------
-// Two-part calls of at least g_int8_pair_min_rows input rows whose weights are 4-bit (the default model's Q4_1 layers: a
+// Two-part calls of at least g_q4_bf16_min_rows input rows whose weights are 4-bit (the default model's Q4_1 layers: a
 // prefill chunk, a mixed step, a wide verification). Per input row and group the VNNI path forms the integer
 // total = 254 * acc0 + acc1 = sum_k (254 * xq0[k] + xq1[k]) * q[k] (q the nibbles 0..15) and then the float steps
 // f = fma(f32(total), ws * xs1, f) (+ the offsets' fma). Here each input's v = 254 * xq0 + xq1 (|v| <= 32385) is split
@@ -1103,8 +1103,8 @@ __attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconf
 // nothing); halving the stores and the vector pass here did not make the item cheaper either, nor did chunks of 2 or
 // 3 column tiles (B panels that stay in L1) instead of 6, so what bounds an item (~55 ns, about 5x its two products)
 // is still open (this VM exposes no hardware counters).
-constexpr int kInt8PairMinRows = kInt8MaxRows + 1;
-std::atomic<int> g_int8_pair_min_rows{kInt8PairMinRows};  // int8_pair_rows()
+constexpr int kQ4Bf16MinRows = kInt8MaxRows + 1;
+std::atomic<int> g_q4_bf16_min_rows{kQ4Bf16MinRows};  // q4_bf16_rows()
 
 #if defined(SLIPSTREAM_X86)
 // Input row `row`'s two quantized act rows (2 row, 2 row + 1) as bf16 v_hi and v_lo of v = 254 * xq0 + xq1 into
@@ -1347,8 +1347,8 @@ struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
   bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
-  bool int8_tiles = false;  // AMX, 8-bit weights, g_int8_min_rows..g_int8_max_rows rows: RunItemInt8
-  bool int8_pair = false;  // int8_tiles, two parts, 4-bit weights, at least g_int8_pair_min_rows rows: TileQ4Bf16
+  bool int8_tiles = false;  // AMX, g_int8_min_rows..g_int8_max_rows rows (or q4_bf16's): RunItemInt8
+  bool q4_bf16 = false;  // int8_tiles, two parts, 4-bit weights, at least g_q4_bf16_min_rows rows: TileQ4Bf16
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1388,7 +1388,7 @@ struct Job {
 #endif
         QuantizeRow(isa, x, p.k, acts, row);
 #if defined(SLIPSTREAM_X86)
-        if (int8_pair) SplitActsBf16(acts, row);
+        if (q4_bf16) SplitActsBf16(acts, row);
 #endif
       }
     });
@@ -1455,7 +1455,7 @@ struct Job {
   void RunItemInt8(int chunk, int rb) {
     EnsureRows(rb);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
-    if (int8_pair) return RunItemQ4Bf16(chunk, row_lo, row_hi);
+    if (q4_bf16) return RunItemQ4Bf16(chunk, row_lo, row_hi);
     const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
@@ -1586,8 +1586,8 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
                    p.m >= g_int8_min_rows.load(std::memory_order_relaxed) &&
                    (p.m <= g_int8_max_rows.load(std::memory_order_relaxed) ||
-                    (parts == 2 && bits == 4 && p.m >= g_int8_pair_min_rows.load(std::memory_order_relaxed)));
-  job.int8_pair = job.int8_tiles && parts == 2 && bits == 4 && p.m >= g_int8_pair_min_rows.load(std::memory_order_relaxed);
+                    (parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed)));
+  job.q4_bf16 = job.int8_tiles && parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
   if (job.int8_tiles) job.block_rows = kAmxBlockRows;
@@ -1602,7 +1602,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
   if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
   else if (job.int8_tiles) a.Resize((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-act-row tiles
-  if (job.int8_pair) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-input-row A tiles
+  if (job.q4_bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-input-row A tiles
   else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
@@ -1701,13 +1701,13 @@ static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
   return prev;
 }
 
-// int8_pair_rows(min) -> the previous min: two-part calls with 4-bit weights of at least min rows run on the bf16 tile
+// q4_bf16_rows(min) -> the previous min: two-part calls with 4-bit weights of at least min rows run on the bf16 tile
 // unit with the VNNI path's integers (TileQ4Bf16); a negative argument keeps it. For tests and benchmarks.
-static PyObject* Int8PairRowsPy(PyObject*, PyObject* args) {
+static PyObject* Q4Bf16RowsPy(PyObject*, PyObject* args) {
   int lo = -1;
   if (!PyArg_ParseTuple(args, "|i", &lo)) return nullptr;
-  PyObject* prev = PyLong_FromLong(g_int8_pair_min_rows.load());
-  if (lo >= 0) g_int8_pair_min_rows.store(std::max(lo, 1));
+  PyObject* prev = PyLong_FromLong(g_q4_bf16_min_rows.load());
+  if (lo >= 0) g_q4_bf16_min_rows.store(std::max(lo, 1));
   return prev;
 }
 
@@ -1762,8 +1762,8 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
         "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
         "bf16 one (negative: keep); returns the previous four."},
-       {"int8_pair_rows", Int8PairRowsPy, METH_VARARGS,
-        "int8_pair_rows(min): two-part calls with 4-bit weights of at least min rows run on the bf16 tile unit with "
+       {"q4_bf16_rows", Q4Bf16RowsPy, METH_VARARGS,
+        "q4_bf16_rows(min): two-part calls with 4-bit weights of at least min rows run on the bf16 tile unit with "
         "the VNNI path's integers (negative: keep); returns the previous min."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
