@@ -8,6 +8,10 @@
     python -m benchmarks.engine step --slots 1 --breakdown [--breakdown-ops]
                                                         one decode step part by part (model, sampling,
                                                         host inputs, matmuls, attention; XLA ops)
+    python -m benchmarks.engine step --prefill-breakdown [--prefill-lengths 256]
+                                                        one prefill chunk part by part (step, model program,
+                                                        host inputs, sampling; q8 calls by projection by the
+                                                        kernel's own clock; XLA ops)
     python -m benchmarks.engine structured [--slots 32] decode with no, one and every row constrained
 
 The references (matmul roofline, weight bytes, read speed) are benchmarks/measure.py's. Every ratio
@@ -239,6 +243,82 @@ def breakdown_markdown(d: dict) -> str:
     return "\n".join(lines)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's q8 calls in program order (engine/layer_stack.py)
+
+
+def measure_prefill_breakdown(setup: Setup, n: int, args) -> dict:
+    """A fresh sequence's first chunk of `n` tokens, sampled at its end, part by part, timed round-robin
+    (ms, medians): the whole step (engine.step: host inputs, model program, sampling); the model program
+    alone; the host's input arrays alone; the sampling program alone. Then, over --steps model programs
+    with the q8 kernel's own clock: the time inside its calls by projection (a layer's four calls in program
+    order, then the LM head) with their rows; and the model program's XLA ops by time (profiler)."""
+    engine, rng = setup.engine, np.random.default_rng(1)
+    slot = engine.max_slots - 1
+    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
+
+    def batch():
+        return StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
+
+    def model():
+        return engine._run_model(batch())[1]
+
+    t = engine.buckets.tokens(n)
+    b = engine.buckets.sample_rows(t)
+    logits = model()
+    slot_ids, active = np.full(b, slot, np.int32), np.arange(b) < 1
+    sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
+    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
+    bitmask = engine._fill_mask([slot], b)
+    sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
+
+    def sample():
+        result, (engine.output_counts, engine.prompt_mask) = sampler(
+            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
+        return result
+
+    fns = {"step": lambda: engine.step(batch()), "model": model,
+           "host_inputs": lambda: engine.step_inputs(batch()) and None, "sample": sample}
+    times = interleaved(fns, args.steps, args.warmup)
+    out = {"tokens": n, "token_bucket": t, "logit_rows": int(logits.shape[0]),
+           **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
+    import importlib
+
+    from slipstream.kernels import native
+
+    if native.kernel_paths().get("q8_matmul") == "native":
+        ext = importlib.import_module("slipstream.kernels._q8_matmul")
+        per: dict[str, list[float]] = {}
+        rows: dict[str, int] = {}
+        for _ in range(args.steps):
+            ext.profile(True)
+            jax.block_until_ready(model())
+            calls = ext.profile(False)
+            sums: dict[str, float] = {}
+            for i, (begin, end, m, _) in enumerate(calls):
+                name = PROJECTIONS[i % 4] if i < len(calls) - 1 or len(calls) % 4 == 0 else "lm_head"
+                sums[name] = sums.get(name, 0.0) + (end - begin) / 1e6
+                rows[name] = int(m)
+            for name, ms in sums.items():
+                per.setdefault(name, []).append(ms)
+            per.setdefault("all q8", []).append(sum(sums.values()))
+        out["q8"] = {name: {"ms": statistics.median(v), "rows": rows.get(name)} for name, v in per.items()}
+        out["q8_isa"] = ext.isa()
+    out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
+                        for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
+    return out
+
+
+def prefill_breakdown_markdown(d: dict) -> str:
+    lines = [f"A {d['tokens']}-token prefill chunk (token bucket {d['token_bucket']}, {d['logit_rows']} logit rows; ms, "
+             "medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
+    lines += [f"| {k[:-3]} | {v:.3f} |" for k, v in d.items() if k.endswith("_ms")]
+    for name, q in d.get("q8", {}).items():
+        lines.append(f"| q8 {name} ({q['rows']} rows, {d['q8_isa']}) | {q['ms']:.3f} |")
+    for op in d.get("model_ops", []):
+        lines.append(f"| model op {op['op'][:60]} (x{op['calls']}) | {op['ms']:.3f} |")
+    return "\n".join(lines)
+
+
 def measure_prefill(setup: Setup, lengths: list[int], reps: int) -> list[dict]:
     """A fresh sequence's first chunk, sampled at its end (the scratch slot; its KV is overwritten)."""
     engine, rng = setup.engine, np.random.default_rng(1)
@@ -316,6 +396,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "matmuls, attention)")
     p.add_argument("--breakdown-ops", action="store_true",
                    help="with --breakdown: the model and sampling programs' XLA ops")
+    p.add_argument("--prefill-breakdown", action="store_true",
+                   help="only a prefill chunk of the first --prefill-lengths, part by part (step, model, host, "
+                        "sampling; q8 calls by projection; XLA ops)")
     return p.parse_args(argv)
 
 
@@ -342,6 +425,13 @@ def main(argv: list[str] | None = None) -> None:
     report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype}",
               "context": args.context, "weight_mb": weight_bytes_read_per_token(engine.params) / 1e6,
               "read_gbs": read_bw / 1e9, "decode": [], "prefill": [], "kernels": _kernel_paths()}
+    if args.prefill_breakdown:
+        report["prefill_breakdown"] = measure_prefill_breakdown(setup, args.prefill_lengths[0], args)
+        print(prefill_breakdown_markdown(report["prefill_breakdown"]))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     if args.breakdown:
         report["breakdown"] = {**measure_breakdown(setup, roofline, args), "context": args.context}
         print(breakdown_markdown(report["breakdown"]))

@@ -1,10 +1,12 @@
 /* The q8 matmul's micro kernels alone (kernels/cpu/csrc/q8_matmul.cc, compiled in): for one weight shape, two-part
  * activations and 1, 2, 4, 8, 16 input rows, the VNNI blocks (TileAvx512 as RunItem picks them, 6-tile chunks) against
- * the int8 tile path (TileInt8 over the same chunks), per thread, in ns per (column tile, group) item; the outputs
+ * the int8 tile path (TileInt8 over the same chunks), per thread, in ns per (column tile, group) item, and the
+ * two-part quantization of the rows (and the gated input's silu(gate) * up) per call; the outputs
  * are compared bit for bit when COPIES is 1. COPIES distinct weights are used in turn (enough to leave L2: the
  * weights then come from L3 or memory, as in an engine step). Options after the four numbers: --threads T (each
  * thread runs the whole measurement; default 1), --reps R (200), --median (medians instead of minima),
- * --only-amx / --only-vnni.
+ * --only-amx / --only-vnni, --rows M,M,... (the input row counts; default 1,2,4,8,16), --pair (BITS 4: the tile
+ * path as calls of more than 64 rows run it, TileQ4Bf16).
  *     g++ -O3 -std=c++17 -fno-math-errno -fno-wrapv -I$(python -c "import jax.ffi; print(jax.ffi.include_dir())") \
  *       -Ikernels/cpu/csrc -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") \
  *       benchmarks/q8_tile_probe.cc -o q8_tile_probe -lpython3.11 \
@@ -29,6 +31,9 @@ double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 struct Options {
   int threads = 1, reps = 200;
   bool median = false, only_amx = false, only_vnni = false;
+  std::vector<int> rows = {1, 2, 4, 8, 16};
+  bool pair = false;
+  int chunk = 6;  // --chunk: column tiles per chunk of the --pair path
 };
 
 void Probe(int k, int n, int copies, int bits, const Options& opt) {
@@ -44,7 +49,7 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
   const int reps = opt.reps;
   const bool only_amx = opt.only_amx, only_vnni = opt.only_vnni, median = opt.median;
   constexpr int kParts = 2, kChunk = 6;
-  for (int m : {1, 2, 4, 8, 16}) {
+  for (int m : opt.rows) {
     std::vector<float> x(static_cast<size_t>(m) * k);
     for (auto& v : x) v = (rng() % 2001) / 1000.f - 1.f;
     std::vector<float> y_vnni(static_cast<size_t>(m) * n), y_amx(static_cast<size_t>(m) * n);
@@ -53,7 +58,25 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
     a.groups = groups;
     a.parts = kParts;
     a.Resize((m * kParts + kAmxRows - 1) / kAmxRows * kAmxRows);
-    for (int r = 0; r < m; ++r) QuantizeRow(Isa::kAvx512Vnni, x.data() + static_cast<size_t>(r) * k, k, a, r);
+    // the activations' two-part quantization of the m rows (what each call does before its products), and with a
+    // gated input (the down projection: x [m, 2K]) silu(gate) * up formed per row first; medians of 50
+    std::vector<double> t_quant, t_gated;
+    std::vector<float> gu(2 * static_cast<size_t>(k)), row(k);
+    for (auto& v : gu) v = (rng() % 2001) / 1000.f - 1.f;
+    for (int rep = 0; rep < 50; ++rep) {
+      double t0 = Now();
+      for (int r = 0; r < m; ++r) QuantizeRow(Isa::kAvx512Vnni, x.data() + static_cast<size_t>(r) * k, k, a, r);
+      t_quant.push_back(Now() - t0);
+      t0 = Now();
+      for (int r = 0; r < m; ++r) GatedRow(Isa::kAvx512Vnni, gu.data(), k, row.data());
+      t_gated.push_back(Now() - t0);
+    }
+    std::sort(t_quant.begin(), t_quant.end());
+    std::sort(t_gated.begin(), t_gated.end());
+    if (opt.pair) {
+      a.ResizeBf16((m + kAmxRows - 1) / kAmxRows * kAmxRows);
+      for (int r = 0; r < m; ++r) SplitActsBf16(a, r);
+    }
     Problem p{};
     p.x = x.data();
     p.m = m;
@@ -70,6 +93,7 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
       p.wo = wo.data() + c * sbytes;
     };
     std::vector<double> t_vnni, t_amx;
+    alignas(64) static uint16_t wide[16 * 64 * 512];  // a chunk's bf16 B tiles (16 column tiles, K up to 2048)
     for (int rep = 0; rep < reps; ++rep) {
       if (!only_amx) {
         use(rep % copies);
@@ -95,8 +119,19 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
         const int tile_rows = row_tiles == 1 ? m * kParts : kAmxRows;
         const TileInt8Fn tile = PickTileInt8(kParts, bits, tile_rows);
         AmxBeginInt8(tile_rows);
-        for (int t = 0; t < tiles; t += kChunk)
-          for (int at = 0; at < row_tiles; ++at) tile(p, a, at * kAmxRows, t, std::min(t + kChunk, tiles));
+        const int chunk = opt.pair ? opt.chunk : kChunk;
+        for (int t = 0; t < tiles; t += chunk) {
+          const int hi = std::min(t + chunk, tiles);
+          int at = 0;
+          if (opt.pair) {  // as Job::RunItemQ4Bf16
+            AmxBeginBf16();
+            WidenChunkBf16(p, t, hi, wide);
+            for (int rt = 0; rt < (m + kAmxRows - 1) / kAmxRows; ++rt) TileQ4Bf16(p, a, rt, t, hi, wide);
+            AmxBeginInt8(tile_rows);
+            at = row_tiles;
+          }
+          for (; at < row_tiles; ++at) tile(p, a, at * kAmxRows, t, hi);
+        }
         AmxEnd();
         t_amx.push_back(Now() - t0);
       }
@@ -108,8 +143,8 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
       return (median ? v[v.size() / 2] : v[0]) / (static_cast<double>(tiles) * groups) * 1e9;
     };
     const double v = stat(t_vnni), am = stat(t_amx);
-    printf("bits %d K %d N %d copies %d M %2d: vnni %.1f ns/item, amx %.1f ns/item (%.2fx)\n", bits, k, n, copies, m, v,
-           am, v > 0 ? am / v : 0.0);
+    printf("bits %d K %d N %d copies %d M %2d: vnni %.1f ns/item, amx %.1f ns/item (%.2fx); quantizing the rows %.1f us "
+           "(+ gating %.1f us)\n", bits, k, n, copies, m, v, am, v > 0 ? am / v : 0.0, t_quant[25] * 1e6, t_gated[25] * 1e6);
   }
 }
 
@@ -126,13 +161,24 @@ int main(int argc, char** argv) {
     if (a == "--threads" && i + 1 < argc) opt.threads = atoi(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) opt.reps = atoi(argv[++i]);
     else if (a == "--median") opt.median = true;
+    else if (a == "--pair") opt.pair = true;
+    else if (a == "--chunk" && i + 1 < argc) opt.chunk = atoi(argv[++i]);
     else if (a == "--only-amx") opt.only_amx = true;
     else if (a == "--only-vnni") opt.only_vnni = true;
+    else if (a == "--rows" && i + 1 < argc) {
+      opt.rows.clear();
+      for (const char* s = argv[++i]; *s;) {
+        char* end;
+        opt.rows.push_back(static_cast<int>(strtol(s, &end, 10)));
+        if (end == s || opt.rows.back() < 1) { bad = true; break; }
+        s = *end == ',' ? end + 1 : end;
+      }
+    }
     else bad = true;
   }
-  if (bad || opt.threads < 1 || opt.reps < 1) {
+  if (bad || opt.threads < 1 || opt.reps < 1 || (opt.pair && bits != 4)) {
     fprintf(stderr, "usage: q8_tile_probe K N COPIES BITS [--threads T] [--reps R] [--median] [--only-amx | "
-                    "--only-vnni] (K a multiple of 32, N of 16, BITS 4 or 8)\n");
+                    "--only-vnni] [--rows M,M,...] [--pair (BITS 4)] (K a multiple of 32, N of 16, BITS 4 or 8)\n");
     return 2;
   }
   std::vector<std::thread> others;

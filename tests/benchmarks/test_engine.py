@@ -30,3 +30,20 @@ def test_breakdown_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path):
     assert parts["slots"] == 2
     for part in ("step", "model", "host_inputs", "sample", "roofline", "attention"):
         assert parts[f"{part}_ms"] > 0, part
+
+
+def test_prefill_breakdown_times_each_part_of_a_chunk(tiny_llama_dir, tmp_path):
+    from slipstream.kernels import native
+
+    out = tmp_path / "prefill.json"
+    engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "1", "--context", "16", "--steps", "2",
+                      "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32", "--prefill-lengths", "24",
+                      "--quantize", "q8_0-a16", "--dtype", "float32", "--prefill-breakdown", "--out", str(out)])
+    parts = json.loads(out.read_text())["prefill_breakdown"]
+    assert parts["tokens"] == 24 and parts["model_ops"]
+    for part in ("step", "model", "host_inputs", "sample"):
+        assert parts[f"{part}_ms"] > 0, part
+    if native.kernel_paths().get("q8_matmul") == "native":  # the q8 calls by projection, at the chunk's rows
+        q8 = parts["q8"]
+        assert {"qkv", "o", "gate_up", "down"} <= set(q8) and q8["all q8"]["ms"] > 0
+        assert q8["qkv"]["rows"] == parts["token_bucket"]

@@ -1,6 +1,7 @@
 """The Q8_0 matmul's AMX path (Intel CPUs whose OS grants the tile state): calls of AMX_MIN_ROWS rows or more
 with 8- or 4-bit weights run on the int8 tile unit and give the AVX-512 VNNI path's outputs bit for bit, for one and
-two activation parts, so a row's output never depends on how many rows its call has. With a q8_0-a16 weight's
+two activation parts, so a row's output never depends on how many rows its call has; two-part calls of more than
+64 rows with 4-bit weights run on the bf16 tile unit with the VNNI path's integers, with the same outputs. With a q8_0-a16 weight's
 pack_tiles (made at load only with SLIPSTREAM_AMX_BF16=1) two-part calls of that many rows multiply x and the
 dequantized weights split into bf16 hi + lo instead. The property tests of tests/kernels/test_q8_matmul.py
 sample the int8 path among the others."""
@@ -66,6 +67,36 @@ def test_four_bit_weights_on_the_tile_unit_equal_vnni(m, parts, gated, tile_rows
         np.testing.assert_array_equal(
             run_kernel(x, packed, scales, n, "amx", packed_off, parts=parts, gated=gated),
             run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=parts, gated=gated))
+
+
+@pytest.fixture
+def many_row_path_from_one_row():
+    """The bf16 tile path of many rows (TileQ4Bf16, the default for two-part calls of more than 64 rows with 4-bit
+    weights) for every two-part call with 4-bit weights that reaches the tile unit."""
+    prev = ext.q4_bf16_rows(1)
+    yield
+    ext.q4_bf16_rows(prev)
+
+
+@pytest.mark.parametrize("m", [8, 9, 16, 17, 24, 65, 257])
+@pytest.mark.parametrize("gated", [False, True])
+def test_many_row_bf16_tiles_equal_vnni(m, gated, many_row_path_from_one_row):
+    # many-row calls sum each group's 254 * xq0 + xq1 (split into exact bf16 hi + lo) times the nibbles on the bf16
+    # tile unit, exactly in f32: still the VNNI path's outputs bit for bit. Whole 16-row tiles and partial last
+    # ones; 13 column tiles (several chunks, a partial last one), 11 groups (a partial last one)
+    rng = np.random.default_rng(m * 2 + gated)
+    k, n = 333, 200
+    q = rng.integers(0, 16, (n, k)).astype(np.int8)
+    d = f16(rng.random((n, -(-k // q8.GROUP))) * 1e-2)
+    off = f16(rng.standard_normal(d.shape) * 1e-2)
+    x = rng.standard_normal((m, 2 * k if gated else k)).astype(np.float32)
+    x[:, 7] = 50.0
+    for offsets in (None, off):
+        packed, scales, *rest = q8.pack(q, d, offsets, bits=4)
+        packed_off = rest[0] if rest else None
+        np.testing.assert_array_equal(
+            run_kernel(x, packed, scales, n, "amx", packed_off, parts=2, gated=gated),
+            run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=2, gated=gated))
 
 
 def test_a_row_is_the_same_alone_and_in_a_tile_unit_call(tile_rows):

@@ -49,7 +49,8 @@
 // gate/up output was 4% of a 1052-token step).
 //
 // Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
-// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; two-part calls of more rows with 4-bit
+// weights on the BF16 tile unit with the same integers, see TileQ4Bf16; with SLIPSTREAM_AMX_BF16=1, two-part
 // calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
 // unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
 #include <Python.h>
@@ -1080,6 +1081,171 @@ alignas(64) const AmxInt8Rows kAmxInt8Rows;
 __attribute__((target("amx-tile"))) void AmxBeginInt8(int rows) { _tile_loadconfig(&kAmxInt8Rows.config[rows]); }
 #endif  // SLIPSTREAM_X86
 
+// ---- many rows, 4-bit weights: the VNNI path's integers on the BF16 tile unit ---------------------------------------
+// Two-part calls of at least g_q4_bf16_min_rows input rows whose weights are 4-bit (the default model's Q4_1 layers: a
+// prefill chunk, a mixed step, a wide verification). Per input row and group the VNNI path forms the integer
+// total = 254 * acc0 + acc1 = sum_k (254 * xq0[k] + xq1[k]) * q[k] (q the nibbles 0..15) and then the float steps
+// f = fma(f32(total), ws * xs1, f) (+ the offsets' fma). Here each input's v = 254 * xq0 + xq1 (|v| <= 32385) is split
+// into bf16 v_hi + v_lo, both exact (v_hi: v rounded to 8 significant bits; v_lo = v - v_hi, |v_lo| <= 64), and q is
+// exact in bf16; tdpbf16ps sums the products v_hi * q + v_lo * q of a group in f32, and every product and partial sum is
+// an integer below 32 * 32385 * 15 < 2^24, so the f32 sum is exactly f32(total) whatever the order of the additions.
+// The float steps that follow are TileInt8's, so every output equals the VNNI path's bit for bit. Against the int8
+// tiles (TileInt8, parts as rows: 8 input rows a tile) a C tile holds 16 input rows' totals: half the C stores, and a
+// vector pass of one C row load, a multiply and two fmas an output row (no bias, no combine, no conversion).
+// A tiles: acts.hi / acts.lo as TileBf16's ([row / 16][group][row % 16][32], SplitActsBf16); B tiles: each chunk's
+// nibbles widened once to bf16 pairs (WidenChunkBf16: item i's 16 rows x 64 bytes at wide + i * 512).
+// Measured (one core, benchmarks/q8_tile_probe.cc --pair, 256 rows, operands in L2, medians, Xeon Emerald Rapids with
+// other jobs on the host): 0.56-0.63x the VNNI time at 576 x 3072, 0.72-0.75x at 1536 x 576, 0.65-0.85x at 576 x 960,
+// 0.70-0.92x at 576 x 576. The int8 tiles (TileInt8, one 16-act-row tile at a time) took 0.84-0.93x; the int8 tiles two
+// row tiles at a time with one B tile per two products (h-prefill 3ac8af3) measured the same as this path in the
+// same runs. Where an int8 pair item's time went (576 x 3072): products and tile loads ~40%, C stores ~15%, the vector
+// pass ~45%, which did not overlap (interleaving the vector pass's rows between the tile instructions changed
+// nothing); halving the stores and the vector pass here did not make the item cheaper either, nor did chunks of 2 or
+// 3 column tiles (B panels that stay in L1) instead of 6, so what bounds an item (~55 ns, about 5x its two products)
+// is still open (this VM exposes no hardware counters).
+constexpr int kQ4Bf16MinRows = kInt8MaxRows + 1;
+std::atomic<int> g_q4_bf16_min_rows{kQ4Bf16MinRows};  // q4_bf16_rows()
+
+#if defined(SLIPSTREAM_X86)
+// Input row `row`'s two quantized act rows (2 row, 2 row + 1) as bf16 v_hi and v_lo of v = 254 * xq0 + xq1 into
+// acts.hi / acts.lo, in the A tile layout of SplitRowBf16.
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void SplitActsBf16(Acts& a, int row) {
+  const size_t base = (static_cast<size_t>(row / kAmxRows) * a.groups * kAmxRows + row % kAmxRows) * kGroup;
+  const int8_t* q0 = a.q.data() + static_cast<size_t>(2 * row) * a.kp;
+  const int8_t* q1 = q0 + a.kp;
+  const __m512 k254 = _mm512_set1_ps(254.0f);
+  for (int i = 0; i < a.kp; i += 16) {
+    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + i))));
+    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i))));
+    const __m512 v = _mm512_fmadd_ps(v0, k254, v1);  // exact: |v| < 2^15
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, Bf16Float(h)));  // exact, as is v - h
+    const size_t at = base + static_cast<size_t>(i / kGroup) * kAmxRows * kGroup + i % kGroup;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.hi.data() + at), reinterpret_cast<const __m256i&>(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.lo.data() + at), reinterpret_cast<const __m256i&>(l));
+  }
+}
+
+// The nibbles of column tiles tile_lo .. tile_hi - 1 (4-bit weights) as bf16 B tiles, item after item, into wide: row r
+// of item i's tile holds, for each of the 16 columns, inputs 2r and 2r + 1 of the group.
+__attribute__((target("avx512f,avx512bw")))
+void WidenChunkBf16(const Problem& p, int tile_lo, int tile_hi, uint16_t* wide) {
+  const int items = (tile_hi - tile_lo) * p.groups;
+  alignas(64) uint16_t table[32], even[32], odd[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+    // an 8-bit row v holds inputs 4v .. 4v + 3 of column n in bytes 4n .. 4n + 3: bf16 row 2v takes bytes 4n, 4n + 1
+    even[i] = static_cast<uint16_t>(4 * (i / 2) + i % 2);
+    odd[i] = static_cast<uint16_t>(even[i] + 2);
+  }
+  const __m512i tab = _mm512_load_si512(table), ie = _mm512_load_si512(even), io = _mm512_load_si512(odd);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* in = p.w + tile_lo * p.tile_bytes();
+  for (int i = 0; i < items; ++i, in += 256, wide += 512) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(in + j * 64);
+      const __m512i rows[2] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
+      for (int h = 0; h < 2; ++h) {  // 8-bit row v = 2j + h -> bf16 rows 2v, 2v + 1
+        const __m512i a = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(rows[h])), tab);
+        const __m512i b = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(rows[h], 1)), tab);
+        uint16_t* out = wide + (2 * (2 * j + h)) * 32;
+        _mm512_store_si512(out, _mm512_permutex2var_epi16(a, ie, b));
+        _mm512_store_si512(out + 32, _mm512_permutex2var_epi16(a, io, b));
+      }
+    }
+  }
+}
+
+// One row tile of input rows (rt * 16 ..) x column tiles tile_lo .. tile_hi - 1 over all of K: items (column tile,
+// group) in order; item i's product into C tile tmm(i % 2) from A tiles tmm(2 + i % 2) (v_hi) and tmm(4 + i % 2) (v_lo)
+// and B tile tmm(6 + i % 2), stored one item later and scaled kLag items after its product; the 16 output rows' sums in
+// named registers (an array of vectors reached by reference stays in memory, and every float load through xs or
+// xsum, which may alias it, then forces a store). Rows past p.m are multiplied and never stored.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,f16c")))
+void TileQ4Bf16(const Problem& p, const Acts& a, int rt, int tile_lo, int tile_hi, const uint16_t* wide) {
+  constexpr int kLag = 4, kRing = 6;
+  constexpr size_t kElems = kAmxRows * kGroup;  // one A or B tile: 16 rows of 32 bf16
+  const int rows = std::min(kAmxRows, p.m - rt * kAmxRows), groups = p.groups;
+  const int items = (tile_hi - tile_lo) * groups;
+  const uint16_t* const xh = a.hi.data() + static_cast<size_t>(rt) * groups * kElems;
+  const uint16_t* const xl = a.lo.data() + static_cast<size_t>(rt) * groups * kElems;
+  // part 1's scale and part 0's sum of input row rt * 16 + y at [2 y * groups + g]
+  const float* const xs = a.scale.data() + static_cast<size_t>(2 * rt * kAmxRows + 1) * groups;
+  const float* const xsum = a.sum.data() + static_cast<size_t>(2 * rt * kAmxRows) * groups;
+  alignas(64) float cbuf[kRing][kAmxRows * kTile];
+  __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0, f8 = f0, f9 = f0,
+         f10 = f0, f11 = f0, f12 = f0, f13 = f0, f14 = f0, f15 = f0;
+  const uint16_t* const ws = p.ws + tile_lo * p.tile_scales();
+  const uint16_t* const wo = p.wo ? p.wo + tile_lo * p.tile_scales() : nullptr;
+  int st = tile_lo, sg = 0;  // the scale pass's next item: its column tile and group
+  int g = 0;  // the next product's group
+#define Q4_BF16_PRODUCT(C, Ah, Al, Bt, i)                  \
+  do {                                                     \
+    _tile_zero(C);                                         \
+    _tile_loadd(Bt, wide + static_cast<size_t>(i) * kElems, 64); \
+    _tile_loadd(Ah, xh + static_cast<size_t>(g) * kElems, 64);   \
+    _tile_dpbf16ps(C, Ah, Bt);                             \
+    _tile_loadd(Al, xl + static_cast<size_t>(g) * kElems, 64);   \
+    _tile_dpbf16ps(C, Al, Bt);                             \
+  } while (0)
+#define Q4_BF16_ROW(F, R_)                                                                            \
+  do {                                                                                                \
+    const size_t ag = static_cast<size_t>(2 * (R_)) * groups + sg_;                                   \
+    F = _mm512_fmadd_ps(_mm512_load_ps(cb + (R_) * kTile), _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), F); \
+    if (wo) F = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), F);                                     \
+  } while (0)
+#define Q4_BF16_OUT(F, R_)                                                                            \
+  do {                                                                                                \
+    if ((R_) < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + (R_)) * p.n + n0, mask, F); \
+    F = _mm512_setzero_ps();                                                                          \
+  } while (0)
+#define Q4_BF16_SCALE(i)                                                                              \
+  do {                                                                                                \
+    const int t_ = st, sg_ = sg;                                                                      \
+    if (++sg == groups) sg = 0, ++st;                                                                 \
+    const float* cb = cbuf[(i) % kRing];                                                              \
+    const size_t so = static_cast<size_t>(i) * kTile;                                                 \
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + so))); \
+    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + so))) \
+                         : _mm512_setzero_ps();                                                       \
+    Q4_BF16_ROW(f0, 0); Q4_BF16_ROW(f1, 1); Q4_BF16_ROW(f2, 2); Q4_BF16_ROW(f3, 3);                   \
+    Q4_BF16_ROW(f4, 4); Q4_BF16_ROW(f5, 5); Q4_BF16_ROW(f6, 6); Q4_BF16_ROW(f7, 7);                   \
+    Q4_BF16_ROW(f8, 8); Q4_BF16_ROW(f9, 9); Q4_BF16_ROW(f10, 10); Q4_BF16_ROW(f11, 11);               \
+    Q4_BF16_ROW(f12, 12); Q4_BF16_ROW(f13, 13); Q4_BF16_ROW(f14, 14); Q4_BF16_ROW(f15, 15);           \
+    if (sg_ == groups - 1) {                                                                          \
+      const int out0 = rt * kAmxRows, n0 = t_ * kTile, cols = std::min(kTile, p.n - n0);              \
+      const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);         \
+      Q4_BF16_OUT(f0, 0); Q4_BF16_OUT(f1, 1); Q4_BF16_OUT(f2, 2); Q4_BF16_OUT(f3, 3);                 \
+      Q4_BF16_OUT(f4, 4); Q4_BF16_OUT(f5, 5); Q4_BF16_OUT(f6, 6); Q4_BF16_OUT(f7, 7);                 \
+      Q4_BF16_OUT(f8, 8); Q4_BF16_OUT(f9, 9); Q4_BF16_OUT(f10, 10); Q4_BF16_OUT(f11, 11);             \
+      Q4_BF16_OUT(f12, 12); Q4_BF16_OUT(f13, 13); Q4_BF16_OUT(f14, 14); Q4_BF16_OUT(f15, 15);         \
+    }                                                                                                 \
+  } while (0)
+#define Q4_BF16_STEP(j, C, Ah, Al, Bt, Cprev)                                 \
+  do {                                                                        \
+    if ((j) < items) {                                                        \
+      Q4_BF16_PRODUCT(C, Ah, Al, Bt, j);                                      \
+      if (++g == groups) g = 0;                                               \
+    }                                                                         \
+    if ((j) >= 1 && (j) - 1 < items) _tile_stored(Cprev, cbuf[((j) - 1) % kRing], 64); \
+    if ((j) >= kLag && (j) - kLag < items) Q4_BF16_SCALE((j) - kLag);         \
+  } while (0)
+  for (int i = 0; i < items + kLag; i += 2) {
+    Q4_BF16_STEP(i, 0, 2, 4, 6, 1);
+    Q4_BF16_STEP(i + 1, 1, 3, 5, 7, 0);
+  }
+#undef Q4_BF16_STEP
+#undef Q4_BF16_SCALE
+#undef Q4_BF16_OUT
+#undef Q4_BF16_ROW
+#undef Q4_BF16_PRODUCT
+}
+#endif  // SLIPSTREAM_X86
+
 // ---- dispatch over (ISA, rows, tiles) -----------------------------------------------------------
 
 using TileFn = void (*)(const Problem&, const Acts&, int, int);
@@ -1181,7 +1347,8 @@ struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
   bool bf16 = false;  // two parts, at least kAmxMinRows rows, AMX: RunItemBf16
-  bool int8_tiles = false;  // AMX, 8-bit weights, g_int8_min_rows..g_int8_max_rows rows: RunItemInt8
+  bool int8_tiles = false;  // AMX, g_int8_min_rows..g_int8_max_rows rows (or q4_bf16's): RunItemInt8
+  bool q4_bf16 = false;  // int8_tiles, two parts, 4-bit weights, at least g_q4_bf16_min_rows rows: TileQ4Bf16
   int block_rows = kRowBlock;  // input rows per item
   Acts& acts;  // the calling thread's (thread_local, reused across calls): see Q8MatmulImpl
   explicit Job(Acts& a) : acts(a) {}
@@ -1220,6 +1387,9 @@ struct Job {
         }
 #endif
         QuantizeRow(isa, x, p.k, acts, row);
+#if defined(SLIPSTREAM_X86)
+        if (q4_bf16) SplitActsBf16(acts, row);
+#endif
       }
     });
   }
@@ -1285,6 +1455,7 @@ struct Job {
   void RunItemInt8(int chunk, int rb) {
     EnsureRows(rb);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
+    if (q4_bf16) return RunItemQ4Bf16(chunk, row_lo, row_hi);
     const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
@@ -1294,6 +1465,21 @@ struct Job {
     const TileInt8Fn tile = PickTileInt8(p.parts, p.bits, (tile_rows + p.parts - 1) / p.parts * p.parts);
     AmxBeginInt8(tile_rows);
     for (int at = at_lo; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
+    AmxEnd();
+  }
+
+  // Many rows, 4-bit weights (see TileQ4Bf16): the chunk's B tiles widened to bf16 once, then each row tile of the
+  // block against them.
+  void RunItemQ4Bf16(int chunk, int row_lo, int row_hi) {
+    const int chunk_tiles = ChunkTiles(isa);
+    const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    thread_local std::vector<uint16_t> panel;
+    panel.resize(static_cast<size_t>(tile_hi - tile_lo) * p.groups * kAmxRows * kGroup + 32);
+    uint16_t* const wide = panel.data() + (-reinterpret_cast<uintptr_t>(panel.data()) & 63) / 2;
+    WidenChunkBf16(p, tile_lo, tile_hi, wide);
+    AmxBeginBf16();
+    for (int rt = row_lo / kAmxRows; rt < (row_hi + kAmxRows - 1) / kAmxRows; ++rt)
+      TileQ4Bf16(p, acts, rt, tile_lo, tile_hi, wide);
     AmxEnd();
   }
 
@@ -1398,7 +1584,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   job.isa = g_isa.get();
   job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
   job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
-                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) && p.m <= g_int8_max_rows.load(std::memory_order_relaxed);
+                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) &&
+                   (p.m <= g_int8_max_rows.load(std::memory_order_relaxed) ||
+                    (parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed)));
+  job.q4_bf16 = job.int8_tiles && parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed);
   if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
   if (job.bf16) job.block_rows = kBf16BlockRows;
   if (job.int8_tiles) job.block_rows = kAmxBlockRows;
@@ -1413,6 +1602,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   // the widened AVX2 path reads x itself; the tile unit reads whole 16-row tiles (the rows past m unused)
   if (job.bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole tiles (the rows past m unused)
   else if (job.int8_tiles) a.Resize((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-act-row tiles
+  if (job.q4_bf16) a.ResizeBf16((p.m + kAmxRows - 1) / kAmxRows * kAmxRows);  // whole 16-input-row A tiles
   else if (!job.f32_path) a.Resize(p.m);
 #if defined(SLIPSTREAM_X86)
   thread_local std::vector<float> gated_x;  // that path's input, formed whole here when gated
@@ -1511,6 +1701,16 @@ static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// q4_bf16_rows(min) -> the previous min: two-part calls with 4-bit weights of at least min rows run on the bf16 tile
+// unit with the VNNI path's integers (TileQ4Bf16); a negative argument keeps it. For tests and benchmarks.
+static PyObject* Q4Bf16RowsPy(PyObject*, PyObject* args) {
+  int lo = -1;
+  if (!PyArg_ParseTuple(args, "|i", &lo)) return nullptr;
+  PyObject* prev = PyLong_FromLong(g_q4_bf16_min_rows.load());
+  if (lo >= 0) g_q4_bf16_min_rows.store(std::max(lo, 1));
+  return prev;
+}
+
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
 static PyObject* NontemporalPy(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -1562,6 +1762,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
         "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
         "bf16 one (negative: keep); returns the previous four."},
+       {"q4_bf16_rows", Q4Bf16RowsPy, METH_VARARGS,
+        "q4_bf16_rows(min): two-part calls with 4-bit weights of at least min rows run on the bf16 tile unit with "
+        "the VNNI path's integers (negative: keep); returns the previous min."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
