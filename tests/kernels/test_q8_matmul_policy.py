@@ -78,3 +78,21 @@ def test_nontemporal_prefetches_do_not_change_results(on):
         ext.nontemporal(prev)
     assert_close(got[0], oracle(x, q, d), x, q, d)
     assert_close(got[1], oracle(x, q, d, parts=2), x, q, d)
+
+
+@needs_native
+def test_a_one_row_call_takes_the_vector_path_on_every_isa():
+    # route() reports the dispatch: a decode's one-row call streams its weights on the vector path of the ISA chosen
+    # (on AMX, AVX-512 VNNI's: tests/kernels/test_q8_matmul_amx.py checks the tile unit's row window)
+    from tests.kernels.test_q8_matmul import ISAS
+
+    prev = ext.isa()
+    try:
+        for isa in ISAS:
+            ext.set_isa(isa)
+            for parts in (1, 2):
+                assert ext.route(1, parts) == ("avx512_vnni" if isa == "amx" else isa)
+        with pytest.raises(ValueError, match="rows >= 1"):
+            ext.route(0, 2)
+    finally:
+        ext.set_isa(prev)

@@ -49,9 +49,11 @@
 // gate/up output was 4% of a 1052-token step).
 //
 // Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
-// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; with SLIPSTREAM_AMX_BF16=1, two-part
-// calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
-// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8, a last row tile of 1-3 input rows after
+// whole ones on VNNI, see Int8Tail; with SLIPSTREAM_AMX_BF16=1, two-part calls of at least kAmxMinRows rows whose
+// weights come with their bf16 tiles, prepacked at load, on the BF16 tile unit, see TileBf16; the rest, one-row
+// (decode) calls among them, as on AVX-512 VNNI, see RouteCall), AVX-512 VNNI, AVX2 (maddubs with the sign trick),
+// portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -909,6 +911,20 @@ constexpr int kAmxBlockRows = 256;  // input rows per item
 constexpr int kInt8MinRows = 4, kInt8MaxRows = 64;
 std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
 
+// The input rows of a row block of `rows` that the int8 tile path leaves to the vector path: a last, partial row tile
+// of fewer than g_int8_min_rows input rows after whole ones. Such a tile costs the tile unit what a call of that few
+// rows does (1.2-1.6x VNNI's time at 1-2 rows, see above: it streams and widens the chunk's weights again and runs
+// the scale pass), where the vector path reads the weights the whole tiles just brought into cache. Measured (Xeon
+// Emerald Rapids, `python -m benchmarks.kernel int8 --dispatch`: the default model's 120 layer calls + LM head
+// chained, time inside the q8 calls, alternated per rep): with such a tile on the tile unit (then configured for 16
+// rows, as every row tile of a call of more than one) 1.13x / 1.07x / 1.03x VNNI's time at 9 / 10 / 11 rows and
+// 1.13x / 1.09x at 17 / 18, 0.99x at 12, 1.00x at 20; now 0.86x / 0.83x / 0.81x, 0.81x / 0.82x, 0.85x and 0.89x (a
+// last partial tile of 4-7 input rows runs on tiles of its rows).
+inline int Int8Tail(int rows, int parts) {
+  const int per_tile = kAmxRows / parts, tail = rows % per_tile;
+  return rows > per_tile && tail < g_int8_min_rows.load(std::memory_order_relaxed) ? tail : 0;
+}
+
 #if defined(SLIPSTREAM_X86)
 struct alignas(64) AmxInt8Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -1177,6 +1193,24 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 
 // ---- the work queue ------------------------------------------------------------------------------
 
+// Which units a call runs on: the tile unit's int8 or bf16 path (AMX), and the vector path `isa` for the rest.
+struct Route {
+  Isa isa;  // the vector path (AVX-512 VNNI where AMX is chosen)
+  bool bf16 = false, int8_tiles = false;
+};
+
+// One-row (decode) calls and calls of 2-3 rows stay on the vector path whatever the ISA: they stream each weight once,
+// and the VNNI one-row micro kernel does less work per group than the tile path (see kInt8MinRows). route() shows
+// the choice to tests.
+Route RouteCall(Isa isa, int m, int parts, bool has_bf16_tiles) {
+  Route r{isa};
+  r.bf16 = isa == Isa::kAmx && parts == 2 && m >= g_amx_min_rows.load(std::memory_order_relaxed) && has_bf16_tiles;
+  r.int8_tiles = isa == Isa::kAmx && !r.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
+                 m >= g_int8_min_rows.load(std::memory_order_relaxed) && m <= g_int8_max_rows.load(std::memory_order_relaxed);
+  if (isa == Isa::kAmx) r.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  return r;
+}
+
 struct Job {
   Problem p;
   Isa isa;           // the vector path (AVX-512 VNNI where the tile unit is chosen)
@@ -1246,12 +1280,18 @@ struct Job {
     const int row_lo = rb * kRowBlock * p.parts, row_hi = std::min((rb + 1) * kRowBlock, p.m) * p.parts;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    RunVector(tile_lo, tile_hi, row_lo, row_hi);
+  }
+
+  // The vector path's micro blocks: act rows [act_lo, act_hi) (whole input rows, quantized) x column tiles
+  // [tile_lo, tile_hi).
+  void RunVector(int tile_lo, int tile_hi, int act_lo, int act_hi) {
     int r, c;
     for (int t = tile_lo; t < tile_hi; t += c) {
-      MicroShape(isa, row_hi - row_lo, p.parts, &r, &c);
+      MicroShape(isa, act_hi - act_lo, p.parts, &r, &c);
       c = std::min(c, tile_hi - t);
-      for (int row = row_lo; row < row_hi; row += r) {
-        const int rows = std::min(r, row_hi - row);
+      for (int row = act_lo; row < act_hi; row += r) {
+        const int rows = std::min(r, act_hi - row);
         PickTile(isa, rows, c, p.parts, p.bits)(p, acts, row, t);
       }
     }
@@ -1281,20 +1321,24 @@ struct Job {
   }
 
   // AMX-INT8 (see TileInt8): each of the block's act row tiles against each of the chunk's column tiles, one
-  // 16 x 16 output block at a time (the chunk's B panel stays in L1/L2 across the row tiles).
+  // 16 x 16 output block at a time (the chunk's B panel stays in L1/L2 across the row tiles). A last row tile of
+  // fewer act rows runs on tiles of its rows (the configuration's), or, when it holds fewer than g_int8_min_rows
+  // input rows after whole ones (Int8Tail), on the vector path right after, while the chunk's weights are in cache.
   void RunItemInt8(int chunk, int rb) {
     EnsureRows(rb);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
-    const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
+    const int tail = Int8Tail(row_hi - row_lo, p.parts);
+    const int act_lo = row_lo * p.parts, act_hi = (row_hi - tail) * p.parts;  // act_lo: a multiple of 16
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
-    // a block of one partial row tile runs on tiles of its act rows; otherwise every tile has 16 (the last one's
-    // rows past the call's are multiplied and not stored)
-    const int tile_rows = at_hi - at_lo == 1 ? std::min(kAmxRows, row_hi * p.parts - at_lo * kAmxRows) : kAmxRows;
-    const TileInt8Fn tile = PickTileInt8(p.parts, p.bits, (tile_rows + p.parts - 1) / p.parts * p.parts);
-    AmxBeginInt8(tile_rows);
-    for (int at = at_lo; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
-    AmxEnd();
+    int configured = 0;  // the act rows of the loaded tile configuration
+    for (int at0 = act_lo; at0 < act_hi; at0 += kAmxRows) {
+      const int rows = std::min(kAmxRows, act_hi - at0);  // a multiple of p.parts
+      if (rows != configured) AmxBeginInt8(configured = rows);
+      PickTileInt8(p.parts, p.bits, rows)(p, acts, at0, tile_lo, tile_hi);
+    }
+    if (configured) AmxEnd();
+    if (tail) RunVector(tile_lo, tile_hi, act_hi, row_hi * p.parts);
   }
 
   // The AVX2 two-part path (see DequantTileAvx2): x unquantized, each tile widened once per item.
@@ -1395,11 +1439,10 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
-  job.isa = g_isa.get();
-  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
-  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
-                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) && p.m <= g_int8_max_rows.load(std::memory_order_relaxed);
-  if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  const Route route = RouteCall(g_isa.get(), p.m, parts, p.wt != nullptr);
+  job.isa = route.isa;
+  job.bf16 = route.bf16;
+  job.int8_tiles = route.int8_tiles;
   if (job.bf16) job.block_rows = kBf16BlockRows;
   if (job.int8_tiles) job.block_rows = kAmxBlockRows;
 #if defined(SLIPSTREAM_X86)
@@ -1511,6 +1554,25 @@ static PyObject* AmxRowsPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// route(rows, parts, bf16_tiles) -> the paths a call of that many input rows takes now (the ISA chosen, amx_rows()):
+// "amx_bf16", "amx_int8", "amx_int8 + avx512_vnni" (the int8 tile path with its last rows on VNNI, Int8Tail), or the
+// vector path's ISA ("avx512_vnni", "avx2", "portable"). Tests check the dispatch with it, without timing.
+static PyObject* RoutePy(PyObject*, PyObject* args) {
+  int rows = 0, parts = 0, bf16_tiles = 0;
+  if (!PyArg_ParseTuple(args, "ii|p", &rows, &parts, &bf16_tiles)) return nullptr;
+  if (rows < 1 || (parts != 1 && parts != 2)) {
+    PyErr_SetString(PyExc_ValueError, "route: rows >= 1 and parts 1 or 2");
+    return nullptr;
+  }
+  const Route r = RouteCall(g_isa.get(), rows, parts, bf16_tiles != 0);
+  if (r.bf16) return PyUnicode_FromString("amx_bf16");
+  if (r.int8_tiles) {
+    const int last = rows - (rows - 1) / kAmxBlockRows * kAmxBlockRows;  // input rows of the last row block
+    return PyUnicode_FromString(Int8Tail(last, parts) ? "amx_int8 + avx512_vnni" : "amx_int8");
+  }
+  return PyUnicode_FromString(rt::IsaName(r.isa));
+}
+
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
 static PyObject* NontemporalPy(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -1562,6 +1624,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
         "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
         "bf16 one (negative: keep); returns the previous four."},
+       {"route", RoutePy, METH_VARARGS,
+        "route(rows, parts, bf16_tiles=False): the paths a call of that many input rows takes now, e.g. "
+        "'avx512_vnni', 'amx_int8', 'amx_int8 + avx512_vnni' (its last rows on VNNI), 'amx_bf16'."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
