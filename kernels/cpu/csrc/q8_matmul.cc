@@ -126,10 +126,13 @@ struct Problem {
   // one-row prefetch distances in bytes of each tile's stream: near into L1, far (0: none) into L2
   int pf_near = 1024, pf_far = 0;
   bool pf_nta = false;
+  int stream_rows = 1;  // micro blocks of up to this many output rows (at most kMaxStreamRows) prefetch as above
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile * bits / 8; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
   size_t tile_bf16() const { return static_cast<size_t>(groups) * 2 * kTile * kGroup; }  // uint16s per tile of wt
 };
+
+constexpr int kMaxStreamRows = 3;  // the most output rows a prefetching micro block may have (Problem::stream_rows)
 
 // IEEE half -> float, for the portable path (the vector paths convert with vcvtph2ps).
 inline float HalfToFloat(uint16_t h) {
@@ -498,15 +501,15 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
   // Few rows (decode): the weights stream from memory once, so prefetch each tile's stream (and its
   // scales and offsets) p.pf_near bytes ahead into L1 and p.pf_far into L2; the first lines of every
-  // stream are requested up front.
-  constexpr bool kStream = Y == 1;
+  // stream are requested up front. Blocks of 2-3 output rows too where p.stream_rows says so (kShape).
+  const bool stream = Y == 1 || (Y <= kMaxStreamRows && Y <= p.stream_rows);
   constexpr int kGroupBytes = kGroup * kTile * B / 8;  // weight bytes of one group of one tile
   const int near = p.pf_near, near_groups = near / kGroupBytes, far = p.pf_far, far_groups = far / kGroupBytes;
   // Non-temporal (p.pf_nta): the weights are read once per step, so they need not evict what the step
   // reads again from cache, the K/V of a few sequences above all (AMD Zen 4, one-slot decode step,
   // in-process A/Bs: model program 0.93-0.98x, step 0.96-0.99x for q8_0-a16, 0.91-0.94x for q8_0).
   const bool nta = p.pf_nta;
-  if (kStream) {
+  if (stream) {
     for (int c = 0; c < C; ++c) {
       for (int b = 0; b < near; b += 64) {
         if (nta) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + b), _MM_HINT_NTA);
@@ -519,7 +522,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     }
   }
   for (int g = 0; g < p.groups; ++g) {
-    if (kStream) {
+    if (stream) {
       for (int c = 0; c < C; ++c) {
         _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
         if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
@@ -541,7 +544,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
       __m512i wv[kVectors][C];
       const size_t off = (static_cast<size_t>(g) * kLoads + ld) * 64;
       for (int c = 0; c < C; ++c) {
-        if (kStream) {
+        if (stream) {
           if (nta) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_NTA);
           else _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_T0);
           if (far) {
@@ -1155,19 +1158,26 @@ struct Avx512Shape {
   int chunk_tiles;          // tiles (of 16 columns) per work item
   int pf_near, pf_far;      // one-row prefetch distances: bytes of each tile's stream into L1 and L2
   bool pf_nta;              // those prefetches non-temporal (measured on AMD only)
+  // micro blocks of up to this many output rows prefetch their weights as the one-row block does. Without it a call
+  // of 2-3 input rows (a 2-token verification; on the int8 tile path, the tail of a 9- or 17-row call) read its
+  // weights with no prefetch: on the Emerald Rapids Xeon (`python -m benchmarks.kernel int8 --dispatch`'s decode-step
+  // chain, prefetch_rows 3 against 1 alternated per rep, two runs) 0.80-0.89x the time inside the q8 calls at 2 rows,
+  // 0.89-0.93x at 3, the same at 1. Not measured on AMD: 1 there.
+  int stream_rows;
 };
 
 Avx512Shape DetectShape() {
 #if defined(SLIPSTREAM_X86)
-  if (rt::Cpu().amd) return {4, 2, 4, 2, 4, 512, 2048, true};
+  if (rt::Cpu().amd) return {4, 2, 4, 2, 4, 512, 2048, true, 1};
 #endif
-  return {4, 3, 6, 3, 6, 1024, 0, false};
+  return {4, 3, 6, 3, 6, 1024, 0, false, 3};
 }
 
 const Avx512Shape kShape = DetectShape();
 // The one-row prefetch distances in use (prefetch() changes them, for benchmarks)
 std::atomic<int> g_pf_near{kShape.pf_near}, g_pf_far{kShape.pf_far};
 std::atomic<bool> g_pf_nta{kShape.pf_nta};
+std::atomic<int> g_stream_rows{kShape.stream_rows};  // prefetch_rows() changes it, for benchmarks
 
 // The AVX2 and portable paths keep 4-tile items.
 int ChunkTiles(Isa isa) { return isa == Isa::kAvx512Vnni ? kShape.chunk_tiles : 4; }
@@ -1439,6 +1449,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
+  p.stream_rows = g_stream_rows.load(std::memory_order_relaxed);
   const Route route = RouteCall(g_isa.get(), p.m, parts, p.wt != nullptr);
   job.isa = route.isa;
   job.bf16 = route.bf16;
@@ -1573,6 +1584,20 @@ static PyObject* RoutePy(PyObject*, PyObject* args) {
   return PyUnicode_FromString(rt::IsaName(r.isa));
 }
 
+// prefetch_rows(rows) -> the previous: micro blocks of up to `rows` output rows (1..kMaxStreamRows) prefetch their
+// weights as the one-row path does; a negative argument keeps it. For benchmarks (and tests: no output changes).
+static PyObject* PrefetchRowsPy(PyObject*, PyObject* args) {
+  int rows = -1;
+  if (!PyArg_ParseTuple(args, "|i", &rows)) return nullptr;
+  if (rows == 0 || rows > kMaxStreamRows) {
+    PyErr_Format(PyExc_ValueError, "prefetch_rows: 1..%d output rows (negative: keep)", kMaxStreamRows);
+    return nullptr;
+  }
+  const int prev = g_stream_rows.load();
+  if (rows > 0) g_stream_rows.store(rows);
+  return PyLong_FromLong(prev);
+}
+
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
 static PyObject* NontemporalPy(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -1624,6 +1649,9 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
         "amx_rows(int8_min, int8_max, int8_parts, bf16_min): calls of int8_min..int8_max rows with at least "
         "int8_parts parts run on the int8 tile unit, two-part calls of at least bf16_min rows with tiles on the "
         "bf16 one (negative: keep); returns the previous four."},
+       {"prefetch_rows", PrefetchRowsPy, METH_VARARGS,
+        "prefetch_rows(rows): micro blocks of up to rows output rows prefetch their weights as the one-row path does "
+        "(negative: keep); returns the previous."},
        {"route", RoutePy, METH_VARARGS,
         "route(rows, parts, bf16_tiles=False): the paths a call of that many input rows takes now, e.g. "
         "'avx512_vnni', 'amx_int8', 'amx_int8 + avx512_vnni' (its last rows on VNNI), 'amx_bf16'."},
