@@ -28,10 +28,16 @@ Three measurements in one run, so their ratios share the machine's state:
      (benchmarks/int8_channel_parts.cc, built against the kernel's source: the row quantization, the tile loop
      alone, + the C tile stores, + the float steps, the whole call), thread CPU time, with the tile unit's int8
      peak per core (benchmarks/amx_peak.c on one thread) measured in the same run.
+  8. with --dispatch: the default dispatch (the ISA detected: on AMX the int8 tile path for the rows it is chosen for,
+     VNNI for the rest) against AVX-512 VNNI alone, at each --rows, on the default model's decode-step chain (30 layers
+     x 4 calls with 4-bit Q4_1 weights and offsets, two parts, the down projection gated, + the 8-bit LM head; each
+     call's input from the one before, as in a step), alternated per rep in one process; the chain's time and the
+     time inside the q8 calls (the kernel's own clock), and the per-rep ratios' medians. The rows' paths
+     (_q8_matmul.route) are printed beside them.
 Two forms of the kernel: "q8_0" (weights q * d, int8 activations: llama.cpp's Q8_0 x Q8_0) and
 "q8_0-a16" (weights q * d + m, as the default model's Q4_1 blocks load, and two-part activations).
     python -m benchmarks.kernel int8 [--reps 20] [--rows 256] [--prefetch NEAR:FAR,...] [--amx [--engine]] [--channel]
-                                     [--channel-parts]
+                                     [--channel-parts] [--dispatch]
 """
 from __future__ import annotations
 
@@ -326,6 +332,53 @@ def amx_engine(ext, reps: int) -> None:
               f"{med(t['prefill']):6.1f} ms (q8 {med(t['prefill q8']):5.1f})", flush=True)
 
 
+def dispatch_rows(ext, rng: np.random.Generator, rows: list[int], reps: int) -> None:
+    """[8]: the decode-step chain at each row count on the default dispatch and on VNNI alone, alternated per rep."""
+    best = ext.isa()
+    layers = [(random_q4(rng, k, n), n, name == "w_down")
+              for _ in range(N_LAYERS) for name, (k, n) in LAYER_SHAPES.items()]
+    head = random_q8(rng, *LM_HEAD)[:2]
+    width = max(max(2 * k, n) for k, n in LAYER_SHAPES.values())  # the widest input (gated: 2K) or output
+
+    def step(x, weights, head):
+        h = x
+        for (packed, scales, offsets), (_, n, gated) in zip(weights, layers):
+            k = packed.shape[1] * 2 // q8.TILE  # 4 bits: Kp * 8 bytes per tile
+            y = q8.q8_matmul(h[:, : 2 * k if gated else k], packed, scales, offsets, n=n, parts=2, gated=gated)
+            h = h * 0.5 + jnp.pad(y, ((0, 0), (0, width - n))) * 0.5  # the next call's input depends on this one
+        return q8.q8_matmul(h[:, : LM_HEAD[0]], *head, n=LM_HEAD[1], parts=2)
+
+    fn = jax.jit(step)
+    weights = [w for w, _, _ in layers]
+    paths = [best] + (["avx512_vnni"] if best != "avx512_vnni" else [])
+    print(f"\n[8] the decode-step chain (30 layers of 4-bit weights + the LM head, two parts) at each row count: the "
+          f"default dispatch ({best}) against {paths[-1]}, alternated per rep; ms = medians; ratios = medians of the "
+          "per-rep ratios")
+    try:
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, width)).astype(np.float32))
+            times = {isa: ([], []) for isa in paths}
+            for isa in paths:  # compile, warm
+                ext.set_isa(isa)
+                fn(x, weights, head).block_until_ready()
+            for rep in range(reps):
+                for isa in (paths if rep % 2 == 0 else paths[::-1]):
+                    ext.set_isa(isa)
+                    ext.profile(True)
+                    start = time.perf_counter()
+                    fn(x, weights, head).block_until_ready()
+                    times[isa][0].append(time.perf_counter() - start)
+                    times[isa][1].append(sum(end - begin for begin, end, _, _ in ext.profile(False)) / 1e9)
+            ext.set_isa(best)
+            route = ext.route(m, 2)
+            (a, qa), (v, qv) = (tuple(np.asarray(t) for t in times[isa]) for isa in (paths[0], paths[-1]))
+            print(f"    rows {m:3d} ({route:22s}) chain {np.median(a) * 1e3:7.2f} / {np.median(v) * 1e3:7.2f} ms = "
+                  f"{np.median(a / v):5.3f}; q8 calls {np.median(qa) * 1e3:7.2f} / {np.median(qv) * 1e3:7.2f} ms = "
+                  f"{np.median(qa / qv):5.3f}", flush=True)
+    finally:
+        ext.set_isa(best)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernel int8", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--channel", action="store_true", help="only [6]: the per-channel kernel against q8_0(-a16)")
     parser.add_argument("--channel-parts", action="store_true",
                         help="only [7]: where one thread's time goes in the per-channel kernel's tile path")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="only [8]: the default dispatch against VNNI alone on the decode-step chain at --rows")
     args = parser.parse_args(argv)
     if not native.load("q8_matmul", "q8_matmul"):
         raise SystemExit("the native kernel is not available (see the log above); nothing to measure")
@@ -352,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
 
         rows = [int(r) for r in args.rows.split(",")]
         return channel_parts(rows, args.reps) if args.channel_parts else channel_rows(rng, rows, args.reps)
+    if args.dispatch:
+        return dispatch_rows(ext, rng, [int(r) for r in args.rows.split(",")], args.reps)
     if args.amx and args.engine:
         return amx_engine(ext, args.reps)
     if args.amx:

@@ -8,6 +8,10 @@ alone, timed synchronously per token bucket on each q8 instruction set, with the
 matmul calls:
 
     python -m benchmarks.spec_profile [--dataset repeat] [--prompts 8] [--output-len 64] [--rounds 2] [--reps 20]
+
+With --isa-ab, instead: plain decode (no speculation) with the q8 kernel's instruction set alternated request by
+request in the one process (the default, AMX where there is one, against AVX-512 VNNI; the order flipped each turn),
+after one speculative request so that the tile unit has run: TPOT p50 per ISA over all rounds, and the ratio.
 """
 from __future__ import annotations
 
@@ -136,6 +140,27 @@ def program_times(engine, context: int, reps: int) -> None:
                   f"{(m - q) * 1e3:5.2f}; model + sampling (engine.step) {s * 1e3:6.2f} ({s / base:4.2f}x)")
 
 
+def isa_ab(engine, tokenizer, requests: list[Request], spec: SpeculativeConfig, rounds: int) -> None:
+    """Plain decode TPOT with the q8 kernel on its default ISA and on AVX-512 VNNI, alternated request by request."""
+    ext = importlib.import_module("slipstream.kernels._q8_matmul")
+    isas = [ext.isa(), "avx512_vnni"]
+    run_closed_loop(engine, tokenizer, requests[:1], spec, None, 1)  # the tile unit runs (where it is chosen)
+    tpots = collections.defaultdict(list)
+    try:
+        for rnd in range(rounds + 1):
+            for i, r in enumerate(requests):
+                for isa in (isas if (i + rnd) % 2 == 0 else isas[::-1]):
+                    ext.set_isa(isa)
+                    got, _, _ = run_closed_loop(engine, tokenizer, [r], None, None, 1)
+                    if rnd:
+                        tpots[isa] += got
+    finally:
+        ext.set_isa(isas[0])
+    med = {isa: statistics.median(tpots[isa]) * 1e3 for isa in isas}
+    print(f"plain decode, q8 ISA alternated request by request, {rounds} rounds x {len(requests)} requests: TPOT p50 "
+          + ", ".join(f"{isa} {med[isa]:.2f} ms" for isa in isas) + f"; ratio {med[isas[0]] / med[isas[1]]:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -145,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds after a warm-up round")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--reps", type=int, default=20, help="program timings: repetitions per bucket")
+    p.add_argument("--isa-ab", action="store_true", help="only plain decode on the default ISA against AVX-512 VNNI")
     args = p.parse_args(argv)
     engine = engine_for(args.model, EngineConfig())
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -154,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = [Request(tokenizer.encode(s.prompt, add_special_tokens=False),
                         SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)) for s in samples]
     spec = SpeculativeConfig(num_speculative_tokens=args.k)
+    if args.isa_ab:
+        isa_ab(engine, tokenizer, requests, spec, args.rounds)
+        return 0
     probe = Probe(engine)  # one set of wrappers; its records are split by side below
     got = {"on": ([], 0, 0), "off": ([], 0, 0)}
     records = {"on": [], "off": []}

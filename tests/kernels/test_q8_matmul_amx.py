@@ -195,3 +195,24 @@ def test_stacked_bf16_tiles_at_a_traced_layer_equal_each_weight_alone():
     got = np.asarray(jax.jit(lambda x: jax.lax.scan(body, None, (x, jnp.arange(layers, dtype=jnp.int32)))[1])(x))
     for i, (packed, scales, packed_off, tiles) in enumerate(weights):
         np.testing.assert_array_equal(got[i], run_kernel(x[i], packed, scales, n, "amx", packed_off, parts=2, tiles=tiles))
+
+
+def test_one_to_three_row_calls_stay_on_vnni_and_short_tails_leave_the_tile_unit():
+    # the default dispatch (route() reports it; no timing): a decode's one-row calls and calls of 2-3 rows stream their
+    # weights on the VNNI path, where the tile path costs 1.2-1.6x; two-part calls of 4-64 rows run on the int8 tile
+    # unit, and a last row tile of 1-3 input rows after whole ones (a verification of 9 or 17 rows) runs on VNNI
+    prev = ext.set_isa("amx")
+    try:
+        for parts in (1, 2):
+            assert ext.route(1, parts) == "avx512_vnni"
+        for m in (2, 3):
+            assert ext.route(m, 2) == "avx512_vnni"
+        for m in (4, 5, 7, 8, 12, 13, 16, 20, 64):
+            assert ext.route(m, 2) == "amx_int8", m
+        for m in (9, 10, 11, 17, 19, 57):
+            assert ext.route(m, 2) == "amx_int8 + avx512_vnni", m
+        assert ext.route(8, 1) == "avx512_vnni"  # one-part calls stay on VNNI
+        assert ext.route(65, 2) == "avx512_vnni"
+        assert ext.route(64, 2, True) == "amx_bf16" and ext.route(63, 2, True) == "amx_int8"
+    finally:
+        ext.set_isa(prev)

@@ -49,10 +49,12 @@
 // gate/up output was 4% of a 1052-token step).
 //
 // Instruction sets, chosen at run time: AMX (two-part calls of kInt8MinRows..kInt8MaxRows rows, 8- or 4-bit weights,
-// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8; two-part calls of more rows with 4-bit
-// weights on the BF16 tile unit with the same integers, see TileQ4Bf16; with SLIPSTREAM_AMX_BF16=1, two-part
-// calls of at least kAmxMinRows rows whose weights come with their bf16 tiles, prepacked at load, on the BF16 tile
-// unit, see TileBf16; the rest as on AVX-512 VNNI), AVX-512 VNNI, AVX2 (maddubs with the sign trick), portable.
+// on the INT8 tile unit, bit for bit the VNNI path's outputs, see TileInt8, a last row tile of 1-3 input rows after
+// whole ones on VNNI, see Int8Tail; two-part calls of more rows with 4-bit weights on the BF16 tile unit with the
+// same integers, see TileQ4Bf16; with SLIPSTREAM_AMX_BF16=1, two-part calls of at least kAmxMinRows rows whose
+// weights come with their bf16 tiles, prepacked at load, on the BF16 tile unit, see TileBf16; the rest, one-row
+// (decode) calls among them, as on AVX-512 VNNI, see RouteCall), AVX-512 VNNI, AVX2 (maddubs with the sign trick),
+// portable.
 #include <Python.h>
 
 #include <algorithm>
@@ -125,10 +127,13 @@ struct Problem {
   // one-row prefetch distances in bytes of each tile's stream: near into L1, far (0: none) into L2
   int pf_near = 1024, pf_far = 0;
   bool pf_nta = false;
+  int stream_rows = 1;  // micro blocks of up to this many output rows (at most kMaxStreamRows) prefetch as above
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile * bits / 8; }
   size_t tile_scales() const { return static_cast<size_t>(groups) * kTile; }
   size_t tile_bf16() const { return static_cast<size_t>(groups) * 2 * kTile * kGroup; }  // uint16s per tile of wt
 };
+
+constexpr int kMaxStreamRows = 3;  // the most output rows a prefetching micro block may have (Problem::stream_rows)
 
 // IEEE half -> float, for the portable path (the vector paths convert with vcvtph2ps).
 inline float HalfToFloat(uint16_t h) {
@@ -497,15 +502,15 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
   const int32_t* xb = a.bias.data() + static_cast<size_t>(row0) * p.groups;
   // Few rows (decode): the weights stream from memory once, so prefetch each tile's stream (and its
   // scales and offsets) p.pf_near bytes ahead into L1 and p.pf_far into L2; the first lines of every
-  // stream are requested up front.
-  constexpr bool kStream = Y == 1;
+  // stream are requested up front. Blocks of 2-3 output rows too where p.stream_rows says so (kShape).
+  const bool stream = Y == 1 || (Y <= kMaxStreamRows && Y <= p.stream_rows);
   constexpr int kGroupBytes = kGroup * kTile * B / 8;  // weight bytes of one group of one tile
   const int near = p.pf_near, near_groups = near / kGroupBytes, far = p.pf_far, far_groups = far / kGroupBytes;
   // Non-temporal (p.pf_nta): the weights are read once per step, so they need not evict what the step
   // reads again from cache, the K/V of a few sequences above all (AMD Zen 4, one-slot decode step,
   // in-process A/Bs: model program 0.93-0.98x, step 0.96-0.99x for q8_0-a16, 0.91-0.94x for q8_0).
   const bool nta = p.pf_nta;
-  if (kStream) {
+  if (stream) {
     for (int c = 0; c < C; ++c) {
       for (int b = 0; b < near; b += 64) {
         if (nta) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + b), _MM_HINT_NTA);
@@ -518,7 +523,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
     }
   }
   for (int g = 0; g < p.groups; ++g) {
-    if (kStream) {
+    if (stream) {
       for (int c = 0; c < C; ++c) {
         _mm_prefetch(reinterpret_cast<const char*>(ws + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
         if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + c * p.tile_scales() + (g + near_groups) * kTile), _MM_HINT_T0);
@@ -540,7 +545,7 @@ void TileAvx512(const Problem& p, const Acts& a, int row0, int tile0) {
       __m512i wv[kVectors][C];
       const size_t off = (static_cast<size_t>(g) * kLoads + ld) * 64;
       for (int c = 0; c < C; ++c) {
-        if (kStream) {
+        if (stream) {
           if (nta) _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_NTA);
           else _mm_prefetch(reinterpret_cast<const char*>(w + c * p.tile_bytes() + off + near), _MM_HINT_T0);
           if (far) {
@@ -909,6 +914,20 @@ constexpr int kAmxBlockRows = 256;  // input rows per item
 // much as the VNNI products they replace), so one-part calls stay on VNNI.
 constexpr int kInt8MinRows = 4, kInt8MaxRows = 64;
 std::atomic<int> g_int8_min_rows{kInt8MinRows}, g_int8_max_rows{kInt8MaxRows}, g_int8_min_parts{2};  // amx_rows()
+
+// The input rows of a row block of `rows` that the int8 tile path leaves to the vector path: a last, partial row tile
+// of fewer than g_int8_min_rows input rows after whole ones. Such a tile costs the tile unit what a call of that few
+// rows does (1.2-1.6x VNNI's time at 1-2 rows, see above: it streams and widens the chunk's weights again and runs
+// the scale pass), where the vector path reads the weights the whole tiles just brought into cache. Measured (Xeon
+// Emerald Rapids, `python -m benchmarks.kernel int8 --dispatch`: the default model's 120 layer calls + LM head
+// chained, time inside the q8 calls, alternated per rep): with such a tile on the tile unit (then configured for 16
+// rows, as every row tile of a call of more than one) 1.13x / 1.07x / 1.03x VNNI's time at 9 / 10 / 11 rows and
+// 1.13x / 1.09x at 17 / 18, 0.99x at 12, 1.00x at 20; now 0.86x / 0.83x / 0.81x, 0.81x / 0.82x, 0.85x and 0.89x (a
+// last partial tile of 4-7 input rows runs on tiles of its rows).
+inline int Int8Tail(int rows, int parts) {
+  const int per_tile = kAmxRows / parts, tail = rows % per_tile;
+  return rows > per_tile && tail < g_int8_min_rows.load(std::memory_order_relaxed) ? tail : 0;
+}
 
 #if defined(SLIPSTREAM_X86)
 struct alignas(64) AmxInt8Config {
@@ -1305,19 +1324,26 @@ struct Avx512Shape {
   int chunk_tiles;          // tiles (of 16 columns) per work item
   int pf_near, pf_far;      // one-row prefetch distances: bytes of each tile's stream into L1 and L2
   bool pf_nta;              // those prefetches non-temporal (measured on AMD only)
+  // micro blocks of up to this many output rows prefetch their weights as the one-row block does. Without it a call
+  // of 2-3 input rows (a 2-token verification; on the int8 tile path, the tail of a 9- or 17-row call) read its
+  // weights with no prefetch: on the Emerald Rapids Xeon (`python -m benchmarks.kernel int8 --dispatch`'s decode-step
+  // chain, prefetch_rows 3 against 1 alternated per rep, two runs) 0.80-0.89x the time inside the q8 calls at 2 rows,
+  // 0.89-0.93x at 3, the same at 1. Not measured on AMD: 1 there.
+  int stream_rows;
 };
 
 Avx512Shape DetectShape() {
 #if defined(SLIPSTREAM_X86)
-  if (rt::Cpu().amd) return {4, 2, 4, 2, 4, 512, 2048, true};
+  if (rt::Cpu().amd) return {4, 2, 4, 2, 4, 512, 2048, true, 1};
 #endif
-  return {4, 3, 6, 3, 6, 1024, 0, false};
+  return {4, 3, 6, 3, 6, 1024, 0, false, 3};
 }
 
 const Avx512Shape kShape = DetectShape();
 // The one-row prefetch distances in use (prefetch() changes them, for benchmarks)
 std::atomic<int> g_pf_near{kShape.pf_near}, g_pf_far{kShape.pf_far};
 std::atomic<bool> g_pf_nta{kShape.pf_nta};
+std::atomic<int> g_stream_rows{kShape.stream_rows};  // prefetch_rows() changes it, for benchmarks
 
 // The AVX2 and portable paths keep 4-tile items.
 int ChunkTiles(Isa isa) { return isa == Isa::kAvx512Vnni ? kShape.chunk_tiles : 4; }
@@ -1342,6 +1368,28 @@ void MicroShape(Isa isa, int rows_left, int parts, int* r, int* c) {
 }
 
 // ---- the work queue ------------------------------------------------------------------------------
+
+// Which units a call runs on: the tile unit's int8 or bf16 path (AMX), and the vector path `isa` for the rest.
+struct Route {
+  Isa isa;  // the vector path (AVX-512 VNNI where AMX is chosen)
+  bool bf16 = false, int8_tiles = false, q4_bf16 = false;
+};
+
+// One-row (decode) calls and calls of 2-3 rows stay on the vector path whatever the ISA: they stream each weight once,
+// and the VNNI one-row micro kernel does less work per group than the tile path (see kInt8MinRows). route() shows
+// the choice to tests.
+Route RouteCall(Isa isa, int m, int parts, int bits, bool has_bf16_tiles) {
+  Route r{isa};
+  r.bf16 = isa == Isa::kAmx && parts == 2 && m >= g_amx_min_rows.load(std::memory_order_relaxed) && has_bf16_tiles;
+  // many-row two-part calls with 4-bit weights: the int8 tile path's items on the BF16 tile unit (TileQ4Bf16)
+  const bool q4 = parts == 2 && bits == 4 && m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed);
+  r.int8_tiles = isa == Isa::kAmx && !r.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
+                 m >= g_int8_min_rows.load(std::memory_order_relaxed) &&
+                 (m <= g_int8_max_rows.load(std::memory_order_relaxed) || q4);
+  r.q4_bf16 = r.int8_tiles && q4;
+  if (isa == Isa::kAmx) r.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  return r;
+}
 
 struct Job {
   Problem p;
@@ -1416,12 +1464,18 @@ struct Job {
     const int row_lo = rb * kRowBlock * p.parts, row_hi = std::min((rb + 1) * kRowBlock, p.m) * p.parts;
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
+    RunVector(tile_lo, tile_hi, row_lo, row_hi);
+  }
+
+  // The vector path's micro blocks: act rows [act_lo, act_hi) (whole input rows, quantized) x column tiles
+  // [tile_lo, tile_hi).
+  void RunVector(int tile_lo, int tile_hi, int act_lo, int act_hi) {
     int r, c;
     for (int t = tile_lo; t < tile_hi; t += c) {
-      MicroShape(isa, row_hi - row_lo, p.parts, &r, &c);
+      MicroShape(isa, act_hi - act_lo, p.parts, &r, &c);
       c = std::min(c, tile_hi - t);
-      for (int row = row_lo; row < row_hi; row += r) {
-        const int rows = std::min(r, row_hi - row);
+      for (int row = act_lo; row < act_hi; row += r) {
+        const int rows = std::min(r, act_hi - row);
         PickTile(isa, rows, c, p.parts, p.bits)(p, acts, row, t);
       }
     }
@@ -1451,21 +1505,25 @@ struct Job {
   }
 
   // AMX-INT8 (see TileInt8): each of the block's act row tiles against each of the chunk's column tiles, one
-  // 16 x 16 output block at a time (the chunk's B panel stays in L1/L2 across the row tiles).
+  // 16 x 16 output block at a time (the chunk's B panel stays in L1/L2 across the row tiles). A last row tile of
+  // fewer act rows runs on tiles of its rows (the configuration's), or, when it holds fewer than g_int8_min_rows
+  // input rows after whole ones (Int8Tail), on the vector path right after, while the chunk's weights are in cache.
   void RunItemInt8(int chunk, int rb) {
     EnsureRows(rb);
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
     if (q4_bf16) return RunItemQ4Bf16(chunk, row_lo, row_hi);
-    const int at_lo = row_lo * p.parts / kAmxRows, at_hi = (row_hi * p.parts + kAmxRows - 1) / kAmxRows;
+    const int tail = Int8Tail(row_hi - row_lo, p.parts);
+    const int act_lo = row_lo * p.parts, act_hi = (row_hi - tail) * p.parts;  // act_lo: a multiple of 16
     const int chunk_tiles = ChunkTiles(isa);
     const int tile_lo = chunk * chunk_tiles, tile_hi = std::min(tile_lo + chunk_tiles, p.tiles);
-    // a block of one partial row tile runs on tiles of its act rows; otherwise every tile has 16 (the last one's
-    // rows past the call's are multiplied and not stored)
-    const int tile_rows = at_hi - at_lo == 1 ? std::min(kAmxRows, row_hi * p.parts - at_lo * kAmxRows) : kAmxRows;
-    const TileInt8Fn tile = PickTileInt8(p.parts, p.bits, (tile_rows + p.parts - 1) / p.parts * p.parts);
-    AmxBeginInt8(tile_rows);
-    for (int at = at_lo; at < at_hi; ++at) tile(p, acts, at * kAmxRows, tile_lo, tile_hi);
-    AmxEnd();
+    int configured = 0;  // the act rows of the loaded tile configuration
+    for (int at0 = act_lo; at0 < act_hi; at0 += kAmxRows) {
+      const int rows = std::min(kAmxRows, act_hi - at0);  // a multiple of p.parts
+      if (rows != configured) AmxBeginInt8(configured = rows);
+      PickTileInt8(p.parts, p.bits, rows)(p, acts, at0, tile_lo, tile_hi);
+    }
+    if (configured) AmxEnd();
+    if (tail) RunVector(tile_lo, tile_hi, act_hi, row_hi * p.parts);
   }
 
   // Many rows, 4-bit weights (see TileQ4Bf16): the chunk's B tiles widened to bf16 once, then each row tile of the
@@ -1581,14 +1639,12 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
-  job.isa = g_isa.get();
-  job.bf16 = job.isa == Isa::kAmx && parts == 2 && p.m >= g_amx_min_rows.load(std::memory_order_relaxed) && p.wt;
-  job.int8_tiles = job.isa == Isa::kAmx && !job.bf16 && parts >= g_int8_min_parts.load(std::memory_order_relaxed) &&
-                   p.m >= g_int8_min_rows.load(std::memory_order_relaxed) &&
-                   (p.m <= g_int8_max_rows.load(std::memory_order_relaxed) ||
-                    (parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed)));
-  job.q4_bf16 = job.int8_tiles && parts == 2 && bits == 4 && p.m >= g_q4_bf16_min_rows.load(std::memory_order_relaxed);
-  if (job.isa == Isa::kAmx) job.isa = Isa::kAvx512Vnni;  // the vector path of the rest
+  p.stream_rows = g_stream_rows.load(std::memory_order_relaxed);
+  const Route route = RouteCall(g_isa.get(), p.m, parts, bits, p.wt != nullptr);
+  job.isa = route.isa;
+  job.bf16 = route.bf16;
+  job.int8_tiles = route.int8_tiles;
+  job.q4_bf16 = route.q4_bf16;
   if (job.bf16) job.block_rows = kBf16BlockRows;
   if (job.int8_tiles) job.block_rows = kAmxBlockRows;
 #if defined(SLIPSTREAM_X86)
@@ -1711,6 +1767,41 @@ static PyObject* Q4Bf16RowsPy(PyObject*, PyObject* args) {
   return prev;
 }
 
+// route(rows, parts, bf16_tiles, bits) -> the paths a call of that many input rows takes now (the ISA chosen,
+// amx_rows(), q4_bf16_rows()): "amx_bf16", "amx_q4_bf16" (4-bit weights, TileQ4Bf16), "amx_int8",
+// "amx_int8 + avx512_vnni" (the int8 tile path with its last rows on VNNI, Int8Tail), or the
+// vector path's ISA ("avx512_vnni", "avx2", "portable"). Tests check the dispatch with it, without timing.
+static PyObject* RoutePy(PyObject*, PyObject* args) {
+  int rows = 0, parts = 0, bf16_tiles = 0, bits = 8;
+  if (!PyArg_ParseTuple(args, "ii|pi", &rows, &parts, &bf16_tiles, &bits)) return nullptr;
+  if (rows < 1 || (parts != 1 && parts != 2) || (bits != 4 && bits != 8)) {
+    PyErr_SetString(PyExc_ValueError, "route: rows >= 1, parts 1 or 2, bits 4 or 8");
+    return nullptr;
+  }
+  const Route r = RouteCall(g_isa.get(), rows, parts, bits, bf16_tiles != 0);
+  if (r.bf16) return PyUnicode_FromString("amx_bf16");
+  if (r.q4_bf16) return PyUnicode_FromString("amx_q4_bf16");
+  if (r.int8_tiles) {
+    const int last = rows - (rows - 1) / kAmxBlockRows * kAmxBlockRows;  // input rows of the last row block
+    return PyUnicode_FromString(Int8Tail(last, parts) ? "amx_int8 + avx512_vnni" : "amx_int8");
+  }
+  return PyUnicode_FromString(rt::IsaName(r.isa));
+}
+
+// prefetch_rows(rows) -> the previous: micro blocks of up to `rows` output rows (1..kMaxStreamRows) prefetch their
+// weights as the one-row path does; a negative argument keeps it. For benchmarks (and tests: no output changes).
+static PyObject* PrefetchRowsPy(PyObject*, PyObject* args) {
+  int rows = -1;
+  if (!PyArg_ParseTuple(args, "|i", &rows)) return nullptr;
+  if (rows == 0 || rows > kMaxStreamRows) {
+    PyErr_Format(PyExc_ValueError, "prefetch_rows: 1..%d output rows (negative: keep)", kMaxStreamRows);
+    return nullptr;
+  }
+  const int prev = g_stream_rows.load();
+  if (rows > 0) g_stream_rows.store(rows);
+  return PyLong_FromLong(prev);
+}
+
 // nontemporal(on) -> the previous setting: the one-row path's weight prefetches non-temporal.
 static PyObject* NontemporalPy(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -1765,6 +1856,12 @@ PyMODINIT_FUNC PyInit__q8_matmul() {
        {"q4_bf16_rows", Q4Bf16RowsPy, METH_VARARGS,
         "q4_bf16_rows(min): two-part calls with 4-bit weights of at least min rows run on the bf16 tile unit with "
         "the VNNI path's integers (negative: keep); returns the previous min."},
+       {"prefetch_rows", PrefetchRowsPy, METH_VARARGS,
+        "prefetch_rows(rows): micro blocks of up to rows output rows prefetch their weights as the one-row path does "
+        "(negative: keep); returns the previous."},
+       {"route", RoutePy, METH_VARARGS,
+        "route(rows, parts, bf16_tiles=False, bits=8): the paths a call of that many input rows takes now, e.g. "
+        "'avx512_vnni', 'amx_int8', 'amx_int8 + avx512_vnni' (its last rows on VNNI), 'amx_q4_bf16', 'amx_bf16'."},
        {"nontemporal", NontemporalPy, METH_O,
         "nontemporal(on): the one-row path's weight prefetches non-temporal (PREFETCHNTA); returns the "
         "previous."}}};
