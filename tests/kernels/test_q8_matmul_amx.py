@@ -214,5 +214,8 @@ def test_one_to_three_row_calls_stay_on_vnni_and_short_tails_leave_the_tile_unit
         assert ext.route(8, 1) == "avx512_vnni"  # one-part calls stay on VNNI
         assert ext.route(65, 2) == "avx512_vnni"
         assert ext.route(64, 2, True) == "amx_bf16" and ext.route(63, 2, True) == "amx_int8"
+        # many-row two-part calls with 4-bit weights: the bf16 tile unit on the VNNI path's integers (TileQ4Bf16)
+        assert ext.route(65, 2, False, 4) == ext.route(256, 2, False, 4) == "amx_q4_bf16"
+        assert ext.route(64, 2, False, 4) == "amx_int8" and ext.route(256, 1, False, 4) == "avx512_vnni"
     finally:
         ext.set_isa(prev)
