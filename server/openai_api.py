@@ -150,14 +150,32 @@ class _ChunkEvents:
                 + (b"null" if reason is None else to_json(reason)) + b"}" + self.tail)
 
 
-class CompletionFormat:
+class _StreamEvents:
+    """sse() for a format with chunk(), _chunk() and _direct(): the choice's fields written directly, or None
+    where the delta needs the model (logprobs, tool calls)."""
+
+    _events: tuple[bool, _ChunkEvents] | None = None  # per include_usage
+
+    def sse(self, d: Delta, include_usage: bool) -> bytes:
+        """chunk(d)'s SSE event (b"" for none)."""
+        body = self._direct(d)
+        if body is None:
+            chunk = self.chunk(d)
+            return b"" if chunk is None else sse_event(chunk, include_usage)
+        if not d.text and d.finish_reason is None:
+            return b""
+        if self._events is None or self._events[0] != include_usage:
+            self._events = (include_usage, _ChunkEvents(self._chunk([]), include_usage))
+        return self._events[1].event(d.index, body, _reason(d))
+
+
+class CompletionFormat(_StreamEvents):
     """/v1/completions bodies and chunks for one Generation."""
 
     def __init__(self, service: Service, gen: Generation, body: CompletionRequest) -> None:
         self.service, self.gen, self.model = service, gen, body.model or service.model_name
         self.created = int(time.time())
         self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
-        self._events: tuple[bool, _ChunkEvents] | None = None  # sse()'s, per include_usage
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -196,16 +214,8 @@ class CompletionFormat:
                                   finish_reason=_reason(d))
         return self._chunk([choice])
 
-    def sse(self, d: Delta, include_usage: bool) -> bytes:
-        """chunk(d)'s SSE event (b"" for none); a delta without logprobs written directly."""
-        if d.logprobs is not None:
-            chunk = self.chunk(d)
-            return b"" if chunk is None else sse_event(chunk, include_usage)
-        if not d.text and d.finish_reason is None:
-            return b""
-        if self._events is None or self._events[0] != include_usage:
-            self._events = (include_usage, _ChunkEvents(self._chunk([]), include_usage))
-        return self._events[1].event(d.index, b',"text":' + to_json(d.text), _reason(d))
+    def _direct(self, d: Delta) -> bytes | None:
+        return None if d.logprobs is not None else b',"text":' + to_json(d.text)
 
     def usage_chunk(self) -> CompletionResponse:
         return self._chunk([], usage=self.usage())
@@ -214,7 +224,7 @@ class CompletionFormat:
         return CompletionResponse(id=self.gen.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
 
-class ChatFormat:
+class ChatFormat(_StreamEvents):
     """/v1/chat/completions bodies and chunks for one Generation."""
 
     def __init__(self, service: Service, gen: Generation, body: ChatCompletionRequest) -> None:
@@ -223,7 +233,6 @@ class ChatFormat:
         self.top_logprobs = body.top_logprobs or 0
         self.tools = tool_plan(body.tools, body.tool_choice)
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
-        self._events: tuple[bool, _ChunkEvents] | None = None  # sse()'s, per include_usage
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -278,17 +287,10 @@ class ChatFormat:
         return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
                                             finish_reason=reason)])
 
-    def sse(self, d: Delta, include_usage: bool) -> bytes:
-        """chunk(d)'s SSE event (b"" for none); without tools and logprobs written directly."""
+    def _direct(self, d: Delta) -> bytes | None:
         if self.tools or d.logprobs is not None:
-            chunk = self.chunk(d)
-            return b"" if chunk is None else sse_event(chunk, include_usage)
-        if not d.text and d.finish_reason is None:
-            return b""
-        if self._events is None or self._events[0] != include_usage:
-            self._events = (include_usage, _ChunkEvents(self._chunk([]), include_usage))
-        delta = b'{"content":' + to_json(d.text) + b"}" if d.text else b"{}"
-        return self._events[1].event(d.index, b',"delta":' + delta, _reason(d))
+            return None
+        return b',"delta":' + (b'{"content":' + to_json(d.text) + b"}" if d.text else b"{}")
 
     def usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk([], usage=self.usage())

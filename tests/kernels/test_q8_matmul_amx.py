@@ -54,8 +54,13 @@ def test_four_bit_weights_on_the_tile_unit_equal_vnni(m, parts, gated, tile_rows
     # 4-bit packing (the default model's Q4_1 layers): the tile path widens each group's nibbles to a B tile and
     # adds no bias back; its outputs are the VNNI path's bit for bit, on tiles of fewer than 16 act rows (a call of
     # 1-7 input rows with two parts) as on whole ones, with and without offsets
-    rng = np.random.default_rng(m * 4 + parts * 2 + gated)
-    k, n = 333, 75
+    _four_bit_amx_equals_vnni(np.random.default_rng(m * 4 + parts * 2 + gated), m, 75, parts, gated)
+
+
+def _four_bit_amx_equals_vnni(rng, m: int, n: int, parts: int, gated: bool) -> None:
+    """4-bit weights (k = 333: 11 groups, a partial last one), with and without offsets: the amx ISA's outputs are
+    the VNNI path's bit for bit."""
+    k = 333
     q = rng.integers(0, 16, (n, k)).astype(np.int8)
     d = f16(rng.random((n, -(-k // q8.GROUP))) * 1e-2)
     off = f16(rng.standard_normal(d.shape) * 1e-2)
@@ -84,19 +89,7 @@ def test_many_row_bf16_tiles_equal_vnni(m, gated, many_row_path_from_one_row):
     # many-row calls sum each group's 254 * xq0 + xq1 (split into exact bf16 hi + lo) times the nibbles on the bf16
     # tile unit, exactly in f32: still the VNNI path's outputs bit for bit. Whole 16-row tiles and partial last
     # ones; 13 column tiles (several chunks, a partial last one), 11 groups (a partial last one)
-    rng = np.random.default_rng(m * 2 + gated)
-    k, n = 333, 200
-    q = rng.integers(0, 16, (n, k)).astype(np.int8)
-    d = f16(rng.random((n, -(-k // q8.GROUP))) * 1e-2)
-    off = f16(rng.standard_normal(d.shape) * 1e-2)
-    x = rng.standard_normal((m, 2 * k if gated else k)).astype(np.float32)
-    x[:, 7] = 50.0
-    for offsets in (None, off):
-        packed, scales, *rest = q8.pack(q, d, offsets, bits=4)
-        packed_off = rest[0] if rest else None
-        np.testing.assert_array_equal(
-            run_kernel(x, packed, scales, n, "amx", packed_off, parts=2, gated=gated),
-            run_kernel(x, packed, scales, n, "avx512_vnni", packed_off, parts=2, gated=gated))
+    _four_bit_amx_equals_vnni(np.random.default_rng(m * 2 + gated), m, 200, 2, gated)
 
 
 def test_a_row_is_the_same_alone_and_in_a_tile_unit_call(tile_rows):

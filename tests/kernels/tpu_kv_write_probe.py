@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,29 @@ def read(name: str, cache, layer, page, off, kvh: int, hd: int):
     return cache[layer, page, off, :].reshape(-1, kvh, 2, hd)
 
 
+def timed(fn, cache, cache_tree, *, layers: int, reps: int) -> tuple[dict, Callable]:
+    """The compiled write's cache-sized copies and its best wall time per layer over reps runs; and the
+    function that runs it once more (on the donated cache), for the profiler."""
+    copies = copy_lines(fn, cache_tree)
+    out = {"cache_copies": len(copies)}
+    if copies:
+        out["copies"] = [c[:700] for c in copies[:3]]
+    state = {"c": cache}
+
+    def once():
+        state["c"] = fn(state["c"])
+        return state["c"]
+
+    jax.block_until_ready(once())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(once())
+        best = min(best, time.perf_counter() - t)
+    out["wall_us_per_layer"] = best / layers * 1e6
+    return out, once
+
+
 def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool,
           dtype=jnp.bfloat16) -> dict:
     rng = np.random.default_rng(0)
@@ -107,23 +131,7 @@ def probe(name: str, t_len: int, *, layers: int, kvh: int, hd: int, ps: int, rep
     got = read(name, write(name, cache, 1 % layers, k, -k, page, off), 1 % layers, page, off, kvh, hd)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jnp.stack([k, -k], axis=2), np.float32))
     fn = jax.jit(run, donate_argnums=(0,)).lower(cache).compile()
-    copies = copy_lines(fn, {"kv": cache})
-    out = {"cache_copies": len(copies)}
-    if copies:
-        out["copies"] = [c[:700] for c in copies[:3]]
-    state = {"c": cache}
-
-    def once():
-        state["c"] = fn(state["c"])
-        return state["c"]
-
-    jax.block_until_ready(once())
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(once())
-        best = min(best, time.perf_counter() - t)
-    out["wall_us_per_layer"] = best / layers * 1e6
+    out, once = timed(fn, cache, {"kv": cache}, layers=layers, reps=reps)
     if profile:
         _, ops, _ = device_ops(once, layers=layers)
         out["scatter_us_per_layer"] = sum(us for n, us, _ in ops if "scatter" in n.split("=")[0])
@@ -176,30 +184,15 @@ def probe_int8_write(spec: str, *, layers: int, kvh: int, hd: int, ps: int, reps
     for how in layout.INT8_WRITES:
         cache = fresh()
         fn = jax.jit(write_fn(how), donate_argnums=(0,)).lower(cache).compile()
-        copies = copy_lines(fn, cache)
-        r = {"cache_copies": len(copies)}
-        if copies:
-            r["copies"] = [c[:700] for c in copies[:3]]
-        state = {"c": cache}
-
-        def once():
-            state["c"] = fn(state["c"])
-            return state["c"]
-
-        jax.block_until_ready(once())
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(once())
-            best = min(best, time.perf_counter() - t)
-        r["wall_us_per_layer"] = round(best / layers * 1e6, 1)
+        r, once = timed(fn, cache, cache, layers=layers, reps=reps)
+        r["wall_us_per_layer"] = round(r["wall_us_per_layer"], 1)
         if profile:
             _, ops, summary = device_ops(once, top=6, layers=layers)
             r["loop_us_per_layer"] = summary["loop_us"]
             r["write_us_per_layer"] = summary["write_us"]
             r["top_ops"] = [[n[:120], round(us, 2), c] for n, us, c in ops]
         out[how] = r
-        del state, cache
+        del once, cache
     a, b = out["scatter"], out["kernel"]
     key_t = "loop_us_per_layer" if profile and a.get("loop_us_per_layer") and b.get("loop_us_per_layer") \
         else "wall_us_per_layer"
