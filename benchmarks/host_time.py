@@ -1,7 +1,7 @@
 """The server's host time per step at many streams, apart from the model's: `slipstream serve` with a
 2-layer, 64-wide Llama (dummy weights: its device step is a few ms on a CPU) under `slipstream bench` at
-128 concurrent, so what is left is the host's Python work per step (planning, step inputs, samples,
-detokenizing, one SSE event per stream).
+128 concurrent (requests at the server's default temperature), so what is left is the host's Python work
+per step (planning, step inputs, samples, detokenizing, one SSE event per stream).
 
     python -m benchmarks.host_time [--concurrency 128] [--rounds 2]
 
