@@ -180,20 +180,22 @@ class StepPlanner:
         chunks: list[Chunk] = []
         preempted: list[Sequence] = []
         freed: list[int] = []
-        used = [0]  # tokens of `chunks` (kept as they change: summing them per decode is quadratic)
+        used = 0  # tokens of `chunks` (kept as they change: summing them per decode is quadratic)
 
         def left() -> int:
-            return self.token_budget - used[0]
+            return self.token_budget - used
 
         def add(chunk: Chunk) -> None:
+            nonlocal used
             chunks.append(chunk)
-            used[0] += chunk.length
+            used += chunk.length
 
         def grow(seq: Sequence, num_tokens: int) -> bool:
+            nonlocal used
             while not self.blocks.grow(seq, num_tokens):
                 victim = max(self.running, key=lambda s: s.admit_seq)
                 chunks[:] = [c for c in chunks if c.seq is not victim]
-                used[0] = sum(c.length for c in chunks)
+                used = sum(c.length for c in chunks)
                 preempted.append(victim)
                 slot = self.preempt(victim)
                 if slot is not None:
