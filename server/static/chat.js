@@ -89,7 +89,13 @@ function params() {
   return body;
 }
 
-function askForKey(retry) {
+// A 401 for the key `used`. When another key was entered while that request was out, the answer is
+// stale: the retry (if any) goes again with the new key, and the form stays closed.
+function askForKey(retry, used) {
+  if (sessionStorage.getItem(KEY) !== used) {
+    if (retry) setTimeout(retry); // after the failed request's own clean-up
+    return;
+  }
   if (retry) pending = retry; // the models list's own 401 must not drop a message waiting to be sent
   sessionStorage.removeItem(KEY);
   $("key-form").hidden = false;
@@ -109,9 +115,10 @@ async function generate() {
   const started = performance.now();
   let first = null;
   let pieces = 0;
+  const apiKey = sessionStorage.getItem(KEY);
   try {
     await streamChat({ ...params(), messages: history }, {
-      apiKey: sessionStorage.getItem(KEY), signal: controller.signal,
+      apiKey, signal: controller.signal,
       onDelta: (text) => {
         const now = performance.now();
         if (first === null) first = now;
@@ -134,7 +141,7 @@ async function generate() {
       reply.stats.note = "stopped";
     } else {
       state.messages.pop();
-      if (err instanceof HttpError && err.status === 401) askForKey(generate);
+      if (err instanceof HttpError && err.status === 401) askForKey(generate, apiKey);
       else showStatus(describe(err));
     }
   } finally {
@@ -173,12 +180,13 @@ function regenerate() {
 }
 
 async function loadModels() {
+  const apiKey = sessionStorage.getItem(KEY);
   try {
-    const ids = await listModels(sessionStorage.getItem(KEY));
+    const ids = await listModels(apiKey);
     $("model").replaceChildren(...ids.map((id) => new Option(id, id)));
     if (ids.includes(state.params.model)) $("model").value = state.params.model;
   } catch (err) {
-    if (err instanceof HttpError && err.status === 401) askForKey(null);
+    if (err instanceof HttpError && err.status === 401) askForKey(null, apiKey);
     else showStatus(describe(err));
   }
 }

@@ -225,6 +225,29 @@ def test_an_api_key_server_asks_for_the_key_and_then_answers(browser: Browser, m
     assert "sekret-key" not in page.eval("JSON.stringify(localStorage)")
 
 
+
+def test_a_message_sent_before_the_key_goes_again_with_the_key_entered_meanwhile(browser: Browser, make_live) -> None:
+    """The chat request's 401 arrives after the key was entered: a stale answer, so the page retries
+    with the new key instead of forgetting it and asking again. CDP's Fetch domain holds the requests."""
+    keyed = make_live(api_key="sekret-key")
+    page = open_chat(browser, keyed.url)
+    page.call("Fetch.enable", patterns=[{"urlPattern": "*/v1/chat/completions"}])
+    send(page, "hi")  # no key yet: held back, it will answer 401
+    assert wait_for(lambda: len(page.events("Fetch.requestPaused")) == 1)
+    page.eval("document.getElementById('api-key').focus()")
+    page.type("sekret-key")
+    page.key("Enter", 13, "\r")
+    page.wait("document.getElementById('model').options.length")  # the models list answered with the key
+    page.call("Fetch.continueRequest", requestId=page.events("Fetch.requestPaused")[0]["requestId"])
+    assert wait_for(lambda: len(page.events("Fetch.requestPaused")) == 2), "the message was not sent again"
+    retry = page.events("Fetch.requestPaused")[1]["request"]
+    assert retry["headers"].get("Authorization") == "Bearer sekret-key"
+    page.call("Fetch.continueRequest", requestId=page.events("Fetch.requestPaused")[1]["requestId"])
+    page.wait(DONE + f" && document.querySelector('{REPLY}')?.textContent.length === 40")
+    assert page.eval("document.getElementById('key-form').hidden") is True
+    assert page.eval("sessionStorage.getItem('slipstream.apiKey')") == "sekret-key"
+    assert page.eval("document.querySelectorAll('#messages li.assistant').length") == 1
+
 def test_history_and_system_prompt_survive_a_reload(browser: Browser, slow: LiveServer) -> None:
     page = open_chat(browser, slow.url, max_tokens=5)
     page.eval("(s => { s.value = 'Be brief.'; s.dispatchEvent(new Event('input')); })"
