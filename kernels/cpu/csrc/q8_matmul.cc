@@ -885,13 +885,15 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // AMX-INT8: the VNNI path's arithmetic on the tile unit, bit for bit. Per group of 32 inputs, tdpbsud (A signed
 // int8 activations x B unsigned w + 128) gives each act row's int32 sum over the group, as vpdpbusd does; a vector
 // pass adds the row's -128 * sum(xq) and, with two parts, combines the pair of act rows as 254 * acc0 + acc1 (exact
-// in int32, the same integer the VNNI path forms), then applies f = fma(f32(total), ws * xs, f) (and the offsets'
-// fma) in group order: the same float operations in the same order, so every output equals the VNNI path's.
+// in int32, the same integer the VNNI path forms; with 4-bit weights exactly in float, the same f32), then applies
+// f = fma(f32(total), ws * xs, f) (and the offsets' fma) in group order: the same float operations in the same order,
+// so every output equals the VNNI path's.
 // Operands as they lie, nothing repacked: the 8-bit packed weight [Kp/4][16][4] per column tile is tdpbsud's B layout
 // (a group: 8 rows of 64 bytes), and the quantized act rows (part p of input row m at row m * P + p, Kp bytes each)
 // are A tiles of 16 act rows x 32 bytes with stride Kp. With two parts a tile's 16 act rows are 8 input rows.
 // 4-bit weights are widened per group into a B tile (TileInt8). Each row tile runs over its item's column tiles
-// group by group, one stream of (column tile, group) items with four C tiles in rotation, its f32 sums in registers.
+// group by group, one stream of (column tile, group) items with four C tiles in rotation, its f32 sums in registers
+// (named ones, see below).
 // What a group of one 16 x 16 block costs (one core, this Emerald Rapids, operands in L1): the K = 32 product ~5 ns
 // (as long as a K = 64 one), the C tile's store ~5 ns, the vector pass over the stored tile (bias, combine,
 // convert, scale, fma) ~10-13 ns; VNNI's products and float steps for the same block ~32 ns (8-bit weights).
@@ -899,16 +901,29 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // parts: 1.05x -> 0.78x the VNNI time): the weights prefetched ahead, as the one-row VNNI path does (the stream from
 // memory stalled the tile loads), each C tile stored two items after its product (a store right behind its product
 // waited for it, and the tile unit takes its instructions in order), the scale pass six items behind the store, and
-// no division per item. What it costs now per item at 8 input rows (same probe): ~12-15 ns of tile work (products,
-// tile loads, C store, widening) and ~14 ns of scale pass, which hardly overlap. Earlier layouts: 2 x 2 tile blocks
-// (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight
-// 0.89-0.98x.
+// no division per item. Then (h-tile8) the scale pass's output sums in named registers (an array of them, reached
+// from a lambda, was loaded and stored around every fma: each float load through xs or xsum may alias it), the
+// offsets' test out of the row loop (template parameter O), and with 4-bit weights the pair combined in float (see
+// Q8_INT8_ROW): 6 vector instructions an output row and group where there were 8, a load and two stores; the
+// probe's items at 8-64 rows 0.77-0.90x the time (weights from L3), the default model's decode-step chain's q8
+// calls (`python -m benchmarks.kernel int8 --dispatch`) 0.91x at 8 rows, 0.80x at 16, 0.78x at 32, 0.72x at 64 and
+// unchanged at 4. Where an item's time goes now (same probe, 576 x 3072, weights from L3, parts cut out): at 4 input
+// rows ~26 ns, of which ~19 is the weight stream alone (its prefetches, with nothing else); at 8 rows ~31 ns, the
+// scale pass ~7 of it; at 16 rows (two row tiles) ~65 ns: the scale pass ~20 (about its 6 vector uops an output row
+// on the two 512-bit ports), the tile work (products, tile loads, C stores, widening) ~24, the stream ~21, which hardly
+// overlap. Two row tiles against each B tile (one widening and one B load for two products, the 16 output rows' sums
+// in registers) measured 0.87-1.21x the time of one row tile at a time (median 1.09-1.13x over 16-64 rows, either
+// order of the tile loads); prefetching 8 KiB ahead, or also into L2 16-32 KiB ahead, did not beat the 4 KiB into L1
+// below; nor did TileQ4Bf16 at 16-64 rows (1.0-1.45x the old path's time: its widening per item is not shared). Earlier layouts: 2 x 2 tile blocks (four C tiles, f32 sums in memory)
+// 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight 0.89-0.98x.
 constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
 // Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
 // 1.4-1.6x at 1-2 rows (the VNNI one-row path streams the weights with less work per group); in the default model's
 // program on both cores (`python -m benchmarks.spec_profile`, the threads on contiguous segments, see Job::workers),
-// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16. A 32-slot decode step: 0.94x (before the segments). Earlier
+// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16; with the sums in registers (h-tile8) 0.97x at 4, 0.71x at 8,
+// 0.66x at 16, and the decode-step chain's (`benchmarks.kernel int8 --dispatch`) 0.67x at 32 rows (a 32-slot decode
+// step's calls) and 0.68x at 64. A 32-slot decode step: 0.94x (before the segments). Earlier
 // (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and 512; one part
 // 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile cost as
 // much as the VNNI products they replace), so one-part calls stay on VNNI.
