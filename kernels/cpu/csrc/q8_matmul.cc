@@ -914,8 +914,10 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // overlap. Two row tiles against each B tile (one widening and one B load for two products, the 16 output rows' sums
 // in registers) measured 0.87-1.21x the time of one row tile at a time (median 1.09-1.13x over 16-64 rows, either
 // order of the tile loads); prefetching 8 KiB ahead, or also into L2 16-32 KiB ahead, did not beat the 4 KiB into L1
-// below; nor did TileQ4Bf16 at 16-64 rows (1.0-1.45x the old path's time: its widening per item is not shared). Earlier layouts: 2 x 2 tile blocks (four C tiles, f32 sums in memory)
-// 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight 0.89-0.98x.
+// below, nor the scale pass 3 or 10 items behind its product instead of 6 (1.04x, 1.09x), nor TileQ4Bf16 at 16-64
+// rows (1.0-1.45x the old path's time: its widening per item is not shared there). Earlier layouts: 2 x 2 tile
+// blocks (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in
+// flight 0.89-0.98x.
 constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
 // Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
