@@ -117,7 +117,7 @@ void Probe(int k, int n, int copies, int bits, const Options& opt) {
         const double t0 = Now();
         const int row_tiles = (m * kParts + kAmxRows - 1) / kAmxRows;
         const int tile_rows = row_tiles == 1 ? m * kParts : kAmxRows;
-        const TileInt8Fn tile = PickTileInt8(kParts, bits, tile_rows);
+        const TileInt8Fn tile = PickTileInt8(kParts, bits, tile_rows, true);  // the probe's weights have offsets
         AmxBeginInt8(tile_rows);
         const int chunk = opt.pair ? opt.chunk : kChunk;
         for (int t = 0; t < tiles; t += chunk) {

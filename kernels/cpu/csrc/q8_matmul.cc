@@ -885,13 +885,15 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // AMX-INT8: the VNNI path's arithmetic on the tile unit, bit for bit. Per group of 32 inputs, tdpbsud (A signed
 // int8 activations x B unsigned w + 128) gives each act row's int32 sum over the group, as vpdpbusd does; a vector
 // pass adds the row's -128 * sum(xq) and, with two parts, combines the pair of act rows as 254 * acc0 + acc1 (exact
-// in int32, the same integer the VNNI path forms), then applies f = fma(f32(total), ws * xs, f) (and the offsets'
-// fma) in group order: the same float operations in the same order, so every output equals the VNNI path's.
+// in int32, the same integer the VNNI path forms; with 4-bit weights exactly in float, the same f32), then applies
+// f = fma(f32(total), ws * xs, f) (and the offsets' fma) in group order: the same float operations in the same order,
+// so every output equals the VNNI path's.
 // Operands as they lie, nothing repacked: the 8-bit packed weight [Kp/4][16][4] per column tile is tdpbsud's B layout
 // (a group: 8 rows of 64 bytes), and the quantized act rows (part p of input row m at row m * P + p, Kp bytes each)
 // are A tiles of 16 act rows x 32 bytes with stride Kp. With two parts a tile's 16 act rows are 8 input rows.
 // 4-bit weights are widened per group into a B tile (TileInt8). Each row tile runs over its item's column tiles
-// group by group, one stream of (column tile, group) items with four C tiles in rotation, its f32 sums in registers.
+// group by group, one stream of (column tile, group) items with four C tiles in rotation, its f32 sums in registers
+// (named ones, see below).
 // What a group of one 16 x 16 block costs (one core, this Emerald Rapids, operands in L1): the K = 32 product ~5 ns
 // (as long as a K = 64 one), the C tile's store ~5 ns, the vector pass over the stored tile (bias, combine,
 // convert, scale, fma) ~10-13 ns; VNNI's products and float steps for the same block ~32 ns (8-bit weights).
@@ -899,16 +901,31 @@ __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 // parts: 1.05x -> 0.78x the VNNI time): the weights prefetched ahead, as the one-row VNNI path does (the stream from
 // memory stalled the tile loads), each C tile stored two items after its product (a store right behind its product
 // waited for it, and the tile unit takes its instructions in order), the scale pass six items behind the store, and
-// no division per item. What it costs now per item at 8 input rows (same probe): ~12-15 ns of tile work (products,
-// tile loads, C store, widening) and ~14 ns of scale pass, which hardly overlap. Earlier layouts: 2 x 2 tile blocks
-// (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in flight
-// 0.89-0.98x.
+// no division per item. Then (h-tile8) the scale pass's output sums in named registers (an array of them, reached
+// from a lambda, was loaded and stored around every fma: each float load through xs or xsum may alias it), the
+// offsets' test out of the row loop (template parameter O), and with 4-bit weights the pair combined in float (see
+// Q8_INT8_ROW): 6 vector instructions an output row and group where there were 8, a load and two stores; the
+// probe's items at 8-64 rows 0.77-0.90x the time (weights from L3), the default model's decode-step chain's q8
+// calls (`python -m benchmarks.kernel int8 --dispatch`) 0.91x at 8 rows, 0.80x at 16, 0.78x at 32, 0.72x at 64 and
+// unchanged at 4. Where an item's time goes now (same probe, 576 x 3072, weights from L3, parts cut out): at 4 input
+// rows ~26 ns, of which ~19 is the weight stream alone (its prefetches, with nothing else); at 8 rows ~31 ns, the
+// scale pass ~7 of it; at 16 rows (two row tiles) ~65 ns: the scale pass ~20 (about its 6 vector uops an output row
+// on the two 512-bit ports), the tile work (products, tile loads, C stores, widening) ~24, the stream ~21, which hardly
+// overlap. Two row tiles against each B tile (one widening and one B load for two products, the 16 output rows' sums
+// in registers) measured 0.87-1.21x the time of one row tile at a time (median 1.09-1.13x over 16-64 rows, either
+// order of the tile loads); prefetching 8 KiB ahead, or also into L2 16-32 KiB ahead, did not beat the 4 KiB into L1
+// below, nor the scale pass 3 or 10 items behind its product instead of 6 (1.04x, 1.09x), nor TileQ4Bf16 at 16-64
+// rows (1.0-1.45x the old path's time: its widening per item is not shared there). Earlier layouts: 2 x 2 tile
+// blocks (four C tiles, f32 sums in memory) 1.05-1.10x the VNNI time at 256 rows, 1 x 1 blocks with two groups in
+// flight 0.89-0.98x.
 constexpr int kAmxBlockRows = 256;  // input rows per item
 // The row counts whose two-part calls run on the int8 tile unit (the others on VNNI: same outputs). Measured (Xeon
 // Emerald Rapids): on one core (benchmarks/q8_tile_probe.cc) 0.78-0.86x the VNNI time at 4, 8 and 16 input rows,
 // 1.4-1.6x at 1-2 rows (the VNNI one-row path streams the weights with less work per group); in the default model's
 // program on both cores (`python -m benchmarks.spec_profile`, the threads on contiguous segments, see Job::workers),
-// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16. A 32-slot decode step: 0.94x (before the segments). Earlier
+// its q8 calls 0.87x at 4 tokens, 0.83x at 8 and 16; with the sums in registers (h-tile8) 0.97x at 4, 0.71x at 8,
+// 0.66x at 16, and the decode-step chain's (`benchmarks.kernel int8 --dispatch`) 0.67x at 32 rows (a 32-slot decode
+// step's calls) and 0.68x at 64. A 32-slot decode step: 0.94x (before the segments). Earlier
 // (`python -m benchmarks.kernel int8 --amx`, 8-bit): 0.93-1.14x at 128 rows, 0.95-1.10x at 256 and 512; one part
 // 0.92-1.07x at 16-32 rows and 1.06-1.27x from 128 (its tile store and scale pass per group and 16 x 16 tile cost as
 // much as the VNNI products they replace), so one-part calls stay on VNNI.
@@ -945,7 +962,7 @@ struct alignas(64) AmxInt8Config {
 // 4-bit weights (B = 4): each group's nibbles are widened to a B tile in a buffer, as the nibbles themselves
 // (0..15, not + 128): tdpbsud then gives sum(q * xq) directly, the same integer as the VNNI path's -128 * sum(xq) +
 // sum((q + 128) * xq), so no bias is added back. Y: the output rows scaled (those of the tile rows in use).
-template <int P, int B, int Y>
+template <int P, int B, int Y, bool O>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c")))
 void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi) {
   static_assert(Y * P <= kAmxRows, "a tile holds 16 act rows");
@@ -963,13 +980,15 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
   const float* const xsum = a.sum.data() + static_cast<size_t>(at0) * groups;
   alignas(64) int32_t cbuf[kRing][Y * P * kTile];
   alignas(64) uint8_t bbuf[kWRing][kGroup * kTile];  // B = 4: item i's widened B tile in bbuf[i % kWRing]
-  __m512 f[Y];
-  for (int y = 0; y < Y; ++y) f[y] = _mm512_setzero_ps();
+  // the output rows' sums in named registers (an array of vectors reached from a lambda stayed on the stack, stored
+  // after every fma: every float load through xs or xsum may alias it); those past Y are never touched
+  __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0, f8 = f0, f9 = f0,
+         f10 = f0, f11 = f0, f12 = f0, f13 = f0, f14 = f0, f15 = f0;
   // item i: column tile tile_lo + i / groups, group i % groups. The tiles' weights, scales and offsets lie one
   // after another (a tile is its groups' in order), so item i's are at i times a group's size from tile_lo's.
   const uint8_t* const w = p.w + tile_lo * p.tile_bytes();
   const uint16_t* const ws = p.ws + tile_lo * p.tile_scales();
-  const uint16_t* const wo = p.wo ? p.wo + tile_lo * p.tile_scales() : nullptr;
+  const uint16_t* const wo = O ? p.wo + tile_lo * p.tile_scales() : nullptr;
   auto weights = [&](int i) __attribute__((always_inline)) { return w + static_cast<size_t>(i) * kGroupBytes; };
   // B = 4: item i's nibbles widened into bbuf[i % 4] (vectors 2j and 2j + 1 from packed bytes 64j .. 64j + 63)
   auto widen = [&](int i) __attribute__((always_inline, target("avx512f,avx512bw"))) {
@@ -989,7 +1008,6 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
     if constexpr (B == 4) return bbuf[i % kWRing];
     else return weights(i);
   };
-  // tile register numbers must be constants: even items use tmm0 / 4 / 6, odd ones tmm1 / 5 / 7
   // tile register numbers must be constants: item i multiplies into tmm(i % 4) from A tile tmm(4 + i % 2) and B
   // tile tmm(6 + i % 2), and its C tile is stored two items later, so the tile unit has the next products queued
   // while a product finishes (a store right after its product waits for it, and the unit takes its instructions in
@@ -1002,40 +1020,65 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
     _tile_dpbsud(C, A, Bt);                                                   \
   } while (0)
   // item i's scale pass (the VNNI path's integer and float steps, TileAvx512) from its stored C tile; after its
-  // column tile's last group the output rows are stored
+  // column tile's last group the output rows are stored. 4-bit weights with two parts: the pair's total
+  // 254 * acc0 + acc1 formed in float, fma(f32(acc0), 254, f32(acc1)), which is exact, so the same f32 as the VNNI
+  // path's conversion of the int32 total (|acc| <= 32 * 15 * 128, |total| < 2^24): two conversions and an fma
+  // where the integer combine took two shifts, a subtraction, an addition and a conversion. With 8-bit weights the
+  // total can pass 2^24 and is formed in int32, as the VNNI path does.
   int st = tile_lo, sg = 0;  // the scale pass's next item: its column tile and group
-  auto scale = [&](int i) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,f16c"))) {
-    const int t = st, g = sg;
-    if (++sg == groups) sg = 0, ++st;
-    const int32_t* cb = cbuf[i % kRing];
-    const size_t so = static_cast<size_t>(i) * kTile;
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + so)));
-    const __m512 oc = wo ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + so)))
-                         : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int y = 0; y < Y; ++y) {
-      const int r = y * P;  // rows past `rows` scale whatever their tile rows hold and are never stored
-      const size_t ag = static_cast<size_t>(r) * groups + g;
-      __m512i total = _mm512_load_si512(cb + r * kTile);
-      if constexpr (B == 8) total = _mm512_add_epi32(total, _mm512_set1_epi32(xb[ag]));
-      if constexpr (P == 2) {  // 254 * acc0 + acc1
-        __m512i acc1 = _mm512_load_si512(cb + (r + 1) * kTile);
-        if constexpr (B == 8) acc1 = _mm512_add_epi32(acc1, _mm512_set1_epi32(xb[ag + groups]));
-        total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), _mm512_slli_epi32(total, 1)), acc1);
-      }
-      f[y] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), f[y]);
-      if (wo) f[y] = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), f[y]);
-    }
-    if (g == groups - 1) {
-      const int out0 = at0 / P, n0 = t * kTile, cols = std::min(kTile, p.n - n0);
-      const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
-#pragma GCC unroll 16
-      for (int y = 0; y < Y; ++y) {
-        if (y * P < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + y) * p.n + n0, mask, f[y]);
-        f[y] = _mm512_setzero_ps();
-      }
-    }
-  };
+  const __m512 k254 = _mm512_set1_ps(254.0f);
+#define Q8_INT8_ROW(F, Y_)                                                                                  \
+  do {                                                                                                      \
+    if constexpr ((Y_) < Y) {                                                                              \
+      constexpr int r_ = (Y_) * P;  /* rows past `rows` scale whatever their tile rows hold, never stored */ \
+      const size_t ag = static_cast<size_t>(r_) * groups + sg_;                                             \
+      __m512 total;                                                                                         \
+      if constexpr (B == 4 && P == 2) {                                                                     \
+        total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + r_ * kTile)), k254,              \
+                                _mm512_cvtepi32_ps(_mm512_load_si512(cb + (r_ + 1) * kTile)));             \
+      } else {                                                                                              \
+        __m512i t_ = _mm512_load_si512(cb + r_ * kTile);                                                    \
+        if constexpr (B == 8) t_ = _mm512_add_epi32(t_, _mm512_set1_epi32(xb[ag]));                         \
+        if constexpr (P == 2) { /* 254 * acc0 + acc1 */                                                     \
+          __m512i acc1 = _mm512_load_si512(cb + (r_ + 1) * kTile);                                          \
+          if constexpr (B == 8) acc1 = _mm512_add_epi32(acc1, _mm512_set1_epi32(xb[ag + groups]));          \
+          t_ = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(t_, 8), _mm512_slli_epi32(t_, 1)), acc1); \
+        }                                                                                                   \
+        total = _mm512_cvtepi32_ps(t_);                                                                     \
+      }                                                                                                     \
+      F = _mm512_fmadd_ps(total, _mm512_mul_ps(sc, _mm512_set1_ps(xs[ag])), F);                              \
+      if constexpr (O) F = _mm512_fmadd_ps(oc, _mm512_set1_ps(xsum[ag]), F);                                \
+    }                                                                                                       \
+  } while (0)
+#define Q8_INT8_OUT(F, Y_)                                                                                  \
+  do {                                                                                                      \
+    if constexpr ((Y_) < Y) {                                                                              \
+      if ((Y_) * P < rows) _mm512_mask_storeu_ps(p.y + static_cast<size_t>(out0 + (Y_)) * p.n + n0, mask, F); \
+      F = _mm512_setzero_ps();                                                                              \
+    }                                                                                                       \
+  } while (0)
+#define Q8_INT8_SCALE(i)                                                                                    \
+  do {                                                                                                      \
+    const int t_ = st, sg_ = sg;                                                                            \
+    if (++sg == groups) sg = 0, ++st;                                                                       \
+    const int32_t* cb = cbuf[(i) % kRing];                                                                  \
+    const size_t so = static_cast<size_t>(i) * kTile;                                                       \
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + so)));      \
+    __m512 oc = _mm512_setzero_ps();                                                                        \
+    if constexpr (O) oc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wo + so)));   \
+    Q8_INT8_ROW(f0, 0); Q8_INT8_ROW(f1, 1); Q8_INT8_ROW(f2, 2); Q8_INT8_ROW(f3, 3);                         \
+    Q8_INT8_ROW(f4, 4); Q8_INT8_ROW(f5, 5); Q8_INT8_ROW(f6, 6); Q8_INT8_ROW(f7, 7);                         \
+    Q8_INT8_ROW(f8, 8); Q8_INT8_ROW(f9, 9); Q8_INT8_ROW(f10, 10); Q8_INT8_ROW(f11, 11);                     \
+    Q8_INT8_ROW(f12, 12); Q8_INT8_ROW(f13, 13); Q8_INT8_ROW(f14, 14); Q8_INT8_ROW(f15, 15);                 \
+    if (sg_ == groups - 1) {                                                                                \
+      const int out0 = at0 / P, n0 = t_ * kTile, cols = std::min(kTile, p.n - n0);                          \
+      const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);               \
+      Q8_INT8_OUT(f0, 0); Q8_INT8_OUT(f1, 1); Q8_INT8_OUT(f2, 2); Q8_INT8_OUT(f3, 3);                       \
+      Q8_INT8_OUT(f4, 4); Q8_INT8_OUT(f5, 5); Q8_INT8_OUT(f6, 6); Q8_INT8_OUT(f7, 7);                       \
+      Q8_INT8_OUT(f8, 8); Q8_INT8_OUT(f9, 9); Q8_INT8_OUT(f10, 10); Q8_INT8_OUT(f11, 11);                   \
+      Q8_INT8_OUT(f12, 12); Q8_INT8_OUT(f13, 13); Q8_INT8_OUT(f14, 14); Q8_INT8_OUT(f15, 15);               \
+    }                                                                                                       \
+  } while (0)
   // The weights stream from memory (a verification step's calls read each weight once): item i + kAhead's
   // packed weights, scales and offsets are prefetched while item i is multiplied.
   auto prefetch = [&](int i) __attribute__((always_inline)) {
@@ -1043,7 +1086,7 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
     const char* wi = reinterpret_cast<const char*>(weights(i));
     for (size_t b = 0; b < kGroupBytes; b += 64) _mm_prefetch(wi + b, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(ws + static_cast<size_t>(i) * kTile), _MM_HINT_T0);
-    if (wo) _mm_prefetch(reinterpret_cast<const char*>(wo + static_cast<size_t>(i) * kTile), _MM_HINT_T0);
+    if constexpr (O) _mm_prefetch(reinterpret_cast<const char*>(wo + static_cast<size_t>(i) * kTile), _MM_HINT_T0);
   };
   for (int i = 0; i < std::min(items, kAhead); ++i) prefetch(i);
   for (int i = 0; i < kWLead; ++i) widen(i);
@@ -1058,7 +1101,7 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
     }                                                              \
     if ((j) >= 2 && (j) - 2 < items)                               \
       _tile_stored(Cprev, cbuf[((j) - 2) % kRing], 64);            \
-    if ((j) >= kLag && (j) - kLag < items) scale((j) - kLag);      \
+    if ((j) >= kLag && (j) - kLag < items) Q8_INT8_SCALE((j) - kLag); \
   } while (0)
   for (int i = 0; i < items + kLag; i += 4) {
     Q8_INT8_STEP(i, 0, 4, 6, 2);
@@ -1067,22 +1110,28 @@ void TileInt8(const Problem& p, const Acts& a, int at0, int tile_lo, int tile_hi
     Q8_INT8_STEP(i + 3, 3, 5, 7, 1);
   }
 #undef Q8_INT8_STEP
+#undef Q8_INT8_SCALE
+#undef Q8_INT8_OUT
+#undef Q8_INT8_ROW
 #undef Q8_INT8_PRODUCT
 }
 
 using TileInt8Fn = void (*)(const Problem&, const Acts&, int, int, int);
-// [parts - 1][bits == 4][output rows of the tile in use - 1]
-template <int P, int B, size_t... I>
+// [offsets][bits == 4][output rows of the tile in use - 1], per parts
+template <int P, int B, bool O, size_t... I>
 constexpr std::array<TileInt8Fn, sizeof...(I)> Int8Rows(std::index_sequence<I...>) {
-  return {&TileInt8<P, B, static_cast<int>(I) + 1>...};
+  return {&TileInt8<P, B, static_cast<int>(I) + 1, O>...};
 }
-constexpr std::array<TileInt8Fn, 16> kTileInt8P1[2] = {Int8Rows<1, 8>(std::make_index_sequence<16>()),
-                                                       Int8Rows<1, 4>(std::make_index_sequence<16>())};
-constexpr std::array<TileInt8Fn, 8> kTileInt8P2[2] = {Int8Rows<2, 8>(std::make_index_sequence<8>()),
-                                                      Int8Rows<2, 4>(std::make_index_sequence<8>())};
-TileInt8Fn PickTileInt8(int parts, int bits, int tile_rows) {
+template <int P, bool O>
+constexpr std::array<std::array<TileInt8Fn, kAmxRows / P>, 2> Int8Bits() {
+  return {Int8Rows<P, 8, O>(std::make_index_sequence<kAmxRows / P>()),
+          Int8Rows<P, 4, O>(std::make_index_sequence<kAmxRows / P>())};
+}
+constexpr std::array<std::array<TileInt8Fn, 16>, 2> kTileInt8P1[2] = {Int8Bits<1, false>(), Int8Bits<1, true>()};
+constexpr std::array<std::array<TileInt8Fn, 8>, 2> kTileInt8P2[2] = {Int8Bits<2, false>(), Int8Bits<2, true>()};
+TileInt8Fn PickTileInt8(int parts, int bits, int tile_rows, bool offsets) {
   const int y = tile_rows / parts;
-  return parts == 1 ? kTileInt8P1[bits == 4][y - 1] : kTileInt8P2[bits == 4][y - 1];
+  return parts == 1 ? kTileInt8P1[offsets][bits == 4][y - 1] : kTileInt8P2[offsets][bits == 4][y - 1];
 }
 
 // The int8 tile configuration with `rows` act rows in the A and C tiles (16, or fewer for a call whose act rows
@@ -1520,7 +1569,7 @@ struct Job {
     for (int at0 = act_lo; at0 < act_hi; at0 += kAmxRows) {
       const int rows = std::min(kAmxRows, act_hi - at0);  // a multiple of p.parts
       if (rows != configured) AmxBeginInt8(configured = rows);
-      PickTileInt8(p.parts, p.bits, rows)(p, acts, at0, tile_lo, tile_hi);
+      PickTileInt8(p.parts, p.bits, rows, p.wo != nullptr)(p, acts, at0, tile_lo, tile_hi);
     }
     if (configured) AmxEnd();
     if (tail) RunVector(tile_lo, tile_hi, act_hi, row_hi * p.parts);
