@@ -105,21 +105,21 @@ def _dechunk(raw: bytes) -> tuple[list[bytes], bytes]:
 
 
 def test_stream_chunks_framed_on_the_wire(live: LiveServer) -> None:
-    # HTTP/1.1: chunked, one chunk per event (the server writes the token events' framing itself after h11
-    # framed the first: server/gate.py chunked_send); the same events as httpx reads
-    _, expected = _stream(live, "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True})
+    # HTTP/1.1: chunked, one event per chunk (the server frames the events after the first itself:
+    # server/gate.py chunked_send), the same text as httpx reads
     head, rest = _raw_stream(live, b"1.1")
     assert b"transfer-encoding: chunked" in head.lower()
     chunks, after = _dechunk(rest)
-    assert after == b"" and len(chunks) == len(expected) + 1 and chunks[-1] == b"data: [DONE]\n\n"
-    texts = [json.loads(c[len(b"data: "):])["choices"][0]["text"] for c in chunks[:-1]]
-    assert texts == [e["choices"][0]["text"] for e in expected] and "".join(texts) == "defgh"
+    assert after == b"" and len(chunks) >= 3 and chunks[-1] == b"data: [DONE]\n\n"
+    assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") and c.count(b"\n\n") == 1 for c in chunks)
+    assert "".join(json.loads(c[len(b"data: "):])["choices"][0]["text"] for c in chunks[:-1]) == "defgh"
     # two streams on one keep-alive connection: each framed whole
     head, rest = _raw_stream(live, b"1.1", keep_alive=True)
     first, after = _dechunk(rest)
     second, tail = _dechunk(after.partition(b"\r\n\r\n")[2])
-    assert after.startswith(b"HTTP/1.1 200") and tail == b"" and len(first) == len(second) == len(chunks)
+    assert after.startswith(b"HTTP/1.1 200") and tail == b""
+    assert first[-1] == second[-1] == b"data: [DONE]\n\n" and b"".join(first).count(b"data: ") == len(first)
     # HTTP/1.0: no chunked framing; the events as they are, until the server closes
     head, rest = _raw_stream(live, b"1.0")
     assert b"transfer-encoding" not in head.lower()
-    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"data: ") == len(chunks) and b"\r\n" not in rest
+    assert rest.endswith(b"data: [DONE]\n\n") and b"\r\n" not in rest and b'"text":"d' in rest
