@@ -167,9 +167,11 @@ class RequestStream:
                 wake_all([(loop, self._on_wake)])
 
     def _on_wake(self) -> None:
-        with self._lock:
-            self._wake_queued = False
-            waiter, self._waiter = self._waiter, None
+        # Without the lock (the output thread may hold it, waiting for the GIL, while this runs for many
+        # streams): only the loop's thread sets a waiter, a push that sees none here or the flag still set
+        # queues nothing, and the woken consumer looks under the lock, after that push, either way.
+        waiter, self._waiter = self._waiter, None
+        self._wake_queued = False
         if waiter is not None and not waiter.done():  # done: its task was cancelled while it waited
             waiter.set_result(None)
 
