@@ -1,7 +1,7 @@
 """The HTTP edge, before and around the routes: RequestGate (API key 401, body size 413, body read
 timeout 408, compressed 415, unparseable JSON 400), a uvicorn protocol with a request-head read
-timeout (slowloris) and directly framed chunked body writes (chunked_send), and the handlers that answer every error in OpenAI's shape
-{"error": {message, type, param, code}}."""
+timeout (slowloris) and directly framed chunked body writes (chunked_send), and the handlers that
+answer every error in OpenAI's shape {"error": {message, type, param, code}}."""
 from __future__ import annotations
 
 import asyncio
