@@ -220,6 +220,9 @@ class Tracker:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Text safe to emit after `piece`; True when a stop string matched (text cut before it)."""
+        if not self.stops:  # nothing to match or hold back (the usual case, once per token)
+            buf, self.held = self.held + piece, ""
+            return buf, False
         buf = self.held + piece
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
