@@ -6,7 +6,8 @@ per step (planning, step inputs, samples, detokenizing, one SSE event per stream
     python -m benchmarks.host_time [--concurrency 128] [--rounds 2]
 
 Per round: output tok/s, TPOT p50, and the server's CPU seconds per 1000 output tokens (user + system,
-from /proc: less sensitive than wall time to other work on a shared machine); then the full decode steps'
+from /proc: less sensitive than wall time to other work on a shared machine), of them the event loop's
+(the main thread's: the HTTP side, every stream's events); then the full decode steps'
 plan-to-plan interval (benchmarks.bench.trace_server steps). For an A/B run it in each tree, alternating.
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": [2]}
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def _cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """The process's CPU seconds (user + system), or one thread's."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the server did not get ready; see {work}/serve.log")
             time.sleep(0.5)
         for r in range(args.rounds):
-            before = _cpu_seconds(proc.pid)
+            before, loop_before = _cpu_seconds(proc.pid), _cpu_seconds(proc.pid, proc.pid)
             done = subprocess.run(
                 [sys.executable, "-m", "slipstream.server.cli", "bench", "--base-url", f"unix:{uds}",
                  "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
@@ -71,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.concurrency), "--tokenizer", os.path.join(work, "model", "config.json"),
                  "--disable-tqdm", "--seed", str(r + 1)], capture_output=True, text=True, check=True)
             cpu = _cpu_seconds(proc.pid) - before
+            loop_cpu = _cpu_seconds(proc.pid, proc.pid) - loop_before  # the main thread runs the event loop
             tok_s = re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", done.stdout).group(1)
             tpot = re.search(r"Median TPOT \(ms\):\s+([\d.]+)", done.stdout).group(1)
             print(f"round {r + 1}: {tok_s} output tok/s, TPOT p50 {tpot} ms, server CPU "
-                  f"{1000 * cpu / (args.prompts * args.output_len):.3f} s per 1000 output tokens", flush=True)
+                  f"{1000 * cpu / (args.prompts * args.output_len):.3f} s per 1000 output tokens (event loop "
+                  f"{1000 * loop_cpu / (args.prompts * args.output_len):.3f})", flush=True)
     finally:
         stop_server(proc)
     return subprocess.run([sys.executable, "-m", "benchmarks.bench.trace_server", "steps", steps,

@@ -37,6 +37,10 @@ class PageAllocator:
         self._num_free = num_pages - 1
         self._claim = np.zeros(num_pages, dtype=np.int64)  # owner id per free page, 0: unclaimed
         self._claims: dict[int, tuple[int, int]] = {}        # owner -> its claimed range [lo, hi)
+        # Pages from here on were never taken nor claimed: one free, unclaimed run to the end of the pool,
+        # so run searches scan only the pages below (a large pool's admission scanned all of it: 2.7 ms at
+        # 196,608 pages, on the way to a request's first token).
+        self._untouched = PAD_PAGE + 1
 
     def allocate(self, n: int, *, want: int | None = None, owner: int = 0,
                  after: int | None = None) -> list[int] | None:
@@ -65,6 +69,7 @@ class PageAllocator:
         else:
             pages = self._place(n, want, owner)
         taken = np.asarray(pages)
+        self._untouched = max(self._untouched, int(taken.max()) + 1)
         self._free[taken] = False
         self._claim[taken] = 0
         self._refcounts[taken] = 1
@@ -149,9 +154,17 @@ class PageAllocator:
 
     def _open_runs(self, owner: int) -> tuple[np.ndarray, np.ndarray]:
         """Start and length of each run of free pages not claimed by another owner, in page order."""
-        open_ = self.open_pages(owner)
+        hi = self._untouched
+        claim = self._claim[:hi]
+        open_ = self._free[:hi] & ((claim == 0) | (claim == owner))
         edges = np.flatnonzero(np.diff(open_.view(np.int8), prepend=0, append=0))
-        return edges[::2], edges[1::2] - edges[::2]
+        starts, ends = edges[::2], edges[1::2]
+        if hi < self._num_pages:  # the untouched pages: the last run goes on to the end of the pool
+            if ends.size and ends[-1] == hi:
+                ends = np.append(ends[:-1], self._num_pages)
+            else:
+                starts, ends = np.append(starts, hi), np.append(ends, self._num_pages)
+        return starts, ends - starts
 
     def _claim_run(self, owner: int, lo: int, hi: int) -> None:
         """Claim for `owner` the pages from `lo` on, up to `hi`, while they are free and unclaimed."""
@@ -159,6 +172,7 @@ class PageAllocator:
         blocked = np.flatnonzero(~(self._free[lo:hi] & (self._claim[lo:hi] == 0)))
         hi = max(lo, lo + int(blocked[0]) if blocked.size else hi)
         self._claim[lo:hi] = owner
+        self._untouched = max(self._untouched, hi)
         self._claims[owner] = (lo, hi)  # also when empty: the owner has been placed
 
     def _place(self, n: int, want: int, owner: int) -> list[int]:

@@ -71,7 +71,9 @@ class RequestStream:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None  # bound on the first __anext__
-        self._wake = asyncio.Event()
+        # The consumer's future while it waits for a delta (a bare future: one per wait, no Event),
+        # and whether a wake-up for it is queued on its loop already.
+        self._waiter: asyncio.Future | None = None
         self._wake_queued = False
         # Not yet taken by the consumer: merged, built into one Delta when taken.
         self._pending: tuple[list[str], list[int], list[TokenLogprob]] | None = None
@@ -91,20 +93,23 @@ class RequestStream:
 
     async def __anext__(self) -> Delta:
         loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._loop is not loop:
-                if self._loop is not None and not self._loop.is_closed():
-                    raise RuntimeError(f"stream {self.request_id} is bound to another event loop")
-                self._loop, self._wake, self._wake_queued = loop, asyncio.Event(), False
+        if self._loop is not loop:
+            with self._lock:
+                if self._loop is not loop:
+                    if self._loop is not None and not self._loop.is_closed():
+                        raise RuntimeError(f"stream {self.request_id} is bound to another event loop")
+                    self._loop, self._waiter, self._wake_queued = loop, None, False
         while True:
-            self._wake.clear()  # before looking, so a wake-up after the look is not lost
             with self._lock:
                 delta = self._take()
-                if delta is None and self._ended:
-                    raise StopAsyncIteration
+                if delta is None:
+                    if self._ended:
+                        raise StopAsyncIteration
+                    # set with the look, under the lock: a delta pushed after it wakes this waiter
+                    waiter = self._waiter = loop.create_future()
             if delta is not None:
                 return delta
-            await self._wake.wait()
+            await waiter
 
     def _take(self) -> Delta | None:
         if self._pending is None:
@@ -152,7 +157,8 @@ class RequestStream:
             self._pending[2].extend(logprobs)
             if finish is not None:
                 self._done.set()  # under the lock: _take sees the final state with its text
-            loop = self._loop if not self._wake_queued else None
+            # only a waiting consumer needs a wake-up; a busy one takes the delta when it looks next
+            loop = self._loop if self._waiter is not None and not self._wake_queued else None
             self._wake_queued = self._wake_queued or loop is not None
         if loop is not None:
             if wakes is not None:
@@ -161,9 +167,13 @@ class RequestStream:
                 wake_all([(loop, self._on_wake)])
 
     def _on_wake(self) -> None:
-        with self._lock:
-            self._wake_queued = False
-        self._wake.set()
+        # Without the lock (the output thread may hold it, waiting for the GIL, while this runs for many
+        # streams): only the loop's thread sets a waiter, a push that sees none here or the flag still set
+        # queues nothing, and the woken consumer looks under the lock, after that push, either way.
+        waiter, self._waiter = self._waiter, None
+        self._wake_queued = False
+        if waiter is not None and not waiter.done():  # done: its task was cancelled while it waited
+            waiter.set_result(None)
 
 
 def wake_all(wakes: list) -> None:
@@ -210,6 +220,9 @@ class Tracker:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Text safe to emit after `piece`; True when a stop string matched (text cut before it)."""
+        if not self.stops:  # nothing to match or hold back (the usual case, once per token)
+            buf, self.held = self.held + piece, ""
+            return buf, False
         buf = self.held + piece
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:

@@ -72,7 +72,12 @@ class Plan:
     def prefill_tokens(self) -> int:
         """Tokens the step computes that were known at admission (prompt, or a preempted
         sequence's recompute), as opposed to decodes of freshly sampled tokens."""
-        return sum(max(0, min(c.known_end, c.seq.prefill_end) - c.start) for c in self.chunks)
+        total = 0
+        for c in self.chunks:  # a loop, not a sum over every decode's properties: this runs every step
+            end = c.seq.prefill_end
+            if c.start < end:
+                total += min(c.known_end, end) - c.start
+        return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +123,8 @@ class StepPlanner:
         """Move waiting sequences to running while slots and pages allow (priority, then FCFS)."""
         admitted: list[Sequence] = []
         rejected: list[tuple[Sequence, str]] = []
-        if self.running and self._blocked_epoch == self._epoch:
-            return Admission(admitted, rejected)  # nothing changed since the head last waited
+        if not self.waiting or self.running and self._blocked_epoch == self._epoch:
+            return Admission(admitted, rejected)  # none waits, or nothing changed since the head last waited
         # First pages of prompts whose new pages are still being prefilled: n > 1 siblings (or
         # requests sharing a system prompt) wait for them to reach the prefix cache instead of
         # computing them again.

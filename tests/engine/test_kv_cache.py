@@ -159,6 +159,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         free = probe.allocate(probe.num_free)
         assert set(free) == set(range(1, self.NUM_PAGES)) - set(self.refs)
 
+    @invariant()
+    def runs_are_those_of_the_whole_pool(self):
+        # the run search scans only the pages below the never-touched ones: the same runs as a whole scan
+        for owner in range(4):
+            open_ = np.concatenate(([False], self.alloc.open_pages(owner), [False]))
+            edges = np.flatnonzero(open_[1:] != open_[:-1])
+            starts, lengths = self.alloc._open_runs(owner)
+            assert starts.tolist() == edges[::2].tolist() and lengths.tolist() == (edges[1::2] - edges[::2]).tolist()
+
     def teardown(self):
         self.alloc.free_many(self.refs)
         assert self.alloc.num_free == self.alloc.num_total

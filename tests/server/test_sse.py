@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 from tests.server.conftest import MODEL, LiveServer
@@ -67,3 +68,58 @@ def test_chat_stream_framing_role_chunk_and_usage_chunk(live: LiveServer) -> Non
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
 
+
+
+def _raw_stream(live: LiveServer, version: bytes, keep_alive: bool = False) -> tuple[bytes, bytes]:
+    """A streamed completion's head and body bytes as they came off the socket (the server closes the
+    connection after it unless keep_alive, then a second request on the same connection follows)."""
+    body = json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/" + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+               + (b"" if keep_alive else b"Connection: close\r\n") + b"\r\n" + body)
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request * (2 if keep_alive else 1))
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+            if keep_alive and raw.count(b"0\r\n\r\n") == 2 and raw.endswith(b"0\r\n\r\n"):
+                break
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _dechunk(raw: bytes) -> tuple[list[bytes], bytes]:
+    """The chunks of a chunked body, strictly framed (size in hex, CRLF, data, CRLF, a zero chunk last), and
+    what follows it."""
+    chunks = []
+    while True:
+        size, _, raw = raw.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            assert raw.startswith(b"\r\n"), raw[:20]
+            return chunks, raw[2:]
+        assert raw[n:n + 2] == b"\r\n", raw[:n + 2]
+        chunks.append(raw[:n])
+        raw = raw[n + 2:]
+
+
+def test_stream_chunks_framed_on_the_wire(live: LiveServer) -> None:
+    # HTTP/1.1: chunked, one event per chunk (the server frames the events after the first itself:
+    # server/gate.py chunked_send), the same text as httpx reads
+    head, rest = _raw_stream(live, b"1.1")
+    assert b"transfer-encoding: chunked" in head.lower()
+    chunks, after = _dechunk(rest)
+    assert after == b"" and len(chunks) >= 3 and chunks[-1] == b"data: [DONE]\n\n"
+    assert all(c.startswith(b"data: ") and c.endswith(b"\n\n") and c.count(b"\n\n") == 1 for c in chunks)
+    assert "".join(json.loads(c[len(b"data: "):])["choices"][0]["text"] for c in chunks[:-1]) == "defgh"
+    # two streams on one keep-alive connection: each framed whole
+    head, rest = _raw_stream(live, b"1.1", keep_alive=True)
+    first, after = _dechunk(rest)
+    second, tail = _dechunk(after.partition(b"\r\n\r\n")[2])
+    assert after.startswith(b"HTTP/1.1 200") and tail == b""
+    assert first[-1] == second[-1] == b"data: [DONE]\n\n" and b"".join(first).count(b"data: ") == len(first)
+    # HTTP/1.0: no chunked framing; the events as they are, until the server closes
+    head, rest = _raw_stream(live, b"1.0")
+    assert b"transfer-encoding" not in head.lower()
+    assert rest.endswith(b"data: [DONE]\n\n") and b"\r\n" not in rest and b'"text":"d' in rest
