@@ -107,6 +107,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on (1/0/0 are the identity): its sampling reads the slot's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 @dataclasses.dataclass
 class Request:

@@ -30,8 +30,8 @@ from slipstream.engine.device.engine_config import EngineConfig  # imported from
 from slipstream.engine.device.executables import ExecutableStore, avals
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
-from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, constrain, prompt_mask_row, sample_penalized,
-                                               update_counts)
+from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, check_token_ids, constrain, prompt_mask_row,
+                                               sample_penalized, update_counts)
 from slipstream.engine.device.lora_slots import LoraSlots
 from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs, token_lora_slots
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
@@ -167,8 +167,8 @@ class JaxEngine:
         # cond on penalties around the whole draw that also returned the counts, XLA:CPU took 2.3 ms
         # for this program at 32 greedy rows instead of 0.64 (6.98 -> 0.81 with a penalized row).
         # The counts take one add per active row, in place and in every batch, so a row's counts are
-        # current whenever its penalties read them (insert() rebuilds a slot's row). Verification rows
-        # add only the tokens the host keeps (the accepted drafts and the one after them).
+        # current whenever its penalties read them (insert() rebuilds a penalized request's row).
+        # Verification rows add only the tokens the host keeps (the accepted drafts and the one after them).
         counts, pmask = state
         logits = logits.astype(jnp.float32)
         penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts)
@@ -296,6 +296,13 @@ class JaxEngine:
             for token in state.output_ids:  # a preempted sequence resumes where its output is
                 matcher.advance(token)
             self._matchers[slot] = matcher
+        check_token_ids(state.prompt_ids, self.vocab_size)
+        if not params.penalized:
+            # Penalties 1/0/0 leave every logit as it is whatever the slot's counts and prompt mask
+            # hold, so a request without penalties reads neither: its slot's row keeps the last
+            # penalized holder's state (plus this one's tokens) and no row is written: no upload of
+            # two vocab-wide rows and no program per admission (a penalized one rebuilds its row).
+            return
         counts = np.bincount(np.asarray(state.output_ids, np.int64), minlength=self.vocab_size)[:self.vocab_size]
         self.output_counts, self.prompt_mask = self._set_row_jit(
             self.output_counts, self.prompt_mask, np.int32(slot), counts.astype(np.int32),

@@ -133,12 +133,18 @@ class SampleResult:
     top_logprobs: jax.Array  # f32[B, MAX_TOP_LOGPROBS]
 
 
-def prompt_mask_row(prompt_ids: Sequence[int], vocab: int) -> np.ndarray:
-    """bool[vocab]: which tokens the prompt contains (the repetition penalty's prompt half)."""
+def check_token_ids(prompt_ids: Sequence[int], vocab: int) -> np.ndarray:
+    """The prompt's ids as int64[n]; ValueError unless each is in [0, vocab)."""
     ids = np.asarray(prompt_ids, np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got range "
                          f"[{ids.min()}, {ids.max()}]")
+    return ids
+
+
+def prompt_mask_row(prompt_ids: Sequence[int], vocab: int) -> np.ndarray:
+    """bool[vocab]: which tokens the prompt contains (the repetition penalty's prompt half)."""
+    ids = check_token_ids(prompt_ids, vocab)
     mask = np.zeros(vocab, bool)
     mask[ids] = True
     return mask

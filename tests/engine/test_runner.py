@@ -132,6 +132,20 @@ def test_engine_greedy_batch_equals_reference(tiny_engine, tiny_model, chunk):
         assert out == _dense_greedy(cfg, params, prompt, 12)
 
 
+_PENALIZED = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=10)
+
+
+def _penalized_greedy(cfg, params, prompt, n):
+    """_PENALIZED's tokens by the host-side OpenAI formula over the row's own earlier tokens."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = dense_last_logits(cfg, params, ids).astype(np.float64)
+        counts = np.bincount(out, minlength=logits.shape[0])[:logits.shape[0]]
+        ids.append(int(np.argmax(logits - 1.5 * counts - 0.5 * (counts > 0))))
+        out.append(ids[-1])
+    return out
+
+
 def test_penalties_count_the_generated_tokens_across_steps(tiny_engine, tiny_model):
     """A greedy row with a frequency/presence penalty follows the host-side OpenAI formula over
     its own earlier tokens, step after step, whether it shares the batch with a penalty-free row
@@ -139,13 +153,8 @@ def test_penalties_count_the_generated_tokens_across_steps(tiny_engine, tiny_mod
     cfg, params = tiny_model
     rng = np.random.default_rng(12)
     prompt = list(rng.integers(3, 256, 7))
-    penalized = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=10)
-    ids, expected = list(prompt), []
-    for _ in range(10):
-        logits = dense_last_logits(cfg, params, ids).astype(np.float64)
-        counts = np.bincount(expected, minlength=logits.shape[0])[:logits.shape[0]]
-        ids.append(int(np.argmax(logits - 1.5 * counts - 0.5 * (counts > 0))))
-        expected.append(ids[-1])
+    penalized = _PENALIZED
+    expected = _penalized_greedy(cfg, params, prompt, 10)
     assert expected != _dense_greedy(cfg, params, prompt, 10)  # the penalty matters here
     other = list(rng.integers(3, 256, 5))
     plain = SamplingParams(temperature=0.0, max_tokens=10)
@@ -153,6 +162,24 @@ def test_penalties_count_the_generated_tokens_across_steps(tiny_engine, tiny_mod
     assert mixed[1] == expected
     assert mixed[0] == _dense_greedy(cfg, params, other, 10)
     assert _generate(tiny_engine, [prompt], [penalized], [[9, 10, 11, 12]], 10)[0] == expected
+
+
+def test_a_slot_reused_across_penalized_and_plain_requests(tiny_engine, tiny_model):
+    """A request without penalties writes no penalty state at insert (no upload, no program); its
+    tokens still land in its slot's counts, and a penalized request inserted into that slot next
+    counts only its own tokens. A plain request after a penalized one ignores the counts it left."""
+    cfg, params = tiny_model
+    prompt = list(np.random.default_rng(12).integers(3, 256, 7))
+    plain = SamplingParams(temperature=0.0, max_tokens=10)
+    counts, mask = tiny_engine.output_counts, tiny_engine.prompt_mask
+    tiny_engine.insert(0, SlotState(list(prompt), [], plain))
+    assert tiny_engine.output_counts is counts and tiny_engine.prompt_mask is mask  # nothing written
+    greedy = _dense_greedy(cfg, params, prompt, 10)
+    assert _generate(tiny_engine, [prompt], [plain], [[1, 2, 3, 4]], 10)[0] == greedy
+    assert np.asarray(tiny_engine.output_counts[0])[greedy].min() > 0  # slot 0 holds the plain tokens
+    assert _generate(tiny_engine, [prompt], [_PENALIZED], [[1, 2, 3, 4]], 10)[0] == \
+        _penalized_greedy(cfg, params, prompt, 10)
+    assert _generate(tiny_engine, [prompt], [plain], [[1, 2, 3, 4]], 10)[0] == greedy
 
 
 def test_sampling_program_updates_the_slot_state_in_place(tiny_engine):
