@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 
 from slipstream.engine.kv_cache import PageAllocator, pages_needed
-from slipstream.engine.prefix_cache import PrefixCache
+from slipstream.engine.prefix_cache import PrefixCache, chain_digests
 from slipstream.engine.sequence import Sequence
 
 
@@ -27,7 +27,9 @@ class BlockManager:
         starts; False, holding nothing, unless `reserve` pages stay free afterwards."""
         tokens = seq.tokens
         salt = seq.request.cache_salt
-        matched = self.prefix.match(tokens, salt) if self.prefix else []
+        # its full pages' digests, computed once: the match reads them now, register() at the prefill's end
+        digests = chain_digests(tokens, self.page_size, salt=salt) if self.prefix else []
+        matched = self.prefix.match(tokens, salt, digests) if self.prefix else []
         # At least the last known token is computed: its logits give the next token.
         keep = (len(tokens) - 1) // self.page_size
         if len(matched) > keep:
@@ -42,6 +44,7 @@ class BlockManager:
             return False
         self._owners[seq] = owner
         seq.pages = matched + fresh
+        seq.page_digests = digests
         seq.matched_pages = len(matched)
         seq.num_computed = len(matched) * self.page_size
         seq.prefill_end = len(tokens)
@@ -62,14 +65,14 @@ class BlockManager:
         """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
         if self.prefix is None or seq.prefill_end < self.page_size:
             return False
-        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages, seq.request.cache_salt)
+        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages, seq.request.cache_salt, seq.page_digests)
         return True
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached pages stay with the cache until evicted."""
         self.allocator.free_many(seq.pages)
         self.allocator.release_claim(self._owners.pop(seq, 0))
-        seq.pages = []
+        seq.pages, seq.page_digests = [], []
 
     def cached_prefix_tokens(self, tokens: list[int], salt: bytes = b"") -> int:
         """Prompt tokens admission would take from the prefix cache now (0 without one); changes

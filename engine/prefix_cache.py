@@ -79,16 +79,20 @@ class PrefixCache:
         self._hits = 0
         self._hit_tokens = 0
 
-    def match(self, token_ids: Sequence[int], salt: bytes = b"") -> list[int]:
+    def match(self, token_ids: Sequence[int], salt: bytes = b"", digests: Sequence[bytes] | None = None) -> list[int]:
         """Pages of the longest cached full-page prefix, one new reference each for the caller.
 
         At least one token is always left uncached-by-match: the last prompt token must be fed
-        to the decode step that samples the first output token.
+        to the decode step that samples the first output token. `digests`: the caller's
+        chain_digests(token_ids, page_size, salt=salt), if it has them (computed here otherwise).
         """
         self._queries += 1
         cap = max(len(token_ids) - 1, 0) // self._page_size
         pages: list[int] = []
-        digests = chain_digests(token_ids, self._page_size, max_pages=cap, salt=salt)
+        if digests is None:
+            digests = chain_digests(token_ids, self._page_size, max_pages=cap, salt=salt)
+        else:
+            digests = self._given(digests, len(token_ids))[:cap]
         for digest in digests:
             page = self._lru.get(digest)
             if page is None:
@@ -114,9 +118,12 @@ class PrefixCache:
             n += 1
         return n
 
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], salt: bytes = b"") -> None:
-        """Cache the full pages of a sequence whose KV is written; page_ids[i] holds page i."""
-        digests = chain_digests(token_ids, self._page_size, salt=salt)
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], salt: bytes = b"",
+               digests: Sequence[bytes] | None = None) -> None:
+        """Cache the full pages of a sequence whose KV is written; page_ids[i] holds page i.
+        `digests`: chain_digests(token_ids, page_size, salt=salt), if the caller has them."""
+        digests = chain_digests(token_ids, self._page_size, salt=salt) if digests is None \
+            else self._given(digests, len(token_ids))
         if len(page_ids) < len(digests):
             raise ValueError(f"{len(token_ids)} tokens fill {len(digests)} pages of "
                              f"{self._page_size} but only {len(page_ids)} page ids were given")
@@ -222,6 +229,13 @@ class PrefixCache:
     @property
     def hit_tokens(self) -> int:
         return self._hit_tokens
+
+    def _given(self, digests: Sequence[bytes], num_tokens: int) -> list[bytes]:
+        """A caller's digests of `num_tokens` tokens: one per full page, no more, no fewer."""
+        if len(digests) != num_tokens // self._page_size:
+            raise ValueError(f"{num_tokens} tokens fill {num_tokens // self._page_size} pages of {self._page_size}, "
+                             f"but {len(digests)} digests were given")
+        return list(digests)
 
     def _touch(self, digests: Sequence[bytes]) -> None:
         # Deepest page first, so the head of the prefix ends most recently used.

@@ -35,6 +35,8 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     admit_seq: int = -1               # admission order: the newest running one is preempted
     matched_pages: int = 0            # of `pages`, how many came from the prefix cache
+    # the prefix cache's chained digests of its full pages at admission (tokens [0, prefill_end))
+    page_digests: list[bytes] = dataclasses.field(default_factory=list)
     num_computed: int = 0             # tokens whose KV is in `pages` (prefix-cached or computed)
     prefill_end: int = 0              # tokens known at admission: computing them is its prefill
     inserted: bool = False            # bound to its slot with engine.insert

@@ -115,6 +115,24 @@ def test_insert_rejects_missing_or_repeated_page_ids():
     assert cache.num_cached == 0
 
 
+def test_digests_given_by_the_caller_match_and_insert_as_computed_ones():
+    """Admission's digests (one chain_digests per prompt) serve match and insert alike; a count that
+    is not one per full page of the tokens is refused."""
+    alloc = PageAllocator(32)
+    cache = PrefixCache(alloc, PS)
+    tokens = list(range(50, 50 + 3 * PS))  # whole pages: match leaves the last one to compute
+    digests = chain_digests(tokens, PS, salt=b"s")
+    pages = cache.match(tokens, b"s", digests) + alloc.allocate(3)
+    cache.insert(tokens, pages, b"s", digests)
+    assert cache.match(tokens + [1], b"s") == pages  # computed digests find the given ones
+    assert cache.match(tokens + [1], b"") == []      # the salt is in them
+    for wrong in (digests[:2], digests + digests[:1]):
+        with pytest.raises(ValueError, match="digests were given"):
+            cache.match(tokens, b"s", wrong)
+        with pytest.raises(ValueError, match="digests were given"):
+            cache.insert(tokens, pages, b"s", wrong)
+
+
 def test_finished_sequence_pages_stay_cached_and_are_reused():
     alloc = PageAllocator(8)
     cache = PrefixCache(alloc, PS)
