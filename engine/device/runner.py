@@ -177,6 +177,8 @@ class JaxEngine:
 
     @staticmethod
     def _set_row(counts, pmask, slot, counts_row, mask_row):
+        if counts_row is None:  # a request with no output yet: its counts are zeroed here, not uploaded
+            counts_row = jnp.zeros(counts.shape[1], counts.dtype)
         return counts.at[slot].set(counts_row), pmask.at[slot].set(mask_row)
 
     # ---- ahead-of-time compilation ----------------------------------------------------------
@@ -234,10 +236,11 @@ class JaxEngine:
             self.programs_loaded = store.loaded
         if self.lora is not None:  # and the adapter slot writer: loading adapters never compiles
             self.lora.compile()
-        # the row setter is tiny: compile it now too so steady state never compiles
-        self.output_counts, self.prompt_mask = self._set_row_jit(
-            self.output_counts, self.prompt_mask, np.int32(self.max_slots),
-            np.zeros(self.vocab_size, np.int32), np.zeros(self.vocab_size, bool))
+        # the row setter is tiny: compile it now too (both forms) so steady state never compiles
+        for counts_row in (np.zeros(self.vocab_size, np.int32), None):
+            self.output_counts, self.prompt_mask = self._set_row_jit(
+                self.output_counts, self.prompt_mask, np.int32(self.max_slots), counts_row,
+                np.zeros(self.vocab_size, bool))
         self._previous.warm(self.buckets)
         self.compile_seconds = time.perf_counter() - start
 
@@ -303,10 +306,13 @@ class JaxEngine:
             # penalized holder's state (plus this one's tokens) and no row is written: no upload of
             # two vocab-wide rows and no program per admission (a penalized one rebuilds its row).
             return
-        counts = np.bincount(np.asarray(state.output_ids, np.int64), minlength=self.vocab_size)[:self.vocab_size]
+        counts = None  # no output yet (not a resumed preemption): zeros, written on the device
+        if len(state.output_ids):
+            counts = np.bincount(np.asarray(state.output_ids, np.int64),
+                                 minlength=self.vocab_size)[:self.vocab_size].astype(np.int32)
+        mask = prompt_mask_row(state.prompt_ids, self.vocab_size)
         self.output_counts, self.prompt_mask = self._set_row_jit(
-            self.output_counts, self.prompt_mask, np.int32(slot), counts.astype(np.int32),
-            prompt_mask_row(state.prompt_ids, self.vocab_size))
+            self.output_counts, self.prompt_mask, np.int32(slot), counts, mask)
 
     def free(self, slot: int) -> None:
         self._slot_logprobs[slot] = -1

@@ -182,6 +182,20 @@ def test_a_slot_reused_across_penalized_and_plain_requests(tiny_engine, tiny_mod
     assert _generate(tiny_engine, [prompt], [plain], [[1, 2, 3, 4]], 10)[0] == greedy
 
 
+def test_a_penalized_insert_sets_its_slots_counts_and_prompt_mask(tiny_engine):
+    """A resumed request's counts are its output so far (uploaded); a new one's are zeros (written on
+    the device), over whatever the slot held."""
+    prompt = [3, 9, 9, 40]
+    tiny_engine.insert(1, SlotState(prompt, [5, 5, 7], _PENALIZED))
+    counts = np.asarray(tiny_engine.output_counts[1])
+    assert (counts[5], counts[7], counts.sum()) == (2, 1, 3)
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(tiny_engine.prompt_mask[1])), [3, 9, 40])
+    tiny_engine.insert(1, SlotState([8], [], _PENALIZED))
+    assert not np.asarray(tiny_engine.output_counts[1]).any()
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(tiny_engine.prompt_mask[1])), [8])
+    tiny_engine.free(1)
+
+
 def test_sampling_program_updates_the_slot_state_in_place(tiny_engine):
     """The [slots, V] penalty counts and prompt masks pass through the sampling program in place:
     neither copied nor returned by a conditional. On the default model at 32 rows, a cond that
