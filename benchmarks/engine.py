@@ -7,7 +7,8 @@
                                                         program) against the same work as two steps
     python -m benchmarks.engine step --slots 1 --breakdown [--breakdown-ops]
                                                         one decode step part by part (model, sampling,
-                                                        host inputs, matmuls, attention; XLA ops)
+                                                        host inputs, matmuls, attention; XLA ops;
+                                                        benchmarks/engine_breakdown.py)
     python -m benchmarks.engine step --prefill-breakdown [--prefill-lengths 256]
                                                         one prefill chunk part by part (step, model program,
                                                         host inputs, sampling; q8 calls by projection by the
@@ -33,13 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import (copy_seconds, cpu_model, interleaved, matmul_roofline, median_ms, profile_ops,
+from benchmarks.measure import (copy_seconds, cpu_model, interleaved, matmul_roofline, median_ms,
                                 weight_bytes_read_per_token)
 from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.kv_cache import pages_needed
 from slipstream.engine.request import SamplingParams
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
-from slipstream.engine.device.sampling import DraftRows
 from slipstream.models.config import ModelConfig
 from slipstream.kernels.attention import ragged_paged_attention
 from slipstream.models.loader import load_model
@@ -180,145 +180,6 @@ def measure_decode(setup: Setup, roofline: Callable, batch: int, read_bw: float,
             "floor_over_roofline": (ms["roofline"] + kv_ms) / ms["roofline"]}
 
 
-def measure_breakdown(setup: Setup, roofline: Callable, args) -> dict:
-    """A decode step of the first --slots count (one slot by default), part by part, timed
-    round-robin (ms, medians): the whole step; its model program (with the host's input arrays);
-    the host's input arrays alone; the sampling program alone; the matmuls alone (roofline); the
-    attention op alone (all layers); and `stream`, one read of the step's weight bytes (an XLA
-    max-reduction), the floor of the matmuls. With
-    --breakdown-ops, the model and sampling programs' XLA ops by time (profiler)."""
-    engine, cfg = setup.engine, setup.engine.model_cfg
-    slots = args.slots[0]
-    setup.rewind()
-
-    def batch():
-        return StepBatch(decodes(setup, slots))
-
-    def step():
-        engine.step(batch())
-        setup.step += 1
-
-    def model():
-        return engine._run_model(batch())[1]
-
-    t = engine.buckets.tokens(slots)
-    b = engine.buckets.sample_rows(t)
-    logits = model()
-    slot_ids, active = np.arange(b, dtype=np.int32) % engine.max_slots, np.ones(b, bool)
-    sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
-    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
-    bitmask = engine._fill_mask(list(range(slots)), b)
-    sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
-
-    def sample():
-        result, (engine.output_counts, engine.prompt_mask) = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
-        return result
-
-    x = jnp.ones((t, cfg.hidden_size), engine.dtype)
-    fns = {"step": step, "model": model, "host_inputs": lambda: engine.step_inputs(batch()) and None,
-           "sample": sample, "roofline": lambda: roofline(x), "attention": attention_only(setup, slots)}
-    weight_bytes = weight_bytes_read_per_token(engine.params)
-    if engine.weight_mode != "none":
-        data = jax.device_put(np.ones(weight_bytes, np.uint8))
-        probe = jax.jit(jnp.max)
-        fns["stream"] = lambda: probe(data)
-    times = interleaved(fns, args.steps, args.warmup)
-    out = {"slots": slots, "weight_mb": weight_bytes / 1e6, **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
-    if args.breakdown_ops:
-        out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
-                            for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
-        out["sample_ops"] = [{"op": name, "ms": ms, "calls": calls}
-                             for name, ms, calls in profile_ops(sample, max(5, args.steps // 2), 15)]
-    return out
-
-
-def breakdown_markdown(d: dict) -> str:
-    lines = [f"A decode step of {d['slots']} slot(s), context {d.get('context', '?')}, weights read per token "
-             f"{d['weight_mb']:.1f} MB (ms, medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
-    lines += [f"| {k[:-3]} | {v:.3f} |" for k, v in d.items() if k.endswith("_ms")]
-    for program in ("model", "sample"):
-        for op in d.get(f"{program}_ops", []):
-            lines.append(f"| {program} op {op['op'][:60]} (x{op['calls']}) | {op['ms']:.3f} |")
-    return "\n".join(lines)
-
-
-PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's q8 calls in program order (engine/layer_stack.py)
-
-
-def measure_prefill_breakdown(setup: Setup, n: int, args) -> dict:
-    """A fresh sequence's first chunk of `n` tokens, sampled at its end, part by part, timed round-robin
-    (ms, medians): the whole step (engine.step: host inputs, model program, sampling); the model program
-    alone; the host's input arrays alone; the sampling program alone. Then, over --steps model programs
-    with the q8 kernel's own clock: the time inside its calls by projection (a layer's four calls in program
-    order, then the LM head) with their rows; and the model program's XLA ops by time (profiler)."""
-    engine, rng = setup.engine, np.random.default_rng(1)
-    slot = engine.max_slots - 1
-    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, n)]
-
-    def batch():
-        return StepBatch([StepSeq(slot, prompt, 0, setup.pages[slot], True)])
-
-    def model():
-        return engine._run_model(batch())[1]
-
-    t = engine.buckets.tokens(n)
-    b = engine.buckets.sample_rows(t)
-    logits = model()
-    slot_ids, active = np.full(b, slot, np.int32), np.arange(b) < 1
-    sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
-    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
-    bitmask = engine._fill_mask([slot], b)
-    sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
-
-    def sample():
-        result, (engine.output_counts, engine.prompt_mask) = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
-        return result
-
-    fns = {"step": lambda: engine.step(batch()), "model": model,
-           "host_inputs": lambda: engine.step_inputs(batch()) and None, "sample": sample}
-    times = interleaved(fns, args.steps, args.warmup)
-    out = {"tokens": n, "token_bucket": t, "logit_rows": int(logits.shape[0]),
-           **{f"{k}_ms": median_ms(v) for k, v in times.items()}}
-    import importlib
-
-    from slipstream.kernels import native
-
-    if native.kernel_paths().get("q8_matmul") == "native":
-        ext = importlib.import_module("slipstream.kernels._q8_matmul")
-        per: dict[str, list[float]] = {}
-        rows: dict[str, int] = {}
-        for _ in range(args.steps):
-            ext.profile(True)
-            jax.block_until_ready(model())
-            calls = ext.profile(False)
-            sums: dict[str, float] = {}
-            for i, (begin, end, m, _) in enumerate(calls):
-                name = PROJECTIONS[i % 4] if i < len(calls) - 1 or len(calls) % 4 == 0 else "lm_head"
-                sums[name] = sums.get(name, 0.0) + (end - begin) / 1e6
-                rows[name] = int(m)
-            for name, ms in sums.items():
-                per.setdefault(name, []).append(ms)
-            per.setdefault("all q8", []).append(sum(sums.values()))
-        out["q8"] = {name: {"ms": statistics.median(v), "rows": rows.get(name)} for name, v in per.items()}
-        out["q8_isa"] = ext.isa()
-    out["model_ops"] = [{"op": name, "ms": ms, "calls": calls}
-                        for name, ms, calls in profile_ops(model, max(5, args.steps // 2), 40)]
-    return out
-
-
-def prefill_breakdown_markdown(d: dict) -> str:
-    lines = [f"A {d['tokens']}-token prefill chunk (token bucket {d['token_bucket']}, {d['logit_rows']} logit rows; ms, "
-             "medians, timed round-robin):", "", "| part | ms |", "|---|---:|"]
-    lines += [f"| {k[:-3]} | {v:.3f} |" for k, v in d.items() if k.endswith("_ms")]
-    for name, q in d.get("q8", {}).items():
-        lines.append(f"| q8 {name} ({q['rows']} rows, {d['q8_isa']}) | {q['ms']:.3f} |")
-    for op in d.get("model_ops", []):
-        lines.append(f"| model op {op['op'][:60]} (x{op['calls']}) | {op['ms']:.3f} |")
-    return "\n".join(lines)
-
-
 def measure_prefill(setup: Setup, lengths: list[int], reps: int) -> list[dict]:
     """A fresh sequence's first chunk, sampled at its end (the scratch slot; its KV is overwritten)."""
     engine, rng = setup.engine, np.random.default_rng(1)
@@ -425,29 +286,26 @@ def main(argv: list[str] | None = None) -> None:
     report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype}",
               "context": args.context, "weight_mb": weight_bytes_read_per_token(engine.params) / 1e6,
               "read_gbs": read_bw / 1e9, "decode": [], "prefill": [], "kernels": _kernel_paths()}
-    if args.prefill_breakdown:
-        report["prefill_breakdown"] = measure_prefill_breakdown(setup, args.prefill_lengths[0], args)
-        print(prefill_breakdown_markdown(report["prefill_breakdown"]))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-        return
-    if args.breakdown:
-        report["breakdown"] = {**measure_breakdown(setup, roofline, args), "context": args.context}
-        print(breakdown_markdown(report["breakdown"]))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-        return
-    for batch in args.slots:
-        report["decode"].append(measure_decode(setup, roofline, batch, read_bw, args))
-        print(json.dumps(report["decode"][-1]), flush=True)
-    report["prefill"] = measure_prefill(setup, args.prefill_lengths, max(3, args.steps // 2))
-    mixed_batch = min(32, max(args.slots))
-    if mixed_batch < engine.max_num_batched_tokens:
-        report["mixed"] = measure_mixed(setup, mixed_batch, args)
-    report["load_after"] = os.getloadavg()
-    print(markdown(report))
+    if args.prefill_breakdown or args.breakdown:
+        from benchmarks.engine_breakdown import (breakdown_markdown, measure_breakdown, measure_prefill_breakdown,
+                                                 prefill_breakdown_markdown)
+
+        if args.prefill_breakdown:
+            report["prefill_breakdown"] = measure_prefill_breakdown(setup, args.prefill_lengths[0], args)
+            print(prefill_breakdown_markdown(report["prefill_breakdown"]))
+        else:
+            report["breakdown"] = {**measure_breakdown(setup, roofline, args), "context": args.context}
+            print(breakdown_markdown(report["breakdown"]))
+    else:
+        for batch in args.slots:
+            report["decode"].append(measure_decode(setup, roofline, batch, read_bw, args))
+            print(json.dumps(report["decode"][-1]), flush=True)
+        report["prefill"] = measure_prefill(setup, args.prefill_lengths, max(3, args.steps // 2))
+        mixed_batch = min(32, max(args.slots))
+        if mixed_batch < engine.max_num_batched_tokens:
+            report["mixed"] = measure_mixed(setup, mixed_batch, args)
+        report["load_after"] = os.getloadavg()
+        print(markdown(report))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
