@@ -41,7 +41,7 @@ def _check(hd: int, ps: int, runs, pad: int = 0, seed: int = 0, **kw):
     k = jnp.asarray(rng.standard_normal((page.shape[0], 2, hd)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((page.shape[0], 2, hd)) * 3, jnp.float32)
     layer = jnp.int32(1)
-    want = layout.write_kv(cache, layer, k, v, page, offset, quantize_kv)
+    want = layout.write_kv(cache, layer, k, v, page, offset, quantize_kv, int8_write="scatter")
     got = jax.jit(lambda c, k, v, p, o: kv_write.write(c, layer, k, v, p, o, quantize_kv, interpret=True, **kw))(
         cache, k, v, page, offset)
     for name in ("kv", "kv_scale"):
@@ -101,3 +101,17 @@ def test_write_kv_rejects_an_unknown_int8_write():
     k = jnp.zeros((1, 2, 128), jnp.float32)
     with pytest.raises(ValueError, match="int8_write must be one of"):
         layout.write_kv(cache, jnp.int32(0), k, k, jnp.asarray([0]), jnp.asarray([0]), quantize_kv, int8_write="dma")
+
+
+def test_the_default_write_off_the_tpu_is_the_scatter():
+    # the kernel is the default int8 write (layout.INT8_WRITE), but Mosaic code runs only on a TPU or in Pallas'
+    # interpreter: elsewhere (this CPU, interpret off) write_kv takes the scatter rather than failing to lower
+    assert layout.INT8_WRITE == "kernel" and jax.default_backend() != "tpu"
+    rng = np.random.default_rng(5)
+    cache = _cache(rng, 128, 64)
+    page, offset = _step([([2, 5], 50, 30), ([3], 40, 1)], 64, pad=1)
+    k = jnp.asarray(rng.standard_normal((page.shape[0], 2, 128)), jnp.float32)
+    got = layout.write_kv(cache, jnp.int32(1), k, k * 2, page, offset, quantize_kv)
+    want = layout.write_kv(cache, jnp.int32(1), k, k * 2, page, offset, quantize_kv, int8_write="scatter")
+    for name in ("kv", "kv_scale"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
