@@ -41,6 +41,7 @@ class Mode:
     name: str
     quantize: str        # EngineConfig.quantize
     kv_cache_dtype: str  # EngineConfig.kv_cache_dtype
+    dtype: str | None = None  # EngineConfig.dtype (weights and activations) if not the run's --dtype
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
@@ -52,6 +53,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("q8_0-a16+bf16-kv", "q8_0-a16", "bfloat16"),  # the CPU default (EngineConfig.kv_dtype)
     Mode("int8-kv", "none", "int8"),
     Mode("bf16-kv", "none", "bfloat16"),
+    # everything in bf16 (weights, activations, K/V): the precision vLLM's CPU backend serves in bf16
+    Mode("bf16", "none", "bfloat16", dtype="bfloat16"),
     # the TPU/GPU modes (quantization/int8.py), here in f32 activations on CPU
     Mode("int8", "int8", "float32"),
     Mode("int8+int8-kv", "int8", "int8"),
@@ -245,11 +248,12 @@ def run(modes: list[Mode], *, window: int, stride: int, dtype: str) -> list[dict
         with open(EVAL_TEXT, encoding="utf-8") as f:
             text_ids = tok.encode(f.read())
         prompt_ids = [tok.encode(p) for p in PROMPTS]
-        engine = build_engine(cfg, params, mode, dtype=dtype, max_slots=ROWS, max_seq_len=window,
+        engine = build_engine(cfg, params, mode, dtype=mode.dtype or dtype, max_slots=ROWS, max_seq_len=window,
                               max_num_batched_tokens=window,
                               num_pages=1 + max(window // PAGE_SIZE, PAGES_PER_PROMPT * len(PROMPTS)))
         del params
         row = {"mode": mode.name, "quantize": mode.quantize, "kv_cache_dtype": mode.kv_cache_dtype,
+               "dtype": mode.dtype or dtype,
                "weight_bytes": weight_bytes(engine.params), "kv_bytes_per_token": kv_bytes_per_token(engine)}
         row.update(perplexity(engine, text_ids, window=window, stride=stride))
         top1 = row.pop("top1")
