@@ -62,6 +62,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     # per-channel int8 (on CPU the native kernel: activations per token in one int8 part, or two with -a16)
     Mode("int8-channel", "int8-channel", "float32"),
     Mode("int8-channel-a16", "int8-channel-a16", "float32"),
+    Mode("int8-channel-w16", "int8-channel-w16", "float32"),
 )}
 
 # Plain continuations and chat turns (ChatML, as SmolLM2-Instruct was trained on).
@@ -185,7 +186,7 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
     # and decode programs can flip a rounding somewhere in 30 layers and move a logit by up to ~1;
     # reported in the table, not checked.
     # int8-channel's prefill chunk multiplies int8 activations where the rows multiply float ones
-    rounds = (engine.config.quantize in ("q8_0", "int8-channel", "int8-channel-a16")
+    rounds = (engine.config.quantize in ("q8_0", "int8-channel", "int8-channel-a16", "int8-channel-w16")
               or engine.config.kv_cache_dtype in ("int8", "bfloat16"))
     if not rounds and max_check > CHECK_TOL:
         raise RuntimeError(f"decode-row logits differ from prefill logits by {max_check:.3g} "

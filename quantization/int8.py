@@ -1,9 +1,11 @@
 """int8 weights for the MXU and GPU tensor cores, quantized on the device in JAX: "int8" (one scale and
 offset per 32 inputs per output channel, dequantized to the activation dtype inside the dot) and
 "int8-channel" (one symmetric scale per output channel; int8 x int8 dots for steps of many rows) and
-"int8-channel-a16" (the same weights, activations never rounded to one int8 part). On CPU both run the native
-per-channel kernel (kernels/int8_channel_matmul.py) at every row count: activations rounded per row to one int8
-part (int8-channel) or two (int8-channel-a16, ~15 bits), so a row's result never depends on the call's rows."""
+"int8-channel-a16" (the same weights, activations never rounded to one int8 part), and "int8-channel-w16" (the
+int8-channel-a16 weight plus its rounding residual as a second int8 weight with 1/254 of its scale: ~16 bits per
+weight). On CPU they run the native per-channel kernel (kernels/int8_channel_matmul.py) at every row count:
+activations rounded per row to one int8 part (int8-channel) or two (the others, ~15 bits; the residual weight
+multiplies one part), so a row's result never depends on the call's rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +17,13 @@ import jax.numpy as jnp
 from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels import native
 
-MODES: tuple[str, ...] = ("int8", "int8-channel", "int8-channel-a16")
-CHANNEL_MODES: tuple[str, ...] = ("int8-channel", "int8-channel-a16")
+MODES: tuple[str, ...] = ("int8", "int8-channel", "int8-channel-a16", "int8-channel-w16")
+CHANNEL_MODES: tuple[str, ...] = ("int8-channel", "int8-channel-a16", "int8-channel-w16")
 GROUP = 32        # inputs per scale and offset in mode "int8" (a GGUF block: Q4_1/Q8_0 sources round exactly)
 A8_MIN_ROWS = 256  # "int8-channel": steps of this many rows or more quantize activations (prefill chunks)
 LEVELS = 255.0    # asymmetric: q in -128..127 spans [min, max] of a group
 INT8_MAX = 127.0  # symmetric: q in -127..127 spans [-max|w|, max|w|]
+RESIDUAL = 254.0  # "int8-channel-w16": the residual weight's scale is the weight's / RESIDUAL
 
 
 @jax.tree_util.register_dataclass
@@ -32,7 +35,9 @@ class Int8Weight:
     a8_rows (static): a matmul of at least this many rows rounds each row of activations to int8
     (one scale per row) and multiplies in int32; None: always float activations (w8a16). On CPU, where the
     native per-channel kernel runs (one scale per output channel), a8_rows is not used: every call rounds each
-    row to `parts` int8 parts (static: 1 or 2), whatever its row count."""
+    row to `parts` int8 parts (static: 1 or 2), whatever its row count.
+    residual: per-channel only ("int8-channel-w16"), int8 like q: the weight is (q + residual / RESIDUAL) * scale;
+    on CPU the residual multiplies the activations' first int8 part in a second kernel call."""
 
     q: jax.Array
     scale: jax.Array
@@ -40,6 +45,7 @@ class Int8Weight:
     block: int = dataclasses.field(default=GROUP, metadata=dict(static=True))
     a8_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     parts: int = dataclasses.field(default=1, metadata=dict(static=True))
+    residual: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -53,7 +59,10 @@ class Int8Weight:
         """The float weight [..., in, out] (f32 math, then `dtype`)."""
         k = self.q.shape[-2]
         scale = jnp.repeat(self.scale.astype(jnp.float32), self.block, axis=-2)[..., :k, :]
-        w = self.q.astype(jnp.float32) * scale
+        q = self.q.astype(jnp.float32)
+        if self.residual is not None:
+            q = q + self.residual.astype(jnp.float32) / RESIDUAL
+        w = q * scale
         if self.offset is not None:
             w = w + jnp.repeat(self.offset.astype(jnp.float32), self.block, axis=-2)[..., :k, :]
         return w.astype(dtype)
@@ -73,6 +82,8 @@ def quantize(w: jax.Array, mode: str = "int8") -> Int8Weight:
 def _round(w: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     if mode == "int8":
         return _quantize_asymmetric(w, GROUP)
+    if mode == "int8-channel-w16":
+        return _quantize_symmetric_residual(w)
     return _quantize_symmetric(w)
 
 
@@ -80,7 +91,9 @@ def _weight(parts: tuple[jax.Array, ...], mode: str, k: int) -> Int8Weight:
     if mode == "int8":
         q, scale, offset = parts
         return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
-    q, scale = parts
+    q, scale, *residual = parts
+    if mode == "int8-channel-w16":
+        return Int8Weight(q=q, scale=scale, block=k, a8_rows=None, parts=2, residual=residual[0] if residual else None)
     if mode == "int8-channel-a16":
         return Int8Weight(q=q, scale=scale, block=k, a8_rows=None, parts=2)
     return Int8Weight(q=q, scale=scale, block=k, a8_rows=A8_MIN_ROWS, parts=1)
@@ -178,6 +191,15 @@ def _quantize_symmetric(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+@jax.jit
+def _quantize_symmetric_residual(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The symmetric per-channel rounding and its residual: w / scale - q (within +-0.5) in RESIDUAL steps."""
+    q, scale = _quantize_symmetric(w)
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    r = jnp.clip(jnp.round((w.astype(jnp.float32) * inv - q.astype(jnp.float32)) * RESIDUAL), -INT8_MAX, INT8_MAX)
+    return q, scale, r.astype(jnp.int8)
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Activations x [M, K] -> (int8 [M, K], f32 scale [M]): one symmetric scale per row (token)."""
     xf = x.astype(jnp.float32)
@@ -208,7 +230,13 @@ def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.A
         return y.reshape(*lead, n)
     if layer is not None:
         w = jax.tree.map(functools.partial(_index_layer, layer), w)
-    if not grouped and _cpu_channel_native():
+    if not grouped and w.residual is not None:   # int8-channel-w16
+        if _cpu_channel_native():
+            y = jax.lax.platform_dependent(x2, w.q, w.scale, w.residual, cpu=_cpu_channel_residual,
+                                           default=_per_channel_residual)
+        else:
+            y = _per_channel_residual(x2, w.q, w.scale, w.residual)
+    elif not grouped and _cpu_channel_native():
         y = jax.lax.platform_dependent(x2, w.q, w.scale, cpu=functools.partial(_cpu_channel, parts=w.parts),
                                        default=functools.partial(_per_channel, a8_rows=w.a8_rows))
     elif not grouped:
@@ -227,6 +255,12 @@ def _per_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, a8_rows: int 
     return jnp.einsum("mk,kn->mn", x2, q.astype(x2.dtype), preferred_element_type=jnp.float32) * scale[0]
 
 
+def _per_channel_residual(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array) -> jax.Array:
+    """x2 [M, K] @ an int8-channel-w16 weight in XLA: float activations times (q + residual / RESIDUAL)."""
+    w = q.astype(jnp.float32) + residual.astype(jnp.float32) / RESIDUAL
+    return jnp.einsum("mk,kn->mn", x2, w.astype(x2.dtype), preferred_element_type=jnp.float32) * scale[0]
+
+
 def _cpu_channel_native() -> bool:
     return icm.native_available()
 
@@ -236,6 +270,18 @@ def _cpu_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, parts: int) -
     quantization/layer_forms.py's StackedChannel / PackedChannel)."""
     packed, scales, colsum = icm.pack_jax(q, scale[0])
     return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=parts)
+
+
+def _cpu_channel_residual(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array) -> jax.Array:
+    """The native CPU kernel on an int8-channel-w16 weight packed here, per call: q on two activation parts plus
+    the residual on one, with scale / RESIDUAL (layer_forms packs the engine's once)."""
+    return (_cpu_channel(x2, q, scale, parts=2)
+            + _cpu_channel(x2, residual, residual_scale(scale), parts=1))
+
+
+def residual_scale(scale: jax.Array) -> jax.Array:
+    """The residual weight's per-channel scale (f32, the same rounding wherever it is formed)."""
+    return (jnp.asarray(scale, jnp.float32) / jnp.float32(RESIDUAL)).astype(jnp.float32)
 
 
 def _xla_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array,

@@ -113,13 +113,15 @@ class StackedChannel:
     """The per-output-channel int8 weights (int8-channel modes) of every layer, packed for
     kernels/int8_channel_matmul.py as one stack (packed [L, Np/16, Kp*16], scales and colsum [L, Np]) for one
     linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles) and number
-    widths[j]. parts: the activations' int8 parts (1 or 2)."""
+    widths[j]. parts: the activations' int8 parts (1 or 2). residual: int8-channel-w16's residual weights packed
+    alike (packed, scales, colsum), multiplied by one activation part and added; None in the other modes."""
 
     packed: jax.Array
     scales: jax.Array
     colsum: jax.Array
     widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     parts: int = dataclasses.field(default=1, metadata=dict(static=True))
+    residual: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -130,8 +132,11 @@ class StackedChannel:
 
     def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
-        return icm.int8_channel_matmul(x, self.packed, self.scales, self.colsum, n=self.offsets[-1] + self.widths[-1],
-                                       parts=self.parts, layer=layer)
+        n = self.offsets[-1] + self.widths[-1]
+        y = icm.int8_channel_matmul(x, self.packed, self.scales, self.colsum, n=n, parts=self.parts, layer=layer)
+        if self.residual is not None:
+            y = y + icm.int8_channel_matmul(x, *self.residual, n=n, parts=1, layer=layer)
+        return y
 
 
 @jax.tree_util.register_dataclass
@@ -145,12 +150,15 @@ class PackedChannel:
     colsum: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
     parts: int = dataclasses.field(default=1, metadata=dict(static=True))
+    residual: tuple[jax.Array, jax.Array, jax.Array] | None = None   # as StackedChannel's
 
     def linears(self, x: jax.Array, picks: tuple) -> tuple[jax.Array, ...]:
         if len(picks) != 1 or picks[0] is not self:
             raise ValueError(f"a packed int8-channel weight is multiplied alone (got a group of {len(picks)})")
-        y = icm.int8_channel_matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scales, self.colsum, n=self.n,
-                                    parts=self.parts)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = icm.int8_channel_matmul(x2, self.packed, self.scales, self.colsum, n=self.n, parts=self.parts)
+        if self.residual is not None:
+            y = y + icm.int8_channel_matmul(x2, *self.residual, n=self.n, parts=1)
         return (y.reshape(*x.shape[:-1], self.n).astype(x.dtype),)
 
 
@@ -162,14 +170,23 @@ def channel_weight(w: int8.Int8Weight) -> bool:
 
 def pack_channel(w: int8.Int8Weight) -> PackedChannel:
     """A 2-D per-channel Int8Weight [K, N] -> its PackedChannel (numpy, once)."""
-    packed, scales, colsum = icm.pack(np.asarray(w.q), np.asarray(w.scale)[0])
-    return PackedChannel(jax.device_put(host_copy(packed)), jax.device_put(scales), jax.device_put(colsum),
-                         int(w.q.shape[1]), w.parts)  # huge pages: a decode step streams the LM head
+    def packed_parts(q, scale):
+        packed, scales, colsum = icm.pack(np.asarray(q), np.asarray(scale)[0])
+        # huge pages: a decode step streams the LM head
+        return jax.device_put(host_copy(packed)), jax.device_put(scales), jax.device_put(colsum)
+
+    residual = None if w.residual is None else packed_parts(w.residual, int8.residual_scale(w.scale))
+    return PackedChannel(*packed_parts(w.q, w.scale), int(w.q.shape[1]), w.parts, residual)
 
 
 def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
     """Stacked per-channel Int8Weights [L, K, N_j] sharing L, K and parts -> one StackedChannel over their columns,
     packed layer by layer (numpy) into memory laid out for huge pages (the decode step streams it)."""
+    residual = None
+    if weights[0].residual is not None:
+        lo = fuse_channel([dataclasses.replace(w, q=w.residual, scale=int8.residual_scale(w.scale), residual=None)
+                           for w in weights])
+        residual = (lo.packed, lo.scales, lo.colsum)
     qs = [np.asarray(w.q) for w in weights]
     scales = [np.asarray(w.scale) for w in weights]
     layers, k = qs[0].shape[:2]
@@ -184,7 +201,8 @@ def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
         cols = slice(int(starts[j]) * icm.TILE, int(starts[j + 1]) * icm.TILE)
         for i in range(layers):
             packed[i, starts[j]:starts[j + 1]], sc[i, cols], cs[i, cols] = icm.pack(qs[j][i], scales[j][i, 0])
-    return StackedChannel(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), widths, weights[0].parts)
+    return StackedChannel(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), widths, weights[0].parts,
+                          residual)
 
 
 @jax.tree_util.register_dataclass

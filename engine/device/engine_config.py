@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: float32 on CPU, bfloat16 on GPU/TPU
     kv_cache_dtype: str = "auto"            # auto: see kv_dtype(); or float32, bfloat16, int8
     quantize: str = "auto"                  # auto: see weight_mode(); or none, q8_0, q8_0-a16, int8,
-                                            # int8-channel, int8-channel-a16 (see quantization/)
+                                            # int8-channel, int8-channel-a16, int8-channel-w16 (quantization/)
     tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
     max_loras: int = 0                      # LoRA adapter slots on the device (0: no LoRA)
     max_lora_rank: int = 64                 # every slot's rank (adapters of lower rank are zero-padded)

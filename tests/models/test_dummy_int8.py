@@ -58,6 +58,9 @@ def test_each_layer_is_its_own_rounded_random_layer(mode):
         alone = int8.quantize(_rotated(layer, one, shifts), mode)
         np.testing.assert_array_equal(np.asarray(w.q[layer]), np.asarray(alone.q))
         np.testing.assert_array_equal(np.asarray(w.scale[layer]), np.asarray(alone.scale))
+        assert (w.residual is None) == (alone.residual is None) == (mode != "int8-channel-w16")
+        if w.residual is not None:
+            np.testing.assert_array_equal(np.asarray(w.residual[layer]), np.asarray(alone.residual))
     dense = np.asarray(w.dequantize())
     assert dense.std() == pytest.approx(1 / math.sqrt(IN), rel=0.05)  # N(0, 1/fan_in)
     assert abs(dense.mean()) < 0.01 / math.sqrt(IN) * 10

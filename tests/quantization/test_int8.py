@@ -29,7 +29,10 @@ def stored(qw: Int8Weight) -> np.ndarray:
     """The weight qw stands for, in float64 from its int8 and scales (not through its own code)."""
     k = qw.q.shape[-2]
     rep = lambda a: np.repeat(np.asarray(a, np.float64), qw.block, axis=-2)[..., :k, :]  # noqa: E731
-    w = np.asarray(qw.q, np.float64) * rep(qw.scale)
+    q = np.asarray(qw.q, np.float64)
+    if qw.residual is not None:   # int8-channel-w16
+        q = q + np.asarray(qw.residual, np.float64) / int8.RESIDUAL
+    w = q * rep(qw.scale)
     return w if qw.offset is None else w + rep(qw.offset)
 
 
@@ -51,9 +54,12 @@ def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k
     got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
     ref = x.astype(np.float64) @ stored(qw)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-    # and the stored weight is the float one within half a step of its block
+    # and the stored weight is the float one within half a step of its block (w16: of its residual)
     step = np.repeat(np.asarray(qw.scale), qw.block, axis=-2)[:k]
-    assert np.all(np.abs(stored(qw) - w) <= 0.5 * step + 1e-6)
+    if mode == "int8-channel-w16":
+        step = step / int8.RESIDUAL
+        assert np.abs(np.asarray(qw.residual)).max() > 100   # the residual's range is used
+    assert np.all(np.abs(stored(qw) - w) <= 0.5 * step * 1.0001 + 1e-7)
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -82,18 +88,24 @@ def test_int8_channel_uses_int8_activations_from_prefill_sized_steps():
 
 
 @pytest.mark.skipif(not icm.native_available(), reason="the native int8_channel_matmul kernel is not built")
-@pytest.mark.parametrize("mode,parts", [("int8-channel", 1), ("int8-channel-a16", 2)])
+@pytest.mark.parametrize("mode,parts", [("int8-channel", 1), ("int8-channel-a16", 2), ("int8-channel-w16", 2)])
 def test_per_channel_modes_on_cpu_round_every_row_in_the_native_kernel(mode, parts):
     x, w = make(300, 70, 33, seed=4)
     qw = quantize_weight(jnp.asarray(w), mode)
     got = np.asarray(jax.jit(ops.linear)(jnp.asarray(x), qw))
     want = icm.reference_numpy(x, np.asarray(qw.q), np.asarray(qw.scale)[0], parts)
+    if mode == "int8-channel-w16":   # plus the residual weight on one activation part, scale / 254
+        want = want + icm.reference_numpy(x, np.asarray(qw.residual), np.asarray(int8.residual_scale(qw.scale))[0], 1)
     np.testing.assert_array_equal(got, want)  # 300 rows: past A8_MIN_ROWS, and the same steps at every row count
     np.testing.assert_array_equal(np.asarray(jax.jit(ops.linear)(jnp.asarray(x[7:8]), qw)), want[7:8])
     # within half an activation step (max|x| / 127, two parts: / 254 again) per product of the stored weight's
     ref = x.astype(np.float64) @ stored(qw)
     step = np.abs(x).max(axis=1, keepdims=True) / 127 / (254 if parts == 2 else 1)
-    assert np.all(np.abs(got - ref) <= 0.5 * step * np.abs(stored(qw)).sum(axis=0) * 1.01 + 1e-6)
+    bound = 0.5 * step * np.abs(stored(qw)).sum(axis=0)
+    if mode == "int8-channel-w16":   # the residual's one part: half a step of max|x| / 127 per residual product
+        lo = np.abs(np.asarray(qw.residual, np.float64)) / int8.RESIDUAL * np.asarray(qw.scale, np.float64)
+        bound = bound + 0.5 * step * 254 * lo.sum(axis=0)
+    assert np.all(np.abs(got - ref) <= bound * 1.01 + 1e-6)
 
 
 @pytest.mark.parametrize("mode", int8.MODES)

@@ -17,7 +17,7 @@ def test_unknown_mode_is_rejected_naming_the_allowed_modes():
 
 
 def test_all_modes_constant_lists_none_first():
-    assert MODES == ("none", "q8_0", "q8_0-a16", "int8", "int8-channel", "int8-channel-a16")
+    assert MODES == ("none", "q8_0", "q8_0-a16", "int8", "int8-channel", "int8-channel-a16", "int8-channel-w16")
 
 
 @pytest.mark.parametrize("bad,match", [(jnp.ones(32), "shape"), (jnp.ones((32, 4), jnp.int32), "floating")])
