@@ -226,3 +226,8 @@ def test_reference_forced_by_environment(monkeypatch):
     packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, scale))
     got = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=16, parts=2))
     np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, 2), rtol=1e-5, atol=1e-5)
+    r, sr = residual_case(np.random.default_rng(9), 64, 16, scale)   # and with a residual weight, in a stack
+    lo = tuple(jnp.asarray(a)[None] for a in icm.pack(r, sr))
+    got = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed[None], scales[None], colsum[None], n=16, parts=2,
+                                             layer=0, residual=lo))
+    np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, 2, (r, sr)), rtol=1e-5, atol=1e-5)
