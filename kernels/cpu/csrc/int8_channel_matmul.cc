@@ -3,6 +3,8 @@
 //   acc_p[m, n] = sum_k xq_p[m, k] * w[n, k]                 int32 over all of K (exact)
 //   y[m, n] = (f32(acc_0) * xs_0[m]) * ws[n]                                        one part
 //   y[m, n] = (f32(acc_0) * xs_0[m] + f32(acc_1) * xs_1[m]) * ws[n]                 two parts
+//   y[m, n] = (two parts) + (f32(acc_r) * xs_0[m]) * ws_r[n]       two parts and a residual weight r (its own scales
+//             ws_r and colsum; acc_r = sum_k xq_0[m, k] * r[n, k]): int8-channel-w16, the target _residual
 //
 // w: symmetric int8 weights (q in -127..127) with one f32 scale ws per output column, prepacked at load
 // (kernels/int8_channel_matmul.py, pack()) as
