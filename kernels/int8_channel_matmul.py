@@ -1,6 +1,9 @@
 """Per-output-channel int8 matmul: symmetric int8 weights (q in -127..127, one f32 scale per output column) times
 activations quantized per row (token) over the whole K, in one int8 part or two (the rounding residual as a second
-int8 row: ~15-bit activations), summed in int32 over all of K and scaled once per output.
+int8 row: ~15-bit activations), summed in int32 over all of K and scaled once per output. Optionally a residual
+weight (int8-channel-w16: the weight's rounding residual as a second int8 weight with its own scales) is multiplied
+by the activations' first part in the same call and added: `(f32(acc_0) * xs_0 + f32(acc_1) * xs_1) * ws +
+(f32(acc_r) * xs_0) * ws_r`, one fixed float sequence on every path.
 
 `int8_channel_matmul` is the one entry point. On CPU it runs the native kernel (kernels/cpu/csrc/
 int8_channel_matmul.cc, through XLA's FFI: AVX-512 VNNI, AMX-INT8 for calls of many rows, bit for bit the same
@@ -23,6 +26,7 @@ TILE = 16    # output columns per packed tile (16 int32 lanes; an AMX B tile's w
 STEP = 64    # K is padded to this: one AMX tile's inputs
 SHIFT = 128  # the activations are stored xq + 128 (the unsigned operand of vpdpbusd / tdpbusd)
 TARGET = "slipstream_int8_channel_matmul"
+TARGET_RESIDUAL = "slipstream_int8_channel_matmul_residual"
 INT8_MAX = np.float32(127.0)
 LO_STEPS = np.float32(254.0)  # the second part's scale: the first's / 254
 
@@ -93,76 +97,123 @@ def quantize_rows_numpy(x: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarr
     return np.stack(qs), np.stack(ss)
 
 
-def reference_numpy(x: np.ndarray, q: np.ndarray, scale: np.ndarray, parts: int = 1) -> np.ndarray:
+def reference_numpy(x: np.ndarray, q: np.ndarray, scale: np.ndarray, parts: int = 1,
+                    residual: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """The kernel's outputs, bit for bit: x f32 [M, K], q int8 [K, N], scale [N] -> f32 [M, N]. The int32 sums
-    exactly (in int64, then checked to fit), then (f32(acc_0) * xs_0 (+ f32(acc_1) * xs_1)) * scale in f32."""
+    exactly (in int64, then checked to fit), then (f32(acc_0) * xs_0 (+ f32(acc_1) * xs_1)) * scale in f32.
+    residual: (r int8 [K, N], its scale [N]) with parts = 2: plus (f32(acc_r) * xs_0) * scale_r, acc_r the sums of
+    r with the first part (the one-part quantization's rows: the same operations)."""
     xq, xs = quantize_rows_numpy(x, parts)
-    acc = np.einsum("pmk,kn->pmn", xq.astype(np.int64), np.asarray(q).astype(np.int64))
-    if np.abs(acc).max(initial=0) >= 2 ** 31:
-        raise ValueError("int8_channel_matmul: int32 sums overflow (K too large)")
-    f = acc[0].astype(np.int32).astype(np.float32) * xs[0][:, None]
+
+    def sums(xq_p, w):
+        acc = np.asarray(xq_p).astype(np.int64) @ np.asarray(w).astype(np.int64)
+        if np.abs(acc).max(initial=0) >= 2 ** 31:
+            raise ValueError("int8_channel_matmul: int32 sums overflow (K too large)")
+        return acc.astype(np.int32).astype(np.float32)
+
+    f = sums(xq[0], q) * xs[0][:, None]
     if parts == 2:
-        f = f + acc[1].astype(np.int32).astype(np.float32) * xs[1][:, None]
-    return f * np.asarray(scale, np.float32).reshape(1, -1)
+        f = f + sums(xq[1], q) * xs[1][:, None]
+    f = f * np.asarray(scale, np.float32).reshape(1, -1)
+    if residual is not None:
+        if parts != 2:
+            raise ValueError("int8_channel_matmul: a residual weight needs parts = 2")
+        r, scale_r = residual
+        f = f + (sums(xq[0], r) * xs[0][:, None]) * np.asarray(scale_r, np.float32).reshape(1, -1)
+    return f
 
 
-def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int, parts: int = 1) -> jax.Array:
-    """The same math in JAX (the path off CPU and with SLIPSTREAM_KERNELS=reference): x f32 [M, K] -> f32 [M, n]."""
+def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int, parts: int = 1,
+              residual: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """The same math in JAX (the path off CPU and with SLIPSTREAM_KERNELS=reference): x f32 [M, K] -> f32 [M, n].
+    residual: (packed_lo, scales_lo) of the residual weight, times the first part (parts = 2)."""
     m, k = x.shape
     tiles, width = packed.shape
     kp = width // TILE
-    q = packed.reshape(tiles, kp // 4, TILE, 4).transpose(1, 3, 0, 2).reshape(kp, tiles * TILE)[:k, :n]
+
+    def weight(p):
+        return p.reshape(tiles, kp // 4, TILE, 4).transpose(1, 3, 0, 2).reshape(kp, tiles * TILE)[:k, :n]
+
+    def sums(xq, w):
+        return jax.lax.dot_general(xq.astype(jnp.int8), w, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    q = weight(packed)
     s = jnp.max(jnp.abs(x), axis=1) / INT8_MAX
-    v, y = x, jnp.zeros((m, n), jnp.float32)
+    v, y, first = x, None, None
     for _ in range(parts):
         inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
         xq = jnp.clip(jnp.round(v * inv[:, None]), -127, 127)
-        acc = jax.lax.dot_general(xq.astype(jnp.int8), q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-        y = y + acc.astype(jnp.float32) * s[:, None]
+        term = sums(xq, q) * s[:, None]
+        y = term if y is None else y + term
+        if first is None:
+            first = (xq, s)
         v = x - xq * s[:, None]
         s = s / LO_STEPS
-    return y * scales[:n]
+    y = y * scales[:n]
+    if residual is not None:
+        xq0, s0 = first
+        y = y + (sums(xq0, weight(residual[0])) * s0[:, None]) * residual[1][:n]
+    return y
 
 
-def _native(x, packed, scales, colsum, layer, *, n: int, parts: int) -> jax.Array:
+def _native(x, packed, scales, colsum, *rest, n: int, parts: int) -> jax.Array:
+    """rest: (layer,) or, with a residual weight, (packed_lo, scales_lo, colsum_lo, layer)."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, colsum, layer, parts=np.int32(parts))
+    target = TARGET if len(rest) == 1 else TARGET_RESIDUAL
+    return jax.ffi.ffi_call(target, out)(x, packed, scales, colsum, *rest, parts=np.int32(parts))
 
 
-def _reference_at(x, packed, scales, colsum, layer, *, n: int, parts: int) -> jax.Array:
+def _reference_at(x, packed, scales, colsum, *rest, n: int, parts: int) -> jax.Array:
+    *lo, layer = rest
+    weights = [packed, scales] + lo[:2]
     if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
-        packed, scales = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales))
-    return reference(x, packed, scales, n=n, parts=parts)
+        weights = [jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in weights]
+    return reference(x, weights[0], weights[1], n=n, parts=parts, residual=tuple(weights[2:]) if lo else None)
 
 
-def int8_channel_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, colsum: jax.Array, *, n: int,
-                        parts: int = 1, layer: jax.Array | int | None = None) -> jax.Array:
-    """x [..., K] (any float dtype) times a packed weight (pack's outputs) -> f32 [..., n]. parts: 1 (int8
-    activations per row) or 2 (plus their int8 residual). With `layer` (an int32 scalar, traced or not), packed /
-    scales / colsum are stacks [L, ...] and weight `layer` is used, read where it lies (no slice is copied)."""
-    k = x.shape[-1]
+def _check_weight(what: str, k: int, n: int, lead_w: tuple, packed, scales, colsum) -> None:
     kp, np_ = padded(k, n)
-    lead_w = () if layer is None else packed.shape[:1]
     if (packed.ndim != 2 + len(lead_w) or packed.shape != (*lead_w, np_ // TILE, kp * TILE)
             or scales.shape != (*lead_w, np_) or colsum.shape != (*lead_w, np_)):
-        raise ValueError(f"int8_channel_matmul: packed {packed.shape} / scales {scales.shape} / colsum {colsum.shape} "
-                         f"do not hold a [{k}, {n}] weight{'' if layer is None else ' stack [L, ...]'} (expected "
+        raise ValueError(f"int8_channel_matmul: {what} {packed.shape} / scales {scales.shape} / colsum {colsum.shape} "
+                         f"do not hold a [{k}, {n}] weight{'' if not lead_w else ' stack [L, ...]'} (expected "
                          f"{(*lead_w, np_ // TILE, kp * TILE)} / {(*lead_w, np_)} twice); build them with "
                          "kernels.int8_channel_matmul.pack")
     if packed.dtype != jnp.int8 or scales.dtype != jnp.float32 or colsum.dtype != jnp.int32:
-        raise ValueError(f"int8_channel_matmul: packed int8, scales f32, colsum int32 (pack's); got {packed.dtype}, "
+        raise ValueError(f"int8_channel_matmul: {what} int8, scales f32, colsum int32 (pack's); got {packed.dtype}, "
                          f"{scales.dtype}, {colsum.dtype}")
+
+
+def int8_channel_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, colsum: jax.Array, *, n: int,
+                        parts: int = 1, layer: jax.Array | int | None = None,
+                        residual: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x [..., K] (any float dtype) times a packed weight (pack's outputs) -> f32 [..., n]. parts: 1 (int8
+    activations per row) or 2 (plus their int8 residual). With `layer` (an int32 scalar, traced or not), packed /
+    scales / colsum are stacks [L, ...] and weight `layer` is used, read where it lies (no slice is copied).
+    residual: a second weight packed alike (packed_lo, scales_lo, colsum_lo; stacks with `layer`), parts = 2:
+    its product with the activations' first part is added in the same call (see the module's sequence)."""
+    k = x.shape[-1]
+    kp, _ = padded(k, n)
+    lead_w = () if layer is None else packed.shape[:1]
+    _check_weight("packed", k, n, lead_w, packed, scales, colsum)
     if parts not in (1, 2):
         raise ValueError(f"int8_channel_matmul: parts must be 1 or 2, got {parts}")
+    if residual is not None:
+        if parts != 2:
+            raise ValueError(f"int8_channel_matmul: a residual weight needs parts = 2, got {parts}")
+        if len(residual) != 3:
+            raise ValueError("int8_channel_matmul: residual is (packed, scales, colsum) of a second weight")
+        _check_weight("residual packed", k, n, lead_w, *residual)
     if kp > 65536:
         raise ValueError(f"int8_channel_matmul: K {k} is over 65536 (the int32 sums could overflow)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    args = (x2, packed, scales, colsum, *(residual or ()), index)
     ref = functools.partial(_reference_at, n=n, parts=parts)
     if native_available():
-        y = jax.lax.platform_dependent(x2, packed, scales, colsum, index,
-                                       cpu=functools.partial(_native, n=n, parts=parts), default=ref)
+        y = jax.lax.platform_dependent(*args, cpu=functools.partial(_native, n=n, parts=parts), default=ref)
     else:
-        y = ref(x2, packed, scales, colsum, index)
+        y = ref(*args)
     return y.reshape(*lead, n)

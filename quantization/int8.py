@@ -37,7 +37,7 @@ class Int8Weight:
     native per-channel kernel runs (one scale per output channel), a8_rows is not used: every call rounds each
     row to `parts` int8 parts (static: 1 or 2), whatever its row count.
     residual: per-channel only ("int8-channel-w16"), int8 like q: the weight is (q + residual / RESIDUAL) * scale;
-    on CPU the residual multiplies the activations' first int8 part in a second kernel call."""
+    on CPU the residual multiplies the activations' first int8 part in the same kernel call."""
 
     q: jax.Array
     scale: jax.Array
@@ -274,9 +274,10 @@ def _cpu_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, parts: int) -
 
 def _cpu_channel_residual(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array) -> jax.Array:
     """The native CPU kernel on an int8-channel-w16 weight packed here, per call: q on two activation parts plus
-    the residual on one, with scale / RESIDUAL (layer_forms packs the engine's once)."""
-    return (_cpu_channel(x2, q, scale, parts=2)
-            + _cpu_channel(x2, residual, residual_scale(scale), parts=1))
+    the residual (scale / RESIDUAL) on the first, in one call (layer_forms packs the engine's once)."""
+    packed, scales, colsum = icm.pack_jax(q, scale[0])
+    lo = icm.pack_jax(residual, residual_scale(scale)[0])
+    return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=2, residual=lo)
 
 
 def residual_scale(scale: jax.Array) -> jax.Array:

@@ -114,7 +114,8 @@ class StackedChannel:
     kernels/int8_channel_matmul.py as one stack (packed [L, Np/16, Kp*16], scales and colsum [L, Np]) for one
     linear or a fused group: member j's output columns start at offsets[j] (whole 16-column tiles) and number
     widths[j]. parts: the activations' int8 parts (1 or 2). residual: int8-channel-w16's residual weights packed
-    alike (packed, scales, colsum), multiplied by one activation part and added; None in the other modes."""
+    alike (packed, scales, colsum), multiplied by the first activation part in the same kernel call; None in the
+    other modes."""
 
     packed: jax.Array
     scales: jax.Array
@@ -133,10 +134,8 @@ class StackedChannel:
     def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
         """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]."""
         n = self.offsets[-1] + self.widths[-1]
-        y = icm.int8_channel_matmul(x, self.packed, self.scales, self.colsum, n=n, parts=self.parts, layer=layer)
-        if self.residual is not None:
-            y = y + icm.int8_channel_matmul(x, *self.residual, n=n, parts=1, layer=layer)
-        return y
+        return icm.int8_channel_matmul(x, self.packed, self.scales, self.colsum, n=n, parts=self.parts, layer=layer,
+                                       residual=self.residual)
 
 
 @jax.tree_util.register_dataclass
@@ -156,9 +155,8 @@ class PackedChannel:
         if len(picks) != 1 or picks[0] is not self:
             raise ValueError(f"a packed int8-channel weight is multiplied alone (got a group of {len(picks)})")
         x2 = x.reshape(-1, x.shape[-1])
-        y = icm.int8_channel_matmul(x2, self.packed, self.scales, self.colsum, n=self.n, parts=self.parts)
-        if self.residual is not None:
-            y = y + icm.int8_channel_matmul(x2, *self.residual, n=self.n, parts=1)
+        y = icm.int8_channel_matmul(x2, self.packed, self.scales, self.colsum, n=self.n, parts=self.parts,
+                                    residual=self.residual)
         return (y.reshape(*x.shape[:-1], self.n).astype(x.dtype),)
 
 

@@ -36,13 +36,23 @@ def case(rng, m: int, k: int, n: int):
     return x, q, scale
 
 
-def run(x, q, scale, parts, isa=None, amx_rows=None):
-    """The kernel's outputs (numpy), on `isa` (None: this CPU's best) with the tile unit from `amx_rows` rows."""
+def residual_case(rng, k: int, n: int, scale):
+    """A residual weight over the whole -127..127 range (a zero column elsewhere than q's) and its scale / 254."""
+    r = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    r[:, n // 2] = 0
+    return r, (scale / np.float32(254)).astype(np.float32)
+
+
+def run(x, q, scale, parts, isa=None, amx_rows=None, residual=None):
+    """The kernel's outputs (numpy), on `isa` (None: this CPU's best) with the tile unit from `amx_rows` rows;
+    residual: (r [K, N], its scale [N]) or None."""
     packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, scale))
+    lo = None if residual is None else tuple(jnp.asarray(a) for a in icm.pack(*residual))
     prev_isa = ext.set_isa(isa) if isa else None
     prev_rows = ext.amx_rows(amx_rows) if amx_rows else None
     try:
-        return np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=q.shape[1], parts=parts))
+        return np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=q.shape[1], parts=parts,
+                                                  residual=lo))
     finally:
         if prev_isa:
             ext.set_isa(prev_isa)
@@ -88,6 +98,42 @@ def test_a_row_is_the_same_alone_and_in_a_call_of_many_rows(parts):
             np.testing.assert_array_equal(run(x[i:i + 1], q, scale, parts, isa, rows), outs[0][i:i + 1])
 
 
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 17, 300])
+def test_fused_residual_equals_the_reference_bit_for_bit_on_every_isa(m):
+    # odd K and N; 1-3 rows take the VNNI stream / micro blocks, 4 on take the tile unit where it is chosen (and
+    # amx_rows forces either way); 300 rows: two row tile pairs' worth of blocks and a partial one
+    rng = np.random.default_rng(20 + m)
+    x, q, scale = case(rng, m, 201, 37)
+    residual = residual_case(rng, 201, 37, scale)
+    want = icm.reference_numpy(x, q, scale, 2, residual)
+    for isa in ISAS:
+        for amx_rows in ((1, 1 << 30) if isa == "amx" else (None,)):
+            got = run(x, q, scale, 2, isa, amx_rows, residual)
+            np.testing.assert_array_equal(got, want, err_msg=f"{isa} {amx_rows}")
+            for i in sorted({0, m // 2, m - 1}):  # a row alone equals itself in the batch
+                np.testing.assert_array_equal(run(x[i:i + 1], q, scale, 2, isa, amx_rows, residual), want[i:i + 1],
+                                              err_msg=f"{isa} {amx_rows} row {i}")
+
+
+@needs_native
+def test_fused_residual_equals_the_sum_of_two_calls_and_reads_a_stack_at_a_layer():
+    # the fused sequence is the two calls' (q on two parts + the residual on one, added) float for float
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((6, 100)).astype(np.float32)
+    layers = [case(rng, 1, 100, 30)[1:] for _ in range(2)]
+    layers = [(q, s, *residual_case(rng, 100, 30, s)) for q, s in layers]
+    for q, s, r, sr in layers:
+        np.testing.assert_array_equal(run(x, q, s, 2, residual=(r, sr)), run(x, q, s, 2) + run(x, r, sr, 1))
+    packs = [(icm.pack(q, s), icm.pack(r, sr)) for q, s, r, sr in layers]
+    stack = [jnp.asarray(np.stack([p[w][i] for p in packs])) for w in range(2) for i in range(3)]
+    f = jax.jit(lambda x, layer: icm.int8_channel_matmul(x, *stack[:3], n=30, parts=2, layer=layer,
+                                                         residual=tuple(stack[3:])))
+    for i, (q, s, r, sr) in enumerate(layers):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), jnp.int32(i))),
+                                      icm.reference_numpy(x, q, s, 2, (r, sr)))
+
+
 @needs_amx
 def test_tile_unit_and_vnni_agree_on_wide_k():
     # a long int32 chain (K = 1536, the default model's down projection) near the int8 extremes
@@ -112,11 +158,19 @@ def test_two_parts_hold_activations_to_about_15_bits():
 
 
 def test_jax_reference_is_close_to_the_numpy_reference():
-    x, q, scale = case(np.random.default_rng(2), 17, 130, 40)
+    rng = np.random.default_rng(2)
+    x, q, scale = case(rng, 17, 130, 40)
     packed, scales, _ = icm.pack(q, scale)
     for parts in (1, 2):
         got = np.asarray(icm.reference(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), n=40, parts=parts))
         np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, parts), rtol=1e-5, atol=1e-5)
+    r, sr = residual_case(rng, 130, 40, scale)
+    lo, lo_scales, _ = icm.pack(r, sr)
+    got = np.asarray(icm.reference(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), n=40, parts=2,
+                                   residual=(jnp.asarray(lo), jnp.asarray(lo_scales))))
+    want = icm.reference_numpy(x, q, scale, 2, (r, sr))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - icm.reference_numpy(x, q, scale, 2)).max() > 1e-3   # the residual's term is there
 
 
 @needs_native
@@ -153,6 +207,12 @@ def test_bad_shapes_and_values_are_rejected():
         icm.int8_channel_matmul(jnp.ones((2, 64)), packed, scales, colsum, n=16, parts=3)
     with pytest.raises(ValueError, match="int8"):
         icm.int8_channel_matmul(jnp.ones((2, 64)), packed.astype(jnp.uint8), scales, colsum, n=16)
+    with pytest.raises(ValueError, match="needs parts = 2"):
+        icm.int8_channel_matmul(jnp.ones((2, 64)), packed, scales, colsum, n=16, parts=1,
+                                residual=(packed, scales, colsum))
+    wide = tuple(jnp.asarray(a) for a in icm.pack(np.zeros((64, 32), np.int8), np.ones(32, np.float32)))
+    with pytest.raises(ValueError, match="residual packed .* do not hold a"):
+        icm.int8_channel_matmul(jnp.ones((2, 64)), packed, scales, colsum, n=16, parts=2, residual=wide)
     with pytest.raises(ValueError, match="-127..127"):
         icm.pack(np.full((4, 4), -128, np.int8), np.ones(4, np.float32))
     with pytest.raises(ValueError, match="int8 q"):
@@ -166,3 +226,8 @@ def test_reference_forced_by_environment(monkeypatch):
     packed, scales, colsum = (jnp.asarray(a) for a in icm.pack(q, scale))
     got = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed, scales, colsum, n=16, parts=2))
     np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, 2), rtol=1e-5, atol=1e-5)
+    r, sr = residual_case(np.random.default_rng(9), 64, 16, scale)   # and with a residual weight, in a stack
+    lo = tuple(jnp.asarray(a)[None] for a in icm.pack(r, sr))
+    got = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), packed[None], scales[None], colsum[None], n=16, parts=2,
+                                             layer=0, residual=lo))
+    np.testing.assert_allclose(got, icm.reference_numpy(x, q, scale, 2, (r, sr)), rtol=1e-5, atol=1e-5)

@@ -3,6 +3,8 @@
 //   acc_p[m, n] = sum_k xq_p[m, k] * w[n, k]                 int32 over all of K (exact)
 //   y[m, n] = (f32(acc_0) * xs_0[m]) * ws[n]                                        one part
 //   y[m, n] = (f32(acc_0) * xs_0[m] + f32(acc_1) * xs_1[m]) * ws[n]                 two parts
+//   y[m, n] = (two parts) + (f32(acc_r) * xs_0[m]) * ws_r[n]       two parts and a residual weight r (its own scales
+//             ws_r and colsum; acc_r = sum_k xq_0[m, k] * r[n, k]): int8-channel-w16, the target _residual
 //
 // w: symmetric int8 weights (q in -127..127) with one f32 scale ws per output column, prepacked at load
 // (kernels/int8_channel_matmul.py, pack()) as
@@ -87,6 +89,10 @@ struct Problem {
   const int8_t* w;
   const float* ws;
   const int32_t* colsum;
+  // the residual weight (int8-channel-w16): the same layout, times the activations' first part; null when absent
+  const int8_t* wr = nullptr;
+  const float* wsr = nullptr;
+  const int32_t* colsumr = nullptr;
   float* y;
   size_t tile_bytes() const { return static_cast<size_t>(kp) * kTile; }
 };
@@ -220,6 +226,13 @@ inline float FinishPortable(int32_t acc0, int32_t acc1, int32_t corr, float xs0,
   return f * ws;
 }
 
+// The residual weight's term, added to Finish's output f: f + (f32(accr - corr_r) * xs0) * ws_r (the sum of the
+// two calls it replaces, in their order).
+inline float AddResidualPortable(float f, int32_t accr, int32_t corrr, float xs0, float wsr) {
+  const float g = static_cast<float>(accr - corrr) * xs0;
+  return f + g * wsr;
+}
+
 #if defined(SLIPSTREAM_X86)
 template <int P>
 __attribute__((target("avx512f"), always_inline)) inline __m512 Finish(__m512i acc0, __m512i acc1, __m512i corr,
@@ -228,6 +241,12 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 Finish(__m512i a
   if constexpr (P == 2)
     f = _mm512_add_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1, corr)), _mm512_set1_ps(xs1)));
   return _mm512_mul_ps(f, ws);
+}
+
+__attribute__((target("avx512f"), always_inline)) inline __m512 AddResidual(__m512 f, __m512i accr, __m512i corrr,
+                                                                             float xs0, __m512 wsr) {
+  const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(accr, corrr)), _mm512_set1_ps(xs0));
+  return _mm512_add_ps(f, _mm512_mul_ps(g, wsr));
 }
 #endif
 
@@ -246,28 +265,47 @@ void TilePortable(const Problem& p, const Acts& a, int row, int tile) {
       acc[q] = s;
     }
     const float* xs = a.xs.data() + static_cast<size_t>(row) * p.parts;
-    p.y[static_cast<size_t>(row) * p.n + n0 + c] = FinishPortable(
-        acc[0], acc[1], 128 * p.colsum[n0 + c], xs[0], p.parts == 2 ? xs[1] : 0.0f, p.ws[n0 + c], p.parts);
+    float f = FinishPortable(acc[0], acc[1], 128 * p.colsum[n0 + c], xs[0], p.parts == 2 ? xs[1] : 0.0f,
+                             p.ws[n0 + c], p.parts);
+    if (p.wr) {
+      const int8_t* wr = p.wr + tile * p.tile_bytes();
+      const uint8_t* x = a.u.data() + ActRow(row * p.parts, p.kp);
+      int32_t s = 0;
+      for (int i = 0; i < p.kp; ++i)
+        s += static_cast<int32_t>(x[i / kStep * kTileBytes + i % kStep]) * wr[(i / 4) * 64 + c * 4 + i % 4];
+      f = AddResidualPortable(f, s, 128 * p.colsumr[n0 + c], xs[0], p.wsr[n0 + c]);
+    }
+    p.y[static_cast<size_t>(row) * p.n + n0 + c] = f;
   }
 }
 
 #if defined(SLIPSTREAM_X86)
 // ---- AVX-512 VNNI: R act rows (R / P input rows) x C column tiles over all of K -------------------
-template <int R, int C, int P>
+// kRes: the residual weight's tiles too, in the same pass (each weight vector of both, the act rows read once),
+// times each input row's first part.
+template <int R, int C, int P, bool kRes = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
   const size_t kp = p.kp, tb = p.tile_bytes();
   const uint8_t* x[R];
   for (int r = 0; r < R; ++r) x[r] = a.u.data() + ActRow(ar0 + r, p.kp);
   const int8_t* w = p.w + tile0 * tb;
-  __m512i acc[R][C];
+  const int8_t* wr = kRes ? p.wr + tile0 * tb : nullptr;
+  constexpr int RR = kRes ? R / P : 1;  // residual accumulators: one per input row
+  __m512i acc[R][C], accr[RR][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) accr[r][c] = _mm512_setzero_si512();
   for (size_t k4 = 0; k4 < kp / 4; ++k4) {
-    __m512i wv[C];
+    __m512i wv[C], wrv[C];
     for (int c = 0; c < C; ++c) {
       if constexpr (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(w + c * tb + k4 * 64 + 1024), _MM_HINT_T0);
       wv[c] = _mm512_loadu_si512(w + c * tb + k4 * 64);
+      if constexpr (kRes) {
+        if constexpr (R <= 2) _mm_prefetch(reinterpret_cast<const char*>(wr + c * tb + k4 * 64 + 1024), _MM_HINT_T0);
+        wrv[c] = _mm512_loadu_si512(wr + c * tb + k4 * 64);
+      }
     }
     const size_t at = k4 / 16 * kTileBytes + k4 % 16 * 4;  // inputs 4 k4.. in the A tile layout
     for (int r = 0; r < R; ++r) {
@@ -275,6 +313,10 @@ void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
       std::memcpy(&four, x[r] + at, 4);
       const __m512i xb = _mm512_set1_epi32(four);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+      if constexpr (kRes) {
+        if (r % P == 0)
+          for (int c = 0; c < C; ++c) accr[r / P][c] = _mm512_dpbusd_epi32(accr[r / P][c], xb, wrv[c]);
+      }
     }
   }
   for (int c = 0; c < C; ++c) {
@@ -282,10 +324,17 @@ void TileVnni(const Problem& p, const Acts& a, int ar0, int tile0) {
     const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsum + n0), 7);
     const __m512 ws = _mm512_maskz_loadu_ps(mask, p.ws + n0);
+    __m512i corrr = _mm512_setzero_si512();
+    __m512 wsr = _mm512_setzero_ps();
+    if constexpr (kRes) {
+      corrr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsumr + n0), 7);
+      wsr = _mm512_maskz_loadu_ps(mask, p.wsr + n0);
+    }
     for (int i = 0; i < R / P; ++i) {
       const int row = ar0 / P + i;
       const float* xs = a.xs.data() + static_cast<size_t>(row) * P;
-      const __m512 f = Finish<P>(acc[i * P][c], acc[i * P + P - 1][c], corr, xs[0], xs[P - 1], ws);
+      __m512 f = Finish<P>(acc[i * P][c], acc[i * P + P - 1][c], corr, xs[0], xs[P - 1], ws);
+      if constexpr (kRes) f = AddResidual(f, accr[i][c], corrr, xs[0], wsr);
       _mm512_mask_storeu_ps(p.y + static_cast<size_t>(row) * p.n + n0, mask, f);
     }
   }
@@ -303,38 +352,44 @@ __attribute__((target("amx-tile"))) void AmxBegin() { _tile_loadconfig(&kAmxConf
 __attribute__((target("amx-tile"))) void AmxEnd() { _tile_release(); }
 
 // C tile (2r + t) = A tile row tile rt0 + r x B tile of column tile tile0 + t over all of K (RT, CT in {1, 2}), stored
-// once; then the float steps (Finish) of each output row below m and column below n.
-template <int RT, int CT, int P>
+// once; then the float steps (Finish) of each output row below m and column below n. kRes (CT = 1): C tile 2r + 1
+// is instead the same A tiles times the residual weight's B tile of column tile tile0 (tmm7), sharing the A tile
+// loads; only its rows of first parts are used (the product with the second parts' rows is wasted: a layout of
+// first parts alone would cost a second copy of the activations).
+template <int RT, int CT, int P, bool kRes = false>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
+  static_assert(!kRes || CT == 1, "the residual's C tiles take the second column's registers");
+  constexpr bool kSecond = CT == 2 || kRes;  // C tiles 1 and 3 in use
   const size_t row_tile = static_cast<size_t>(p.kp / kStep) * kTileBytes;  // one row tile's A tiles
   const uint8_t* x = a.u.data() + rt0 * row_tile;
   const int8_t* w = p.w + tile0 * p.tile_bytes();
+  const int8_t* w7 = kRes ? p.wr + tile0 * p.tile_bytes() : w + p.tile_bytes();  // tmm7's B tiles
   _tile_zero(0);
-  if constexpr (CT == 2) _tile_zero(1);
+  if constexpr (kSecond) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  if constexpr (RT == 2 && kSecond) _tile_zero(3);
   for (int k = 0; k < p.kp; k += kStep) {
     const size_t xa = static_cast<size_t>(k / kStep) * kTileBytes, wb = static_cast<size_t>(k) * kTile;
     _tile_loadd(4, x + xa, kStep);
     _tile_loadd(6, w + wb, 64);
     _tile_dpbusd(0, 4, 6);
-    if constexpr (CT == 2) {
-      _tile_loadd(7, w + p.tile_bytes() + wb, 64);
+    if constexpr (kSecond) {
+      _tile_loadd(7, w7 + wb, 64);
       _tile_dpbusd(1, 4, 7);
     }
     if constexpr (RT == 2) {
       _tile_loadd(5, x + row_tile + xa, kStep);
       _tile_dpbusd(2, 5, 6);
-      if constexpr (CT == 2) _tile_dpbusd(3, 5, 7);
+      if constexpr (kSecond) _tile_dpbusd(3, 5, 7);
     }
   }
   constexpr int kC = kAmxRows * kTile;  // int32s of one C tile
   alignas(64) int32_t cbuf[4 * kC];
   _tile_stored(0, cbuf, 64);
-  if constexpr (CT == 2) _tile_stored(1, cbuf + kC, 64);
+  if constexpr (kSecond) _tile_stored(1, cbuf + kC, 64);
   if constexpr (RT == 2) _tile_stored(2, cbuf + 2 * kC, 64);
-  if constexpr (RT == 2 && CT == 2) _tile_stored(3, cbuf + 3 * kC, 64);
+  if constexpr (RT == 2 && kSecond) _tile_stored(3, cbuf + 3 * kC, 64);
   // locals: the output stores could alias p's and a's fields, which the compiler would then load again per vector
   float* const y = p.y;
   const size_t n = p.n;
@@ -344,14 +399,22 @@ void TileAmx(const Problem& p, const Acts& a, int rt0, int tile0) {
     const __mmask16 mask = cols >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
     const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsum + n0), 7);
     const __m512 ws = _mm512_maskz_loadu_ps(mask, p.ws + n0);
+    __m512i corrr = _mm512_setzero_si512();
+    __m512 wsr = _mm512_setzero_ps();
+    if constexpr (kRes) {
+      corrr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.colsumr + n0), 7);
+      wsr = _mm512_maskz_loadu_ps(mask, p.wsr + n0);
+    }
     for (int r = 0; r < RT; ++r) {
       const int32_t* c = cbuf + (2 * r + t) * kC;
+      const int32_t* cr = cbuf + (2 * r + 1) * kC;  // kRes: the residual's sums
       const int row0 = (rt0 + r) * (kAmxRows / P), rows = std::min(kAmxRows / P, p.m - row0);
       const float* xs = xs_all + static_cast<size_t>(row0) * P;
       float* out = y + static_cast<size_t>(row0) * n + n0;
       for (int i = 0; i < rows; ++i, xs += P, out += n) {
-        const __m512 f = Finish<P>(_mm512_load_si512(c + i * P * kTile), _mm512_load_si512(c + (i * P + P - 1) * kTile),
-                                   corr, xs[0], xs[P - 1], ws);
+        __m512 f = Finish<P>(_mm512_load_si512(c + i * P * kTile), _mm512_load_si512(c + (i * P + P - 1) * kTile),
+                             corr, xs[0], xs[P - 1], ws);
+        if constexpr (kRes) f = AddResidual(f, _mm512_load_si512(cr + i * P * kTile), corrr, xs[0], wsr);
         _mm512_mask_storeu_ps(out, mask, f);
       }
     }
@@ -422,8 +485,10 @@ struct Job {
     const int row_lo = rb * block_rows, row_hi = std::min(row_lo + block_rows, p.m);
 #if defined(SLIPSTREAM_X86)
     if (amx) return RunAmx(tile_lo, tile_hi, row_lo, row_hi);
-    if (isa == Isa::kAvx512Vnni) return p.parts == 2 ? RunVnni<2>(tile_lo, tile_hi, row_lo, row_hi)
-                                                     : RunVnni<1>(tile_lo, tile_hi, row_lo, row_hi);
+    if (isa == Isa::kAvx512Vnni) {
+      if (p.wr) return RunVnni<2, true>(tile_lo, tile_hi, row_lo, row_hi);  // the residual comes with two parts
+      return p.parts == 2 ? RunVnni<2>(tile_lo, tile_hi, row_lo, row_hi) : RunVnni<1>(tile_lo, tile_hi, row_lo, row_hi);
+    }
 #endif
     for (int t = tile_lo; t < tile_hi; ++t)
       for (int row = row_lo; row < row_hi; ++row) TilePortable(p, *acts, row, t);
@@ -432,35 +497,42 @@ struct Job {
 #if defined(SLIPSTREAM_X86)
   // One input row (decode) streams 4 tiles at a time; more rows reuse each weight vector over up to 6 act rows x 3
   // tiles (18 accumulators: enough independent vpdpbusd to hide its latency).
-  template <int P>
+  // With the residual (kRes) the one-row stream reads both weights' 4 tiles in one pass (12 accumulators), and the
+  // micro blocks are 2 input rows x 3 tiles (12 + 6 accumulators and 6 weight vectors: within the 32 registers).
+  template <int P, bool kRes = false>
   void RunVnni(int tile_lo, int tile_hi, int row_lo, int row_hi) {
     if (row_hi - row_lo == 1) {
-      for (int t = tile_lo; t < tile_hi; t += 4) VnniOneRow<P>(std::min(4, tile_hi - t), row_lo * P, t);
+      for (int t = tile_lo; t < tile_hi; t += 4) VnniOneRow<P, kRes>(std::min(4, tile_hi - t), row_lo * P, t);
       return;
     }
-    constexpr int kRows = 6 / P;  // input rows per micro block
+    constexpr int kRows = kRes ? 2 : 6 / P;  // input rows per micro block
     for (int t = tile_lo; t < tile_hi; t += 3) {
       const int c = std::min(3, tile_hi - t);
-      for (int row = row_lo; row < row_hi; row += kRows) VnniFn<P>(std::min(kRows, row_hi - row), c)(p, *acts, row * P, t);
+      for (int row = row_lo; row < row_hi; row += kRows)
+        VnniFn<P, kRes>(std::min(kRows, row_hi - row), c)(p, *acts, row * P, t);
     }
   }
 
-  template <int P>
+  template <int P, bool kRes>
   void VnniOneRow(int c, int ar0, int t) {
-    if (c == 4) TileVnni<P, 4, P>(p, *acts, ar0, t);
-    else if (c == 3) TileVnni<P, 3, P>(p, *acts, ar0, t);
-    else if (c == 2) TileVnni<P, 2, P>(p, *acts, ar0, t);
-    else TileVnni<P, 1, P>(p, *acts, ar0, t);
+    if (c == 4) TileVnni<P, 4, P, kRes>(p, *acts, ar0, t);
+    else if (c == 3) TileVnni<P, 3, P, kRes>(p, *acts, ar0, t);
+    else if (c == 2) TileVnni<P, 2, P, kRes>(p, *acts, ar0, t);
+    else TileVnni<P, 1, P, kRes>(p, *acts, ar0, t);
   }
 
   using TileFn = void (*)(const Problem&, const Acts&, int, int);
-  template <int P, int Rows>
-  static constexpr std::array<TileFn, 3> kRowFns = {&TileVnni<Rows * P, 1, P>, &TileVnni<Rows * P, 2, P>,
-                                                    &TileVnni<Rows * P, 3, P>};
-  // the micro kernel of `rows` input rows (1..6/P) x c tiles (1..3)
-  template <int P>
+  template <int P, int Rows, bool kRes = false>
+  static constexpr std::array<TileFn, 3> kRowFns = {&TileVnni<Rows * P, 1, P, kRes>, &TileVnni<Rows * P, 2, P, kRes>,
+                                                    &TileVnni<Rows * P, 3, P, kRes>};
+  // the micro kernel of `rows` input rows (1..6/P; with the residual 1..2) x c tiles (1..3)
+  template <int P, bool kRes = false>
   static TileFn VnniFn(int rows, int c) {
-    if constexpr (P == 2) {
+    if constexpr (kRes) {
+      static_assert(P == 2, "the residual comes with two parts");
+      static constexpr std::array<std::array<TileFn, 3>, 2> table = {kRowFns<2, 1, true>, kRowFns<2, 2, true>};
+      return table[rows - 1][c - 1];
+    } else if constexpr (P == 2) {
       static constexpr std::array<std::array<TileFn, 3>, 3> table = {kRowFns<2, 1>, kRowFns<2, 2>, kRowFns<2, 3>};
       return table[rows - 1][c - 1];
     } else {
@@ -479,6 +551,12 @@ struct Job {
     AmxBegin();
     for (int rt = rt_lo; rt < rt_hi; rt += 2) {
       const int rts = std::min(2, rt_hi - rt);
+      if (p.wr) {  // 2 x 1 blocks: C tiles of the weight and of its residual per row tile (see TileAmx)
+        for (int t = tile_lo; t < tile_hi; ++t)
+          if (rts == 2) TileAmx<2, 1, 2, true>(p, *acts, rt, t);
+          else TileAmx<1, 1, 2, true>(p, *acts, rt, t);
+        continue;
+      }
       for (int t = tile_lo; t < tile_hi; t += 2) {
         const int cts = std::min(2, tile_hi - t);
         if (p.parts == 2) AmxBlock<2>(rts, cts, rt, t);
@@ -498,9 +576,16 @@ struct Job {
 #endif
 };
 
-ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
-                                 ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::S32> layer,
-                                 ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+// The residual weight's buffers (int8-channel-w16), shaped as the weight's; absent in the plain call.
+struct Residual {
+  ffi::Buffer<ffi::S8> packed;
+  ffi::Buffer<ffi::F32> scales;
+  ffi::Buffer<ffi::S32> colsum;
+};
+
+ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, const Residual* residual,
+                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), cd = colsum.dimensions(),
              yd = y->dimensions();
   // one weight [Np/16, Kp*16] (scales, colsum [Np]), or a stack of L of them of which `layer` picks one (read
@@ -527,12 +612,26 @@ ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
       p.n > p.tiles * kTile || p.n + kTile <= p.tiles * kTile || sd[lw] != int64_t(p.tiles) * kTile ||
       cd[lw] != sd[lw] || (rank == 3 && (sd[0] != wd[0] || cd[0] != wd[0])))
     return ffi::Error::InvalidArgument("int8_channel_matmul: packed weight, scales, colsum, x and y shapes disagree");
+  if (residual) {
+    if (parts != 2) return ffi::Error::InvalidArgument("int8_channel_matmul: a residual weight needs parts = 2");
+    const auto rd = residual->packed.dimensions(), rsd = residual->scales.dimensions(),
+               rcd = residual->colsum.dimensions();
+    if (rd.size() != rank || rsd.size() != rank - 1 || rcd.size() != rank - 1 ||
+        !std::equal(rd.begin(), rd.end(), wd.begin()) || !std::equal(rsd.begin(), rsd.end(), sd.begin()) ||
+        !std::equal(rcd.begin(), rcd.end(), cd.begin()))
+      return ffi::Error::InvalidArgument("int8_channel_matmul: the residual weight's shapes are not the weight's");
+  }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const size_t np = static_cast<size_t>(p.tiles) * kTile;
   p.x = x.typed_data();
   p.w = packed.typed_data() + index * np * p.kp;
   p.ws = scales.typed_data() + index * np;
   p.colsum = colsum.typed_data() + index * np;
+  if (residual) {
+    p.wr = residual->packed.typed_data() + index * np * p.kp;
+    p.wsr = residual->scales.typed_data() + index * np;
+    p.colsumr = residual->colsum.typed_data() + index * np;
+  }
   p.y = y->typed_data();
   // a large output (the LM head over many rows) is usually fresh memory: 2 MiB pages fault ~500x less often
   const size_t out_bytes = static_cast<size_t>(p.m) * p.n * sizeof(float);
@@ -561,6 +660,21 @@ ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
+ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                 ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::S32> layer,
+                                 ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, nullptr, layer, y, parts);
+}
+
+ffi::Error Int8ChannelMatmulResidualImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                         ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum,
+                                         ffi::Buffer<ffi::S8> packed_lo, ffi::Buffer<ffi::F32> scales_lo,
+                                         ffi::Buffer<ffi::S32> colsum_lo, ffi::Buffer<ffi::S32> layer,
+                                         ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+  const Residual residual{packed_lo, scales_lo, colsum_lo};
+  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, &residual, layer, y, parts);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmul, Int8ChannelMatmulImpl,
@@ -573,6 +687,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmul, Int8ChannelMatmulImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer: which of a stack [L, ...]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int32_t>("parts"));     // int8 parts per activation
+
+// The same plus a residual weight (int8-channel-w16) times the activations' first part:
+//   y = Finish(acc_0, acc_1) + (f32(accr - 128 colsum_lo) * xs_0) * scales_lo
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmulResidual, Int8ChannelMatmulResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed [(L,) Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed_lo: the residual weight, as packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales_lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum_lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer: which of a stack [L, ...]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("parts"));     // int8 parts per activation (2)
 
 // ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the test/benchmark setters ----
 
@@ -598,7 +728,8 @@ static PyObject* ThreadingPy(PyObject*, PyObject* args) {
 PyMODINIT_FUNC PyInit__int8_channel_matmul() {
   static rt::ModuleSpec spec{
       "_int8_channel_matmul", "Per-output-channel int8 matmul for XLA:CPU through the FFI.",
-      {{"slipstream_int8_channel_matmul", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmul)}},
+      {{"slipstream_int8_channel_matmul", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmul)},
+       {"slipstream_int8_channel_matmul_residual", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidual)}},
       &g_isa,
       {{"amx_rows", AmxRowsPy, METH_VARARGS,
         "amx_rows(min_rows): calls of at least min_rows input rows run on the tile unit (negative: keep); returns "
