@@ -230,54 +230,42 @@ def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.A
         return y.reshape(*lead, n)
     if layer is not None:
         w = jax.tree.map(functools.partial(_index_layer, layer), w)
-    if not grouped and w.residual is not None:   # int8-channel-w16
-        if _cpu_channel_native():
-            y = jax.lax.platform_dependent(x2, w.q, w.scale, w.residual, cpu=_cpu_channel_residual,
-                                           default=_per_channel_residual)
-        else:
-            y = _per_channel_residual(x2, w.q, w.scale, w.residual)
-    elif not grouped and _cpu_channel_native():
-        y = jax.lax.platform_dependent(x2, w.q, w.scale, cpu=functools.partial(_cpu_channel, parts=w.parts),
+    operands = (x2, w.q, w.scale) + (() if w.residual is None else (w.residual,))
+    if not grouped and _cpu_channel_native():
+        y = jax.lax.platform_dependent(*operands, cpu=functools.partial(_cpu_channel, parts=w.parts),
                                        default=functools.partial(_per_channel, a8_rows=w.a8_rows))
     elif not grouped:
-        y = _per_channel(x2, w.q, w.scale, a8_rows=w.a8_rows)
+        y = _per_channel(*operands, a8_rows=w.a8_rows)
     else:
         y = jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
     return y.reshape(*lead, n)
 
 
-def _per_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, a8_rows: int | None) -> jax.Array:
-    """x2 [M, K] @ a per-channel weight in XLA: int8 rows times q in int32 from a8_rows rows on, else float."""
-    if a8_rows is not None and x2.shape[0] >= a8_rows:
+def _per_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array | None = None, *,
+                 a8_rows: int | None) -> jax.Array:
+    """x2 [M, K] @ a per-channel weight in XLA: int8 rows times q in int32 from a8_rows rows on, else float (with
+    a residual: float activations times q + residual / RESIDUAL)."""
+    if residual is not None:
+        q = q.astype(jnp.float32) + residual.astype(jnp.float32) / RESIDUAL
+    elif a8_rows is not None and x2.shape[0] >= a8_rows:
         xq, xs = quantize_rows(x2)
         acc = jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * xs[:, None] * scale[0]
     return jnp.einsum("mk,kn->mn", x2, q.astype(x2.dtype), preferred_element_type=jnp.float32) * scale[0]
 
 
-def _per_channel_residual(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array) -> jax.Array:
-    """x2 [M, K] @ an int8-channel-w16 weight in XLA: float activations times (q + residual / RESIDUAL)."""
-    w = q.astype(jnp.float32) + residual.astype(jnp.float32) / RESIDUAL
-    return jnp.einsum("mk,kn->mn", x2, w.astype(x2.dtype), preferred_element_type=jnp.float32) * scale[0]
-
-
 def _cpu_channel_native() -> bool:
     return icm.native_available()
 
 
-def _cpu_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, *, parts: int) -> jax.Array:
+def _cpu_channel(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array | None = None, *,
+                 parts: int) -> jax.Array:
     """The native CPU kernel on a weight packed here, per call (the engine packs its weights once, at load:
-    quantization/layer_forms.py's StackedChannel / PackedChannel)."""
+    quantization/layer_forms.py's StackedChannel / PackedChannel); a residual (scale / RESIDUAL) in the same call."""
     packed, scales, colsum = icm.pack_jax(q, scale[0])
-    return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=parts)
-
-
-def _cpu_channel_residual(x2: jax.Array, q: jax.Array, scale: jax.Array, residual: jax.Array) -> jax.Array:
-    """The native CPU kernel on an int8-channel-w16 weight packed here, per call: q on two activation parts plus
-    the residual (scale / RESIDUAL) on the first, in one call (layer_forms packs the engine's once)."""
-    packed, scales, colsum = icm.pack_jax(q, scale[0])
-    lo = icm.pack_jax(residual, residual_scale(scale)[0])
-    return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=2, residual=lo)
+    lo = None if residual is None else icm.pack_jax(residual, residual_scale(scale)[0])
+    return icm.int8_channel_matmul(x2.astype(jnp.float32), packed, scales, colsum, n=q.shape[1], parts=parts,
+                                   residual=lo)
 
 
 def residual_scale(scale: jax.Array) -> jax.Array:
