@@ -12,7 +12,7 @@ not how Slipstream is served.
 With SLIPSTREAM_TRACE_STEPS=FILE it also (or only, without SLIPSTREAM_TRACE) appends one JSON line per
 planned step: when the planner was asked (perf_counter), its decodes, its prefill chunks (request id, start,
 length, whether it samples) and the requests still waiting, so a request's TTFT can be split into the steps
-it waited for. `python -m benchmarks.bench.trace_server steps FILE [FULL]` prints the steps' intervals by
+it waited for; and one line per call of the scheduler's submit and the engine's launch and insert (time_calls). `python -m benchmarks.bench.trace_server steps FILE [FULL]` prints the steps' intervals by
 kind (step_intervals): with FULL the batch size, the decode steps' p50 is the server's step time.
 
 read_trace / join_trace / server_view read a trace back against a client's --save-detailed results.
@@ -131,12 +131,32 @@ def step_writer(path: str) -> Callable[[StepEvent], None]:
     return write
 
 
+def time_calls(path: str, obj, names: tuple[str, ...]) -> None:
+    """Wrap obj's methods `names` to append one JSON line per call to `path`: {"call": name, "t0", "t1"
+    (perf_counter at entry and return), "id": the request id where the first argument has one}. The
+    scheduler's submit and the engine's launch and insert, so a lone request's time before its prefill
+    step is planned splits into the submit, the engine thread's admission, and the step's launch."""
+    out = open(path, "a", buffering=1, encoding="utf-8")
+    for name in names:
+        fn = getattr(obj, name)
+
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                rid = getattr(args[0], "request_id", None) if args else None
+                out.write(json.dumps({"call": _name, "t0": t0, "t1": time.perf_counter(), "id": rid}) + "\n")
+
+        setattr(obj, name, timed)
+
+
 def step_intervals(path: str, full: int) -> dict[str, dict[str, float]]:
     """A step trace's time from each plan to the next, by kind of step: "decode, full" (decodes only, at
     least `full` of them: a busy server's steady state), "decode" (fewer) and "prefill" (with a chunk).
     Per kind: steps, p10/p50/p90 ms and the seconds they took. At steady state the decodes' interval
     is the server's step time, the engine's device time plus whatever host work it waits for."""
-    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    lines = [line for line in map(json.loads, Path(path).read_text().splitlines()) if "prefill" in line]
     kinds: dict[str, list[float]] = {"decode, full": [], "decode": [], "prefill": []}
     for line, after in zip(lines, lines[1:]):
         kind = "prefill" if line["prefill"] else "decode, full" if line["decodes"] >= full else "decode"
@@ -171,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         if steps:
             for scheduler in service.scheduler.replicas:
                 scheduler.add_step_listener(step_writer(steps))
+                time_calls(steps, scheduler, ("submit",))
+                time_calls(steps, scheduler._engine, ("launch", "insert"))
         return app
 
     slipstream.server.app.create_app = traced_create_app  # cmd_serve imports it from slipstream.server.app when it runs

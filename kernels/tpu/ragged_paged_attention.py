@@ -229,7 +229,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
                            int8_write: str | None = None, interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
-    pages_per_block: pages per DMA block (default: 512 keys' worth); decode_rows / prefill_rows: query
+    pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
     page); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
     Pallas' TPU interpreter (tests on CPU)."""
@@ -249,7 +249,9 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
         raise ValueError(f"q has {h} heads of {hd}, not a multiple of the cache's {kvh} KV heads "
                          f"(cache {kind} {tuple(shape)})")
     group = h // kvh
-    nb = pages_per_block or max(1, 512 // ps)
+    # 512 keys a block, 1024 of int8 (the same bytes): measured on a v5e, 64 x 1024 int8 decodes of 8B heads,
+    # 8 pages of 128 took 191 us a layer against 4 pages' 250 (benchmarks/results.d/tpu-v5e.md)
+    nb = pages_per_block or max(1, (1024 if kv_cache["kv"].dtype == jnp.int8 else 512) // ps)
     n_rows, pages_per_seq = page_indices.shape
 
     seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)

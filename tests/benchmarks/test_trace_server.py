@@ -59,3 +59,28 @@ def test_step_intervals_split_full_decode_steps_from_the_rest(tmp_path):
     assert got["prefill"]["steps"] == 1 and abs(got["prefill"]["p50_ms"] - 10) < 1e-6
     assert got["decode, full"]["steps"] == 2 and abs(got["decode, full"]["p50_ms"] - 20) < 1e-6
     assert got["decode"]["steps"] == 1 and abs(got["decode"]["p50_ms"] - 5) < 1e-6
+
+
+def test_timed_calls_are_traced_beside_the_steps_and_left_out_of_their_intervals(tmp_path):
+    # a lone request's time before its step: the scheduler's submit and the engine's launch, stamped per call
+    from slipstream.engine.mock_engine import MockEngine
+    from tests.engine.scheduler_helpers import WAIT, chain, req, running
+
+    path = tmp_path / "steps.jsonl"
+    engine = MockEngine(max_slots=2, page_size=4, max_num_batched_tokens=8, step_sleep_s=0.001)
+    with running(engine, enable_prefix_cache=False) as sched:
+        sched.add_step_listener(trace_server.step_writer(str(path)))
+        trace_server.time_calls(str(path), sched, ("submit",))
+        trace_server.time_calls(str(path), engine, ("launch",))
+        r = req(list(range(40, 46)), 2)
+        assert sched.submit(r).result(timeout=WAIT).token_ids == chain(list(range(40, 46)), 2)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    calls = [line for line in lines if "call" in line]
+    submits = [c for c in calls if c["call"] == "submit"]
+    assert len(submits) == 1 and submits[0]["id"] == r.request_id and submits[0]["t0"] <= submits[0]["t1"]
+    launches = [c for c in calls if c["call"] == "launch"]
+    steps = [line for line in lines if "prefill" in line and (line["prefill"] or line["decodes"])]
+    assert len(launches) == len(steps) >= 2
+    assert submits[0]["t1"] <= steps[0]["t"] <= launches[0]["t0"]
+    got = trace_server.step_intervals(str(path), full=1)
+    assert sum(row["steps"] for row in got.values()) == sum("prefill" in line for line in lines) - 1
