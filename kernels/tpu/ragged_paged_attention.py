@@ -119,20 +119,40 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                       1 - slot)
 
             wait(i, blk, slot)
-            for h in range(kvh):
-                q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
-                if merge_pages:
-                    _keys(q, h, slice(None), blk * nb, slot)
-                else:
-                    for j in range(nb):
-                        _keys(q, h, slice(j, j + 1), blk * nb + j, slot)
+
+            def attend(at, n):
+                """Every head's rows against buffer pages [at, at + n) (at may be traced)."""
+                for h in range(kvh):
+                    q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
+                    _keys(q, h, at, n, blk * nb + at, slot)
+
+            if not merge_pages:
+                for j in range(nb):
+                    attend(j, 1)
+                return 1 - slot
+            # the block's pages that hold the item's keys: all of them, or a run at its start or end (a
+            # context's last block, a window's first); a partial block computes only its run, in merged
+            # pieces of nb/2, nb/4 .. 1 pages, since masked pages cost as much as kept ones (the 8B
+            # engine's 1025-token contexts: 9 pages, the second block of 8 one page)
+            lo = jnp.maximum(item_first_ref[i] - blk * nb, 0)
+            hi = jnp.minimum(item_end_ref[i] - blk * nb, nb)
+            whole = (lo == 0) & (hi == nb)
+            pl.when(whole)(lambda: attend(0, nb))
+
+            @pl.when(jnp.logical_not(whole))
+            def _part():
+                at, n = lo, nb // 2
+                while n >= 1:
+                    take = hi - at >= n
+                    pl.when(take)(functools.partial(attend, at, n))
+                    at, n = at + jnp.where(take, n, 0), n // 2
             return 1 - slot
 
-        def _keys(q, h, pages, first_page, slot):
-            """Head h's rows against the keys of buffer pages `pages` (a slice), whose first is the
-            sequence's page number first_page."""
-            n = len(range(nb)[pages])
+        def _keys(q, h, at, n, first_page, slot):
+            """Head h's rows against the keys of buffer pages [at, at + n) (at may be traced), whose
+            first is the sequence's page number first_page."""
             keys = n * ps
+            pages = pl.ds(at, n)
             if kind == "split":
                 k = kv_buf[slot, pages, h, 0].reshape(keys, hd)                          # [n*ps, hd]
                 v = kv_buf[slot, pages, h, 1].reshape(keys, hd)
@@ -147,7 +167,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                     k, v = kv_rows[:, :hd], kv_rows[:, hd:]                               # [n*ps, hd]
             scales = None
             if int8:   # per-key scales as lane rows [1, n*ps]
-                scales = tuple(jnp.concatenate([sc_buf[slot, j, h, kv:kv + 1, :] for j in range(nb)[pages]],
+                scales = tuple(jnp.concatenate([sc_buf[slot, at + j, h, kv:kv + 1, :] for j in range(n)],
                                                axis=1) for kv in (0, 1))
             online_softmax.update(q, k, v, scales, m_ref, l_ref, acc_ref, h, q_pos0=base, group=group,
                                   first_key=first_page * ps, sm_scale=sm_scale, sliding_window=sliding_window,

@@ -29,3 +29,12 @@ def test_int8_pages_written_by_the_pallas_write():
     the reference's bit for bit and the outputs match."""
     spec = dataclasses.replace(next(s for s in SPECS if s.name == "mixed_int8_hd128"), page_size=32)
     check(spec, interpret=True, atol=tolerance(spec), pages_per_block=2, prefill_rows=8, int8_write="kernel")
+
+
+@pytest.mark.parametrize("name,page_size", [("decode_gqa4_hd128", 4), ("mixed_window_softcap", 4),
+                                            ("mixed_int8_hd128", 2)])
+def test_partial_blocks_attend_only_their_pages(name, page_size):
+    """Blocks of 8 pages over contexts of 3-21 pages: a context's last block and a window's first hold a run
+    of 1-7 of the item's pages, which the kernel computes in merged pieces of 4, 2 and 1 pages."""
+    spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=page_size)
+    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=8, prefill_rows=8)
