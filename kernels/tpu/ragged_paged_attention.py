@@ -21,11 +21,17 @@ from slipstream.kernels.tpu import layout, online_softmax
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
+# Off until measured on the chip: the 8B engine's 64 x 1025-token int8 decodes take 362 us a layer in blocks of 8
+# pages (8 + 1) where 64 x 1024 take 191: the one-page block's DMA hides nothing, so the next item's 8-page block
+# is fetched in the open (benchmarks/results.d/tpu-v5e.md). Balanced, 9 pages are blocks of 5 + 4.
+BALANCED = False
+
+
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool):
+            merge_pages: bool, balanced: bool):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -44,14 +50,40 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     n_items = num_items_ref[0]
     layer = layer_ref[0]
 
+    def blocks(item):
+        """item's first and last block numbers."""
+        first, end = item_first_ref[item], item_end_ref[item]
+        if not balanced:
+            return first // nb, (end - 1) // nb
+        return 0, (end - first + nb - 1) // nb - 1
+
+    def block_pages(item, blk):
+        """(page0, size): block blk of item holds the sequence's pages from page0, at most size of them
+        (those outside the item's range are not fetched). Unbalanced: blocks of nb pages at multiples
+        of nb. Balanced: from the item's first page, blocks of nb but the last two, which split their
+        pages evenly, so no block is a page or two (a short block's DMAs cannot hide the next one's)."""
+        if not balanced:
+            return blk * nb, nb
+        first, end = item_first_ref[item], item_end_ref[item]
+        n = end - first
+        n_blk = (n + nb - 1) // nb
+        two = n_blk >= 2
+        rest = n - (n_blk - 2) * nb               # the last two blocks' pages
+        a = (rest + 1) // 2
+        page0 = first + blk * nb + jnp.where(two & (blk == n_blk - 1), a - nb, 0)
+        size = jnp.where(two & (blk == n_blk - 2), a, jnp.where(two & (blk == n_blk - 1), rest - a,
+                                                                   jnp.minimum(n, nb)))
+        return page0, size
+
     def copies(item, blk, slot):
         """The DMAs of block `blk` of `item`'s pages into buffer `slot`, each with its predicate (pages
         outside the item's keys are not fetched; their stale buffer rows are masked)."""
         s = item_seq_ref[item]
+        page0, size = block_pages(item, blk)
         out = []
         for j in range(nb):
-            p = blk * nb + j
-            valid = (p >= item_first_ref[item]) & (p < item_end_ref[item])
+            p = page0 + j
+            valid = (p >= item_first_ref[item]) & (p < item_end_ref[item]) & (j < size)
             page = pages_ref[s * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
             out.append((valid, pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j], sems.at[0, slot])))
             if int8:
@@ -83,7 +115,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
         @pl.when(n_items > 0)
         def _():
-            start(0, item_first_ref[0] // nb, 0)
+            start(0, blocks(0)[0], 0)
             q_copy(0, 0).start()
 
     @pl.when(i < n_items)
@@ -106,8 +138,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
         l_ref[...] = jnp.zeros_like(l_ref)
         q_copy(i, qs).wait()
-        first_blk = item_first_ref[i] // nb
-        last_blk = (item_end_ref[i] - 1) // nb
+        first_blk, last_blk = blocks(i)
         nxt_item = jnp.minimum(i + 1, item_seq_ref.shape[0] - 1)
 
         def block(blk, slot):
@@ -115,37 +146,34 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
             @pl.when(jnp.logical_not(last) | (i + 1 < n_items))
             def _prefetch():
-                start(jnp.where(last, nxt_item, i), jnp.where(last, item_first_ref[nxt_item] // nb, blk + 1),
-                      1 - slot)
+                start(jnp.where(last, nxt_item, i), jnp.where(last, blocks(nxt_item)[0], blk + 1), 1 - slot)
 
             wait(i, blk, slot)
+            page0, size = block_pages(i, blk)
 
             def attend(at, n):
                 """Every head's rows against buffer pages [at, at + n) (at may be traced)."""
                 for h in range(kvh):
                     q = q_buf[qs, :, h * group:(h + 1) * group, :].reshape(r, hd).astype(cdt)   # [r, hd]
-                    _keys(q, h, at, n, blk * nb + at, slot)
+                    _keys(q, h, at, n, page0 + at, slot)
 
             if not merge_pages:
                 for j in range(nb):
                     attend(j, 1)
-                return 1 - slot
-            # the block's pages that hold the item's keys: all of them, or a run at its start or end (a
-            # context's last block, a window's first); a partial block computes only its run, in merged
-            # pieces of nb/2, nb/4 .. 1 pages, since masked pages cost as much as kept ones (the 8B
-            # engine's 1025-token contexts: 9 pages, the second block of 8 one page)
-            lo = jnp.maximum(item_first_ref[i] - blk * nb, 0)
-            hi = jnp.minimum(item_end_ref[i] - blk * nb, nb)
-            whole = (lo == 0) & (hi == nb)
-            pl.when(whole)(lambda: attend(0, nb))
+            elif not balanced:
+                attend(0, nb)
+            else:
+                # a block of fewer than nb pages computes only those (masked pages cost as much as kept
+                # ones), in merged pieces of nb/2, nb/4 .. 1 pages
+                pl.when(size == nb)(lambda: attend(0, nb))
 
-            @pl.when(jnp.logical_not(whole))
-            def _part():
-                at, n = lo, nb // 2
-                while n >= 1:
-                    take = hi - at >= n
-                    pl.when(take)(functools.partial(attend, at, n))
-                    at, n = at + jnp.where(take, n, 0), n // 2
+                @pl.when(size < nb)
+                def _part():
+                    at, n = 0, nb // 2
+                    while n >= 1:
+                        take = size - at >= n
+                        pl.when(take)(functools.partial(attend, at, n))
+                        at, n = at + jnp.where(take, n, 0), n // 2
             return 1 - slot
 
         def _keys(q, h, at, n, first_page, slot):
@@ -210,7 +238,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, name):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, name):
     kv = kv_cache["kv"]
     int8 = "kv_scale" in kv_cache
     h, hd = q_pad.shape[1], q_pad.shape[2]
@@ -227,7 +255,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages)
+        merge_pages=merge_pages, balanced=balanced)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -247,11 +275,12 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           int8_write: str | None = None, interpret: bool = False):
+                           balanced: bool | None = None, int8_write: str | None = None, interpret: bool = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows: query
     rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
-    page); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
+    page); balanced: an item's last two blocks split their pages evenly and a block computes only its pages
+    (default BALANCED; see _kernel's block_pages); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
     Pallas' TPU interpreter (tests on CPU)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
@@ -271,6 +300,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     group = h // kvh
     # 512 keys a block, 1024 of int8 (the same bytes): measured on a v5e, 64 x 1024 int8 decodes of 8B heads,
     # 8 pages of 128 took 191 us a layer against 4 pages' 250 (benchmarks/results.d/tpu-v5e.md)
+    balanced = BALANCED if balanced is None else balanced
     nb = pages_per_block or max(1, (1024 if kv_cache["kv"].dtype == jnp.int8 else 512) // ps)
     n_rows, pages_per_seq = page_indices.shape
 
@@ -301,7 +331,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q32, ((0, pad), (0, 0), (0, hd if padded else 0)))
     common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret,
-                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages)
+                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, balanced=balanced)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):

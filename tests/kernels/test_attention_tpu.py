@@ -33,8 +33,9 @@ def test_int8_pages_written_by_the_pallas_write():
 
 @pytest.mark.parametrize("name,page_size", [("decode_gqa4_hd128", 4), ("mixed_window_softcap", 4),
                                             ("mixed_int8_hd128", 2)])
-def test_partial_blocks_attend_only_their_pages(name, page_size):
-    """Blocks of 8 pages over contexts of 3-21 pages: a context's last block and a window's first hold a run
-    of 1-7 of the item's pages, which the kernel computes in merged pieces of 4, 2 and 1 pages."""
+def test_balanced_blocks(name, page_size):
+    """balanced: blocks of 8 pages over contexts of 3-21 pages, an item's last two blocks splitting their pages
+    evenly (a window's item starting anywhere), each block computing only its 1-8 pages, in merged pieces of 4,
+    2 and 1 pages."""
     spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=page_size)
-    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=8, prefill_rows=8)
+    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=8, prefill_rows=8, balanced=True)
