@@ -30,8 +30,11 @@ class BlockManager:
         # its full pages' digests, computed once: the match reads them now, register() at the prefill's end
         digests = chain_digests(tokens, self.page_size, salt=salt) if self.prefix else []
         matched = self.prefix.match(tokens, salt, digests) if self.prefix else []
-        # At least the last known token is computed: its logits give the next token.
-        keep = (len(tokens) - 1) // self.page_size
+        # At least the last known token is computed: its logits give the next token. And only prompt positions
+        # come from the cache (register() offers no others): a preempted sequence's recomputed output is computed
+        # as generated tokens are (engine/api.StepBatch: a row's role is its token's), whatever another request
+        # whose prompt held those tokens cached.
+        keep = min((len(tokens) - 1) // self.page_size, len(seq.request.prompt_ids) // self.page_size)
         if len(matched) > keep:
             self.allocator.free_many(matched[keep:])
             matched = matched[:keep]
@@ -62,10 +65,15 @@ class BlockManager:
         return True
 
     def register(self, seq: Sequence) -> bool:
-        """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
-        if self.prefix is None or seq.prefill_end < self.page_size:
+        """Offer the full pages of its prompt that `seq` has prefilled to later requests; True if there were any. A
+        preempted sequence's recomputed output is not offered: a later request would read it as prompt tokens,
+        which the hybrid weights compute in another form (EngineConfig.prompt_w16), so a hit and a miss would
+        differ."""
+        end = min(seq.prefill_end, len(seq.request.prompt_ids))
+        if self.prefix is None or end < self.page_size:
             return False
-        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages, seq.request.cache_salt, seq.page_digests)
+        self.prefix.insert(seq.token_slice(0, end), seq.pages, seq.request.cache_salt,
+                           seq.page_digests[:end // self.page_size])
         return True
 
     def release(self, seq: Sequence) -> None:

@@ -5,6 +5,7 @@ loudly. A launched step's samples are computed at once but handed out by result(
 order, after a modelled device time: steps queue on one device, `step_sleep_s` each."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -58,6 +59,7 @@ class MockEngine:
         # ("launch", step index) and ("collect", step index), in the order they happened
         self.events: list[tuple[str, int]] = []
         self._slots: dict[int, _Binding] = {}
+        self._prompt_len: dict[int, int] = collections.defaultdict(int)  # by slot, as inserted
         self._lock = threading.Lock()  # tests read the logs while the engine thread writes them
         self._device_free_at = 0.0     # when the last launched step's modelled device time ends
         self._launched = 0             # steps launched (the logs may be bounded: not their length)
@@ -102,6 +104,7 @@ class MockEngine:
                 raise MockEngineError(f"insert into occupied slot {slot}; free it first")
             history = list(state.prompt_ids) + list(state.output_ids)
             self._slots[slot] = _Binding(history, state.params, len(history))
+            self._prompt_len[slot] = len(state.prompt_ids)
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)
@@ -122,6 +125,10 @@ class MockEngine:
             slots = [s.slot for s in batch.seqs]
             if len(set(slots)) != len(slots):
                 raise MockEngineError(f"a slot appears twice in one step: {slots}")
+            try:  # each chunk all prompt or all generated tokens, the prompt ones last (the hybrid weights' rule)
+                batch.prompt_rows_from(self._prompt_len)
+            except ValueError as e:
+                raise MockEngineError(str(e)) from None
             seqs = [self._resolve(seq) for seq in batch.seqs]
             for seq in seqs:
                 self._check_seq(seq)

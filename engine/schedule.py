@@ -37,6 +37,11 @@ class Chunk:
         return self.start + self.length
 
     @property
+    def prompt(self) -> bool:
+        """Its tokens are prompt tokens (a chunk never crosses its prompt's end: StepPlanner.plan)."""
+        return self.start < self.seq.prompt_len
+
+    @property
     def known_end(self) -> int:
         """The end of its known tokens: drafts are computed but count only once accepted."""
         return self.end - len(self.draft)
@@ -50,7 +55,8 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One step: decodes first (oldest admitted first), then prefill chunks."""
+    """One step: decodes first (oldest admitted first), then prefill chunks; chunks of prompt tokens after all
+    others (a decode of a prompt's last token, the rest of it cached, among them)."""
 
     chunks: list[Chunk]
     preempted: list[Sequence]  # back in the waiting queue, their slots and pages released
@@ -221,7 +227,8 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
                 # every later decode keeps its one token; the step samples at most max_slots rows
                 room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
-                draft = self._draft(seq, room)
+                # no drafts after a prompt token (the rest of its prompt was cached): a chunk is all prompt or none
+                draft = self._draft(seq, room) if seq.num_computed >= seq.prompt_len else ()
                 drafted += len(draft)
                 add(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
                 completes |= seq.num_computed < seq.prefill_end
@@ -230,6 +237,8 @@ class StepPlanner:
         pending = [s for s in self.running if s.remaining > 1]
         for seq in pending[:1] + sorted(pending[1:], key=lambda s: s.remaining):
             n = min(seq.remaining, left())
+            if seq.num_computed < seq.prompt_len:  # a recompute's chunk stops at its prompt's end
+                n = min(n, seq.prompt_len - seq.num_computed)
             if n == 0:
                 break
             if completes and n == seq.remaining and 2 * seq.prefill_end >= self.token_budget:
@@ -242,6 +251,8 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_computed + n):
                 add(Chunk(seq, seq.num_computed, n, sample=n == seq.remaining))
                 completes |= n == seq.remaining
+        # chunks of prompt tokens last (engine/api.StepBatch): the step's prompt rows are one range
+        chunks = [c for c in chunks if not c.prompt] + [c for c in chunks if c.prompt]
         return Plan(chunks, preempted, freed)
 
     def propose(self, may_overlap: bool) -> None:

@@ -110,3 +110,41 @@ def test_one_long_prefill_ends_per_step_short_ones_are_not_held():
     assert shape(d.step()) == [(a.order, 0, 8, True), (b.order, 0, 7, False)]
     assert shape(d.step()) == [(a.order, 8, 1, True), (b.order, 7, 1, True)]
     assert b.output_ids == [88]
+
+
+def test_a_recompute_stops_its_chunk_at_the_prompt_end_and_takes_only_prompt_pages_from_the_cache():
+    # a row's role is its token's (prompt or generated: the hybrid weights multiply them in different forms), so a
+    # preempted sequence's recompute computes its output as generated tokens, never as another request's prompt
+    p = planner(budget=16, page_size=4)
+    d = Driver(p, MockEngine(max_num_batched_tokens=16))
+    s = seq(range(40, 46), max_tokens=12)  # a 6-token prompt: one full page
+    d.submit(s)
+    for _ in range(6):
+        d.step()
+    assert len(s.output_ids) == 6
+    # another request whose prompt holds s's prompt and output: its pages 0-1 are cached
+    other = seq(s.tokens[:9], max_tokens=1)
+    d.submit(other)
+    d.step()
+    assert p.blocks.cached_prefix_tokens(s.tokens) == 8
+    d.engine.free(p.preempt(s))
+    known = len(s.tokens)
+    # back: only the prompt's full page from the cache; the chunk stops at the prompt's end, the output after it
+    assert shape(d.step()) == [(s.order, 4, 2, False)]
+    assert shape(d.step()) == [(s.order, 6, known - 6, True)]
+    assert p.blocks.prefix.num_cached == 2  # its recomputed output was not offered to later requests
+
+
+def test_prompt_chunks_come_after_generated_ones():
+    p = planner(budget=16, page_size=4)
+    d = Driver(p, MockEngine(max_num_batched_tokens=16))
+    first = seq(range(40, 49), max_tokens=2)
+    d.submit(first)
+    d.step()
+    d.step()  # done: its prompt's two full pages are cached
+    a, b = seq(range(40, 49), max_tokens=4), seq([7, 8], max_tokens=4)
+    d.submit(a)
+    d.step()  # a: its last prompt token (the rest cached) is a one-token chunk; its first output comes back
+    d.submit(b)
+    # a decodes a generated token, b's prompt chunk comes after it
+    assert shape(d.step()) == [(a.order, 9, 1, True), (b.order, 0, 2, True)]
