@@ -144,6 +144,11 @@ class JaxEngine:
         self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
         self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
+        # with the hybrid weights: the decode buckets' programs for steps of generated tokens only (no split bound:
+        # q8_0-a16 alone, as without the hybrid), beside the split ones in _model_exe
+        self._generated_exe: dict[int, jax.stages.Compiled] = {}
+        self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
+                                   if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
@@ -189,14 +194,14 @@ class JaxEngine:
 
     # ---- ahead-of-time compilation ----------------------------------------------------------
 
-    def _model_args(self, t: int):
+    def _model_args(self, t: int, split: bool = True):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         s = self.max_slots
         last = jax.ShapeDtypeStruct((s + 1,), jnp.int32, sharding=self._replicated)
         args = (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
                 i32(s + 1), i32(1), i32(self.buckets.sample_rows(t)))
         args += (None if self.lora is None else (self.lora.stacks, i32(t)),)
-        return args + (i32() if self.prompt_w16 else None,)
+        return args + (i32() if self.prompt_w16 and split else None,)
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
@@ -209,7 +214,7 @@ class JaxEngine:
     @property
     def num_programs(self) -> int:
         """Model and sampling programs (the tiny per-bucket helpers of PreviousSamples aside)."""
-        return len(self.buckets.token_counts) + len(self.buckets.sample_row_counts)
+        return len(self.buckets.token_counts) + len(self._generated_buckets) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
         """Compile every bucket now (or load it from the persistent cache), on all host cores."""
@@ -220,6 +225,8 @@ class JaxEngine:
                     for b in self.buckets.sample_row_counts]
         programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
                      for t in reversed(self.buckets.token_counts)]  # the slowest first
+        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit, self._model_args(t, split=False))
+                     for t in self._generated_buckets]
         loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
         if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
             for table, shape, name, _, _ in programs:
@@ -339,9 +346,14 @@ class JaxEngine:
         t, (tokens, *inputs), sample_slots = self.step_inputs(batch)
         if (src := previous_sources(batch, tokens, inputs[3])) is None:
             src = np.full(t, -1, np.int32)
-        model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         lora = None if self.lora is None else (self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras))
         prompt_from = np.int32(self.prompt_rows_from(batch)) if self.prompt_w16 else None
+        if prompt_from is not None and prompt_from == batch.num_tokens and t in self._generated_buckets:
+            # generated tokens only (decodes, verification): the program without the prompt form's calls
+            model, prompt_from = self._exe(self._generated_exe, t, self._model_jit,
+                                           functools.partial(self._model_args, split=False)), None
+        else:
+            model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, lora, prompt_from)
         return t, logits, sample_slots
 
