@@ -108,8 +108,8 @@ def build_draft_proposer(args: argparse.Namespace, engines: list, *, multihost: 
     else:
         cfg, model = load_model(path, dtype="float32", quantize=quantize)
     # its rows are all generated tokens (drafts): the hybrid's prompt copy of the weights would go unused
-    engine = JaxEngine(cfg, model, dataclasses.replace(target.config, prompt_weights="same"),
-                       progress=sys.stderr.isatty())
+    config = dataclasses.replace(target.config, prompt_weights="same") if target.prompt_w16 else target.config
+    engine = JaxEngine(cfg, model, config, progress=sys.stderr.isatty())
     log.info("draft model %s: compiled %d programs in %.1fs (%d KV pages)", path, engine.num_programs,
              engine.compile_seconds, engine.num_pages)
     return DraftModelProposer(engine, target.vocab_size)
