@@ -98,14 +98,14 @@ class EngineConfig:
     def prompt_w16(self, backend: str | None = None) -> bool:
         """Whether a step's prompt rows (positions before their request's prompt length) multiply the decoder
         layers' weights in a second form, int8-channel-w16 (rounded per output channel from the q8_0-a16 groups,
-        with the residual: 2 bytes a weight, ~310 MB more for the default model), while generated tokens' rows
-        (decodes, speculative verification, a preempted request's recomputed output) and the LM head keep q8_0-a16.
-        On an AMX CPU that halves a 256-token prefill step of the default model at the same accuracy (perplexity
-        and greedy tokens as f32's; benchmarks/results.d/intel-emerald-rapids.md), and the one-row decode keeps
-        q8_0-a16's 1.1 bytes a weight. `auto`: at the default weights (quantize `auto`, which is q8_0-a16 on CPU)
-        on one device when the per-channel kernel runs on the AMX tile unit (an explicit quantize q8_0-a16 keeps
-        one form); `w16`: wherever q8_0-a16 runs on CPU (its native kernels built); `same`: never. A row's output depends only on its token's role, not on the step's other rows
-        (docs/kernels.md)."""
+        with the residual: 2 bytes a weight; the default model's server holds ~350 MB more), while generated
+        tokens' rows (decodes, speculative verification, a preempted request's recomputed output) and the LM head
+        keep q8_0-a16. On an AMX CPU that halves a 256-token prefill step of the default model (perplexity as
+        f32's; benchmarks/results.d/intel-emerald-rapids.md), and the one-row decode keeps q8_0-a16's 0.6-1.1
+        bytes a weight. `auto`: at the default weights (quantize `auto`, which is q8_0-a16 on CPU) on one device
+        when the per-channel kernel runs on the AMX tile unit (an explicit quantize q8_0-a16 keeps one form);
+        `w16`: wherever q8_0-a16 runs on CPU (its native kernels built); `same`: never. A row's output depends only
+        on its token's role, not on the step's other rows (docs/kernels.md)."""
         if self.prompt_weights == "same" or self.tensor_parallel > 1 or (
                 self.prompt_weights == "auto" and self.quantize != "auto"):
             return False

@@ -225,8 +225,8 @@ class JaxEngine:
                     for b in self.buckets.sample_row_counts]
         programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
                      for t in reversed(self.buckets.token_counts)]  # the slowest first
-        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit, self._model_args(t, split=False))
-                     for t in self._generated_buckets]
+        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit,
+                      self._model_args(t, split=False)) for t in self._generated_buckets]
         loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
         if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
             for table, shape, name, _, _ in programs:
@@ -354,7 +354,8 @@ class JaxEngine:
                                            functools.partial(self._model_args, split=False)), None
         else:
             model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, lora, prompt_from)
+        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, lora,
+                                   prompt_from)
         return t, logits, sample_slots
 
     @functools.cached_property
