@@ -3,8 +3,9 @@
 picked per layer by quantization.ops.pick and multiplied through quantization.ops.linears: per-layer
 buffers behind a layer switch (PerLayer), or one stack a kernel reads at the layer index (StackedQ8,
 StackedF32, StackedChannel: native CPU kernels, fused groups' other members are FusedMember markers;
-StackedInt8: the TPU's Pallas int8 kernel), or, for a weight outside the layer stack (the LM head), packed once
-for its CPU kernel (PackedChannel)."""
+StackedInt8: the TPU's Pallas int8 kernel; StackedHybrid: a StackedQ8 and a StackedChannel of the same weights, a
+step's rows split between them), or, for a weight outside the layer stack (the LM head), packed once for its CPU
+kernel (PackedChannel)."""
 from __future__ import annotations
 
 import dataclasses
@@ -149,10 +150,10 @@ class StackedHybrid:
     """One linear or fused group in two forms (the hybrid default on CPU, engine/layer_stack.py): the group-wise
     q8_0-a16 stack (`default`, the GGUF's groups: a generated token's rows, and every row when no split is bound)
     and the same weights rounded per output channel with their residual (`prompt`: int8-channel-w16, from the
-    group-wise values) for a step's prompt rows. rows: None, or the step's split bound by bind_rows: i32[2, 2],
-    rows [rows[0, 0], rows[0, 1]) on `default` and [rows[1, 0], rows[1, 1]) on `prompt` (the prompt rows: the
-    step's last ones). Each kernel call multiplies only its own rows (kernels' `rows`), the second into the first's
-    output, so a row's output is its form's at any split and row count."""
+    group-wise values) for a step's prompt rows. default_rows / prompt_rows: None (every row on `default`), or the
+    step's split as bound by bind_rows, i32[2] each: rows [0, split) on `default`, [split, M) on `prompt` (the
+    prompt rows: the step's last ones). Each kernel call multiplies only its own rows (the kernels' `rows`), the
+    second into the first's output, so a row's output is its form's at any split and row count."""
 
     default: StackedQ8
     prompt: StackedChannel
@@ -319,7 +320,7 @@ class FusedMember:
 
 @dataclasses.dataclass(frozen=True)
 class StackedPick:
-    """Layer `index` of a StackedQ8, StackedF32 or StackedChannel, inside the scanned layer body."""
+    """Layer `index` of a StackedQ8, StackedF32, StackedChannel or StackedHybrid, inside the scanned layer body."""
 
     index: jax.Array
     stack: StackedQ8 | StackedF32 | StackedChannel | StackedHybrid

@@ -12,7 +12,9 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
 - other float weights (bf16; f32 without the native kernel), group-wise int8 ones under tensor
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
-- a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`).
+- a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`);
+- with the hybrid weights (EngineConfig.prompt_w16) the group-wise stacks are `StackedHybrid`: the StackedQ8 and
+  its int8-channel-w16 rounding, a step's prompt rows on the second (docs/kernels.md).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
 become `StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the traced layer index, so
 the Pallas int8 kernel reads each layer's blocks where they lie instead of a slice the scan copies out
