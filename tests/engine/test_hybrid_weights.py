@@ -21,7 +21,7 @@ from tests.conftest import TINY_ENGINE
 from tests.engine.test_scheduler_real import _SmallBudget
 from tests.engine.test_speculative_engine import SPEC, _prompts, _run, prefix_sharing_requests
 
-pytestmark = pytest.mark.skipif(
+needs_native = pytest.mark.skipif(
     not (native.load("q8_matmul", "q8_matmul") and icm.native_available()),
     reason="the hybrid weights run the native q8_matmul and int8_channel_matmul kernels")
 
@@ -35,6 +35,7 @@ def hybrid_engine(tiny_model):
     return runner.JaxEngine(cfg, params, runner.EngineConfig(**HYBRID), precompile=False)
 
 
+@needs_native
 def test_a_hybrid_stack_multiplies_each_row_range_on_its_form(hybrid_engine):
     blocks = hybrid_engine.params["blocks"]
     qkv = blocks["attn"]["wq"]["w"].get_value()
@@ -80,6 +81,7 @@ def _kv_and_logits(engine, prompt: list[int]) -> tuple[dict, list[np.ndarray]]:
     return {name: np.asarray(a)[:, :, 1:3].copy() for name, a in engine.cache.items()}, logits
 
 
+@needs_native
 def test_prompt_rows_take_w16_and_the_generated_row_q8(hybrid_engine, monkeypatch):
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, 256, TINY_ENGINE["page_size"])]
     kv, logits = _kv_and_logits(hybrid_engine, prompt)
@@ -98,6 +100,7 @@ def test_prompt_rows_take_w16_and_the_generated_row_q8(hybrid_engine, monkeypatc
     assert not np.array_equal(logits[1], logits_w16[1]) and not np.array_equal(logits[1], logits_q8[1])
 
 
+@needs_native
 def test_a_step_puts_prompt_chunks_last_and_never_across_the_prompt_end(hybrid_engine):
     engine = hybrid_engine
     engine.insert(0, SlotState([5, 6, 7, 8], [], SamplingParams(temperature=0.0)))
@@ -123,6 +126,7 @@ def _out(res):
     return res.token_ids, [lp.logprob for lp in res.logprobs]
 
 
+@needs_native
 def test_greedy_output_is_the_requests_own_batched_preempted_cached_and_speculated(hybrid_engine):
     """Token for token, and without speculation logprob for logprob exactly (every row's arithmetic is its role's
     whatever else the step holds: a row on the other form moves a logprob by ~1e-5 here). Verification rows attend
@@ -144,3 +148,24 @@ def test_greedy_output_is_the_requests_own_batched_preempted_cached_and_speculat
                 np.testing.assert_allclose(got_logprobs, logprobs, rtol=0, atol=1e-4)
         assert stats.preemptions > 0 and stats.prefix_hits > 0
         assert spec is None or stats.spec_accepted_tokens > 0
+
+
+def test_the_setting_picks_the_hybrid_only_with_q8_0_a16_on_cpu(monkeypatch):
+    config = runner.EngineConfig
+    assert not config(prompt_weights="same").prompt_w16("cpu")
+    assert not config(quantize="q8_0-a16").prompt_w16("cpu")       # an explicit q8_0-a16 keeps one form
+    assert not config().prompt_w16("tpu")
+    with pytest.raises(ValueError, match="needs q8_0-a16 weights on CPU"):
+        config(prompt_weights="w16").prompt_w16("tpu")
+    with pytest.raises(ValueError, match="prompt_weights must be one of"):
+        config(prompt_weights="bf16")
+    with pytest.raises(ValueError, match="goes with quantize q8_0-a16"):
+        config(quantize="int8-channel-w16", prompt_weights="w16")
+    with pytest.raises(ValueError, match="goes with quantize q8_0-a16"):
+        config(prompt_weights="w16", tensor_parallel=2)
+    if native.load("q8_matmul", "q8_matmul") and icm.native_available():
+        assert config(quantize="q8_0-a16", prompt_weights="w16").prompt_w16("cpu")
+        import importlib
+
+        amx = importlib.import_module("slipstream.kernels._int8_channel_matmul").isa() == "amx"
+        assert config().prompt_w16("cpu") == amx  # auto: where the per-channel kernel runs on the tile unit
