@@ -169,3 +169,28 @@ def test_the_setting_picks_the_hybrid_only_with_q8_0_a16_on_cpu(monkeypatch):
 
         amx = importlib.import_module("slipstream.kernels._int8_channel_matmul").isa() == "amx"
         assert config().prompt_w16("cpu") == amx  # auto: where the per-channel kernel runs on the tile unit
+
+
+@needs_native
+def test_lora_deltas_apply_on_both_forms(tiny_model, tiny_lora_adapters):
+    pytest.importorskip("peft")
+    from slipstream.models.lora import load_adapter, lora_targets
+
+    cfg, model = tiny_model
+    adapters = {n: load_adapter(n, d, lora_targets(model), cfg.num_layers, 8) for n, d in tiny_lora_adapters[1].items()}
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    out = {}
+    for form in ("same", "w16"):
+        engine = runner.JaxEngine(cfg, model, runner.EngineConfig(**{**HYBRID, "prompt_weights": form, "max_loras": 1,
+                                                                     "max_lora_rank": 8}), precompile=False)
+        engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0)))
+        engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0), lora_slot=1, lora=adapters["all"]))
+        seqs = [StepSeq(0, prompt, 0, [1], True), StepSeq(1, prompt, 0, [2], True, lora_slot=1)]
+        prefill = engine.model_logits(StepBatch(seqs))
+        tokens = [int(np.argmax(row)) for row in prefill]
+        decode = engine.model_logits(StepBatch([StepSeq(s, [t], len(prompt), [1 + s], True, lora_slot=s)
+                                                for s, t in enumerate(tokens)]))
+        out[form] = np.stack([prefill, decode])
+    assert np.abs(out["w16"][:, 1] - out["w16"][:, 0]).max() > 1e-2  # the adapter changes the output
+    np.testing.assert_allclose(out["w16"], out["same"], atol=2e-3)    # the forms differ by their roundings only
+    assert not np.array_equal(out["w16"][0], out["same"][0])
