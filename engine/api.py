@@ -60,7 +60,7 @@ class StepSeq:
 class StepBatch:
     """One engine step: decodes first, then prefill chunks, at most max_num_batched_tokens tokens. A row's role
     is its token's: prompt (a position before the prompt length its slot was inserted with) or generated, and
-    with the hybrid weights (EngineConfig.prompt_w16) the roles multiply different weight forms; so no chunk
+    with the hybrid weights (EngineConfig.prompt_w16) the roles multiply different weight forms; so there no chunk
     crosses its prompt's end, and the chunks of prompt tokens come after all others (the engine checks)."""
 
     seqs: Sequence[StepSeq]

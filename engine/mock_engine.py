@@ -36,7 +36,7 @@ class MockEngine:
     def __init__(self, max_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                  max_seq_len: int = 128, vocab_size: int = 256,
                  eos_token_ids: frozenset[int] = frozenset(), max_num_batched_tokens: int = 16, *,
-                 fail_after_steps: int | None = None, step_sleep_s: float = 0.0) -> None:
+                 fail_after_steps: int | None = None, step_sleep_s: float = 0.0, prompt_w16: bool = False) -> None:
         for name, value in (("max_slots", max_slots), ("page_size", page_size),
                             ("max_seq_len", max_seq_len), ("vocab_size", vocab_size),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -46,6 +46,9 @@ class MockEngine:
             raise ValueError(f"num_pages must be >= 2 (page 0 is padding), got {num_pages}")
         self.max_slots = max_slots
         self.page_size = page_size
+        # as JaxEngine's: a token's role decides its weights, so the scheduler plans by the roles (engine/api.StepBatch)
+        # and every step is checked against them
+        self.prompt_w16 = prompt_w16
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
@@ -126,7 +129,8 @@ class MockEngine:
             if len(set(slots)) != len(slots):
                 raise MockEngineError(f"a slot appears twice in one step: {slots}")
             try:  # each chunk all prompt or all generated tokens, the prompt ones last (the hybrid weights' rule)
-                batch.prompt_rows_from(self._prompt_len)
+                if self.prompt_w16:
+                    batch.prompt_rows_from(self._prompt_len)
             except ValueError as e:
                 raise MockEngineError(str(e)) from None
             seqs = [self._resolve(seq) for seq in batch.seqs]
