@@ -232,8 +232,11 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
                 # every later decode keeps its one token; the step samples at most max_slots rows
                 room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
-                # no drafts after a prompt token (the rest of its prompt was cached): a chunk is all prompt or none
-                draft = self._draft(seq, room) if not self.roles or seq.num_computed >= seq.prompt_len else ()
+                # with roles no drafts after a prompt token (the rest of its prompt was cached): a chunk is all
+                # prompt or none (room 0 still takes the proposal, so none is left for a later position)
+                if self.roles and seq.num_computed < seq.prompt_len:
+                    room = 0
+                draft = self._draft(seq, room)
                 drafted += len(draft)
                 add(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
                 completes |= seq.num_computed < seq.prefill_end
