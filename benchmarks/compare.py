@@ -78,6 +78,9 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
         elif name == "slipstream-channel":  # per-channel int8 weights, two-part activations: the AMX tile path
             specs.append(peers.ServerSpec(name, "Slipstream, `--quantize int8-channel-a16`",
                                           [slipstream, *common, "--quantize", "int8-channel-a16"]))
+        elif name == "slipstream-q8":  # default flags with every token on q8_0-a16: the A/B of the hybrid weights
+            specs.append(peers.ServerSpec(name, "Slipstream, default flags, `--prompt-weights same`",
+                                          [slipstream, *common, "--prompt-weights", "same"]))
         elif name == "slipstream-w16":  # per-channel int8 weights with an int8 residual: the default's accuracy
             specs.append(peers.ServerSpec(name, "Slipstream, `--quantize int8-channel-w16`",
                                           [slipstream, *common, "--quantize", "int8-channel-w16"]))
@@ -100,7 +103,7 @@ def server_specs(names, args, gguf: str) -> tuple[list[peers.ServerSpec], dict[s
                                            "--port", "{port}"], env=VLLM_ENV, cwd=str(peers.PEERS)))
         else:
             raise ValueError(f"unknown server {name!r}; choose from {', '.join(ALL_SERVERS)}, slipstream-vnni, "
-                             "slipstream-channel, slipstream-w16")
+                             "slipstream-channel, slipstream-w16, slipstream-q8")
     return specs, versions
 
 

@@ -14,6 +14,10 @@
                                                         host inputs, sampling; q8 calls by projection by the
                                                         kernel's own clock; XLA ops)
     python -m benchmarks.engine structured [--slots 32] decode with no, one and every row constrained
+    python -m benchmarks.engine prompt-weights [--slots 1,32]
+                                                        the hybrid CPU weights' A/B in one process: decode
+                                                        steps and prefill chunks with prompt rows on w16 or not
+                                                        (benchmarks/engine_prompt_weights.py)
 
 The references (matmul roofline, weight bytes, read speed) are benchmarks/measure.py's. Every ratio
 compares numbers measured in the same run, interleaved, because the host is shared.
@@ -82,14 +86,15 @@ def engine_page_size(page_size: int | None) -> int:
 
 def build(cfg: ModelConfig, params, *, slots: int, longest: int, scratch: int, page_size: int | None,
           max_seq_len: int, dtype: str, kv_cache_dtype: str, quantize: str, max_num_batched_tokens: int,
-          context: int) -> Setup:
+          context: int, prompt_weights: str = "auto") -> Setup:
     """An engine with `slots` decode slots of `longest` tokens each plus one scratch slot of `scratch`
     tokens for prefill chunks, every slot in its own pages."""
     page = engine_page_size(page_size)
     per_seq, per_scratch = pages_needed(longest, page), pages_needed(max(scratch, longest), page)
     config = EngineConfig(max_slots=slots + 1, max_seq_len=max(max_seq_len, longest, scratch), page_size=page,
                           num_pages=slots * per_seq + per_scratch + 1, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                          quantize=quantize, max_num_batched_tokens=max_num_batched_tokens)
+                          quantize=quantize, max_num_batched_tokens=max_num_batched_tokens,
+                          prompt_weights=prompt_weights)
     start = time.perf_counter()
     engine = JaxEngine(cfg, params, config)
     print(f"engine ready in {time.perf_counter() - start:.1f} s ({engine.num_programs} programs)", flush=True)
@@ -103,17 +108,20 @@ def build_from_args(cfg: ModelConfig, params, args: argparse.Namespace) -> Setup
     return build(cfg, params, slots=max(args.slots), longest=args.context + positions_per_phase(args.steps, args.warmup)
                  + 1, scratch=max(max(args.prefill_lengths), args.max_num_batched_tokens), page_size=args.page_size,
                  max_seq_len=args.max_seq_len, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                 quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens, context=args.context)
+                 quantize=args.quantize, max_num_batched_tokens=args.max_num_batched_tokens, context=args.context,
+                 prompt_weights=args.prompt_weights)
 
 
 def fill(setup: Setup, seed: int) -> None:
     """A distinct random prompt of `context` tokens in every decode slot, prefilled in budget-sized
-    chunks (no sampling), then bound for greedy decoding."""
+    chunks (no sampling), then bound for greedy decoding (the tokens after it are generated ones; the scratch
+    slot's chunks are prompt tokens: the hybrid weights' roles, EngineConfig.prompt_w16)."""
     engine, rng = setup.engine, np.random.default_rng(seed)
     chunk = engine.max_num_batched_tokens
     for slot, pages in enumerate(setup.pages):
-        engine.insert(slot, SlotState([1], [], GREEDY))
         prompt = [int(t) for t in rng.integers(3, engine.vocab_size, setup.context)]
+        scratch = slot == len(setup.pages) - 1  # measure_prefill's and measure_mixed's chunks: all prompt
+        engine.insert(slot, SlotState([1] * (len(pages) * engine.page_size) if scratch else prompt, [], GREEDY))
         for start in range(0, setup.context, chunk):
             part = prompt[start:start + chunk]
             engine.model_logits(StepBatch([StepSeq(slot, part, start, pages, False)]))
@@ -251,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="none")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--prompt-weights", default="auto", choices=["auto", "w16", "same"],
+                   help="EngineConfig.prompt_weights: w16 runs prompt rows (the prefill chunks) on int8-channel-w16 "
+                        "with q8_0-a16 weights")
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="only the decode step of the first --slots count, part by part (model, sampling, host, "
@@ -269,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.engine_structured import main as structured
 
         return structured(argv[1:])
+    if argv[:1] == ["prompt-weights"]:
+        from benchmarks.engine_prompt_weights import main as prompt_weights
+
+        return prompt_weights(argv[1:])
     args = parse_args(argv[1:] if argv[:1] == ["step"] else argv)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}; load {os.getloadavg()}", flush=True)
     # int8 modes load as the server does (GGUF blocks converted exactly, Q4_1's minimum as a group
@@ -283,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     _, read_s = copy_seconds(1 << 30, reps=5)
     read_bw = (1 << 30) / read_s
     roofline = matmul_roofline(engine.params, cfg)
-    report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype}",
+    report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype} "
+                                          f"prompt rows on w16: {engine.prompt_w16}",
               "context": args.context, "weight_mb": weight_bytes_read_per_token(engine.params) / 1e6,
               "read_gbs": read_bw / 1e9, "decode": [], "prefill": [], "kernels": _kernel_paths()}
     if args.prefill_breakdown or args.breakdown:

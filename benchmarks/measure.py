@@ -136,12 +136,13 @@ def profile_ops(fn: Callable[[], object], reps: int, top: int) -> list[tuple[str
 
 
 def _leaf_bytes(tree) -> int:
-    """Bytes of a params tree as a decode step reads it: a StackedQ8's AMX tiles serve only many-row calls."""
-    from slipstream.quantization.layer_forms import StackedQ8
+    """Bytes of a params tree as a decode step reads it: a StackedQ8's AMX tiles serve only many-row calls, and a
+    StackedHybrid's prompt form only prompt rows."""
+    from slipstream.quantization.layer_forms import StackedHybrid, StackedQ8
 
-    stacks = lambda v: isinstance(v, StackedQ8)  # noqa: E731
-    return sum(_leaf_bytes(leaf.weight) if stacks(leaf) else leaf.nbytes
-               for leaf in jax.tree_util.tree_leaves(tree, is_leaf=stacks))
+    stacks = lambda v: isinstance(v, (StackedQ8, StackedHybrid))  # noqa: E731
+    return sum(_leaf_bytes((leaf.default if isinstance(leaf, StackedHybrid) else leaf).weight) if stacks(leaf)
+               else leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree, is_leaf=stacks))
 
 
 def weight_bytes_read_per_token(params) -> int:
@@ -179,12 +180,14 @@ def matmul_roofline(params, cfg: ModelConfig) -> Callable[[jax.Array], jax.Array
     each layer's index (fused groups as one call), per-layer buffers as separate inputs, so no slicing
     is counted. The few adds between them only keep XLA from dropping a matmul.
     (A Llama-layout model: params["blocks"] with attn/mlp linears.)"""
-    from slipstream.engine.device.layer_stack import PackedChannel, PerLayer, StackedChannel, StackedF32, StackedInt8, StackedQ8
+    from slipstream.engine.device.layer_stack import (PackedChannel, PerLayer, StackedChannel, StackedF32,
+                                                      StackedHybrid, StackedInt8, StackedQ8)
     from slipstream.models.layers import linear
     from slipstream.quantization import int8
 
-    def weight(group, name):
-        return params["blocks"][group][name]["w"].get_value()
+    def weight(group, name):  # a hybrid stack's decode form
+        value = params["blocks"][group][name]["w"].get_value()
+        return value.default if isinstance(value, StackedHybrid) else value
 
     def at_layer(value, i):
         if isinstance(value, PerLayer):

@@ -42,6 +42,7 @@ class Mode:
     quantize: str        # EngineConfig.quantize
     kv_cache_dtype: str  # EngineConfig.kv_cache_dtype
     dtype: str | None = None  # EngineConfig.dtype (weights and activations) if not the run's --dtype
+    prompt_weights: str = "same"  # EngineConfig.prompt_weights: w16 = the hybrid (prompt rows on int8-channel-w16)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
@@ -50,7 +51,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("q8_0-a16", "q8_0-a16", "float32"),
     Mode("q8_0+int8-kv", "q8_0", "int8"),
     Mode("q8_0-a16+int8-kv", "q8_0-a16", "int8"),
-    Mode("q8_0-a16+bf16-kv", "q8_0-a16", "bfloat16"),  # the CPU default (EngineConfig.kv_dtype)
+    Mode("q8_0-a16+bf16-kv", "q8_0-a16", "bfloat16"),  # the CPU default without AMX (EngineConfig.kv_dtype)
+    # the CPU default with AMX (EngineConfig.prompt_w16): the scored text's rows are prompt rows (int8-channel-w16
+    # layers, the q8_0-a16 LM head); greedy's generated tokens run on q8_0-a16
+    Mode("q8_0-a16+w16-prompts+bf16-kv", "q8_0-a16", "bfloat16", prompt_weights="w16"),
+    Mode("q8_0-a16+w16-prompts", "q8_0-a16", "float32", prompt_weights="w16"),
     Mode("int8-kv", "none", "int8"),
     Mode("bf16-kv", "none", "bfloat16"),
     # everything in bf16 (weights, activations, K/V): the precision vLLM's CPU backend serves in bf16
@@ -63,6 +68,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("int8-channel", "int8-channel", "float32"),
     Mode("int8-channel-a16", "int8-channel-a16", "float32"),
     Mode("int8-channel-w16", "int8-channel-w16", "float32"),
+    Mode("int8-channel-w16+bf16-kv", "int8-channel-w16", "bfloat16"),
 )}
 
 # Plain continuations and chat turns (ChatML, as SmolLM2-Instruct was trained on).
@@ -113,7 +119,8 @@ def build_engine(cfg: ModelConfig, params, mode: Mode, *, dtype: str, max_slots:
         extra["kv_cache_memory"] = kv_cache_memory
     config = EngineConfig(max_slots=max_slots, page_size=PAGE_SIZE, max_seq_len=max_seq_len,
                           max_num_batched_tokens=max_num_batched_tokens or max(256, max_slots),
-                          dtype=dtype, quantize=mode.quantize, kv_cache_dtype=mode.kv_cache_dtype, **extra)
+                          dtype=dtype, quantize=mode.quantize, kv_cache_dtype=mode.kv_cache_dtype,
+                          prompt_weights=mode.prompt_weights, **extra)
     return JaxEngine(cfg, params, config, precompile=False)
 
 
@@ -150,8 +157,8 @@ def perplexity(engine: JaxEngine, tokens: list[int], *, window: int, stride: int
         raise ValueError(f"perplexity needs at least 2 tokens, got {len(tokens)}")
     pages = list(range(1, window // PAGE_SIZE + 1))
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    for slot in range(ROWS):
-        engine.insert(slot, SlotState([0], [], params))
+    for slot in range(ROWS):  # the text is the prompt: every scored row is a prompt row (EngineConfig.prompt_w16)
+        engine.insert(slot, SlotState(tokens, [], params))
     nll_sum, count, max_check = 0.0, 0, 0.0
     top1: list[np.ndarray] = []
     prev_end = 0

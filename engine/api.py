@@ -58,13 +58,35 @@ class StepSeq:
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """One engine step: decodes first, then prefill chunks, at most max_num_batched_tokens tokens."""
+    """One engine step: decodes first, then prefill chunks, at most max_num_batched_tokens tokens. A row's role
+    is its token's: prompt (a position before the prompt length its slot was inserted with) or generated, and
+    with the hybrid weights (EngineConfig.prompt_w16) the roles multiply different weight forms; so there no chunk
+    crosses its prompt's end, and the chunks of prompt tokens come after all others (the engine checks)."""
 
     seqs: Sequence[StepSeq]
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    def prompt_rows_from(self, prompt_len) -> int:
+        """Where the step's prompt rows start: its rows at positions before their slot's prompt length
+        (prompt_len[slot], as insert bound it) are its last rows, from this one on (num_tokens if none). Raises
+        ValueError where a chunk crosses its prompt's end or a chunk of generated tokens follows a prompt one."""
+        at, first = 0, None
+        for seq in self.seqs:
+            n = len(seq.token_ids)
+            prompt = min(max(int(prompt_len[seq.slot]) - seq.start_pos, 0), n)  # the chunk's first rows
+            if 0 < prompt < n:
+                raise ValueError(f"sequence in slot {seq.slot}: a chunk of positions {seq.start_pos}.."
+                                 f"{seq.end_pos - 1} crosses its prompt's end ({int(prompt_len[seq.slot])} tokens)")
+            if prompt and first is None:
+                first = at
+            elif not prompt and first is not None:
+                raise ValueError(f"sequence in slot {seq.slot}: a chunk of generated tokens after a chunk of prompt "
+                                 "tokens; a step puts the prompt chunks last")
+            at += n
+        return at if first is None else first
 
 
 @dataclasses.dataclass(frozen=True)

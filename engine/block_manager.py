@@ -14,8 +14,11 @@ from slipstream.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool, *, roles: bool = False) -> None:
+        """roles: a token's role (prompt or generated) decides how its K/V is computed (the engine's prompt_w16):
+        the prefix cache then holds and serves prompt positions only."""
         self.page_size = page_size
+        self.roles = roles
         self.allocator = PageAllocator(num_pages)
         self.prefix = PrefixCache(self.allocator, page_size) if enable_prefix_cache else None
         # Each admission is an allocator owner: its pages are placed as one run where they can be.
@@ -30,8 +33,13 @@ class BlockManager:
         # its full pages' digests, computed once: the match reads them now, register() at the prefill's end
         digests = chain_digests(tokens, self.page_size, salt=salt) if self.prefix else []
         matched = self.prefix.match(tokens, salt, digests) if self.prefix else []
-        # At least the last known token is computed: its logits give the next token.
+        # At least the last known token is computed: its logits give the next token. With roles, only prompt
+        # positions come from the cache (register() offers no others): a preempted sequence's recomputed output is
+        # computed as generated tokens are (engine/api.StepBatch), whatever another request whose prompt held
+        # those tokens cached.
         keep = (len(tokens) - 1) // self.page_size
+        if self.roles:
+            keep = min(keep, len(seq.request.prompt_ids) // self.page_size)
         if len(matched) > keep:
             self.allocator.free_many(matched[keep:])
             matched = matched[:keep]
@@ -62,10 +70,14 @@ class BlockManager:
         return True
 
     def register(self, seq: Sequence) -> bool:
-        """Offer the full pages `seq` has prefilled to later requests; True if there were any."""
-        if self.prefix is None or seq.prefill_end < self.page_size:
+        """Offer the full pages `seq` has prefilled to later requests; True if there were any. With roles, those of
+        its prompt only: a preempted sequence's recomputed output is not offered (a later request would read it as
+        prompt tokens, which the hybrid weights compute in another form: a hit and a miss would differ)."""
+        end = min(seq.prefill_end, len(seq.request.prompt_ids)) if self.roles else seq.prefill_end
+        if self.prefix is None or end < self.page_size:
             return False
-        self.prefix.insert(seq.token_slice(0, seq.prefill_end), seq.pages, seq.request.cache_salt, seq.page_digests)
+        self.prefix.insert(seq.token_slice(0, end), seq.pages, seq.request.cache_salt,
+                           seq.page_digests[:end // self.page_size])
         return True
 
     def release(self, seq: Sequence) -> None:

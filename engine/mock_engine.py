@@ -5,6 +5,7 @@ loudly. A launched step's samples are computed at once but handed out by result(
 order, after a modelled device time: steps queue on one device, `step_sleep_s` each."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -35,7 +36,7 @@ class MockEngine:
     def __init__(self, max_slots: int = 4, page_size: int = 4, num_pages: int = 64,
                  max_seq_len: int = 128, vocab_size: int = 256,
                  eos_token_ids: frozenset[int] = frozenset(), max_num_batched_tokens: int = 16, *,
-                 fail_after_steps: int | None = None, step_sleep_s: float = 0.0) -> None:
+                 fail_after_steps: int | None = None, step_sleep_s: float = 0.0, prompt_w16: bool = False) -> None:
         for name, value in (("max_slots", max_slots), ("page_size", page_size),
                             ("max_seq_len", max_seq_len), ("vocab_size", vocab_size),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -45,6 +46,9 @@ class MockEngine:
             raise ValueError(f"num_pages must be >= 2 (page 0 is padding), got {num_pages}")
         self.max_slots = max_slots
         self.page_size = page_size
+        # as JaxEngine's: a token's role decides its weights, so the scheduler plans by the roles (engine/api.StepBatch)
+        # and every step is checked against them
+        self.prompt_w16 = prompt_w16
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
@@ -58,6 +62,7 @@ class MockEngine:
         # ("launch", step index) and ("collect", step index), in the order they happened
         self.events: list[tuple[str, int]] = []
         self._slots: dict[int, _Binding] = {}
+        self._prompt_len: dict[int, int] = collections.defaultdict(int)  # by slot, as inserted
         self._lock = threading.Lock()  # tests read the logs while the engine thread writes them
         self._device_free_at = 0.0     # when the last launched step's modelled device time ends
         self._launched = 0             # steps launched (the logs may be bounded: not their length)
@@ -102,6 +107,7 @@ class MockEngine:
                 raise MockEngineError(f"insert into occupied slot {slot}; free it first")
             history = list(state.prompt_ids) + list(state.output_ids)
             self._slots[slot] = _Binding(history, state.params, len(history))
+            self._prompt_len[slot] = len(state.prompt_ids)
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)
@@ -122,6 +128,11 @@ class MockEngine:
             slots = [s.slot for s in batch.seqs]
             if len(set(slots)) != len(slots):
                 raise MockEngineError(f"a slot appears twice in one step: {slots}")
+            try:  # each chunk all prompt or all generated tokens, the prompt ones last (the hybrid weights' rule)
+                if self.prompt_w16:
+                    batch.prompt_rows_from(self._prompt_len)
+            except ValueError as e:
+                raise MockEngineError(str(e)) from None
             seqs = [self._resolve(seq) for seq in batch.seqs]
             for seq in seqs:
                 self._check_seq(seq)

@@ -37,6 +37,11 @@ class Chunk:
         return self.start + self.length
 
     @property
+    def prompt(self) -> bool:
+        """Its (first) token is a prompt token; with roles no chunk crosses its prompt's end (StepPlanner.plan)."""
+        return self.start < self.seq.prompt_len
+
+    @property
     def known_end(self) -> int:
         """The end of its known tokens: drafts are computed but count only once accepted."""
         return self.end - len(self.draft)
@@ -50,7 +55,8 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One step: decodes first (oldest admitted first), then prefill chunks."""
+    """One step: decodes first (oldest admitted first), then prefill chunks; with roles (StepPlanner), chunks of
+    prompt tokens after all others (a decode of a prompt's last token, the rest of it cached, among them)."""
 
     chunks: list[Chunk]
     preempted: list[Sequence]  # back in the waiting queue, their slots and pages released
@@ -91,7 +97,11 @@ class StepPlanner:
 
     def __init__(self, blocks: BlockManager, *, max_slots: int, token_budget: int,
                  speculative: SpeculativeConfig | None = None, max_seq_len: int | None = None,
-                 proposer: Proposer | None = None, max_loras: int = 0, token_buckets: tuple[int, ...] = ()) -> None:
+                 proposer: Proposer | None = None, max_loras: int = 0, token_buckets: tuple[int, ...] = (),
+                 roles: bool = False) -> None:
+        """roles: a token's role (prompt or generated) decides its weights (the engine's prompt_w16): no chunk
+        crosses its prompt's end, chunks of prompt tokens come last, and no drafts follow a prompt token
+        (engine/api.StepBatch)."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         if speculative is not None and max_seq_len is None:
@@ -101,6 +111,7 @@ class StepPlanner:
         self.speculator = (Speculator(speculative, max_seq_len, proposer, token_buckets)
                            if speculative is not None else None)
         self.token_budget = token_budget
+        self.roles = roles
         self.waiting: list[Sequence] = []  # sorted by Sequence.queue_key
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(max_slots))
@@ -221,6 +232,10 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_tokens):
                 # every later decode keeps its one token; the step samples at most max_slots rows
                 room = min(left() - 1 - (len(decodes) - i - 1), self.max_slots - len(self.running) - drafted)
+                # with roles no drafts after a prompt token (the rest of its prompt was cached): a chunk is all
+                # prompt or none (room 0 still takes the proposal, so none is left for a later position)
+                if self.roles and seq.num_computed < seq.prompt_len:
+                    room = 0
                 draft = self._draft(seq, room)
                 drafted += len(draft)
                 add(Chunk(seq, seq.num_computed, 1 + len(draft), sample=True, draft=draft))
@@ -230,6 +245,8 @@ class StepPlanner:
         pending = [s for s in self.running if s.remaining > 1]
         for seq in pending[:1] + sorted(pending[1:], key=lambda s: s.remaining):
             n = min(seq.remaining, left())
+            if self.roles and seq.num_computed < seq.prompt_len:  # a recompute's chunk stops at its prompt's end
+                n = min(n, seq.prompt_len - seq.num_computed)
             if n == 0:
                 break
             if completes and n == seq.remaining and 2 * seq.prefill_end >= self.token_budget:
@@ -242,6 +259,8 @@ class StepPlanner:
             if seq.status is Status.RUNNING and grow(seq, seq.num_computed + n):
                 add(Chunk(seq, seq.num_computed, n, sample=n == seq.remaining))
                 completes |= n == seq.remaining
+        if self.roles:  # chunks of prompt tokens last (engine/api.StepBatch): the step's prompt rows are one range
+            chunks = [c for c in chunks if not c.prompt] + [c for c in chunks if c.prompt]
         return Plan(chunks, preempted, freed)
 
     def propose(self, may_overlap: bool) -> None:

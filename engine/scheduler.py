@@ -51,7 +51,9 @@ class Scheduler:
                              f"of {largest} tokens; lower it or build the engine with a larger one")
         self._engine = engine
         self._config = config
-        self._blocks = BlockManager(engine.num_pages, engine.page_size, config.enable_prefix_cache)
+        # the hybrid weights (a token's role decides its weights): planned and cached by the roles
+        roles = bool(getattr(engine, "prompt_w16", False))
+        self._blocks = BlockManager(engine.num_pages, engine.page_size, config.enable_prefix_cache, roles=roles)
         self._output = output
         self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
         self._listeners: list[Callable[[RequestMetrics], None]] = []
@@ -62,7 +64,7 @@ class Scheduler:
         self._planner = StepPlanner(self._blocks, max_slots=engine.max_slots, token_budget=budget,
                                     speculative=config.speculative, max_seq_len=engine.max_seq_len,
                                     proposer=config.proposer, max_loras=getattr(engine, "max_loras", 0),
-                                    token_buckets=_token_buckets(engine))
+                                    token_buckets=_token_buckets(engine), roles=roles)
         self._state = Lifecycle.NEW
         self._failed: str | None = None
         self._force_stop = False

@@ -59,6 +59,10 @@ class Sequence:
         return self.num_known + self.in_flight
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
     def num_known(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 

@@ -21,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from slipstream.kernels import native
+from slipstream.kernels.q8_matmul import in_rows, row_range
 
 TILE = 16    # output columns per packed tile (16 int32 lanes; an AMX B tile's width)
 STEP = 64    # K is padded to this: one AMX tile's inputs
 SHIFT = 128  # the activations are stored xq + 128 (the unsigned operand of vpdpbusd / tdpbusd)
 TARGET = "slipstream_int8_channel_matmul"
 TARGET_RESIDUAL = "slipstream_int8_channel_matmul_residual"
+TARGET_RESIDUAL_ROWS = "slipstream_int8_channel_matmul_residual_rows"  # on a range of x's rows (into another's output)
 INT8_MAX = np.float32(127.0)
 LO_STEPS = np.float32(254.0)  # the second part's scale: the first's / 254
 
@@ -157,19 +159,28 @@ def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, *, n: int, par
     return y
 
 
-def _native(x, packed, scales, colsum, *rest, n: int, parts: int) -> jax.Array:
-    """rest: (layer,) or, with a residual weight, (packed_lo, scales_lo, colsum_lo, layer)."""
+def _native(x, packed, scales, colsum, *rest, n: int, parts: int, ranged: bool = False) -> jax.Array:
+    """rest: (layer,) or, with a residual weight, (packed_lo, scales_lo, colsum_lo, layer); ranged: then
+    (rows i32[2], into f32 [M, n] or None) after them (the rows target, writing into `into` in place)."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    if ranged:
+        *rest, rows, into = rest
+        aliases = {} if into is None else {len(rest) + 5: 0}
+        into = jnp.zeros((0,), jnp.float32) if into is None else into
+        return jax.ffi.ffi_call(TARGET_RESIDUAL_ROWS, out, input_output_aliases=aliases)(
+            x, packed, scales, colsum, *rest, rows, into, parts=np.int32(parts))
     target = TARGET if len(rest) == 1 else TARGET_RESIDUAL
     return jax.ffi.ffi_call(target, out)(x, packed, scales, colsum, *rest, parts=np.int32(parts))
 
 
-def _reference_at(x, packed, scales, colsum, *rest, n: int, parts: int) -> jax.Array:
-    *lo, layer = rest
+def _reference_at(x, packed, scales, colsum, *rest, n: int, parts: int, ranged: bool = False) -> jax.Array:
+    rows_into = rest[-2:] if ranged else ()
+    *lo, layer = rest[:-2] if ranged else rest
     weights = [packed, scales] + lo[:2]
     if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
         weights = [jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in weights]
-    return reference(x, weights[0], weights[1], n=n, parts=parts, residual=tuple(weights[2:]) if lo else None)
+    y = reference(x, weights[0], weights[1], n=n, parts=parts, residual=tuple(weights[2:]) if lo else None)
+    return in_rows(y, *rows_into)
 
 
 def _check_weight(what: str, k: int, n: int, lead_w: tuple, packed, scales, colsum) -> None:
@@ -187,12 +198,16 @@ def _check_weight(what: str, k: int, n: int, lead_w: tuple, packed, scales, cols
 
 def int8_channel_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, colsum: jax.Array, *, n: int,
                         parts: int = 1, layer: jax.Array | int | None = None,
-                        residual: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                        residual: tuple[jax.Array, jax.Array, jax.Array] | None = None, rows: tuple | None = None,
+                        into: jax.Array | None = None) -> jax.Array:
     """x [..., K] (any float dtype) times a packed weight (pack's outputs) -> f32 [..., n]. parts: 1 (int8
     activations per row) or 2 (plus their int8 residual). With `layer` (an int32 scalar, traced or not), packed /
     scales / colsum are stacks [L, ...] and weight `layer` is used, read where it lies (no slice is copied).
     residual: a second weight packed alike (packed_lo, scales_lo, colsum_lo; stacks with `layer`), parts = 2:
-    its product with the activations' first part is added in the same call (see the module's sequence)."""
+    its product with the activations' first part is added in the same call (see the module's sequence).
+    rows: (begin, end), int32 scalars (traced or not), with a residual weight: only x's rows [begin, end) (of x as
+    [M, K]) are multiplied, each to what a call over every row gives it; the output's other rows are `into`'s (f32
+    [M, n], another call's output, updated in place), or unspecified without it."""
     k = x.shape[-1]
     kp, _ = padded(k, n)
     lead_w = () if layer is None else packed.shape[:1]
@@ -210,10 +225,15 @@ def int8_channel_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, cols
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    if rows is not None and residual is None:
+        raise ValueError("int8_channel_matmul: a row range is for a weight with its residual (int8-channel-w16)")
     args = (x2, packed, scales, colsum, *(residual or ()), index)
-    ref = functools.partial(_reference_at, n=n, parts=parts)
+    if rows is not None:
+        args += row_range(rows, into, x2.shape[0], n)
+    ref = functools.partial(_reference_at, n=n, parts=parts, ranged=rows is not None)
     if native_available():
-        y = jax.lax.platform_dependent(*args, cpu=functools.partial(_native, n=n, parts=parts), default=ref)
+        y = jax.lax.platform_dependent(*args, cpu=functools.partial(_native, n=n, parts=parts, ranged=rows is not None),
+                                       default=ref)
     else:
         y = ref(*args)
     return y.reshape(*lead, n)

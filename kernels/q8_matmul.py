@@ -25,6 +25,7 @@ GROUP = 32  # input channels per scale (a Q8_0 block)
 TILE = 16   # output columns per packed tile: 16 int32 lanes of one AVX-512 vector
 SHIFT = 128  # the packed weights are w + 128 (the unsigned operand of vpdpbusd)
 TARGET = "slipstream_q8_matmul"
+TARGET_ROWS = "slipstream_q8_matmul_rows"  # the same on a range of x's rows (into another call's output)
 INT8_MAX = 127.0
 
 
@@ -216,15 +217,22 @@ def reference(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
 
 
 def _native(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, tiles: jax.Array | None,
-            layer: jax.Array, *, n: int, parts: int, gated: bool = False) -> jax.Array:
+            layer: jax.Array, *rows_into, n: int, parts: int, gated: bool = False) -> jax.Array:
+    """rows_into: () or (rows i32[2], into f32 [M, n] or None): the rows target, writing into `into` in place."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     if offsets is None:
         offsets = jnp.zeros((0,), jnp.float16)
     if tiles is None:
         tiles = jnp.zeros((0,), jnp.uint16)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, tiles, layer, parts=np.int32(parts),
-                                         gated=np.int32(gated),
-                                         bits=np.int32(packed_bits(packed.shape[-1], scales.shape[-1])))
+    attrs = dict(parts=np.int32(parts), gated=np.int32(gated),
+                 bits=np.int32(packed_bits(packed.shape[-1], scales.shape[-1])))
+    if not rows_into:
+        return jax.ffi.ffi_call(TARGET, out)(x, packed, scales, offsets, tiles, layer, **attrs)
+    rows, into = rows_into
+    aliases = {} if into is None else {7: 0}
+    into = jnp.zeros((0,), jnp.float32) if into is None else into
+    return jax.ffi.ffi_call(TARGET_ROWS, out, input_output_aliases=aliases)(x, packed, scales, offsets, tiles, layer,
+                                                                             rows, into, **attrs)
 
 
 def gated_input(x: jax.Array) -> jax.Array:
@@ -234,16 +242,38 @@ def gated_input(x: jax.Array) -> jax.Array:
 
 
 def _reference_at(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None, tiles,
-                  layer: jax.Array, *, n: int, parts: int, gated: bool = False) -> jax.Array:
+                  layer: jax.Array, *rows_into, n: int, parts: int, gated: bool = False) -> jax.Array:
     if packed.ndim == 3:  # a stack: the reference slices the layer's weight out of it
         pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         packed, scales, offsets = pick(packed), pick(scales), pick(offsets)
-    return reference(gated_input(x) if gated else x, packed, scales, offsets, n=n, parts=parts)
+    y = reference(gated_input(x) if gated else x, packed, scales, offsets, n=n, parts=parts)
+    return in_rows(y, *rows_into)
+
+
+def in_rows(y: jax.Array, rows: jax.Array | None = None, into: jax.Array | None = None) -> jax.Array:
+    """y [M, N] on rows [rows[0], rows[1]) and `into` on the others (y itself without `into`): a row-range call's
+    result from a product over every row (the reference paths)."""
+    if rows is None or into is None:
+        return y
+    r = jnp.arange(y.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where((r >= rows[0]) & (r < rows[1]), y, into)
+
+
+def row_range(rows, into: jax.Array | None, m: int, n: int) -> tuple[jax.Array, jax.Array | None]:
+    """A call's rows (begin, end: two scalars or an i32[2]) as i32[2] and its `into` checked against its output
+    [m, n]. The kernels clamp the range to [0, m]."""
+    if into is not None and (into.shape != (m, n) or into.dtype != jnp.float32):
+        raise ValueError(f"into must be the call's f32 output [{m}, {n}], got {into.dtype} {tuple(into.shape)}")
+    if isinstance(rows, jax.Array) and rows.shape == (2,) and rows.dtype == jnp.int32:
+        return rows, into
+    if len(rows) != 2:
+        raise ValueError(f"rows is (begin, end), got {rows!r}")
+    return jnp.stack([jnp.asarray(r, jnp.int32).reshape(()) for r in rows]), into
 
 
 def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.Array | None = None, *,
               n: int, parts: int = 1, layer: jax.Array | int | None = None, gated: bool = False,
-              tiles: jax.Array | None = None) -> jax.Array:
+              tiles: jax.Array | None = None, rows: tuple | None = None, into: jax.Array | None = None) -> jax.Array:
     """x [..., K] (any float dtype) times a packed weight -> f32 [..., n]. parts: 1 (int8
     activations, llama.cpp's w8a8) or 2 (int8 activations plus their int8 residual).
     With `layer` (an int32 scalar, traced or not), packed / scales / offsets are a stack of weights
@@ -254,7 +284,10 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     tiles: the weight's pack_tiles (stacked like packed when `layer` is given), or None: with them, two-part
     calls of many rows run on the AMX bf16 tile path where the kernel has it (close to, not bit for bit, the
     other paths' results; the reference ignores them). Without them AMX runs the int8 tile path, which gives the
-    VNNI path's outputs exactly."""
+    VNNI path's outputs exactly.
+    rows: (begin, end), int32 scalars (traced or not): only x's rows [begin, end) (of x as [M, K]) are multiplied,
+    each to what a call over every row gives it; the output's other rows are `into`'s (f32 [M, n], another call's
+    output, updated in place), or unspecified without it."""
     if gated and x.shape[-1] % 2:
         raise ValueError(f"q8_matmul: a gated x holds gate | up, an even width; got {x.shape}")
     k = x.shape[-1] // 2 if gated else x.shape[-1]
@@ -281,10 +314,11 @@ def q8_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, offsets: jax.A
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     ref = functools.partial(_reference_at, n=n, parts=parts, gated=gated)
+    rows_into = () if rows is None else row_range(rows, into, x2.shape[0], n)
     if native.load("q8_matmul", "q8_matmul"):
-        y = jax.lax.platform_dependent(x2, packed, scales, offsets, tiles, index,
+        y = jax.lax.platform_dependent(x2, packed, scales, offsets, tiles, index, *rows_into,
                                        cpu=functools.partial(_native, n=n, parts=parts, gated=gated), default=ref)
     else:
-        y = ref(x2, packed, scales, offsets, tiles, index)
+        y = ref(x2, packed, scales, offsets, tiles, index, *rows_into)
     return y.reshape(*lead, n)
 

@@ -3,19 +3,22 @@
 picked per layer by quantization.ops.pick and multiplied through quantization.ops.linears: per-layer
 buffers behind a layer switch (PerLayer), or one stack a kernel reads at the layer index (StackedQ8,
 StackedF32, StackedChannel: native CPU kernels, fused groups' other members are FusedMember markers;
-StackedInt8: the TPU's Pallas int8 kernel), or, for a weight outside the layer stack (the LM head), packed once
-for its CPU kernel (PackedChannel)."""
+StackedInt8: the TPU's Pallas int8 kernel; StackedHybrid: a StackedQ8 and a StackedChannel of the same weights, a
+step's rows split between them), or, for a weight outside the layer stack (the LM head), packed once for its CPU
+kernel (PackedChannel)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels import int8_channel_matmul as icm
-from slipstream.kernels.q8_matmul import TILE, amx_tiles_wanted, gated_native, pack_tiles, q8_matmul, widen
+from slipstream.kernels.q8_matmul import (TILE, amx_tiles_wanted, gated_input, gated_native, pack_tiles, q8_matmul,
+                                          widen)
 from slipstream.quantization import int8, lora, ops
 from slipstream.quantization.groupwise import host_copy, host_empty
 from slipstream.quantization.weights import QuantizedWeight
@@ -138,6 +141,79 @@ class StackedChannel:
                                        residual=self.residual)
 
 
+PROMPT_END = np.iinfo(np.int32).max  # a row range's end past any step's rows (the kernels clamp it to M)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedHybrid:
+    """One linear or fused group in two forms (the hybrid default on CPU, engine/layer_stack.py): the group-wise
+    q8_0-a16 stack (`default`, the GGUF's groups: a generated token's rows, and every row when no split is bound)
+    and the same weights rounded per output channel with their residual (`prompt`: int8-channel-w16, from the
+    group-wise values) for a step's prompt rows. default_rows / prompt_rows: None (every row on `default`), or the
+    step's split as bound by bind_rows, i32[2] each: rows [0, split) on `default`, [split, M) on `prompt` (the
+    prompt rows: the step's last ones). Each kernel call multiplies only its own rows (the kernels' `rows`), the
+    second into the first's output, so a row's output is its form's at any split and row count."""
+
+    default: StackedQ8
+    prompt: StackedChannel
+    default_rows: jax.Array | None = None   # i32[2]
+    prompt_rows: jax.Array | None = None    # i32[2]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.default, StackedQ8) and isinstance(self.prompt, StackedChannel) and (
+                self.default.widths != self.prompt.widths or self.default.offsets != self.prompt.offsets):
+            raise ValueError(f"a hybrid stack's two forms hold other columns ({self.default.widths} at "
+                             f"{self.default.offsets} against {self.prompt.widths} at {self.prompt.offsets})")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return self.default.widths
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.default.offsets
+
+    def pick(self, index: jax.Array) -> "StackedPick":
+        return StackedPick(index, self)
+
+    def bound(self, split: jax.Array) -> "StackedHybrid":
+        """This stack with rows [0, split) on `default` and [split, M) on `prompt` (split an int32 scalar)."""
+        split = jnp.asarray(split, jnp.int32).reshape(())
+        zero, end = jnp.zeros((), jnp.int32), jnp.full((), PROMPT_END, jnp.int32)
+        return dataclasses.replace(self, default_rows=jnp.stack([zero, split]), prompt_rows=jnp.stack([split, end]))
+
+    def matmul(self, x: jax.Array, layer: jax.Array) -> jax.Array:
+        """x [M, K] @ layer `layer`'s weight -> f32 [M, total columns]: each row on its form."""
+        if self.default_rows is None:
+            return self.default.matmul(x, layer)
+        w, p = self.default.weight, self.prompt
+        y = q8_matmul(x, w.q, w.scale, w.offset, n=w.logical[1], parts=2, layer=layer, tiles=self.default.tiles,
+                      rows=self.default_rows)
+        return icm.int8_channel_matmul(x, p.packed, p.scales, p.colsum, n=w.logical[1], parts=2, layer=layer,
+                                       residual=p.residual, rows=self.prompt_rows, into=y)
+
+    def gated_down(self, gate_up: jax.Array, layer: jax.Array) -> jax.Array:
+        """down(silu(gate) * up) of a gated MLP's gate | up [M, 2F] by this (down) stack -> f32 [M, out]: the
+        q8 kernel forms the input row by row as it quantizes; the prompt rows' per-channel call takes it formed
+        in XLA."""
+        w = self.default.weight
+        y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=2, layer=layer, gated=True,
+                      tiles=self.default.tiles, rows=self.default_rows)
+        if self.default_rows is None:
+            return y
+        p = self.prompt
+        return icm.int8_channel_matmul(gated_input(gate_up), p.packed, p.scales, p.colsum, n=w.logical[1], parts=2,
+                                       layer=layer, residual=p.residual, rows=self.prompt_rows, into=y)
+
+
+def bind_rows(tree, split: jax.Array):
+    """`tree` (a model's params) with every StackedHybrid bound to a step's split (StackedHybrid.bound): rows
+    [0, split) take the default form, the rest the prompt form. Other leaves unchanged."""
+    hybrid = lambda leaf: isinstance(leaf, StackedHybrid)  # noqa: E731
+    return jax.tree.map(lambda leaf: leaf.bound(split) if hybrid(leaf) else leaf, tree, is_leaf=hybrid)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedChannel:
@@ -244,10 +320,10 @@ class FusedMember:
 
 @dataclasses.dataclass(frozen=True)
 class StackedPick:
-    """Layer `index` of a StackedQ8, StackedF32 or StackedChannel, inside the scanned layer body."""
+    """Layer `index` of a StackedQ8, StackedF32, StackedChannel or StackedHybrid, inside the scanned layer body."""
 
     index: jax.Array
-    stack: StackedQ8 | StackedF32 | StackedChannel
+    stack: StackedQ8 | StackedF32 | StackedChannel | StackedHybrid
 
     def _check_group(self, picks: tuple) -> None:
         widths = self.stack.widths
@@ -274,20 +350,28 @@ class StackedPick:
         loras: gate's, up's and down's LoraWeight or None: gate's and up's deltas go into the gate/up
         output before the activation, down's (its input gate | up, gated) onto the product."""
         stack = self.stack
-        if not (isinstance(stack, StackedQ8) and isinstance(down, StackedPick) and isinstance(down.stack, StackedQ8)
+        kinds = (StackedQ8, StackedHybrid)
+        if not (isinstance(stack, kinds) and isinstance(down, StackedPick) and type(down.stack) is type(stack)
                 and len(stack.widths) == 2 and stack.widths[0] == stack.widths[1] == stack.offsets[1]
-                and down.stack.weight.logical[0] == stack.widths[0] and gated_native()):
+                and _q8(down.stack).weight.logical[0] == stack.widths[0] and gated_native()):
             return None
         self._check_group(picks)
         x2 = x.reshape(-1, x.shape[-1])
         gate_up = self.stack.matmul(x2, self.index)                                   # [M, 2F]
         gate_up = lora.add_fused(x2, gate_up, tuple(zip(stack.offsets, stack.widths)), loras[:2])
-        w = down.stack.weight
-        y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
-                      layer=down.index, gated=True, tiles=down.stack.tiles)            # [M, out]
+        w = _q8(down.stack).weight
+        if isinstance(down.stack, StackedHybrid):
+            y = down.stack.gated_down(gate_up, down.index)
+        else:
+            y = q8_matmul(gate_up, w.q, w.scale, w.offset, n=w.logical[1], parts=1 if w.mode == "q8_0" else 2,
+                          layer=down.index, gated=True, tiles=down.stack.tiles)        # [M, out]
         if loras[2] is not None:
             y = loras[2].add_to(y, gate_up, gated=True)
         return y.reshape(*x.shape[:-1], w.logical[1]).astype(x.dtype)
+
+
+def _q8(stack: StackedQ8 | StackedHybrid) -> StackedQ8:
+    return stack.default if isinstance(stack, StackedHybrid) else stack
 
 
 def stack_tiles(w: QuantizedWeight) -> jax.Array | None:
@@ -329,6 +413,25 @@ def fuse_q8(weights: list[QuantizedWeight]) -> StackedQ8:
                             mode=weights[0].mode, offset=offset,
                             logical=(weights[0].logical[0], sum(-(-n // TILE) * TILE for n in widths[:-1]) + widths[-1]))
     return StackedQ8(fused, widths, stack_tiles(fused))
+
+
+def _dequantized_layer(layer: jax.Array, w: QuantizedWeight) -> jax.Array:
+    one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
+    return one.dequantize()
+
+
+def channel_w16(w: QuantizedWeight) -> int8.Int8Weight:
+    """A stacked group-wise weight [L, K, N] rounded per output channel with its residual (int8-channel-w16), from
+    its group-wise values, one layer at a time (the float temporaries are one layer's)."""
+    return int8.quantize_layers(_dequantized_layer, (w,), int(w.q.shape[0]), "int8-channel-w16")
+
+
+def fuse_hybrid(weights: list[QuantizedWeight]) -> StackedHybrid:
+    """Stacked q8_0-a16 weights [L, K, N_j] sharing K -> one StackedHybrid over their columns: fuse_q8's stack and
+    fuse_channel's of their int8-channel-w16 roundings."""
+    if any(w.mode != "q8_0-a16" for w in weights):
+        raise ValueError(f"a hybrid stack's default form is q8_0-a16, got {[w.mode for w in weights]}")
+    return StackedHybrid(fuse_q8(weights), fuse_channel([channel_w16(w) for w in weights]))
 
 
 def fuse_f32(weights: list) -> StackedF32:

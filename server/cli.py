@@ -3,6 +3,7 @@ progress bars go to stderr; `generate` writes only the generated text to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -47,7 +48,8 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantize=args.quantize,
                           tensor_parallel=args.tensor_parallel, max_loras=lora_slots(args),
-                          max_lora_rank=getattr(args, "max_lora_rank", 64))
+                          max_lora_rank=getattr(args, "max_lora_rank", 64),
+                          prompt_weights=getattr(args, "prompt_weights", "auto"))
     # data parallel: each replica's devices, checked before the slow load (one replica: the default ones)
     slices = replica_devices(args.tensor_parallel, data_parallel) if data_parallel > 1 else [None]
     start = time.perf_counter()
@@ -63,8 +65,10 @@ def build_engines(args: argparse.Namespace, *, max_slots: int | None = None, dat
         model_cfg, model = load_model(path, dtype="float32", progress=progress, quantize=quantize, reader=reader)
         tokenizer = load_tokenizer(path, reader)
         del reader
-    log.info("loaded %s in %.1fs (weights: %s%s)", path, time.perf_counter() - start, mode,
-             ", random: --load-format dummy" if args.load_format == "dummy" else "")
+    hybrid = mode == "q8_0-a16" and config.prompt_w16()
+    log.info("loaded %s in %.1fs (weights: %s%s%s)", path, time.perf_counter() - start, mode,
+             "; prompt tokens on a second int8-channel-w16 copy of the layers (--prompt-weights same: one form)"
+             if hybrid else "", ", random: --load-format dummy" if args.load_format == "dummy" else "")
     engines = []
     for replica, devices in enumerate(slices):
         engine = JaxEngine(model_cfg, model, config, eos_token_ids=tuple(tokenizer.eos_token_ids) or (),
@@ -103,7 +107,9 @@ def build_draft_proposer(args: argparse.Namespace, engines: list, *, multihost: 
         cfg, model = load_dummy(path, dtype=target.config.activation_dtype(), quantize=quantize)
     else:
         cfg, model = load_model(path, dtype="float32", quantize=quantize)
-    engine = JaxEngine(cfg, model, target.config, progress=sys.stderr.isatty())
+    # its rows are all generated tokens (drafts): the hybrid's prompt copy of the weights would go unused
+    config = dataclasses.replace(target.config, prompt_weights="same") if target.prompt_w16 else target.config
+    engine = JaxEngine(cfg, model, config, progress=sys.stderr.isatty())
     log.info("draft model %s: compiled %d programs in %.1fs (%d KV pages)", path, engine.num_programs,
              engine.compile_seconds, engine.num_pages)
     return DraftModelProposer(engine, target.vocab_size)

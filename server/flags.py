@@ -62,6 +62,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "fastest prefill, less exact); int8-channel-a16: the same weights with ~16-bit activations "
                         "(two int8 parts on CPU); int8-channel-w16: those weights plus an int8 residual per weight "
                         "(~16 bits, 2 bytes a weight: the default's accuracy, AMX prefill); none = float")
+    p.add_argument("--prompt-weights", default=flag_env("prompt-weights", "auto"), choices=["auto", "w16", "same"],
+                   help="with q8_0-a16 weights on CPU: w16 runs prompt tokens on a second copy of the layer weights "
+                        "(int8-channel-w16: as accurate, 2 bytes a weight, AMX prefill) and generated tokens on "
+                        "q8_0-a16; same: every token on q8_0-a16; auto: w16 at --quantize auto on a CPU with AMX")
     p.add_argument("--kv-cache-dtype", default=flag_env("kv-cache-dtype", "auto"),
                    choices=["auto", "float32", "bfloat16", "int8"],
                    help="K/V page dtype; auto: bfloat16 on CPU with int8 weights (the default), else the "

@@ -13,6 +13,7 @@ from slipstream.quantization import MODES
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+PROMPT_WEIGHTS = ("auto", "w16", "same")  # EngineConfig.prompt_weights
 ACCELERATORS = ("tpu", "gpu", "cuda", "rocm")  # jax.default_backend() names whose `auto` weights are "int8"
 
 
@@ -31,6 +32,8 @@ class EngineConfig:
     tensor_parallel: int = 1                # devices the model is split over (engine/sharding.py)
     max_loras: int = 0                      # LoRA adapter slots on the device (0: no LoRA)
     max_lora_rank: int = 64                 # every slot's rank (adapters of lower rank are zero-padded)
+    prompt_weights: str = "auto"            # auto: see prompt_w16(); w16: prompt rows on int8-channel-w16 weights
+                                            # (with q8_0-a16 on CPU); same: every row on the one weight form
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:
@@ -53,6 +56,11 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
                              f"{self.max_lora_rank}")
+        if self.prompt_weights not in PROMPT_WEIGHTS:
+            raise ValueError(f"prompt_weights must be one of {', '.join(PROMPT_WEIGHTS)}, got {self.prompt_weights!r}")
+        if self.prompt_weights == "w16" and (self.quantize not in ("auto", "q8_0-a16") or self.tensor_parallel > 1):
+            raise ValueError(f"prompt_weights w16 goes with quantize q8_0-a16 (the CPU default) on one device, not "
+                             f"quantize {self.quantize} with tensor_parallel {self.tensor_parallel}")
         if self.quantize.startswith("int8-channel") and self.tensor_parallel > 1:
             # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
             raise ValueError(f"quantize {self.quantize} runs on one device, not with tensor_parallel "
@@ -86,6 +94,38 @@ class EngineConfig:
         from slipstream.kernels.q8_matmul import native_available
 
         return "q8_0-a16" if native_available() else "none"
+
+    def prompt_w16(self, backend: str | None = None) -> bool:
+        """Whether a step's prompt rows (positions before their request's prompt length) multiply the decoder
+        layers' weights in a second form, int8-channel-w16 (rounded per output channel from the q8_0-a16 groups,
+        with the residual: 2 bytes a weight; the default model's server holds ~350 MB more), while generated
+        tokens' rows (decodes, speculative verification, a preempted request's recomputed output) and the LM head
+        keep q8_0-a16. On an AMX CPU that halves a 256-token prefill step of the default model (perplexity as
+        f32's; benchmarks/results.d/intel-emerald-rapids.md), and the one-row decode keeps q8_0-a16's 0.6-1.1
+        bytes a weight. `auto`: at the default weights (quantize `auto`, which is q8_0-a16 on CPU) on one device
+        when the per-channel kernel runs on the AMX tile unit (an explicit quantize q8_0-a16 keeps one form);
+        `w16`: wherever q8_0-a16 runs on CPU (its native kernels built); `same`: never. A row's output depends only
+        on its token's role, not on the step's other rows (docs/kernels.md)."""
+        if self.prompt_weights == "same" or self.tensor_parallel > 1 or (
+                self.prompt_weights == "auto" and self.quantize != "auto"):
+            return False
+        backend = backend or jax.default_backend()
+        if backend != "cpu" or self.weight_mode(backend) != "q8_0-a16":
+            if self.prompt_weights == "w16":
+                raise ValueError(f"prompt_weights w16 needs q8_0-a16 weights on CPU (here {backend}, "
+                                 f"{self.weight_mode(backend)})")
+            return False
+        from slipstream.kernels import int8_channel_matmul as icm
+
+        if not icm.native_available():
+            if self.prompt_weights == "w16":
+                raise ValueError("prompt_weights w16 needs the native int8_channel_matmul kernel (pip install -e .)")
+            return False
+        if self.prompt_weights == "w16":
+            return True
+        import importlib
+
+        return importlib.import_module("slipstream.kernels._int8_channel_matmul").isa() == "amx"
 
     def kv_dtype(self) -> jnp.dtype:
         """The KV cache dtype `auto` stands for here: bf16 on CPU with int8 weights and the native attention

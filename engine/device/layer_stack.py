@@ -12,7 +12,9 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
 - other float weights (bf16; f32 without the native kernel), group-wise int8 ones under tensor
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
-- a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`).
+- a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`);
+- with the hybrid weights (EngineConfig.prompt_w16) the group-wise stacks are `StackedHybrid`: the StackedQ8 and
+  its int8-channel-w16 rounding, a step's prompt rows on the second (docs/kernels.md).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
 become `StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the traced layer index, so
 the Pallas int8 kernel reads each layer's blocks where they lie instead of a slice the scan copies out
@@ -33,8 +35,8 @@ from slipstream.models import layers
 from slipstream.models.base import CausalLM
 from slipstream.quantization import Int8Weight, QuantizedWeight
 from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
-    FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedInt8, StackedPick,
-    StackedQ8, channel_weight, fuse_channel, fuse_f32, fuse_q8, pack_channel)
+    FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedHybrid, StackedInt8,
+    StackedPick, StackedQ8, channel_weight, fuse_channel, fuse_f32, fuse_hybrid, fuse_q8, pack_channel)
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
 FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -47,12 +49,16 @@ def _stackable_f32(value) -> bool:
     return isinstance(value, jax.Array) and value.dtype == np.float32 and value.ndim == 3
 
 
-def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool | None = None) -> None:
+def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool | None = None,
+                  prompt_w16: bool = False) -> None:
     """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): group-wise int8 ones as
     StackedQ8 and per-channel ones as StackedChannel when `stack_int8`, f32 ones as StackedF32 when `stack_f32`
     (by default: as `stack_int8`, and only where kernels/f32_matmul's native kernel runs), FUSED groups fused;
     everything else as PerLayer. A per-channel int8 weight outside the stack (the LM head) becomes a
-    PackedChannel when `stack_int8`."""
+    PackedChannel when `stack_int8`. prompt_w16 (with `stack_int8`): the group-wise q8_0-a16 stacks become
+    StackedHybrid, which also hold the weights as int8-channel-w16 for a step's prompt rows (the LM head and
+    weights outside the stack keep their one form)."""
+    fuse_groupwise = fuse_hybrid if prompt_w16 and stack_int8 else fuse_q8
     if stack_f32 is None:
         stack_f32 = stack_int8
     stack_f32 = stack_f32 and f32.native_available()
@@ -77,7 +83,7 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
             if all(isinstance(g, QuantizedWeight) for g in group):
                 if len({(g.logical[0], g.mode, g.q.shape[0]) for g in group}) != 1:
                     continue  # not one input, mode and depth: left unfused
-                stacked[keys[0]] = fuse_q8(group)
+                stacked[keys[0]] = fuse_groupwise(group)
             elif all(isinstance(g, Int8Weight) for g in group):
                 if len({(g.q.shape[:2], g.parts) for g in group}) != 1:
                     continue
@@ -101,7 +107,7 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
             continue
         value = var.get_value()
         if key in candidates:
-            var.set_value(fuse_q8([value]) if isinstance(value, QuantizedWeight) else
+            var.set_value(fuse_groupwise([value]) if isinstance(value, QuantizedWeight) else
                           fuse_channel([value]) if isinstance(value, Int8Weight) else fuse_f32([value]))
             continue
         var.set_value(PerLayer(tuple(jax.tree.map(lambda a, i=i: a[i], value) for i in range(n))))

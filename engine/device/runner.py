@@ -45,6 +45,7 @@ from slipstream.models.base import CausalLM, init_kv_cache, step_fn
 from slipstream.models.config import ModelConfig
 from slipstream.models.lora import lora_targets
 from slipstream.models.loader import trim_host_heap
+from slipstream.quantization.layer_forms import bind_rows
 
 
 class JaxEngine:
@@ -70,9 +71,12 @@ class JaxEngine:
                   and self.dtype == jnp.float32 and lora_native_available())
         self.lora = (LoraSlots(lora_targets(model), model_cfg.num_layers, config.max_loras, config.max_lora_rank,
                                self.dtype, packed=packed) if config.max_loras else None)
+        # prompt rows on a second weight form (int8-channel-w16), generated tokens' rows on q8_0-a16
+        self.prompt_w16 = config.prompt_w16()
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
-            split_linears(model, stack_int8=config.tensor_parallel == 1)  # sharding splits PerLayer
+            split_linears(model, stack_int8=config.tensor_parallel == 1,  # sharding splits PerLayer
+                          prompt_w16=self.prompt_w16)
         elif config.tensor_parallel == 1:  # TPU: the int8 kernel reads each layer of a stack where it lies
             index_int8_stacks(model)
         # the step is a pure function of the weights' state: split once, merged inside the programs
@@ -140,6 +144,11 @@ class JaxEngine:
         self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
         self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
+        # with the hybrid weights: the decode buckets' programs for steps of generated tokens only (no split bound:
+        # q8_0-a16 alone, as without the hybrid), beside the split ones in _model_exe
+        self._generated_exe: dict[int, jax.stages.Compiled] = {}
+        self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
+                                   if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
@@ -152,10 +161,12 @@ class JaxEngine:
     # ---- jitted bodies ----------------------------------------------------------------------
 
     def _model_step(self, params, cache, tokens, src, last, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sample_index, lora=None):
+                    sample_index, lora=None, prompt_from=None):
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
         tokens = jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
+        if prompt_from is not None:  # i32[]: the step's rows from it on are prompt rows (the hybrid's w16 form)
+            params = bind_rows(params, prompt_from)
         if lora is not None:  # (adapter stacks, each token's slot i32[T]): LoRA deltas on the linears
             params = self.lora.attach(params, *lora)
         return self._forward(params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
@@ -183,13 +194,14 @@ class JaxEngine:
 
     # ---- ahead-of-time compilation ----------------------------------------------------------
 
-    def _model_args(self, t: int):
+    def _model_args(self, t: int, split: bool = True):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         s = self.max_slots
         last = jax.ShapeDtypeStruct((s + 1,), jnp.int32, sharding=self._replicated)
         args = (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
                 i32(s + 1), i32(1), i32(self.buckets.sample_rows(t)))
-        return args if self.lora is None else (*args, (self.lora.stacks, i32(t)))
+        args += (None if self.lora is None else (self.lora.stacks, i32(t)),)
+        return args + (i32() if self.prompt_w16 and split else None,)
 
     def _sample_args(self, b: int):
         sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
@@ -202,7 +214,7 @@ class JaxEngine:
     @property
     def num_programs(self) -> int:
         """Model and sampling programs (the tiny per-bucket helpers of PreviousSamples aside)."""
-        return len(self.buckets.token_counts) + len(self.buckets.sample_row_counts)
+        return len(self.buckets.token_counts) + len(self._generated_buckets) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
         """Compile every bucket now (or load it from the persistent cache), on all host cores."""
@@ -213,6 +225,8 @@ class JaxEngine:
                     for b in self.buckets.sample_row_counts]
         programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
                      for t in reversed(self.buckets.token_counts)]  # the slowest first
+        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit,
+                      self._model_args(t, split=False)) for t in self._generated_buckets]
         loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
         if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
             for table, shape, name, _, _ in programs:
@@ -323,13 +337,25 @@ class JaxEngine:
         return step_inputs(batch, self.buckets, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
                            max_seq_len=self.max_seq_len, page_size=self.page_size)
 
+    def prompt_rows_from(self, batch: StepBatch) -> int:
+        """The step's first prompt row (StepBatch.prompt_rows_from over the prompt lengths insert bound): the
+        hybrid weights' split (EngineConfig.prompt_w16)."""
+        return batch.prompt_rows_from(self._slot_prompt_len)
+
     def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
         t, (tokens, *inputs), sample_slots = self.step_inputs(batch)
         if (src := previous_sources(batch, tokens, inputs[3])) is None:
             src = np.full(t, -1, np.int32)
-        model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        extra = () if self.lora is None else ((self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras)),)
-        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, *extra)
+        lora = None if self.lora is None else (self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras))
+        prompt_from = np.int32(self.prompt_rows_from(batch)) if self.prompt_w16 else None
+        if prompt_from is not None and prompt_from == batch.num_tokens and t in self._generated_buckets:
+            # generated tokens only (decodes, verification): the program without the prompt form's calls
+            model, prompt_from = self._exe(self._generated_exe, t, self._model_jit,
+                                           functools.partial(self._model_args, split=False)), None
+        else:
+            model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
+        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, lora,
+                                   prompt_from)
         return t, logits, sample_slots
 
     @functools.cached_property

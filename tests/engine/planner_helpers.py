@@ -15,9 +15,10 @@ _order = itertools.count()
 
 
 def planner(*, budget: int = 16, max_slots: int = 4, page_size: int = 4, num_pages: int = 64,
-            prefix: bool = True) -> StepPlanner:
-    return StepPlanner(BlockManager(num_pages, page_size, prefix), max_slots=max_slots,
-                       token_budget=budget)
+            prefix: bool = True, roles: bool = False) -> StepPlanner:
+    """roles: planned for an engine whose tokens' roles decide their weights (the hybrid's prompt_w16)."""
+    return StepPlanner(BlockManager(num_pages, page_size, prefix, roles=roles), max_slots=max_slots,
+                       token_budget=budget, roles=roles)
 
 
 def seq(prompt, max_tokens: int = 8, priority: int = 0, **params) -> Sequence:

@@ -110,3 +110,45 @@ def test_one_long_prefill_ends_per_step_short_ones_are_not_held():
     assert shape(d.step()) == [(a.order, 0, 8, True), (b.order, 0, 7, False)]
     assert shape(d.step()) == [(a.order, 8, 1, True), (b.order, 7, 1, True)]
     assert b.output_ids == [88]
+
+
+def test_a_recompute_stops_its_chunk_at_the_prompt_end_and_takes_only_prompt_pages_from_the_cache():
+    # with roles (the hybrid weights multiply prompt and generated tokens in different forms) a preempted
+    # sequence's recompute computes its output as generated tokens, never as another request's prompt; without
+    # them the recompute takes the cached pages and one chunk as before
+    p = planner(budget=16, page_size=4, roles=True)
+    d = Driver(p, MockEngine(max_num_batched_tokens=16, prompt_w16=True))
+    s = seq(range(40, 46), max_tokens=12)  # a 6-token prompt: one full page
+    d.submit(s)
+    for _ in range(6):
+        d.step()
+    assert len(s.output_ids) == 6
+    # another request whose prompt holds s's prompt and output: its pages 0-1 are cached
+    other = seq(s.tokens[:9], max_tokens=1)
+    d.submit(other)
+    d.step()
+    assert p.blocks.cached_prefix_tokens(s.tokens) == 8
+    d.engine.free(p.preempt(s))
+    known = len(s.tokens)
+    # back: only the prompt's full page from the cache; the chunk stops at the prompt's end, the output after it
+    assert shape(d.step()) == [(s.order, 4, 2, False)]
+    assert shape(d.step()) == [(s.order, 6, known - 6, True)]
+    assert p.blocks.prefix.num_cached == 2  # its recomputed output was not offered to later requests
+
+
+
+def test_with_roles_a_recompute_of_generated_tokens_comes_before_a_prompt_chunk():
+    for roles in (True, False):
+        p = planner(budget=8, page_size=4, roles=roles)
+        d = Driver(p, MockEngine(max_num_batched_tokens=8, prompt_w16=roles))
+        y = seq(range(40, 44), max_tokens=12)
+        d.submit(y)
+        for _ in range(4):
+            d.step()
+        x = seq(range(60, 70), max_tokens=2)
+        d.submit(x)
+        assert shape(d.step()) == [(y.order, 7, 1, True), (x.order, 0, 7, False)]
+        d.engine.free(p.preempt(y))
+        # y back: its prompt page cached, its output recomputed as generated tokens; x's last prompt chunk
+        want = [(x.order, 7, 3, True), (y.order, 4, 4, False)]
+        assert shape(d.step()) == (want[::-1] if roles else want)

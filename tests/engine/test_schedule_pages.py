@@ -90,11 +90,12 @@ def test_pages_used_counts_running_requests_and_cached_pages_apart():
 @given(prompts=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 12), st.booleans(),
                                   st.none() | st.integers(0, 30)), min_size=1, max_size=10),
        budget=st.integers(1, 20), num_pages=st.integers(8, 24), prefix=st.booleans(),
-       max_slots=st.integers(1, 4), overlap=st.booleans())
+       max_slots=st.integers(1, 4), overlap=st.booleans(), roles=st.booleans())
 def test_random_workloads_finish_exactly_and_leak_nothing(prompts, budget, num_pages, prefix,
-                                                          max_slots, overlap):
-    p = planner(budget=budget, max_slots=max_slots, num_pages=num_pages, prefix=prefix)
-    engine = MockEngine(max_slots=max_slots, num_pages=num_pages, max_num_batched_tokens=budget)
+                                                          max_slots, overlap, roles):
+    # roles: planned for the hybrid weights, every step checked against them (MockEngine.prompt_w16)
+    p = planner(budget=budget, max_slots=max_slots, num_pages=num_pages, prefix=prefix, roles=roles)
+    engine = MockEngine(max_slots=max_slots, num_pages=num_pages, max_num_batched_tokens=budget, prompt_w16=roles)
     d = PipelinedDriver(p, engine) if overlap else Driver(p, engine)
     shared = list(range(40, 52))
     seqs, cancel_at = [], {}

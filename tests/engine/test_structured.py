@@ -229,9 +229,12 @@ def test_preempted_sequence_resumes_its_grammar(engine, tokenizer, compiler):
     known = prompt + done
     out = []
     try:
+        # the recompute as the scheduler cuts it: the prompt, then the replayed output (engine/api.StepBatch)
+        engine.step(StepBatch((StepSeq(0, prompt, 0, list(range(1, 17)), False),)))
+        known, pre = done, len(prompt)
         for _ in range(10):
             fed = known if not out else [out[-1]]
-            start = len(known) + len(out) - len(fed)
+            start = pre + len(known) + len(out) - len(fed)
             out.append(engine.step(StepBatch((StepSeq(0, fed, start, list(range(1, 17)), True),)))[0].token_id)
             if out[-1] == EOS:
                 break

@@ -134,6 +134,37 @@ def test_fused_residual_equals_the_sum_of_two_calls_and_reads_a_stack_at_a_layer
                                       icm.reference_numpy(x, q, s, 2, (r, sr)))
 
 
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_a_row_range_multiplies_only_its_rows_into_another_calls_output(monkeypatch, kernels):
+    # the hybrid weights' second call (quantization/layer_forms.StackedHybrid): rows [begin, end) as a full call
+    # gives them, the others kept from `into`, in place; the range clamped to the rows
+    if kernels == "native" and not NATIVE:
+        pytest.skip("slipstream.kernels._int8_channel_matmul is not built")
+    if kernels == "reference":
+        monkeypatch.setitem(native._paths, "int8_channel_matmul", "reference")
+    rng = np.random.default_rng(31)
+    x, q, scale = case(rng, 21, 130, 40)
+    residual = residual_case(rng, 130, 40, scale)
+    w = tuple(jnp.asarray(a) for a in icm.pack(q, scale))
+    lo = tuple(jnp.asarray(a) for a in icm.pack(*residual))
+    full = np.asarray(icm.int8_channel_matmul(jnp.asarray(x), *w, n=40, parts=2, residual=lo))
+    into = jnp.full((21, 40), 7.0, jnp.float32)
+    f = jax.jit(lambda x, b, e, into: icm.int8_channel_matmul(x, *w, n=40, parts=2, residual=lo, rows=(b, e),
+                                                              into=into))
+    for begin, end in ((0, 21), (5, 9), (20, 1 << 30), (9, 9), (-3, 2)):
+        got = np.asarray(f(jnp.asarray(x), jnp.int32(begin), jnp.int32(end), into))
+        inside = (np.arange(21) >= begin) & (np.arange(21) < end)
+        if kernels == "native":
+            np.testing.assert_array_equal(got[inside], full[inside], err_msg=f"{begin}..{end}")
+        else:  # XLA's programs, one jitted and one not, may round an ulp apart
+            np.testing.assert_allclose(got[inside], full[inside], rtol=1e-5, atol=1e-6, err_msg=f"{begin}..{end}")
+        assert (got[~inside] == 7.0).all(), f"{begin}..{end}"
+    with pytest.raises(ValueError, match="residual"):
+        icm.int8_channel_matmul(jnp.asarray(x), *w, n=40, parts=2, rows=(0, 3))
+    with pytest.raises(ValueError, match="into"):
+        icm.int8_channel_matmul(jnp.asarray(x), *w, n=40, parts=2, residual=lo, rows=(0, 3), into=into[:3])
+
+
 @needs_amx
 def test_tile_unit_and_vnni_agree_on_wide_k():
     # a long int32 chain (K = 1536, the default model's down projection) near the int8 extremes

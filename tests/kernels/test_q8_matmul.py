@@ -187,6 +187,35 @@ def test_gated_call_multiplies_silu_of_gate_times_up(m, k, n, seed, isa, parts, 
 
 
 @needs_native
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_row_range_multiplies_only_its_rows_into_another_calls_output(gated):
+    # the hybrid weights' first call (quantization/layer_forms.StackedHybrid): rows [begin, end) as a full call
+    # gives them, the others kept from `into` (or left unwritten without it); the reference selects the same rows
+    rng = np.random.default_rng(41)
+    q, d = random_weight(rng, 96, 40)
+    packed, scales = (jnp.asarray(a) for a in q8.pack(q, d))
+    x = jnp.asarray(rng.standard_normal((19, 192 if gated else 96)).astype(np.float32))
+    full = np.asarray(q8.q8_matmul(x, packed, scales, n=40, parts=2, gated=gated))
+    into = jnp.full((19, 40), 7.0, jnp.float32)
+    f = jax.jit(lambda x, b, e, into: q8.q8_matmul(x, packed, scales, n=40, parts=2, gated=gated, rows=(b, e),
+                                                   into=into))
+    ref = jax.jit(lambda x, b, e, into: q8._reference_at(x, packed, scales, None, None, jnp.int32(0),
+                                                         jnp.stack([b, e]), into, n=40, parts=2, gated=gated))
+    ref_full = np.asarray(q8._reference_at(x, packed, scales, None, None, jnp.int32(0), n=40, parts=2, gated=gated))
+    for begin, end in ((0, 19), (4, 11), (18, 1 << 30), (6, 6)):
+        inside = (np.arange(19) >= begin) & (np.arange(19) < end)
+        got = np.asarray(f(x, jnp.int32(begin), jnp.int32(end), into))
+        np.testing.assert_array_equal(got[inside], full[inside], err_msg=f"{begin}..{end}")
+        assert (got[~inside] == 7.0).all(), f"{begin}..{end}"
+        want = np.asarray(ref(x, jnp.int32(begin), jnp.int32(end), into))
+        if not gated:  # (a gated row's silu may differ by an ulp between programs: a quantization step apart)
+            np.testing.assert_allclose(want[inside], ref_full[inside], rtol=1e-5, atol=1e-6)
+        assert (want[~inside] == 7.0).all()
+    alone = np.asarray(q8.q8_matmul(x, packed, scales, n=40, parts=2, gated=gated, rows=(4, 11)))
+    np.testing.assert_array_equal(alone[4:11], full[4:11])
+
+
+@needs_native
 def test_gated_call_needs_an_even_width():
     q, d = random_weight(np.random.default_rng(0), 16, 16)
     packed, scales = q8.pack(q, d)[:2]

@@ -585,7 +585,8 @@ struct Residual {
 
 ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
                                 ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, const Residual* residual,
-                                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+                                ffi::Buffer<ffi::S32> layer, const int32_t* rows, ffi::ResultBuffer<ffi::F32> y,
+                                int32_t parts) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), cd = colsum.dimensions(),
              yd = y->dimensions();
   // one weight [Np/16, Kp*16] (scales, colsum [Np]), or a stack of L of them of which `layer` picks one (read
@@ -621,9 +622,14 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
         !std::equal(rcd.begin(), rcd.end(), cd.begin()))
       return ffi::Error::InvalidArgument("int8_channel_matmul: the residual weight's shapes are not the weight's");
   }
+  int64_t begin = 0;  // rows: only [begin, end) of x are multiplied and written (the rest of y is left as it is)
+  if (rows) {
+    begin = std::clamp<int64_t>(rows[0], 0, p.m);
+    p.m = static_cast<int>(std::clamp<int64_t>(rows[1], begin, p.m) - begin);
+  }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const size_t np = static_cast<size_t>(p.tiles) * kTile;
-  p.x = x.typed_data();
+  p.x = x.typed_data() + begin * p.k;
   p.w = packed.typed_data() + index * np * p.kp;
   p.ws = scales.typed_data() + index * np;
   p.colsum = colsum.typed_data() + index * np;
@@ -632,7 +638,7 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     p.wsr = residual->scales.typed_data() + index * np;
     p.colsumr = residual->colsum.typed_data() + index * np;
   }
-  p.y = y->typed_data();
+  p.y = y->typed_data() + begin * p.n;
   // a large output (the LM head over many rows) is usually fresh memory: 2 MiB pages fault ~500x less often
   const size_t out_bytes = static_cast<size_t>(p.m) * p.n * sizeof(float);
   if (out_bytes >= 8 * rt::kHugePage) rt::AdviseHugePages(rt::HugeAligned(p.y, out_bytes));
@@ -663,7 +669,7 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
 ffi::Error Int8ChannelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
                                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::S32> layer,
                                  ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
-  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, nullptr, layer, y, parts);
+  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, nullptr, layer, nullptr, y, parts);
 }
 
 ffi::Error Int8ChannelMatmulResidualImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
@@ -672,7 +678,23 @@ ffi::Error Int8ChannelMatmulResidualImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::
                                          ffi::Buffer<ffi::S32> colsum_lo, ffi::Buffer<ffi::S32> layer,
                                          ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
   const Residual residual{packed_lo, scales_lo, colsum_lo};
-  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, &residual, layer, y, parts);
+  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, &residual, layer, nullptr, y, parts);
+}
+
+// rows [begin, end) of x only; y_in: y's previous contents (aliased to y by the caller: the other rows keep them), or
+// [0] (none)
+ffi::Error Int8ChannelMatmulResidualRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                             ffi::Buffer<ffi::S8> packed, ffi::Buffer<ffi::F32> scales,
+                                             ffi::Buffer<ffi::S32> colsum, ffi::Buffer<ffi::S8> packed_lo,
+                                             ffi::Buffer<ffi::F32> scales_lo, ffi::Buffer<ffi::S32> colsum_lo,
+                                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows,
+                                             ffi::Buffer<ffi::F32> y_in, ffi::ResultBuffer<ffi::F32> y,
+                                             int32_t parts) {
+  if (rows.element_count() != 2) return ffi::Error::InvalidArgument("int8_channel_matmul: rows is [begin, end)");
+  if (y_in.element_count() != 0 && y_in.element_count() != y->element_count())
+    return ffi::Error::InvalidArgument("int8_channel_matmul: y_in is y's shape, or [0]");
+  const Residual residual{packed_lo, scales_lo, colsum_lo};
+  return Int8ChannelMatmulRun(pool, x, packed, scales, colsum, &residual, layer, rows.typed_data(), y, parts);
 }
 
 }  // namespace
@@ -704,6 +726,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmulResidual, Int8ChannelMa
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int32_t>("parts"));     // int8 parts per activation (2)
 
+// The same on rows [begin, end) of x only (a step's prompt rows: quantization/layer_forms.py's StackedHybrid)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmulResidualRows, Int8ChannelMatmulResidualRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed [(L,) Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum [(L,) Np]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed_lo
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales_lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum_lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [2]: begin, end (clamped to [0, M])
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // y_in [M, N] aliased to y, or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]: rows outside [begin, end) unwritten
+                                  .Attr<int32_t>("parts"));
+
 // ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the test/benchmark setters ----
 
 // amx_rows(min_rows) -> the previous: calls of at least min_rows input rows run on the tile unit where it is chosen
@@ -729,7 +768,9 @@ PyMODINIT_FUNC PyInit__int8_channel_matmul() {
   static rt::ModuleSpec spec{
       "_int8_channel_matmul", "Per-output-channel int8 matmul for XLA:CPU through the FFI.",
       {{"slipstream_int8_channel_matmul", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmul)},
-       {"slipstream_int8_channel_matmul_residual", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidual)}},
+       {"slipstream_int8_channel_matmul_residual", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidual)},
+       {"slipstream_int8_channel_matmul_residual_rows",
+        reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidualRows)}},
       &g_isa,
       {{"amx_rows", AmxRowsPy, METH_VARARGS,
         "amx_rows(min_rows): calls of at least min_rows input rows run on the tile unit (negative: keep); returns "

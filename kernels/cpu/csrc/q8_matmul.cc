@@ -1633,10 +1633,12 @@ void AdviseHugePages(void* data, size_t bytes) {
   if (bytes >= 8 * rt::kHugePage) rt::AdviseHugePages(rt::HugeAligned(data, bytes));
 }
 
-ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::U16> tiles,
-                        ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
+// rows: null (every row), or [begin, end): only those rows of x are multiplied and written to y (the others of y
+// are left as they are: the caller's other kernel writes them). A row's output is the same either way.
+ffi::Error Q8MatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                       ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::U16> tiles,
+                       ffi::Buffer<ffi::S32> layer, const int32_t* rows,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
   const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   // packed and scales (and offsets) are one weight [T, W], or a stack of L weights [L, T, W] of which
   // `layer` picks one (a scanned layer loop passes the whole stack: no slice of it is copied)
@@ -1676,15 +1678,20 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       (tiles.element_count() != 0 &&
        tiles.element_count() != static_cast<size_t>(stack) * p.tiles * p.groups * 2 * kTile * kGroup))
     return ffi::Error::InvalidArgument("q8_matmul: packed weight, scales, offsets, x and y shapes disagree");
+  int64_t begin = 0;
+  if (rows) {
+    begin = std::clamp<int64_t>(rows[0], 0, p.m);
+    p.m = static_cast<int>(std::clamp<int64_t>(rows[1], begin, p.m) - begin);
+  }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   const size_t weight_bytes = static_cast<size_t>(p.tiles) * p.tile_bytes();
   const size_t weight_scales = static_cast<size_t>(p.tiles) * p.tile_scales();
-  p.x = x.typed_data();
+  p.x = x.typed_data() + begin * xd[1];
   p.w = packed.typed_data() + index * weight_bytes;
   p.ws = scales.typed_data() + index * weight_scales;
   p.wo = offsets.element_count() ? offsets.typed_data() + index * weight_scales : nullptr;
   p.wt = tiles.element_count() ? tiles.typed_data() + index * static_cast<size_t>(p.tiles) * p.tile_bf16() : nullptr;
-  p.y = y->typed_data();
+  p.y = y->typed_data() + begin * p.n;
   p.pf_near = g_pf_near.load(std::memory_order_relaxed);
   p.pf_far = g_pf_far.load(std::memory_order_relaxed);
   p.pf_nta = g_pf_nta.load(std::memory_order_relaxed);
@@ -1745,6 +1752,24 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
+ffi::Error Q8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                        ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::U16> tiles,
+                        ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
+  return Q8MatmulRun(pool, x, packed, scales, offsets, tiles, layer, nullptr, y, parts, gated, bits);
+}
+
+// y_in: y's previous contents (aliased to y by the caller: the rows outside `rows` keep them), or [0] (none)
+ffi::Error Q8MatmulRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                            ffi::Buffer<ffi::F16> scales, ffi::Buffer<ffi::F16> offsets, ffi::Buffer<ffi::U16> tiles,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> y_in,
+                            ffi::ResultBuffer<ffi::F32> y, int32_t parts, int32_t gated, int32_t bits) {
+  if (rows.element_count() != 2) return ffi::Error::InvalidArgument("q8_matmul: rows is [begin, end)");
+  if (y_in.element_count() != 0 && y_in.element_count() != y->element_count())
+    return ffi::Error::InvalidArgument("q8_matmul: y_in is y's shape, or [0]");
+  return Q8MatmulRun(pool, x, packed, scales, offsets, tiles, layer, rows.typed_data(), y, parts, gated, bits);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
@@ -1760,6 +1785,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8Matmul, Q8MatmulImpl,
                                   .Attr<int32_t>("parts")        // int8 parts per activation
                                   .Attr<int32_t>("gated")        // 1: x is gate | up, the input silu(gate) * up
                                   .Attr<int32_t>("bits"));       // 8, or 4: two weights per packed byte
+
+// The same on rows [begin, end) of x only (a step's rows of one kind: quantization/layer_forms.py's StackedHybrid)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamQ8MatmulRows, Q8MatmulRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed [Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scales [Np/16, Kp/32*16]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // offsets like scales, or [0]
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // tiles, or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer: which of a stack [L, ...]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows [2]: begin, end (clamped to [0, M])
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y_in [M, N] aliased to y, or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]: rows outside [begin, end) unwritten
+                                  .Attr<int32_t>("parts")
+                                  .Attr<int32_t>("gated")
+                                  .Attr<int32_t>("bits"));
 
 // ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the tuning setters --------
 
@@ -1887,7 +1929,8 @@ static PyObject* ProfilePy(PyObject*, PyObject* arg) {
 PyMODINIT_FUNC PyInit__q8_matmul() {
   static rt::ModuleSpec spec{
       "_q8_matmul", "Group-wise int8 (Q8_0) matmul for XLA:CPU through the FFI.",
-      {{"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)}},
+      {{"slipstream_q8_matmul", reinterpret_cast<void*>(SlipstreamQ8Matmul)},
+       {"slipstream_q8_matmul_rows", reinterpret_cast<void*>(SlipstreamQ8MatmulRows)}},
       &g_isa,
       {{"profile", ProfilePy, METH_O,
         "profile(on): the calls recorded so far as (start_ns, end_ns, rows, weight_bytes); records from now on "
