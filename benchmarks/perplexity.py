@@ -56,6 +56,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     # layers, the q8_0-a16 LM head); greedy's generated tokens run on q8_0-a16
     Mode("q8_0-a16+w16-prompts+bf16-kv", "q8_0-a16", "bfloat16", prompt_weights="w16"),
     Mode("q8_0-a16+w16-prompts", "q8_0-a16", "float32", prompt_weights="w16"),
+    Mode("q8_0-a16+w16-prompts+int8-kv", "q8_0-a16", "int8", prompt_weights="w16"),
     Mode("int8-kv", "none", "int8"),
     Mode("bf16-kv", "none", "bfloat16"),
     # everything in bf16 (weights, activations, K/V): the precision vLLM's CPU backend serves in bf16
