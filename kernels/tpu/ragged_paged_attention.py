@@ -4,8 +4,8 @@ The step's new K/V are scattered into their pages (in place, layout.write_kv), t
 kernel attend, each over a list of work items (a sequence and a block of its query rows): blocks of
 `decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest.
 Per item the kernel walks the sequence's pages `pages_per_block` at a time, each page one DMA of all KV
-heads' K and V, double buffered; the next item's first block is fetched while this item's last block
-computes. A KV head's query-head group (G rows per token) attends together (online_softmax.py).
+heads' K and V. Blocks are fetched `prefetch` ahead in the call's order, across items (an item's
+last block computing while the next item's first blocks arrive), into prefetch + 1 buffer slots. A KV head's query-head group (G rows per token) attends together (online_softmax.py).
 """
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 # pages (8 + 1) where 64 x 1024 take 191: the one-page block's DMA hides nothing, so the next item's 8-page block
 # is fetched in the open (benchmarks/results.d/tpu-v5e.md). Balanced, 9 pages are blocks of 5 + 4.
 BALANCED = False
+# Blocks in flight ahead of the one computing. With one, a short block (a context's last page past a multiple
+# of the block) hides nothing of the next item's full block: 64 x 1025 int8 decodes took 364 us a layer
+# against 64 x 1024's 191. Two keep a full block's fetch behind every block's compute.
+PREFETCH = 2
 
 
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, balanced: bool):
+            merge_pages: bool, balanced: bool, prefetch: int):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -48,6 +52,8 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     r = rows * group                                    # query rows per KV head: token-major, group-minor
     i = pl.program_id(0)
     n_items = num_items_ref[0]
+    n_max = item_seq_ref.shape[0]
+    n_slots = prefetch + 1
     layer = layer_ref[0]
 
     def blocks(item):
@@ -97,6 +103,19 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     def o_copy(item, slot):
         return pltpu.make_async_copy(o_buf.at[slot], o_hbm.at[pl.ds(item_row_ref[item], rows)], io_sems.at[1, slot])
 
+    def after(item, blk):
+        """The block that follows block blk of item in the call's order: (item, blk + 1) within the
+        item, else the next item's first block (item == n_items: none)."""
+        last = blk == blocks(jnp.minimum(item, n_max - 1))[1]
+        nxt = jnp.where(last, item + 1, item)
+        return nxt, jnp.where(last, blocks(jnp.minimum(nxt, n_max - 1))[0], blk + 1)
+
+    def ahead(item, blk, k):
+        """The block k blocks after (item, blk)."""
+        for _ in range(k):
+            item, blk = after(item, blk)
+        return item, blk
+
     def start(item, blk, slot):
         for valid, c in copies(item, blk, slot):
             pl.when(valid)(c.start)
@@ -107,16 +126,23 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
 
     @pl.when(i == 0)
     def _first():
-        # stale buffer rows are masked by p == 0, so they must not be NaN: clear them once per call
-        kv_buf[...] = jnp.zeros_like(kv_buf)
-        if int8:
-            sc_buf[...] = jnp.zeros_like(sc_buf)
         slot_ref[0] = 0
 
         @pl.when(n_items > 0)
         def _():
-            start(0, blocks(0)[0], 0)
+            # stale buffer rows are masked by p == 0, so they must not be NaN: cleared once per call (not
+            # in a call without items: the prefill call of a decode-only step)
+            kv_buf[...] = jnp.zeros_like(kv_buf)
+            if int8:
+                sc_buf[...] = jnp.zeros_like(sc_buf)
             q_copy(0, 0).start()
+            # the first `prefetch` blocks of the call go out now; each block then fetches the one
+            # `prefetch` blocks after it
+            item, blk = 0, blocks(0)[0]
+            for k in range(prefetch):
+                if k:
+                    item, blk = after(item, blk)
+                pl.when(item < n_items)(functools.partial(start, jnp.minimum(item, n_max - 1), blk, k))
 
     @pl.when(i < n_items)
     def _item():
@@ -139,15 +165,12 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
         l_ref[...] = jnp.zeros_like(l_ref)
         q_copy(i, qs).wait()
         first_blk, last_blk = blocks(i)
-        nxt_item = jnp.minimum(i + 1, item_seq_ref.shape[0] - 1)
 
         def block(blk, slot):
-            last = blk == last_blk
-
-            @pl.when(jnp.logical_not(last) | (i + 1 < n_items))
-            def _prefetch():
-                start(jnp.where(last, nxt_item, i), jnp.where(last, blocks(nxt_item)[0], blk + 1), 1 - slot)
-
+            # the block `prefetch` ahead goes into the slot the previous block computed from
+            item, ablk = ahead(i, blk, prefetch)
+            pl.when(item < n_items)(functools.partial(start, jnp.minimum(item, n_max - 1), ablk,
+                                                      jax.lax.rem(slot + prefetch, n_slots)))
             wait(i, blk, slot)
             page0, size = block_pages(i, blk)
 
@@ -174,7 +197,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
                         take = size - at >= n
                         pl.when(take)(functools.partial(attend, at, n))
                         at, n = at + jnp.where(take, n, 0), n // 2
-            return 1 - slot
+            return jax.lax.rem(slot + 1, n_slots)
 
         def _keys(q, h, at, n, first_page, slot):
             """Head h's rows against the keys of buffer pages [at, at + n) (at may be traced), whose
@@ -238,24 +261,24 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, name):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, prefetch, name):
     kv = kv_cache["kv"]
     int8 = "kv_scale" in kv_cache
     h, hd = q_pad.shape[1], q_pad.shape[2]
     kv_lens, pages_flat, cu_q_lens, layer, pages_per_seq = scalars
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((2, rows, h, hd), jnp.float32), pltpu.VMEM((2, rows, h, hd), jnp.float32),
-               pltpu.VMEM((2, pages_per_block) + kv.shape[2:], kv.dtype)]
+               pltpu.VMEM((prefetch + 1, pages_per_block) + kv.shape[2:], kv.dtype)]
     if int8:
-        scratch.append(pltpu.VMEM((2, pages_per_block) + kv_cache["kv_scale"].shape[2:], jnp.float32))
+        scratch.append(pltpu.VMEM((prefetch + 1, pages_per_block) + kv_cache["kv_scale"].shape[2:], jnp.float32))
     r, kvh = rows * group, h // group
     scratch += [pltpu.VMEM((kvh, r, hd), jnp.float32), pltpu.VMEM((kvh, r, LANES), jnp.float32),
-                pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((kvh, r, LANES), jnp.float32), pltpu.SemaphoreType.DMA((2, prefetch + 1)),
                 pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32)]
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, balanced=balanced)
+        merge_pages=merge_pages, balanced=balanced, prefetch=prefetch)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -266,7 +289,8 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
         # the grid walks items in order: each step finishes the DMAs the previous one started
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        interpret=pltpu.InterpretParams() if interpret else False, name=name)
+        interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
+                   else pltpu.InterpretParams() if interpret else False), name=name)
     operands = (q_pad, kv) + ((kv_cache["kv_scale"],) if int8 else ())
     return call(count, seq, row, first, end, kv_lens, pages_flat, cu_q_lens, layer, *operands)
 
@@ -275,13 +299,14 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           balanced: bool | None = None, int8_write: str | None = None, interpret: bool = False):
+                           balanced: bool | None = None, prefetch: int = PREFETCH, int8_write: str | None = None,
+                           interpret: bool | pltpu.InterpretParams = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows: query
-    rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
+    rows per work item of the two calls; prefetch: blocks fetched ahead (default PREFETCH); merge_pages: one softmax update per block of pages (else one per
     page); balanced: an item's last two blocks split their pages evenly and a block computes only its pages
     (default BALANCED; see _kernel's block_pages); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
-    Pallas' TPU interpreter (tests on CPU)."""
+    Pallas' TPU interpreter (tests on CPU; its InterpretParams, or True for the defaults)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
                          f"got {sorted(kv_cache)}")
@@ -331,7 +356,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q32, ((0, pad), (0, 0), (0, hd if padded else 0)))
     common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret,
-                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, balanced=balanced)
+                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, balanced=balanced,
+                  prefetch=prefetch)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from tests.kernels.tpu_cases import SPECS, check, tolerance
 
@@ -39,3 +40,14 @@ def test_balanced_blocks(name, page_size):
     2 and 1 pages."""
     spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=page_size)
     check(spec, interpret=True, atol=tolerance(spec), pages_per_block=8, prefill_rows=8, balanced=True)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+@pytest.mark.parametrize("name", ["mixed_window_softcap", "mixed_int8_hd128"])
+def test_prefetch_depths(name, prefetch):
+    """Blocks fetched 1-3 ahead across items (contexts of 1-11 blocks of 2 pages): with the interpreter landing
+    each DMA when it starts and watching for races, a fetch into a slot still being read would show."""
+    spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=4)
+    eager = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
+    check(spec, interpret=eager, atol=tolerance(spec), pages_per_block=2, prefill_rows=8, prefetch=prefetch,
+          int8_write="scatter")
