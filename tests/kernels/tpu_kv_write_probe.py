@@ -178,10 +178,10 @@ def probe_int8_write(spec: str, *, layers: int, kvh: int, hd: int, ps: int, reps
     one = {how: jax.jit(lambda c, how=how: layout.write_kv(c, jnp.int32(layers - 1), k, v, page, off, quantize_kv,
                                                            int8_write=how, max_items=bound,
                                                            interpret=interpret))(fresh())
-           for how in layout.INT8_WRITES}
+           for how in layout.WRITES}
     out["bit_identical"] = all(bool(jnp.array_equal(one["scatter"][n], one["kernel"][n])) for n in ("kv", "kv_scale"))
     del one
-    for how in layout.INT8_WRITES:
+    for how in layout.WRITES:
         cache = fresh()
         fn = jax.jit(write_fn(how), donate_argnums=(0,)).lower(cache).compile()
         r, once = timed(fn, cache, cache, layers=layers, reps=reps)
