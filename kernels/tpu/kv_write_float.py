@@ -17,7 +17,8 @@ consecutive rows of one lane, the first row in the low bits, as pltpu.bitcast pa
 (Mosaic loads 32-bit rows at any offset from an array of one lane tile). A tile's words are that load at the
 tile's source start (bf16 at an odd row: two loads, each word's halves from two neighbours), masked into the
 tile's old words where the item's rows end. Steps with more than CHUNK_BYTES of new rows are written in
-several calls.
+several calls. VMEM: the call's words (at most CHUNK_BYTES + 3 tiles) and SLOTS pages of tiles (8B heads in
+bf16: 6 x 512 KiB).
 """
 from __future__ import annotations
 

@@ -27,11 +27,12 @@ layers (and the property cases written by the kernel): python -m tests.kernels.t
 kernels/tpu/kv_write_float.py at each --prefetch depth (kernel_pN), per FLOAT_CASES: 64 decodes of 8B heads
 (8 KV heads of 128) and a 1024-token prefill of Llama-3.2-1B's (8 KV heads of 64), 8 layers of 128-token pages;
 a line per case gives us per layer of the scan's body (loop_us, on the TPU: the write and the XLA ops that
-build its rows) and whether the caches are bit-identical (exit status 1 if not, or if a program copies the cache).
+build its rows) and whether the caches are bit-identical (exit status 1 if not, or if a program copies the cache);
+the results also go to $OUT/tpu_kv_write_probe_float.json.
 
 On the TPU:  python -m tests.kernels.tpu_kv_write_probe          (under a minute)
              python -m tests.kernels.tpu_kv_write_probe --int8-write
-             python -m tests.kernels.tpu_kv_write_probe --float-write
+             python -m tests.kernels.tpu_kv_write_probe --float-write      (both: --int8-write --float-write)
 On CPU:      JAX_PLATFORMS=cpu python -m tests.kernels.tpu_kv_write_probe --smoke [--int8-write | --float-write]
 """
 from __future__ import annotations
@@ -263,10 +264,10 @@ def main(argv=None) -> int:
     dims = dict(layers=8, kvh=8, hd=128, ps=128, reps=5) if not args.smoke else dict(layers=2, kvh=2, hd=128, ps=16,
                                                                                    reps=1)
     results = {}
-    if args.int8_write:
-        return _main_int8_write(args, dims, on_tpu)
-    if args.float_write:
-        return _main_float_write(args, dims, on_tpu)
+    if args.int8_write or args.float_write:
+        failed = [main_(args, dims, on_tpu) for flag, main_ in ((args.int8_write, _main_int8_write),
+                                                                (args.float_write, _main_float_write)) if flag]
+        return max(failed)
     print(f"device: {jax.devices()[0]}; KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}", flush=True)
     for dtype in args.dtypes.split(","):
         for t_len in map(int, args.tokens.split(",")):
@@ -336,7 +337,7 @@ def _main_float_write(args, dims: dict, on_tpu: bool) -> int:
                 print(f"  {name:>16s} {dtype:8s} us/layer ({us}): "
                       + ", ".join(f"{k} {r[k].get(us)}" for k in ("scatter", *kernels))
                       + f"; bit-identical: {r['bit_identical']}", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe_float.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0 if ok else 1
 
