@@ -9,10 +9,10 @@
 
 A page (all heads, K and V) is one contiguous block; a head's keys lie in sublanes, so the kernel's score
 and value matmuls read them as they lie (in "tokens", head h's [K | V] are lanes [h * 2hd, (h + 1) * 2hd)).
-The step's K/V write is an XLA scatter into a flat view of the rows (int8: or kv_write.py's Pallas kernel,
-INT8_WRITE), and on the v5e the scatter costs 70-95 ns per index whatever the row's width: one index per
-token in "tokens" (a 512-token chunk of 8B heads: 97 us per layer), one per token, head and K|V in "split"
-(562 us). int8 stays in the per-head forms: scattering
+The step's K/V write is a Pallas kernel (int8: kv_write.py, INT8_WRITE; float "tokens": kv_write_float.py,
+FLOAT_WRITE) or an XLA scatter into a flat view of the rows; on the v5e the scatter costs 70-95 ns per index
+whatever the row's width: one index per token in "tokens" (a 512-token chunk of 8B heads: 97 us per layer),
+one per token, head and K|V in "split" (562 us). int8 stays in the per-head forms: scattering
 int8 rows wider than 128 lanes, XLA (jax 0.10) copies the whole cache into its packed (32, 128) tiling in
 every layer (tests/kernels/tpu_kv_write_probe: "rows8" and "rows1" at int8). TPU memory tiles pad the minor
 dimension to 128 lanes: a [page_size, 64] tile would take twice its bytes and XLA then picks another layout
@@ -41,12 +41,16 @@ def pads_q(head_dim: int) -> bool:
 
 PAGE_AXIS = {"tokens": 2, "lanes": 3, "split": 4}   # the page_size axis of each form's kv array
 
-# How write_kv writes the int8 forms: "kernel" (kv_write.py's Pallas kernel, 32-row tiles by DMA; for pages of a
-# multiple of 32 tokens: smaller pages, as in the CPU tests' 16, keep the scatter) or "scatter" (XLA, 2 * KV row
-# and scale indices per token). On the v5e, Llama-3.1-8B int8 (benchmarks/results.d/tpu-v5e.md): the kernel writes
-# a 64-slot decode step's K/V in 1.0 ms against the scatter's 5.4, a 2048-token chunk's in < 0.7 ms against 91.
-INT8_WRITES = ("scatter", "kernel")
+# How write_kv writes the step's K/V: "kernel" (a Pallas kernel moving whole memory tiles by DMA) or "scatter"
+# (XLA). The int8 forms (INT8_WRITE): kv_write.py, for pages of a multiple of 32 tokens (smaller pages, as in the
+# CPU tests' 16, keep the scatter; it takes 2 * KV row and scale indices per token); on the v5e, Llama-3.1-8B int8
+# (benchmarks/results.d/tpu-v5e.md), the kernel writes a 64-slot decode step's K/V in 1.0 ms against the
+# scatter's 5.4, a 2048-token chunk's in < 0.7 ms against 91. The float "tokens" form (FLOAT_WRITE):
+# kv_write_float.py, for pages of whole (16, 128) bf16 / (8, 128) f32 tiles and rows of whole 128 lanes (one
+# scatter index per token: 2.0 ms of a Llama-3.2-1B 1024-token prefill step on the v5e).
+WRITES = ("scatter", "kernel")
 INT8_WRITE = "kernel"
+FLOAT_WRITE = "kernel"
 
 
 def pairs_heads(head_dim: int, num_kv_heads: int) -> bool:
@@ -145,26 +149,31 @@ def _head_rows(lp, offset, kvh: int, ps: int, split: bool) -> jax.Array:
 
 
 def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, page: jax.Array,
-             offset: jax.Array, quantize, *, int8_write: str | None = None, max_items: int | None = None,
-             interpret: bool = False) -> dict:
+             offset: jax.Array, quantize, *, int8_write: str | None = None, float_write: str | None = None,
+             max_items: int | None = None, interpret: bool = False) -> dict:
     """Scatter the step's K/V [T, KV, hd] at (page [T], offset [T]); a page past the cache (num_pages)
     writes nothing. The scatter runs on a flat view of the cache's rows (one per token in "tokens"; per
     token and head in "lanes"; per token, head and K|V in "split" and the scales): scattered in its own
     shape, XLA gave the cache a layout of its own and copied all of it to the kernel's row-major one in
     every layer; the flat view is written in place.
-    int8_write: the int8 forms' write (default INT8_WRITE); "kernel" also takes max_items (a bound on the
-    step's runs of tokens per page, kv_write.work_items) and interpret (Pallas' TPU interpreter)."""
+    int8_write / float_write: how the int8 forms / the float "tokens" form are written, one of WRITES (default
+    INT8_WRITE / FLOAT_WRITE); a "kernel" also takes max_items (a bound on the step's runs of tokens per page,
+    kv_write.work_items) and interpret (Pallas' TPU interpreter). Off the TPU, outside the interpreter, and for
+    caches a kernel does not tile, the scatter writes."""
     out = dict(kv_cache)
     buf = kv_cache["kv"]
     kind = form(kv_cache)
-    how = INT8_WRITE if int8_write is None else int8_write
-    if how not in INT8_WRITES:
-        raise ValueError(f"int8_write must be one of {INT8_WRITES}, got {how!r}")
-    if how == "kernel" and not interpret and jax.default_backend() != "tpu":
-        how = "scatter"   # the kernel is Mosaic TPU code: elsewhere only Pallas' interpreter runs it
-    if how == "kernel" and kind != "tokens":
-        from slipstream.kernels.tpu import kv_write   # Pallas: imported where used (the CPU engine imports this file)
-    if how == "kernel" and kind != "tokens" and buf.shape[PAGE_AXIS[kind]] % kv_write.TILE == 0:
+    chosen = {"int8_write": INT8_WRITE if int8_write is None else int8_write,
+              "float_write": FLOAT_WRITE if float_write is None else float_write}
+    for name, how in chosen.items():
+        if how not in WRITES:
+            raise ValueError(f"{name} must be one of {WRITES}, got {how!r}")
+    # the kernels are Mosaic TPU code: elsewhere only Pallas' interpreter runs them
+    kernel = chosen["float_write" if kind == "tokens" else "int8_write"] == "kernel" and (
+        interpret or jax.default_backend() == "tpu")
+    if kernel:   # Pallas: imported where used (the CPU engine imports this file)
+        from slipstream.kernels.tpu import kv_write, kv_write_float
+    if kernel and kind != "tokens" and buf.shape[PAGE_AXIS[kind]] % kv_write.TILE == 0:
         return kv_write.write(kv_cache, layer, k_new, v_new, page, offset, quantize, max_items=max_items,
                               interpret=interpret)
     t_len, kvh, _ = k_new.shape
@@ -182,6 +191,10 @@ def write_kv(kv_cache: dict, layer: jax.Array, k_new: jax.Array, v_new: jax.Arra
         if pairs_heads(k_new.shape[-1], kvh):
             k_new, v_new = _paired(k_new, 1), _paired(v_new, 1)                        # [T, KV/2, 128]
         new = jnp.stack([k_new, v_new], axis=2)                                        # [T, KV', 2, hd']
+        if kernel and kv_write_float.supports(buf):
+            out["kv"] = kv_write_float.write(buf, layer, new.reshape(t_len, width).astype(buf.dtype), page, offset,
+                                             max_items=max_items, interpret=interpret)
+            return out
         rows = lp * ps + offset
     else:   # lanes: row (layer, page, head, offset) holds [K | V]; split: row (layer, page, head, K|V, offset)
         new = jnp.concatenate([k_new, v_new], axis=-1) if kind == "lanes" else jnp.stack([k_new, v_new], axis=2)

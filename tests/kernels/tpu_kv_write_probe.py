@@ -23,9 +23,17 @@ layers (and the property cases written by the kernel): python -m tests.kernels.t
 --cases int8_64x2048 --variants '[{}, {"int8_write": "kernel"}]' --mixed-variants '[]' --case-kw
 '[{"int8_write": "kernel"}]'.
 
+--float-write: the same for the float "tokens" form (bf16, or each of --dtypes), XLA's scatter against
+kernels/tpu/kv_write_float.py at each --prefetch depth (kernel_pN), per FLOAT_CASES: 64 decodes of 8B heads
+(8 KV heads of 128) and a 1024-token prefill of Llama-3.2-1B's (8 KV heads of 64), 8 layers of 128-token pages;
+a line per case gives us per layer of the scan's body (loop_us, on the TPU: the write and the XLA ops that
+build its rows) and whether the caches are bit-identical (exit status 1 if not, or if a program copies the cache);
+the results also go to $OUT/tpu_kv_write_probe_float.json.
+
 On the TPU:  python -m tests.kernels.tpu_kv_write_probe          (under a minute)
              python -m tests.kernels.tpu_kv_write_probe --int8-write
-On CPU:      JAX_PLATFORMS=cpu python -m tests.kernels.tpu_kv_write_probe --smoke [--int8-write]
+             python -m tests.kernels.tpu_kv_write_probe --float-write      (both: --int8-write --float-write)
+On CPU:      JAX_PLATFORMS=cpu python -m tests.kernels.tpu_kv_write_probe --smoke [--int8-write | --float-write]
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from slipstream.kernels.ragged_tokens import quantize_kv
-from slipstream.kernels.tpu import kv_write, layout
+from slipstream.kernels.tpu import kv_write, kv_write_float, layout
 from tests.kernels.tpu_attention_check import copy_lines, device_ops
 
 LAYOUTS = ("rows16", "rows8", "rows1", "window")
@@ -150,40 +158,66 @@ def _write_case(spec: str, ps: int) -> tuple[np.ndarray, np.ndarray, int, int]:
     return (pos // ps).astype(np.int32), (pos % ps).astype(np.int32), 1, int(pos[-1]) // ps + 2
 
 
-def probe_int8_write(spec: str, *, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool) -> dict:
-    """layout.write_kv on an int8 cache, the scatter against the Pallas kernel (see the module's docstring)."""
+def _bits(x: jax.Array) -> jax.Array:
+    """x's bit patterns (bit equality: -0.0 differs from 0.0, a NaN's payload counts)."""
+    return jax.lax.bitcast_convert_type(x, {1: jnp.int8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+
+
+def probe_write(spec: str, *, dtype, layers: int, kvh: int, hd: int, ps: int, reps: int, profile: bool,
+                kernels: dict[str, dict] | None = None) -> dict:
+    """layout.write_kv on an int8 or float cache, the scatter against the Pallas kernel (see the module's
+    docstring). kernels: name -> kv_write_float constants set while that kernel variant compiles (float; default
+    one variant "kernel" at the module's values)."""
     page, off, seqs, n_pages = _write_case(spec, ps)
     t_len = page.shape[0]
+    int8 = jnp.dtype(dtype) == jnp.int8
     interpret = jax.default_backend() != "tpu"
     key = jax.random.PRNGKey(0)
-    shapes = layout.shapes(layers, kvh, n_pages, ps, hd, jnp.int8)
+    shapes = layout.shapes(layers, kvh, n_pages, ps, hd, dtype)
 
     def fresh():
-        return {"kv": jax.random.randint(key, shapes["kv"].shape, -127, 128, jnp.int8),
-                "kv_scale": jax.random.uniform(key, shapes["kv_scale"].shape, jnp.float32)}
+        if int8:
+            return {"kv": jax.random.randint(key, shapes["kv"].shape, -127, 128, jnp.int8),
+                    "kv_scale": jax.random.uniform(key, shapes["kv_scale"].shape, jnp.float32)}
+        return {"kv": jax.random.normal(key, shapes["kv"].shape, jnp.float32).astype(dtype)}
     k = jax.random.normal(jax.random.PRNGKey(1), (t_len, kvh, hd), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(jax.random.PRNGKey(2), (t_len, kvh, hd), jnp.float32).astype(jnp.bfloat16)
+    if not int8:   # bit patterns a conversion on the way would change: -0.0, infinities, a subnormal
+        k = k.at[0, 0, :4].set(jnp.asarray([-0.0, jnp.inf, -jnp.inf, 1e-40], jnp.bfloat16))
     page, off = jnp.asarray(page), jnp.asarray(off)
     bound = min(t_len, t_len // ps + 2 * seqs)
+    knob = "int8_write" if int8 else "float_write"
+    variants = {"scatter": {}, **(kernels if kernels and not int8 else {"kernel": {}})}
 
-    def write_fn(how):
-        def run(c):
-            def body(c, layer):
-                return layout.write_kv(c, layer, k, v, page, off, quantize_kv, int8_write=how, max_items=bound,
-                                       interpret=interpret), None
-            return jax.lax.scan(body, c, jnp.arange(layers, dtype=jnp.int32))[0]
-        return run
+    def write(c, layer, name):
+        how = "scatter" if name == "scatter" else "kernel"
+        return layout.write_kv(c, layer, k, v, page, off, quantize_kv, max_items=bound, interpret=interpret,
+                               **{knob: how})
 
-    out = {"form": layout.form(fresh()), "tokens": t_len}
-    one = {how: jax.jit(lambda c, how=how: layout.write_kv(c, jnp.int32(layers - 1), k, v, page, off, quantize_kv,
-                                                           int8_write=how, max_items=bound,
-                                                           interpret=interpret))(fresh())
-           for how in layout.INT8_WRITES}
-    out["bit_identical"] = all(bool(jnp.array_equal(one["scatter"][n], one["kernel"][n])) for n in ("kv", "kv_scale"))
+    def compiled(name, fn, *args):
+        saved = {c: getattr(kv_write_float, c) for c in variants[name]}
+        try:
+            for c, value in variants[name].items():
+                setattr(kv_write_float, c, value)
+            return jax.jit(fn, donate_argnums=(0,)).lower(*args).compile()
+        finally:
+            for c, value in saved.items():
+                setattr(kv_write_float, c, value)
+
+    out = {"form": layout.form(fresh()), "dtype": jnp.dtype(dtype).name, "kv_heads": kvh, "head_dim": hd,
+           "tokens": t_len}
+    one = {name: compiled(name, lambda c, name=name: write(c, jnp.int32(layers - 1), name), fresh())(fresh())
+           for name in variants}
+    out["bit_identical"] = all(bool(jnp.array_equal(_bits(one["scatter"][n]), _bits(one[name][n])))
+                               for name in variants for n in one["scatter"])
     del one
-    for how in layout.INT8_WRITES:
+    for name in variants:
+        def run(c, name=name):
+            def body(c, layer):
+                return write(c, layer, name), None
+            return jax.lax.scan(body, c, jnp.arange(layers, dtype=jnp.int32))[0]
         cache = fresh()
-        fn = jax.jit(write_fn(how), donate_argnums=(0,)).lower(cache).compile()
+        fn = compiled(name, run, cache)
         r, once = timed(fn, cache, cache, layers=layers, reps=reps)
         r["wall_us_per_layer"] = round(r["wall_us_per_layer"], 1)
         if profile:
@@ -191,12 +225,15 @@ def probe_int8_write(spec: str, *, layers: int, kvh: int, hd: int, ps: int, reps
             r["loop_us_per_layer"] = summary["loop_us"]
             r["write_us_per_layer"] = summary["write_us"]
             r["top_ops"] = [[n[:120], round(us, 2), c] for n, us, c in ops]
-        out[how] = r
+        out[name] = r
         del once, cache
-    a, b = out["scatter"], out["kernel"]
-    key_t = "loop_us_per_layer" if profile and a.get("loop_us_per_layer") and b.get("loop_us_per_layer") \
-        else "wall_us_per_layer"
-    out["kernel_over_scatter"] = round(b[key_t] / a[key_t], 3)
+    a = out["scatter"]
+    for name in variants:
+        b = out[name]
+        key_t = "loop_us_per_layer" if profile and a.get("loop_us_per_layer") and b.get("loop_us_per_layer") \
+            else "wall_us_per_layer"
+        if name != "scatter":
+            out[f"{name}_over_scatter"] = round(b[key_t] / a[key_t], 3)
     return out
 
 
@@ -209,6 +246,11 @@ def main(argv=None) -> int:
     ap.add_argument("--int8-write", action="store_true",
                     help="the int8 write: XLA's scatter against kernels/tpu/kv_write.py (--tokens default "
                          "32,64,512@0,2048@0,512@45)")
+    ap.add_argument("--float-write", action="store_true",
+                    help="the float write: XLA's scatter against kernels/tpu/kv_write_float.py, per FLOAT_CASES, "
+                         "per cache dtype of --dtypes")
+    ap.add_argument("--prefetch", default="2,4,8",
+                    help="--float-write: the kernel variants' kv_write_float.PREFETCH (items whose reads run ahead)")
     ap.add_argument("--head-dim", type=int, default=128, help="--int8-write: 128 (split form) or 64 (lanes)")
     ap.add_argument("--dot-dtype", default="int8", help="--int8-write: the kernel's one-hot matmul operands "
                                                         "(int8 or bfloat16)")
@@ -222,8 +264,10 @@ def main(argv=None) -> int:
     dims = dict(layers=8, kvh=8, hd=128, ps=128, reps=5) if not args.smoke else dict(layers=2, kvh=2, hd=128, ps=16,
                                                                                    reps=1)
     results = {}
-    if args.int8_write:
-        return _main_int8_write(args, dims, on_tpu)
+    if args.int8_write or args.float_write:
+        failed = [main_(args, dims, on_tpu) for flag, main_ in ((args.int8_write, _main_int8_write),
+                                                                (args.float_write, _main_float_write)) if flag]
+        return max(failed)
     print(f"device: {jax.devices()[0]}; KV heads {dims['kvh']}, hd {dims['hd']}, pages of {dims['ps']}", flush=True)
     for dtype in args.dtypes.split(","):
         for t_len in map(int, args.tokens.split(",")):
@@ -251,7 +295,7 @@ def _main_int8_write(args, dims: dict, on_tpu: bool) -> int:
     results, ok = {}, True
     for spec in tokens.split(","):
         try:
-            r = probe_int8_write(spec, profile=on_tpu, **dims)
+            r = probe_write(spec, dtype=jnp.int8, profile=on_tpu, **dims)
             ok &= r["bit_identical"] and r["kernel"]["cache_copies"] == 0
         except Exception as exc:  # noqa: BLE001 - one case failing must not hide the others
             r = {"error": f"{type(exc).__name__}: {str(exc)[:3000]}"}
@@ -259,6 +303,41 @@ def _main_int8_write(args, dims: dict, on_tpu: bool) -> int:
         results[spec] = r
         print(f"  {spec:>8s} {json.dumps(r)}", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return 0 if ok else 1
+
+
+# --float-write cases (name: --tokens spec, KV heads, head_dim): 64 decodes of Llama-3.1-8B's heads; a 1024-token
+# prefill of Llama-3.2-1B's (8 KV heads of 64, paired: a 1024-lane row per token)
+FLOAT_CASES = {"8b_64_decodes": ("64", 8, 128), "1b_1024_prefill": ("1024@0", 8, 64)}
+SMOKE_FLOAT_CASES = {"decodes": ("4", 2, 128), "chunk_mid_tile": ("70@45", 2, 64)}
+
+
+def _main_float_write(args, dims: dict, on_tpu: bool) -> int:
+    gap = kv_write_float.SLOTS - kv_write_float.PREFETCH
+    kernels = {f"kernel_p{n}": {"PREFETCH": n, "SLOTS": n + gap} for n in map(int, args.prefetch.split(","))}
+    cases = SMOKE_FLOAT_CASES if args.smoke else FLOAT_CASES
+    dims = dict(dims, **(dict(ps=32) if args.smoke else {}))
+    print(f"device: {jax.devices()[0]}; float write, pages of {dims['ps']}, {dims['layers']} layers; kernel variants "
+          f"{sorted(kernels)} (the module's PREFETCH: {kv_write_float.PREFETCH})", flush=True)
+    results, ok = {}, True
+    for dtype in args.dtypes.split(","):
+        for name, (spec, kvh, hd) in cases.items():
+            try:
+                r = probe_write(spec, dtype=jnp.dtype(dtype), kernels=kernels, profile=on_tpu,
+                                **dict(dims, kvh=kvh, hd=hd))
+                ok &= r["bit_identical"] and all(r[k]["cache_copies"] == 0 for k in kernels)
+            except Exception as exc:  # noqa: BLE001 - one case failing must not hide the others
+                r = {"error": f"{type(exc).__name__}: {str(exc)[:3000]}"}
+                ok = False
+            results[f"{name}/{dtype}"] = r
+            print(f"  {name:>16s} {dtype:8s} {json.dumps(r)}", flush=True)
+            us = "loop_us_per_layer" if on_tpu else "wall_us_per_layer"
+            if "error" not in r:
+                print(f"  {name:>16s} {dtype:8s} us/layer ({us}): "
+                      + ", ".join(f"{k} {r[k].get(us)}" for k in ("scatter", *kernels))
+                      + f"; bit-identical: {r['bit_identical']}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "tpu_kv_write_probe_float.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 0 if ok else 1
 
