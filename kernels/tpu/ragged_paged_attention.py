@@ -25,10 +25,10 @@ from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 # pages (8 + 1) where 64 x 1024 take 191: the one-page block's DMA hides nothing, so the next item's 8-page block
 # is fetched in the open (benchmarks/results.d/tpu-v5e.md). Balanced, 9 pages are blocks of 5 + 4.
 BALANCED = False
-# Blocks in flight ahead of the one computing. With one, a short block (a context's last page past a multiple
-# of the block) hides nothing of the next item's full block: 64 x 1025 int8 decodes took 364 us a layer
-# against 64 x 1024's 191. Two keep a full block's fetch behind every block's compute.
-PREFETCH = 2
+# Blocks in flight ahead of the one computing. Two did not move the 64 x 1025 int8 decodes (359 us a layer
+# against one's 364; 64 x 1024: 190), so a short tail block's cost is not its exposed fetch
+# (benchmarks/results.d/tpu-v5e.md); one keeps two buffer slots.
+PREFETCH = 1
 
 
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
@@ -300,12 +300,15 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
                            balanced: bool | None = None, prefetch: int = PREFETCH, int8_write: str | None = None,
+                           float_write: str | None = None,
                            interpret: bool | pltpu.InterpretParams = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
-    pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows: query
-    rows per work item of the two calls; prefetch: blocks fetched ahead (default PREFETCH); merge_pages: one softmax update per block of pages (else one per
+    pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows:
+    query rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
     page); balanced: an item's last two blocks split their pages evenly and a block computes only its pages
-    (default BALANCED; see _kernel's block_pages); int8_write: how int8 K/V are written (layout.write_kv; default layout.INT8_WRITE); interpret:
+    (default BALANCED; see _kernel's block_pages); prefetch: blocks fetched ahead (default PREFETCH);
+    int8_write / float_write: how int8 / float K/V are written (layout.write_kv; default layout.INT8_WRITE, and
+    for float layout.FLOAT_WRITE in steps of more than two tokens a sequence row, else the scatter); interpret:
     Pallas' TPU interpreter (tests on CPU; its InterpretParams, or True for the defaults)."""
     if not layout.is_merged(kv_cache):
         raise ValueError(f"the TPU kernel takes a cache of kernels/tpu/layout.py's layout ('kv'), "
@@ -326,14 +329,18 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     # 512 keys a block, 1024 of int8 (the same bytes): measured on a v5e, 64 x 1024 int8 decodes of 8B heads,
     # 8 pages of 128 took 191 us a layer against 4 pages' 250 (benchmarks/results.d/tpu-v5e.md)
     balanced = BALANCED if balanced is None else balanced
-    nb = pages_per_block or max(1, (1024 if kv_cache["kv"].dtype == jnp.int8 else 512) // ps)
     n_rows, pages_per_seq = page_indices.shape
+    # float K/V: the write kernel moves a decode's whole 16-row tile (64 decodes of 8B heads took 17 us a layer
+    # against the scatter's 15 on the v5e) and a prefill's pages whole (1B heads, 1024 tokens: 12 us against 133)
+    if float_write is None and t_len <= 2 * n_rows:
+        float_write = "scatter"
+    nb = pages_per_block or max(1, (1024 if kv_cache["kv"].dtype == jnp.int8 else 512) // ps)
 
     seq, pos, valid = token_layout(kv_lens, cu_q_lens, num_seqs, t_len)
     page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
     # a sequence's tokens fill at most ceil(q_len / ps) + 1 pages: the write's runs of tokens per page
     kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
-                               quantize_kv, int8_write=int8_write, max_items=min(t_len, t_len // ps + 2 * n_rows),
+                               quantize_kv, int8_write=int8_write, float_write=float_write, max_items=min(t_len, t_len // ps + 2 * n_rows),
                                interpret=interpret)
 
     i32 = jnp.int32

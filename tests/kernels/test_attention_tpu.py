@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tests.kernels.tpu_cases import SPECS, check, tolerance
+from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
+from tests.kernels.tpu_cases import SPECS, build, check, tolerance
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
@@ -51,3 +53,13 @@ def test_prefetch_depths(name, prefetch):
     eager = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
     check(spec, interpret=eager, atol=tolerance(spec), pages_per_block=2, prefill_rows=8, prefetch=prefetch,
           int8_write="scatter")
+
+
+@pytest.mark.parametrize("name,kernel", [("decode_gqa4_hd128", False), ("prefill_gqa1_hd64", True)])
+def test_float_write_kernel_for_prefill_steps_only(name, kernel):
+    """Float K/V go through the Pallas write in a step of more than two tokens a sequence row (a prefill's whole
+    pages), and through the scatter in a decode step (the kernel moves a 16-row tile for each decode's row)."""
+    args, kwargs, _ = build(next(s for s in SPECS if s.name == name))
+    jaxpr = str(jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, **kwargs, interpret=True))(*args))
+    assert ("kv_write_float" in jaxpr) == kernel
+    assert ("scatter" in jaxpr) != kernel
