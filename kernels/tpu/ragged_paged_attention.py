@@ -25,6 +25,10 @@ from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 # pages (8 + 1) where 64 x 1024 take 191: the one-page block's DMA hides nothing, so the next item's 8-page block
 # is fetched in the open (benchmarks/results.d/tpu-v5e.md). Balanced, 9 pages are blocks of 5 + 4.
 BALANCED = False
+# Off until timed on the chip: a block that an item's range ends inside computes only the smallest power of two
+# of its pages covering that range (1,025-token contexts: 8 pages, then 1), where the default computes every block
+# whole (64 x 1025 int8 decodes cost what 64 x 2048 do).
+SHORT_TAIL = False
 # Blocks in flight ahead of the one computing. Two did not move the 64 x 1025 int8 decodes (359 us a layer
 # against one's 364; 64 x 1024: 190), so a short tail block's cost is not its exposed fetch
 # (benchmarks/results.d/tpu-v5e.md); one keeps two buffer slots.
@@ -35,7 +39,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, balanced: bool, prefetch: int):
+            merge_pages: bool, balanced: bool, short_tail: bool, prefetch: int):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -183,8 +187,17 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             if not merge_pages:
                 for j in range(nb):
                     attend(j, 1)
-            elif not balanced:
+            elif not balanced and not short_tail:
                 attend(0, nb)
+            elif not balanced:
+                # the block's pages that can hold keys are its first `used` (an item's range ends inside its
+                # last block): one merged update over the smallest power of two of pages covering them, at
+                # offset 0 (static shapes; the pages past `used` are masked)
+                used = jnp.minimum(nb, item_end_ref[i] - page0)
+                lo = 0
+                for n in [2 ** k for k in range(nb.bit_length()) if 2 ** k < nb] + [nb]:
+                    pl.when((used > lo) & (used <= n))(functools.partial(attend, 0, n))
+                    lo = n
             else:
                 # a block of fewer than nb pages computes only those (masked pages cost as much as kept
                 # ones), in merged pieces of nb/2, nb/4 .. 1 pages
@@ -261,7 +274,8 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, prefetch, name):
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, short_tail, prefetch,
+                  name):
     kv = kv_cache["kv"]
     int8 = "kv_scale" in kv_cache
     h, hd = q_pad.shape[1], q_pad.shape[2]
@@ -278,7 +292,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, balanced=balanced, prefetch=prefetch)
+        merge_pages=merge_pages, balanced=balanced, short_tail=short_tail, prefetch=prefetch)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -299,14 +313,16 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           balanced: bool | None = None, prefetch: int = PREFETCH, int8_write: str | None = None,
+                           balanced: bool | None = None, short_tail: bool | None = None, prefetch: int = PREFETCH,
+                           int8_write: str | None = None,
                            float_write: str | None = None,
                            interpret: bool | pltpu.InterpretParams = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows:
     query rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
     page); balanced: an item's last two blocks split their pages evenly and a block computes only its pages
-    (default BALANCED; see _kernel's block_pages); prefetch: blocks fetched ahead (default PREFETCH);
+    (default BALANCED; see _kernel's block_pages); short_tail: an item's last block computes the smallest power of
+    two of pages holding its keys (default SHORT_TAIL); prefetch: blocks fetched ahead (default PREFETCH);
     int8_write / float_write: how int8 / float K/V are written (layout.write_kv; default layout.INT8_WRITE, and
     for float layout.FLOAT_WRITE in steps of more than two tokens a sequence row, else the scatter); interpret:
     Pallas' TPU interpreter (tests on CPU; its InterpretParams, or True for the defaults)."""
@@ -329,6 +345,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     # 512 keys a block, 1024 of int8 (the same bytes): measured on a v5e, 64 x 1024 int8 decodes of 8B heads,
     # 8 pages of 128 took 191 us a layer against 4 pages' 250 (benchmarks/results.d/tpu-v5e.md)
     balanced = BALANCED if balanced is None else balanced
+    short_tail = SHORT_TAIL if short_tail is None else short_tail
     n_rows, pages_per_seq = page_indices.shape
     # float K/V: the write kernel moves a decode's whole 16-row tile (64 decodes of 8B heads took 17 us a layer
     # against the scatter's 15 on the v5e) and a prefill's pages whole (1B heads, 1024 tokens: 12 us against 133)
@@ -364,7 +381,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret,
                   vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, balanced=balanced,
-                  prefetch=prefetch)
+                  short_tail=short_tail, prefetch=prefetch)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):
