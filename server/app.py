@@ -135,7 +135,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/completions", response_model=None, responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_completion, service, body), client_of(request, body.user))
+        gen = await service.start(lambda: prepare_completion(service, body), client_of(request, body.user))
         fmt = CompletionFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))
@@ -144,7 +144,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gen = service.submit(await asyncio.to_thread(prepare_chat, service, body), client_of(request, body.user))
+        gen = await service.start(lambda: prepare_chat(service, body), client_of(request, body.user))
         fmt = ChatFormat(service, gen, body)
         if body.stream:
             return _event_stream(gen, fmt, _include_usage(body))

@@ -96,8 +96,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             if isinstance(request, bytes):  # the wire form (see add_servicer): parsed here, so bad bytes are a 400
                 request = parse_input("request", "DecodeRequest protobuf", pb.DecodeRequest.FromString, request)
             check_api_key(self._api_key, _bearer(context.invocation_metadata()))
-            prepared = await asyncio.to_thread(prepare_decode, self._service, request, self._bos_prefix)
-            gen = self._service.submit(prepared, _client(context))
+            gen = await self._service.start(lambda: prepare_decode(self._service, request, self._bos_prefix),
+                                            _client(context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, internals logged
             await self._abort(context, service_error(exc))
             return

@@ -237,3 +237,34 @@ def test_window_after_a_prefix_hit_wins_only_among_the_cheapest():
     chained[8] = True                                          # ...but 8 hangs below 7: [6, 7] loses two
     assert cheapest_window(open_6, free_6, 2, chained) == 5
     assert cheapest_window(closed, last_use, 9, chained) is None
+
+
+def _cheapest_window_by_hand(open_, last_use, want, follows, prefer=None):
+    """cheapest_window's rule, window by window: fewest cached pages lost (those in it and the chained run
+    after it), then the oldest newest use, then the lowest start; `prefer` where it loses no more."""
+    keys = {}
+    for start in range(len(last_use) - want + 1):
+        window = range(start, start + want)
+        if not all(open_[p] or last_use[p] > 0 for p in window):
+            continue
+        end = start + want
+        while end < len(follows) and follows[end]:
+            end += 1
+        keys[start] = (sum(last_use[p] > 0 for p in window) + end - start - want, max(last_use[p] for p in window))
+    if not keys:
+        return None
+    best = min(keys, key=lambda s: (*keys[s], s))
+    return prefer if prefer in keys and keys[prefer][0] == keys[best][0] else best
+
+
+def test_cheapest_window_matches_the_rule_window_by_window():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        num = int(rng.integers(1, 24))
+        last_use = np.where(rng.random(num) < 0.6, rng.integers(1, 6, num), 0)  # repeated uses: ties
+        open_ = (last_use == 0) & (rng.random(num) < 0.7)
+        follows = rng.random(num) < 0.3
+        want = int(rng.integers(1, num + 2))
+        prefer = int(rng.integers(0, num)) if rng.random() < 0.5 else None
+        assert cheapest_window(open_, last_use, want, follows, prefer) == \
+            _cheapest_window_by_hand(open_, last_use, want, follows, prefer), (open_, last_use, want, follows, prefer)

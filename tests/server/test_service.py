@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -116,3 +117,66 @@ def test_chat_template_renders_text_parts_without_bos(scheduler) -> None:
         max_tokens=1))
     assert prepared.prompts == [list(b"<user>hi\n<assistant>")]
     assert prepared.prompt_param == "messages"
+
+
+def test_start_prepares_and_submits_off_the_loop(scheduler) -> None:
+    service = _service(scheduler)
+    loop_thread = []
+
+    def prepare():
+        loop_thread.append(asyncio.get_running_loop() if _has_loop() else None)
+        return prepare_completion(service, CompletionRequest(prompt="abc", max_tokens=3))
+
+    async def run():
+        gen = await service.start(prepare, "addr:1")
+        return await gen.collect()
+
+    assert [c.text for c in asyncio.run(run())] == ["def"]
+    assert loop_thread == [None]  # ran on a worker thread, where no event loop runs
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_start_refusals_reach_the_caller(scheduler) -> None:
+    service = _service(scheduler, max_choices=4)
+
+    async def run():
+        await service.start(lambda: prepare_completion(service, CompletionRequest(prompt=["a", "b", "c"], n=2)))
+
+    with pytest.raises(ServiceError) as info:
+        asyncio.run(run())
+    assert info.value.status == 400 and info.value.param == "n"
+
+
+def test_a_caller_cancelled_during_start_cancels_its_generation(scheduler) -> None:
+    # The request is submitted on the worker thread after its caller went away (a client gone, a server
+    # stopping): nobody will read it, so it must not run to max_tokens nor keep its client's place.
+    service = _service(scheduler, max_requests_per_client=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_prepare():
+        entered.set()
+        release.wait(5)
+        return prepare_completion(service, CompletionRequest(prompt="a", max_tokens=100))
+
+    async def run():
+        task = asyncio.ensure_future(service.start(slow_prepare, "addr:1"))
+        await asyncio.to_thread(entered.wait, 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        assert await asyncio.to_thread(wait_for, lambda: scheduler.stats().cancellations == 1, 2.0)
+        # the client's one place is free again
+        gen = await service.start(lambda: prepare_completion(service, CompletionRequest(prompt="b", max_tokens=2)),
+                                  "addr:1")
+        return await gen.collect()
+
+    assert [c.text for c in asyncio.run(run())] == ["cd"]
+    assert wait_for(lambda: scheduler.stats().running == 0, timeout=1.0)
