@@ -4,11 +4,19 @@
 per step (planning, step inputs, samples, detokenizing, one SSE event per stream).
 
     python -m benchmarks.host_time [--concurrency 128] [--rounds 2]
+    python -m benchmarks.host_time --launch [--reps 200]
+
 
 Per round: output tok/s, TPOT p50, and the server's CPU seconds per 1000 output tokens (user + system,
 from /proc: less sensitive than wall time to other work on a shared machine), of them the event loop's
 (the main thread's: the HTTP side, every stream's events); then the full decode steps'
 plan-to-plan interval (benchmarks.bench.trace_server steps). For an A/B run it in each tree, alternating.
+
+--launch: in this process, the host time of JaxEngine.launch alone (from the call to its return: building
+the step's host arrays and dispatching its programs; the device work is not waited for) over the same tiny
+model, for a 1024-token prefill chunk and a 32-slot decode step (fed PREVIOUS_SAMPLE), medians of --reps
+interleaved launches; and the host arrays each launch hands its compiled programs (each one its own
+host->device transfer: on a TPU ~50-150 us apiece).
 """
 from __future__ import annotations
 
@@ -19,7 +27,10 @@ import re
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
+
+import numpy as np
 
 from benchmarks.device import _ready, stop_server
 from benchmarks.measure import cpu_model
@@ -36,6 +47,81 @@ def _cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _tiny_engine():
+    """TINY with dummy weights under the CPU defaults but float weights: 32 slots, 1024-token steps."""
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.dummy import dummy_model
+
+    with open(os.path.join(PRESET_DIR, "llama-3.2-1b.json")) as f:
+        cfg = ModelConfig.from_hf_dict({**json.load(f), **TINY})
+    config = EngineConfig(max_slots=32, max_seq_len=1280, max_num_batched_tokens=1024, num_pages=512,
+                          quantize="none", dtype="float32")
+    return JaxEngine(cfg, dummy_model(cfg), config)
+
+
+def _host_arrays(engine, launch) -> list[tuple[str, list[str]]]:
+    """(program, its host arrays as dtype[shape]) for each compiled call one launch makes."""
+    import jax
+
+    names = {}
+    for attr in ("_model_exe", "_generated_exe", "_sample_exe"):
+        for shape, exe in getattr(engine, attr, {}).items():
+            names[id(exe)] = f"{attr.strip('_').replace('_exe', '')}-{shape}"
+    for shape, exe in getattr(getattr(engine, "_previous", None), "_compiled", {}).items():
+        names[id(exe)] = f"record-{shape}"
+    calls = []
+    original = jax.stages.Compiled.__call__
+
+    def counted(self, *args, **kwargs):
+        host = [f"{np.asarray(x).dtype}{list(np.shape(x))}" for x in jax.tree.leaves((args, kwargs))
+                if isinstance(x, (np.ndarray, np.generic))]
+        calls.append((names.get(id(self), "other"), host))
+        return original(self, *args, **kwargs)
+
+    jax.stages.Compiled.__call__ = counted
+    try:
+        launch().result()
+    finally:
+        jax.stages.Compiled.__call__ = original
+    return calls
+
+
+def launch_main(args) -> int:
+    from slipstream.engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
+    from slipstream.engine.request import SamplingParams
+
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores)", flush=True)
+    engine = _tiny_engine()
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, engine.vocab_size, 1024)]
+    context, pages_per_slot = 64, 80  # the decode's slots: 64 tokens in, their own pages
+    for slot in range(32):
+        engine.insert(slot, SlotState(prompt if slot == 0 else prompt[:context], [], SamplingParams(seed=slot)))
+    pages = [list(range(1 + s * 15, 1 + (s + 1) * 15)) for s in range(32)]
+    prefill = StepBatch([StepSeq(0, prompt, 0, list(range(1, 1 + pages_per_slot)), True)])
+    engine.step(StepBatch([StepSeq(s, [5], context, pages[s], True) for s in range(32)]))  # a sample per slot
+    decode = StepBatch([StepSeq(s, [PREVIOUS_SAMPLE], context, pages[s], True) for s in range(32)])
+    steps = {"prefill 1024 tokens": prefill, "decode 32 slots": decode}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(args.reps + 5):  # the first 5 warm up
+        for name, batch in steps.items():
+            start = time.perf_counter()
+            launched = engine.launch(batch)
+            elapsed = time.perf_counter() - start
+            launched.result()
+            if rep >= 5:
+                times[name].append(elapsed)
+    for name, batch in steps.items():
+        calls = _host_arrays(engine, lambda: engine.launch(batch))
+        total = sum(len(host) for _, host in calls)
+        print(f"{name}: launch host time {statistics.median(times[name]) * 1e3:.3f} ms (median of {args.reps}), "
+              f"{len(calls)} compiled calls, {total} host arrays")
+        for program, host in calls:
+            print(f"  {program}: {len(host)} host arrays: {' '.join(host)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=128)
@@ -43,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--launch", action="store_true", help="time JaxEngine.launch in this process (see above)")
+    p.add_argument("--reps", type=int, default=200, help="--launch: launches of each step timed")
     args = p.parse_args(argv)
+    if args.launch:
+        return launch_main(args)
     work = tempfile.mkdtemp(prefix="slip-host-")
     with open(os.path.join(PRESET_DIR, "llama-3.2-1b.json")) as f:
         config = {**json.load(f), **TINY}
