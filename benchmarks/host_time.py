@@ -15,7 +15,9 @@ plan-to-plan interval (benchmarks.bench.trace_server steps). For an A/B run it i
 --launch: in this process, the host time of JaxEngine.launch alone (from the call to its return: building
 the step's host arrays and dispatching its programs; the device work is not waited for) over the same tiny
 model, for a 1024-token prefill chunk and a 32-slot decode step (fed PREVIOUS_SAMPLE), medians of --reps
-interleaved launches; and the host arrays each launch hands its compiled programs (each one its own
+interleaved launches, each after the previous step's samples came back: the calling thread's CPU time
+(time.thread_time: XLA's threads running the launched programs on the other cores are not counted) and
+the wall time; and the host arrays each launch hands its compiled programs (each one its own
 host->device transfer: on a TPU ~50-150 us apiece).
 """
 from __future__ import annotations
@@ -48,15 +50,14 @@ def _cpu_seconds(pid: int, tid: int | None = None) -> float:
 
 
 def _tiny_engine():
-    """TINY with dummy weights under the CPU defaults but float weights: 32 slots, 1024-token steps."""
+    """TINY with dummy weights under the engine's defaults (weight format, dtypes): 32 slots, 1024-token steps."""
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from slipstream.models.config import ModelConfig
     from slipstream.models.dummy import dummy_model
 
     with open(os.path.join(PRESET_DIR, "llama-3.2-1b.json")) as f:
         cfg = ModelConfig.from_hf_dict({**json.load(f), **TINY})
-    config = EngineConfig(max_slots=32, max_seq_len=1280, max_num_batched_tokens=1024, num_pages=512,
-                          quantize="none", dtype="float32")
+    config = EngineConfig(max_slots=32, max_seq_len=1280, max_num_batched_tokens=1024, num_pages=512)
     return JaxEngine(cfg, dummy_model(cfg), config)
 
 
@@ -88,11 +89,15 @@ def _host_arrays(engine, launch) -> list[tuple[str, list[str]]]:
 
 
 def launch_main(args) -> int:
+    import jax.numpy as jnp
+
     from slipstream.engine.api import PREVIOUS_SAMPLE, SlotState, StepBatch, StepSeq
     from slipstream.engine.request import SamplingParams
 
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores)", flush=True)
     engine = _tiny_engine()
+    print(f"engine: weights {engine.weight_mode}, activations {jnp.dtype(engine.dtype).name}, K/V {jnp.dtype(engine.kv_dtype).name}, "
+          f"hybrid prompt weights {engine.prompt_w16}", flush=True)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, engine.vocab_size, 1024)]
     context, pages_per_slot = 64, 80  # the decode's slots: 64 tokens in, their own pages
@@ -103,20 +108,23 @@ def launch_main(args) -> int:
     engine.step(StepBatch([StepSeq(s, [5], context, pages[s], True) for s in range(32)]))  # a sample per slot
     decode = StepBatch([StepSeq(s, [PREVIOUS_SAMPLE], context, pages[s], True) for s in range(32)])
     steps = {"prefill 1024 tokens": prefill, "decode 32 slots": decode}
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
     for rep in range(args.reps + 5):  # the first 5 warm up
         for name, batch in steps.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             launched = engine.launch(batch)
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
             launched.result()
             if rep >= 5:
-                times[name].append(elapsed)
+                cpu[name].append(elapsed_cpu)
+                wall[name].append(elapsed)
     for name, batch in steps.items():
         calls = _host_arrays(engine, lambda: engine.launch(batch))
         total = sum(len(host) for _, host in calls)
-        print(f"{name}: launch host time {statistics.median(times[name]) * 1e3:.3f} ms (median of {args.reps}), "
-              f"{len(calls)} compiled calls, {total} host arrays")
+        print(f"{name}: launch thread CPU {statistics.median(cpu[name]) * 1e3:.3f} ms, wall "
+              f"{statistics.median(wall[name]) * 1e3:.3f} ms (medians of {args.reps}); {len(calls)} compiled calls, "
+              f"{total} host arrays")
         for program, host in calls:
             print(f"  {program}: {len(host)} host arrays: {' '.join(host)}")
     return 0
