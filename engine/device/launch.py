@@ -1,17 +1,16 @@
 """A launched engine step and the samples it leaves on the device: `LaunchedStep` is JaxEngine's
 StepResult (result() copies the samples to the host once, advances grammar matchers, builds logprobs);
 `PreviousSamples` keeps each slot's latest sample on the device, so a decode can feed a token the host
-has not collected yet (PREVIOUS_SAMPLE, engine/api.py): the model program reads it there."""
+has not collected yet (PREVIOUS_SAMPLE, engine/api.py): the sampling program writes it there, the model
+program reads it there."""
 from __future__ import annotations
 
-import functools
 import time
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from slipstream.engine.api import Sampled
-from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.request import TokenLogprob
 from slipstream.engine.device.sampling import SampleResult
 from slipstream.engine.structured import Matcher
@@ -61,31 +60,23 @@ class LaunchedStep:
         return out
 
 
-def _record(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
-    """last i32[S+1] with each sampled row's slot set to its token (padding rows hit scratch row S)."""
-    return last.at[slot_ids].set(tokens)
+def record_samples(last: jax.Array, slot_ids: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Inside the sampling program: last i32[S+1] with each sampled row's slot set to its token. A slot's
+    latest sample is its last row's (several rows verify drafts; a scatter with repeated indices keeps an
+    unspecified one), so its earlier rows, like the padding rows (slot S), write the scratch row S."""
+    scratch = last.shape[0] - 1
+    earlier = jnp.append(slot_ids[1:] == slot_ids[:-1], False)               # [B]: the next row is the same slot's
+    return last.at[jnp.where(earlier, scratch, slot_ids)].set(tokens)
 
 
 class PreviousSamples:
     """Each slot's latest sample, kept on the device, so that a step can feed a decode the token of
-    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). A tiny program records a
-    step's samples; the next step's model program takes them from `last` (JaxEngine._model_step)."""
+    a step whose samples the host has not collected yet (PREVIOUS_SAMPLE). The sampling program
+    records a step's samples (record_samples); the next step's model program takes them from `last`
+    (JaxEngine._model_step)."""
 
     def __init__(self, max_slots: int, sharding: jax.sharding.Sharding | None = None) -> None:
-        # on the engine's devices (committed), as the samples it records are: one program per bucket
-        self._put = (lambda x: x) if sharding is None else functools.partial(jax.device_put, device=sharding)
-        self.last = self._put(jnp.zeros(max_slots + 1, jnp.int32))
-        self._scratch = max_slots
-        self._record = jax.jit(_record, donate_argnums=(0,))
-        self._compiled: dict[int, jax.stages.Compiled] = {}
-
-    def warm(self, buckets: Buckets) -> None:
-        """Compile the recorder for every bucket now and keep the executables, so steady state never compiles
-        (held here, not in jit's process-wide cache, where other engines' programs could evict them)."""
-        for b in buckets.sample_row_counts:
-            slot_ids, tokens = np.full(b, self._scratch, np.int32), self._put(jnp.zeros(b, jnp.int32))
-            self._compiled[b] = self._record.lower(self.last, slot_ids, tokens).compile()
-            self.record(slot_ids, tokens)
-
-    def record(self, slot_ids: np.ndarray, tokens: jax.Array) -> None:
-        self.last = self._compiled.get(len(slot_ids), self._record)(self.last, slot_ids, tokens)
+        # on the engine's devices (committed), as the samples recorded into it are
+        last = jnp.zeros(max_slots + 1, jnp.int32)
+        self.last = last if sharding is None else jax.device_put(last, sharding)
+        self.spec = jax.ShapeDtypeStruct(self.last.shape, self.last.dtype, sharding=sharding)

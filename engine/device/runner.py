@@ -3,7 +3,8 @@
 One model program per token bucket (a power-of-two ladder up to max_num_batched_tokens) and one
 sampling program per sample-row bucket, all compiled ahead of time; the KV pages and the penalty
 state are donated, so steps update them in place. Implements engine/api.py's Engine. Its settings
-are engine/engine_config.py's; a batch's host arrays are built by engine/step_inputs.py.
+are engine/engine_config.py's; a batch's host arrays are built by engine/step_inputs.py, into one
+buffer per program (engine/device/packed.py): a step makes two host->device transfers, not twenty.
 """
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
 from slipstream.engine.device.executables import ExecutableStore, avals
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
+from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples, record_samples
+from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, check_token_ids, constrain, prompt_mask_row,
                                                sample_penalized, update_counts)
 from slipstream.engine.device.lora_slots import LoraSlots
-from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs, token_lora_slots
+from slipstream.engine.device.step_inputs import (model_packing, previous_sources, sample_inputs, sample_packing,
+                                                  step_inputs, token_lora_slots)
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
 from slipstream.engine.device.layer_stack import index_int8_stacks, split_linears
 from slipstream.engine.device.params import prepare_model
@@ -134,14 +137,15 @@ class JaxEngine:
         self.grammar = GrammarProgress()  # matchers waiting for their launched samples, and their time
         self.masked_rows = 0
 
-        self._model_jit = jax.jit(self._model_step, donate_argnums=(1,))
+        # the first argument of both programs is the static Packing of their one host array
+        self._model_jit = jax.jit(self._model_step, static_argnums=(0,), donate_argnums=(2,))
         if self.tp is not None:  # logits and sampling state whole on every device, pages split
             self._cache_spec = self.tp.sharded_spec(self._cache_spec)
-            self._model_jit = jax.jit(self._model_step, donate_argnums=(1,), out_shardings=(
+            self._model_jit = jax.jit(self._model_step, static_argnums=(0,), donate_argnums=(2,), out_shardings=(
                 self._replicated, self.tp.cache_shardings(self._cache_spec)))
             self.output_counts, self.prompt_mask = jax.device_put((self.output_counts, self.prompt_mask),
                                                                   self._replicated)
-        self._sample_jit = jax.jit(self._sample_step, donate_argnums=(1,))
+        self._sample_jit = jax.jit(self._packed_sample_step, static_argnums=(0,), donate_argnums=(2, 3))
         self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
         # with the hybrid weights: the decode buckets' programs for steps of generated tokens only (no split bound:
@@ -160,17 +164,27 @@ class JaxEngine:
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
-    def _model_step(self, params, cache, tokens, src, last, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sample_index, lora=None, prompt_from=None):
+    def _model_step(self, packing: Packing, params, cache, last, packed, lora_stacks=None):
+        x = packing.unpack(packed)  # step_inputs.model_packing's arrays
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
-        tokens = jnp.where(src >= 0, last[jnp.maximum(src, 0)], tokens)
-        if prompt_from is not None:  # i32[]: the step's rows from it on are prompt rows (the hybrid's w16 form)
-            params = bind_rows(params, prompt_from)
-        if lora is not None:  # (adapter stacks, each token's slot i32[T]): LoRA deltas on the linears
-            params = self.lora.attach(params, *lora)
-        return self._forward(params, cache, tokens, positions, kv_lens, page_indices, cu_q_lens, num_seqs,
-                             sample_index, dtype=self.dtype)
+        tokens = jnp.where(x["src"] >= 0, last[jnp.maximum(x["src"], 0)], x["tokens"])
+        if "prompt_from" in x:  # i32[]: the step's rows from it on are prompt rows (the hybrid's w16 form)
+            params = bind_rows(params, x["prompt_from"])
+        if lora_stacks is not None:  # LoRA deltas on the linears, by each token's slot i32[T]
+            params = self.lora.attach(params, lora_stacks, x["lora_slots"])
+        return self._forward(params, cache, tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"],
+                             x["num_seqs"], x["sample_index"], dtype=self.dtype)
+
+    @classmethod
+    def _packed_sample_step(cls, packing: Packing, logits, state, last, packed, bitmask):
+        """_sample_step over step_inputs.sample_packing's arrays; it also records each slot's latest
+        sample into `last` (PreviousSamples)."""
+        x = packing.unpack(packed)
+        sarrays = SamplingArrays(**{f.name: x[f.name] for f in dataclasses.fields(SamplingArrays)})
+        drafts = DraftRows(**{f.name: x[f.name] for f in dataclasses.fields(DraftRows)})
+        result, state = cls._sample_step(logits, state, x["slot_ids"], x["active"], sarrays, bitmask, drafts)
+        return result, state, record_samples(last, x["slot_ids"], result.token)
 
     @staticmethod
     def _sample_step(logits, state, slot_ids, active, sarrays, bitmask, drafts):
@@ -194,26 +208,25 @@ class JaxEngine:
 
     # ---- ahead-of-time compilation ----------------------------------------------------------
 
+    def _model_packing(self, t: int, split: bool = True) -> Packing:
+        return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
+                             sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
+                             prompt_from=self.prompt_w16 and split)
+
     def _model_args(self, t: int, split: bool = True):
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        s = self.max_slots
-        last = jax.ShapeDtypeStruct((s + 1,), jnp.int32, sharding=self._replicated)
-        args = (self.params, self._cache_spec, i32(t), i32(t), last, i32(t), i32(s), i32(s, self.max_pages_per_seq),
-                i32(s + 1), i32(1), i32(self.buckets.sample_rows(t)))
-        args += (None if self.lora is None else (self.lora.stacks, i32(t)),)
-        return args + (i32() if self.prompt_w16 and split else None,)
+        packing = self._model_packing(t, split)
+        return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
+                None if self.lora is None else self.lora.stacks)
 
     def _sample_args(self, b: int):
-        sarrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype), self._slot_sampling)
-        return (jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
-                (self.output_counts, self.prompt_mask),
-                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sarrays,
-                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32),
-                DraftRows(jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)))
+        packing = sample_packing(b)
+        return (packing, jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
+                (self.output_counts, self.prompt_mask), self._previous.spec, packing.spec(self._replicated),
+                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
 
     @property
     def num_programs(self) -> int:
-        """Model and sampling programs (the tiny per-bucket helpers of PreviousSamples aside)."""
+        """Model and sampling programs."""
         return len(self.buckets.token_counts) + len(self._generated_buckets) + len(self.buckets.sample_row_counts)
 
     def compile_all(self, *, progress: bool = False) -> None:
@@ -255,7 +268,6 @@ class JaxEngine:
             self.output_counts, self.prompt_mask = self._set_row_jit(
                 self.output_counts, self.prompt_mask, np.int32(self.max_slots), counts_row,
                 np.zeros(self.vocab_size, bool))
-        self._previous.warm(self.buckets)
         self.compile_seconds = time.perf_counter() - start
 
     def _executable_store(self) -> ExecutableStore | None:
@@ -332,10 +344,12 @@ class JaxEngine:
         self._slot_logprobs[slot] = -1
         self._matchers.pop(slot, None)
 
-    def step_inputs(self, batch: StepBatch) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
-        """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)."""
+    def step_inputs(self, batch: StepBatch, out: dict[str, np.ndarray] | None = None,
+                    ) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
+        """Host arrays of the model program for `batch`: (token bucket, inputs, sampled rows' slots)
+        (step_inputs.step_inputs: into `out`'s arrays when given)."""
         return step_inputs(batch, self.buckets, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
-                           max_seq_len=self.max_seq_len, page_size=self.page_size)
+                           max_seq_len=self.max_seq_len, page_size=self.page_size, out=out)
 
     def prompt_rows_from(self, batch: StepBatch) -> int:
         """The step's first prompt row (StepBatch.prompt_rows_from over the prompt lengths insert bound): the
@@ -343,19 +357,24 @@ class JaxEngine:
         return batch.prompt_rows_from(self._slot_prompt_len)
 
     def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
-        t, (tokens, *inputs), sample_slots = self.step_inputs(batch)
-        if (src := previous_sources(batch, tokens, inputs[3])) is None:
-            src = np.full(t, -1, np.int32)
-        lora = None if self.lora is None else (self.lora.stacks, token_lora_slots(batch, t, self.lora.max_loras))
-        prompt_from = np.int32(self.prompt_rows_from(batch)) if self.prompt_w16 else None
-        if prompt_from is not None and prompt_from == batch.num_tokens and t in self._generated_buckets:
+        t = self.buckets.tokens(batch.num_tokens)
+        prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
+        split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
+        if prompt_from is not None and not split:
             # generated tokens only (decodes, verification): the program without the prompt form's calls
-            model, prompt_from = self._exe(self._generated_exe, t, self._model_jit,
-                                           functools.partial(self._model_args, split=False)), None
+            model = self._exe(self._generated_exe, t, self._model_jit, functools.partial(self._model_args, split=False))
         else:
             model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        logits, self.cache = model(self.params, self.cache, tokens, src, self._previous.last, *inputs, lora,
-                                   prompt_from)
+        packed, x = self._model_packing(t, split).host()  # the program's one host array, written in place
+        _, (tokens, *_), sample_slots = self.step_inputs(batch, x)
+        src = previous_sources(batch, tokens, x["cu_q_lens"])
+        x["src"][:] = -1 if src is None else src
+        if self.lora is not None:
+            x["lora_slots"][:] = token_lora_slots(batch, t, self.lora.max_loras)
+        if split:
+            x["prompt_from"][...] = prompt_from
+        logits, self.cache = model(self.params, self.cache, self._previous.last, packed,
+                                   None if self.lora is None else self.lora.stacks)
         return t, logits, sample_slots
 
     @functools.cached_property
@@ -395,25 +414,12 @@ class JaxEngine:
         if n == 0:
             return LaunchedStep(self.grammar, None, [])
         b = self.buckets.sample_rows(t)
-        slot_ids = np.full(b, self.max_slots, np.int32)
-        slot_ids[:n] = sample_slots
-        active = np.arange(b) < n
-        drafts, positions = draft_rows(batch, b)
-        sarrays = jax.tree.map(lambda x: x[slot_ids], self._slot_sampling)
-        # a row draws with its seed's stream at the index, in the output, of the token it samples: the
-        # same for a token however the steps were cut (a row past a rejected draft is dropped unseen,
-        # so the step that samples that index again may use the stream again)
-        steps = np.maximum(positions + 1 - self._slot_prompt_len[slot_ids], 0).astype(np.int32)
-        sarrays = dataclasses.replace(sarrays, step=steps)
+        packed, x = sample_inputs(batch, sample_slots, b, self._slot_sampling, self._slot_prompt_len)
+        slot_ids = x["slot_ids"]
         bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
-        result, (self.output_counts, self.prompt_mask) = sampler(
-            logits, (self.output_counts, self.prompt_mask), slot_ids, active, sarrays, bitmask, drafts)
-        # a slot's latest sample is its last row's (several rows when verifying drafts; a scatter
-        # with repeated indices keeps an unspecified one): the earlier rows write the scratch row
-        record = slot_ids.copy()
-        record[:n][np.append(slot_ids[:n][1:] == slot_ids[:n][:-1], False)] = self.max_slots
-        self._previous.record(record, result.token)
+        result, (self.output_counts, self.prompt_mask), self._previous.last = sampler(
+            logits, (self.output_counts, self.prompt_mask), self._previous.last, packed, bitmask)
         # what the samples are read with is taken now: the slots may be rebound before result()
         matchers = self._matchers
         rows = list(zip(self._slot_logprobs[slot_ids[:n]].tolist(),

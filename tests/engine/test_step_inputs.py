@@ -1,4 +1,5 @@
-"""The host side of a step (engine/device/step_inputs.py): a batch laid out as the model program's arrays."""
+"""The host side of a step (engine/device/step_inputs.py): a batch laid out as the model and sampling programs'
+arrays."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,11 @@ import pytest
 
 from slipstream.engine.api import PREVIOUS_SAMPLE, StepBatch, StepSeq
 from slipstream.engine.device.buckets import Buckets
-from slipstream.engine.device.step_inputs import draft_rows, previous_sources, step_inputs
+from slipstream.engine.device.packed import Packing
+from slipstream.engine.device.sampling import SamplingArrays
+from slipstream.engine.device.step_inputs import (draft_rows, model_packing, previous_sources, sample_inputs,
+                                                  step_inputs)
+from slipstream.engine.request import SamplingParams
 
 PAGE = 4
 
@@ -65,3 +70,39 @@ def test_draft_rows_with_and_without_drafts():
     drafts, positions = draft_rows(verify, 5)
     assert positions.tolist() == [4, 5, 6, 2, 0]
     assert drafts.draft.tolist() == [40, 41, -1, -1, -1] and drafts.row_start.tolist() == [0, 0, 0, 3, 4]
+
+
+def test_arrays_written_into_a_packed_buffer_are_the_ones_built_alone():
+    buckets = Buckets.build(max_num_batched_tokens=16, max_slots=6)
+    t, alone, _ = _inputs(_batch())
+    packing = model_packing(t, max_slots=6, max_pages_per_seq=3, sample_rows=buckets.sample_rows(t))
+    buf, views = packing.host()
+    _, into, _ = step_inputs(_batch(), buckets, max_slots=6, max_pages_per_seq=3, max_seq_len=12, page_size=PAGE,
+                             out=views)
+    for a, b in zip(alone, into):
+        np.testing.assert_array_equal(a, b)
+        assert np.shares_memory(b, buf)  # written in place: the buffer is what the program gets
+
+
+def test_sample_inputs_gather_each_rows_settings_and_pad_with_the_scratch_slot():
+    # slots 0..5 and the scratch row 6; slot 1 samples at temperature 0.5 with top_k 7, seed 2**40 + 3
+    params = [None, SamplingParams(temperature=0.5, top_k=7, seed=2**40 + 3), None, SamplingParams(top_p=0.9)]
+    table = SamplingArrays.from_params(params + [None] * 3, [0, 2**40 + 3, 0, 9, 0, 0, 0], [0] * 7, 7)
+    prompt_len = np.array([0, 4, 0, 5, 0, 0, 0], np.int32)
+    verify = StepBatch((StepSeq(slot=1, token_ids=(11, 40, 41), start_pos=4, page_ids=(5, 6), sample=True,
+                                num_samples=3),
+                        StepSeq(slot=3, token_ids=(12,), start_pos=6, page_ids=(7,), sample=True)))
+    buf, x = sample_inputs(verify, [1, 1, 1, 3], 6, table, prompt_len)
+    assert x["slot_ids"].tolist() == [1, 1, 1, 3, 6, 6] and x["active"].tolist() == [1, 1, 1, 1, 0, 0]
+    assert x["temperature"].tolist() == [0.5, 0.5, 0.5, 1.0, 0.0, 0.0]
+    assert x["top_k"].tolist() == [7, 7, 7, 0, 0, 0] and x["top_p"][3] == np.float32(0.9)
+    assert x["seed"][0].tolist() == [2**8, 3] and x["seed"][3].tolist() == [0, 9]
+    # the index in its output of the token each row samples: positions 4, 5, 6 after a 4-token prompt
+    assert x["step"][:4].tolist() == [1, 2, 3, 2]
+    assert x["draft"].tolist() == [40, 41, -1, -1, -1, -1] and x["row_start"].tolist() == [0, 0, 0, 3, 4, 5]
+    assert all(np.shares_memory(v, buf) for v in x.values())
+
+
+def test_a_packing_refuses_a_dtype_it_cannot_carry():
+    with pytest.raises(ValueError, match="'bad': dtype float64"):
+        Packing((("ok", (2,), "int32"), ("bad", (2,), "float64")))
