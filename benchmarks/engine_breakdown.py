@@ -14,23 +14,29 @@ import numpy as np
 from benchmarks.engine import Setup, attention_only, decodes
 from benchmarks.measure import interleaved, median_ms, profile_ops, weight_bytes_read_per_token
 from slipstream.engine.api import StepBatch, StepSeq
-from slipstream.engine.device.sampling import DraftRows
+from slipstream.engine.device.sampling import DraftRows, SamplingArrays
+from slipstream.engine.device.step_inputs import sample_packing
 from slipstream.kernels import native
 
 
 def sampling_program(engine, logits: jax.Array, slot_ids: np.ndarray, active: np.ndarray,
                      rows: list[int]) -> Callable[[], object]:
     """The engine's compiled sampling program for these logits and slots, as a call (it keeps the engine's
-    penalty state as a step does)."""
+    penalty state and latest samples as a step does)."""
     b = len(slot_ids)
-    sarrays = jax.tree.map(lambda a: a[slot_ids], engine._slot_sampling)
-    sarrays = dataclasses.replace(sarrays, step=np.zeros(b, np.int32))
+    packed, x = sample_packing(b).host()  # its one host array (engine/device/packed.py)
+    x["slot_ids"][:], x["active"][:] = slot_ids, active
+    for f in dataclasses.fields(SamplingArrays):
+        x[f.name][:] = getattr(engine._slot_sampling, f.name)[slot_ids]
+    x["step"][:] = 0
+    for f in dataclasses.fields(DraftRows):
+        x[f.name][:] = getattr(DraftRows.none(b), f.name)
     bitmask = engine._fill_mask(rows, b)
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 
     def sample():
-        result, (engine.output_counts, engine.prompt_mask) = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), slot_ids, active, sarrays, bitmask, DraftRows.none(b))
+        result, (engine.output_counts, engine.prompt_mask), engine._previous.last = sampler(
+            logits, (engine.output_counts, engine.prompt_mask), engine._previous.last, packed, bitmask)
         return result
 
     return sample
