@@ -12,27 +12,14 @@ import pytest
 
 from slipstream.kernels.ragged_tokens import quantize_kv
 from slipstream.kernels.tpu import kv_write_float, layout
+from tests.kernels.test_kv_write_tpu import NUM_PAGES, _step   # the same steps as the int8 write's tests
 
-NUM_PAGES = 7
 BITS = {2: np.uint16, 4: np.uint32}
 
 
 def _bits(x) -> np.ndarray:
     x = np.asarray(x)
     return x.view(BITS[x.dtype.itemsize])
-
-
-def _step(runs, ps: int, pad: int = 0):
-    """Tokens of sequences [(page list, first position, token count)] in order, then `pad` padding tokens
-    (page == NUM_PAGES): (page [T], offset [T])."""
-    page, offset = [], []
-    for pages, pos0, n in runs:
-        pos = np.arange(pos0, pos0 + n)
-        page += [pages[p] for p in pos // ps]
-        offset += list(pos % ps)
-    page += [NUM_PAGES] * pad
-    offset += [3] * pad
-    return jnp.asarray(page, jnp.int32), jnp.asarray(offset, jnp.int32)
 
 
 def _kv(rng, t_len: int, kvh: int, hd: int, dtype, special: bool = False):
