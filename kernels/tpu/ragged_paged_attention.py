@@ -5,7 +5,8 @@ kernel attend, each over a list of work items (a sequence and a block of its que
 `decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest.
 Per item the kernel walks the sequence's pages `pages_per_block` at a time, each page one DMA of all KV
 heads' K and V. Blocks are fetched `prefetch` ahead in the call's order, across items (an item's
-last block computing while the next item's first blocks arrive), into prefetch + 1 buffer slots. A KV head's query-head group (G rows per token) attends together (online_softmax.py).
+last block computing while the next item's first blocks arrive), into prefetch + 1 buffer slots. A KV
+head's query-head group (G rows per token) attends together (online_softmax.py).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from slipstream.kernels.tpu import layout, online_softmax
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
-# Off until measured on the chip: the 8B engine's 64 x 1025-token int8 decodes take 362 us a layer in blocks of 8
-# pages (8 + 1) where 64 x 1024 take 191: the one-page block's DMA hides nothing, so the next item's 8-page block
-# is fetched in the open (benchmarks/results.d/tpu-v5e.md). Balanced, 9 pages are blocks of 5 + 4.
+# Off: an item's last two blocks split their pages evenly (9 pages: 5 + 4), each block computing only its pages
+# in merged pieces. On the v5e the 8B engine's 64-slot attention went 11.6 -> 10.9 ms a step, within the calls'
+# spread: the pieces (traced page offsets) cost more than their pages (benchmarks/results.d/tpu-v5e.md).
 BALANCED = False
 # Off until timed on the chip: a block that an item's range ends inside computes only the smallest power of two
 # of its pages covering that range (1,025-token contexts: 8 pages, then 1), where the default computes every block
@@ -314,8 +315,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
                            balanced: bool | None = None, short_tail: bool | None = None, prefetch: int = PREFETCH,
-                           int8_write: str | None = None,
-                           float_write: str | None = None,
+                           int8_write: str | None = None, float_write: str | None = None,
                            interpret: bool | pltpu.InterpretParams = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows:
@@ -357,8 +357,8 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     page = jnp.take_along_axis(page_indices[seq], (pos // ps)[:, None], axis=1)[:, 0]
     # a sequence's tokens fill at most ceil(q_len / ps) + 1 pages: the write's runs of tokens per page
     kv_cache = layout.write_kv(kv_cache, layer, k_new, v_new, jnp.where(valid, page, num_pages), pos % ps,
-                               quantize_kv, int8_write=int8_write, float_write=float_write, max_items=min(t_len, t_len // ps + 2 * n_rows),
-                               interpret=interpret)
+                               quantize_kv, int8_write=int8_write, float_write=float_write,
+                               max_items=min(t_len, t_len // ps + 2 * n_rows), interpret=interpret)
 
     i32 = jnp.int32
     n = jnp.reshape(num_seqs, ()).astype(i32)
