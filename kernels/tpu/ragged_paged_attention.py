@@ -22,25 +22,19 @@ from slipstream.kernels.tpu import layout, online_softmax
 from slipstream.kernels.tpu.online_softmax import LANES, MASK_VALUE
 
 
-# Off: an item's last two blocks split their pages evenly (9 pages: 5 + 4), each block computing only its pages
-# in merged pieces. On the v5e the 8B engine's 64-slot attention went 11.6 -> 10.9 ms a step, within the calls'
-# spread: the pieces (traced page offsets) cost more than their pages (benchmarks/results.d/tpu-v5e.md).
-BALANCED = False
-# Off until timed on the chip: a block that an item's range ends inside computes only the smallest power of two
-# of its pages covering that range (1,025-token contexts: 8 pages, then 1), where the default computes every block
-# whole (64 x 1025 int8 decodes cost what 64 x 2048 do).
-SHORT_TAIL = False
-# Blocks in flight ahead of the one computing. Two did not move the 64 x 1025 int8 decodes (359 us a layer
-# against one's 364; 64 x 1024: 190), so a short tail block's cost is not its exposed fetch
-# (benchmarks/results.d/tpu-v5e.md); one keeps two buffer slots.
-PREFETCH = 1
+# Blocks in flight ahead of the one computing. An item's short last block (a 1,025-token context: 8 pages, then
+# 1) computes only its pages, so with one block ahead the next item's full block could not hide behind it; two
+# ahead keep the fetches back to back. On the v5e, 64 x 1025 int8 decodes of 8B heads: 518 -> 441 us a layer
+# (attention with the K/V write), and the 8B engine's 64-slot step 30.3 -> 27.4 ms; short tails alone or two
+# ahead alone did not move it (benchmarks/results.d/tpu-v5e.md).
+PREFETCH = 2
 
 
 def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_ref, kv_lens_ref,
             pages_ref, cu_ref, layer_ref,                                   # scalar prefetch (SMEM)
             q_hbm, kv_hbm, *rest, rows: int, group: int, pages_per_block: int, pages_per_seq: int,
             sm_scale: float, sliding_window: int | None, soft_cap: float | None, int8: bool, cdt,
-            merge_pages: bool, balanced: bool, short_tail: bool, prefetch: int):
+            merge_pages: bool, prefetch: int):
     if int8:
         sc_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, acc_ref, m_ref, l_ref, sems, io_sems, slot_ref = rest
     else:
@@ -62,39 +56,17 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
     layer = layer_ref[0]
 
     def blocks(item):
-        """item's first and last block numbers."""
-        first, end = item_first_ref[item], item_end_ref[item]
-        if not balanced:
-            return first // nb, (end - 1) // nb
-        return 0, (end - first + nb - 1) // nb - 1
-
-    def block_pages(item, blk):
-        """(page0, size): block blk of item holds the sequence's pages from page0, at most size of them
-        (those outside the item's range are not fetched). Unbalanced: blocks of nb pages at multiples
-        of nb. Balanced: from the item's first page, blocks of nb but the last two, which split their
-        pages evenly, so no block is a page or two (a short block's DMAs cannot hide the next one's)."""
-        if not balanced:
-            return blk * nb, nb
-        first, end = item_first_ref[item], item_end_ref[item]
-        n = end - first
-        n_blk = (n + nb - 1) // nb
-        two = n_blk >= 2
-        rest = n - (n_blk - 2) * nb               # the last two blocks' pages
-        a = (rest + 1) // 2
-        page0 = first + blk * nb + jnp.where(two & (blk == n_blk - 1), a - nb, 0)
-        size = jnp.where(two & (blk == n_blk - 2), a, jnp.where(two & (blk == n_blk - 1), rest - a,
-                                                                   jnp.minimum(n, nb)))
-        return page0, size
+        """item's first and last block numbers: block b holds the sequence's pages [b * nb, b * nb + nb)."""
+        return item_first_ref[item] // nb, (item_end_ref[item] - 1) // nb
 
     def copies(item, blk, slot):
         """The DMAs of block `blk` of `item`'s pages into buffer `slot`, each with its predicate (pages
         outside the item's keys are not fetched; their stale buffer rows are masked)."""
         s = item_seq_ref[item]
-        page0, size = block_pages(item, blk)
         out = []
         for j in range(nb):
-            p = page0 + j
-            valid = (p >= item_first_ref[item]) & (p < item_end_ref[item]) & (j < size)
+            p = blk * nb + j
+            valid = (p >= item_first_ref[item]) & (p < item_end_ref[item])
             page = pages_ref[s * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
             out.append((valid, pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j], sems.at[0, slot])))
             if int8:
@@ -177,7 +149,7 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             pl.when(item < n_items)(functools.partial(start, jnp.minimum(item, n_max - 1), ablk,
                                                       jax.lax.rem(slot + prefetch, n_slots)))
             wait(i, blk, slot)
-            page0, size = block_pages(i, blk)
+            page0 = blk * nb
 
             def attend(at, n):
                 """Every head's rows against buffer pages [at, at + n) (at may be traced)."""
@@ -188,29 +160,15 @@ def _kernel(num_items_ref, item_seq_ref, item_row_ref, item_first_ref, item_end_
             if not merge_pages:
                 for j in range(nb):
                     attend(j, 1)
-            elif not balanced and not short_tail:
-                attend(0, nb)
-            elif not balanced:
+            else:
                 # the block's pages that can hold keys are its first `used` (an item's range ends inside its
-                # last block): one merged update over the smallest power of two of pages covering them, at
-                # offset 0 (static shapes; the pages past `used` are masked)
+                # last block; masked pages cost what kept ones do): one merged update over the smallest power
+                # of two of pages covering them, at offset 0 (static shapes; the pages past `used` are masked)
                 used = jnp.minimum(nb, item_end_ref[i] - page0)
                 lo = 0
                 for n in [2 ** k for k in range(nb.bit_length()) if 2 ** k < nb] + [nb]:
                     pl.when((used > lo) & (used <= n))(functools.partial(attend, 0, n))
                     lo = n
-            else:
-                # a block of fewer than nb pages computes only those (masked pages cost as much as kept
-                # ones), in merged pieces of nb/2, nb/4 .. 1 pages
-                pl.when(size == nb)(lambda: attend(0, nb))
-
-                @pl.when(size < nb)
-                def _part():
-                    at, n = 0, nb // 2
-                    while n >= 1:
-                        take = size - at >= n
-                        pl.when(take)(functools.partial(attend, at, n))
-                        at, n = at + jnp.where(take, n, 0), n // 2
             return jax.lax.rem(slot + 1, n_slots)
 
         def _keys(q, h, at, n, first_page, slot):
@@ -275,7 +233,7 @@ def _items(q_lens, kv_lens, cu_q_lens, num_seqs, take, *, rows: int, max_items: 
 
 
 def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_block, sm_scale, sliding_window,
-                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, balanced, short_tail, prefetch,
+                  soft_cap, cdt, interpret, vmem_limit_bytes, merge_pages, prefetch,
                   name):
     kv = kv_cache["kv"]
     int8 = "kv_scale" in kv_cache
@@ -293,7 +251,7 @@ def _attend_items(q_pad, kv_cache, scalars, items, *, rows, group, pages_per_blo
     kernel = functools.partial(
         _kernel, rows=rows, group=group, pages_per_block=pages_per_block, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, int8=int8, cdt=cdt,
-        merge_pages=merge_pages, balanced=balanced, short_tail=short_tail, prefetch=prefetch)
+        merge_pages=merge_pages, prefetch=prefetch)
     count, seq, row, first, end = items
     call = pl.pallas_call(
         kernel,
@@ -314,15 +272,14 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
                            sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                            pages_per_block: int | None = None, decode_rows: int = 1, prefill_rows: int = 128,
                            vmem_limit_bytes: int = 64 * 2 ** 20, merge_pages: bool = True,
-                           balanced: bool | None = None, short_tail: bool | None = None, prefetch: int = PREFETCH,
+                           prefetch: int | None = None,
                            int8_write: str | None = None, float_write: str | None = None,
                            interpret: bool | pltpu.InterpretParams = False):
     """slipstream.kernels.attention.ragged_paged_attention on a cache of layout.py's layout: (out [T, H, hd], cache).
     pages_per_block: pages per DMA block (default: 512 keys' worth, 1024 of int8); decode_rows / prefill_rows:
-    query rows per work item of the two calls; merge_pages: one softmax update per block of pages (else one per
-    page); balanced: an item's last two blocks split their pages evenly and a block computes only its pages
-    (default BALANCED; see _kernel's block_pages); short_tail: an item's last block computes the smallest power of
-    two of pages holding its keys (default SHORT_TAIL); prefetch: blocks fetched ahead (default PREFETCH);
+    query rows per work item of the two calls; merge_pages: one softmax update per block of pages, over the
+    smallest power of two of them holding the item's keys (else one per page); prefetch: blocks fetched ahead
+    (default PREFETCH);
     int8_write / float_write: how int8 / float K/V are written (layout.write_kv; default layout.INT8_WRITE, and
     for float layout.FLOAT_WRITE in steps of more than two tokens a sequence row, else the scatter); interpret:
     Pallas' TPU interpreter (tests on CPU; its InterpretParams, or True for the defaults)."""
@@ -344,8 +301,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     group = h // kvh
     # 512 keys a block, 1024 of int8 (the same bytes): measured on a v5e, 64 x 1024 int8 decodes of 8B heads,
     # 8 pages of 128 took 191 us a layer against 4 pages' 250 (benchmarks/results.d/tpu-v5e.md)
-    balanced = BALANCED if balanced is None else balanced
-    short_tail = SHORT_TAIL if short_tail is None else short_tail
+    prefetch = PREFETCH if prefetch is None else prefetch
     n_rows, pages_per_seq = page_indices.shape
     # float K/V: the write kernel moves a decode's whole 16-row tile (64 decodes of 8B heads took 17 us a layer
     # against the scatter's 15 on the v5e) and a prefill's pages whole (1B heads, 1024 tokens: 12 us against 133)
@@ -380,8 +336,7 @@ def ragged_paged_attention(q, k_new, v_new, kv_cache, layer, kv_lens, page_indic
     q_pad = jnp.pad(q32, ((0, pad), (0, 0), (0, hd if padded else 0)))
     common = dict(group=2 * group if pairs else group, pages_per_block=nb, sm_scale=sm_scale,
                   sliding_window=sliding_window, soft_cap=soft_cap, cdt=cdt, interpret=interpret,
-                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, balanced=balanced,
-                  short_tail=short_tail, prefetch=prefetch)
+                  vmem_limit_bytes=vmem_limit_bytes, merge_pages=merge_pages, prefetch=prefetch)
     item_kw = dict(page_size=ps, sliding_window=sliding_window)
 
     def run(take, rows, max_items, name):

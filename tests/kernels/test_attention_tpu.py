@@ -34,15 +34,6 @@ def test_int8_pages_written_by_the_pallas_write():
     check(spec, interpret=True, atol=tolerance(spec), pages_per_block=2, prefill_rows=8, int8_write="kernel")
 
 
-@pytest.mark.parametrize("name,page_size", [("mixed_int8_hd128", 2)])
-def test_balanced_blocks(name, page_size):
-    """balanced: blocks of 8 pages over contexts of 3-21 pages, an item's last two blocks splitting their pages
-    evenly (a window's item starting anywhere), each block computing only its 1-8 pages, in merged pieces of 4,
-    2 and 1 pages."""
-    spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=page_size)
-    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=8, prefill_rows=8, balanced=True)
-
-
 @pytest.mark.parametrize("name,prefetch", [("mixed_window_softcap", 3), ("mixed_int8_hd128", 2)])
 def test_prefetch_depths(name, prefetch):
     """Blocks fetched 2-3 ahead across items (contexts of 1-11 blocks of 2 pages): with the interpreter landing
@@ -66,7 +57,7 @@ def test_float_write_kernel_for_prefill_steps_only(name, kernel):
 @pytest.mark.parametrize("name,page_size,nb", [("decode_gqa4_hd128", 4, 8), ("mixed_window_softcap", 4, 8),
                                                ("mixed_int8_hd128", 2, 6)])
 def test_short_tail_blocks(name, page_size, nb):
-    """short_tail: an item's last block computes the smallest power of two of pages (or the whole block) holding its
-    keys: contexts of 3-21 pages end anywhere in blocks of 8 (and of 6: 4 < used <= 6 takes the whole block)."""
+    """An item's last block computes the smallest power of two of pages (or the whole block) holding its keys:
+    contexts of 3-21 pages end anywhere in blocks of 8 (and of 6: 4 < used <= 6 takes the whole block)."""
     spec = dataclasses.replace(next(s for s in SPECS if s.name == name), page_size=page_size)
-    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=nb, prefill_rows=8, short_tail=True)
+    check(spec, interpret=True, atol=tolerance(spec), pages_per_block=nb, prefill_rows=8)
