@@ -1,6 +1,7 @@
 """LoRA under tensor parallelism (2 virtual CPU devices, in a fresh process: XLA_FLAGS is read when
 JAX's CPU backend starts): a step mixing the base model and two adapters gives transformers + peft's
-logits, over int8 (q8_0-a16) and f32 base weights."""
+logits, over int8 (q8_0-a16) and f32 base weights. One process runs both weight modes (each process
+costs seconds of start-up)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from tests.engine.lora_helpers import reference_greedy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [5, 17, 33, 99, 7, 200, 3]
+QUANTIZE = ("none", "q8_0-a16")
 
 
 def _child(base_dir: str, adapter_dirs: dict[str, str], quantize: str) -> list[list[float]]:
@@ -40,16 +42,24 @@ def _child(base_dir: str, adapter_dirs: dict[str, str], quantize: str) -> list[l
     return engine.model_logits(StepBatch(seqs)).tolist()
 
 
-@pytest.mark.parametrize("quantize, atol", [("none", 1e-4), ("q8_0-a16", 0.05)])
-def test_adapters_under_tensor_parallel_match_peft(tiny_llama_dir, tiny_lora_adapters, quantize, atol):
+@pytest.fixture(scope="module")
+def tp_logits(tiny_llama_dir, tiny_lora_adapters) -> dict[str, np.ndarray]:
+    """quantize -> the TP=2 engine's logits [base, attn, all], both from one fresh process."""
     dirs = {n: tiny_lora_adapters[1][n] for n in ("attn", "all")}
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); from tests.engine.test_lora_tensor_parallel import _child; "
-            f"print('RESULT', json.dumps(_child({tiny_llama_dir!r}, {dirs!r}, {quantize!r})))")
+            f"print('RESULT', json.dumps({{q: _child({tiny_llama_dir!r}, {dirs!r}, q) for q in {QUANTIZE!r}}}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    logits = np.asarray(json.loads(out.stdout.split("RESULT ", 1)[1]))
-    refs = [reference_greedy(tiny_llama_dir, d, PROMPT, 1)[1][0] for d in (None, *dirs.values())]
+    return {q: np.asarray(rows) for q, rows in json.loads(out.stdout.split("RESULT ", 1)[1]).items()}
+
+
+@pytest.mark.parametrize("quantize, atol", [("none", 1e-4), ("q8_0-a16", 0.05)])
+def test_adapters_under_tensor_parallel_match_peft(tiny_llama_dir, tiny_lora_adapters, tp_logits, quantize, atol):
+    dirs = [tiny_lora_adapters[1][n] for n in ("attn", "all")]
+    refs = [reference_greedy(tiny_llama_dir, d, PROMPT, 1)[1][0] for d in (None, *dirs)]
+    logits = tp_logits[quantize]
+    assert len(logits) == len(refs)
     for row, ref in zip(logits, refs):
         np.testing.assert_allclose(row, ref, atol=atol)
         assert row.argmax() == ref.argmax()
