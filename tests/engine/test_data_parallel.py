@@ -1,7 +1,7 @@
 """Data parallel. Routing (engine/replicas.py) on MockEngine schedulers, without JAX: load spread,
 prefix-cache affinity, cancel reaching the request's replica, a failed replica. Then the JAX engine
 on 8 virtual CPU devices, in one subprocess (XLA_FLAGS must be set before JAX starts): replicas at
-TP=2 x DP=2 and TP=1 x DP=2 give the single-device greedy tokens, on disjoint devices."""
+TP=1 x DP=2 and TP=2 x DP=2 give the single-device greedy tokens, on disjoint devices."""
 from __future__ import annotations
 
 import contextlib
@@ -117,9 +117,10 @@ def test_abort_fails_every_replicas_requests():
 # ---- the JAX engine: replicas on 8 virtual CPU devices, in one subprocess ------------------------
 
 def worker(model_dir: str) -> dict:
-    """Greedy tokens of each replica at TP=1 x DP=2 and TP=2 x DP=2 (f32 engines built by hand, as the
-    tensor-parallel test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 with
-    int8 weights (q8_0-a16, the CPU default) serving two requests at once."""
+    """Greedy tokens of each replica at TP=1 x DP=2 (f32 engines built by hand, as the tensor-parallel
+    test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 with int8 weights
+    (q8_0-a16, the CPU default) serving two requests at once. (TP=2 x DP=2 by hand would repeat the
+    served replicas' checks; test_tensor_parallel.py's default-model case runs one such replica by hand.)"""
     import jax
     import numpy as np
 
@@ -135,6 +136,9 @@ def worker(model_dir: str) -> dict:
     def devices(tree) -> list[int]:
         return sorted({d.id for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set})
 
+    def cache_shapes(engine) -> list[list[int]]:
+        return sorted({tuple(s.data.shape) for s in engine.cache["k"].addressable_shards})
+
     cfg, model = load_model(model_dir)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 9, 14)]
@@ -143,21 +147,18 @@ def worker(model_dir: str) -> dict:
         engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}), precompile=False)
         report[name] = greedy(engine, prompts, STEPS)
         del engine
-    for tp in (1, 2):
-        for r, slice_ in enumerate(replica_devices(tp, 2)):
-            engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "tensor_parallel": tp}), precompile=False,
-                               devices=slice_)
-            tokens = greedy(engine, prompts, STEPS)
-            before = engine.compile_count
-            report[f"tp{tp}-r{r}"] = {
-                "tokens": tokens, "again": greedy(engine, prompts, STEPS), "steady_compiles": engine.compile_count - before,
-                "cache": devices(engine.cache), "params": devices(engine.params),
-                "cache_shapes": sorted({tuple(s.data.shape) for s in engine.cache["k"].addressable_shards})}
-            del engine
+    for r, slice_ in enumerate(replica_devices(1, 2)):
+        engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False, devices=slice_)
+        tokens = greedy(engine, prompts, STEPS)
+        before = engine.compile_count
+        report[f"tp1-r{r}"] = {
+            "tokens": tokens, "again": greedy(engine, prompts, STEPS), "steady_compiles": engine.compile_count - before,
+            "cache": devices(engine.cache), "params": devices(engine.params), "cache_shapes": cache_shapes(engine)}
+        del engine
 
     args = cli.build_parser().parse_args([
         "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "q8_0-a16",
-        "--max-slots", "2", "--max-num-batched-tokens", "16", "--page-size", "8", "--max-seq-len", "128",
+        "--max-slots", "2", "--max-num-batched-tokens", "8", "--page-size", "8", "--max-seq-len", "128",
         "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
     engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
     replicas = ReplicaSet([Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig()) for e in engines])
@@ -169,6 +170,8 @@ def worker(model_dir: str) -> dict:
         report["served_compiles"] = engines[0].compile_count - before
         report["served_prompt_tokens"] = [s.prompt_tokens for s in replicas.replica_stats()]
         report["served_cache"] = [devices(e.cache) for e in engines]
+        report["served_params"] = [devices(e.params) for e in engines]
+        report["served_cache_shapes"] = [cache_shapes(e) for e in engines]
     finally:
         replicas.shutdown(timeout=30)
     return report
@@ -192,18 +195,19 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["devices"] == DEVICES
     one = report["one"]
-    for tp, slices in ((1, ([0], [1])), (2, ([0, 1], [2, 3]))):
-        for r, devices in enumerate(slices):
-            rep = report[f"tp{tp}-r{r}"]
-            assert rep["tokens"] == one and rep["again"] == one, f"TP={tp} replica {r}"
-            assert rep["steady_compiles"] == 0
-            # each replica's KV pages and weights on its own devices only; at TP=2 one KV head each
-            assert rep["cache"] == rep["params"] == devices, f"TP={tp} replica {r}"
-            assert rep["cache_shapes"] == [[2, 2 // tp, 48, 8, 16]]
-    # the CLI's replica set: one request per replica, both at once, precompiled (nothing compiles)
+    for r, devices in enumerate(([0], [1])):
+        rep = report[f"tp1-r{r}"]
+        assert rep["tokens"] == one and rep["again"] == one, f"replica {r}"
+        assert rep["steady_compiles"] == 0
+        # each replica's KV pages and weights on its own device only
+        assert rep["cache"] == rep["params"] == devices, f"replica {r}"
+        assert rep["cache_shapes"] == [[2, 2, 48, 8, 16]]
+    # the CLI's replica set at TP=2: one request per replica, both at once, precompiled (nothing compiles)
     assert report["served"] == report["one_q8"][:2]
     assert report["served_prompt_tokens"] == [5, 9]
-    assert report["served_cache"] == [[0, 1], [2, 3]]
+    # each replica's KV pages and weights on its own 2 devices only, one KV head each
+    assert report["served_cache"] == report["served_params"] == [[0, 1], [2, 3]]
+    assert [[shape[:2] for shape in shapes] for shapes in report["served_cache_shapes"]] == [[[2, 1]], [[2, 1]]]
     assert report["served_compiles"] == 0
 
 
