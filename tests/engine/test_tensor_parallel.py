@@ -1,8 +1,9 @@
 """Tensor parallel on 8 virtual CPU devices: greedy tokens at TP=2 and 4 equal the single-device
 engine's, weights, int8 scales and KV pages are really split across the devices, and a repeated
 workload compiles nothing. JAX reads XLA_FLAGS when its CPU backend starts, so the cases run in a
-fresh Python process (this file's __main__), which reports what it saw as JSON: one process for all the
-tiny models' cases per kernel setting (each process costs seconds of start-up), one for the default model."""
+fresh Python process (this file's __main__), which reports what it saw as JSON: one process per kernel
+setting for all its cases, the default model's with the tiny models' native ones (each process costs
+seconds of start-up)."""
 from __future__ import annotations
 
 import json
@@ -159,31 +160,42 @@ def _run(cases: list[dict], kernels: str) -> list[dict]:
     return reports
 
 
-# The tiny models' cases by kernel setting: name -> (family, quantize, kv_cache_dtype).
-TINY_CASES = {
-    "auto": {"none": ("llama", "none", "auto"), "q8_0-a16": ("llama", "q8_0-a16", "auto"),
-             "kv8": ("llama", "none", "int8"), "gemma3": ("gemma3", "q8_0-a16", "auto"),
-             **{f: (f, "q8_0-a16", "auto") for f in ("qwen2", "qwen3", "mistral")}},
-    "reference": {"none": ("llama", "none", "auto"), "q8_0-a16": ("llama", "q8_0-a16", "auto")},
+# The default model's first layers under TP: its shapes and weights, with a greedy margin (top-2 logit
+# gap along the 24 tokens, 1 device) of 0.17, against 0.015 for all 30 layers; the CPU engine splits
+# the layers into per-layer buffers picked by a switch, so each degree's compile grows with the depth
+# (30 layers: 39 s of CPU for the three degrees, 4 layers: 22 s). tests/models/ runs all 30 on one device.
+DEFAULT_LAYERS = 4
+
+
+# The cases by kernel setting: name -> (model, quantize, kv_cache_dtype, TP degrees, layers); model is
+# a tiny family or "default" (the default model's first DEFAULT_LAYERS layers). Gemma 3's, Qwen3's and
+# Mistral's own parts (layer kinds, soft-capping, q/k norms over head_dim, the sliding window) work per
+# head whatever the layout: they run at TP=2 only, the repeated KV heads of TP=4 with Llama and Qwen2.
+CASES = {
+    "auto": {"none": ("llama", "none", "auto", TPS, None), "q8_0-a16": ("llama", "q8_0-a16", "auto", TPS, None),
+             "kv8": ("llama", "none", "int8", TPS, None), "qwen2": ("qwen2", "q8_0-a16", "auto", TPS, None),
+             **{f: (f, "q8_0-a16", "auto", (1, 2), None) for f in ("gemma3", "qwen3", "mistral")},
+             "default": ("default", "q8_0-a16", "auto", (1, 3, "2x2"), DEFAULT_LAYERS)},
+    "reference": {"none": ("llama", "none", "auto", TPS, None), "q8_0-a16": ("llama", "q8_0-a16", "auto", TPS, None)},
 }
 
 
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory, tiny_llama_dir):
+def tp_report(tmp_path_factory, tiny_llama_dir, default_model_path):
     """report(kernels, case): that case's report; the first ask runs every case of its kernel setting."""
     from tests.conftest import build_tiny_hf
 
-    paths = {"llama": tiny_llama_dir}
+    paths = {"llama": tiny_llama_dir, "default": default_model_path}
     reports: dict[str, dict[str, dict]] = {}
 
     def report(kernels: str, case: str) -> dict:
         if kernels not in reports:
-            cases = TINY_CASES[kernels]
-            for family, _, _ in cases.values():
+            cases = CASES[kernels]
+            for family, *_ in cases.values():
                 if family not in paths:
                     paths[family] = build_tiny_hf(str(tmp_path_factory.mktemp(f"tp-{family}")), family)
-            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": TPS, "kv_cache_dtype": kv}
-                         for family, quantize, kv in cases.values()], kernels)
+            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv,
+                          "layers": layers} for family, quantize, kv, tps, layers in cases.values()], kernels)
             reports[kernels] = dict(zip(cases, runs))
         return reports[kernels][case]
 
@@ -201,10 +213,10 @@ def _assert_same_tokens_no_recompiles(report: dict) -> None:
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("quantize", ["none", "q8_0-a16"])
-def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tiny_report, quantize, kernels):
+def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tp_report, quantize, kernels):
     """Tiny Llama (4 query heads over 2 KV heads): TP=2 splits whole GQA groups, TP=4 has fewer KV
     heads than devices (each device keeps a copy of its group's KV head)."""
-    report = tiny_report(kernels, quantize)
+    report = tp_report(kernels, quantize)
     if kernels == "auto" and not report["native"]:
         pytest.skip("native kernels not built: the reference case covers the rest")
     _assert_same_tokens_no_recompiles(report)
@@ -239,11 +251,11 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tiny_repor
         assert r["kv_layout"] == ("split" if tp == 2 else "repeated")
 
 
-def test_tensor_parallel_int8_kv_cache(tiny_report):
+def test_tensor_parallel_int8_kv_cache(tp_report):
     """int8 KV pages and their per-token-head scales split on the head axis alike. (The pure-JAX
     attention under TP runs in the greedy test's reference cases, with f32 KV; int8 KV with it is left
     out of the suite's time, ~25 s on 2 cores.)"""
-    report = tiny_report("auto", "kv8")
+    report = tp_report("auto", "kv8")
     _assert_same_tokens_no_recompiles(report)
     for tp in (2, 4):
         cache = report["tp"][str(tp)]["cache"]
@@ -252,39 +264,33 @@ def test_tensor_parallel_int8_kv_cache(tiny_report):
         assert cache["k_scale"]["devices"] == tp
 
 
-def test_tensor_parallel_gemma3_int8(tiny_report):
+def test_tensor_parallel_gemma3_int8(tp_report):
     """Gemma 3: sliding and global layers under one scan, the int8 LM head built from the tied
     embedding, soft-capped logits."""
-    report = tiny_report("auto", "gemma3")
+    report = tp_report("auto", "gemma3")
     _assert_same_tokens_no_recompiles(report)
-    for tp in (2, 4):
-        assert report["tp"][str(tp)]["weights"]["lm_head.w.q"]["shapes"] == [[16 // tp, 64 * 16]]
-        assert report["tp"][str(tp)]["cache"]["k"]["shapes"] == [[3, 1, 48, 8, 16]]
+    assert report["tp"]["2"]["weights"]["lm_head.w.q"]["shapes"] == [[16 // 2, 64 * 16]]
+    assert report["tp"]["2"]["cache"]["k"]["shapes"] == [[3, 1, 48, 8, 16]]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_tensor_parallel_other_architectures(tiny_report, family):
+def test_tensor_parallel_other_architectures(tp_report, family):
     """q/k/v biases split with their heads (Qwen2), q/k norms over head_dim (Qwen3), sliding window
-    (Mistral): int8 weights, greedy tokens at TP=2 and 4 equal TP=1's."""
-    report = tiny_report("auto", family)
+    (Mistral): int8 weights, greedy tokens at TP=2 (and Qwen2's at 4, its biases repeated with their KV
+    heads) equal TP=1's."""
+    report = tp_report("auto", family)
     _assert_same_tokens_no_recompiles(report)
-    assert [report["tp"][str(tp)]["kv_layout"] for tp in (2, 4)] == ["split", "repeated"]
+    layouts = {"2": "split", "4": "repeated"}
+    assert {tp: r["kv_layout"] for tp, r in report["tp"].items() if tp != "1"} == {
+        tp: layouts[tp] for tp in (("2", "4") if family == "qwen2" else ("2",))}
 
 
-# The default model's first layers under TP: its shapes and weights, with a greedy margin (top-2 logit
-# gap along the 24 tokens, 1 device) of 0.17, against 0.015 for all 30 layers; the CPU engine splits
-# the layers into per-layer buffers picked by a switch, so each degree's compile grows with the depth
-# (30 layers: 39 s of CPU for the three degrees, 4 layers: 22 s). tests/models/ runs all 30 on one device.
-DEFAULT_LAYERS = 4
-
-
-def test_tensor_parallel_default_model(default_model_path):
+def test_tensor_parallel_default_model(tp_report):
     """SmolLM2-135M's first layers (9 query heads over 3 KV heads, int8 weights as served on CPU): at
     TP=3 heads split, one KV head per device; at TP=2 they do not divide, so attention and the KV cache
     are replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
     devices 2 and 3. (TP=4, the same layout as TP=2, is left to the tiny model.)"""
-    [report] = _run([{"model_path": default_model_path, "quantize": "q8_0-a16", "tps": (1, 3, "2x2"),
-                      "layers": DEFAULT_LAYERS}], "auto")
+    report = tp_report("auto", "default")
     _assert_same_tokens_no_recompiles(report)
     assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
     for label, tp in (("3", 3), ("2x2", 2)):
