@@ -415,13 +415,17 @@ def test_mismatched_weight_shape_is_rejected():
 
 
 def test_reference_forced_by_environment():
-    code = ("import jax.numpy as jnp, numpy as np; from slipstream.kernels import q8_matmul as q8; from slipstream.kernels.native import kernel_paths; "
+    # and f32_matmul's (tests/kernels/test_f32_matmul.py): one process for both
+    code = ("import jax.numpy as jnp, numpy as np; from slipstream.kernels import q8_matmul as q8, f32_matmul as fm; "
+            "from slipstream.kernels.native import kernel_paths; "
             "p, s = q8.pack(np.ones((16, 32), np.int8), np.ones((16, 1), np.float32)); "
-            "print(float(q8.q8_matmul(jnp.ones((1, 32)), p, s, n=16)[0, 0]), kernel_paths()['q8_matmul'])")
+            "w = fm.pack(np.ones((32, 16), np.float32)); "
+            "print(float(q8.q8_matmul(jnp.ones((1, 32)), p, s, n=16)[0, 0]), kernel_paths()['q8_matmul'], "
+            "float(fm.f32_matmul(jnp.ones((1, 32)), w, n=16)[0, 0]), kernel_paths()['f32_matmul'])")
     env = {**os.environ, "SLIPSTREAM_KERNELS": "reference", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert out.stdout.split() == ["32.0", "reference"]
+    assert out.stdout.split() == ["32.0", "reference", "32.0", "reference"]
 
 
 @needs_native
