@@ -14,8 +14,9 @@ from slipstream.kernels.tpu.ragged_paged_attention import ragged_paged_attention
 from tests.kernels.tpu_cases import SPECS, build, check, tolerance
 
 
-# Cases that test_short_tail_blocks runs (at shorter pages, in longer blocks; the same kernel paths): each
-# case compiles its own programs, and compiling them is most of a case's time.
+# Cases that test_short_tail_blocks runs (at shorter pages, in longer blocks; the same kernel paths) and
+# test_kernel_matches_reference leaves to it: each case compiles its own programs, most of its time.
+# name -> (page size, pages per block, prefetch depth run with eager DMAs and race detection, or None)
 SHORT_TAILS = {"decode_gqa4_hd128": (4, 8, None), "mixed_window_softcap": (4, 8, 3), "mixed_int8_hd128": (2, 6, 2)}
 ALONE = [s for s in SPECS if s.name not in SHORT_TAILS]
 
