@@ -142,40 +142,30 @@ def test_load_ahead_modes_read_the_same_keys(kv_dtype):
         ext.load_ahead("sometimes")
 
 
-@pytest.mark.parametrize("env, mode, warned", [("all", "all", False), ("scattered", "scattered", False),
-                                                ("sometimes", None, True)])
-def test_load_ahead_environment_sets_the_mode(env, mode, warned):
-    """SLIPSTREAM_KV_LOAD_AHEAD picks the mode the kernel starts with; a value it does not know keeps this CPU's
-    default, and the start-up log says so."""
+@pytest.mark.parametrize("known, huge_pages, enabled", [(True, "0", False), (False, "1", True)])
+def test_environment_sets_load_ahead_and_huge_pages(known, huge_pages, enabled):
+    """SLIPSTREAM_KV_LOAD_AHEAD picks the mode the kernel starts with (a known mode other than this CPU's
+    default, so the environment shows); a value it does not know keeps the default, and the start-up log says
+    so. SLIPSTREAM_KV_HUGE_PAGES=0 keeps the K/V cache off 2 MiB pages (kernels.native passes it to the kernel at
+    load); any other value leaves them on. One process for both settings."""
     import os
     import subprocess
     import sys
 
+    default = ext.load_ahead("default")
+    load_ahead = next(m for m in ("all", "prefetch") if m != default) if known else "sometimes"
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
             "from slipstream.kernels import native, _ragged_paged_attention as ext\n"
             "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
-            "print('MODE', ext.load_ahead(), 'DEFAULT', ext.load_ahead('default'))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "SLIPSTREAM_KV_LOAD_AHEAD": env}).stdout
-    got, default = out.split("MODE ")[1].split()[0], out.split("DEFAULT ")[1].split()[0]
-    assert got == (mode or default), out
-    assert ("is not 'all', 'scattered' or 'prefetch'" in out) == warned, out
-    assert f"load_ahead={got}" in out, out
-
-
-@pytest.mark.parametrize("env, enabled", [("0", False), ("1", True)])
-def test_huge_pages_environment_sets_the_switch(env, enabled):
-    """SLIPSTREAM_KV_HUGE_PAGES=0 keeps the K/V cache off 2 MiB pages (kernels.native passes it to the kernel
-    at load); any other value leaves them on."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("from slipstream.kernels import native, _ragged_paged_attention as ext\n"
-            "native.load('ragged_paged_attention', 'ragged_paged_attention')\n"
+            "print('MODE', ext.load_ahead(), 'DEFAULT', ext.load_ahead('default'))\n"
             "print('ENABLED', ext.huge_pages()['enabled'])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "SLIPSTREAM_KV_HUGE_PAGES": env}).stdout
+    env = {**os.environ, "SLIPSTREAM_KV_LOAD_AHEAD": load_ahead, "SLIPSTREAM_KV_HUGE_PAGES": huge_pages}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env).stdout
+    got = out.split("MODE ")[1].split()[0]
+    assert out.split("DEFAULT ")[1].split()[0] == default, out
+    assert got == (load_ahead if known else default), out
+    assert ("is not 'all', 'scattered' or 'prefetch'" in out) == (not known), out
+    assert f"load_ahead={got}" in out, out
     assert f"ENABLED {enabled}" in out, out
 
 

@@ -46,7 +46,8 @@ def _check(dtype, hd: int, kvh: int, ps: int, steps, seed: int = 0, special: boo
         page, offset = _step(runs, ps, pad)
         k, v = _kv(rng, page.shape[0], kvh, hd, dtype, special)
         layer = jnp.int32(layer)
-        want = layout.write_kv(want, layer, k, v, page, offset, quantize_kv, float_write="scatter")
+        want = jax.jit(lambda c, k, v, p, o, layer=layer: layout.write_kv(  # one program, not op by op
+            c, layer, k, v, p, o, quantize_kv, float_write="scatter"))(want, k, v, page, offset)
         got = jax.jit(lambda c, k, v, p, o, layer=layer: layout.write_kv(
             c, layer, k, v, p, o, quantize_kv, float_write="kernel", interpret=True, **kw))(got, k, v, page, offset)
         real = np.asarray(page) < NUM_PAGES
@@ -59,9 +60,11 @@ def _check(dtype, hd: int, kvh: int, ps: int, steps, seed: int = 0, special: boo
 
 # layer 1: decode rows mid-tile, at a tile's first and last rows and a page's last row; a 70-token chunk from
 # position 13 (mid-tile, its source at an odd row from the tile's: rows 13..31 of page 2, page 5 whole, 19 rows
-# of page 0), then padding; layer 0: a decode and a chunk whose source starts at an even row from the tile's
+# of page 0), then padding; layer 0: a decode, a chunk whose source starts at an even row from the tile's, and
+# the chunk of a fresh sequence (the prefill case: whole tiles from a page's start, nothing read back; it ends
+# mid-tile)
 RAGGED = [(1, [([4], 21, 1), ([1], 16, 1), ([2, 5, 0], 13, 70), ([3], 15, 1), ([6], 31, 1)], 3),
-          (0, [([2], 20, 1), ([3, 1], 11, 40)], 1)]
+          (0, [([2], 20, 1), ([3, 1], 11, 40), ([6, 4], 0, 43)], 1)]
 
 
 @pytest.mark.parametrize("dtype,hd,kvh", [pytest.param(jnp.bfloat16, 64, 2, id="bf16_paired_hd64"),
@@ -82,11 +85,6 @@ def test_bf16_nan_payloads_and_a_step_over_several_calls(monkeypatch):
     monkeypatch.setattr(kv_write_float, "CHUNK_BYTES", 24 * 256 * 2)
     _check(jnp.bfloat16, 128, 1, 32, [(1, [([2, 5, 0], 27, 50), ([1], 5, 1), ([4], 28, 4)], 2)], seed=3,
            special=True, max_items=57 // 32 + 2 * 3)
-
-
-def test_writes_the_chunk_of_a_fresh_sequence_from_its_first_row():
-    # the prefill case: whole tiles from a page's start, nothing read back; the chunk ends mid-tile
-    _check(jnp.bfloat16, 64, 2, 32, [(0, [([3, 1, 6], 0, 75)], 0)], seed=4)
 
 
 def test_pages_or_rows_that_do_not_tile_keep_the_scatter():
