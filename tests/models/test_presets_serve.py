@@ -23,8 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # prefills in several chunks
 SMALL = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "8"]
 # One preset per distinct serving path; the presets left out differ from one of these only in sizes,
-# vocabulary or token ids (tests/models/test_presets.py checks every preset's config, weight shapes
-# and logits): llama-3.1-8b is llama-3.2-1b's llama3 RoPE with mistral-7b's untied head, qwen3-8b
+# vocabulary or token ids (tests/models/test_presets.py checks every preset's config and weight
+# shapes): llama-3.1-8b is llama-3.2-1b's llama3 RoPE with mistral-7b's untied head, qwen3-8b
 # (untied) serves in the int8 mode below, gemma-3-1b is gemma-3-4b without the linear RoPE scaling.
 SERVED = {
     "llama-3.2-1b": "llama, tied embedding, llama3 RoPE scaling, one KV head",
