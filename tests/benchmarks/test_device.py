@@ -28,12 +28,31 @@ def _report(out) -> dict:
     return json.loads((out / "device.json").read_text())
 
 
-def test_in_process_phases(tiny_dir, tmp_path):
-    # random weights for the directory's config, as the TPU run draws a preset's
+def test_in_process_phases_and_decode_batches_halving_until_the_cache_fits(tiny_dir, tmp_path, monkeypatch):
+    """The phases that hold the device, run here (benchmarks/device.py starts them in a child process:
+    test_llama_8b_int8_script_dry_run goes that way). An engine for the largest batch that runs out of
+    device memory is rebuilt for half as many slots (an 8B model on a 16 GB chip), and the report says
+    so. The allocation failure is simulated: a CPU has the memory."""
+    from benchmarks import device_phases
+
+    real_build, asked = device_phases.build, []
+
+    def build(*args, slots, **kw):
+        asked.append(slots)
+        if slots > 3:
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating the cache of {slots} slots")
+        return real_build(*args, slots=slots, **kw)
+
+    monkeypatch.setattr(device_phases, "build", build)
     out = tmp_path / "out"
-    assert device.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--skip-serving", "--profile",
-                        "--output-dir", str(out)]) == 0
+    out.mkdir()
+    # random weights for the directory's config, as the TPU run draws a preset's
+    assert device_phases.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--slots", "1,3,12",
+                               "--skip-serving", "--profile", "--output-dir", str(out)]) == 0
+    assert device.parse_args(["--skip-serving"]).phases == ["hbm", "matmul", "engine"]
     r = _report(out)
+    assert asked == [12, 6, 3]
+    assert r["fit"]["asked_slots"] == 12 and r["fit"]["slots"] == 3 and "RESOURCE_EXHAUSTED" in r["fit"]["error"]
     # --profile: the device's ops of a step (a CPU has no device planes: the lists are there, empty)
     assert all(isinstance(d["device_ops"], list) for d in r["decode"] + [r["prefill"]])
     assert r["machine"]["platform"] == "cpu" and r["machine"]["device_kind"]
@@ -58,7 +77,8 @@ def test_in_process_phases(tiny_dir, tmp_path):
     assert p["rate_tflops"] == r["matmul"]["rows"][1]["kinds"]["f32"]["tflops"] and p["over_floor"] > 0
     table = (out / "device.md").read_text()
     assert "HBM read" in table and "| 3 |" in table and "Prefill of 32 tokens" in table
-    assert "serving" not in r and "errors" not in r
+    assert "the largest decode batch cut to 3" in table
+    assert "serving" not in r
 
 
 def _serve_has_uds() -> bool:
@@ -71,8 +91,10 @@ def _serve_has_uds() -> bool:
 @pytest.mark.skipif(not _serve_has_uds(), reason="needs `slipstream serve --uds` (branch h-uds)")
 def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     out = tmp_path / "out"
+    # 16-token steps: 5 step programs to compile at each start, not the CPU default's 10 up to 288 tokens
     assert device.main(["--model", tiny_dir, *SMALL, "--phases", "serving", "--startup", "--serving-prompts", "6",
                         "--serving-concurrency", "3", "--serving-input-len", "16", "--serving-output-len", "8",
+                        "--serve-flags", "--max-num-batched-tokens 16 --kv-cache-memory 1MiB",
                         "--output-dir", str(out)]) == 0
     r = _report(out)
     s = r["serving"]
@@ -84,34 +106,6 @@ def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     assert "cpu backend" in r["machine"]["device"]  # no in-process phase: the machine as the server logged it
     md = (out / "device.md").read_text()
     assert "Serving (6 prompts" in md and md.startswith("Machine: 1 x cpu")
-
-
-def test_decode_batches_halve_until_the_cache_fits(tiny_dir, tmp_path, monkeypatch):
-    """An engine for the largest batch that runs out of device memory is rebuilt for half as many slots
-    (an 8B model on a 16 GB chip), and the report says so. The allocation failure is simulated: a CPU
-    has the memory."""
-    import jax
-
-    from benchmarks import device_phases
-
-    real_build, asked = device_phases.build, []
-
-    def build(*args, slots, **kw):
-        asked.append(slots)
-        if slots > 2:
-            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating the cache of {slots} slots")
-        return real_build(*args, slots=slots, **kw)
-
-    monkeypatch.setattr(device_phases, "build", build)
-    out = tmp_path / "out"
-    out.mkdir()
-    assert device_phases.main(["--model", tiny_dir, "--load-format", "dummy", *SMALL, "--slots", "1,2,8",
-                               "--phases", "engine", "--output-dir", str(out)]) == 0
-    r = _report(out)
-    assert asked == [8, 4, 2]
-    assert [d["slots"] for d in r["decode"]] == [1, 2] and r["prefill"]["tokens"] == 32
-    assert r["fit"]["asked_slots"] == 8 and r["fit"]["slots"] == 2 and "RESOURCE_EXHAUSTED" in r["fit"]["error"]
-    assert "the largest decode batch cut to 2" in (out / "device.md").read_text()
 
 
 def test_llama_8b_int8_script_dry_run(tmp_path):

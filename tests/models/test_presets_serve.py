@@ -1,8 +1,9 @@
-"""Every shipped architecture, at a reduced size, serves with `--load-format dummy` through the CLI's
+"""Every shipped model family, at a reduced size, serves with `--load-format dummy` through the CLI's
 engine builder and answers chat and completion requests over HTTP; `slipstream generate` runs a
 preset end to end in a subprocess; SLIPSTREAM_LOAD_FORMAT sets the flag."""
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -18,8 +19,19 @@ from tests.server.conftest import run_http
 from tests.models.test_presets import PUBLIC, shrunk_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SMALL = ["--max-slots", "2", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "16",
-         "--compile-cache", ""]
+# one slot (the requests come one at a time) and 8-token steps: 5 programs to compile; a chat prompt
+# prefills in several chunks
+SMALL = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "8"]
+# One preset per distinct serving path; the presets left out differ from one of these only in sizes,
+# vocabulary or token ids (tests/models/test_presets.py checks every preset's config and weight
+# shapes): llama-3.1-8b is llama-3.2-1b's llama3 RoPE with mistral-7b's untied head, qwen3-8b
+# (untied) serves in the int8 mode below, gemma-3-1b is gemma-3-4b without the linear RoPE scaling.
+SERVED = {
+    "llama-3.2-1b": "llama, tied embedding, llama3 RoPE scaling, one KV head",
+    "mistral-7b": "model_type mistral, untied LM head, plain RoPE, one int eos id",
+    "qwen3-0.6b": "qwen3 (q/k norms), tied embedding, two KV heads",
+    "gemma-3-4b": "gemma3: sliding and global layers, linear RoPE scaling, two KV heads",
+}
 
 
 def _serve(args):
@@ -31,10 +43,14 @@ def _serve(args):
     return url, server, thread, tokenizer
 
 
-@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_served_presets_cover_every_family():
+    assert {PUBLIC[name][0] for name in SERVED} == {arch for arch, *_ in PUBLIC.values()}
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
 def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
     args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
-                                      *SMALL])
+                                      *SMALL, "--compile-cache", ""])
     url, server, thread, tokenizer = _serve(args)
     try:
         assert tokenizer.vocab_size == PUBLIC[name][7]
@@ -58,7 +74,7 @@ def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
 def test_dummy_preset_serves_in_the_tpu_int8_mode(tmp_path, name):
     """--quantize int8 (the TPU's default): weights drawn already int8, a layer at a time, and served."""
     args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
-                                      "--quantize", "int8", "--dtype", "float32", *SMALL])
+                                      "--quantize", "int8", "--dtype", "float32", *SMALL, "--compile-cache", ""])
     url, server, thread, _ = _serve(args)
     try:
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
@@ -80,8 +96,10 @@ def test_load_format_comes_from_the_environment(monkeypatch):
 
 def test_generate_runs_a_dummy_preset_directory(tmp_path):
     path = shrunk_dir(tmp_path, "llama-3.2-1b")
+    # the run's compile cache: the programs of llama-3.2-1b's one-slot engine served above, loaded
+    cache = os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")
     out = subprocess.run([sys.executable, "-m", "slipstream.server.cli", "generate", "--model", path, "--load-format", "dummy",
-                          "--prompt", "Hello", "--max-tokens", "6", *SMALL],
+                          "--prompt", "Hello", "--max-tokens", "6", *SMALL, "--compile-cache", cache],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), out.stderr[-3000:]
