@@ -263,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="EngineConfig.prompt_weights: w16 runs prompt rows (the prefill chunks) on int8-channel-w16 "
                         "with q8_0-a16 weights")
     p.add_argument("--out", default=None)
+    p.add_argument("--read-bytes", type=int, default=1 << 30,
+                   help="bytes of the memory read that gives the floors' bandwidth (default 1 GiB: past the LLC)")
     p.add_argument("--breakdown", action="store_true",
                    help="only the decode step of the first --slots count, part by part (model, sampling, host, "
                         "matmuls, attention)")
@@ -293,10 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     setup = build_from_args(cfg, params, args)
     engine = setup.engine
     fill(setup, seed=0)
-    # 1 GiB, well past the last-level cache (a 256 MiB read stayed in an Emerald Rapids' 300 MiB L3: 25-31 GB/s
-    # against 15-17 from DRAM, which made the attention look 2x its K/V read time)
-    _, read_s = copy_seconds(1 << 30, reps=5)
-    read_bw = (1 << 30) / read_s
+    # 1 GiB by default, well past the last-level cache (a 256 MiB read stayed in an Emerald Rapids' 300 MiB L3:
+    # 25-31 GB/s against 15-17 from DRAM, which made the attention look 2x its K/V read time)
+    _, read_s = copy_seconds(args.read_bytes, reps=5)
+    read_bw = args.read_bytes / read_s
     roofline = matmul_roofline(engine.params, cfg)
     report = {"cpu": cpu_model(), "mode": f"quantize={args.quantize} kv={args.kv_cache_dtype} "
                                           f"prompt rows on w16: {engine.prompt_w16}",

@@ -5,6 +5,8 @@ import json
 
 from benchmarks import engine as engine_tool
 
+READ = str(8 << 20)   # the bandwidth read: 8 MiB, not the tool's 1 GiB (a test checks the phases, not the rate)
+
 
 def test_mixed_step_after_many_decode_phases(tiny_llama_dir, tmp_path):
     # Four slot counts then the mixed step: the positions the phases advanced used to add up past the
@@ -13,19 +15,22 @@ def test_mixed_step_after_many_decode_phases(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "1,2,3,4", "--context", "24", "--steps", "2",
                        "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32",
-                       "--prefill-lengths", "16", "--quantize", "none", "--dtype", "float32", "--out", str(out)])
+                       "--prefill-lengths", "16", "--quantize", "none", "--dtype", "float32", "--read-bytes", READ,
+                       "--out", str(out)])
     report = json.loads(out.read_text())
     assert [d["slots"] for d in report["decode"]] == [1, 2, 3, 4]
     assert all(d["step_ms"] > 0 and d["tok_s"] > 0 for d in report["decode"])
     assert report["mixed"]["decodes"] == 4 and report["mixed"]["chunk"] == 28
     assert report["mixed"]["mixed_ms"] > 0 and report["mixed"]["separate_ms"] > 0
+    assert report["read_gbs"] > 0
 
 
 def test_breakdown_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path):
     out = tmp_path / "breakdown.json"
     engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "2", "--context", "16", "--steps", "2",
                       "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32", "--prefill-lengths", "16",
-                      "--quantize", "none", "--dtype", "float32", "--breakdown", "--out", str(out)])
+                      "--quantize", "none", "--dtype", "float32", "--read-bytes", READ, "--breakdown",
+                      "--out", str(out)])
     parts = json.loads(out.read_text())["breakdown"]
     assert parts["slots"] == 2
     for part in ("step", "model", "host_inputs", "sample", "roofline", "attention"):
@@ -38,7 +43,8 @@ def test_prefill_breakdown_times_each_part_of_a_chunk(tiny_llama_dir, tmp_path):
     out = tmp_path / "prefill.json"
     engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "1", "--context", "16", "--steps", "2",
                       "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32", "--prefill-lengths", "24",
-                      "--quantize", "q8_0-a16", "--dtype", "float32", "--prefill-breakdown", "--out", str(out)])
+                      "--quantize", "q8_0-a16", "--dtype", "float32", "--read-bytes", READ,
+                      "--prefill-breakdown", "--out", str(out)])
     parts = json.loads(out.read_text())["prefill_breakdown"]
     assert parts["tokens"] == 24 and parts["model_ops"]
     for part in ("step", "model", "host_inputs", "sample"):
