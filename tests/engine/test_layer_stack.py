@@ -58,23 +58,16 @@ def test_fused_stacks_equal_per_layer_buffers(tmp_path_factory, monkeypatch, fam
     np.testing.assert_array_equal(_logits(per_layer, prompt), want)
 
 
-@pytest.fixture(scope="module")
-def q8_0_engine(tiny_model):
-    """The tiny model's q8_0 engine in this machine's forms, shared by the gated-MLP test and the decode step's."""
-    cfg, model = tiny_model
-    return JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": "q8_0"}), precompile=False)
-
-
 @needs_native
 @pytest.mark.parametrize("quantize", ["q8_0", "q8_0-a16"])
-def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, q8_0_engine, monkeypatch, quantize):
+def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, monkeypatch, quantize):
     if not layer_forms.gated_native():
         pytest.skip("the gated path runs with the AVX-512 kernel only")
     cfg, model = tiny_model
     config = EngineConfig(**{**TINY_ENGINE, "quantize": quantize})
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, 256, 13)]
-    jax.clear_caches()  # engines share traces (models' per-layer jit): trace this one afresh
-    gated = q8_0_engine if quantize == "q8_0" else JaxEngine(cfg, model, config, precompile=False)
+    jax.clear_caches()
+    gated = JaxEngine(cfg, model, config, precompile=False)
     got = _logits(gated, prompt)
     hlo = gated._model_exe[1].as_text()
     # the down projection takes gate/up's output whole: no [T, F] product of XLA's in between
@@ -90,10 +83,9 @@ def test_gated_mlp_forms_silu_of_gate_times_up_in_the_down_kernel(tiny_model, q8
 
 
 @needs_native
-def test_decode_step_has_no_switch_and_no_weight_copy(tiny_model, q8_0_engine):
-    cfg, _ = tiny_model
-    engine = q8_0_engine  # its decode program compiled by the gated test's q8_0 case, where that runs
-    jax.clear_caches()  # the 3-token prefill is traced here: not from another test's forms
+def test_decode_step_has_no_switch_and_no_weight_copy(tiny_model):
+    cfg, model = tiny_model
+    engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": "q8_0"}), precompile=False)
     _logits(engine, [5, 6, 7], decodes=1)
     hlo = engine._model_exe[1].as_text()
     calls = re.findall(r'custom_call_target="slipstream_q8_matmul"', hlo)
