@@ -25,7 +25,8 @@ def spec_engine(tiny_model):
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
     cfg, params = tiny_model
-    return JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}))
+    return JaxEngine(cfg, params, EngineConfig(**{**TINY_ENGINE, "max_slots": 16, "max_num_batched_tokens": 64}),
+                     precompile=False)
 
 
 def _run(engine, requests, spec, *, metrics=None, **config):

@@ -35,13 +35,24 @@ def test_greedy_tokens_equal_transformers(default_engine, hf_model, default_toke
     prompts = [tok.encode(p) for p in PROMPTS]
     ours = engine_greedy(default_engine, prompts)
     for prompt, text, out in zip(prompts, PROMPTS, ours):
-        ids = list(prompt)
-        # plain greedy, not stopping at EOS (as ignore_eos does), one token a step over transformers'
-        # own KV cache (recomputing the whole sequence per token took minutes on a busy 2-core host)
+        assert out == hf_greedy(hf_model, prompt), text
+
+
+def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
+    """Plain greedy, not stopping at EOS (as ignore_eos does), one token a step over transformers' own KV
+    cache (recomputing the whole sequence per token took minutes on a busy 2-core host). On one torch
+    thread: beside XLA's thread pool in this process (and another test process on 2 cores) two threads
+    made each one-token step several times slower."""
+    ids = list(prompt)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         with torch.no_grad():
             step = hf_model(torch.tensor([ids]), use_cache=True)
             for i in range(NEW_TOKENS):
                 ids.append(int(step.logits[0, -1].argmax()))
                 if i + 1 < NEW_TOKENS:
                     step = hf_model(torch.tensor([ids[-1:]]), past_key_values=step.past_key_values, use_cache=True)
-        assert out == ids[len(prompt):], text
+    finally:
+        torch.set_num_threads(threads)
+    return ids[len(prompt):]

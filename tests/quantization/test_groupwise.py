@@ -139,8 +139,8 @@ def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
     from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
     path = resolve_model(DEFAULT_MODEL)
-    cfg, model = load_gguf(path, quantize="q8_0")
-    reader = read_gguf(path)
+    reader = read_gguf(path)  # parsing the file's fields takes seconds: once, for the loader and the checks
+    cfg, model = load_gguf(path, quantize="q8_0", reader=reader)
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
     embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)

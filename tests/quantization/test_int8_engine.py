@@ -79,9 +79,23 @@ def f32_outputs(tiny_model, prompts):
     return _decode(_engine(tiny_model), prompts)
 
 
+@pytest.fixture(scope="module")
+def mode_engine(tiny_model):
+    """The engine of a weight mode, built (and its programs compiled) once for the module: the per-channel
+    modes' batch test decodes on the engine their logprob test used (tests leave its slots free)."""
+    engines = {}
+
+    def get(mode: str) -> JaxEngine:
+        if mode not in engines:
+            engines[mode] = _engine(tiny_model, quantize=mode)
+        return engines[mode]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", ["q8_0", "q8_0-a16", "int8", "int8-channel", "int8-channel-a16", "int8-channel-w16"])
-def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs, mode):
-    engine = _engine(tiny_model, quantize=mode)
+def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_outputs, mode_engine, mode):
+    engine = mode_engine(mode)
     got = _decode(engine, prompts, feed=f32_outputs)
     worst, steps, flips, shared = _compare(f32_outputs, got)
     assert steps == len(prompts) * STEPS
@@ -112,11 +126,11 @@ def test_int8_weights_keep_greedy_tokens_and_logprobs(tiny_model, prompts, f32_o
 
 
 @pytest.mark.parametrize("mode", ["int8-channel", "int8-channel-a16", "int8-channel-w16"])
-def test_per_channel_int8_decodes_a_row_alike_alone_and_in_a_batch(tiny_model, prompts, mode):
+def test_per_channel_int8_decodes_a_row_alike_alone_and_in_a_batch(prompts, mode_engine, mode):
     # on CPU the per-channel kernel rounds each row by itself and sums in int32 (VNNI or AMX): a row's tokens and
     # logprobs do not depend on which other rows share its steps. Where the CPU has AMX the batch's calls of 2 rows
     # or more run on the tile unit, the lone row's decode calls on VNNI.
-    engine = _engine(tiny_model, quantize=mode)
+    engine = mode_engine(mode)
     ext = importlib.import_module("slipstream.kernels._int8_channel_matmul") if channel_native() else None
     prev = ext.amx_rows(2) if ext else None
     try:
@@ -159,37 +173,41 @@ def test_int8_kv_holds_more_pages_in_the_same_memory(tiny_model):
     assert ratio == pytest.approx(expected, rel=0.02)
 
 
-def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_model, default_model_path, default_tokenizer):
+def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_engine, default_model_path, default_tokenizer):
     """The default model as the server loads it in q8_0-a16 (int8 straight from its Q4_1/Q8_0 GGUF
-    blocks, two-part activations) greedy-decodes the same 16 tokens as f32."""
+    blocks, two-part activations) greedy-decodes the same 16 tokens as f32 (the session's f32 engine,
+    shared with other tests of the default model)."""
     from slipstream.models.loader import load_gguf
 
     tok = default_tokenizer
     texts = ["The capital of France is", "def fibonacci(n):\n",
              "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"]
     prompts = [tok.encode(t) for t in texts]
-    config = dict(max_slots=4, page_size=16, max_seq_len=128, num_pages=32, max_num_batched_tokens=64)
-    cfg, params = default_model
-    outs = {}
-    for mode in ("none", "q8_0-a16"):
-        if mode != "none":
-            cfg, params = load_gguf(default_model_path, quantize=mode)
-        engine = JaxEngine(cfg, params, EngineConfig(**config, quantize=mode), precompile=False)
-        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
-        for s, p in enumerate(prompts):
-            engine.insert(s, SlotState(p, [], sp))
-        out = [[x.token_id] for x in engine.step(StepBatch([StepSeq(s, p, 0, pages[s], True)
-                                                            for s, p in enumerate(prompts)]))]
-        for step in range(15):
-            rows = [StepSeq(s, [out[s][-1]], len(p) + step, pages[s], True) for s, p in enumerate(prompts)]
-            for s, x in enumerate(engine.step(StepBatch(rows))):
-                out[s].append(x.token_id)
-        outs[mode] = out
-        if mode != "none":  # what ran is int8: Q4_1 layers with their offsets, the Q8_0 LM head
-            # on CPU gate and up are one int8 stack (engine/layer_stack.StackedQ8): look at it
-            w = engine.params["blocks"]["mlp"]["w_gate"]["w"].get_value()
-            first = w.weight if hasattr(w, "weight") else w.layers[0] if hasattr(w, "layers") else w
-            assert isinstance(first, QuantizedWeight) and first.mode == mode and first.offset is not None
-            assert engine.params["lm_head"]["w"].get_value().offset is None
-    assert outs["q8_0-a16"] == outs["none"]
+    mode = "q8_0-a16"
+    cfg, params = load_gguf(default_model_path, quantize=mode)
+    engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=128, num_pages=32,
+                                                 max_num_batched_tokens=64, quantize=mode), precompile=False)
+    # what runs is int8: Q4_1 layers with their offsets, the Q8_0 LM head; on CPU gate and up are one
+    # int8 stack (engine/layer_stack.StackedQ8): look at it
+    w = engine.params["blocks"]["mlp"]["w_gate"]["w"].get_value()
+    first = w.weight if hasattr(w, "weight") else w.layers[0] if hasattr(w, "layers") else w
+    assert isinstance(first, QuantizedWeight) and first.mode == mode and first.offset is not None
+    assert engine.params["lm_head"]["w"].get_value().offset is None
+    assert _greedy_16(engine, prompts) == _greedy_16(default_engine, prompts)
+
+
+def _greedy_16(engine: JaxEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """16 greedy tokens of each prompt, not stopping at EOS: the prompts prefilled in one step, then decoded together."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+    for s, p in enumerate(prompts):
+        engine.insert(s, SlotState(p, [], sp))
+    out = [[x.token_id] for x in engine.step(StepBatch([StepSeq(s, p, 0, pages[s], True)
+                                                        for s, p in enumerate(prompts)]))]
+    for step in range(15):
+        rows = [StepSeq(s, [out[s][-1]], len(p) + step, pages[s], True) for s, p in enumerate(prompts)]
+        for s, x in enumerate(engine.step(StepBatch(rows))):
+            out[s].append(x.token_id)
+    for s in range(len(prompts)):
+        engine.free(s)
+    return out
