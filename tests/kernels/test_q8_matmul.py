@@ -317,7 +317,7 @@ def test_two_parts_at_their_extremes_are_exact(isa, m):
 @needs_native
 @pytest.mark.parametrize("m,parts", [(1, 1), (3, 1), (64, 1), (1, 2), (5, 2)])
 def test_lm_head_shape(m, parts):
-    # the oracle's exact integer dots over 49152 outputs take seconds: once for every path
+    # the oracle over 49152 outputs, once for every path
     rng = np.random.default_rng(m)
     k, n = 576, 49152
     q, d = random_weight(rng, k, n)
