@@ -1,6 +1,6 @@
 """Ragged paged attention on TPU (Pallas/Mosaic) over the merged page layout of kernels/tpu/layout.py.
 
-The step's new K/V are scattered into their pages (in place, layout.write_kv), then two calls of one
+The step's new K/V are written into their pages (in place, layout.write_kv), then two calls of one
 kernel attend, each over a list of work items (a sequence and a block of its query rows): blocks of
 `decode_rows` rows for the sequences feeding that few tokens, blocks of `prefill_rows` for the rest.
 Per item the kernel walks the sequence's pages `pages_per_block` at a time, each page one DMA of all KV
