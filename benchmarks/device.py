@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--serving-temperature", type=float, default=0.0,
                        help="the requests' temperature (0: greedy, as issue 48's serving targets are measured)")
     serve.add_argument("--serve-flags", default="", help="extra `slipstream serve` flags, one string")
+    serve.add_argument("--serving-trace", action="store_true",
+                       help="after the serving run, the same requests again on a server restarted (warm cache) under "
+                            "benchmarks.bench.trace_server: where a request's time to first token went on the server "
+                            "(trace_server.ttft_parts; its stamps cost a little host time, so the plain run's numbers "
+                            "stay the ones reported)")
     return p
 
 
@@ -194,9 +199,9 @@ def _cpu_env() -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def serve_command(args: argparse.Namespace, uds: str, cache: str) -> list[str]:
+def serve_command(args: argparse.Namespace, uds: str, cache: str, module: str = "slipstream.server.cli") -> list[str]:
     context = args.serving_input_len + args.serving_output_len
-    cmd = [sys.executable, "-m", "slipstream.server.cli", "serve", "--uds", uds, "--compile-cache", cache,
+    cmd = [sys.executable, "-m", module, "serve", "--uds", uds, "--compile-cache", cache,
            "--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
            "--kv-cache-dtype", args.kv_cache_dtype, "--max-slots", str(args.serving_concurrency),
            "--max-seq-len", str(context + 1)]
@@ -214,11 +219,15 @@ def serve_command(args: argparse.Namespace, uds: str, cache: str) -> list[str]:
     return cmd + flags
 
 
-def start_server(args: argparse.Namespace, uds: str, cache: str, log_path: str):
-    """(process, seconds from launch to /ready answering 200)."""
+def start_server(args: argparse.Namespace, uds: str, cache: str, log_path: str, traces: tuple[str, str] | None = None):
+    """(process, seconds from launch to /ready answering 200); with `traces` (the requests' and the steps'
+    JSONL files) under benchmarks.bench.trace_server."""
+    cmd, env = serve_command(args, uds, cache), None
+    if traces is not None:
+        cmd = serve_command(args, uds, cache, "benchmarks.bench.trace_server")
+        env = {**os.environ, "SLIPSTREAM_TRACE": traces[0], "SLIPSTREAM_TRACE_STEPS": traces[1]}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(serve_command(args, uds, cache), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     start = time.perf_counter()
     while not _ready(uds):
         if proc.poll() is not None:
@@ -257,10 +266,9 @@ def _tail(path: str, n: int = 3000) -> str:
         return f.read()[-n:].decode(errors="replace")
 
 
-def run_client(args: argparse.Namespace, uds: str) -> dict:
+def run_client(args: argparse.Namespace, uds: str, out_name: str = "serving-bench.json") -> dict:
     from slipstream.models.registry import resolve_model  # no JAX: this process must not open the device
 
-    out_name = "serving-bench.json"
     # the file whose tokenizer the server uses (an architecture preset's config for --load-format dummy)
     tokenizer = resolve_model(args.model, args.load_format)
     cmd = [sys.executable, "-m", "slipstream.server.cli", "bench", "--base-url", f"unix:{uds}", "--dataset-name", "random",
@@ -281,6 +289,23 @@ def run_client(args: argparse.Namespace, uds: str) -> dict:
             "completed": result["completed"], "failed": result.get("failed", 0),
             "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
             "tpot_p50_ms": result["median_tpot_ms"], "duration_s": result["duration"]}
+
+
+def traced_run(args: argparse.Namespace, uds: str, cache: str, log_path: str) -> dict:
+    """The serving run again under benchmarks.bench.trace_server: the client's numbers and the server's
+    medians of where each request's time to first token went (trace_server.ttft_parts)."""
+    from benchmarks.bench.trace_server import ttft_parts
+
+    traces = tuple(os.path.join(args.output_dir, f"trace-{kind}.jsonl") for kind in ("requests", "steps"))
+    for path in traces:
+        if os.path.exists(path):
+            os.remove(path)
+    proc, _ = start_server(args, uds, cache, log_path, traces)
+    try:
+        client = run_client(args, uds, "serving-bench-traced.json")
+    finally:
+        stop_server(proc)
+    return {"client": client, "ttft_parts_ms": ttft_parts(*traces)}
 
 
 def serving_phase(args: argparse.Namespace) -> None:
@@ -310,6 +335,8 @@ def serving_phase(args: argparse.Namespace) -> None:
                 stop_server(proc)
             record(args, "startup", {**startup, "warm_s": warm, "warm_programs_loaded": _loaded_programs(log_path),
                                      "warm_answers_as_cold": same})
+        if args.serving_trace:
+            record(args, "serving_trace", traced_run(args, uds, cache, log_path))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

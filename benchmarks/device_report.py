@@ -77,6 +77,12 @@ def markdown(r: dict) -> str:
                   f"{s['concurrency']}, unix socket): {_g(s['output_tok_s'])} output tok/s, TTFT p50 "
                   f"{_g(s['ttft_p50_ms'])} ms, TPOT p50 {_g(s['tpot_p50_ms'])} ms ({s['completed']} completed, "
                   f"{s['failed']} failed)"]
+    if "serving_trace" in r:
+        t, parts = r["serving_trace"], dict(r["serving_trace"]["ttft_parts_ms"])
+        n = parts.pop("requests")
+        lines += ["", f"The same run traced (benchmarks.bench.trace_server, warm restart): client TTFT p50 "
+                  f"{_g(t['client']['ttft_p50_ms'])} ms; the server's, median of {n} requests (ms): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())]
     if "errors" in r:
         lines += ["", *[f"- {phase} failed: {msg}" for phase, msg in r["errors"].items()]]
     return "\n".join(lines).rstrip()

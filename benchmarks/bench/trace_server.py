@@ -166,6 +166,46 @@ def step_intervals(path: str, full: int) -> dict[str, dict[str, float]]:
             for kind, ms in kinds.items() if ms}
 
 
+TTFT_PARTS = ("read", "to_submit", "submit", "to_plan", "to_launch", "launch", "to_first_chunk", "server_ttft")
+
+
+def ttft_parts(requests_path: str, steps_path: str) -> dict[str, float]:
+    """Where each request's server-side time to first token went (ms, medians over the requests both traces
+    hold; `requests` counts them): `read` the body, `to_submit` from the body to the scheduler's submit
+    (parsing, validation, tokenizing, the hop off the event loop), `submit` the call, `to_plan` from its return to
+    the planner being asked for the step that samples the request's first token (the engine thread waking,
+    admitting, earlier steps), `to_launch` from there to that step's launch, `launch` the call (host arrays,
+    dispatch), `to_first_chunk` from its return to the first chunk written (the device's step, the copy back,
+    detokenizing, the event loop's write); `server_ttft` their sum. For a lone request at a time."""
+    calls: dict[str, list[dict]] = {"submit": [], "launch": []}
+    plans: list[dict] = []
+    for line in map(json.loads, Path(steps_path).read_text().splitlines()):
+        if "call" in line:
+            calls.setdefault(line["call"], []).append(line)
+        else:
+            plans.append(line)
+    submits = {c["id"]: c for c in calls["submit"]}  # the scheduler's ids: the generation's, "-" and the choice
+    launches = sorted(calls["launch"], key=lambda c: c["t0"])
+    parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
+    for rec in map(json.loads, Path(requests_path).read_text().splitlines()):
+        rid = f"{rec.get('gen_id')}-0"
+        sub = submits.get(rid)
+        plan = next((p for p in plans if any(c[0] == rid and c[3] for c in p["prefill"])), None)
+        if sub is None or plan is None or rec["first"] is None or rec["body"] is None:
+            continue
+        launch = next((c for c in launches if c["t0"] >= plan["t"]), None)
+        if launch is None:
+            continue
+        stamps = [rec["dispatch"], rec["body"], sub["t0"], sub["t1"], plan["t"], launch["t0"], launch["t1"],
+                  rec["first"]]
+        for name, a, b in zip(TTFT_PARTS, stamps, stamps[1:]):
+            parts[name].append(1e3 * (b - a))
+        parts["server_ttft"].append(1e3 * (rec["first"] - rec["dispatch"]))
+    out = {k: float(np.median(v)) for k, v in parts.items() if v}
+    out["requests"] = len(parts["server_ttft"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["steps"]:  # python -m benchmarks.bench.trace_server steps FILE [FULL]

@@ -70,8 +70,8 @@ class EngineConfig:
         """Tokens per engine step (the largest step bucket): max_num_batched_tokens, or by default a whole
         256-token chunk plus 32 decodes on CPU (288) and a whole 1024-token chunk plus 128 decodes on
         accelerators (1152), where a step's matmuls cost about the same from one row to hundreds (the
-        weights' read sets it): a prompt of 1024 tokens and its BOS then prefill in one step. At least
-        max_slots either way: every running sequence decodes in a step."""
+        weights' read sets it): a prompt of 1024 tokens and its BOS then prefill in one step (of 1056 rows:
+        Buckets). At least max_slots either way: every running sequence decodes in a step."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         backend = backend or jax.default_backend()

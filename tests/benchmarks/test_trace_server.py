@@ -84,3 +84,32 @@ def test_timed_calls_are_traced_beside_the_steps_and_left_out_of_their_intervals
     assert submits[0]["t1"] <= steps[0]["t"] <= launches[0]["t0"]
     got = trace_server.step_intervals(str(path), full=1)
     assert sum(row["steps"] for row in got.values()) == sum("prefill" in line for line in lines) - 1
+
+
+def test_ttft_parts_split_each_request_at_its_submit_plan_and_launch(tmp_path):
+    # two lone requests; the second's prompt takes two chunks, and only the sampling one's step counts
+    def lines(path, rows):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    requests, steps = tmp_path / "requests.jsonl", tmp_path / "steps.jsonl"
+    lines(requests, [
+        {"id": "a", "gen_id": "cmpl-a", "dispatch": 10.0, "body": 10.001, "first": 10.030},
+        {"id": "b", "gen_id": "cmpl-b", "dispatch": 20.0, "body": 20.001, "first": 20.050},
+        {"id": "c", "gen_id": "cmpl-c", "dispatch": 30.0, "body": 30.001, "first": None}])  # failed: left out
+    lines(steps, [
+        {"call": "submit", "t0": 10.003, "t1": 10.0032, "id": "cmpl-a-0"},
+        {"t": 10.004, "decodes": 0, "prefill": [["cmpl-a-0", 0, 16, True]]},
+        {"call": "launch", "t0": 10.0045, "t1": 10.0065, "id": None},
+        {"call": "submit", "t0": 20.003, "t1": 20.0032, "id": "cmpl-b-0"},
+        {"t": 20.004, "decodes": 0, "prefill": [["cmpl-b-0", 0, 16, False]]},
+        {"call": "launch", "t0": 20.0045, "t1": 20.0065, "id": None},
+        {"t": 20.020, "decodes": 0, "prefill": [["cmpl-b-0", 16, 4, True]]},
+        {"call": "launch", "t0": 20.021, "t1": 20.022, "id": None}])
+    parts = trace_server.ttft_parts(str(requests), str(steps))
+    assert parts.pop("requests") == 2
+    # a: read 1, to_submit 2, submit 0.2, to_plan 0.8, to_launch 0.5, launch 2, to_first_chunk 23.5
+    # b: read 1, to_submit 2, submit 0.2, to_plan 16.8, to_launch 1, launch 1, to_first_chunk 28
+    want = {"read": 1, "to_submit": 2, "submit": 0.2, "to_plan": 8.8, "to_launch": 0.75, "launch": 1.5,
+            "to_first_chunk": 25.75, "server_ttft": 40}
+    assert parts.keys() == want.keys()
+    assert all(abs(parts[k] - v) < 1e-6 for k, v in want.items()), parts

@@ -106,3 +106,13 @@ def test_sample_inputs_gather_each_rows_settings_and_pad_with_the_scratch_slot()
 def test_a_packing_refuses_a_dtype_it_cannot_carry():
     with pytest.raises(ValueError, match="'bad': dtype float64"):
         Packing((("ok", (2,), "int32"), ("bad", (2,), "float64")))
+
+
+def test_a_budget_past_a_power_of_two_pads_that_prompt_and_its_bos_to_one_rung_above_it():
+    # the accelerator default, 1024 + 128: a 1024-token prompt and its BOS take 1056 rows, not the budget's 1152
+    tpu = Buckets.build(max_num_batched_tokens=1024 + 128, max_slots=64)
+    assert tpu.token_counts[-4:] == (512, 1024, 1056, 1152)
+    assert [tpu.tokens(n) for n in (1024, 1025, 1056, 1057)] == [1024, 1056, 1056, 1152]
+    # the CPU default, 256 + 32, has that rung as its budget; a power-of-two budget keeps its plain ladder
+    assert Buckets.build(max_num_batched_tokens=256 + 32, max_slots=32).token_counts[-3:] == (128, 256, 288)
+    assert Buckets.build(max_num_batched_tokens=2048, max_slots=8).token_counts[-3:] == (512, 1024, 2048)
