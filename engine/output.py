@@ -78,6 +78,7 @@ class RequestStream:
         # Not yet taken by the consumer: merged, built into one Delta when taken.
         self._pending: tuple[list[str], list[int], list[TokenLogprob]] | None = None
         self._ended = False  # the consumer has taken the final Delta
+        self._admitted = False  # the engine took it up: its first step is launched (see admitted())
         # The whole completion, for result(); bounded by the text like the pending Delta.
         self._text: list[str] = []
         self._ids: list[int] = []
@@ -91,7 +92,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> Delta:
+    def _bind(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             with self._lock:
@@ -99,6 +100,23 @@ class RequestStream:
                     if self._loop is not None and not self._loop.is_closed():
                         raise RuntimeError(f"stream {self.request_id} is bound to another event loop")
                     self._loop, self._waiter, self._wake_queued = loop, None, False
+        return loop
+
+    async def admitted(self) -> None:
+        """Return once the engine took the request up (the step with its first chunk is launched), or
+        something of it is ready to take, or it ended. A streaming response that waits for this before
+        its headers leaves the engine thread the host to itself (the GIL) while it admits the request and
+        launches that step; the headers then go out while the device runs it."""
+        loop = self._bind()
+        while True:
+            with self._lock:
+                if self._admitted or self._pending is not None or self._ended:
+                    return
+                waiter = self._waiter = loop.create_future()
+            await waiter
+
+    async def __anext__(self) -> Delta:
+        loop = self._bind()
         while True:
             with self._lock:
                 delta = self._take()
@@ -158,6 +176,18 @@ class RequestStream:
             if finish is not None:
                 self._done.set()  # under the lock: _take sees the final state with its text
             # only a waiting consumer needs a wake-up; a busy one takes the delta when it looks next
+            loop = self._loop if self._waiter is not None and not self._wake_queued else None
+            self._wake_queued = self._wake_queued or loop is not None
+        if loop is not None:
+            if wakes is not None:
+                wakes.append((loop, self._on_wake))
+            else:
+                wake_all([(loop, self._on_wake)])
+
+    def _mark_admitted(self, wakes: list | None = None) -> None:
+        """Output thread: the engine launched the request's first step (wakes a waiting admitted())."""
+        with self._lock:
+            self._admitted = True
             loop = self._loop if self._waiter is not None and not self._wake_queued else None
             self._wake_queued = self._wake_queued or loop is not None
         if loop is not None:
@@ -337,6 +367,7 @@ class OutputProcessor:
     def _handle(self, tr: Tracker, rec: Emit, produced_at: float, now: float) -> None:
         if rec.admitted_at is not None and tr.admitted_at is None:
             tr.admitted_at = rec.admitted_at
+            tr.stream._mark_admitted(wakes=self._wakes)
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []

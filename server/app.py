@@ -138,7 +138,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         gen = await service.start(lambda: prepare_completion(service, body), client_of(request, body.user))
         fmt = CompletionFormat(service, gen, body)
         if body.stream:
-            return _event_stream(gen, fmt, _include_usage(body))
+            return await _event_stream_once_admitted(gen, fmt, _include_usage(body))
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
@@ -147,7 +147,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         gen = await service.start(lambda: prepare_chat(service, body), client_of(request, body.user))
         fmt = ChatFormat(service, gen, body)
         if body.stream:
-            return _event_stream(gen, fmt, _include_usage(body))
+            return await _event_stream_once_admitted(gen, fmt, _include_usage(body))
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
@@ -226,6 +226,23 @@ class _EventStream(StreamingResponse):
         finally:
             self._on_close()
             await self.body_iterator.aclose()
+
+
+# How long a streaming response waits for its request's first step to launch before sending its headers anyway.
+ADMISSION_WAIT_S = 0.05
+
+
+async def _event_stream_once_admitted(gen: Generation, fmt: CompletionFormat | ChatFormat,
+                                      include_usage: bool) -> _EventStream:
+    """_event_stream, once the engine has launched the request's first step (at most ADMISSION_WAIT_S): the
+    response's headers and its first events then go out while the device runs that step, instead of
+    taking the host (the GIL) from the engine thread while it admits the request and launches the step."""
+    try:
+        await gen.admitted(ADMISSION_WAIT_S)
+    except BaseException:  # cancelled meanwhile: nobody will consume the generation
+        gen.cancel()
+        raise
+    return _event_stream(gen, fmt, include_usage)
 
 
 def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> _EventStream:

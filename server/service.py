@@ -82,6 +82,14 @@ class Generation:
         if done is not None:
             done()
 
+    async def admitted(self, timeout: float) -> None:
+        """Wait until the engine took up every choice (launched its first step; or it ended), at most
+        `timeout` seconds (RequestStream.admitted)."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.admitted() for s in self._streams)), timeout)
+        except TimeoutError:
+            pass  # still queued: the caller goes on (a response's headers need not wait for the queue)
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of all choices in arrival order; raises ServiceError if a choice fails."""
         if len(self._streams) == 1:  # one choice (most requests): no pump task and queue per token

@@ -167,6 +167,7 @@ def step_intervals(path: str, full: int) -> dict[str, dict[str, float]]:
 
 
 TTFT_PARTS = ("read", "to_submit", "submit", "to_plan", "to_launch", "launch", "to_first_chunk", "server_ttft")
+SUBMIT_PARTS = ("to_start", "to_encode", "encode", "encoded_to_submit")  # to_submit's, in order
 
 
 def ttft_parts(requests_path: str, steps_path: str) -> dict[str, float]:
@@ -176,7 +177,11 @@ def ttft_parts(requests_path: str, steps_path: str) -> dict[str, float]:
     the planner being asked for the step that samples the request's first token (the engine thread waking,
     admitting, earlier steps), `to_launch` from there to that step's launch, `launch` the call (host arrays,
     dispatch), `to_first_chunk` from its return to the first chunk written (the device's step, the copy back,
-    detokenizing, the event loop's write); `server_ttft` their sum. For a lone request at a time."""
+    detokenizing, the event loop's write); `server_ttft` their sum. For a lone request at a time. Where the
+    steps' trace has the service's start and encode calls (trace_server stamps them), to_submit also in
+    SUBMIT_PARTS: `to_start` from the body to the endpoint's call of start (the app's parsing, validation),
+    `to_encode` from there to the tokenizer's call (the hop to a worker thread, checks), `encode`, and
+    `encoded_to_submit`."""
     calls: dict[str, list[dict]] = {"submit": [], "launch": []}
     plans: list[dict] = []
     for line in map(json.loads, Path(steps_path).read_text().splitlines()):
@@ -201,6 +206,14 @@ def ttft_parts(requests_path: str, steps_path: str) -> dict[str, float]:
         for name, a, b in zip(TTFT_PARTS, stamps, stamps[1:]):
             parts[name].append(1e3 * (b - a))
         parts["server_ttft"].append(1e3 * (rec["first"] - rec["dispatch"]))
+        # to_submit in parts, where the service's start (the endpoint's call) and encode are stamped too
+        start = next((c for c in reversed(calls.get("start", [])) if rec["body"] <= c["t0"] <= sub["t0"]), None)
+        encode = next((c for c in reversed(calls.get("encode", []))
+                       if start is not None and start["t0"] <= c["t0"] <= sub["t0"]), None)
+        if encode is not None:
+            fine = [rec["body"], start["t0"], encode["t0"], encode["t1"], sub["t0"]]
+            for name, a, b in zip(SUBMIT_PARTS, fine, fine[1:]):
+                parts.setdefault(name, []).append(1e3 * (b - a))
     out = {k: float(np.median(v)) for k, v in parts.items() if v}
     out["requests"] = len(parts["server_ttft"])
     return out
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler.add_step_listener(step_writer(steps))
                 time_calls(steps, scheduler, ("submit",))
                 time_calls(steps, scheduler._engine, ("launch", "insert"))
+            time_calls(steps, service, ("start", "encode"))  # start: its t0 is the endpoint's call
         return app
 
     slipstream.server.app.create_app = traced_create_app  # cmd_serve imports it from slipstream.server.app when it runs

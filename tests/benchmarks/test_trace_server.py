@@ -96,7 +96,9 @@ def test_ttft_parts_split_each_request_at_its_submit_plan_and_launch(tmp_path):
         {"id": "a", "gen_id": "cmpl-a", "dispatch": 10.0, "body": 10.001, "first": 10.030},
         {"id": "b", "gen_id": "cmpl-b", "dispatch": 20.0, "body": 20.001, "first": 20.050},
         {"id": "c", "gen_id": "cmpl-c", "dispatch": 30.0, "body": 30.001, "first": None}])  # failed: left out
-    lines(steps, [
+    lines(steps, [  # only a's endpoint call (start) and tokenizing (encode) are stamped
+        {"call": "start", "t0": 10.0015, "t1": 10.0015, "id": None},
+        {"call": "encode", "t0": 10.002, "t1": 10.0025, "id": None},
         {"call": "submit", "t0": 10.003, "t1": 10.0032, "id": "cmpl-a-0"},
         {"t": 10.004, "decodes": 0, "prefill": [["cmpl-a-0", 0, 16, True]]},
         {"call": "launch", "t0": 10.0045, "t1": 10.0065, "id": None},
@@ -110,6 +112,7 @@ def test_ttft_parts_split_each_request_at_its_submit_plan_and_launch(tmp_path):
     # a: read 1, to_submit 2, submit 0.2, to_plan 0.8, to_launch 0.5, launch 2, to_first_chunk 23.5
     # b: read 1, to_submit 2, submit 0.2, to_plan 16.8, to_launch 1, launch 1, to_first_chunk 28
     want = {"read": 1, "to_submit": 2, "submit": 0.2, "to_plan": 8.8, "to_launch": 0.75, "launch": 1.5,
-            "to_first_chunk": 25.75, "server_ttft": 40}
+            "to_first_chunk": 25.75, "server_ttft": 40,
+            "to_start": 0.5, "to_encode": 0.5, "encode": 0.5, "encoded_to_submit": 0.5}  # a's to_submit in parts
     assert parts.keys() == want.keys()
     assert all(abs(parts[k] - v) < 1e-6 for k, v in want.items()), parts

@@ -290,3 +290,31 @@ def test_wake_all_wakes_each_event_loop_once():
               (a, lambda: ran.append(3))])
     assert (a.calls, b.calls) == (1, 1)
     assert ran == [1, 3, 2]
+
+
+def test_admitted_waits_for_the_engine_to_take_the_request_up():
+    # a streaming response waits on it before its headers: it must return once the engine's admission record
+    # arrives, or once a delta or the end does (a request refused at admission never gets the record)
+    async def run(out, key, stream, records):
+        waiting = asyncio.ensure_future(stream.admitted())
+        await asyncio.sleep(0.05)
+        early = waiting.done()
+        out.put(records)
+        await asyncio.wait_for(waiting, 5)
+        return early
+
+    with processor() as (out, _, _):
+        for records in ([Emit(0, admitted_at=1.0)], [Emit(0, finish_reason=FinishReason.ERROR, error="refused")]):
+            opened, _ = open_stream(out)
+            records = [Emit(opened.key, **{k: getattr(r, k) for k in ("admitted_at", "finish_reason", "error")})
+                       for r in records]
+            assert asyncio.run(run(out, opened.key, opened.stream, records)) is False
+        # admitted already: returns at once, and the stream's deltas still come
+        opened, _ = open_stream(out)
+        out.put([Emit(opened.key, admitted_at=1.0)])
+        feed(out, opened, utf8("ok"), FinishReason.LENGTH)
+
+        async def admitted_then_deltas():
+            await asyncio.wait_for(opened.stream.admitted(), 5)
+            return "".join(d.text for d in await collect(opened.stream))
+        assert asyncio.run(admitted_then_deltas()) == "ok"

@@ -123,3 +123,23 @@ def test_stream_chunks_framed_on_the_wire(live: LiveServer) -> None:
     head, rest = _raw_stream(live, b"1.0")
     assert b"transfer-encoding" not in head.lower()
     assert rest.endswith(b"data: [DONE]\n\n") and b"\r\n" not in rest and b'"text":"d' in rest
+
+
+
+def test_a_queued_stream_gets_its_headers_before_the_engine_takes_it_up(make_live) -> None:
+    # a streaming response waits for its request's first step to launch before its headers, but only a
+    # little: behind a request holding the engine's one slot, the second one waits in the queue, and its
+    # headers come while it still waits
+    live = make_live(max_slots=1, step_sleep_s=0.02)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 100, "stream": True}
+    with live.http() as http, http.stream("POST", "/v1/completions", json=body) as first:
+        chunks = first.iter_bytes()
+        next(chunks)  # the first request runs
+        with live.http() as http2, http2.stream("POST", "/v1/completions", json={**body, "max_tokens": 3}) as second:
+            assert second.status_code == 200 and second.headers["content-type"].startswith("text/event-stream")
+            stats = live.scheduler.stats()
+            assert stats.running == 1 and stats.waiting == 1  # still queued behind the first
+            raw = second.read()
+        assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+    texts = [json.loads(e[len(b"data: "):])["choices"][0]["text"] for e in raw.split(b"\n\n")[:-2]]
+    assert "".join(texts) == "def"
