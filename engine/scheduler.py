@@ -18,7 +18,8 @@ from typing import Callable
 from slipstream.engine.api import Engine, SlotState, StepResult
 from slipstream.engine.arrival_wait import ArrivalWait
 from slipstream.engine.block_manager import BlockManager
-from slipstream.engine.output import Completion, Emit, OutputProcessor, RequestMetrics, RequestStream
+from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics
+from slipstream.engine.request_stream import Completion, RequestStream
 from slipstream.engine.request import FinishReason, Request
 from slipstream.engine.schedule import Plan, StepPlanner
 from slipstream.engine.scheduler_api import (EngineUnavailable, Lifecycle, Overloaded, PromptTooLong, Rejection,

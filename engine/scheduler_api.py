@@ -13,7 +13,7 @@ from slipstream.engine.request import FinishReason
 from slipstream.engine.speculative import Proposer, SpeculativeConfig
 
 if TYPE_CHECKING:
-    from slipstream.engine.output import Completion, RequestStream
+    from slipstream.engine.request_stream import Completion, RequestStream
     from slipstream.engine.request import Request
     from slipstream.engine.schedule import Plan
 

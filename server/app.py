@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from slipstream.engine.output import Delta
+from slipstream.engine.request_stream import Delta
 from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
                          install_error_handlers)

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from slipstream.engine.output import Delta
+from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
 from slipstream.server.proto import jetstream_pb2 as pb

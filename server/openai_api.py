@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_json
 
-from slipstream.engine.output import Delta
+from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,

@@ -15,7 +15,7 @@ import jinja2
 
 from slipstream.engine.api import Engine
 from slipstream.engine.lora_registry import LoraRegistry
-from slipstream.engine.output import Delta
+from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import FinishReason, Request, SamplingParams
 from slipstream.engine.scheduler import RequestStream, Scheduler
 from slipstream.server.errors import ServiceError, parse_input, service_error

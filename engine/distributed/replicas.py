@@ -9,7 +9,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from slipstream.engine.output import Completion, RequestMetrics, RequestStream
+from slipstream.engine.output import RequestMetrics
+from slipstream.engine.request_stream import Completion, RequestStream
 from slipstream.engine.request import Request
 from slipstream.engine.scheduler import Scheduler, SchedulerStats, generate_all
 

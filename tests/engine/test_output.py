@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import pytest
 
-from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics, RequestStream
+from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics
+from slipstream.engine.request_stream import RequestStream
 from slipstream.engine.request import FinishReason, Request, SamplingParams, TokenLogprob
 
 
@@ -272,7 +273,7 @@ def test_a_failing_detokenizer_fails_only_its_request_without_leaking_the_except
 def test_wake_all_wakes_each_event_loop_once():
     """A step's deltas for many streams wake their event loop once, with every stream's callback in order;
     a closed loop does not keep the others from waking."""
-    from slipstream.engine.output import wake_all
+    from slipstream.engine.request_stream import wake_all
 
     class Loop:
         def __init__(self, closed=False):

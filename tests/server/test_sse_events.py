@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from slipstream.engine.output import Delta
+from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import FinishReason, TokenLogprob
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, sse_event
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
