@@ -25,15 +25,21 @@ def test_mixed_step_after_many_decode_phases(tiny_llama_dir, tmp_path):
     assert report["read_gbs"] > 0
 
 
+# The two breakdowns build the same engine (q8_0-a16 weights, 2 + 1 slots): the second one's programs load
+# from the compile cache. Float weights' matmuls (their roofline) run in test_mixed_step_after_many_decode_phases.
+BREAKDOWN_ENGINE = ["--slots", "2", "--context", "16", "--steps", "2", "--warmup", "1", "--page-size", "8",
+                    "--max-num-batched-tokens", "32", "--quantize", "q8_0-a16", "--dtype", "float32",
+                    "--read-bytes", READ]
+
+
 def test_breakdown_times_each_part_of_a_decode_step(tiny_llama_dir, tmp_path):
     out = tmp_path / "breakdown.json"
-    engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "2", "--context", "16", "--steps", "2",
-                      "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32", "--prefill-lengths", "16",
-                      "--quantize", "none", "--dtype", "float32", "--read-bytes", READ, "--breakdown",
+    engine_tool.main(["step", "--model", tiny_llama_dir, *BREAKDOWN_ENGINE, "--prefill-lengths", "16", "--breakdown",
                       "--out", str(out)])
     parts = json.loads(out.read_text())["breakdown"]
     assert parts["slots"] == 2
-    for part in ("step", "model", "host_inputs", "sample", "roofline", "attention"):
+    # stream: one read of the step's int8 weight bytes, the matmuls' floor
+    for part in ("step", "model", "host_inputs", "sample", "roofline", "attention", "stream"):
         assert parts[f"{part}_ms"] > 0, part
 
 
@@ -41,9 +47,7 @@ def test_prefill_breakdown_times_each_part_of_a_chunk(tiny_llama_dir, tmp_path):
     from slipstream.kernels import native
 
     out = tmp_path / "prefill.json"
-    engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "1", "--context", "16", "--steps", "2",
-                      "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32", "--prefill-lengths", "24",
-                      "--quantize", "q8_0-a16", "--dtype", "float32", "--read-bytes", READ,
+    engine_tool.main(["step", "--model", tiny_llama_dir, *BREAKDOWN_ENGINE, "--prefill-lengths", "24",
                       "--prefill-breakdown", "--out", str(out)])
     parts = json.loads(out.read_text())["prefill_breakdown"]
     assert parts["tokens"] == 24 and parts["model_ops"]
