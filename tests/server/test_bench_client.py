@@ -27,8 +27,8 @@ def shared_tokenizer(tokenizer, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def fake(default_model_path):
-    server = FakeServer(default_model_path)
+def fake(tokenizer):
+    server = FakeServer(tokenizer)
     yield server
     server.close()
 
