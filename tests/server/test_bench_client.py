@@ -236,7 +236,7 @@ def test_warm_ups_leave_no_measured_prompt_in_the_servers_prefix_cache(fake, def
     # warm-ups, the server served 480 prompt tokens from its cache in each of vLLM's runs and none in ours).
     # Our warm-ups are extra prompts, and so is the ready check's, and no measured prompt repeats: every
     # measured TTFT is the uncached one.
-    ttft, cached, warmups, n_req = 0.3, 0.01, 3, 8
+    ttft, cached, warmups, n_req = 0.1, 0.01, 3, 8  # a cached prompt would answer 10x sooner
     fake.configure(Schedule(ttft_s=ttft, itl_s=0.01, cached_ttft_s=cached))
     r = run_bench(fake, default_model_path, "--num-prompts", str(n_req), "--num-warmups", str(warmups),
                   "--ready-check-timeout-sec", "30", "--random-input-len", "32", "--random-output-len", "4",
