@@ -11,16 +11,16 @@ READ = str(8 << 20)   # the bandwidth read: 8 MiB, not the tool's 1 GiB (a test 
 def test_mixed_step_after_many_decode_phases(tiny_llama_dir, tmp_path):
     # Four slot counts then the mixed step: the positions the phases advanced used to add up past the
     # sequences' pages ("sequence in slot 0: 5 pages do not cover 41 tokens"), as on the TPU with
-    # --slots 1,8,32,64 --context 384.
+    # --slots 1,8,32,64 --context 384. A 16-token budget: 5 step programs (1 to 16 tokens).
     out = tmp_path / "bench.json"
     engine_tool.main(["step", "--model", tiny_llama_dir, "--slots", "1,2,3,4", "--context", "24", "--steps", "2",
-                       "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "32",
+                       "--warmup", "1", "--page-size", "8", "--max-num-batched-tokens", "16",
                        "--prefill-lengths", "16", "--quantize", "none", "--dtype", "float32", "--read-bytes", READ,
                        "--out", str(out)])
     report = json.loads(out.read_text())
     assert [d["slots"] for d in report["decode"]] == [1, 2, 3, 4]
     assert all(d["step_ms"] > 0 and d["tok_s"] > 0 for d in report["decode"])
-    assert report["mixed"]["decodes"] == 4 and report["mixed"]["chunk"] == 28
+    assert report["mixed"]["decodes"] == 4 and report["mixed"]["chunk"] == 12
     assert report["mixed"]["mixed_ms"] > 0 and report["mixed"]["separate_ms"] > 0
     assert report["read_gbs"] > 0
 
