@@ -27,9 +27,10 @@ ENGINE = ["--phases", "hbm,matmul,engine", "--slots", "1,64", "--context", "1024
           "--steps", "5", "--warmup", "2", "--matmul-m", "1,64,2048", "--matmul-layers", "4", "--phase-timeout", "540"]
 SERVING = {"prompts": 64, "concurrency": 64, "input_len": 512, "output_len": 256, "batched_tokens": 1024,
            "page_size": 128, "timeout": 540}
-# the dry run: a 2-layer, 64-wide Llama-3.1-8B (its vocabulary and heads' ratio kept) and minimal sizes
-DRY_ENGINE = ["--phases", "hbm,matmul,engine", "--slots", "1,3", "--context", "24", "--prefill-tokens", "32",
-              "--steps", "2", "--warmup", "1", "--matmul-m", "1,8", "--matmul-layers", "2", "--hbm-bytes",
+# the dry run: a 2-layer, 64-wide Llama-3.1-8B (its vocabulary and heads' ratio kept) and minimal sizes (an
+# 8-token budget: 4 step programs to compile; one matmul row count, the prefill's)
+DRY_ENGINE = ["--phases", "hbm,matmul,engine", "--slots", "1,3", "--context", "24", "--prefill-tokens", "8",
+              "--steps", "2", "--warmup", "1", "--matmul-m", "8", "--matmul-layers", "2", "--hbm-bytes",
               str(8 << 20)]
 DRY_SERVING = {"prompts": 4, "concurrency": 2, "input_len": 16, "output_len": 8, "batched_tokens": 32,
                "page_size": 16, "timeout": 300}

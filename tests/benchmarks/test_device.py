@@ -13,8 +13,9 @@ from slipstream.engine.request import SamplingParams
 from tests.conftest import build_tiny_hf
 from tests.server.test_serve_hf_models import _save_word_tokenizer
 
-SMALL = ["--hbm-bytes", str(8 << 20), "--matmul-m", "1,8", "--matmul-layers", "2", "--slots", "1,3",
-         "--context", "24", "--prefill-tokens", "32", "--steps", "2", "--warmup", "1", "--quantize", "none"]
+# an 8-token budget: 4 step programs (1, 2, 4, 8 tokens); the prefill of 8 rates against the matmul row nearest it
+SMALL = ["--hbm-bytes", str(8 << 20), "--matmul-m", "1,16", "--matmul-layers", "2", "--slots", "1,3",
+         "--context", "24", "--prefill-tokens", "8", "--steps", "2", "--warmup", "1", "--quantize", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_in_process_phases_and_decode_batches_halving_until_the_cache_fits(tiny_
     assert r["machine"]["load_format"] == "dummy"
     assert r["hbm"]["bytes"] == 8 << 20 and r["hbm"]["read_gbs"] > 0
     assert r["matmul"]["k"] == 64 and r["matmul"]["n"] == 128
-    assert [row["m"] for row in r["matmul"]["rows"]] == [1, 8]
+    assert [row["m"] for row in r["matmul"]["rows"]] == [1, 16]
     for row in r["matmul"]["rows"]:
         assert set(row["kinds"]) == {"f32", "bf16", "w8a16", "w8a8"}
         assert all(k["ms"] > 0 and k["tflops"] > 0 for k in row["kinds"].values())
@@ -73,10 +74,10 @@ def test_in_process_phases_and_decode_batches_halving_until_the_cache_fits(tiny_
         # steps with one in flight, as the server runs them
         assert d["pipelined_ms"] > 0 and d["pipelined_over_floor"] == pytest.approx(d["pipelined_ms"] / d["floor_ms"])
     p = r["prefill"]
-    assert p["tokens"] == 32 and p["matmul_kind"] == "f32" and p["rate_m"] == 8
+    assert p["tokens"] == 8 and p["matmul_kind"] == "f32" and p["rate_m"] == 16
     assert p["rate_tflops"] == r["matmul"]["rows"][1]["kinds"]["f32"]["tflops"] and p["over_floor"] > 0
     table = (out / "device.md").read_text()
-    assert "HBM read" in table and "| 3 |" in table and "Prefill of 32 tokens" in table
+    assert "HBM read" in table and "| 3 |" in table and "Prefill of 8 tokens" in table
     assert "the largest decode batch cut to 3" in table
     assert "serving" not in r
 
@@ -91,10 +92,10 @@ def _serve_has_uds() -> bool:
 @pytest.mark.skipif(not _serve_has_uds(), reason="needs `slipstream serve --uds` (branch h-uds)")
 def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     out = tmp_path / "out"
-    # 16-token steps: 5 step programs to compile at each start, not the CPU default's 10 up to 288 tokens
+    # 4-token steps: 3 step programs to compile at each start, not the CPU default's 10 up to 288 tokens
     assert device.main(["--model", tiny_dir, *SMALL, "--phases", "serving", "--startup", "--serving-prompts", "6",
                         "--serving-concurrency", "3", "--serving-input-len", "16", "--serving-output-len", "8",
-                        "--serve-flags", "--max-num-batched-tokens 16 --kv-cache-memory 1MiB",
+                        "--serve-flags", "--max-num-batched-tokens 4 --kv-cache-memory 1MiB",
                         "--output-dir", str(out)]) == 0
     r = _report(out)
     s = r["serving"]

@@ -9,11 +9,11 @@ from tests.server.bench_fake_server import FakeServer, Schedule
 from tests.server.test_bench_client import near, run_bench, shared_tokenizer, tokenizer  # noqa: F401 - fixtures
 
 
-def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tmp_path):
+def test_the_server_trace_times_each_request_as_the_server_did(default_model_path, tokenizer, tmp_path):
     # a client's numbers against the server's own (trace_server's stamps, joined by x-request-id): on a
     # server with a fixed schedule those are the schedule, and the client adds only its transport on top
     trace = tmp_path / "trace.jsonl"
-    server = FakeServer(default_model_path, str(trace))
+    server = FakeServer(tokenizer, str(trace))
     try:
         server.configure(Schedule(ttft_s=0.15, itl_s=0.03))
         r = run_bench(server, default_model_path, "--num-prompts", "8", "--random-input-len", "16",

@@ -8,9 +8,11 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -129,9 +131,13 @@ class FakeServer:
     """The app in its own process (so the client's timing shares no GIL with it) on a free loopback port.
     `configure` swaps the schedule and clears the stats; `stats` reads them back."""
 
-    def __init__(self, tokenizer_path: str, trace_path: str | None = None) -> None:
+    def __init__(self, tokenizer, trace_path: str | None = None) -> None:
+        # tokenizer: the client's (models/tokenizer.Tokenizer), handed to the server's process as its
+        # tokenizer.json: parsing the GGUF again there (its reader imports JAX) took most of the start-up.
         # trace_path: the app is wrapped in benchmarks/bench/trace_server's per-request trace, written there
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.server.bench_fake_server", tokenizer_path,
+        self._tokenizer_dir = tempfile.mkdtemp(prefix="fake-server-")
+        tokenizer._hf.save(os.path.join(self._tokenizer_dir, "tokenizer.json"))
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.server.bench_fake_server", self._tokenizer_dir,
                                        *([trace_path] if trace_path else [])],
                                       stdout=subprocess.PIPE, text=True,
                                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -163,12 +169,13 @@ class FakeServer:
     def close(self) -> None:
         self._proc.terminate()
         self._proc.wait(timeout=10)
+        shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
 
 
 def main() -> None:
-    from slipstream.models.registry import load_tokenizer
+    from slipstream.models.tokenizer import Tokenizer
 
-    tok = load_tokenizer(sys.argv[1])
+    tok = Tokenizer.from_hf_dir(sys.argv[1])
     state = {"schedule": Schedule(), "stats": Stats(), "seen_prompts": set()}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
