@@ -1,6 +1,7 @@
 """Every shipped model family, at a reduced size, serves with `--load-format dummy` through the CLI's
-engine builder and answers chat and completion requests over HTTP; `slipstream generate` runs a
-preset end to end in a subprocess; SLIPSTREAM_LOAD_FORMAT sets the flag."""
+engine builder, in the CPU's default weights or the TPU's int8 mode, and answers chat and completion
+requests over HTTP; `slipstream generate` runs a preset end to end in a subprocess;
+SLIPSTREAM_LOAD_FORMAT sets the flag."""
 from __future__ import annotations
 
 import os
