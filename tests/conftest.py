@@ -207,19 +207,28 @@ def tiny_lora_engine(tiny_model):
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_model_path):
-    """The default model's tokenizer, parsed from its GGUF once for the run (seconds each time); tests
-    use it read-only."""
-    from slipstream.models.registry import load_tokenizer
+def default_gguf_reader(default_model_path):
+    """The default model's GGUF opened once for the run (the gguf package parses its metadata, the
+    tokenizer's 49k tokens and merges, in seconds each time), as the CLI opens it once for weights and
+    tokenizer. Read-only: its tensors are views of the file."""
+    from slipstream.models.loader import read_gguf
 
-    return load_tokenizer(default_model_path)
+    return read_gguf(default_model_path)
 
 
 @pytest.fixture(scope="session")
-def default_model(default_model_path):
+def default_tokenizer(default_model_path, default_gguf_reader):
+    """The default model's tokenizer, built once for the run; tests use it read-only."""
+    from slipstream.models.registry import load_tokenizer
+
+    return load_tokenizer(default_model_path, default_gguf_reader)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path, default_gguf_reader):
     from slipstream.models.loader import load_gguf
 
-    return load_gguf(default_model_path)
+    return load_gguf(default_model_path, reader=default_gguf_reader)
 
 
 @pytest.fixture(scope="session")

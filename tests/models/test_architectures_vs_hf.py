@@ -15,6 +15,21 @@ FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("mistral", Fa
             ("qwen3", False), ("gemma3", True)]
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_llama_dir):
+    """family, tie -> a tiny random checkpoint's directory, saved once for the run (Gemma 3's is tied
+    whatever tie says; its logits, ragged-step and no-copy tests read one checkpoint, Qwen3's two tests
+    another); tests only read them."""
+    built = {("llama", False): tiny_llama_dir}
+
+    def get(family: str, tie: bool = False) -> str:
+        if (family, tie) not in built:
+            built[family, tie] = build_tiny_hf(str(tmp_path_factory.mktemp(f"{family}-{tie}")), family, tie=tie)
+        return built[family, tie]
+
+    return get
+
+
 def _batch(rng, lengths, width):
     tokens = np.zeros((len(lengths), width), np.int32)
     valid = np.zeros((len(lengths), width), bool)
@@ -36,8 +51,8 @@ def _hf_logits(path, tokens, lengths):
 
 
 @pytest.mark.parametrize("family,tie", FAMILIES)
-def test_logits_match_transformers(tmp_path, family, tie):
-    path = build_tiny_hf(str(tmp_path), family, tie=tie)
+def test_logits_match_transformers(checkpoint, family, tie):
+    path = checkpoint(family, tie)
     cfg, model = load_hf_dir(path)
     assert cfg.tie_embeddings == tie
     lengths = [12, 7, 20]  # a right-padded batch; the sliding window of 8 is crossed
@@ -48,13 +63,13 @@ def test_logits_match_transformers(tmp_path, family, tie):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
-def test_engine_ragged_steps_match_transformers(tmp_path, family):
+def test_engine_ragged_steps_match_transformers(checkpoint, family):
     """Chunked prefill of two sequences in mixed steps through the paged cache: each chunk's last
     logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8)."""
     from slipstream.engine.api import StepBatch, StepSeq
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
-    path = build_tiny_hf(str(tmp_path), family)
+    path = checkpoint(family, family == "gemma3")
     cfg, model = load_hf_dir(path)
     engine = JaxEngine(cfg, model, EngineConfig(max_slots=2, page_size=8, max_seq_len=64, num_pages=16,
                                                 max_num_batched_tokens=16, quantize="none"), precompile=False)
@@ -103,14 +118,14 @@ def test_unknown_architecture_is_named_with_the_supported_ones(tmp_path):
         load_hf_dir(path)
 
 
-def test_gemma3_step_copies_no_cache(tmp_path):
+def test_gemma3_step_copies_no_cache(checkpoint):
     """Both layer kinds under one layer scan: the compiled step holds no cache-sized copy (a branch
     between two attention calls made XLA copy the cache 4 times per step)."""
     import re
 
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
 
-    cfg, model = load_hf_dir(build_tiny_hf(str(tmp_path), "gemma3"))
+    cfg, model = load_hf_dir(checkpoint("gemma3", True))
     assert set(cfg.layer_types) == {"sliding", "full"}
     engine = JaxEngine(cfg, model, EngineConfig(max_slots=2, page_size=8, max_seq_len=64, num_pages=16,
                                                 max_num_batched_tokens=16, quantize="none"), precompile=False)

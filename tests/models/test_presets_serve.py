@@ -1,6 +1,7 @@
 """Every shipped model family, at a reduced size, serves with `--load-format dummy` through the CLI's
-engine builder and answers chat and completion requests over HTTP; `slipstream generate` runs a
-preset end to end in a subprocess; SLIPSTREAM_LOAD_FORMAT sets the flag."""
+engine builder, in the CPU's default weights or the TPU's int8 mode, and answers chat and completion
+requests over HTTP; `slipstream generate` runs a preset end to end in a subprocess;
+SLIPSTREAM_LOAD_FORMAT sets the flag."""
 from __future__ import annotations
 
 import os
@@ -19,22 +20,28 @@ from tests.server.conftest import run_http
 from tests.models.test_presets import PUBLIC, shrunk_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# one slot (the requests come one at a time) and 8-token steps: 5 programs to compile; a chat prompt
-# prefills in several chunks
-SMALL = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "8"]
-# One preset per distinct serving path; the presets left out differ from one of these only in sizes,
-# vocabulary or token ids (tests/models/test_presets.py checks every preset's config and weight
-# shapes): llama-3.1-8b is llama-3.2-1b's llama3 RoPE with mistral-7b's untied head, qwen3-8b
-# (untied) serves in the int8 mode below, gemma-3-1b is gemma-3-4b without the linear RoPE scaling.
+# one slot (the requests come one at a time) and 2-token steps: 2 token buckets to compile; a chat
+# prompt prefills in many chunks
+SMALL = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "2"]
+# --quantize int8 (the TPU's default): weights drawn already int8, a layer at a time, and served in float32
+TPU_INT8 = ("--quantize", "int8", "--dtype", "float32")
+# One preset per distinct serving path, in the CPU's default weights or the TPU's int8 mode; the presets
+# left out differ from one of these only in sizes, vocabulary or token ids (tests/models/test_presets.py
+# checks every preset's config and weight shapes, and draws int8 and q8_0-a16 weights of tied and untied
+# llamas): llama-3.1-8b is llama-3.2-1b's llama3 RoPE with mistral-7b's untied head, gemma-3-1b is
+# gemma-3-4b without the linear RoPE scaling.
 SERVED = {
-    "llama-3.2-1b": "llama, tied embedding, llama3 RoPE scaling, one KV head",
-    "mistral-7b": "model_type mistral, untied LM head, plain RoPE, one int eos id",
-    "qwen3-0.6b": "qwen3 (q/k norms), tied embedding, two KV heads",
-    "gemma-3-4b": "gemma3: sliding and global layers, linear RoPE scaling, two KV heads",
+    "llama-3.2-1b": ("llama, tied embedding (an int8 head of the int8 table), llama3 RoPE scaling, one KV head",
+                     TPU_INT8),
+    "mistral-7b": ("model_type mistral, untied LM head, plain RoPE, one int eos id", ()),
+    "qwen3-0.6b": ("qwen3 (q/k norms), tied embedding, two KV heads", ()),
+    "qwen3-8b": ("qwen3, untied LM head, one KV head", TPU_INT8),
+    "gemma-3-4b": ("gemma3: sliding and global layers, linear RoPE scaling, two KV heads", ()),
 }
 
 
-def _serve(args):
+def serve_in_thread(args):
+    """The CLI's engine and HTTP app for parsed `serve` args, served on a thread: (url, server, thread, tokenizer)."""
     engine, tokenizer, _ = build_engine(args)
     scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"))
@@ -45,13 +52,14 @@ def _serve(args):
 
 def test_served_presets_cover_every_family():
     assert {PUBLIC[name][0] for name in SERVED} == {arch for arch, *_ in PUBLIC.values()}
+    assert {mode for _, mode in SERVED.values()} == {(), TPU_INT8}
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
 def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
     args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
-                                      *SMALL, "--compile-cache", ""])
-    url, server, thread, tokenizer = _serve(args)
+                                      *SERVED[name][1], *SMALL, "--compile-cache", ""])
+    url, server, thread, tokenizer = serve_in_thread(args)
     try:
         assert tokenizer.vocab_size == PUBLIC[name][7]
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
@@ -60,23 +68,6 @@ def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["prompt_tokens"] > 8 and body["choices"][0]["finish_reason"] in ("length", "stop")
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "dummy", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 8
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen3-8b"])
-def test_dummy_preset_serves_in_the_tpu_int8_mode(tmp_path, name):
-    """--quantize int8 (the TPU's default): weights drawn already int8, a layer at a time, and served."""
-    args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
-                                      "--quantize", "int8", "--dtype", "float32", *SMALL, "--compile-cache", ""])
-    url, server, thread, _ = _serve(args)
-    try:
         r = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "dummy", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
             "ignore_eos": True})
@@ -95,8 +86,8 @@ def test_load_format_comes_from_the_environment(monkeypatch):
 
 
 def test_generate_runs_a_dummy_preset_directory(tmp_path):
-    path = shrunk_dir(tmp_path, "llama-3.2-1b")
-    # the run's compile cache: the programs of llama-3.2-1b's one-slot engine served above, loaded
+    path = shrunk_dir(tmp_path, "mistral-7b")
+    # the run's compile cache: the programs of mistral-7b's one-slot engine served above, loaded
     cache = os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")
     out = subprocess.run([sys.executable, "-m", "slipstream.server.cli", "generate", "--model", path, "--load-format", "dummy",
                           "--prompt", "Hello", "--max-tokens", "6", *SMALL, "--compile-cache", cache],

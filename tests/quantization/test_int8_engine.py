@@ -173,7 +173,8 @@ def test_int8_kv_holds_more_pages_in_the_same_memory(tiny_model):
     assert ratio == pytest.approx(expected, rel=0.02)
 
 
-def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_engine, default_model_path, default_tokenizer):
+def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_engine, default_model_path, default_gguf_reader,
+                                                        default_tokenizer):
     """The default model as the server loads it in q8_0-a16 (int8 straight from its Q4_1/Q8_0 GGUF
     blocks, two-part activations) greedy-decodes the same 16 tokens as f32 (the session's f32 engine,
     shared with other tests of the default model)."""
@@ -184,7 +185,7 @@ def test_default_model_q8_0_a16_keeps_f32_greedy_tokens(default_engine, default_
              "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"]
     prompts = [tok.encode(t) for t in texts]
     mode = "q8_0-a16"
-    cfg, params = load_gguf(default_model_path, quantize=mode)
+    cfg, params = load_gguf(default_model_path, quantize=mode, reader=default_gguf_reader)
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=128, num_pages=32,
                                                  max_num_batched_tokens=64, quantize=mode), precompile=False)
     # what runs is int8: Q4_1 layers with their offsets, the Q8_0 LM head; on CPU gate and up are one

@@ -3,6 +3,7 @@ layer kinds, Qwen3): the server starts, and greedy completions over HTTP are the
 transformers picks."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -52,18 +53,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
-def test_serve_hf_checkpoint_answers_with_transformers_tokens(tmp_path, family):
-    path = build_tiny_hf(str(tmp_path / family), family)
-    _save_word_tokenizer(path)
-    prompt_ids = list(np.random.default_rng(5).integers(3, 256, 11))  # past Gemma 3's window of 8
-    want = _hf_greedy(path, prompt_ids, 8)
+# one slot and 4-token steps: 4 programs to compile before the server is ready; the prompt prefills in
+# 3 chunks, the last one past Gemma 3's window
+FLAGS = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "4",
+         "--quantize", "none"]
+
+
+@contextlib.contextmanager
+def _cli_server(path: str):
+    """`slipstream serve` in its own process, polled until /ready: its base URL."""
     port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "slipstream.server.cli", "serve", "--model", path, "--port", str(port), "--max-slots", "2",
-         "--max-seq-len", "64", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
-         "--quantize", "none", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([sys.executable, "-m", "slipstream.server.cli", "serve", "--model", path,
+                               "--port", str(port), *FLAGS,
+                               "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
@@ -76,14 +79,42 @@ def test_serve_hf_checkpoint_answers_with_transformers_tokens(tmp_path, family):
                 pass
             assert time.monotonic() < deadline, "server not ready in 240 s"
             time.sleep(0.5)
-        prompt = " ".join(WORDS[i - 3] for i in prompt_ids)
-        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["prompt_tokens"] == len(prompt_ids) and body["usage"]["completion_tokens"] == 8
-        assert body["choices"][0]["text"].split() == [
-            "<eos>" if i == 1 else "<pad>" if i == 0 else "<bos>" if i == 2 else WORDS[i - 3] for i in want]
+        yield base
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def _thread_server(path: str):
+    """The same engine builder and HTTP app in this process (no second process's imports; the process's
+    compile cache, as the pytest run set it)."""
+    from slipstream.server.cli import build_parser
+    from tests.models.test_presets_serve import serve_in_thread
+
+    url, server, thread, _ = serve_in_thread(build_parser().parse_args(["serve", "--model", path, *FLAGS,
+                                                                          "--compile-cache", ""]))
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+# the CLI's process start (argument parsing, load, compile, /ready) does not depend on the family: Gemma 3
+# starts one, Qwen3's checkpoint is served in this process
+@pytest.mark.parametrize("family, serve", [("gemma3", _cli_server), ("qwen3", _thread_server)])
+def test_serve_hf_checkpoint_answers_with_transformers_tokens(tmp_path, family, serve):
+    path = build_tiny_hf(str(tmp_path / family), family)
+    _save_word_tokenizer(path)
+    prompt_ids = list(np.random.default_rng(5).integers(3, 256, 11))  # past Gemma 3's window of 8
+    want = _hf_greedy(path, prompt_ids, 8)
+    with serve(path) as base:
+        prompt = " ".join(WORDS[i - 3] for i in prompt_ids)
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids) and body["usage"]["completion_tokens"] == 8
+    assert body["choices"][0]["text"].split() == [
+        "<eos>" if i == 1 else "<pad>" if i == 0 else "<bos>" if i == 2 else WORDS[i - 3] for i in want]
