@@ -117,13 +117,12 @@ def test_abort_fails_every_replicas_requests():
 # ---- the JAX engine: replicas on 8 virtual CPU devices, in one subprocess ------------------------
 
 def worker(model_dir: str) -> dict:
-    """Greedy tokens of each replica at TP=1 x DP=2 (engines built by hand, as the tensor-parallel
-    test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 serving two requests at
-    once, one a replica: a slot and steps of up to 4 tokens each (5 programs a replica to compile
-    instead of 8 with 2 slots and 8 tokens; the prompts prefill in chunks). All with int8 weights
-    (q8_0-a16, the CPU default), so one single-device engine's tokens are the reference for both.
-    (TP=2 x DP=2 by hand would repeat the served replicas' checks; test_tensor_parallel.py's
-    nine-heads case runs one such replica by hand.)"""
+    """Greedy tokens of each replica at TP=1 x DP=2 (f32 engines built by hand, as the tensor-parallel
+    test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 with int8 weights
+    (q8_0-a16, the CPU default) serving two requests at once, one a replica: a slot and steps of up to 4
+    tokens each (5 programs a replica to compile instead of 8 with 2 slots and 8 tokens; the prompts
+    prefill in chunks). (TP=2 x DP=2 by hand would repeat the served replicas' checks;
+    test_tensor_parallel.py's nine-heads case runs one such replica by hand.)"""
     import jax
     import numpy as np
 
@@ -146,12 +145,12 @@ def worker(model_dir: str) -> dict:
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 9, 14)]
     report = {"devices": len(jax.devices())}
-    q8 = {**TINY_ENGINE, "quantize": "q8_0-a16"}
-    engine = JaxEngine(cfg, model, EngineConfig(**q8), precompile=False)
-    report["one"] = greedy(engine, prompts, STEPS)
-    del engine
+    for name, quantize in (("one", "none"), ("one_q8", "q8_0-a16")):
+        engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize}), precompile=False)
+        report[name] = greedy(engine, prompts, STEPS)
+        del engine
     for r, slice_ in enumerate(replica_devices(1, 2)):
-        engine = JaxEngine(cfg, model, EngineConfig(**q8), precompile=False, devices=slice_)
+        engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False, devices=slice_)
         tokens = greedy(engine, prompts, STEPS)
         before = engine.compile_count
         report[f"tp1-r{r}"] = {
@@ -206,7 +205,7 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
         assert rep["cache"] == rep["params"] == devices, f"replica {r}"
         assert rep["cache_shapes"] == [[2, 2, 48, 8, 16]]
     # the CLI's replica set at TP=2: one request per replica, both at once, precompiled (nothing compiles)
-    assert report["served"] == one[:2]
+    assert report["served"] == report["one_q8"][:2]
     assert report["served_prompt_tokens"] == [5, 9]
     # each replica's KV pages and weights on its own 2 devices only, one KV head each
     assert report["served_cache"] == report["served_params"] == [[0, 1], [2, 3]]
