@@ -2,8 +2,7 @@
 engine's, weights, int8 scales and KV pages are really split across the devices, and a repeated
 workload compiles nothing. JAX reads XLA_FLAGS when its CPU backend starts, so the cases run in a
 fresh Python process (this file's __main__), which reports what it saw as JSON: one process per kernel
-setting for all its cases, the default model's with the tiny models' native ones (each process costs
-seconds of start-up)."""
+setting for all its cases (each process costs seconds of start-up)."""
 from __future__ import annotations
 
 import json
@@ -95,10 +94,6 @@ def test_bad_tensor_parallel_settings_are_refused():
         ShardingConfig().mesh_axis("experts")
 
 
-# an engine small enough for the default model to compile quickly on 2 cores
-DEFAULT_ENGINE = dict(max_slots=4, page_size=16, max_seq_len=256, num_pages=64, max_num_batched_tokens=64)
-
-
 def _cache_copies(engine) -> list[str]:
     """Copies of a whole KV-pages buffer (one device's shard) in the compiled model programs."""
     shard = engine.cache["k"].addressable_shards[0].data.shape
@@ -107,10 +102,9 @@ def _cache_copies(engine) -> list[str]:
             if re.search(r"\bcopy(-start)?\(", line) and dims in line.split("=", 1)[1].split("copy")[0]]
 
 
-def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_dtype: str = "auto",
-           layers: int | None = None) -> dict:
+def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_dtype: str = "auto") -> dict:
     """Greedy tokens and placement per TP degree; "NxM" is replica M-1 of data parallel M at TP=N (the
-    last replica: the devices furthest from the single-device run's); layers: the model's first N only."""
+    last replica: the devices furthest from the single-device run's)."""
     import jax
     import numpy as np
 
@@ -118,21 +112,18 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
     from slipstream.engine.device.sharding import device_bytes, replica_devices
     from slipstream.kernels import native
     from slipstream.models.loader import load_model
-    from tests.conftest import TINY_ENGINE, first_layers
+    from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
 
     cfg, model = load_model(model_path)
-    if layers:
-        cfg, model = first_layers(cfg, model, layers)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 9, 14)]
-    engine_cfg = TINY_ENGINE if os.path.isdir(model_path) else DEFAULT_ENGINE
     report = {"devices": len(jax.devices()),
               "native": native.load("ragged_paged_attention", "ragged_paged_attention"), "tp": {}}
     for tp in tps:
         n, _, dp = str(tp).partition("x")
         devices = replica_devices(int(n), int(dp))[-1] if dp else None
-        engine = JaxEngine(cfg, model, EngineConfig(**{**engine_cfg, "quantize": quantize, "tensor_parallel": int(n),
+        engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize, "tensor_parallel": int(n),
                                                        "kv_cache_dtype": kv_cache_dtype}), precompile=False,
                            devices=devices)
         tokens = greedy(engine, prompts, STEPS)  # compiles the shapes it uses
@@ -160,32 +151,45 @@ def _run(cases: list[dict], kernels: str) -> list[dict]:
     return reports
 
 
-# The default model's first layers under TP: its shapes and weights, with a greedy margin (top-2 logit
-# gap along the 24 tokens, 1 device) of 0.17, against 0.015 for all 30 layers; the CPU engine splits
-# the layers into per-layer buffers picked by a switch, so each degree's compile grows with the depth
-# (30 layers: 39 s of CPU for the three degrees, 4 layers: 22 s). tests/models/ runs all 30 on one device.
-DEFAULT_LAYERS = 4
+def build_nine_heads(path: str) -> str:
+    """A tiny random Llama with SmolLM2-135M's heads (9 query heads over 3 KV heads, which 2 and 4
+    devices do not divide) and its tied embedding, saved to `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=480, hidden_size=288, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=32,
+                                   max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                   bos_token_id=1, eos_token_id=2, rope_theta=10000.0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    return path
 
 
-# The cases by kernel setting: name -> (model, quantize, kv_cache_dtype, TP degrees, layers); model is
-# a tiny family or "default" (the default model's first DEFAULT_LAYERS layers). Gemma 3's, Qwen3's and
-# Mistral's own parts (layer kinds, soft-capping, q/k norms over head_dim, the sliding window) work per
-# head whatever the layout: they run at TP=2 only, the repeated KV heads of TP=4 with Llama and Qwen2.
+# The cases by kernel setting: name -> (model, quantize, kv_cache_dtype, TP degrees); model is a tiny
+# family or "nine" (build_nine_heads). Gemma 3's own parts (layer kinds, soft-capping, q/k norms over
+# head_dim, the sliding window) work per head whatever the layout: it runs at TP=2 only, the repeated
+# KV heads of TP=4 with Llama and Qwen2. Qwen3's q/k norms and Mistral's sliding window are the same
+# code as Gemma 3's (models/layers.Attention's q_norm/k_norm; models/base.py attends with the window,
+# Gemma 3's sliding layers included), so they are not run again under TP (tests/models/ checks both
+# against transformers). Llama's int8 weights run with int8 KV pages: the two are independent, and the
+# bf16 KV pages of int8 weights run with Qwen2, Gemma 3 and the nine-heads model. The pure-JAX int8
+# matmul runs at TP=2 only (~12 s a degree to compile on 2 cores): TP=4's layouts are the native
+# case's, its repeated KV heads the reference f32 case's.
 CASES = {
-    "auto": {"none": ("llama", "none", "auto", TPS, None), "q8_0-a16": ("llama", "q8_0-a16", "auto", TPS, None),
-             "kv8": ("llama", "none", "int8", TPS, None), "qwen2": ("qwen2", "q8_0-a16", "auto", TPS, None),
-             **{f: (f, "q8_0-a16", "auto", (1, 2), None) for f in ("gemma3", "qwen3", "mistral")},
-             "default": ("default", "q8_0-a16", "auto", (1, 3, "2x2"), DEFAULT_LAYERS)},
-    "reference": {"none": ("llama", "none", "auto", TPS, None), "q8_0-a16": ("llama", "q8_0-a16", "auto", TPS, None)},
+    "auto": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "int8", TPS),
+             "qwen2": ("qwen2", "q8_0-a16", "auto", TPS), "gemma3": ("gemma3", "q8_0-a16", "auto", (1, 2)),
+             "nine": ("nine", "q8_0-a16", "auto", (1, 3, "2x2"))},
+    "reference": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "auto", (1, 2))},
 }
 
 
 @pytest.fixture(scope="module")
-def tp_report(tmp_path_factory, tiny_llama_dir, default_model_path):
+def tp_report(tmp_path_factory, tiny_llama_dir):
     """report(kernels, case): that case's report; the first ask runs every case of its kernel setting."""
     from tests.conftest import build_tiny_hf
 
-    paths = {"llama": tiny_llama_dir, "default": default_model_path}
+    paths = {"llama": tiny_llama_dir}
     reports: dict[str, dict[str, dict]] = {}
 
     def report(kernels: str, case: str) -> dict:
@@ -193,9 +197,10 @@ def tp_report(tmp_path_factory, tiny_llama_dir, default_model_path):
             cases = CASES[kernels]
             for family, *_ in cases.values():
                 if family not in paths:
-                    paths[family] = build_tiny_hf(str(tmp_path_factory.mktemp(f"tp-{family}")), family)
-            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv,
-                          "layers": layers} for family, quantize, kv, tps, layers in cases.values()], kernels)
+                    build = build_nine_heads if family == "nine" else lambda path: build_tiny_hf(path, family)
+                    paths[family] = build(str(tmp_path_factory.mktemp(f"tp-{family}")))
+            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv}
+                         for family, quantize, kv, tps in cases.values()], kernels)
             reports[kernels] = dict(zip(cases, runs))
         return reports[kernels][case]
 
@@ -220,7 +225,9 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tp_report,
     if kernels == "auto" and not report["native"]:
         pytest.skip("native kernels not built: the reference case covers the rest")
     _assert_same_tokens_no_recompiles(report)
-    for tp in (2, 4):
+    tps = (2,) if (kernels, quantize) == ("reference", "q8_0-a16") else (2, 4)
+    assert sorted(report["tp"]) == sorted(map(str, (1, *tps)))
+    for tp in tps:
         r, w = report["tp"][str(tp)], report["tp"][str(tp)]["weights"]
         # KV pages [L, KV, pages, page_size, hd]: each device holds one KV head (at TP=4 a copy)
         for name in ("k", "v"):
@@ -252,10 +259,10 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tp_report,
 
 
 def test_tensor_parallel_int8_kv_cache(tp_report):
-    """int8 KV pages and their per-token-head scales split on the head axis alike. (The pure-JAX
-    attention under TP runs in the greedy test's reference cases, with f32 KV; int8 KV with it is left
-    out of the suite's time, ~25 s on 2 cores.)"""
-    report = tp_report("auto", "kv8")
+    """int8 KV pages and their per-token-head scales split on the head axis alike (the int8-weights
+    case's engines). (The pure-JAX attention under TP runs in the greedy test's reference cases, with
+    f32 KV; int8 KV with it is left out of the suite's time, ~25 s on 2 cores.)"""
+    report = tp_report("auto", "q8_0-a16")
     _assert_same_tokens_no_recompiles(report)
     for tp in (2, 4):
         cache = report["tp"][str(tp)]["cache"]
@@ -273,33 +280,29 @@ def test_tensor_parallel_gemma3_int8(tp_report):
     assert report["tp"]["2"]["cache"]["k"]["shapes"] == [[3, 1, 48, 8, 16]]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
-def test_tensor_parallel_other_architectures(tp_report, family):
-    """q/k/v biases split with their heads (Qwen2), q/k norms over head_dim (Qwen3), sliding window
-    (Mistral): int8 weights, greedy tokens at TP=2 (and Qwen2's at 4, its biases repeated with their KV
-    heads) equal TP=1's."""
-    report = tp_report("auto", family)
+def test_tensor_parallel_qwen2_biases(tp_report):
+    """q/k/v biases split with their heads (Qwen2): int8 weights, greedy tokens at TP=2 (whole GQA
+    groups) and 4 (the biases repeated with their KV heads) equal TP=1's."""
+    report = tp_report("auto", "qwen2")
     _assert_same_tokens_no_recompiles(report)
-    layouts = {"2": "split", "4": "repeated"}
-    assert {tp: r["kv_layout"] for tp, r in report["tp"].items() if tp != "1"} == {
-        tp: layouts[tp] for tp in (("2", "4") if family == "qwen2" else ("2",))}
+    assert {tp: r["kv_layout"] for tp, r in report["tp"].items()} == {"1": None, "2": "split", "4": "repeated"}
 
 
-def test_tensor_parallel_default_model(tp_report):
-    """SmolLM2-135M's first layers (9 query heads over 3 KV heads, int8 weights as served on CPU): at
-    TP=3 heads split, one KV head per device; at TP=2 they do not divide, so attention and the KV cache
-    are replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of DP=2, on
-    devices 2 and 3. (TP=4, the same layout as TP=2, is left to the tiny model.)"""
-    report = tp_report("auto", "default")
+def test_tensor_parallel_heads_that_do_not_divide(tp_report):
+    """SmolLM2-135M's heads (9 query heads over 3 KV heads; build_nine_heads, int8 weights as served on
+    CPU): at TP=3 heads split, one KV head per device; at TP=2 they do not divide, so attention and the
+    KV cache are replicated while the MLP and the vocabulary split. TP=2 runs as the second replica of
+    DP=2, on devices 2 and 3. (TP=4, the same layout as TP=2, is left to test_head_layout.)"""
+    report = tp_report("auto", "nine")
     _assert_same_tokens_no_recompiles(report)
     assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
     for label, tp in (("3", 3), ("2x2", 2)):
         r = report["tp"][label]
         assert r["kv_layout"] == ("split" if tp == 3 else "replicated")
         heads = 1 if tp == 3 else 3
-        assert r["cache"]["k"]["shapes"] == [[DEFAULT_LAYERS, heads, 64, 16, 64]]
-        assert r["weights"]["blocks.mlp.w_gate.w.q"]["shapes"] == [[1536 // 16 // tp, 576 * 16]]
-        assert r["weights"]["lm_head.w.q"]["shapes"] == [[49152 // 16 // tp, 576 * 16]]
+        assert r["cache"]["k"]["shapes"] == [[2, heads, 48, 8, 32]]
+        assert r["weights"]["blocks.mlp.w_gate.w.q"]["shapes"] == [[192 // 16 // tp, 288 * 16]]
+        assert r["weights"]["lm_head.w.q"]["shapes"] == [[480 // 16 // tp, 288 * 16]]
 
 
 if __name__ == "__main__":
