@@ -220,7 +220,7 @@ def tiny(tmp_path_factory) -> str:
 # every group (~3x process 0's start-up, which loaded them). With the devices' kinds hashed instead
 # (JAX's own key for backends without a topology; the key still holds the program, its device
 # assignment and the compile options), process 1 loads the programs process 0 compiled in an earlier
-# group of the run.
+# group of the run. On TPUs the fingerprint is the slice's, the same in every process.
 GROUP_SERVE = ("import sys; from jax._src import cache_key; cache_key._hash_accelerator_config = cache_key._hash_devices; "
                "from slipstream.server.cli import main; sys.exit(main())")
 
