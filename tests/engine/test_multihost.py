@@ -214,21 +214,9 @@ def tiny(tmp_path_factory) -> str:
     return path
 
 
-# `slipstream serve` in a process of a group whose compile-cache keys do not depend on the process.
-# JAX writes persistent-cache entries from process 0 only, and on CPU its key hashes a topology
-# fingerprint that differs per process: process 1 never found an entry and compiled every program in
-# every group (~3x process 0's start-up, which loaded them). With the devices' kinds hashed instead
-# (JAX's own key for backends without a topology; the key still holds the program, its device
-# assignment and the compile options), process 1 loads the programs process 0 compiled in an earlier
-# group of the run. On TPUs the fingerprint is the slice's, the same in every process.
-GROUP_SERVE = ("import sys; from jax._src import cache_key; cache_key._hash_accelerator_config = cache_key._hash_devices; "
-               "from slipstream.server.cli import main; sys.exit(main())")
-
-
-def _serve(model: str, log: pathlib.Path, http: int, *extra: str, env: dict | None = None,
-           main: tuple[str, ...] = ("-m", "slipstream.server.cli")) -> subprocess.Popen:
+def _serve(model: str, log: pathlib.Path, http: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, *main, "serve", "--model", model, "--port", str(http),
+        return subprocess.Popen([sys.executable, "-m", "slipstream.server.cli", "serve", "--model", model, "--port", str(http),
                                  *SERVE, "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", ""), *extra],
                                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -239,8 +227,7 @@ def _group(model: str, tmp: pathlib.Path, http: int) -> list[subprocess.Popen]:
     return [_serve(model, tmp / f"process{i}.log", http, "--tensor-parallel", "8",
                    "--coordinator-address", f"127.0.0.1:{coordinator}", "--control-port", str(control),
                    "--num-processes", "2", "--process-id", str(i), "--peer-timeout", "5",
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}, main=("-c", GROUP_SERVE))
-            for i in (0, 1)]
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) for i in (0, 1)]
 
 
 def _logs(tmp: pathlib.Path) -> str:
