@@ -151,21 +151,25 @@ class RequestStream:
             self._pending[2].extend(logprobs)
             if finish is not None:
                 self._done.set()  # under the lock: _take sees the final state with its text
-            # only a waiting consumer needs a wake-up; a busy one takes the delta when it looks next
-            loop = self._loop if self._waiter is not None and not self._wake_queued else None
-            self._wake_queued = self._wake_queued or loop is not None
-        if loop is not None:
-            if wakes is not None:
-                wakes.append((loop, self._on_wake))
-            else:
-                wake_all([(loop, self._on_wake)])
+            loop = self._claim_wake()
+        self._wake(loop, wakes)
 
     def _mark_admitted(self, wakes: list | None = None) -> None:
         """Output thread: the engine launched the request's first step (wakes a waiting admitted())."""
         with self._lock:
             self._admitted = True
-            loop = self._loop if self._waiter is not None and not self._wake_queued else None
-            self._wake_queued = self._wake_queued or loop is not None
+            loop = self._claim_wake()
+        self._wake(loop, wakes)
+
+    def _claim_wake(self) -> asyncio.AbstractEventLoop | None:
+        """Under the lock: the loop to wake, if its consumer waits and no wake-up for it is queued yet (only a
+        waiting consumer needs one; a busy one looks when it is next free)."""
+        loop = self._loop if self._waiter is not None and not self._wake_queued else None
+        self._wake_queued = self._wake_queued or loop is not None
+        return loop
+
+    def _wake(self, loop: asyncio.AbstractEventLoop | None, wakes: list | None) -> None:
+        """Wake `loop`'s consumer now, or with the rest of `wakes` (see wake_all)."""
         if loop is not None:
             if wakes is not None:
                 wakes.append((loop, self._on_wake))
