@@ -222,10 +222,11 @@ def serve_command(args: argparse.Namespace, uds: str, cache: str, module: str = 
 def start_server(args: argparse.Namespace, uds: str, cache: str, log_path: str, traces: tuple[str, str] | None = None):
     """(process, seconds from launch to /ready answering 200); with `traces` (the requests' and the steps'
     JSONL files) under benchmarks.bench.trace_server."""
-    cmd, env = serve_command(args, uds, cache), None
+    module, env = "slipstream.server.cli", None
     if traces is not None:
-        cmd = serve_command(args, uds, cache, "benchmarks.bench.trace_server")
+        module = "benchmarks.bench.trace_server"
         env = {**os.environ, "SLIPSTREAM_TRACE": traces[0], "SLIPSTREAM_TRACE_STEPS": traces[1]}
+    cmd = serve_command(args, uds, cache, module)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     start = time.perf_counter()

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from benchmarks import device
+from benchmarks.bench import trace_server
 from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.request import SamplingParams
 from tests.conftest import build_tiny_hf
@@ -93,7 +94,8 @@ def _serve_has_uds() -> bool:
 def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     out = tmp_path / "out"
     # 4-token steps: 3 step programs to compile at each start, not the CPU default's 10 up to 288 tokens
-    assert device.main(["--model", tiny_dir, *SMALL, "--phases", "serving", "--startup", "--serving-prompts", "6",
+    assert device.main(["--model", tiny_dir, *SMALL, "--phases", "serving", "--startup", "--serving-trace",
+                        "--serving-prompts", "6",
                         "--serving-concurrency", "3", "--serving-input-len", "16", "--serving-output-len", "8",
                         "--serve-flags", "--max-num-batched-tokens 4 --kv-cache-memory 1MiB",
                         "--output-dir", str(out)]) == 0
@@ -105,8 +107,14 @@ def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     assert r["startup"]["warm_answers_as_cold"] and len(r["startup"]["tokens"]) == 16
     assert r["startup"]["warm_programs_loaded"] == 0  # CPU engines trace (engine/device/executables.py)
     assert "cpu backend" in r["machine"]["device"]  # no in-process phase: the machine as the server logged it
+    # --serving-trace: the requests again under trace_server, each one's server TTFT split into its parts
+    t = r["serving_trace"]
+    assert t["client"]["completed"] == 6 and t["ttft_parts_ms"]["requests"] == 6
+    parts = t["ttft_parts_ms"]
+    # each request's stamps in order (body, submit, its sampling step's plan and launch, first chunk)
+    assert all(parts[k] >= 0 for k in trace_server.TTFT_PARTS) and parts["server_ttft"] > 0, parts
     md = (out / "device.md").read_text()
-    assert "Serving (6 prompts" in md and md.startswith("Machine: 1 x cpu")
+    assert "Serving (6 prompts" in md and md.startswith("Machine: 1 x cpu") and "The same run traced" in md
 
 
 def test_llama_8b_int8_script_dry_run(tmp_path):
