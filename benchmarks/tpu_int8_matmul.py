@@ -10,7 +10,9 @@ Kinds: bf16 (bf16 weights); xla_int8 (int8 + group-32 scales/offsets, dequantize
 kernel_slice (the kernel on the scan's slice of the stack, as the engine ran it before its int8 stacks became
 StackedInt8: XLA may copy the slice out first); kernel_index (the kernel reading the stack in place at the layer
 index, as the engine's layer scan runs it now); kernel_reshape (kernel_index, dequantizing by a [bk/32, 32, bn]
-reshape); then a sweep of block sizes (kernel_index). Each kind's outputs are bf16 [L, M, N], as the engine's linears
+reshape); kernel_bf16_scales (kernel_index with bf16 scales and offsets); kernel_int4, kernel_int4_bf16_scales
+(4-bit weights packed two a byte: the top 4 bits of the same int8 values, f32 or bf16 scales); then a sweep of
+block sizes (kernel_index). --kinds keeps some of them. Each kind's outputs are bf16 [L, M, N], as the engine's linears
 give. Reported per kind: ms per layer, GB/s of int8 weights read (K * N bytes / time) and of all weight bytes (q +
 scales + offsets), the fraction of the HBM read rate measured in this run; and max |kernel - XLA| (f32 outputs, layer
 1). A kind that fails to compile records its error and the run goes on. Results print as they come and go to
@@ -57,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="weights in the scan (default 8; interpret: 2)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per kind (default 10; interpret: 2)")
     p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
+    p.add_argument("--kinds", default=None, help="comma-separated kinds to run (default: all)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/tpu_int8_matmul.json, else ./)")
     a = p.parse_args(argv)
     a.m = a.m or ([1, 17] if a.interpret else [1, 64, 2048])
@@ -117,8 +120,24 @@ def _xla_int8(x, q, scale, offset):
     return int8._xla_matmul(x, jnp.int32(0), q, scale, offset)
 
 
+def operand_sets(q, scale, offset) -> dict:
+    """The weight forms timed: int8 with f32 or bf16 scales/offsets, and 4-bit (q's top 4 bits) packed."""
+    q4 = kmod.pack4(jnp.right_shift(q, 4))
+    bf = (scale.astype(jnp.bfloat16), offset.astype(jnp.bfloat16))
+    return {"int8": (q, scale, offset), "int8_bf16s": (q, *bf), "int4": (q4, scale, offset), "int4_bf16s": (q4, *bf)}
+
+
+def weight_bytes(which: str, k: int, n: int) -> tuple[int, int]:
+    """(bytes of q, bytes of q + scales + offsets) of one layer of an operand set."""
+    g = k // int8.GROUP
+    if which == "bf16":
+        return 2 * k * n, 2 * k * n
+    q_bytes = k * n // (2 if which.startswith("int4") else 1)
+    return q_bytes, q_bytes + 2 * g * n * (2 if which.endswith("bf16s") else 4)
+
+
 def kinds_for(args, k: int, n: int, m: int) -> dict:
-    """name -> (jitted fn of (x, *operands), which operands: 'bf16' or 'int8')."""
+    """name -> (jitted fn of (x, *operands), which operands: 'bf16', or an operand_sets key)."""
     interp = args.interpret
 
     def kernel(**kw):
@@ -133,6 +152,12 @@ def kinds_for(args, k: int, n: int, m: int) -> dict:
     }
     if m == args.m[0]:  # int8 widened to int32 before the float conversion (in case Mosaic wants it)
         out["kernel_via_int32"] = (_scan_index(kernel(via_int32=True), args.layers), "int8")
+    out["kernel_bf16_scales"] = (_scan_index(kernel(), args.layers), "int8_bf16s")
+    out["kernel_int4"] = (_scan_index(kernel(bits=4), args.layers), "int4")
+    out["kernel_int4_bf16_scales"] = (_scan_index(kernel(bits=4), args.layers), "int4_bf16s")
+    if args.kinds:
+        keep = set(args.kinds.split(","))
+        out = {name: v for name, v in out.items() if name in keep}
     return out
 
 
@@ -149,15 +174,26 @@ def sweep_for(args, k: int, n: int, m: int) -> dict:
     return out
 
 
-def check(args, x, q, scale, offset) -> dict:
-    """max |kernel - XLA| over layer 1's f32 product, and the product's largest magnitude."""
+def check(args, x, operands: dict) -> dict:
+    """max |kernel - XLA| over layer 1's f32 product (each weight form against XLA's dequantize-then-dot of the
+    same values), and the int8 product's largest magnitude."""
+    q, scale, offset = operands["int8"]
     ref = jax.jit(_xla_int8)(x, q[1], scale[1], offset[1])
     res = {}
-    forms = (("kernel", {}), ("kernel_reshape", {"dequant": "reshape"}), ("kernel_via_int32", {"via_int32": True}))
-    for name, kw in forms:
+    forms = (("kernel", "int8", {}), ("kernel_reshape", "int8", {"dequant": "reshape"}),
+             ("kernel_via_int32", "int8", {"via_int32": True}), ("kernel_bf16_scales", "int8_bf16s", {}),
+             ("kernel_int4", "int4", {"bits": 4}), ("kernel_int4_bf16_scales", "int4_bf16s", {"bits": 4}))
+    keep = set(args.kinds.split(",")) if args.kinds else None
+    for name, which, kw in forms:
+        if keep is not None and (name if name != "kernel" else "kernel_index") not in keep:
+            continue
+        wq, ws, wo = operands[which]
         try:
             y = jax.jit(functools.partial(kmod.int8_matmul, interpret=args.interpret, **kw))(
-                x, q, scale, offset, jnp.int32(1))
+                x, wq, ws, wo, jnp.int32(1))
+            if which != "int8":
+                layer = kmod.unpack4(wq[1]) if kw.get("bits") == 4 else wq[1]
+                y = y - jax.jit(_xla_int8)(x, layer, ws[1].astype(jnp.float32), wo[1].astype(jnp.float32)) + ref
             res[name] = float(jnp.max(jnp.abs(y - ref)))
         except Exception as exc:  # noqa: BLE001 (a lowering failure is a result)
             res[name] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
@@ -180,12 +216,10 @@ def time_kinds(args, kinds: dict, x, operands: dict, k: int, n: int, hbm: float)
             traceback.print_exc(limit=2)
     if ready:
         times = interleaved(ready, reps=args.reps, warmup=1)
-        g = k // int8.GROUP
         for name, ts in times.items():
             s = statistics.median(ts) / args.layers
-            q_bytes = k * n
-            w_bytes = 2 * k * n if kinds[name][1] == "bf16" else k * n + 2 * g * n * 4
-            res[name].update(ms=s * 1e3, int8_gbs=q_bytes / s / 1e9 if kinds[name][1] == "int8" else None,
+            q_bytes, w_bytes = weight_bytes(kinds[name][1], k, n)
+            res[name].update(ms=s * 1e3, int8_gbs=q_bytes / s / 1e9 if kinds[name][1] != "bf16" else None,
                              weight_gbs=w_bytes / s / 1e9, hbm_fraction=w_bytes / s / 1e9 / hbm)
     return res
 
@@ -212,7 +246,7 @@ def main(argv=None) -> None:
                 print(f"budget of {args.budget_s:.0f} s spent: skipping the rest", flush=True)
                 break
             q, scale, offset = _stack(k, n, args.layers)
-            operands = {"int8": (q, scale, offset)}
+            operands = operand_sets(q, scale, offset)
             if phase == "main":
                 operands["bf16"] = (jax.random.normal(jax.random.PRNGKey(1), (args.layers, k, n), jnp.bfloat16),)
             for m in args.m:
@@ -229,12 +263,12 @@ def main(argv=None) -> None:
                 row = {"phase": phase, "k": k, "n": n, "m": m, "blocks": blk,
                        "kinds": time_kinds(args, kinds, x, operands, k, n, hbm)}
                 if phase == "main":
-                    row["max_abs_diff"] = check(args, x, q, scale, offset)
+                    row["max_abs_diff"] = check(args, x, operands)
                     pending.append((k, n, m))
                 report["rows"].append(row)
                 save()
                 print(f"  [{k} x {n}] m={m} blocks={blk}: " + ", ".join(
-                    f"{name} {v['ms']:.3f} ms" + (f" ({v['int8_gbs']:.3g} GB/s int8)" if v.get("int8_gbs") else "")
+                    f"{name} {v['ms']:.3f} ms" + (f" ({v['int8_gbs']:.3g} GB/s of q)" if v.get("int8_gbs") else "")
                     if "ms" in v else f"{name} FAILED" for name, v in row["kinds"].items())
                     + (f"; max|diff| {row['max_abs_diff']}" if "max_abs_diff" in row else ""), flush=True)
                 del x

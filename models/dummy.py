@@ -24,6 +24,7 @@ from slipstream.models.architectures import build_abstract
 from slipstream.models.base import CausalLM, Weight
 from slipstream.models.config import ModelConfig
 from slipstream.models.layers import Linear, RMSNorm
+from slipstream.quantization.weights import head_mode
 
 GROUPWISE = ("q8_0", "q8_0-a16")
 EMBED_STD = 0.02
@@ -163,7 +164,7 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         if weight.linear and quantize in GROUPWISE:
             value = _draw_groupwise(tensor_key, shape, quantize)
         elif weight.linear and quantize != "none":
-            value = _draw_quantized(tensor_key, shape, quantize, dtype)
+            value = _draw_quantized(tensor_key, shape, quantize if weight.per_layer else head_mode(quantize), dtype)
         elif path == ("embed", "table"):  # int8 times one scale: a tied int8 LM head is exact
             tied_int8 = cfg.tie_embeddings and quantize != "none"
             value, embed_q = _embedding(tensor_key, shape, jnp.dtype(dtype), tied_int8)
@@ -174,7 +175,7 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
     if cfg.tie_embeddings and quantize != "none":
         # the tied LM head: int8 rows of the table, exact (the table is int8 times one scale)
         head = nnx.eval_shape(lambda: Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab")))
-        head.w.set_value(_tied_head(embed_q, quantize))
+        head.w.set_value(_tied_head(embed_q, head_mode(quantize)))
         model.lm_head = head
     return model
 

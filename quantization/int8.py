@@ -1,5 +1,6 @@
 """int8 weights for the MXU and GPU tensor cores, quantized on the device in JAX: "int8" (one scale and
-offset per 32 inputs per output channel, dequantized to the activation dtype inside the dot) and
+offset per 32 inputs per output channel, dequantized to the activation dtype inside the dot), "int4" (the same
+with 4-bit values packed two a byte and bf16 scales and offsets: 5 bits a weight; the LM head stays "int8") and
 "int8-channel" (one symmetric scale per output channel; int8 x int8 dots for steps of many rows) and
 "int8-channel-a16" (the same weights, activations never rounded to one int8 part), and "int8-channel-w16" (the
 int8-channel-a16 weight plus its rounding residual as a second int8 weight with 1/254 of its scale: ~16 bits per
@@ -16,13 +17,15 @@ import jax.numpy as jnp
 
 from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels import native
+from slipstream.kernels.tpu.nibbles import PAIR, pack4, unpack4
 
-MODES: tuple[str, ...] = ("int8", "int8-channel", "int8-channel-a16", "int8-channel-w16")
+MODES: tuple[str, ...] = ("int8", "int4", "int8-channel", "int8-channel-a16", "int8-channel-w16")
 CHANNEL_MODES: tuple[str, ...] = ("int8-channel", "int8-channel-a16", "int8-channel-w16")
 GROUP = 32        # inputs per scale and offset in mode "int8" (a GGUF block: Q4_1/Q8_0 sources round exactly)
 A8_MIN_ROWS = 256  # "int8-channel": steps of this many rows or more quantize activations (prefill chunks)
 LEVELS = 255.0    # asymmetric: q in -128..127 spans [min, max] of a group
 INT8_MAX = 127.0  # symmetric: q in -127..127 spans [-max|w|, max|w|]
+INT4_LEVELS, INT4_MAX = 15.0, 7.0  # "int4": q in -8..7 over [min, max], or -7..7 over +-max|w|
 RESIDUAL = 254.0  # "int8-channel-w16": the residual weight's scale is the weight's / RESIDUAL
 
 
@@ -37,7 +40,9 @@ class Int8Weight:
     native per-channel kernel runs (one scale per output channel), a8_rows is not used: every call rounds each
     row to `parts` int8 parts (static: 1 or 2), whatever its row count.
     residual: per-channel only ("int8-channel-w16"), int8 like q: the weight is (q + residual / RESIDUAL) * scale;
-    on CPU the residual multiplies the activations' first int8 part in the same kernel call."""
+    on CPU the residual multiplies the activations' first int8 part in the same kernel call.
+    bits (static): 4 for "int4": q holds two 4-bit values a byte, [..., in / 2, out], in
+    kernels/tpu/nibbles.py's layout (`values` unpacks them); `shape` and `in_features` are the logical ones."""
 
     q: jax.Array
     scale: jax.Array
@@ -46,10 +51,20 @@ class Int8Weight:
     a8_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     parts: int = dataclasses.field(default=1, metadata=dict(static=True))
     residual: jax.Array | None = None
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        """The weight's logical shape [..., in, out] (q's, but for 4-bit values' packed input axis)."""
+        return (*self.q.shape[:-2], self.in_features, self.q.shape[-1])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.q.shape[-2]) * 8 // self.bits
+
+    def values(self) -> jax.Array:
+        """q as one int8 value per weight [..., in, out] (4-bit values unpacked)."""
+        return unpack4(self.q) if self.bits == 4 else self.q
 
     @property
     def ndim(self) -> int:
@@ -57,9 +72,9 @@ class Int8Weight:
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """The float weight [..., in, out] (f32 math, then `dtype`)."""
-        k = self.q.shape[-2]
+        k = self.in_features
         scale = jnp.repeat(self.scale.astype(jnp.float32), self.block, axis=-2)[..., :k, :]
-        q = self.q.astype(jnp.float32)
+        q = self.values().astype(jnp.float32)
         if self.residual is not None:
             q = q + self.residual.astype(jnp.float32) / RESIDUAL
         w = q * scale
@@ -82,15 +97,20 @@ def quantize(w: jax.Array, mode: str = "int8") -> Int8Weight:
 def _round(w: jax.Array, mode: str) -> tuple[jax.Array, ...]:
     if mode == "int8":
         return _quantize_asymmetric(w, GROUP)
+    if mode == "int4":
+        if w.shape[-2] % PAIR:
+            raise ValueError(f"int4 weights need a multiple of {PAIR} inputs, got a weight of shape {tuple(w.shape)}")
+        q, scale, offset = _quantize_asymmetric(w, GROUP, 4)
+        return pack4(q), scale, offset
     if mode == "int8-channel-w16":
         return _quantize_symmetric_residual(w)
     return _quantize_symmetric(w)
 
 
 def _weight(parts: tuple[jax.Array, ...], mode: str, k: int) -> Int8Weight:
-    if mode == "int8":
+    if mode in ("int8", "int4"):
         q, scale, offset = parts
-        return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
+        return Int8Weight(q=q, scale=scale, offset=offset, block=GROUP, bits=4 if mode == "int4" else 8)
     q, scale, *residual = parts
     if mode == "int8-channel-w16":
         return Int8Weight(q=q, scale=scale, block=k, a8_rows=None, parts=2, residual=residual[0] if residual else None)
@@ -106,8 +126,8 @@ def _index_layer(layer: jax.Array, w: jax.Array) -> jax.Array:
 def from_int8(q: jax.Array, scale: float, mode: str = "int8") -> Int8Weight:
     """The weight q * scale (q int8 [in, out], one scale for all) in `mode`, exactly: no rounding
     (a random int8 weight drawn directly, or a tied head of such an embedding)."""
-    if mode not in MODES:
-        raise ValueError(f"int8 weight mode must be one of {MODES}, got {mode!r}")
+    if mode not in MODES or mode == "int4":
+        raise ValueError(f"an int8 weight's mode must be one of {tuple(m for m in MODES if m != 'int4')}, got {mode!r}")
     k, n = q.shape
     groups = -(-k // GROUP) if mode == "int8" else 1
     parts = (q, jnp.full((groups, n), scale, jnp.float32))
@@ -155,15 +175,21 @@ def _blocks(w: jax.Array, block: int) -> jax.Array:
     return w.reshape(*lead, g, block, n)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _quantize_asymmetric(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_asymmetric(w: jax.Array, block: int, bits: int = 8) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per block and output channel the better of two roundings (smaller largest error): over
     [min, max] (q = -128 at the minimum: exact for GGUF Q4_1 blocks) or symmetric over +-max|w| with
-    a zero offset (exact for Q8_0 blocks). q is rounded against the stored scale and offset."""
+    a zero offset (exact for Q8_0 blocks). q is rounded against the stored scale and offset.
+    bits=4: q in -8..7 (-7..7 symmetric), scales and offsets stored in bf16 (rounded before q is)."""
     k = w.shape[-2]
     g = _blocks(w, block)                                                   # [..., G, B, N]
     lo, hi = g.min(axis=-2), g.max(axis=-2)                                 # [..., G, N]
     amax = jnp.maximum(-lo, hi)
+    levels, top = (LEVELS, INT8_MAX) if bits == 8 else (INT4_LEVELS, INT4_MAX)
+    stored = jnp.float32 if bits == 8 else jnp.bfloat16
+
+    def kept(a):  # a scale or offset as it will be stored
+        return a.astype(stored).astype(jnp.float32)
 
     def rounded(scale, offset, q_min, q_max):
         inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
@@ -171,15 +197,15 @@ def _quantize_asymmetric(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array
         err = jnp.max(jnp.abs(q * scale[..., None, :] + offset[..., None, :] - g), axis=-2)
         return q, err
 
-    a_scale = (hi - lo) / LEVELS
-    a_offset = lo + 128.0 * a_scale
-    q_a, err_a = rounded(a_scale, a_offset, -128, 127)
-    s_scale = amax / INT8_MAX
-    q_s, err_s = rounded(s_scale, jnp.zeros_like(s_scale), -INT8_MAX, INT8_MAX)
+    a_scale = kept((hi - lo) / levels)
+    a_offset = kept(lo + (top + 1) * a_scale)
+    q_a, err_a = rounded(a_scale, a_offset, -top - 1, top)
+    s_scale = kept(amax / top)
+    q_s, err_s = rounded(s_scale, jnp.zeros_like(s_scale), -top, top)
     sym = err_s <= err_a                                                    # [..., G, N]
     q = jnp.where(sym[..., None, :], q_s, q_a).astype(jnp.int8)
     scale, offset = jnp.where(sym, s_scale, a_scale), jnp.where(sym, 0.0, a_offset)
-    return q.reshape(*w.shape[:-2], -1, w.shape[-1])[..., :k, :], scale, offset
+    return q.reshape(*w.shape[:-2], -1, w.shape[-1])[..., :k, :], scale.astype(stored), offset.astype(stored)
 
 
 @jax.jit
@@ -219,14 +245,15 @@ def matmul(x: jax.Array, w: Int8Weight, layer: jax.Array | None = None) -> jax.A
     if (layer is None) != (w.q.ndim == 2) or w.q.ndim not in (2, 3):
         raise ValueError(f"int8.matmul takes a weight [in, out], or a stack [L, in, out] and a layer index; got "
                          f"shape {tuple(w.q.shape)} {'without' if layer is None else 'with'} a layer index")
-    k, n = w.q.shape[-2:]
+    k, n = w.in_features, w.q.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)                                                   # [M, K]
     grouped = not (w.offset is None and w.scale.shape[-2] == 1)
     if grouped and _tpu_kernel_applies(x2, w):
         index = jnp.asarray(0 if layer is None else layer, jnp.int32)
         y = jax.lax.platform_dependent(x2, index, w.q, w.scale, *(() if w.offset is None else (w.offset,)),
-                                       tpu=_tpu_matmul, default=_xla_matmul)
+                                       tpu=functools.partial(_tpu_matmul, bits=w.bits),
+                                       default=functools.partial(_xla_matmul, bits=w.bits))
         return y.reshape(*lead, n)
     if layer is not None:
         w = jax.tree.map(functools.partial(_index_layer, layer), w)
@@ -274,23 +301,23 @@ def residual_scale(scale: jax.Array) -> jax.Array:
 
 
 def _xla_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array,
-                offset: jax.Array | None = None) -> jax.Array:
+                offset: jax.Array | None = None, *, bits: int = 8) -> jax.Array:
     """The product by a weight of GROUP-input groups in XLA (of layer `layer` of a stack [L, K, N]: sliced
     out): the weight dequantized to x's dtype, then one dot (XLA writes the dequantized weight to memory
     first)."""
     if q.ndim == 3:
         q, scale, offset = (None if a is None else _index_layer(layer, a) for a in (q, scale, offset))
-    w = Int8Weight(q=q, scale=scale, offset=offset, block=GROUP)
+    w = Int8Weight(q=q, scale=scale, offset=offset, block=GROUP, bits=bits)
     return jnp.einsum("mk,kn->mn", x2, w.dequantize(x2.dtype), preferred_element_type=jnp.float32)
 
 
 def _tpu_matmul(x2: jax.Array, layer: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None = None,
-                *, interpret: bool = False) -> jax.Array:
+                *, bits: int = 8, interpret: bool = False) -> jax.Array:
     """The same product by kernels/tpu/int8_matmul.py's Pallas kernel; a stack [L, K, N] is read in place
     at `layer`. interpret: Pallas' TPU interpreter (tests run this branch on CPU)."""
     from slipstream.kernels.tpu.int8_matmul import int8_matmul
 
-    return int8_matmul(x2, q, scale, offset, layer if q.ndim == 3 else None, interpret=interpret)
+    return int8_matmul(x2, q, scale, offset, layer if q.ndim == 3 else None, bits=bits, interpret=interpret)
 
 
 def _tpu_kernel_applies(x2: jax.Array, w: Int8Weight) -> bool:
@@ -301,7 +328,8 @@ def _tpu_kernel_applies(x2: jax.Array, w: Int8Weight) -> bool:
 
     if x2.dtype not in (jnp.bfloat16, jnp.float32) or w.block != GROUP:
         return False
-    if blocks(x2.shape[0], *w.q.shape[-2:], group=w.block, x_bytes=x2.dtype.itemsize, offset=w.offset is not None) is None:
+    if blocks(x2.shape[0], w.in_features, w.q.shape[-1], group=w.block, x_bytes=x2.dtype.itemsize,
+              offset=w.offset is not None, bits=w.bits, scale_bytes=w.scale.dtype.itemsize) is None:
         return False
     if jax.default_backend() == "tpu":  # records (and logs) the path, for the start-up log and /metrics
         return native.use_pallas("int8_matmul")

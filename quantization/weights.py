@@ -20,6 +20,12 @@ from slipstream.quantization.groupwise import QUANTIZED_MODES, QuantizedWeight  
 MODES: tuple[str, ...] = ("none", *QUANTIZED_MODES, *int8.MODES)
 
 
+def head_mode(mode: str) -> str:
+    """The mode of the weights outside the layers (the LM head) under `mode`: "int8" for "int4" (the head is a
+    small part of a large model's bytes and costs the most accuracy at 4 bits), else `mode`."""
+    return "int8" if mode == "int4" else mode
+
+
 def check_mode(mode: str, allowed: tuple[str, ...] = MODES) -> None:
     if mode not in allowed:
         raise ValueError(f"unknown quantization mode {mode!r}; allowed modes: {', '.join(allowed)}")

@@ -61,8 +61,9 @@ class EngineConfig:
         if self.prompt_weights == "w16" and (self.quantize not in ("auto", "q8_0-a16") or self.tensor_parallel > 1):
             raise ValueError(f"prompt_weights w16 goes with quantize q8_0-a16 (the CPU default) on one device, not "
                              f"quantize {self.quantize} with tensor_parallel {self.tensor_parallel}")
-        if self.quantize.startswith("int8-channel") and self.tensor_parallel > 1:
-            # its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py)
+        if (self.quantize.startswith("int8-channel") or self.quantize == "int4") and self.tensor_parallel > 1:
+            # int8-channel: its one scale row per weight cannot split with a row-parallel weight (engine/sharding.py);
+            # int4: its packed pairs of input groups are not split by the sharding rules
             raise ValueError(f"quantize {self.quantize} runs on one device, not with tensor_parallel "
                              f"{self.tensor_parallel}; use int8")
 

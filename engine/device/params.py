@@ -14,13 +14,14 @@ from slipstream.models.base import CausalLM
 from slipstream.models.layers import Linear
 from slipstream.quantization import Int8Weight, QuantizedWeight, quantize_weight
 from slipstream.quantization.groupwise import QuantizedTable
-from slipstream.quantization.weights import QUANTIZED_MODES, check_mode
+from slipstream.quantization.weights import QUANTIZED_MODES, check_mode, head_mode
 
 
 def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) -> CausalLM:
     """Round the declared linear weights (models/base.Weight.linear, the LM head included) to `mode`
     and cast the remaining float weights to `dtype`, in place. A tied LM head gets int8 rows of the
-    embedding table (the float table stays for the token lookup). Weights the loader already built
+    embedding table (the float table stays for the token lookup); the LM head takes weights.head_mode's mode
+    ("int8" under "int4"). Weights the loader already built
     as group-wise int8 (models.loader with quantize="q8_0") are kept: their floats never exist.
     quantization.int8's modes round each weight on its device, one tensor at a time."""
     check_mode(mode)
@@ -36,14 +37,14 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
 
                 head.w.set_value(pack_one(quantize_rows(np.asarray(table, np.float32)), mode))
             else:
-                head.w.set_value(quantize_weight(jnp.asarray(table).T, mode))
+                head.w.set_value(quantize_weight(jnp.asarray(table).T, head_mode(mode)))
             model.lm_head = head
         state = nnx.state(model, nnx.Param)
         flat = dict(nnx.to_flat_state(state))
         targets = [w for w in type(model).WEIGHTS if w.linear and tuple(w.path.split(".")) in flat]
         for w in tqdm(targets, desc=f"quantize {mode}", file=sys.stderr, disable=not progress, leave=False):
             var = flat[tuple(w.path.split("."))]
-            var.set_value(quantize_weight(var.get_value(), mode))
+            var.set_value(quantize_weight(var.get_value(), mode if w.per_layer else head_mode(mode)))
         nnx.update(model, state)
 
     state = nnx.state(model, nnx.Param)

@@ -8,6 +8,7 @@ StackedInt8, an Int8Weight stack multiplied at the traced layer index) in a tiny
 - On CPU the engine keeps its own forms (PerLayer for these weights)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,7 +41,7 @@ def model():
     return dummy_model(CFG, quantize="int8")
 
 
-def _engine(model, monkeypatch, form: str) -> JaxEngine:
+def _engine(model, monkeypatch, form: str, cfg: ModelConfig = CFG, config: EngineConfig = CONFIG) -> JaxEngine:
     """form: "cpu" (the runner's choice on this machine), "index" (the TPU's: StackedInt8) or "slice" (the
     TPU's before: the int8 stacks left to the layer scan, which slices each layer out)."""
     jax.clear_caches()  # traces are shared across engines: trace each form afresh
@@ -48,7 +49,7 @@ def _engine(model, monkeypatch, form: str) -> JaxEngine:
         monkeypatch.setattr(runner, "split_linears", lambda m, **kw: layer_stack.index_int8_stacks(m))
     elif form == "slice":
         monkeypatch.setattr(runner, "split_linears", lambda m, **kw: None)
-    return JaxEngine(CFG, model, CONFIG, precompile=False)
+    return JaxEngine(cfg, model, config, precompile=False)
 
 
 def _linears(engine: JaxEngine) -> list:
@@ -120,6 +121,26 @@ def test_tpu_path_keeps_greedy_tokens(model, monkeypatch):
     np.testing.assert_array_equal(in_place.argmax(-1), want.argmax(-1))
     # the kernel's f32 sums in another order than XLA's dot
     np.testing.assert_allclose(in_place, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_tpu_path_of_int4_weights_keeps_greedy_tokens(monkeypatch):
+    """int4 stacks (4-bit values two a byte, bf16 scales: K a multiple of 512 for the kernel) go to the kernel
+    whole in the TPU program, and the interpreted kernel gives the CPU path's logits."""
+    cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=1024)
+    config = dataclasses.replace(CONFIG, quantize="int4")
+    model = dummy_model(cfg, quantize="int4")
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (9, 7)]
+    want = _greedy(_engine(model, monkeypatch, "cpu", cfg, config), prompts)
+    engine = _engine(model, monkeypatch, "index", cfg, config)
+    stacks = [w.weight for w in _linears(engine)]
+    assert len(stacks) == LINEARS and all(w.bits == 4 and w.q.shape[1] * 2 == w.shape[1] for w in stacks)
+    calls = [line for line in _tpu_program(engine) if "tpu_custom_call" in line]
+    assert all(any(f"tensor<{'x'.join(map(str, w.q.shape))}xi8>" in call for call in calls) for w in stacks)
+    monkeypatch.setattr(int8, "_xla_matmul", functools.partial(int8._tpu_matmul, interpret=True))
+    got = _greedy(_engine(model, monkeypatch, "index", cfg, config), prompts)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_matmul_roofline_takes_the_stacks(model, monkeypatch):

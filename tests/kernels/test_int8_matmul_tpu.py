@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from slipstream.kernels.tpu import int8_matmul as kernel
+from slipstream.kernels.tpu import nibbles
 from slipstream.quantization import int8
 
 
@@ -220,3 +221,75 @@ def test_layer_index_goes_with_a_stack():
         int8.matmul(x, stack)
     with pytest.raises(ValueError, match="stack"):
         int8.matmul(x, jax.tree.map(lambda a: a[0], stack), layer=jnp.int32(0))
+
+
+def _weight4(rng, k: int, n: int, offset: bool, scale_dtype, layers: int | None = None) -> int8.Int8Weight:
+    """4-bit values (-8..7) packed two a byte, power-of-two scales and whole-scale offsets (exact in bf16), in
+    `scale_dtype`: every dequantized weight is exact, as in _weight."""
+    lead = () if layers is None else (layers,)
+    g = k // int8.GROUP
+    q = jnp.asarray(rng.integers(-8, 8, lead + (k, n)), jnp.int8)
+    scale = jnp.asarray(2.0 ** rng.integers(-6, 1, lead + (g, n)), scale_dtype)
+    off = (scale.astype(jnp.float32) * jnp.asarray(rng.integers(-16, 17, lead + (g, n)), jnp.float32)
+           ).astype(scale_dtype) if offset else None
+    return int8.Int8Weight(q=nibbles.pack4(q), scale=scale, offset=off, bits=4)
+
+
+def test_nibbles_round_trip_and_layout():
+    """pack4 puts input 64j + i in byte row 32j + i's low nibble and input 64j + 32 + i in its high one."""
+    q = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (2, 128, 3)), jnp.int8)
+    packed = nibbles.pack4(q)
+    assert packed.shape == (2, 64, 3) and packed.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(nibbles.unpack4(packed)), np.asarray(q))
+    b = np.asarray(packed).astype(np.uint8)
+    np.testing.assert_array_equal(b[:, 32 + 5] & 0xF, np.asarray(q[:, 64 + 5]) & 0xF)
+    np.testing.assert_array_equal(b[:, 32 + 5] >> 4, np.asarray(q[:, 64 + 32 + 5]) & 0xF)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        nibbles.pack4(jnp.zeros((96, 4), jnp.int8))
+
+
+CASES4 = [  # m, k, n, block_k, block_n, offset, x dtype, scale dtype
+    (1, 512, 128, 512, 128, True, "float32", "bfloat16"),
+    (5, 1024, 384, 512, 128, True, "bfloat16", "bfloat16"),   # 2 x 3 blocks
+    (17, 512, 256, 256, 128, False, "float32", "float32"),    # f32 scales: blocks of 256, symmetric
+    (3, 256, 256, None, None, True, "bfloat16", "bfloat16"),  # bf16 scales, K of 256: all of K in one block
+]
+
+
+@pytest.mark.parametrize("m,k,n,bk,bn,offset,dtype,sdtype", CASES4)
+def test_4bit_kernel_matches_dequantized_dot(m, k, n, bk, bn, offset, dtype, sdtype):
+    rng = np.random.default_rng(m + k + n)
+    w = _weight4(rng, k, n, offset, sdtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, bits=4, interpret=True)
+    _close(y, _reference(x, w))
+    if bk is None:
+        assert kernel.blocks(m, k, n, bits=4, scale_bytes=2) == (256, 256)
+
+
+def test_4bit_stack_at_a_layer_index_through_int8_matmul():
+    """int8.matmul of a 4-bit stack at a traced layer: the TPU branch (interpreted kernel on the packed stack in
+    place) gives the XLA branch's product of the layer's weight."""
+    rng = np.random.default_rng(11)
+    stack = _weight4(rng, 512, 256, True, jnp.bfloat16, layers=3)
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    tpu = jax.jit(lambda x, i, *w: int8._tpu_matmul(x, i, *w, bits=4, interpret=True))
+    for layer in (2, 0):
+        one = jax.tree.map(lambda a: a[layer], stack)
+        got = tpu(x, jnp.int32(layer), stack.q, stack.scale, stack.offset)
+        _close(got, _reference(x, one))
+        _close(int8.matmul(x, stack, layer=jnp.int32(layer)), _reference(x, one))
+    text = _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1), platform="tpu")
+    (call,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert "tensor<3x256x256xi8>" in call and call.count("tensor<3x16x256xbf16>") == 2
+
+
+def test_4bit_bad_inputs_raise():
+    q, s = jnp.zeros((128, 128), jnp.int8), jnp.ones((8, 128), jnp.bfloat16)
+    x = jnp.zeros((2, 256), jnp.float32)
+    with pytest.raises(ValueError, match="bits"):
+        kernel.int8_matmul(x, q, s, bits=4, dequant="reshape", interpret=True)
+    with pytest.raises(ValueError, match="share a dtype"):
+        kernel.int8_matmul(x, q, s, s.astype(jnp.float32), bits=4, interpret=True)
+    with pytest.raises(ValueError, match="inputs"):
+        kernel.int8_matmul(x, q, s, interpret=True)  # 8-bit reading of a packed weight: 128 inputs, not 256

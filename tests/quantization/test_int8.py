@@ -25,11 +25,24 @@ def make(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
     return x, w
 
 
+def values(qw: Int8Weight) -> np.ndarray:
+    """qw's integer values, one per weight: 4-bit ones unpacked here (kernels/tpu/nibbles.py's layout: byte row
+    32j + i holds input 64j + i in its low nibble, 64j + 32 + i in its high one, two's complement)."""
+    if qw.bits == 8:
+        return np.asarray(qw.q, np.int64)
+    b = np.asarray(qw.q).view(np.uint8).astype(np.int64)
+    *lead, half, n = b.shape
+    b = b.reshape(*lead, half // 32, 1, 32, n)
+    low, high = b & 0xF, b >> 4
+    nib = np.concatenate([low, high], axis=-3)
+    return np.where(nib > 7, nib - 16, nib).reshape(*lead, 2 * half, n)
+
+
 def stored(qw: Int8Weight) -> np.ndarray:
-    """The weight qw stands for, in float64 from its int8 and scales (not through its own code)."""
-    k = qw.q.shape[-2]
+    """The weight qw stands for, in float64 from its int8 (or 4-bit) values and scales (not through its own code)."""
+    k = qw.shape[-2]
     rep = lambda a: np.repeat(np.asarray(a, np.float64), qw.block, axis=-2)[..., :k, :]  # noqa: E731
-    q = np.asarray(qw.q, np.float64)
+    q = values(qw).astype(np.float64)
     if qw.residual is not None:   # int8-channel-w16
         q = q + np.asarray(qw.residual, np.float64) / int8.RESIDUAL
     w = q * rep(qw.scale)
@@ -50,6 +63,10 @@ def xla_per_channel(monkeypatch):
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_w8a16_matmul_equals_the_float64_product_of_the_stored_weight(mode, m, k, n, xla_per_channel):
     x, w = make(m, k, n)
+    if mode == "int4" and k % 64:  # 4-bit values pack in pairs of 32-input groups
+        with pytest.raises(ValueError, match=f"multiple of 64 inputs.*{k}"):
+            quantize_weight(jnp.asarray(w), mode)
+        return
     qw = quantize_weight(jnp.asarray(w), mode)
     got = np.asarray(linear(jnp.asarray(x), qw), np.float64)
     ref = x.astype(np.float64) @ stored(qw)
@@ -207,3 +224,20 @@ def test_int8_channel_under_tensor_parallel_is_refused_by_name():
     with pytest.raises(ValueError, match="int8-channel.*tensor_parallel 2"):
         EngineConfig(quantize="int8-channel", tensor_parallel=2)
     EngineConfig(quantize="int8", tensor_parallel=2)  # int8's per-32 scales split with the weight
+
+
+def test_int4_stores_4_bit_values_two_a_byte_with_bf16_scales():
+    """int4: values in -8..7 packed [.., K / 2, N], a bf16 scale and offset per 32 inputs (5 bits a weight), the
+    stored weight within half a step of the float one; a weight already on a 4-bit grid of bf16 scales is kept."""
+    x, w = make(3, 128, 40, seed=5)
+    qw = quantize_weight(jnp.asarray(w), "int4")
+    assert qw.bits == 4 and qw.q.shape == (64, 40) and qw.shape == (128, 40)
+    assert qw.scale.dtype == qw.offset.dtype == jnp.bfloat16 and qw.scale.shape == (4, 40)
+    assert values(qw).min() >= -8 and values(qw).max() <= 7 and len(np.unique(values(qw))) == 16
+    assert weight_bytes(qw) == pytest.approx(w.size * (0.5 + 4 / 32))
+    step = np.repeat(np.asarray(qw.scale, np.float64), 32, axis=0)
+    assert np.all(np.abs(stored(qw) - w) <= 0.5 * step * 1.0001 + 1e-7)
+    on_grid = stored(qw).astype(np.float32)
+    np.testing.assert_allclose(stored(quantize_weight(jnp.asarray(on_grid), "int4")), on_grid, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="int4"):
+        int8.from_int8(jnp.zeros((64, 8), jnp.int8), 0.1, "int4")  # a tied head of int8 values stays int8

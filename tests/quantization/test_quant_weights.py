@@ -11,13 +11,14 @@ from slipstream.quantization.weights import MODES, QuantizedWeight, quantize_wei
 
 def test_unknown_mode_is_rejected_naming_the_allowed_modes():
     with pytest.raises(ValueError) as info:
-        quantize_weight(jnp.ones((32, 4)), "int4")
+        quantize_weight(jnp.ones((32, 4)), "int3")
     message = str(info.value)
-    assert "int4" in message and "q8_0" in message and "q8_0-a16" in message
+    assert "int3" in message and "q8_0" in message and "q8_0-a16" in message and "int4" in message
 
 
 def test_all_modes_constant_lists_none_first():
-    assert MODES == ("none", "q8_0", "q8_0-a16", "int8", "int8-channel", "int8-channel-a16", "int8-channel-w16")
+    assert MODES == ("none", "q8_0", "q8_0-a16", "int8", "int4", "int8-channel", "int8-channel-a16",
+                     "int8-channel-w16")
 
 
 @pytest.mark.parametrize("bad,match", [(jnp.ones(32), "shape"), (jnp.ones((32, 4), jnp.int32), "floating")])
