@@ -21,10 +21,11 @@ from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.output import Emit, OutputProcessor, RequestMetrics
 from slipstream.engine.request_stream import Completion, RequestStream
 from slipstream.engine.request import FinishReason, Request
-from slipstream.engine.schedule import Plan, StepPlanner
+from slipstream.engine.schedule import StepPlanner
 from slipstream.engine.scheduler_api import (EngineUnavailable, Lifecycle, Overloaded, PromptTooLong, Rejection,
                                              SchedulerConfig, SchedulerStats, StepEvent, Totals, generate_all)
 from slipstream.engine.sequence import Sequence
+from slipstream.engine.step_plan import Plan
 
 __all__ = ["Completion", "EngineUnavailable", "OutputProcessor", "Overloaded", "PromptTooLong", "RequestMetrics",
            "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "StepEvent", "generate_all"]
