@@ -9,7 +9,7 @@
 attention and int8 live in benchmarks/kernel_attention.py and kernel_int8.py; their docstrings say
 what they measure.
 
-sampling: The engine's sampling program alone (JaxEngine._sample_step, its [slots, V] state donated as in
+sampling: The engine's sampling program alone (sample_program.sample_step, its [slots, V] state donated as in
 the engine), with the native sampling kernel and with its JAX reference, compiled in one process and
 timed in alternation, per sampling setting and row count. Rows are N(0, --scale) logits over the
 default model's vocab (49152); flatter rows (smaller scale) put the top-p nucleus past more tokens.
@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.measure import cpu_model, cpu_timed, fma_peak_gflops
 from slipstream.engine.request import SamplingParams
-from slipstream.engine.device.runner import JaxEngine
+from slipstream.engine.device.sample_program import sample_step
 from slipstream.engine.device.sampling import DraftRows, SamplingArrays
 from slipstream.engine.structured import mask_words
 from slipstream.kernels import f32_matmul as fm
@@ -66,7 +66,7 @@ def compiled(args, native: bool):
     ks.native_available = (lambda: saved()) if native else (lambda: False)
     try:
         # a fresh function: JAX reuses a traced function's program, whatever the seam answers now
-        return jax.jit(lambda *a: JaxEngine._sample_step(*a), donate_argnums=(1,)).lower(*args).compile()
+        return jax.jit(lambda *a: sample_step(*a), donate_argnums=(1,)).lower(*args).compile()
     finally:
         ks.native_available = saved
 

@@ -15,7 +15,7 @@ from slipstream.engine.speculative import Proposer, SpeculativeConfig
 if TYPE_CHECKING:
     from slipstream.engine.request_stream import Completion, RequestStream
     from slipstream.engine.request import Request
-    from slipstream.engine.schedule import Plan
+    from slipstream.engine.step_plan import Plan
 
 
 class Overloaded(Exception):

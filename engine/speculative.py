@@ -313,7 +313,7 @@ class Speculator:
         return draft
 
     def accept(self, chunk, samples: list["Sampled"]) -> list["Sampled"]:
-        """Verification of a drafting chunk (engine/schedule.py's Chunk): the samples it keeps (the accepted drafts, as sampled at
+        """Verification of a drafting chunk (engine/step_plan.py's Chunk): the samples it keeps (the accepted drafts, as sampled at
         their rows, and the token after them); the accepted drafts' KV counts as computed."""
         seq, draft = chunk.seq, chunk.draft
         accepted = accepted_length(draft, [s.token_id for s in samples])

@@ -15,8 +15,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("server", "engine", "models", "quantization", "kernels")
 # engine's rooms: the host side (engine/*.py) must not reach into the device or distributed rooms.
 ENGINE_ROOMS = ("device", "distributed")
-NO_JAX = ("engine/scheduler.py", "engine/kv_cache.py", "engine/prefix_cache.py", "engine/block_manager.py",
-          "engine/schedule.py", "engine/lora_registry.py")
+NO_JAX = ("engine/scheduler.py", "engine/step_loop.py", "engine/kv_cache.py", "engine/prefix_cache.py",
+          "engine/block_manager.py", "engine/schedule.py", "engine/step_plan.py", "engine/lora_registry.py")
 
 
 def _module_name(path: pathlib.Path) -> str:

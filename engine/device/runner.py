@@ -1,42 +1,37 @@
 """The JAX engine: owns the device arrays (KV pages, penalty state) and runs the jitted ragged step.
 
 One model program per token bucket (a power-of-two ladder up to max_num_batched_tokens) and one
-sampling program per sample-row bucket, all compiled ahead of time; the KV pages and the penalty
-state are donated, so steps update them in place. Implements engine/api.py's Engine. Its settings
-are engine/engine_config.py's; a batch's host arrays are built by engine/step_inputs.py, into one
-buffer per program (engine/device/packed.py): a step makes two host->device transfers, not twenty.
+sampling program per sample-row bucket (engine/device/sample_program.py), all compiled ahead of time
+(engine/device/programs.py); the KV pages and the penalty state are donated, so steps update them in
+place. Implements engine/api.py's Engine. Its settings are engine/engine_config.py's; a batch's host
+arrays are built by engine/step_inputs.py, into one buffer per program (engine/device/packed.py): a
+step makes two host->device transfers, not twenty.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import re
 import secrets
-from concurrent.futures import ThreadPoolExecutor, as_completed
-import sys
 import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from slipstream.engine.device import compile_count
 from slipstream.engine.api import Sampled, SlotState, StepBatch
 from slipstream.engine.device.attention_layer import paged_attention
 from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
-from slipstream.engine.device.executables import ExecutableStore, avals
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples, record_samples
+from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
 from slipstream.engine.device.packed import Packing
-from slipstream.engine.device.sampling import (DraftRows, SamplingArrays, check_token_ids, constrain, prompt_mask_row,
-                                               sample_penalized, update_counts)
+from slipstream.engine.device.programs import Programs
+from slipstream.engine.device.sample_program import packed_sample_step, set_row
+from slipstream.engine.device.sampling import SamplingArrays, check_token_ids, prompt_mask_row
 from slipstream.engine.device.lora_slots import LoraSlots
-from slipstream.engine.device.step_inputs import (model_packing, previous_sources, sample_inputs, sample_packing,
-                                                  step_inputs, token_lora_slots)
+from slipstream.engine.device.step_inputs import previous_sources, sample_inputs, step_inputs, token_lora_slots
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
 from slipstream.engine.device.layer_stack import index_int8_stacks, split_linears
 from slipstream.engine.device.params import prepare_model
@@ -51,7 +46,7 @@ from slipstream.models.loader import trim_host_heap
 from slipstream.quantization.layer_forms import bind_rows
 
 
-class JaxEngine:
+class JaxEngine(Programs):
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 
     def __init__(self, model_cfg: ModelConfig, model: CausalLM, config: EngineConfig = EngineConfig(), *,
@@ -145,8 +140,8 @@ class JaxEngine:
                 self._replicated, self.tp.cache_shardings(self._cache_spec)))
             self.output_counts, self.prompt_mask = jax.device_put((self.output_counts, self.prompt_mask),
                                                                   self._replicated)
-        self._sample_jit = jax.jit(self._packed_sample_step, static_argnums=(0,), donate_argnums=(2, 3))
-        self._set_row_jit = jax.jit(self._set_row, donate_argnums=(0, 1))
+        self._sample_jit = jax.jit(packed_sample_step, static_argnums=(0,), donate_argnums=(2, 3))
+        self._set_row_jit = jax.jit(set_row, donate_argnums=(0, 1))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
         # with the hybrid weights: the decode buckets' programs for steps of generated tokens only (no split bound:
         # q8_0-a16 alone, as without the hybrid), beside the split ones in _model_exe
@@ -175,120 +170,6 @@ class JaxEngine:
             params = self.lora.attach(params, lora_stacks, x["lora_slots"])
         return self._forward(params, cache, tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"],
                              x["num_seqs"], x["sample_index"], dtype=self.dtype)
-
-    @classmethod
-    def _packed_sample_step(cls, packing: Packing, logits, state, last, packed, bitmask):
-        """_sample_step over step_inputs.sample_packing's arrays; it also records each slot's latest
-        sample into `last` (PreviousSamples)."""
-        x = packing.unpack(packed)
-        sarrays = SamplingArrays(**{f.name: x[f.name] for f in dataclasses.fields(SamplingArrays)})
-        drafts = DraftRows(**{f.name: x[f.name] for f in dataclasses.fields(DraftRows)})
-        result, state = cls._sample_step(logits, state, x["slot_ids"], x["active"], sarrays, bitmask, drafts)
-        return result, state, record_samples(last, x["slot_ids"], result.token)
-
-    @staticmethod
-    def _sample_step(logits, state, slot_ids, active, sarrays, bitmask, drafts):
-        # The draw runs outside any cond, and the [slots, V] state never leaves through one: with a
-        # cond on penalties around the whole draw that also returned the counts, XLA:CPU took 2.3 ms
-        # for this program at 32 greedy rows instead of 0.64 (6.98 -> 0.81 with a penalized row).
-        # The counts take one add per active row, in place and in every batch, so a row's counts are
-        # current whenever its penalties read them (insert() rebuilds a penalized request's row).
-        # Verification rows add only the tokens the host keeps (the accepted drafts and the one after them).
-        counts, pmask = state
-        logits = logits.astype(jnp.float32)
-        penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts)
-        result = sample_penalized(logits, penalized, sarrays)
-        return result, (update_counts(counts, slot_ids, result.token, active & drafts.kept(result.token)), pmask)
-
-    @staticmethod
-    def _set_row(counts, pmask, slot, counts_row, mask_row):
-        if counts_row is None:  # a request with no output yet: its counts are zeroed here, not uploaded
-            counts_row = jnp.zeros(counts.shape[1], counts.dtype)
-        return counts.at[slot].set(counts_row), pmask.at[slot].set(mask_row)
-
-    # ---- ahead-of-time compilation ----------------------------------------------------------
-
-    def _model_packing(self, t: int, split: bool = True) -> Packing:
-        return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
-                             sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
-                             prompt_from=self.prompt_w16 and split)
-
-    def _model_args(self, t: int, split: bool = True):
-        packing = self._model_packing(t, split)
-        return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
-                None if self.lora is None else self.lora.stacks)
-
-    def _sample_args(self, b: int):
-        packing = sample_packing(b)
-        return (packing, jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
-                (self.output_counts, self.prompt_mask), self._previous.spec, packing.spec(self._replicated),
-                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
-
-    @property
-    def num_programs(self) -> int:
-        """Model and sampling programs."""
-        return len(self.buckets.token_counts) + len(self._generated_buckets) + len(self.buckets.sample_row_counts)
-
-    def compile_all(self, *, progress: bool = False) -> None:
-        """Compile every bucket now (or load it from the persistent cache), on all host cores."""
-        start = time.perf_counter()
-        store = self._executable_store()
-        reuse = store is not None and store.replay_kernels()  # none saved yet, or a native module is missing
-        programs = [(self._sample_exe, b, f"sample-{b}", self._sample_jit, self._sample_args(b))
-                    for b in self.buckets.sample_row_counts]
-        programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
-                     for t in reversed(self.buckets.token_counts)]  # the slowest first
-        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit,
-                      self._model_args(t, split=False)) for t in self._generated_buckets]
-        loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
-        if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
-            for table, shape, name, _, _ in programs:
-                table[shape] = loaded[name]
-        jobs = [] if loaded else [(table, shape, name, jitted.lower(*args)) for table, shape, name, jitted, args in programs]
-        self.lower_seconds = time.perf_counter() - start  # tracing in Python (or loading whole executables)
-        # XLA compiles release the GIL, so a thread per core overlaps them
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            compile_ = store.compile if store else (lambda lowered: lowered.compile())
-            futures = {pool.submit(compile_, lowered): (table, shape, name) for table, shape, name, lowered in jobs}
-            for future in tqdm(as_completed(futures), total=len(futures), desc="compiling buckets",
-                               unit="program", file=sys.stderr, disable=not progress, leave=False):
-                table, shape, name = futures[future]
-                table[shape] = future.result()
-                if store:
-                    store.save(name, table[shape])
-        if store:
-            if jobs:
-                store.save_kernels()
-            store.prune()
-            self.programs_loaded = store.loaded
-        if self.lora is not None:  # and the adapter slot writer: loading adapters never compiles
-            self.lora.compile()
-        # the row setter is tiny: compile it now too (both forms) so steady state never compiles
-        for counts_row in (np.zeros(self.vocab_size, np.int32), None):
-            self.output_counts, self.prompt_mask = self._set_row_jit(
-                self.output_counts, self.prompt_mask, np.int32(self.max_slots), counts_row,
-                np.zeros(self.vocab_size, bool))
-        self.compile_seconds = time.perf_counter() - start
-
-    def _executable_store(self) -> ExecutableStore | None:
-        """Whole compiled programs in the server's compile cache (engine/device/executables.py), keyed by
-        what they are built from; on one device without a mesh (a sharded engine traces and uses JAX's cache)."""
-        if self.tp is not None:
-            return None
-
-        def identity() -> str:  # object addresses in reprs are not part of it
-            text = "\n".join([repr(self.model_cfg), repr(self.config), repr(self.graphdef), repr(self.buckets),
-                              avals((self._model_args(self.buckets.token_counts[0]),
-                                     self._sample_args(self.buckets.sample_row_counts[0])))])
-            return re.sub(r"0x[0-9a-f]+", "0x", text)
-
-        return ExecutableStore.enabled(jax.devices()[:1], identity)
-
-    def _exe(self, table: dict, shape: int, jitted, args_fn):
-        exe = table.get(shape)
-        if exe is None:  # only when precompile=False (tests of a single shape)
-            exe = table[shape] = jitted.lower(*args_fn(shape)).compile()
-        return exe
 
     @property
     def max_loras(self) -> int:

@@ -8,8 +8,9 @@ from slipstream.engine.api import SlotState
 from slipstream.engine.block_manager import BlockManager
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import Request, SamplingParams
-from slipstream.engine.schedule import Plan, StepPlanner
+from slipstream.engine.schedule import StepPlanner
 from slipstream.engine.sequence import Sequence, Status
+from slipstream.engine.step_plan import Plan
 
 _order = itertools.count()
 

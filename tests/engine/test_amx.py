@@ -13,7 +13,7 @@ from slipstream.quantization.layer_forms import StackedQ8
 from tests.conftest import TINY_ENGINE
 from tests.engine.test_kernel_paths import greedy
 from tests.kernels.isas import runnable_isas
-from tests.kernels.test_q8_matmul import AMX_MIN_ROWS
+from tests.kernels.q8_cases import AMX_MIN_ROWS
 
 
 def q8_extension():

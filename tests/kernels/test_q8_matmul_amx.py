@@ -13,8 +13,8 @@ import pytest
 
 from slipstream.kernels import q8_matmul as q8
 
-from tests.kernels.test_q8_matmul import (AMX_MIN_ROWS, ISAS, assert_split_product_close, exact_product, f16,
-                                          outlier_case, random_weight, run_kernel)
+from tests.kernels.q8_cases import (AMX_MIN_ROWS, ISAS, assert_split_product_close, exact_product, f16, outlier_case,
+                                    random_weight, run_kernel)
 
 if "amx" in ISAS:
     import slipstream.kernels._q8_matmul as ext

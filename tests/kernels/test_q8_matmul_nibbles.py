@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream.kernels import q8_matmul as q8
-from tests.kernels.test_q8_matmul import ISAS, f16, needs_native, run_kernel, run_on_every_isa, run_reference
+from tests.kernels.q8_cases import ISAS, f16, needs_native, run_kernel, run_on_every_isa, run_reference
 
 
 @needs_native

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from slipstream.kernels import q8_matmul as q8
-from tests.kernels.test_q8_matmul import NATIVE, assert_close, needs_native, oracle, random_weight, run_kernel
+from tests.kernels.q8_cases import NATIVE, assert_close, needs_native, oracle, random_weight, run_kernel
 
 if NATIVE:
     import slipstream.kernels._q8_matmul as ext
@@ -111,7 +111,7 @@ def test_nontemporal_prefetches_do_not_change_results(on):
 def test_a_one_row_call_takes_the_vector_path_on_every_isa():
     # route() reports the dispatch: a decode's one-row call streams its weights on the vector path of the ISA chosen
     # (on AMX, AVX-512 VNNI's: tests/kernels/test_q8_matmul_amx.py checks the tile unit's row window)
-    from tests.kernels.test_q8_matmul import ISAS
+    from tests.kernels.q8_cases import ISAS
 
     prev = ext.isa()
     try:

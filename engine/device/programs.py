@@ -1,0 +1,107 @@
+"""The engine's programs, compiled ahead of time: one model program per token bucket (and, with the hybrid
+weights, per decode bucket for generated tokens only) and one sampling program per sample-row bucket, compiled
+on every host core or loaded whole from the compile cache (engine/device/executables.py). JaxEngine's base
+class: the engine (engine/device/runner.py) sets up the jitted functions, buckets and tables it fills."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor, as_completed
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from slipstream.engine.device.executables import ExecutableStore, avals
+from slipstream.engine.device.packed import Packing
+from slipstream.engine.device.step_inputs import model_packing, sample_packing
+from slipstream.engine.structured import mask_words
+
+
+class Programs:
+    """Building, compiling and looking up the engine's programs (a base class of JaxEngine)."""
+
+    def _model_packing(self, t: int, split: bool = True) -> Packing:
+        return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
+                             sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
+                             prompt_from=self.prompt_w16 and split)
+
+    def _model_args(self, t: int, split: bool = True):
+        packing = self._model_packing(t, split)
+        return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
+                None if self.lora is None else self.lora.stacks)
+
+    def _sample_args(self, b: int):
+        packing = sample_packing(b)
+        return (packing, jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
+                (self.output_counts, self.prompt_mask), self._previous.spec, packing.spec(self._replicated),
+                jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
+
+    @property
+    def num_programs(self) -> int:
+        """Model and sampling programs."""
+        return len(self.buckets.token_counts) + len(self._generated_buckets) + len(self.buckets.sample_row_counts)
+
+    def compile_all(self, *, progress: bool = False) -> None:
+        """Compile every bucket now (or load it from the persistent cache), on all host cores."""
+        start = time.perf_counter()
+        store = self._executable_store()
+        reuse = store is not None and store.replay_kernels()  # none saved yet, or a native module is missing
+        programs = [(self._sample_exe, b, f"sample-{b}", self._sample_jit, self._sample_args(b))
+                    for b in self.buckets.sample_row_counts]
+        programs += [(self._model_exe, t, f"model-{t}", self._model_jit, self._model_args(t))
+                     for t in reversed(self.buckets.token_counts)]  # the slowest first
+        programs += [(self._generated_exe, t, f"model-{t}-generated", self._model_jit,
+                      self._model_args(t, split=False)) for t in self._generated_buckets]
+        loaded = store.load_all([name for *_, name, _, _ in programs]) if reuse else None
+        if loaded:  # all or none: an engine never mixes loaded programs with ones traced here
+            for table, shape, name, _, _ in programs:
+                table[shape] = loaded[name]
+        jobs = [] if loaded else [(table, shape, name, jitted.lower(*args)) for table, shape, name, jitted, args in programs]
+        self.lower_seconds = time.perf_counter() - start  # tracing in Python (or loading whole executables)
+        # XLA compiles release the GIL, so a thread per core overlaps them
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            compile_ = store.compile if store else (lambda lowered: lowered.compile())
+            futures = {pool.submit(compile_, lowered): (table, shape, name) for table, shape, name, lowered in jobs}
+            for future in tqdm(as_completed(futures), total=len(futures), desc="compiling buckets",
+                               unit="program", file=sys.stderr, disable=not progress, leave=False):
+                table, shape, name = futures[future]
+                table[shape] = future.result()
+                if store:
+                    store.save(name, table[shape])
+        if store:
+            if jobs:
+                store.save_kernels()
+            store.prune()
+            self.programs_loaded = store.loaded
+        if self.lora is not None:  # and the adapter slot writer: loading adapters never compiles
+            self.lora.compile()
+        # the row setter is tiny: compile it now too (both forms) so steady state never compiles
+        for counts_row in (np.zeros(self.vocab_size, np.int32), None):
+            self.output_counts, self.prompt_mask = self._set_row_jit(
+                self.output_counts, self.prompt_mask, np.int32(self.max_slots), counts_row,
+                np.zeros(self.vocab_size, bool))
+        self.compile_seconds = time.perf_counter() - start
+
+    def _executable_store(self) -> ExecutableStore | None:
+        """Whole compiled programs in the server's compile cache (engine/device/executables.py), keyed by
+        what they are built from; on one device without a mesh (a sharded engine traces and uses JAX's cache)."""
+        if self.tp is not None:
+            return None
+
+        def identity() -> str:  # object addresses in reprs are not part of it
+            text = "\n".join([repr(self.model_cfg), repr(self.config), repr(self.graphdef), repr(self.buckets),
+                              avals((self._model_args(self.buckets.token_counts[0]),
+                                     self._sample_args(self.buckets.sample_row_counts[0])))])
+            return re.sub(r"0x[0-9a-f]+", "0x", text)
+
+        return ExecutableStore.enabled(jax.devices()[:1], identity)
+
+    def _exe(self, table: dict, shape: int, jitted, args_fn):
+        exe = table.get(shape)
+        if exe is None:  # only when precompile=False (tests of a single shape)
+            exe = table[shape] = jitted.lower(*args_fn(shape)).compile()
+        return exe
