@@ -65,6 +65,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("int8", "int8", "float32"),
     Mode("int8+int8-kv", "int8", "int8"),
     Mode("int8+bf16-kv", "int8", "bfloat16"),
+    Mode("int4", "int4", "float32"),
+    Mode("int4+int8-kv", "int4", "int8"),
     # per-channel int8 (on CPU the native kernel: activations per token in one int8 part, or two with -a16)
     Mode("int8-channel", "int8-channel", "float32"),
     Mode("int8-channel-a16", "int8-channel-a16", "float32"),
