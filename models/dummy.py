@@ -24,7 +24,7 @@ from slipstream.models.architectures import build_abstract
 from slipstream.models.base import CausalLM, Weight
 from slipstream.models.config import ModelConfig
 from slipstream.models.layers import Linear, RMSNorm
-from slipstream.quantization.weights import head_mode
+from slipstream.quantization.weights import head_mode, int4_on_cpu
 
 GROUPWISE = ("q8_0", "q8_0-a16")
 EMBED_STD = 0.02
@@ -109,7 +109,8 @@ def _draw_quantized(key: jax.Array, shape: tuple[int, ...], mode: str, dtype):
     """Another quantized format: one layer drawn in `dtype` and each layer (a rotation of it) rounded
     by quantization's public functions. int8.MODES (the TPU's): one program rounds layer after layer
     into int8 stacks allocated once (quantization.int8.quantize_layers), so the float temporaries
-    are one layer's, never a float stack of L layers; others: layer by layer on the host."""
+    are one layer's, never a float stack of L layers; others (and int4 on CPU: q8_0-a16 with 4-bit rows,
+    weights.int4_on_cpu): layer by layer on the host."""
     from slipstream.quantization import int8, quantize_weight
 
     draw_key, shift_key = jax.random.split(key)
@@ -117,12 +118,12 @@ def _draw_quantized(key: jax.Array, shape: tuple[int, ...], mode: str, dtype):
     if len(shape) == 2:
         return quantize_weight(one, mode)
     shifts = jnp.asarray(_shifts(shift_key, shape[0], one.size), jnp.int32)
-    if mode in int8.MODES:
+    if mode in int8.MODES and not (mode == "int4" and int4_on_cpu()):
         return int8.quantize_layers(_rotated, (one, shifts), shape[0], mode)
-    from slipstream.quantization.groupwise import pack_layers, quantize_rows
+    from slipstream.quantization.groupwise import pack_layers, quantize_rows, quantize_rows4
 
-    return pack_layers([quantize_rows(np.asarray(_rotated(i, one, shifts), np.float32).T)
-                        for i in range(shape[0])], mode)
+    rows, mode = (quantize_rows4, "q8_0-a16") if mode == "int4" else (quantize_rows, mode)
+    return pack_layers([rows(np.asarray(_rotated(i, one, shifts), np.float32).T) for i in range(shape[0])], mode)
 
 
 def _draw(key: jax.Array, path: tuple, weight: Weight, shape: tuple[int, ...], dtype,

@@ -132,6 +132,25 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(n, kp)[:, :k], d
 
 
+def quantize_rows4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float rows w [N, K] -> (q in 0..15 [N, K], d f32 [N, G], m f32 [N, G]): GGUF Q4_1's rounding per 32
+    inputs, m the group's minimum and d its range / 15, both rounded to f16 as the kernel stores them, and
+    q = round((w - m) / d) with those (pack_rows packs such rows at 4 bits). A constant group gets d = 0."""
+    n, k = w.shape
+    kp = -(-k // GROUP) * GROUP
+    wg = np.zeros((n, kp), np.float32)
+    wg[:, :k] = w
+    if kp != k:  # the padding repeats each row's last input: no wider range for the last group
+        wg[:, k:] = wg[:, k - 1:k]
+    wg = wg.reshape(n, kp // GROUP, GROUP)
+    lo, hi = wg.min(axis=-1), wg.max(axis=-1)
+    m = lo.astype(np.float16).astype(np.float32)
+    d = ((hi - lo) / np.float32(15)).astype(np.float16).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.round((wg - m[..., None]) * inv[..., None]), 0, 15).astype(np.int8)
+    return q.reshape(n, kp)[:, :k], d, m
+
+
 def dequantize_rows(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
     """(q int8 [N, K], d [N, G], offsets m [N, G] or None) -> f32 [N, K], with no temporary as large
     as the result."""
@@ -269,14 +288,16 @@ def pack_one(rows: Rows, mode: str = "q8_0"):
                            offset=jax.device_put(host_copy(offset[0])) if offset else None)
 
 
-def quantize_weight(w, mode: str = "q8_0") -> object:
-    """A float weight [..., in, out] (array) -> group-wise QuantizedWeight, one leading index at a time."""
+def quantize_weight(w, mode: str = "q8_0", bits: int = 8) -> object:
+    """A float weight [..., in, out] (array) -> group-wise QuantizedWeight, one leading index at a time;
+    bits=4: Q4_1 rows (quantize_rows4), packed at 4 bits."""
+    rows = quantize_rows4 if bits == 4 else quantize_rows
     w = np.asarray(w)
     lead = w.shape[:-2]
     if not lead:
-        return pack_one(quantize_rows(np.asarray(w, np.float32).T), mode)
+        return pack_one(rows(np.asarray(w, np.float32).T), mode)
     flat = w.reshape(-1, *w.shape[-2:])
-    qw = pack_layers([quantize_rows(np.asarray(flat[i], np.float32).T) for i in range(flat.shape[0])], mode)
+    qw = pack_layers([rows(np.asarray(flat[i], np.float32).T) for i in range(flat.shape[0])], mode)
     if len(lead) == 1:
         return qw
     return type(qw)(q=qw.q.reshape(*lead, *qw.q.shape[1:]), scale=qw.scale.reshape(*lead, *qw.scale.shape[1:]),

@@ -58,7 +58,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                             "int8-channel-w16"],
                    help="weights: auto = q8_0-a16 on CPU (group-wise int8, the native kernel), int8 on TPU/GPU "
                         "(int8 per 32 inputs, converted inside the dot); int4: 4-bit per 32 inputs, half int8's "
-                        "bytes (more room for the KV cache; the LM head stays int8; for TPU/GPU); int8-channel: one scale per output "
+                        "bytes (more room for the KV cache; the LM head stays 8-bit; on CPU GGUF Q4_1's rows in "
+                        "the native kernel); int8-channel: one scale per output "
                         "channel, int8 activations (on TPU/GPU in prefill chunks; on CPU every row, AMX tiles: "
                         "fastest prefill, less exact); int8-channel-a16: the same weights with ~16-bit activations "
                         "(two int8 parts on CPU); int8-channel-w16: those weights plus an int8 residual per weight "

@@ -21,8 +21,9 @@ from slipstream.engine.device import layer_stack, runner
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.request import SamplingParams
 from slipstream.models.config import ModelConfig
+from slipstream.models import dummy
 from slipstream.models.dummy import dummy_model
-from slipstream.quantization import Int8Weight, int8
+from slipstream.quantization import Int8Weight, int8, weights
 
 # every linear (the LM head too) tiles the kernel: K a multiple of 256, N of 128
 CFG = ModelConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
@@ -126,6 +127,8 @@ def test_tpu_path_keeps_greedy_tokens(model, monkeypatch):
 def test_tpu_path_of_int4_weights_keeps_greedy_tokens(monkeypatch):
     """int4 stacks (4-bit values two a byte, bf16 scales: K a multiple of 512 for the kernel) go to the kernel
     whole in the TPU program, and the interpreted kernel gives the CPU path's logits."""
+    monkeypatch.setattr(dummy, "int4_on_cpu", lambda: False)  # the TPU's form (CPU: the native kernel's rows)
+    monkeypatch.setattr(weights, "int4_on_cpu", lambda: False)
     cfg = dataclasses.replace(CFG, hidden_size=512, intermediate_size=1024)
     config = dataclasses.replace(CONFIG, quantize="int4")
     model = dummy_model(cfg, quantize="int4")

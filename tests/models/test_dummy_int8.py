@@ -11,10 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from slipstream.models import dummy
 from slipstream.models.dummy import _draw_quantized, _rotated
 from slipstream.quantization import int8
 
 IN, OUT = 256, 512
+
+
+@pytest.fixture(autouse=True)
+def tpu_int4(monkeypatch):
+    """"int4" drawn in its TPU form here (on CPU the native kernel's group-wise rows are drawn instead)."""
+    monkeypatch.setattr(dummy, "int4_on_cpu", lambda: False)
 
 
 def _compiled_temp_bytes(fn, *args) -> tuple[int, int]:

@@ -176,3 +176,45 @@ def test_stacking_four_and_eight_bit_layers_widens_to_eight_bits():
     want = [q8_matmul.pack(*r) for r in (nibbles, bytes_, nibbles)]
     np.testing.assert_array_equal(np.asarray(w.q), np.stack([p[0] for p in want]))
     assert groupwise.pack_layers([nibbles, nibbles]).q.shape == (2, 3, 64 * 8)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (7, 70), (3, 1)])
+def test_4_bit_rows_round_to_within_half_a_step_and_keep_q4_1_grids(shape):
+    """quantize_rows4 (int4 on CPU): q in 0..15, f16 scale and minimum per group, within half a step (plus the
+    f16 minimum's rounding) of the float rows; rows already on a Q4_1 grid (both ends present) come back exactly."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(1e-3, 10, (shape[0], 1))
+    w[0, : min(32, shape[1])] = 0.25  # a constant group
+    q, d, m = groupwise.quantize_rows4(w)
+    assert q.shape == shape and q.min() >= 0 and q.max() <= 15 and d[0, 0] == 0.0
+    assert np.all(d == d.astype(np.float16)) and np.all(m == m.astype(np.float16))
+    back = groupwise.dequantize_rows(q, d, m)
+    slack = np.repeat(d / 2 + np.abs(m) * 2.0 ** -11, 32, axis=1)[:, : shape[1]]
+    assert np.all(np.abs(back - w) <= slack * (1 + 1e-6) + 1e-7)
+    again = groupwise.quantize_rows4(back)
+    np.testing.assert_array_equal(groupwise.dequantize_rows(*again), back)
+
+
+def test_int4_on_cpu_is_4_bit_rows_in_the_native_kernel(monkeypatch):
+    """--quantize int4 where the native kernel runs: a q8_0-a16 QuantizedWeight packed at 4 bits (the bytes of a
+    GGUF Q4_1 tensor), whose product is the float64 product of the weight it stores."""
+    from slipstream.kernels import q8_matmul
+    from slipstream.quantization import weights
+
+    if not weights.int4_on_cpu():
+        pytest.skip("the native q8 kernel is not built here")
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((2, 128, 48)).astype(np.float32) / 10
+    qw = quantize_weight(jnp.asarray(w), "int4")
+    assert isinstance(qw, QuantizedWeight) and qw.mode == "q8_0-a16" and qw.logical == (128, 48)
+    assert q8_matmul.packed_bits(qw.q.shape[-1], qw.scale.shape[-1]) == 4
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    stored = np.asarray(qw.dequantize(), np.float64)
+    for layer in range(2):
+        want = x.astype(np.float64) @ stored[layer]
+        got = ops.linear(jnp.asarray(x), jax.tree.map(lambda a, i=layer: a[i], qw))
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-3 * np.abs(want).max())
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quantize_weight(jnp.ones((96, 8)), "int4")
+    monkeypatch.setattr(weights, "int4_on_cpu", lambda: False)  # elsewhere: the TPU/GPU form
+    assert quantize_weight(jnp.asarray(w[0]), "int4").bits == 4

@@ -13,7 +13,7 @@ import pytest
 
 from slipstream.engine.device.engine_config import EngineConfig
 from slipstream.kernels import int8_channel_matmul as icm
-from slipstream.quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes
+from slipstream.quantization import Int8Weight, int8, ops, quantize_weight, weight_bytes, weights
 
 SHAPES = [(1, 70, 33), (5, 64, 40), (3, 96, 17), (7, 33, 129)]  # K not a multiple of 32, N odd
 
@@ -51,6 +51,13 @@ def stored(qw: Int8Weight) -> np.ndarray:
 
 def linear(x, w):
     return ops.linear(x, w)  # eager: the path is chosen per call (xla_per_channel), no trace cached across tests
+
+
+@pytest.fixture(autouse=True)
+def tpu_int4(monkeypatch):
+    """"int4" in its TPU/GPU form (an Int8Weight of 4-bit values) here, not the native CPU kernel's group-wise rows
+    (tests/quantization/test_groupwise.py)."""
+    monkeypatch.setattr(weights, "int4_on_cpu", lambda: False)
 
 
 @pytest.fixture
