@@ -34,6 +34,7 @@ from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_c
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              ErrorResponse, ModelCard, ModelList)
 from slipstream.server.service import Generation, Service
+from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         metrics.registry.register(service.lora_usage)
         if lora_updates:
             add_lora_routes(app, service.lora, service.model_name)
+
+    add_tokenize_routes(app, service)
 
     @app.get("/health", responses={200: {"description": "The process is alive."}})
     async def health() -> dict[str, str]:

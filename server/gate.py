@@ -142,8 +142,11 @@ def _error_code(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
+GATED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), gated like it
+
+
 class RequestGate:
-    """ASGI middleware on /v1/*: API key, then the body (size limit and read deadline), before
+    """ASGI middleware on /v1/* and GATED_PATHS: API key, then the body (size limit and read deadline), before
     FastAPI parses anything.
 
     Pure ASGI (not BaseHTTPMiddleware) so `receive` keeps reporting the client's disconnect.
@@ -156,7 +159,7 @@ class RequestGate:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GATED_PATHS):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

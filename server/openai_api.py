@@ -57,7 +57,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     if req.top_logprobs is not None and not req.logprobs:
         raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     service.check_choices(1, req.n, "messages")
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    messages = chat_messages(req.messages)
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
              "logprobs": "top_logprobs"}
@@ -82,6 +82,11 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
         logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         ignore_eos=req.ignore_eos, **{k: v for k, v in optional.items() if v is not None})
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A request's messages as the chat template takes them (text parts joined; other parts a 400)."""
+    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def _message(message: ChatMessage, index: int) -> dict[str, Any]:

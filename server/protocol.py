@@ -261,3 +261,30 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes; server/tokenize_routes.py) ----------------------------------
+
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body (the body limit caps it first at default flags)
+
+
+class TokenizeRequest(_Request):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a prompt's BOS and friends; messages: the template carries them
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
