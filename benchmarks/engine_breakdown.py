@@ -35,8 +35,8 @@ def sampling_program(engine, logits: jax.Array, slot_ids: np.ndarray, active: np
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 
     def sample():
-        result, (engine.output_counts, engine.prompt_mask), engine._previous.last = sampler(
-            logits, (engine.output_counts, engine.prompt_mask), engine._previous.last, packed, bitmask)
+        result, engine.sampling_state, engine._previous.last = sampler(
+            logits, engine.sampling_state, engine._previous.last, packed, bitmask)
         return result
 
     return sample

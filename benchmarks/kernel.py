@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.measure import cpu_model, cpu_timed, fma_peak_gflops
 from slipstream.engine.request import SamplingParams
-from slipstream.engine.device.sample_program import sample_step
+from slipstream.engine.device.sample_program import empty_state, sample_step
 from slipstream.engine.device.sampling import DraftRows, SamplingArrays
 from slipstream.engine.structured import mask_words
 from slipstream.kernels import f32_matmul as fm
@@ -127,7 +127,7 @@ def sampling(argv: list[str]) -> int:
         no_mask = jnp.full((b, mask_words(v)), 0xFFFFFFFF, jnp.uint32)
         for name, params in SETTINGS.items():
             sarrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
-            state = (jnp.zeros((slots, v), jnp.int32), jnp.zeros((slots, v), bool))
+            state = empty_state(slots, v)
             drafts = jax.tree.map(jnp.asarray, DraftRows.none(b))
             shapes = (logits, state, slot_ids, active, sarrays, no_mask, drafts)
             programs = {"native": compiled(shapes, True), "reference": compiled(shapes, False)}

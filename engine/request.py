@@ -22,6 +22,8 @@ MAX_STOP = 8
 MAX_STOP_CHARS = 1024            # the stop matcher scans every stop string per token
 MAX_TEMPERATURE = 100.0          # far past any useful value; float32 holds it exactly
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided by it: keep it a normal float32
+MAX_LOGIT_BIAS = 300             # tokens one request may bias (each slot holds this many (id, bias) pairs)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 _ids = itertools.count()
 
 
@@ -69,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None      # None: no logprobs; k >= 0: chosen token + k alternatives
     n: int = 1
     constraint: Grammar | None = None  # structured output: the sampler masks tokens it refuses
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
 
     def __post_init__(self) -> None:
         # Every range below is documented in the README and fits the int32/float32 arrays the
@@ -100,6 +103,16 @@ class SamplingParams:
             raise InvalidParam("stop_token_ids", "stop_token_ids must be a tuple of token ids")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_INT32)
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"logit_bias must bias at most {MAX_LOGIT_BIAS} tokens, got "
+                               f"{len(self.logit_bias) if isinstance(self.logit_bias, tuple) else self.logit_bias!r}")
+        for entry in self.logit_bias:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise InvalidParam("logit_bias", f"logit_bias entries must be (token id, bias) pairs, got {entry!r}")
+            _check_int("logit_bias", entry[0], 0, MAX_INT32)
+            _check_float("logit_bias", entry[1], *LOGIT_BIAS_RANGE)
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidParam("logit_bias", "logit_bias names a token twice")
         if self.constraint is not None and not callable(getattr(self.constraint, "matcher", None)):
             raise InvalidParam("response_format", "constraint must be a compiled engine.structured.Grammar")
 
@@ -109,8 +122,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Some penalty is on (1/0/0 are the identity): its sampling reads the slot's token counts."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Some penalty or a logit bias is on (1/0/0 and no bias are the identity): its sampling reads its slot's
+        token counts and bias rows, which the runner writes when it inserts the request."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from slipstream.engine.request_stream import Delta
-from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
+from slipstream.engine.request import DEFAULT_MAX_TOKENS, MAX_LOGIT_BIAS, SamplingParams, TokenLogprob
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
@@ -26,7 +26,7 @@ from slipstream.server.structured import (Constraint, ToolStream, compile_constr
 def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
     lora = service.check_model(req.model)
-    _reject_unsupported(req.echo, "echo", req.suffix, "suffix", req.logit_bias, "logit_bias")
+    _reject_unsupported(req.echo, "echo", req.suffix, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
     raw = req.prompt
@@ -45,7 +45,6 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
 def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
     lora = service.check_model(req.model)
-    _reject_unsupported(req.logit_bias, "logit_bias")
     plan = tool_plan(req.tools, req.tool_choice)
     constraint = request_constraint(req)
     forced = parse_input("tools", "tool definitions", plan.constraint) if plan is not None else None
@@ -80,8 +79,23 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
     grammar = compile_constraint(service, constraint) if constraint is not None else None
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
+        logit_bias=_logit_bias(service, req.logit_bias),
         logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         ignore_eos=req.ignore_eos, **{k: v for k, v in optional.items() if v is not None})
+
+
+def _logit_bias(service: Service, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs (the biases' range is SamplingParams' check)."""
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+        raise ServiceError(400, f"logit_bias must bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                           param="logit_bias", code="invalid_value")
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdecimal()) or int(key) >= service.vocab_size:
+            raise ServiceError(400, f"logit_bias keys must be token ids in [0, {service.vocab_size}), got {key!r}",
+                               param="logit_bias", code="invalid_value")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from slipstream.engine.device.executables import ExecutableStore, avals
 from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.step_inputs import model_packing, sample_packing
+from slipstream.engine.request import MAX_LOGIT_BIAS
 from slipstream.engine.structured import mask_words
 
 
@@ -37,7 +38,7 @@ class Programs:
     def _sample_args(self, b: int):
         packing = sample_packing(b)
         return (packing, jax.ShapeDtypeStruct((b, self.vocab_size), jnp.float32, sharding=self._replicated),
-                (self.output_counts, self.prompt_mask), self._previous.spec, packing.spec(self._replicated),
+                self.sampling_state, self._previous.spec, packing.spec(self._replicated),
                 jax.ShapeDtypeStruct((b, mask_words(self.vocab_size)), jnp.uint32))
 
     @property
@@ -81,9 +82,9 @@ class Programs:
             self.lora.compile()
         # the row setter is tiny: compile it now too (both forms) so steady state never compiles
         for counts_row in (np.zeros(self.vocab_size, np.int32), None):
-            self.output_counts, self.prompt_mask = self._set_row_jit(
-                self.output_counts, self.prompt_mask, np.int32(self.max_slots), counts_row,
-                np.zeros(self.vocab_size, bool))
+            self.sampling_state = self._set_row_jit(
+                self.sampling_state, np.int32(self.max_slots), counts_row, np.zeros(self.vocab_size, bool),
+                np.zeros(MAX_LOGIT_BIAS, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32))
         self.compile_seconds = time.perf_counter() - start
 
     def _executable_store(self) -> ExecutableStore | None:

@@ -28,8 +28,8 @@ from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget,
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
 from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.programs import Programs
-from slipstream.engine.device.sample_program import packed_sample_step, set_row
-from slipstream.engine.device.sampling import SamplingArrays, check_token_ids, prompt_mask_row
+from slipstream.engine.device.sample_program import empty_state, packed_sample_step, set_row
+from slipstream.engine.device.sampling import SamplingArrays, check_token_ids, logit_bias_row, prompt_mask_row
 from slipstream.engine.device.lora_slots import LoraSlots
 from slipstream.engine.device.step_inputs import previous_sources, sample_inputs, step_inputs, token_lora_slots
 from slipstream.engine.structured import MaskFiller, Matcher, mask_words
@@ -116,9 +116,9 @@ class JaxEngine(Programs):
         make_cache = functools.partial(init_kv_cache, cache_cfg, self.num_pages, self.page_size, kv_dtype)
         self._cache_spec = jax.eval_shape(make_cache)
         self.cache = None
-        # penalty state per slot; row max_slots is a scratch row that padding rows read and write
-        self.output_counts = jnp.zeros((self.max_slots + 1, self.vocab_size), jnp.int32)
-        self.prompt_mask = jnp.zeros((self.max_slots + 1, self.vocab_size), bool)
+        # sampling state per slot (penalty counts, prompt masks, logit biases); row max_slots is a scratch row that
+        # padding rows read and write
+        self.sampling_state = empty_state(self.max_slots + 1, self.vocab_size)
         self._slot_sampling = SamplingArrays.from_params([], [], [], self.max_slots + 1)
         self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
@@ -138,10 +138,9 @@ class JaxEngine(Programs):
             self._cache_spec = self.tp.sharded_spec(self._cache_spec)
             self._model_jit = jax.jit(self._model_step, static_argnums=(0,), donate_argnums=(2,), out_shardings=(
                 self._replicated, self.tp.cache_shardings(self._cache_spec)))
-            self.output_counts, self.prompt_mask = jax.device_put((self.output_counts, self.prompt_mask),
-                                                                  self._replicated)
+            self.sampling_state = jax.device_put(self.sampling_state, self._replicated)
         self._sample_jit = jax.jit(packed_sample_step, static_argnums=(0,), donate_argnums=(2, 3))
-        self._set_row_jit = jax.jit(set_row, donate_argnums=(0, 1))
+        self._set_row_jit = jax.jit(set_row, donate_argnums=(0,))
         self._model_exe: dict[int, jax.stages.Compiled] = {}
         # with the hybrid weights: the decode buckets' programs for steps of generated tokens only (no split bound:
         # q8_0-a16 alone, as without the hybrid), beside the split ones in _model_exe
@@ -218,8 +217,18 @@ class JaxEngine(Programs):
             counts = np.bincount(np.asarray(state.output_ids, np.int64),
                                  minlength=self.vocab_size)[:self.vocab_size].astype(np.int32)
         mask = prompt_mask_row(state.prompt_ids, self.vocab_size)
-        self.output_counts, self.prompt_mask = self._set_row_jit(
-            self.output_counts, self.prompt_mask, np.int32(slot), counts, mask)
+        self.sampling_state = self._set_row_jit(self.sampling_state, np.int32(slot), counts, mask,
+                                                *logit_bias_row(params.logit_bias, self.vocab_size))
+
+    @property
+    def sampling_state(self) -> tuple[jax.Array, ...]:
+        """The sampling program's per-slot state, donated to it and to the row setter: token counts, prompt
+        masks, logit-bias ids and biases."""
+        return self.output_counts, self.prompt_mask, self.bias_ids, self.bias_values
+
+    @sampling_state.setter
+    def sampling_state(self, state: tuple[jax.Array, ...]) -> None:
+        self.output_counts, self.prompt_mask, self.bias_ids, self.bias_values = state
 
     def free(self, slot: int) -> None:
         self._slot_logprobs[slot] = -1
@@ -299,8 +308,8 @@ class JaxEngine(Programs):
         slot_ids = x["slot_ids"]
         bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
-        result, (self.output_counts, self.prompt_mask), self._previous.last = sampler(
-            logits, (self.output_counts, self.prompt_mask), self._previous.last, packed, bitmask)
+        result, self.sampling_state, self._previous.last = sampler(
+            logits, self.sampling_state, self._previous.last, packed, bitmask)
         # what the samples are read with is taken now: the slots may be rebound before result()
         matchers = self._matchers
         rows = list(zip(self._slot_logprobs[slot_ids[:n]].tolist(),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from slipstream.engine.device.launch import record_samples
 from slipstream.engine.device.packed import Packing
+from slipstream.engine.request import MAX_LOGIT_BIAS
 from slipstream.engine.device.sampling import DraftRows, SamplingArrays, constrain, sample_penalized, update_counts
 
 
@@ -29,14 +31,28 @@ def sample_step(logits, state, slot_ids, active, sarrays, bitmask, drafts):
     # The counts take one add per active row, in place and in every batch, so a row's counts are
     # current whenever its penalties read them (JaxEngine.insert rebuilds a penalized request's row).
     # Verification rows add only the tokens the host keeps (the accepted drafts and the one after them).
-    counts, pmask = state
+    # state: the per-slot token counts and prompt masks [slots, V], and logit-bias ids and biases
+    # [slots, MAX_LOGIT_BIAS]; only the counts change here.
+    counts, pmask, bias_ids, bias_values = state
     logits = logits.astype(jnp.float32)
-    penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts)
+    penalized = constrain(logits, bitmask, sarrays, counts, pmask, slot_ids, drafts, bias=(bias_ids, bias_values))
     result = sample_penalized(logits, penalized, sarrays)
-    return result, (update_counts(counts, slot_ids, result.token, active & drafts.kept(result.token)), pmask)
+    counts = update_counts(counts, slot_ids, result.token, active & drafts.kept(result.token))
+    return result, (counts, pmask, bias_ids, bias_values)
 
 
-def set_row(counts, pmask, slot, counts_row, mask_row):
-    if counts_row is None:  # a request with no output yet: its counts are zeroed here, not uploaded
+def empty_state(slots: int, vocab: int) -> tuple[jax.Array, ...]:
+    """sample_step's state for `slots` slots, zeroed: counts i32 and prompt masks bool [slots, V], logit-bias
+    ids i32 and biases f32 [slots, MAX_LOGIT_BIAS]."""
+    return (jnp.zeros((slots, vocab), jnp.int32), jnp.zeros((slots, vocab), bool),
+            jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32), jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
+
+
+def set_row(state, slot, counts_row, mask_row, bias_ids_row, bias_values_row):
+    """`state` (sample_step's) with slot `slot`'s rows set: its counts (None: zeros, made here, not uploaded),
+    prompt mask and logit bias."""
+    counts, pmask, bias_ids, bias_values = state
+    if counts_row is None:
         counts_row = jnp.zeros(counts.shape[1], counts.dtype)
-    return counts.at[slot].set(counts_row), pmask.at[slot].set(mask_row)
+    return (counts.at[slot].set(counts_row), pmask.at[slot].set(mask_row), bias_ids.at[slot].set(bias_ids_row),
+            bias_values.at[slot].set(bias_values_row))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from slipstream.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from slipstream.engine.request import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from slipstream.engine.structured import mask_words
 from slipstream.kernels.sampling import sample_tokens, top_logprobs
 
@@ -42,6 +42,7 @@ class SamplingArrays:
     seed: Array                # u32[B, 2]: jax.random.PRNGKey(seed)'s key data
     step: Array                # i32, index of the token being generated in its request
     logprobs: Array            # bool, the request asks for logprobs (a batch without any skips them)
+    logit_bias: Array          # bool, the request biases tokens (its slot's bias rows hold them)
 
     @classmethod
     def from_params(
@@ -89,6 +90,7 @@ class SamplingArrays:
             seed=seed_words,
             step=step_arr,
             logprobs=np.asarray([p.logprobs is not None for p in rows], bool),
+            logit_bias=np.asarray([bool(p.logit_bias) for p in rows], bool),
         )
 
 
@@ -151,10 +153,33 @@ def prompt_mask_row(prompt_ids: Sequence[int], vocab: int) -> np.ndarray:
 
 
 def penalties_active(arrays: SamplingArrays) -> jax.Array:
-    """bool scalar: some row has a penalty. Penalties 1/0/0 are the identity, so a batch without
-    any may skip them (and the per-row counts they read) exactly."""
+    """bool scalar: some row has a penalty or a logit bias. Penalties 1/0/0 and no bias are the identity, so a
+    batch without any may skip them (and the per-row state they read) exactly."""
     return jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0)
-                   | (arrays.frequency_penalty != 0))
+                   | (arrays.frequency_penalty != 0) | arrays.logit_bias)
+
+
+def logit_bias_row(bias: Sequence[tuple[int, float]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """A request's (token id, bias) pairs as its slot's bias rows: ids i32[MAX_LOGIT_BIAS] and biases
+    f32[MAX_LOGIT_BIAS], unused places (token 0, bias 0) adding nothing."""
+    ids = np.zeros(MAX_LOGIT_BIAS, np.int32)
+    values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    if bias:
+        tokens = np.asarray([t for t, _ in bias], np.int64)
+        if tokens.max() >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {int(tokens.max())}")
+        ids[:len(bias)] = tokens
+        values[:len(bias)] = [b for _, b in bias]
+    return ids, values
+
+
+def add_logit_bias(logits: jax.Array, arrays: SamplingArrays, bias_ids: jax.Array, bias_values: jax.Array
+                   ) -> jax.Array:
+    """logits [B, V] plus each biased row's (id, bias) pairs ([B, MAX_LOGIT_BIAS] each); rows without a bias
+    (whose slot rows may hold an earlier request's) add nothing."""
+    values = jnp.where(arrays.logit_bias[:, None], bias_values, 0.0)
+    rows = jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None]
+    return logits.at[rows, bias_ids].add(values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
@@ -183,16 +208,19 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def constrain(logits: jax.Array, bitmask: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
-              prompt_mask: jax.Array, slot_ids: jax.Array, drafts: DraftRows | None = None) -> jax.Array:
+              prompt_mask: jax.Array, slot_ids: jax.Array, drafts: DraftRows | None = None,
+              bias: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The logits a batch picks from: apply_token_bitmask, then apply_penalties with the rows
     `slot_ids` of the per-slot counts (plus the drafts fed before a verification row) and prompt
-    masks. A batch with neither a constrained nor a penalized row passes through one cond (one copy
+    masks, then the rows' logit biases (`bias`: the per-slot ids and biases, [slots, MAX_LOGIT_BIAS] each).
+    A batch with neither a constrained nor a penalized row passes through one cond (one copy
     of the logits): the [slots, V] state is read only inside it."""
     def penalized(allowed: jax.Array) -> jax.Array:
         counts = output_counts[slot_ids]                                     # [B, V]
         if drafts is not None:
             counts = counts + drafts.earlier_counts(logits.shape[1])
-        return apply_penalties(allowed, arrays, counts, prompt_mask[slot_ids])
+        out = apply_penalties(allowed, arrays, counts, prompt_mask[slot_ids])
+        return out if bias is None else add_logit_bias(out, arrays, bias[0][slot_ids], bias[1][slot_ids])
 
     def adjusted() -> jax.Array:
         allowed = apply_token_bitmask(logits, bitmask)
@@ -212,13 +240,15 @@ def _row_uniforms(arrays: SamplingArrays) -> jax.Array:
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, output_counts: jax.Array,
-           prompt_mask: jax.Array) -> SampleResult:
-    """One token per row from logits f32[B, V]; temperature-0 rows take the penalized argmax."""
+           prompt_mask: jax.Array, bias: tuple[jax.Array, jax.Array] | None = None) -> SampleResult:
+    """One token per row from logits f32[B, V]; temperature-0 rows take the penalized argmax. bias: each row's
+    (ids, biases) [B, MAX_LOGIT_BIAS], read where arrays.logit_bias is set."""
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
     no_mask = jnp.full((batch, mask_words(vocab)), 0xFFFFFFFF, jnp.uint32)
     rows = jnp.arange(batch, dtype=jnp.int32)
-    return sample_penalized(logits, constrain(logits, no_mask, arrays, output_counts, prompt_mask, rows), arrays)
+    return sample_penalized(logits, constrain(logits, no_mask, arrays, output_counts, prompt_mask, rows, bias=bias),
+                            arrays)
 
 
 def sample_penalized(logits: jax.Array, penalized: jax.Array, arrays: SamplingArrays) -> SampleResult:

@@ -20,12 +20,13 @@ def _shapes():
     import jax
     import jax.numpy as jnp
 
+    from slipstream.engine.device.sample_program import empty_state
     from slipstream.engine.device.sampling import DraftRows, SamplingArrays
     from slipstream.engine.structured import mask_words
 
     b, v = 2, 300
     sarrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params([], [], [], b))
-    return (jnp.zeros((b, v)), (jnp.zeros((3, v), jnp.int32), jnp.zeros((3, v), bool)),
+    return (jnp.zeros((b, v)), empty_state(3, v),
             jnp.arange(b, dtype=jnp.int32), jnp.ones(b, bool), sarrays,
             jnp.full((b, mask_words(v)), 0xFFFFFFFF, jnp.uint32), jax.tree.map(jnp.asarray, DraftRows.none(b)))
 

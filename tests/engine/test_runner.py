@@ -182,6 +182,25 @@ def test_a_slot_reused_across_penalized_and_plain_requests(tiny_engine, tiny_mod
     assert _generate(tiny_engine, [prompt], [plain], [[1, 2, 3, 4]], 10)[0] == greedy
 
 
+def test_logit_bias_steers_greedy_and_stays_with_its_request(tiny_engine, tiny_model):
+    """+100 on a token makes greedy pick it at every step, -100 on greedy's own tokens turns it away from all of
+    them, and neither reaches a plain row beside it or the plain request its slot holds next (a slot's bias rows
+    are read only for a request that has a bias)."""
+    cfg, params = tiny_model
+    rng = np.random.default_rng(13)
+    prompt, other = list(rng.integers(3, 256, 7)), list(rng.integers(3, 256, 5))
+    greedy = _dense_greedy(cfg, params, prompt, 6)
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias=((77, 100.0),))
+    assert greedy != [77] * 6
+    mixed = _generate(tiny_engine, [other, prompt], [plain, forced], [[1, 2, 3, 4], [5, 6, 7, 8]], 6)
+    assert mixed == [_dense_greedy(cfg, params, other, 6), [77] * 6]
+    banned = SamplingParams(temperature=0.0, max_tokens=6, logit_bias=tuple((t, -100.0) for t in sorted(set(greedy))))
+    assert not set(_generate(tiny_engine, [prompt], [banned], [[1, 2, 3, 4]], 6)[0]) & set(greedy)
+    assert _generate(tiny_engine, [prompt, other], [plain, plain], [[1, 2, 3, 4], [5, 6, 7, 8]], 6) == \
+        [greedy, _dense_greedy(cfg, params, other, 6)]
+
+
 def test_a_penalized_insert_sets_its_slots_counts_and_prompt_mask(tiny_engine):
     """A resumed request's counts are its output so far (uploaded); a new one's are zeros (written on
     the device), over whatever the slot held."""

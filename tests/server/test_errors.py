@@ -43,6 +43,19 @@ def test_bad_value_is_400_naming_the_field(live: LiveServer, field: str, value: 
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("bias, words", [
+    ({"abc": 1}, "token ids"), ({"-1": 1}, "token ids"), ({"100000": 1}, "token ids in [0, "), ({"5": 101}, "[-100, 100]"),
+    ({str(i): 1 for i in range(301)}, "at most 300"),
+])
+def test_bad_logit_bias_is_400_naming_it(live: LiveServer, bias: dict, words: str) -> None:
+    with live.http() as http:
+        for path, body in (("/v1/completions", {"prompt": "abc"}), ("/v1/chat/completions", {"messages": CHAT})):
+            err = _error(http.post(path, json={**body, "logit_bias": bias}), 400)
+            assert err["param"] == "logit_bias" and words in err["message"], err
+        ok = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "logit_bias": {"5": -100, "7": 3}})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize("field, value", [
     ("top_k", 2**31), ("max_tokens", 2**31), ("seed", 2**63), ("repetition_penalty", 1e-300),
     ("min_p", 1.5), ("frequency_penalty", -2.5), ("n", 17), ("best_of", 0),
