@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.measure import cpu_model, interleaved
 from slipstream.kernels.tpu import int8_matmul as kmod
+from slipstream.kernels.tpu import nibbles
 from slipstream.quantization import int8
 
 DEVICE_SHAPES = "4096x14336,14336x4096,4096x6144"
@@ -122,7 +123,7 @@ def _xla_int8(x, q, scale, offset):
 
 def operand_sets(q, scale, offset) -> dict:
     """The weight forms timed: int8 with f32 or bf16 scales/offsets, and 4-bit (q's top 4 bits) packed."""
-    q4 = kmod.pack4(jnp.right_shift(q, 4))
+    q4 = nibbles.pack4(jnp.right_shift(q, 4))
     bf = (scale.astype(jnp.bfloat16), offset.astype(jnp.bfloat16))
     return {"int8": (q, scale, offset), "int8_bf16s": (q, *bf), "int4": (q4, scale, offset), "int4_bf16s": (q4, *bf)}
 
@@ -192,7 +193,7 @@ def check(args, x, operands: dict) -> dict:
             y = jax.jit(functools.partial(kmod.int8_matmul, interpret=args.interpret, **kw))(
                 x, wq, ws, wo, jnp.int32(1))
             if which != "int8":
-                layer = kmod.unpack4(wq[1]) if kw.get("bits") == 4 else wq[1]
+                layer = nibbles.unpack4(wq[1]) if kw.get("bits") == 4 else wq[1]
                 y = y - jax.jit(_xla_int8)(x, layer, ws[1].astype(jnp.float32), wo[1].astype(jnp.float32)) + ref
             res[name] = float(jnp.max(jnp.abs(y - ref)))
         except Exception as exc:  # noqa: BLE001 (a lowering failure is a result)

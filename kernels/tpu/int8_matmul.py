@@ -11,12 +11,12 @@ which stays in VMEM across the k axis ("arbitrary") and is the accumulator. All 
 (padded to a multiple of 16), so each weight block is read and dequantized once whatever M is.
 
 Blocks (`blocks`): bn the largest multiple of 128 dividing N up to 1024; bk the largest multiple of 256
-dividing K (so a scale block has >= 8 rows; 512 with bf16 scales, >= 16 rows, else all of a K up to 2048 in
-one block) up to 2048 and to 2 MiB of
-weight bytes per block, halved (then bn halved) while the VMEM estimate for M rows is over 56 MiB. x lies whole in VMEM when it is small (decode),
-else it streams in [M, bk] blocks (read once per column block). Shapes that do not tile (K not a multiple
-of 256, N not a multiple of 128, a block size other than 32) return None from `blocks`: callers
-(quantization/int8.matmul) keep XLA's dequantize-then-dot for them.
+dividing K (a scale block of >= 8 rows; with bf16 scales of 512, >= 16 rows, else all of a K up to 2048 in
+one block) up to 2048 and to 2 MiB of weight bytes per block, halved (then bn halved) while the VMEM
+estimate for M rows is over 56 MiB. x lies whole in VMEM when it is small (decode), else it streams in
+[M, bk] blocks (read once per column block). Shapes that do not tile (K not a multiple of 256, N not a
+multiple of 128, a block size other than 32) return None from `blocks`: callers (quantization/int8.matmul)
+keep XLA's dequantize-then-dot for them.
 
 Two ways to dequantize a block (`dequant`): "groups" (default): per group of 32 rows a [32, bn] slice of q
 times its scale row (a sublane broadcast) plus its offset row, stored into a VMEM scratch the dot reads
@@ -31,8 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from slipstream.kernels.tpu.nibbles import PAIR, pack4, unpack4  # noqa: F401 (the kernel's weight layout)
 
 GROUP = 32                 # inputs per scale/offset: quantization/int8.GROUP
 ROW_ALIGN = 16             # M padded to this (bf16 sublane tile)

@@ -44,7 +44,8 @@ def test_bad_value_is_400_naming_the_field(live: LiveServer, field: str, value: 
 
 
 @pytest.mark.parametrize("bias, words", [
-    ({"abc": 1}, "token ids"), ({"-1": 1}, "token ids"), ({"100000": 1}, "token ids in [0, "), ({"5": 101}, "[-100, 100]"),
+    ({"abc": 1}, "token ids"), ({"-1": 1}, "token ids"), ({"100000": 1}, "token ids in [0, "),
+    ({"5": 101}, "[-100, 100]"),
     ({str(i): 1 for i in range(301)}, "at most 300"),
 ])
 def test_bad_logit_bias_is_400_naming_it(live: LiveServer, bias: dict, words: str) -> None:
