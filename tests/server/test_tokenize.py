@@ -25,9 +25,15 @@ def test_tokenize_a_prompt_and_chat_messages(live: LiveServer) -> None:
 
 
 def test_detokenize_gives_the_text_of_ids(live: LiveServer) -> None:
+    def counted() -> float:  # /metrics counts it under its own route, not "other"
+        return sum(v for (name, labels), v in live.metrics().items()
+                   if name == "slipstream_http_responses_total" and ("route", "/detokenize") in labels)
+
+    before = counted()
     with live.http() as http:
         out = http.post("/detokenize", json={"model": MODEL, "tokens": [104, 105, 33]})
     assert out.status_code == 200 and out.json() == {"prompt": "hi!"}
+    assert counted() == before + 1
 
 
 def test_bad_bodies_are_400s_naming_the_field(live: LiveServer) -> None:
