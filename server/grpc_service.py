@@ -25,7 +25,8 @@ from slipstream.server.unix_socket import DEFAULT_MODE, create_with_mode, remove
 # SamplingParams names a rejected field; these are the request fields to blame.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
                 **{f: f"sampling.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                                                "presence_penalty", "frequency_penalty", "repetition_penalty")}}
+                                                "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                "logit_bias")}}
 _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 _END = object()  # the pump's end-of-stream marker
@@ -62,7 +63,8 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
     params = service.sampling_params(
         param_names=_PARAM_NAMES, max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
         n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
-        stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=grammar, **optional)
+        stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=grammar,
+        logit_bias=service.logit_bias(sorted(s.logit_bias.items()), "sampling.logit_bias"), **optional)
     if kind == "text_content":
         prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
     else:

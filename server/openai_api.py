@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from slipstream.engine.request_stream import Delta
-from slipstream.engine.request import DEFAULT_MAX_TOKENS, MAX_LOGIT_BIAS, SamplingParams, TokenLogprob
+from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
@@ -85,17 +85,13 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
 
 
 def _logit_bias(service: Service, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as (id, bias) pairs (the biases' range is SamplingParams' check)."""
-    if bias is not None and len(bias) > MAX_LOGIT_BIAS:
-        raise ServiceError(400, f"logit_bias must bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+    """OpenAI's {"token id": bias} as (id, bias) pairs, checked by Service.logit_bias."""
+    bias = bias or {}
+    bad = [key for key in bias if not (key.isascii() and key.isdecimal())]
+    if bad:
+        raise ServiceError(400, f"logit_bias keys must be token ids in [0, {service.vocab_size}), got {bad[0]!r}",
                            param="logit_bias", code="invalid_value")
-    pairs = []
-    for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdecimal()) or int(key) >= service.vocab_size:
-            raise ServiceError(400, f"logit_bias keys must be token ids in [0, {service.vocab_size}), got {key!r}",
-                               param="logit_bias", code="invalid_value")
-        pairs.append((int(key), value))
-    return tuple(pairs)
+    return service.logit_bias([(int(key), value) for key, value in bias.items()])
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

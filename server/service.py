@@ -16,7 +16,7 @@ import jinja2
 from slipstream.engine.api import Engine
 from slipstream.engine.lora_registry import LoraRegistry
 from slipstream.engine.request_stream import Delta
-from slipstream.engine.request import FinishReason, Request, SamplingParams
+from slipstream.engine.request import MAX_LOGIT_BIAS, FinishReason, Request, SamplingParams
 from slipstream.engine.scheduler import RequestStream, Scheduler
 from slipstream.server.errors import ServiceError, parse_input, service_error
 from slipstream.server.metrics import ResponseCounts
@@ -275,6 +275,19 @@ class Service:
                 name = param_names[err.param]
                 err = ServiceError(400, err.message.replace(err.param, name, 1), param=name, code=err.code)
             raise err from None
+
+    def logit_bias(self, pairs: Sequence[tuple[int, float]],
+                   param: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs checked against the vocabulary and the count a slot holds (the biases' range
+        is SamplingParams' check)."""
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ServiceError(400, f"{param} must bias at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}",
+                               param=param, code="invalid_value")
+        bad = [token for token, _ in pairs if not 0 <= token < self.vocab_size]
+        if bad:
+            raise ServiceError(400, f"{param} keys must be token ids in [0, {self.vocab_size}), got {bad[:5]}",
+                               param=param, code="invalid_value")
+        return tuple((int(token), float(bias)) for token, bias in pairs)
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs; special tokens shown, not skipped (EOS has a logprob too)."""

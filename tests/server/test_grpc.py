@@ -284,6 +284,17 @@ def test_values_int32_float32_cannot_use_are_invalid_argument(rpc: GrpcLive) -> 
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and f"sampling.{field}" in error.details()
 
 
+def test_logit_bias_is_checked_by_name(rpc: GrpcLive) -> None:
+    """sampling.logit_bias (token id -> bias): an id outside the vocabulary or a bias past 100 is INVALID_ARGUMENT
+    naming it; a good one decodes."""
+    for bias in ({10 ** 6: 1.0}, {5: 101.0}):
+        sampling = pb.SlipstreamSampling(logit_bias=bias)
+        error = _code(lambda: list(rpc.stub.Decode(text_request("abc", 3, sampling=sampling))))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.logit_bias" in error.details()
+    sampling = pb.SlipstreamSampling(logit_bias={5: -100.0, 7: 2.0})
+    assert list(rpc.stub.Decode(text_request("abc", 3, sampling=sampling)))
+
+
 def test_an_unexpected_error_is_internal_without_its_text(make_rpc) -> None:
     live, rpc = make_rpc()
 
