@@ -186,13 +186,14 @@ def _run_tok(engine, tokenizer, requests, spec):
 
 
 def test_penalized_and_logprob_requests_speculate_and_equal_greedy(spec_engine):
-    """Greedy with penalties (each verified row sees the drafts before it) and logprobs (reported for
+    """Greedy with penalties (each verified row sees the drafts before it), a logit bias and logprobs (reported for
     each accepted draft): tokens and logprobs as without speculation. Drawn requests draft too."""
     rnd = random.Random(17)
     requests = []
     for i, prompt in enumerate(_prompts(rnd, 16)):
         params = [dict(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, logprobs=2),
-                  dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, top_k=3, seed=i)][i % 3]
+                  dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.8, top_k=3, seed=i),
+                  dict(temperature=0.0, logit_bias=((7, 3.0), (11, -5.0), (4, 1.5)))][i % 4]
         requests.append(Request(prompt, SamplingParams(**params, max_tokens=rnd.randint(4, 24), ignore_eos=True)))
     base, _ = _run(spec_engine, requests, None)
     spec, stats = _run(spec_engine, requests, SPEC)
