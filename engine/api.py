@@ -50,6 +50,10 @@ class StepSeq:
     # is its last row's sample, not the accepted one: collect the step before feeding that slot.
     num_samples: int = 1
     lora_slot: int = 0         # its adapter's LoRA slot (SlotState.lora_slot); 0: the base model
+    # Prompt scoring (SamplingParams.prompt_logprobs): the tokens after the chunk's first len(targets)
+    # positions (the prompt's next tokens); the step returns the model's log-probability of each where it
+    # stands, with the slot's top alternatives (StepResult.scores).
+    targets: Sequence[int] = ()
 
     @property
     def end_pos(self) -> int:
@@ -99,6 +103,10 @@ class StepResult(Protocol):
     def result(self) -> list[Sampled]:
         """Block until the step ran; num_samples samples per `sample` sequence, in batch order.
         Collect launched steps in launch order."""
+
+    def scores(self) -> list[tuple[TokenLogprob, ...]]:
+        """After result(): per sequence with targets, in batch order, one TokenLogprob per target (its
+        log-probability and the slot's prompt_logprobs alternatives)."""
 
 
 class Engine(Protocol):

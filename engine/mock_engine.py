@@ -145,6 +145,7 @@ class MockEngine:
                                               f"{where[1]} in one step")
                     written.add(where)
                     self.kv[where] = int(token)
+            scores = [self._score(seq) for seq in seqs if seq.targets]
             out = [self._sample(seq) for seq in seqs if seq.sample]
             bindings = [self._slots[seq.slot] for seq in seqs if seq.sample]
             for binding in bindings:
@@ -155,7 +156,7 @@ class MockEngine:
                                        for s in batch.seqs))
             self.events.append(("launch", index))
             self._device_free_at = max(time.monotonic(), self._device_free_at) + self.step_sleep_s
-            return MockStep(self, index, out, bindings, self._device_free_at)
+            return MockStep(self, index, out, bindings, self._device_free_at, scores)
 
     def _collect(self, step: "MockStep") -> None:
         with self._lock:
@@ -219,6 +220,18 @@ class MockEngine:
             logprob = TokenLogprob(token_id=token, logprob=0.0, top=top)
         return Sampled(token_id=token, logprob=logprob)
 
+    def _score(self, seq: StepSeq) -> tuple[TokenLogprob, ...]:
+        """The mock model's log-probabilities of the chunk's targets: certain of its own next token (x + 1), it
+        gives a token t after x the log-probability -((t - x - 1) mod V), so its top k are x + 1 + i at -i."""
+        binding = self._slots[seq.slot]
+        history, k = binding.history, binding.params.prompt_logprobs or 0
+        if list(seq.targets) != history[seq.start_pos + 1:seq.start_pos + 1 + len(seq.targets)]:
+            raise MockEngineError(f"slot {seq.slot}: targets {list(seq.targets)} at {seq.start_pos} are not the "
+                                  "tokens after the chunk's")
+        v = self.vocab_size
+        return tuple(TokenLogprob(t, -float((t - x - 1) % v), tuple(((x + 1 + i) % v, -float(i)) for i in range(k)))
+                     for x, t in zip(seq.token_ids, seq.targets))
+
     def _where(self, page_ids: Sequence[int], pos: int) -> tuple[int, int]:
         index, offset = divmod(pos, self.page_size)
         if index >= len(page_ids):
@@ -238,9 +251,10 @@ class MockStep:
     samples (collect in launch order)."""
 
     def __init__(self, engine: MockEngine, index: int, samples: list[Sampled],
-                 bindings: list[_Binding], done_at: float) -> None:
+                 bindings: list[_Binding], done_at: float, scores: list[tuple[TokenLogprob, ...]]) -> None:
         self.index, self.bindings = index, bindings
         self._engine, self._samples, self._done_at = engine, samples, done_at
+        self._scores = scores
         self._collected = False
 
     def result(self) -> list[Sampled]:
@@ -249,3 +263,8 @@ class MockStep:
             self._engine._collect(self)
             self._collected = True
         return self._samples
+
+    def scores(self) -> list[tuple[TokenLogprob, ...]]:
+        if not self._collected:
+            raise MockEngineError(f"scores() of step {self.index} before its result()")
+        return self._scores

@@ -52,6 +52,14 @@ class Tracker:
         self.last_step_at = 0.0                   # when the engine produced the latest token
         self.tpot: list[float] = []
         self.num_tokens = 0
+        # the prompt's scores (prompt_logprobs), until a push hands them on; a one-token prompt has nothing to score
+        asked = request.params.prompt_logprobs is not None
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = (
+            (None,) if asked and len(request.prompt_ids) == 1 else None)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Text safe to emit after `piece`; True when a stop string matched (text cut before it)."""
@@ -95,6 +103,8 @@ class Emit:
     finish_reason: FinishReason | None = None  # STOP here means the last id is an EOS/stop token
     error: str | None = None
     admitted_at: float | None = None
+    # SamplingParams.prompt_logprobs, once all are known: one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 _CLOSE = object()
@@ -173,6 +183,8 @@ class OutputProcessor:
         if rec.admitted_at is not None and tr.admitted_at is None:
             tr.admitted_at = rec.admitted_at
             tr.stream._mark_admitted(wakes=self._wakes)
+        if rec.prompt_logprobs is not None:
+            tr.prompt_logprobs = rec.prompt_logprobs  # handed on with the first token (or the end)
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
@@ -201,7 +213,8 @@ class OutputProcessor:
                 self._release(tr.request.request_id)
             self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
         elif ids:
-            tr.stream._push("".join(text), ids, logprobs, None, wakes=self._wakes)
+            tr.stream._push("".join(text), ids, logprobs, None, wakes=self._wakes,
+                            prompt_logprobs=tr.take_prompt_logprobs())
 
     def _finish(self, tr: Tracker, text: list[str], ids: list[int], finish: FinishReason,
                 now: float, logprobs: Sequence[TokenLogprob] = (), error: str | None = None
@@ -223,4 +236,5 @@ class OutputProcessor:
             self._on_finish(metrics)
         except Exception:  # noqa: BLE001 - a broken listener must not stop the output thread
             log.exception("metrics listener failed for %s", req.request_id)
-        tr.stream._push("".join(text), ids, list(logprobs), finish, error, wakes=self._wakes)
+        tr.stream._push("".join(text), ids, list(logprobs), finish, error, wakes=self._wakes,
+                        prompt_logprobs=None if finish is FinishReason.ERROR else tr.take_prompt_logprobs())

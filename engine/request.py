@@ -69,6 +69,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None      # None: no logprobs; k >= 0: chosen token + k alternatives
+    # None: none; k >= 0: the model's log-probability of each prompt token after the first, given the ones
+    # before it, with k alternatives (the prompt is computed whole: no prefix-cache hits below what is scored)
+    prompt_logprobs: int | None = None
     n: int = 1
     constraint: Grammar | None = None  # structured output: the sampler masks tokens it refuses
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
@@ -78,7 +81,7 @@ class SamplingParams:
         # sampler builds: an out-of-range value must fail here, as the caller's error, never on
         # the engine thread (where it would fail every request in flight).
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+            _check_int("max_tokens", self.max_tokens, 0, MAX_INT32, note=" (0: the prompt only, no output)")
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0, MAX_INT32, note=" (0 disables it)")
@@ -90,6 +93,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _check_int("n", self.n, 1, MAX_N)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParam("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")

@@ -20,6 +20,8 @@ class Delta:
     finish_reason: FinishReason | None   # set on the last Delta
     error: str | None = None             # for the log only: may hold engine internals
     index: int = 0                       # the choice within its API request (set by the server)
+    # SamplingParams.prompt_logprobs: in the first Delta, one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # as Delta's
 
 
 class RequestStream:
@@ -52,13 +55,14 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
         self._wake_queued = False
         # Not yet taken by the consumer: merged, built into one Delta when taken.
-        self._pending: tuple[list[str], list[int], list[TokenLogprob]] | None = None
+        self._pending: list | None = None  # [texts, ids, logprobs, prompt logprobs]
         self._ended = False  # the consumer has taken the final Delta
         self._admitted = False  # the engine took it up: its first step is launched (see admitted())
         # The whole completion, for result(); bounded by the text like the pending Delta.
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._finish: FinishReason | None = None
         self._error: str | None = None
 
@@ -108,14 +112,14 @@ class RequestStream:
     def _take(self) -> Delta | None:
         if self._pending is None:
             return None
-        text, ids, logprobs = self._pending
+        text, ids, logprobs, prompt_logprobs = self._pending
         self._pending = None
         final = self._done.is_set()
         self._ended = final
         return Delta(text="".join(text), token_ids=ids,
                      logprobs=logprobs if self._want_logprobs else None,
                      finish_reason=self._finish if final else None,
-                     error=self._error if final else None)
+                     error=self._error if final else None, prompt_logprobs=prompt_logprobs)
 
     def result(self, timeout: float | None = None) -> Completion:
         """Block until the request finishes; not from the event loop (it would stall it)."""
@@ -129,14 +133,15 @@ class RequestStream:
                               token_ids=list(self._ids),
                               logprobs=list(self._logprobs) if self._want_logprobs else None,
                               finish_reason=self._finish, prompt_tokens=self.prompt_tokens,
-                              error=self._error)
+                              error=self._error, prompt_logprobs=self._prompt_logprobs)
 
     @property
     def finished(self) -> bool:
         return self._done.is_set()
 
     def _push(self, text: str, ids: list[int], logprobs: list[TokenLogprob],
-              finish: FinishReason | None, error: str | None = None, wakes: list | None = None) -> None:
+              finish: FinishReason | None, error: str | None = None, wakes: list | None = None,
+              prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> None:
         """Output thread: add one delta, merging it into the one the consumer has not taken. The
         consumer's event loop is woken now, or with the rest of `wakes` (see wake_all)."""
         with self._lock:
@@ -145,10 +150,12 @@ class RequestStream:
             self._logprobs.extend(logprobs)
             self._finish, self._error = finish, error
             if self._pending is None:
-                self._pending = ([], [], [])
+                self._pending = [[], [], [], None]
             self._pending[0].append(text)
             self._pending[1].extend(ids)
             self._pending[2].extend(logprobs)
+            if prompt_logprobs is not None:
+                self._prompt_logprobs = self._pending[3] = prompt_logprobs
             if finish is not None:
                 self._done.set()  # under the lock: _take sees the final state with its text
             loop = self._claim_wake()

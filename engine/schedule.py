@@ -75,7 +75,8 @@ class StepPlanner:
             if seq.in_flight:  # preempted with a sample still in flight: once it is back
                 i += 1
                 continue
-            head = seq.first_page(self.page_size) if self.blocks.prefix is not None else ()
+            # (a prompt to score is computed whole: it waits for no one's pages)
+            head = seq.first_page(self.page_size) if self.blocks.prefix is not None and seq.scored_upto is None else ()
             if head and head in prefilling:
                 i += 1
                 continue
@@ -244,6 +245,10 @@ class StepPlanner:
             if c.draft:
                 samples = self.speculator.accept(c, samples)
             if seq.status is Status.FINISHED:
+                continue
+            if seq.max_tokens == 0:  # the prompt only (its scores): the sample is no output
+                seq.in_flight -= 1
+                out.append((seq, [], FinishReason.LENGTH))
                 continue
             finish = None
             for i, s in enumerate(samples):

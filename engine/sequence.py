@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from slipstream.engine.api import PREVIOUS_SAMPLE
-from slipstream.engine.request import FinishReason, Request
+from slipstream.engine.request import FinishReason, Request, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -42,6 +42,9 @@ class Sequence:
     inserted: bool = False            # bound to its slot with engine.insert
     lora_slot: int = 0                # its adapter's device slot while admitted (0: base model)
     admitted_once: bool = False
+    # SamplingParams.prompt_logprobs: entry p is the model's log-probability of prompt token p + 1 (kept across
+    # preemptions: a recomputed prompt is not scored again)
+    prompt_scores: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.max_tokens:
@@ -70,6 +73,31 @@ class Sequence:
     def last_in_flight(self) -> bool:
         """Its sample in flight reaches max_tokens: no step may feed it (it ends the sequence)."""
         return self.in_flight > 0 and len(self.output_ids) + self.in_flight >= self.max_tokens
+
+    @property
+    def scored_upto(self) -> int | None:
+        """The prompt positions scored so far while some are still to score (prompt_logprobs); None when
+        nothing is (left) to score."""
+        if self.request.params.prompt_logprobs is None or len(self.prompt_scores) >= self.prompt_len - 1:
+            return None
+        return len(self.prompt_scores)
+
+    def score_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """The prompt tokens a chunk of positions [start, end) scores (the one after each position), while any
+        are left to score; () otherwise."""
+        if self.scored_upto is None:
+            return ()
+        prompt = self.request.prompt_ids
+        return tuple(prompt[start + 1:min(end + 1, len(prompt))])
+
+    def add_scores(self, start: int, scores: tuple[TokenLogprob, ...]) -> bool:
+        """A chunk from position `start` came back with its scores; True when they complete the prompt's."""
+        if start > len(self.prompt_scores):
+            raise RuntimeError(f"{self.request_id}: scores from position {start} with {len(self.prompt_scores)} "
+                               "known: a chunk was skipped")
+        done = self.scored_upto is None
+        self.prompt_scores[start:start + len(scores)] = scores
+        return not done and self.scored_upto is None
 
     def add_sample(self, token_id: int, in_flight: bool = True) -> None:
         """The oldest sample in flight came back (in_flight=False: an accepted speculative token after

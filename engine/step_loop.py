@@ -16,8 +16,8 @@ from slipstream.engine.api import SlotState
 from slipstream.engine.output import Emit
 from slipstream.engine.request import FinishReason
 from slipstream.engine.scheduler_api import Lifecycle, StepEvent
-from slipstream.engine.sequence import Sequence
-from slipstream.engine.step_plan import Plan
+from slipstream.engine.sequence import Sequence, Status
+from slipstream.engine.step_plan import Chunk, Plan
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,11 @@ class StepLoop:
             listener(event)
         self._totals.add(preemptions=len(plan.preempted), prefilled_tokens=plan.prefill_tokens)
         self._unbind_slots()
-        launched = (plan, self._engine.launch(plan.batch())) if plan.chunks else None
+        launched = None
+        if plan.chunks:
+            batch = plan.batch()
+            scored = [c for c, s in zip(plan.chunks, batch.seqs) if s.targets]  # whose scores the step returns
+            launched = (plan, self._engine.launch(batch), scored)
         if self._in_flight is not None:  # step N's host work, while step N + 1 runs
             self._collect(records)
         self._in_flight = launched
@@ -120,10 +124,12 @@ class StepLoop:
 
     def _collect(self, records: list[Emit]) -> int:
         """Wait for the step in flight and apply its samples; returns how many requests it ended."""
-        (plan, result), self._in_flight = self._in_flight, None
+        (plan, result, scored), self._in_flight = self._in_flight, None
         sampled = result.result()
+        scores = result.scores() if scored else []
         with self._cv:
-            finished = self._apply(plan, sampled, records)
+            prompt_done = self._apply_scores(scored, scores)
+            finished = self._apply(plan, sampled, records, prompt_done)
         self._unbind_slots()
         return finished
 
@@ -163,22 +169,44 @@ class StepLoop:
         seq.inserted = True
         return None
 
-    def _apply(self, plan: Plan, sampled: list, records: list[Emit]) -> int:
-        """The step ran: hand each sequence's kept samples on and retire what they finished (returns how
-        many)."""
+    def _apply_scores(self, scored: list[Chunk], scores: list) -> set[Sequence]:
+        """The step's prompt scores, onto their sequences; those whose prompt they complete."""
+        if len(scores) != len(scored):
+            raise RuntimeError(f"engine returned scores for {len(scores)} chunks, {len(scored)} asked for them")
+        done = set()
+        for chunk, chunk_scores in zip(scored, scores):
+            if chunk.seq.status is not Status.FINISHED and chunk.seq.add_scores(chunk.start, chunk_scores):
+                done.add(chunk.seq)
+        return done
+
+    def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence] | None = None) -> int:
+        """The step ran: hand each sequence's kept samples on (and the prompt scores it completed) and retire what
+        they finished (returns how many)."""
         finished = kept = 0
+        prompt_done = set() if prompt_done is None else prompt_done
         for seq, samples, finish in self._planner.complete(plan, sampled, self._engine.eos_token_ids,
                                                            self._engine.max_seq_len):
             kept += len(samples)
             want_logprobs = seq.request.params.logprobs is not None
             records.append(Emit(seq.order, tuple(s.token_id for s in samples),
                                 tuple(s.logprob for s in samples) if want_logprobs else None,
-                                finish_reason=finish))
+                                finish_reason=finish, prompt_logprobs=self._prompt_logprobs(seq, prompt_done)))
             if finish is not None:
                 self._retire(seq)
                 finished += 1
+        for seq in list(prompt_done):  # scored in a chunk before the one that samples
+            records.append(Emit(seq.order, prompt_logprobs=self._prompt_logprobs(seq, prompt_done)))
         self._totals.add(generated_tokens=kept)
         return finished
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, prompt_done: set[Sequence]) -> tuple | None:
+        """Its prompt's scores (OpenAI's: None for the first token) once, in the record of the step that
+        completed them."""
+        if seq not in prompt_done:
+            return None
+        prompt_done.discard(seq)
+        return (None, *seq.prompt_scores)
 
     def _retire(self, seq: Sequence) -> None:
         """It leaves for good (with _cv held); its slot is unbound after the lock is let go."""

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from slipstream.kernels.attention import kv_layout, ragged_paged_attention
+from slipstream.kernels.sampling import top_logprobs
 from slipstream.models import layers
 from slipstream.models.config import ModelConfig
 
@@ -77,14 +78,19 @@ class CausalLM(nnx.Module):
                  rows: jax.Array | None = None, *, dtype=jnp.float32) -> tuple[jax.Array, Any]:
         """Flat tokens [T] at positions [T] -> (logits [R, V] of the tokens at `rows` (all when None),
         the KV state after every layer attended through `attend`)."""
+        x, cache = self.hidden(tokens, positions, attend, cache, dtype=dtype)
+        return self.logits(x if rows is None else x[rows]), cache
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any, *,
+               dtype=jnp.float32) -> tuple[jax.Array, Any]:
+        """__call__ up to the final norm: the last layer's output [T, D] of every token, and the KV state."""
         x = self.embed_tokens(tokens, dtype)
 
         def body(blk, carry, i):
             x, cache = carry
             return self.block(blk, x, positions, attend, cache, i)
 
-        x, cache = layers.scan_layers(self.blocks, body, (x, cache), self.cfg.num_layers)
-        return self.logits(x if rows is None else x[rows]), cache
+        return layers.scan_layers(self.blocks, body, (x, cache), self.cfg.num_layers)
 
 
 # ---- attention ops: the paged step and the dense reference -------------------------------------
@@ -158,6 +164,20 @@ class DenseAttention:
 
 # ---- what the engine calls -----------------------------------------------------------------------
 
+SCORE_BLOCK = 256  # tokens per LM-head call when every token is scored (score_step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenScores:
+    """The model's log-probabilities at each token of a step (score_step): of the token after it, and the
+    most likely ones there (best first)."""
+
+    logprob: jax.Array   # f32[T]
+    top_ids: jax.Array   # i32[T, top]
+    top_logprobs: jax.Array  # f32[T, top]
+
+
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
                    platform: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     """The cache's arrays (name -> shape and dtype) in the layout the attention kernel of `platform`
@@ -189,10 +209,39 @@ def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, 
     return model(tokens, positions, attend, cache, sample_index, dtype=dtype)
 
 
-def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention):
-    """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache)."""
+def score_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+               page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
+               targets: jax.Array, *, top: int, dtype=jnp.float32, attention: Callable = ragged_paged_attention,
+               block: int = SCORE_BLOCK) -> tuple[tuple[jax.Array, TokenScores], dict]:
+    """step(), and the model's log-probability at every token of the token after it: (the sample rows' logits
+    [R, V], TokenScores of all T tokens), cache. targets i32[T]: each token's next token (any id where none is
+    wanted: its row is computed and ignored). The LM head runs over `block` tokens at a time, so the step holds
+    [block, V] logits, not [T, V]."""
+    attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
+    h, cache = model.hidden(tokens, positions, attend, cache, dtype=dtype)
+    t = h.shape[0]
+    block = min(block, t)
+    pad = -t % block
+    blocks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, block, h.shape[-1])
+    block_targets = jnp.pad(targets, (0, pad)).reshape(-1, block)
+
+    def score(args):
+        rows, target = args
+        return top_logprobs(model.logits(rows), target, top)
+
+    chosen, top_ids, top_lps = jax.lax.map(score, (blocks, block_targets))
+    scores = TokenScores(chosen.reshape(-1)[:t], top_ids.reshape(-1, top)[:t], top_lps.reshape(-1, top)[:t])
+    return (model.logits(h[sample_index]), scores), cache
+
+
+def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention, *, score_top: int = 0):
+    """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache); with score_top,
+    score_step's: (state, cache, step inputs..., targets) -> ((logits, TokenScores), cache)."""
     def run(state, cache, *inputs, dtype=jnp.float32):
-        return step(nnx.merge(graphdef, state), cache, *inputs, dtype=dtype, attention=attention)
+        model = nnx.merge(graphdef, state)
+        if score_top:
+            return score_step(model, cache, *inputs, top=score_top, dtype=dtype, attention=attention)
+        return step(model, cache, *inputs, dtype=dtype, attention=attention)
     return run
 
 

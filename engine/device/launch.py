@@ -9,11 +9,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from slipstream.engine.api import Sampled
+from slipstream.engine.api import Sampled, StepBatch
 from slipstream.engine.request import TokenLogprob
 from slipstream.engine.device.sampling import SampleResult
 from slipstream.engine.structured import Matcher
+from slipstream.models.base import TokenScores
 
 
 class GrammarProgress:
@@ -25,18 +27,65 @@ class GrammarProgress:
         self.advance_seconds = 0.0
 
 
+class ScoredRows:
+    """The sequences of a step that score their tokens (StepSeq.targets): where their rows are, their targets and
+    alternatives asked, and (once launched) the program's models.base.TokenScores on the device."""
+
+    def __init__(self, rows: list[tuple[int, tuple[int, ...], int]]) -> None:
+        self.rows = rows  # per scoring sequence in batch order: (its first row, its targets, alternatives)
+        self.device: TokenScores | None = None
+
+    @classmethod
+    def of(cls, batch: StepBatch, slot_alternatives) -> "ScoredRows":
+        """slot_alternatives: each slot's prompt_logprobs (as insert bound them)."""
+        rows, at = [], 0
+        for seq in batch.seqs:
+            if seq.targets:
+                if len(seq.targets) > len(seq.token_ids):
+                    raise ValueError(f"sequence in slot {seq.slot}: {len(seq.targets)} targets for a chunk of "
+                                     f"{len(seq.token_ids)} tokens")
+                rows.append((at, tuple(seq.targets), int(slot_alternatives[seq.slot])))
+            at += len(seq.token_ids)
+        return cls(rows)
+
+    def targets(self, t: int) -> np.ndarray:
+        """i32[t]: each row's target (0 where none: its row is scored and ignored)."""
+        out = np.zeros(t, np.int32)
+        for at, targets, _ in self.rows:
+            out[at:at + len(targets)] = targets
+        return out
+
+    def copy_to_host_async(self) -> None:
+        for leaf in jax.tree.leaves(self.device):
+            leaf.copy_to_host_async()
+
+    def collect(self) -> list[tuple[TokenLogprob, ...]]:
+        host: TokenScores = jax.device_get(self.device)
+        out = []
+        for at, targets, k in self.rows:
+            lps = host.logprob[at:at + len(targets)].tolist()
+            ids, top_lps = host.top_ids[at:at + len(targets), :k].tolist(), host.top_logprobs[at:at + len(targets), :k].tolist()
+            out.append(tuple(TokenLogprob(target, lp, tuple(zip(i, v)))
+                             for target, lp, i, v in zip(targets, lps, ids, top_lps)))
+        return out
+
+
 class LaunchedStep:
-    """A launched step; result() waits for its samples (the engine's StepResult)."""
+    """A launched step; result() waits for its samples, scores() for its scores (the engine's StepResult)."""
 
     def __init__(self, grammar: GrammarProgress, result: SampleResult | None,
-                 rows: list[tuple[int, Matcher | None]]) -> None:
+                 rows: list[tuple[int, Matcher | None]], scored: ScoredRows | None = None) -> None:
         self._grammar, self._result, self._rows = grammar, result, rows  # rows: (logprobs k, matcher)
         self._samples: list[Sampled] | None = None
+        self._scored = scored
 
     def result(self) -> list[Sampled]:
         if self._samples is None:
             self._samples = self._collect()
         return self._samples
+
+    def scores(self) -> list[tuple[TokenLogprob, ...]]:
+        return [] if self._scored is None else self._scored.collect()
 
     def _collect(self) -> list[Sampled]:
         if self._result is None:

@@ -5,6 +5,7 @@ class: the engine (engine/device/runner.py) sets up the jitted functions, bucket
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor, as_completed
+import logging
 import os
 import re
 import sys
@@ -21,19 +22,26 @@ from slipstream.engine.device.step_inputs import model_packing, sample_packing
 from slipstream.engine.request import MAX_LOGIT_BIAS
 from slipstream.engine.structured import mask_words
 
+log = logging.getLogger(__name__)
+
 
 class Programs:
     """Building, compiling and looking up the engine's programs (a base class of JaxEngine)."""
 
-    def _model_packing(self, t: int, split: bool = True) -> Packing:
+    def _model_packing(self, t: int, split: bool = True, score: bool = False) -> Packing:
         return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
                              sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
-                             prompt_from=self.prompt_w16 and split)
+                             prompt_from=self.prompt_w16 and split, targets=score)
 
-    def _model_args(self, t: int, split: bool = True):
-        packing = self._model_packing(t, split)
+    def _model_args(self, t: int, split: bool = True, score: bool = False):
+        packing = self._model_packing(t, split, score)
         return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
                 None if self.lora is None else self.lora.stacks)
+
+    def _score_args(self, t: int):
+        """The scoring model program's (every token's log-probabilities too); compiled at its first use."""
+        log.info("compiling the prompt-scoring program (%d tokens), asked for by a request's prompt logprobs", t)
+        return self._model_args(t, score=True)
 
     def _sample_args(self, b: int):
         packing = sample_packing(b)

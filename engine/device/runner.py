@@ -24,8 +24,9 @@ from slipstream.engine.api import Sampled, SlotState, StepBatch
 from slipstream.engine.device.attention_layer import paged_attention
 from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
+from slipstream.engine.request import MAX_TOP_LOGPROBS
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples
+from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples, ScoredRows
 from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.programs import Programs
 from slipstream.engine.device.sample_program import empty_state, packed_sample_step, set_row
@@ -79,8 +80,11 @@ class JaxEngine(Programs):
             index_int8_stacks(model)
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
-        # attention through the engine's layer: per device under shard_map when tensor parallel
+        # attention through the engine's layer: per device under shard_map when tensor parallel; scoring (prompt
+        # logprobs) with every token's log-probabilities too
         self._forward = step_fn(self.graphdef, attention=paged_attention)
+        self._score_forward = step_fn(self.graphdef, attention=paged_attention,
+                                      score_top=min(MAX_TOP_LOGPROBS, model_cfg.vocab_size))
         # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
         # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
         self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
@@ -90,6 +94,7 @@ class JaxEngine(Programs):
         if self.tp is not None:
             self.params = self.tp.place_params(self.params)
             self._forward = self.tp.under_mesh(self._forward)
+            self._score_forward = self.tp.under_mesh(self._score_forward)
             self._replicated = self.tp.replicated
             cache_cfg = self.tp.cache_config(model_cfg)
             if self.lora is not None:  # whole on every device; the partitioner splits the deltas' matmuls
@@ -122,6 +127,7 @@ class JaxEngine(Programs):
         self._slot_sampling = SamplingArrays.from_params([], [], [], self.max_slots + 1)
         self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
+        self._slot_prompt_logprobs = np.zeros(self.max_slots + 1, np.int32)  # alternatives per scored prompt token
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
         self._matchers: dict[int, Matcher] = {}
@@ -148,6 +154,9 @@ class JaxEngine(Programs):
         self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
                                    if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
+        # the model program that also scores every token (prompt logprobs), at the largest token bucket only:
+        # compiled when a request first asks for it (steps that score pad to that bucket)
+        self._score_exe: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
@@ -159,6 +168,8 @@ class JaxEngine(Programs):
     # ---- jitted bodies ----------------------------------------------------------------------
 
     def _model_step(self, packing: Packing, params, cache, last, packed, lora_stacks=None):
+        """-> (logits of the sample rows, cache); with the packing's `targets` (scoring), ((those logits,
+        models.base.TokenScores of every token), cache)."""
         x = packing.unpack(packed)  # step_inputs.model_packing's arrays
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
@@ -167,8 +178,11 @@ class JaxEngine(Programs):
             params = bind_rows(params, x["prompt_from"])
         if lora_stacks is not None:  # LoRA deltas on the linears, by each token's slot i32[T]
             params = self.lora.attach(params, lora_stacks, x["lora_slots"])
-        return self._forward(params, cache, tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"],
-                             x["num_seqs"], x["sample_index"], dtype=self.dtype)
+        inputs = (tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"], x["num_seqs"],
+                  x["sample_index"])
+        if "targets" in x:
+            return self._score_forward(params, cache, *inputs, x["targets"], dtype=self.dtype)
+        return self._forward(params, cache, *inputs, dtype=self.dtype)
 
     @property
     def max_loras(self) -> int:
@@ -199,6 +213,7 @@ class JaxEngine(Programs):
             getattr(self._slot_sampling, field.name)[slot] = getattr(row, field.name)[0]
         self._slot_prompt_len[slot] = len(state.prompt_ids)
         self._slot_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self._slot_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self._matchers.pop(slot, None)
         if params.constraint is not None:
             matcher = params.constraint.matcher()
@@ -246,16 +261,22 @@ class JaxEngine(Programs):
         hybrid weights' split (EngineConfig.prompt_w16)."""
         return batch.prompt_rows_from(self._slot_prompt_len)
 
-    def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int]]:
-        t = self.buckets.tokens(batch.num_tokens)
+    def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int], ScoredRows | None]:
+        """Launch the step's model program: (token bucket, the sample rows' logits, their slots, the scores of
+        the sequences with targets, if any)."""
+        score = any(seq.targets for seq in batch.seqs)
+        t = self.buckets.token_counts[-1] if score else self.buckets.tokens(batch.num_tokens)
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
-        if prompt_from is not None and not split:
+        if score:
+            model = self._exe(self._score_exe, t, self._model_jit, self._score_args)
+        elif prompt_from is not None and not split:
             # generated tokens only (decodes, verification): the program without the prompt form's calls
             model = self._exe(self._generated_exe, t, self._model_jit, functools.partial(self._model_args, split=False))
         else:
             model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
-        packed, x = self._model_packing(t, split).host()  # the program's one host array, written in place
+        # the program's one host array, written in place
+        packed, x = self._model_packing(t, split, score=score).host()
         _, (tokens, *_), sample_slots = self.step_inputs(batch, x)
         src = previous_sources(batch, tokens, x["cu_q_lens"])
         x["src"][:] = -1 if src is None else src
@@ -263,9 +284,15 @@ class JaxEngine(Programs):
             x["lora_slots"][:] = token_lora_slots(batch, t, self.lora.max_loras)
         if split:
             x["prompt_from"][...] = prompt_from
-        logits, self.cache = model(self.params, self.cache, self._previous.last, packed,
-                                   None if self.lora is None else self.lora.stacks)
-        return t, logits, sample_slots
+        scored = None
+        if score:
+            scored = ScoredRows.of(batch, self._slot_prompt_logprobs)
+            x["targets"][:] = scored.targets(t)
+        out, self.cache = model(self.params, self.cache, self._previous.last, packed,
+                                None if self.lora is None else self.lora.stacks)
+        if score:
+            out, scored.device = out
+        return t, out, sample_slots, scored
 
     @functools.cached_property
     def _previous(self) -> PreviousSamples:
@@ -288,7 +315,7 @@ class JaxEngine(Programs):
     def model_logits(self, batch: StepBatch) -> np.ndarray:
         """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
         `sample` sequences, in order (tests and the perplexity tool)."""
-        _, logits, sample_slots = self._run_model(batch)
+        _, logits, sample_slots, _ = self._run_model(batch)
         return np.asarray(logits)[:len(sample_slots)]  # sliced on the host: no program per row count
 
     def step(self, batch: StepBatch) -> list[Sampled]:
@@ -299,10 +326,12 @@ class JaxEngine(Programs):
             if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self.grammar.unadvanced:
                 raise ValueError(f"slot {seq.slot} is grammar-constrained and its latest sample is not "
                                  "collected yet; collect the step in flight before launching its next one")
-        t, logits, sample_slots = self._run_model(batch)
+        t, logits, sample_slots, scored = self._run_model(batch)
+        if scored is not None:
+            scored.copy_to_host_async()
         n = len(sample_slots)
         if n == 0:
-            return LaunchedStep(self.grammar, None, [])
+            return LaunchedStep(self.grammar, None, [], scored)
         b = self.buckets.sample_rows(t)
         packed, x = sample_inputs(batch, sample_slots, b, self._slot_sampling, self._slot_prompt_len)
         slot_ids = x["slot_ids"]
@@ -319,4 +348,4 @@ class JaxEngine(Programs):
         for leaf in jax.tree.leaves(result):
             leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
         self.grammar.unadvanced.update(m for _, m in rows if m is not None)
-        return LaunchedStep(self.grammar, result, rows)
+        return LaunchedStep(self.grammar, result, rows, scored)

@@ -24,7 +24,7 @@ from slipstream.engine.api import Sampled, SlotState, StepBatch, StepResult
 # Group, Leader and the wire are imported from here by server/cli.py and the tests
 from slipstream.engine.distributed.control_channel import (_FRAME, HEARTBEAT_S, TOKEN_BYTES, DistributedConfig, Group, Leader,  # noqa: F401
                                     PeerLost, decode, encode)
-from slipstream.engine.request import MAX_SEED
+from slipstream.engine.request import MAX_SEED, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class _LockstepResult:
             self._group.send(("collect", self._step))
             self._sent = True
         return self._local.result()
+
+    def scores(self) -> list[tuple[TokenLogprob, ...]]:
+        return self._local.scores()
 
 
 # ---- workers -----------------------------------------------------------------------------------

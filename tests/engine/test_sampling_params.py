@@ -31,11 +31,12 @@ def test_builder_pads_with_greedy_rows_and_splits_seeds():
 # ---- ranges: nothing out of range reaches numpy (issue 12: top_k=2**31 killed the engine) -----
 
 @pytest.mark.parametrize("field,value", [
-    ("top_k", 2**31), ("top_k", -1), ("max_tokens", 2**31), ("max_tokens", 0),
+    ("top_k", 2**31), ("top_k", -1), ("max_tokens", 2**31), ("max_tokens", -1),
     ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", 1e39),
     ("top_p", float("nan")), ("min_p", float("nan")), ("repetition_penalty", 1e-300),
     ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")),
     ("frequency_penalty", 2.5), ("seed", 2**63), ("logprobs", MAX_TOP_LOGPROBS + 1),
+    ("prompt_logprobs", MAX_TOP_LOGPROBS + 1), ("prompt_logprobs", -1),
     ("n", 0), ("stop_token_ids", (2**31,)), ("max_tokens", True), ("top_k", 5.0),
     ("stop", ("x" * 1025,)), ("ignore_eos", "yes"),
 ])
