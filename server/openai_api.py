@@ -26,18 +26,22 @@ from slipstream.server.structured import (Constraint, ToolStream, compile_constr
 def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
     lora = service.check_model(req.model)
-    _reject_unsupported(req.echo, "echo", req.suffix, "suffix")
+    _reject_unsupported(req.suffix, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
-    raw = req.prompt
-    items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    items = prompt_items(req)
     if not items:
         raise ServiceError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     # Everything that costs no tokenization first: 200,000 tiny prompts must not be tokenized to learn
     # that they exceed max_choices.
     service.check_choices(len(items), req.n)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
-    params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=request_constraint(req))
+    if max_tokens == 0 and not req.echo:
+        raise ServiceError(400, "max_tokens must be at least 1 (0, the prompt alone, needs echo)", param="max_tokens",
+                           code="invalid_value")
+    # echo with logprobs: the prompt's tokens get theirs too, computed (never from the prefix cache)
+    params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=request_constraint(req),
+                     prompt_logprobs=req.logprobs if req.echo else None)
     prompts = [service.encode(item) for item in items]
     return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora)
 
@@ -68,9 +72,15 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora)
 
 
+def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompts: its text, texts, ids or lists of ids, as a list."""
+    raw = req.prompt
+    return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+
+
 def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
             logprobs: int | None, constraint: Constraint | None,
-            param_names: dict[str, str] | None = None) -> SamplingParams:
+            param_names: dict[str, str] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's one SamplingParams (the n sub-requests differ only in their seed)."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     optional = {"temperature": req.temperature, "top_p": req.top_p, "min_p": req.min_p,
@@ -80,7 +90,8 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
         logit_bias=_logit_bias(service, req.logit_bias),
-        logprobs=logprobs, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         ignore_eos=req.ignore_eos, **{k: v for k, v in optional.items() if v is not None})
 
 
@@ -191,46 +202,67 @@ class CompletionFormat(_StreamEvents):
         self.service, self.gen, self.model = service, gen, body.model or service.model_name
         self.created = int(time.time())
         self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
+        # echo: each choice's prompt text, until its first chunk (or its response) shows it
+        self.echo: list[str | None] = [None] * gen.num_choices
+        if body.echo:
+            items = prompt_items(body)
+            self.echo = [item if isinstance(item, str) else service.tokenizer.decode(item)
+                         for item in items for _ in range(body.n)]
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
-    def logprobs(self, index: int, lps: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+    def logprobs(self, index: int, lps: list[TokenLogprob] | None,
+                 prompt: tuple[TokenLogprob | None, ...] | None = None) -> CompletionLogprobs | None:
+        """The choice's logprobs; `prompt`: an echoed prompt's first (None: its first token's has nothing before
+        it, so OpenAI gives null)."""
         if lps is None:
             return None
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for lp in lps:
+        if prompt is not None:
+            first = self.gen.prompt_ids(index)[0]
+            self._add(out, index, self.service.token_text(first), None, None)
+        for lp in [*(prompt or ())[1:], *lps]:
             token = self.service.token_text(lp.token_id)
             top: dict[str, float] = {}
             for token_id, logprob in lp.top:
                 top.setdefault(self.service.token_text(token_id), logprob)
             top.setdefault(token, lp.logprob)  # OpenAI always includes the sampled token
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(self.offsets[index])
-            self.offsets[index] += len(token)
+            self._add(out, index, token, lp.logprob, top)
         return out
 
+    def _add(self, out: CompletionLogprobs, index: int, token: str, logprob: float | None,
+             top: dict[str, float] | None) -> None:
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(self.offsets[index])
+        self.offsets[index] += len(token)
+
+    def _choice(self, d: Delta) -> CompletionChoice:
+        """Its choice, after the echoed prompt (text, and with logprobs the prompt's) when this is its first."""
+        echo, self.echo[d.index] = self.echo[d.index], None
+        prompt = None if echo is None else d.prompt_logprobs
+        return CompletionChoice(index=d.index, text=d.text if echo is None else echo + d.text,
+                                logprobs=self.logprobs(d.index, d.logprobs, prompt), finish_reason=_reason(d))
+
     def response(self, choices: list[Delta]) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
-            choices=[CompletionChoice(index=c.index, text=c.text, logprobs=self.logprobs(c.index, c.logprobs),
-                                      finish_reason=_reason(c)) for c in choices])
+        return CompletionResponse(id=self.gen.id, created=self.created, model=self.model, usage=self.usage(),
+                                  choices=[self._choice(c) for c in choices])
 
     def opening_chunks(self) -> list[BaseModel]:
         return []
 
     def chunk(self, d: Delta) -> CompletionResponse | None:
-        if not d.text and not d.logprobs and d.finish_reason is None:
+        if not d.text and not d.logprobs and d.finish_reason is None and self.echo[d.index] is None:
             return None
-        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self.logprobs(d.index, d.logprobs),
-                                  finish_reason=_reason(d))
-        return self._chunk([choice])
+        return self._chunk([self._choice(d)])
 
     def _direct(self, d: Delta) -> bytes | None:
-        return None if d.logprobs is not None else b',"text":' + to_json(d.text)
+        if d.logprobs is not None or self.echo[d.index] is not None:
+            return None
+        return b',"text":' + to_json(d.text)
 
     def usage_chunk(self) -> CompletionResponse:
         return self._chunk([], usage=self.usage())

@@ -72,8 +72,9 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # 0 only with echo: the prompt scored, no output
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
-    echo: bool = False
+    echo: bool = False  # the prompt before the output (with logprobs, its tokens' logprobs too)
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -120,8 +121,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -61,9 +61,10 @@ class Generation:
     """
 
     def __init__(self, gen_id: str, streams: list[RequestStream], prompt_tokens: int,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, prompts: list[list[int]] | None = None) -> None:
         self.id = gen_id
         self.prompt_tokens = prompt_tokens
+        self._prompts = prompts or []  # per prompt, its token ids (choices: each prompt's n in turn)
         self.completion_tokens = 0
         self._streams = streams
         self._open = set(range(len(streams)))
@@ -72,6 +73,10 @@ class Generation:
     @property
     def num_choices(self) -> int:
         return len(self._streams)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """The token ids of choice `index`'s prompt."""
+        return self._prompts[index * len(self._prompts) // len(self._streams)]
 
     def cancel(self) -> None:
         """Cancel the unfinished sub-requests; idempotent."""
@@ -145,7 +150,8 @@ class Generation:
         return [Delta(index=index, text="".join(d.text for d in deltas),
                       token_ids=[t for d in deltas for t in d.token_ids],
                       logprobs=None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs or ()],
-                      finish_reason=deltas[-1].finish_reason)
+                      finish_reason=deltas[-1].finish_reason,
+                      prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))
                 for index, deltas in enumerate(parts)]
 
     def _checked(self, index: int, delta: Delta) -> Delta:
@@ -373,14 +379,15 @@ class Service:
                     stream.cancel()
         usage, lora = self.lora_usage, prepared.lora
         if usage is None or lora is None:
-            return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=release)
+            return Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=release,
+                              prompts=prompts)
         usage.count(lora.name, requests=1)
 
         def done() -> None:
             release()
             usage.count(lora.name, tokens=gen.completion_tokens)
 
-        gen = Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=done)
+        gen = Generation(gen_id, streams, prompt_tokens=sum(len(p) for p in prompts), on_done=done, prompts=prompts)
         return gen
 
 

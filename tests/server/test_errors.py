@@ -105,7 +105,9 @@ def test_chat_field_errors_name_the_chat_field(live: LiveServer) -> None:
 
 def test_unsupported_openai_fields_are_refused_not_ignored(live: LiveServer) -> None:
     with live.http() as http:
-        assert _error(http.post("/v1/completions", json={"prompt": "a", "echo": True}), 400)["param"] == "echo"
+        assert _error(http.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), 400)["param"] == "suffix"
+        err = _error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 0}), 400)
+        assert err["param"] == "max_tokens" and "echo" in err["message"]  # 0 only scores an echoed prompt
         err = _error(http.post("/v1/chat/completions", json={"messages": CHAT, "tools": [{"type": "function"}]}), 400)
         assert err["param"] == "tools"
         # Unknown fields are ignored, as OpenAI-compatible servers do.
