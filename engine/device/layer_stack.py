@@ -20,9 +20,9 @@ become `StackedInt8` (`index_int8_stacks`): the same arrays, multiplied at the t
 the Pallas int8 kernel reads each layer's blocks where they lie instead of a slice the scan copies out
 of the stack every step (0.30 -> 0.19 ms per 4096 x 14336 matmul at one row on a v5e). Unfused: one
 kernel call per linear (fusing q/k/v or gate/up at load would copy those stacks).
-The forms themselves are weight formats (quantization/layer_forms.py); this module decides which
-weight takes which, from the model's fused groups. models/layers.py calls quantization.ops without
-knowing why.
+The forms themselves are weight formats (quantization/layer_forms.py, built by layer_packing.py); this
+module decides which weight takes which, from the model's fused groups. models/layers.py calls
+quantization.ops without knowing why.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ from slipstream.models.base import CausalLM
 from slipstream.quantization import Int8Weight, QuantizedWeight
 from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
     FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedHybrid, StackedInt8,
-    StackedPick, StackedQ8, channel_weight, fuse_channel, fuse_f32, fuse_hybrid, fuse_q8, pack_channel)
+    StackedPick, StackedQ8)
+from slipstream.quantization.layer_packing import (channel_weight, fuse_channel, fuse_f32, fuse_hybrid, fuse_q8,
+                                                   pack_channel)
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
 FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (

@@ -151,7 +151,7 @@ def test_tiles_of_another_weight_are_refused():
 @pytest.mark.parametrize("bf16", ["1", None])
 def test_fuse_q8_gives_a16_stacks_bf16_tiles_only_when_asked(monkeypatch, bf16):
     from slipstream.quantization import groupwise
-    from slipstream.quantization.layer_forms import fuse_q8
+    from slipstream.quantization.layer_packing import fuse_q8
 
     if bf16:
         monkeypatch.setenv("SLIPSTREAM_AMX_BF16", bf16)
