@@ -58,15 +58,23 @@ class Tokenizer:
         return self._hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, in one call that `tokenizers` spreads over the cores."""
         # the batch call without character offsets: the same ids, 20% sooner (1.10 against 1.37 ms for a
         # 1,580-token prompt of the default model)
-        ids = self._hf.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        encodings = self._hf.encode_batch_fast(list(texts), add_special_tokens=False)
         if add_special_tokens and self.add_bos:
-            ids = [self.bos_token_id, *ids]
-        return ids
+            return [[self.bos_token_id, *e.ids] for e in encodings]
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, sequences: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        """decode() of each id sequence, in one call that `tokenizers` spreads over the cores."""
+        return self._hf.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._hf.id_to_token(token_id)

@@ -22,6 +22,25 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
+# ids per batch call: a block's lists die before the next, where the whole vocabulary's at once (100k lists alive)
+# set off full passes of Python's collector and took longer than one id at a time
+_BLOCK = 256
+
+
+def _plain_tokens(tok: TextTokenizer, ids: range) -> list[int]:
+    """The ids among `ids` that decode alone to printable text which encodes back to that one id: by the
+    tokenizer's batch calls where it has them (models/tokenizer.Tokenizer, which spreads them over the cores),
+    else one id at a time."""
+    batched = hasattr(tok, "decode_batch") and hasattr(tok, "encode_batch")
+    texts = (tok.decode_batch([[i] for i in ids], skip_special_tokens=True) if batched
+             else [tok.decode([i], skip_special_tokens=True) for i in ids])
+    plain = [(i, text) for i, text in zip(ids, texts) if text and "\ufffd" not in text and text.isprintable()]
+    texts = [text for _, text in plain]
+    encoded = (tok.encode_batch(texts, add_special_tokens=False) if batched
+               else [tok.encode(text, add_special_tokens=False) for text in texts])
+    return [i for (i, _), got in zip(plain, encoded) if got == [i]]
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str
@@ -41,13 +60,9 @@ class PromptMaker:
     def _clean_token_pool(self) -> np.ndarray:
         # Only ids that decode to printable text and encode back to themselves: prompts then contain
         # no control tokens, no half UTF-8 characters, and converge to the target length in a step or two.
-        keep = []
-        for i in range(self.tok.vocab_size):
-            text = self.tok.decode([i], skip_special_tokens=True)
-            if not text or "\ufffd" in text or not text.isprintable():
-                continue
-            if self.tok.encode(text, add_special_tokens=False) == [i]:
-                keep.append(i)
+        vocab = self.tok.vocab_size
+        keep = [i for start in range(0, vocab, _BLOCK)
+                for i in _plain_tokens(self.tok, range(start, min(start + _BLOCK, vocab)))]
         if len(keep) < 100:
             raise ValueError(f"the tokenizer has only {len(keep)} plain-text tokens; cannot make random prompts")
         return np.asarray(keep, dtype=np.int64)

@@ -165,6 +165,46 @@ def test_dataset_prompt_lengths_are_what_the_tokenizer_counts(tokenizer):
     assert all(count(r.prompt) == r.prompt_len == 96 for r in groups)
 
 
+class OneAtATime:
+    """The tokenizer with only the per-id calls of datasets.TextTokenizer (no batch calls)."""
+
+    def __init__(self, tok) -> None:
+        self.vocab_size, self.encode, self.decode = tok.vocab_size, tok.encode, tok.decode
+
+
+def _synthetic_tokenizer():
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.dummy_tokenizer import synthetic_tokenizer
+
+    return synthetic_tokenizer(ModelConfig(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                                           intermediate_size=64, vocab_size=4096, bos_token_id=0, eos_token_ids=(1,)))
+
+
+# the default model's tokenizer leaves out ids whose text is not printable; the synthetic one also ids whose
+# text encodes back as two (its "baa" is "b" + "aa")
+@pytest.mark.parametrize("which", ["default", "synthetic"])
+def test_random_prompts_draw_from_the_ids_that_round_trip_one_at_a_time(tokenizer, which):
+    # the pool is built with the tokenizer's batch calls: it holds exactly the ids that decode alone to
+    # printable text encoding back to just that id, and the prompts of a seed are those of the per-id path
+    from slipstream.server.bench.datasets import PromptMaker, prefix_dataset, random_dataset
+
+    tok = tokenizer if which == "default" else _synthetic_tokenizer()
+
+    texts = {i: tok.decode([i], skip_special_tokens=True) for i in range(tok.vocab_size)}
+    printable_ids = [i for i, text in texts.items() if text and "\ufffd" not in text and text.isprintable()]
+    kept = [i for i in printable_ids if tok.encode(texts[i], add_special_tokens=False) == [i]]
+    pool = PromptMaker(tok, np.random.default_rng(0)).pool.tolist()
+    assert pool == kept and 100 < len(pool) and len(printable_ids) < tok.vocab_size
+    assert (len(kept) < len(printable_ids)) == (which == "synthetic")
+    alone = OneAtATime(tok)
+    assert PromptMaker(alone, np.random.default_rng(0)).pool.tolist() == pool
+    for make in (lambda t: random_dataset(t, num_prompts=6, input_len=64, output_len=4, range_ratio=0.5,
+                                          prefix_len=16, seed=11),
+                 lambda t: prefix_dataset(t, num_prompts=4, prefix_len=24, suffix_len=12, num_prefixes=2,
+                                          output_len=4, seed=11)):
+        assert make(tok) == make(alone)
+
+
 def test_sharegpt_is_filtered_as_vllm_does(tokenizer, tmp_path):
     from slipstream.server.bench.datasets import sharegpt_dataset
 
