@@ -210,9 +210,22 @@ def top_logprobs_reference(logits: jax.Array, token: jax.Array, n: int) -> tuple
     return chosen - log_z, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
 
 
-def top_logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def best_logprob_reference(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """top_logprobs_reference with only the best of the n filled in (the others id 0 and -inf): a max, not a top-k
+    (on a TPU, 1.2 against 3.9 ms for [256, 128256])."""
+    log_z = jax.nn.logsumexp(logits, -1)
+    chosen = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_z
+    ids = jnp.zeros((logits.shape[0], n), jnp.int32).at[:, 0].set(jnp.argmax(logits, -1).astype(jnp.int32))
+    lps = jnp.full((logits.shape[0], n), -jnp.inf, jnp.float32).at[:, 0].set(jnp.max(logits, -1) - log_z)
+    return chosen, ids, lps
+
+
+def top_logprobs(logits: jax.Array, token: jax.Array, n: int, *, wanted: jax.Array | None = None,
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The model's log-probabilities from logits [B, V] (cast to f32): of each row's `token` [B], and
-    the n <= V largest with their ids ([B, n], best first, ties lower id first, as lax.top_k)."""
+    the n <= V largest with their ids ([B, n], best first, ties lower id first, as lax.top_k). wanted i32[]: how
+    many of the n the caller reads; at most one lets the JAX reference find the best alone (the native kernel
+    costs the same either way)."""
     if logits.ndim != 2 or token.shape != logits.shape[:1] or not 0 < n <= logits.shape[1]:
         raise ValueError(f"top_logprobs: logits must be [B, V], token [B] and 0 < n <= V, got {logits.shape}, "
                          f"{token.shape} and n={n}")
@@ -225,6 +238,9 @@ def top_logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array
         return tuple(jax.ffi.ffi_call(LOGPROBS_TARGET, out)(x, t))
 
     ref = lambda x, t: top_logprobs_reference(x, t, n)  # noqa: E731
+    if wanted is not None:
+        ref = lambda x, t: jax.lax.cond(wanted > 1, lambda: top_logprobs_reference(x, t, n),  # noqa: E731
+                                        lambda: best_logprob_reference(x, t, n))
     if native_available():
         return jax.lax.platform_dependent(*args, cpu=call, default=ref)
     return ref(*args)

@@ -211,12 +211,14 @@ def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, 
 
 def score_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
-               targets: jax.Array, *, top: int, dtype=jnp.float32, attention: Callable = ragged_paged_attention,
+               targets: jax.Array, alternatives: jax.Array, *, top: int, dtype=jnp.float32,
+               attention: Callable = ragged_paged_attention,
                block: int = SCORE_BLOCK) -> tuple[tuple[jax.Array, TokenScores], dict]:
     """step(), and the model's log-probability at every token of the token after it: (the sample rows' logits
     [R, V], TokenScores of all T tokens), cache. targets i32[T]: each token's next token (any id where none is
-    wanted: its row is computed and ignored). The LM head runs over `block` tokens at a time, so the step holds
-    [block, V] logits, not [T, V]."""
+    wanted: its row is computed and ignored); alternatives i32[]: how many of the `top` best are wanted (at most
+    one: the best alone, by a max, not a top-k: a third of its time on a TPU). The LM head runs over `block`
+    tokens at a time, so the step holds [block, V] logits, not [T, V]."""
     attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
     h, cache = model.hidden(tokens, positions, attend, cache, dtype=dtype)
     t = h.shape[0]
@@ -227,7 +229,7 @@ def score_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.A
 
     def score(args):
         rows, target = args
-        return top_logprobs(model.logits(rows), target, top)
+        return top_logprobs(model.logits(rows), target, top, wanted=alternatives)
 
     chosen, top_ids, top_lps = jax.lax.map(score, (blocks, block_targets))
     scores = TokenScores(chosen.reshape(-1)[:t], top_ids.reshape(-1, top)[:t], top_lps.reshape(-1, top)[:t])
@@ -236,7 +238,7 @@ def score_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.A
 
 def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention, *, score_top: int = 0):
     """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache); with score_top,
-    score_step's: (state, cache, step inputs..., targets) -> ((logits, TokenScores), cache)."""
+    score_step's: (state, cache, step inputs..., targets, alternatives) -> ((logits, TokenScores), cache)."""
     def run(state, cache, *inputs, dtype=jnp.float32):
         model = nnx.merge(graphdef, state)
         if score_top:

@@ -181,7 +181,7 @@ class JaxEngine(Programs):
         inputs = (tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"], x["num_seqs"],
                   x["sample_index"])
         if "targets" in x:
-            return self._score_forward(params, cache, *inputs, x["targets"], dtype=self.dtype)
+            return self._score_forward(params, cache, *inputs, x["targets"], x["alternatives"], dtype=self.dtype)
         return self._forward(params, cache, *inputs, dtype=self.dtype)
 
     @property
@@ -288,6 +288,7 @@ class JaxEngine(Programs):
         if score:
             scored = ScoredRows.of(batch, self._slot_prompt_logprobs)
             x["targets"][:] = scored.targets(t)
+            x["alternatives"][...] = max(k for *_, k in scored.rows)
         out, self.cache = model(self.params, self.cache, self._previous.last, packed,
                                 None if self.lora is None else self.lora.stacks)
         if score:

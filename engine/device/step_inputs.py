@@ -24,7 +24,8 @@ def model_packing(tokens: int, *, max_slots: int, max_pages_per_seq: int, sample
                   prompt_from: bool = False, targets: bool = False) -> Packing:
     """The model program's host arrays: MODEL_INPUTS, `src` i32[T] (the slot whose latest sample a
     PREVIOUS_SAMPLE position takes, -1 elsewhere), with LoRA each token's adapter slot i32[T], with the
-    hybrid weights' split the first prompt row i32[], when scoring each token's next token i32[T]."""
+    hybrid weights' split the first prompt row i32[], when scoring each token's next token i32[T] and the most
+    alternatives a scored row wants i32[]."""
     t, s = tokens, max_slots
     shapes = dict(tokens=(t,), positions=(t,), kv_lens=(s,), page_indices=(s, max_pages_per_seq),
                   cu_q_lens=(s + 1,), num_seqs=(1,), sample_index=(sample_rows,), src=(t,))
@@ -34,6 +35,7 @@ def model_packing(tokens: int, *, max_slots: int, max_pages_per_seq: int, sample
         shapes["prompt_from"] = ()
     if targets:
         shapes["targets"] = (t,)
+        shapes["alternatives"] = ()
     return Packing(tuple((name, shape, "int32") for name, shape in shapes.items()))
 
 

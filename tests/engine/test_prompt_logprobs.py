@@ -87,11 +87,12 @@ def test_max_tokens_zero_scores_the_prompt_and_outputs_nothing(tiny_engine, tiny
     scheduler.start()
     try:
         prompt = list(range(40, 90))
-        both = [scheduler.submit(Request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))),
+        # (at most one alternative: the scoring program's best-only branch)
+        both = [scheduler.submit(Request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))),
                 scheduler.submit(Request([7], SamplingParams(max_tokens=0, prompt_logprobs=2)))]
         scored, single = [s.result(timeout=120) for s in both]
         assert scored.finish_reason is FinishReason.LENGTH and scored.token_ids == [] and scored.text == ""
-        check_scores(model, prompt, scored.prompt_logprobs, 0)
+        check_scores(model, prompt, scored.prompt_logprobs, 1)
         assert single.token_ids == [] and single.prompt_logprobs == (None,)  # nothing before its one token
     finally:
         scheduler.shutdown(timeout=5)

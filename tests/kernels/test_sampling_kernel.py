@@ -170,3 +170,22 @@ def test_top_logprobs_equal_the_reference(b, v, n, isa):
 def test_top_logprobs_refuse_n_above_the_vocab():
     with pytest.raises(ValueError, match="n <= V"):
         ks.top_logprobs(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), 6)
+
+
+@pytest.mark.parametrize("wanted", [0, 1, 3])
+def test_the_reference_with_one_alternative_wanted_gives_the_best_as_the_full_one_does(wanted, monkeypatch):
+    """top_logprobs(wanted=...) off the native kernel (as on TPU/GPU): with at most one alternative read, a max
+    instead of a top-k; the chosen token's log-probability and the alternatives read equal the full reference's
+    (ties: the lower id)."""
+    monkeypatch.setattr(ks, "native_available", lambda: False)
+    rng = np.random.default_rng(wanted)
+    logits = (rng.normal(size=(6, 300)) * 3).astype(np.float32)
+    logits[0, 5:9] = logits[0].max() + 1  # a tie at the top
+    token = rng.integers(0, 300, 6).astype(np.int32)
+    got = jax.jit(lambda x, t, w: ks.top_logprobs(x, t, 20, wanted=w))(logits, token, np.int32(wanted))
+    want = ks.top_logprobs_reference(jnp.asarray(logits), jnp.asarray(token), 20)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    k = 20 if wanted > 1 else 1
+    np.testing.assert_array_equal(np.asarray(got[1])[:, :k], np.asarray(want[1])[:, :k])
+    np.testing.assert_allclose(np.asarray(got[2])[:, :k], np.asarray(want[2])[:, :k], rtol=1e-6, atol=1e-6)
+    assert int(got[1][0, 0]) == 5
