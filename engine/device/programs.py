@@ -39,9 +39,37 @@ class Programs:
                 None if self.lora is None else self.lora.stacks)
 
     def _score_args(self, t: int):
-        """The scoring model program's (every token's log-probabilities too); compiled at its first use."""
-        log.info("compiling the prompt-scoring program (%d tokens), asked for by a request's prompt logprobs", t)
+        """The scoring model program's (every token's log-probabilities too)."""
         return self._model_args(t, score=True)
+
+    def compile_scoring(self, *, background: bool) -> None:
+        """Compile the scoring program (prompt logprobs; at the largest bucket), now or on a thread of its own (the
+        first step that scores waits for it). Without this, that step compiles it."""
+        t = self.buckets.token_counts[-1]
+
+        def compile_() -> jax.stages.Compiled:
+            start = time.perf_counter()
+            exe = self._model_jit.lower(*self._score_args(t)).compile()
+            log.info("compiled the prompt-scoring program (%d tokens) in %.1f s", t, time.perf_counter() - start)
+            return exe
+
+        if not background:
+            self._score_exe[t] = compile_()
+            return
+        self._previous  # noqa: B018 - made here, on this thread: the compile's arguments read its spec
+        self._score_compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile").submit(compile_)
+
+    def _score_program(self, t: int) -> jax.stages.Compiled:
+        exe = self._score_exe.get(t)
+        if exe is None:
+            compiling, self._score_compiling = self._score_compiling, None
+            if compiling is not None:
+                exe = self._score_exe[t] = compiling.result()
+            else:
+                log.info("compiling the prompt-scoring program (%d tokens), asked for by a request's prompt logprobs", t)
+                self.compile_scoring(background=False)
+                exe = self._score_exe[t]
+        return exe
 
     def _sample_args(self, b: int):
         packing = sample_packing(b)

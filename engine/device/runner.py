@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import Future
 import secrets
 import time
 from typing import Sequence
@@ -154,9 +155,11 @@ class JaxEngine(Programs):
         self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
                                    if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
-        # the model program that also scores every token (prompt logprobs), at the largest token bucket only:
-        # compiled when a request first asks for it (steps that score pad to that bucket)
+        # the model program that also scores every token (prompt logprobs), at the largest token bucket only (steps
+        # that score pad to it): on accelerators compiled on a thread once the engine is up (compile_scoring), on
+        # CPU (seconds, on the cores that serve) when a request first asks for it
         self._score_exe: dict[int, jax.stages.Compiled] = {}
+        self._score_compiling: Future | None = None  # that thread's compile
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
@@ -164,6 +167,8 @@ class JaxEngine(Programs):
             self.compile_all(progress=progress)
         trim_host_heap()
         self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
+        if precompile and jax.default_backend() != "cpu":
+            self.compile_scoring(background=True)
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
@@ -269,7 +274,7 @@ class JaxEngine(Programs):
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
         if score:
-            model = self._exe(self._score_exe, t, self._model_jit, self._score_args)
+            model = self._score_program(t)
         elif prompt_from is not None and not split:
             # generated tokens only (decodes, verification): the program without the prompt form's calls
             model = self._exe(self._generated_exe, t, self._model_jit, functools.partial(self._model_args, split=False))

@@ -143,3 +143,24 @@ def test_streamed_prompt_scores_come_with_the_first_delta():
     assert firsts[0] is not None and all(p is None for p in firsts[1:])
     assert [lp.token_id for lp in firsts[0][1:]] == prompt[1:]
     assert [t for d in got for t in d.token_ids] == chain(prompt, 3)
+
+
+def test_a_scoring_program_compiled_in_the_background_leaves_the_first_scoring_step_nothing_to_compile(tiny_model):
+    """As on accelerators (JaxEngine starts compile_scoring(background=True) once it is up): the first step that
+    scores takes the thread's program and compiles nothing itself, and its scores equal the dense reference's."""
+    from slipstream.engine.api import SlotState, StepBatch, StepSeq
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+    from tests.conftest import TINY_ENGINE
+
+    cfg, model = tiny_model
+    engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False)
+    engine.compile_scoring(background=True)
+    engine._score_compiling.result(timeout=300)
+    prompt = list(range(30, 50))
+    engine.insert(0, SlotState(prompt, [], SamplingParams(max_tokens=1, prompt_logprobs=2)))
+    compiles = engine.compile_count
+    step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], False, targets=prompt[1:])]))
+    step.result()
+    (scores,) = step.scores()
+    assert engine.compile_count == compiles
+    check_scores(model, prompt, (None, *scores), 2)
