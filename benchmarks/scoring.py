@@ -136,6 +136,9 @@ def main() -> None:
                              "presets, where only the timing and the check mean anything")
     parser.add_argument("--check", type=int, default=8, metavar="K",
                         help="compare K positions' echoed logprobs with forced-decode ones (0: skip)")
+    parser.add_argument("--settle", type=float, default=0.0, metavar="S",
+                        help="seconds to wait after /ready before scoring (on accelerators the scoring program "
+                             "compiles in the background once the server is up)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not 1 <= args.stride < args.window:
@@ -158,6 +161,7 @@ def main() -> None:
             name, _, flags = entry.partition("=")
             uds = os.path.join(tmp, f"{name}.sock")
             proc = serve(shlex.split(flags), uds, os.path.join(tmp, "serve.log"))
+            time.sleep(args.settle)
             try:
                 row = {"config": name, "flags": flags, **measure(uds, tokens, window=args.window, stride=args.stride,
                                                                    reps=args.reps)}
@@ -166,11 +170,14 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(60)
+                with open(os.path.join(tmp, "serve.log"), encoding="utf-8", errors="replace") as f:
+                    compiled = [line.strip() for line in f if "prompt-scoring program" in line]
+            print(f"{name}: server log: {compiled[-1] if compiled else 'no scoring compile logged'}")
             results.append(row)
             print(f"{name:10} perplexity {row['perplexity']:.4f}  scoring {row['score_s']:.2f} s "
                   f"({row['score_tokens_per_s']:.0f} tok/s)  prefill {row['prefill_s']:.2f} s "
                   f"({row['prefill_tokens_per_s']:.0f} tok/s)  scoring/prefill {row['score_vs_prefill']:.2f}x  "
-                  f"first scoring pass {row['first_score_s']:.1f} s (compiles)  echoed vs forced-decode logprobs: "
+                  f"first scoring pass {row['first_score_s']:.1f} s  echoed vs forced-decode logprobs: "
                   f"max |diff| {row.get('check_max_abs_diff', float('nan')):.2e}", flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
