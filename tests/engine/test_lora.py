@@ -63,6 +63,29 @@ def test_one_step_mixes_adapters_and_base_with_peft_logits(lora_setup):
     assert engine.compile_count == before
 
 
+def test_prompt_scores_under_an_adapter_are_peft_s(lora_setup):
+    """Prompt scoring (echo with logprobs) in one step with a base-model sequence: each sequence's prompt tokens'
+    log-probabilities are transformers + peft's under its own adapter (or none)."""
+    base_dir, dirs, adapters, engine = lora_setup
+    prompt = [5, 17, 33, 99, 7, 200, 3]
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0, prompt_logprobs=0)))
+    engine.insert(1, SlotState(prompt, (), SamplingParams(temperature=0.0, prompt_logprobs=0), lora_slot=1,
+                               lora=adapters["all"]))
+    step = engine.launch(StepBatch([
+        StepSeq(slot=0, token_ids=prompt, start_pos=0, page_ids=[1], sample=True, targets=prompt[1:]),
+        StepSeq(slot=1, token_ids=prompt, start_pos=0, page_ids=[2], sample=True, lora_slot=1,
+                targets=prompt[1:])]))
+    step.result()
+    for scores, adapter in zip(step.scores(), (None, dirs["all"])):
+        for i, score in enumerate(scores, 1):
+            logits = reference_greedy(base_dir, adapter, prompt[:i], 1)[1][0].astype(np.float64)
+            want = logits[prompt[i]] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+            np.testing.assert_allclose(score.logprob, want, atol=1e-4, err_msg=f"{adapter} position {i}")
+    assert abs(step.scores()[0][-1].logprob - step.scores()[1][-1].logprob) > 1e-3  # the adapter changes them
+    for slot in range(2):
+        engine.free(slot)
+
+
 def test_scheduler_serves_adapters_and_base_together_with_swaps(lora_setup):
     """8 requests over 3 adapters and the base with 2 slots: every request's greedy tokens equal
     transformers + peft's, slots are swapped, nothing compiles; the prefix cache never shares KV

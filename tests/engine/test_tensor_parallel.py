@@ -102,9 +102,11 @@ def _cache_copies(engine) -> list[str]:
             if re.search(r"\bcopy(-start)?\(", line) and dims in line.split("=", 1)[1].split("copy")[0]]
 
 
-def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_dtype: str = "auto") -> dict:
+def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_dtype: str = "auto",
+           score: bool = False) -> dict:
     """Greedy tokens and placement per TP degree; "NxM" is replica M-1 of data parallel M at TP=N (the
-    last replica: the devices furthest from the single-device run's)."""
+    last replica: the devices furthest from the single-device run's); with `score`, a prompt's scores (prompt
+    logprobs: the scoring program, LM head over every token)."""
     import jax
     import numpy as np
 
@@ -129,14 +131,28 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
         tokens = greedy(engine, prompts, STEPS)  # compiles the shapes it uses
         before = engine.compile_count
         again = greedy(engine, prompts, STEPS)
-        report["tp"][tp] = {
-            "tokens": tokens, "again": again, "steady_compiles": engine.compile_count - before,
+        steady_compiles = engine.compile_count - before
+        scores = _prompt_scores(engine, prompts[2]) if score else None
+        report["tp"][tp] = {"scores": scores,
+            "tokens": tokens, "again": again, "steady_compiles": steady_compiles,
             "weights": _weights(engine), "cache": {k: _shards(v) for k, v in engine.cache.items()},
             "collectives": _collectives(engine), "cache_copies": _cache_copies(engine), "kv_layout": engine.tp.kv_layout if engine.tp else None,
             "bytes": device_bytes((engine.params, engine.cache))[str(jax.devices()[0])] if not dp else None,
             "cache_devices": sorted({d.id for d in engine.cache["k"].sharding.device_set})}
         del engine
     return report
+
+
+def _prompt_scores(engine, prompt: list[int]) -> list[tuple[float, list[int]]]:
+    """One step scoring `prompt` (prompt_logprobs=3): each token's log-probability and the top 3's ids."""
+    from slipstream.engine.api import SlotState, StepBatch, StepSeq
+    from slipstream.engine.request import SamplingParams
+
+    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0, prompt_logprobs=3)))
+    step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2], True, targets=prompt[1:])]))
+    step.result()
+    engine.free(0)
+    return [(lp.logprob, [i for i, _ in lp.top]) for lp in step.scores()[0]]
 
 
 def _run(cases: list[dict], kernels: str) -> list[dict]:
@@ -183,6 +199,8 @@ CASES = {
     "reference": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "auto", (1, 2))},
 }
 
+SCORED = ("none", "nine")  # the cases that also score a prompt (f32 Llama; the vocabulary-split tied embedding)
+
 
 @pytest.fixture(scope="module")
 def tp_report(tmp_path_factory, tiny_llama_dir):
@@ -199,8 +217,9 @@ def tp_report(tmp_path_factory, tiny_llama_dir):
                 if family not in paths:
                     build = build_nine_heads if family == "nine" else lambda path: build_tiny_hf(path, family)
                     paths[family] = build(str(tmp_path_factory.mktemp(f"tp-{family}")))
-            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv}
-                         for family, quantize, kv, tps in cases.values()], kernels)
+            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv,
+                          "score": kernels == "auto" and name in SCORED}
+                         for name, (family, quantize, kv, tps) in cases.items()], kernels)
             reports[kernels] = dict(zip(cases, runs))
         return reports[kernels][case]
 
@@ -310,3 +329,20 @@ if __name__ == "__main__":
 
     subprocess_compile_cache()
     print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
+
+
+@pytest.mark.parametrize("case", SCORED)
+def test_tensor_parallel_prompt_scores_equal_one_device(tp_report, case):
+    """The scoring program (every token through the LM head, whose vocabulary is split over the devices) gives
+    the single-device engine's prompt logprobs and top alternatives at every TP degree and data-parallel replica."""
+    import numpy as np
+
+    report = tp_report("auto", case)
+    one = report["tp"]["1"]["scores"]
+    assert one and len(one) == 13
+    # f32: summation order only; q8_0-a16 (nine) also rounds each device's activations per 32 inputs (~1e-4 seen)
+    atol = 1e-4 if CASES["auto"][case][1] == "none" else 1e-3
+    for tp, r in report["tp"].items():
+        np.testing.assert_allclose([lp for lp, _ in r["scores"]], [lp for lp, _ in one], atol=atol, err_msg=f"TP={tp}")
+        assert [ids for _, ids in r["scores"]] == [ids for _, ids in one], f"TP={tp}"
+

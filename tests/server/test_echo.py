@@ -70,3 +70,24 @@ def test_streamed_echo_equals_the_response(real_server):  # noqa: F811
     assert [t for ch in chunks if ch.logprobs for t in ch.logprobs.text_offset] == whole.logprobs.text_offset
     plain = c.completions.create(model="tiny", prompt="Once upon a time", echo=True, max_tokens=6, temperature=0)
     assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None  # echo alone: text only
+
+
+def test_each_of_n_choices_and_prompts_echoes_its_own_prompt(real_server):  # noqa: F811
+    """n = 2 over two prompts, streamed: four choices, each opening with its prompt and that prompt's logprobs
+    (equal between a prompt's two choices), then its own output."""
+    url, _ = real_server
+    c = client(url)
+    prompts = ["The sky is", "Rivers flow into the"]
+    chunks = [ch.choices[0] for ch in c.completions.create(model="tiny", prompt=prompts, n=2, echo=True, logprobs=1,
+                                                             max_tokens=3, temperature=1.0, seed=7, stream=True)
+              if ch.choices]
+    firsts = {}
+    for ch in chunks:
+        firsts.setdefault(ch.index, ch)
+    assert sorted(firsts) == [0, 1, 2, 3]
+    for index, first in firsts.items():
+        assert first.text.startswith(prompts[index // 2])
+    for a, b in ((0, 1), (2, 3)):
+        n = httpx.post(f"{url}/tokenize", json={"prompt": prompts[a // 2]}, timeout=60).json()["count"]
+        assert firsts[a].logprobs.token_logprobs[0] is None and firsts[b].logprobs.token_logprobs[0] is None
+        assert firsts[a].logprobs.token_logprobs[1:n] == pytest.approx(firsts[b].logprobs.token_logprobs[1:n], abs=1e-5)
