@@ -5,7 +5,8 @@ A model is an NNX module (a `CausalLM`) that
 - declares each weight once: checkpoint names (HF and GGUF), logical axes, and whether it is a
   linear weight (what quantization rounds),
 - describes the KV cache it needs (`kv_cache_shape`),
-- runs one ragged step over the paged KV cache and returns the sampling rows' logits (`step`).
+- runs one ragged step over the paged KV cache and returns the sampling rows' logits (`step`), and with every
+  token's log-probability of the token after it where a prompt is scored (`score_step`).
 The engine runs it as a pure function: `nnx.split` outside jit, `nnx.merge` inside (`step_fn`).
 """
 from __future__ import annotations
