@@ -43,32 +43,38 @@ class Programs:
         return self._model_args(t, score=True)
 
     def compile_scoring(self, *, background: bool) -> None:
-        """Compile the scoring program (prompt logprobs; at the largest bucket), now or on a thread of its own (the
-        first step that scores waits for it). Without this, that step compiles it."""
-        t = self.buckets.token_counts[-1]
+        """Compile the scoring program (prompt logprobs) of every token bucket, largest first: now, or one after
+        another on a thread of its own (a step that scores waits for its bucket's). Without this, the first step
+        that scores at a bucket compiles its program."""
+        for t in reversed(self.buckets.token_counts):
+            if t in self._score_exe or t in self._score_compiling:
+                continue
+            if background:
+                if self._compile_thread is None:
+                    self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
+                    self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
+                self._score_compiling[t] = self._compile_thread.submit(self._compile_score, t)
+            else:
+                self._score_exe[t] = self._compile_score(t)
 
-        def compile_() -> jax.stages.Compiled:
-            start = time.perf_counter()
-            exe = self._model_jit.lower(*self._score_args(t)).compile()
-            log.info("compiled the prompt-scoring program (%d tokens) in %.1f s", t, time.perf_counter() - start)
-            return exe
-
-        if not background:
-            self._score_exe[t] = compile_()
-            return
-        self._previous  # noqa: B018 - made here, on this thread: the compile's arguments read its spec
-        self._score_compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile").submit(compile_)
+    def _compile_score(self, t: int) -> jax.stages.Compiled:
+        start = time.perf_counter()
+        exe = self._model_jit.lower(*self._score_args(t)).compile()
+        log.info("compiled the prompt-scoring program (%d tokens) in %.1f s", t, time.perf_counter() - start)
+        return exe
 
     def _score_program(self, t: int) -> jax.stages.Compiled:
+        """The scoring program of token bucket t: compiled now if it is not yet (or waited for, if the thread is at
+        it). Always the step's own bucket, whatever is compiled: every process of a multi-host group runs the same
+        program."""
         exe = self._score_exe.get(t)
         if exe is None:
-            compiling, self._score_compiling = self._score_compiling, None
-            if compiling is not None:
-                exe = self._score_exe[t] = compiling.result()
-            else:
+            compiling = self._score_compiling.pop(t, None)
+            if compiling is not None and compiling.cancel():  # still queued behind others: compiled here, now
+                compiling = None
+            if compiling is None:
                 log.info("compiling the prompt-scoring program (%d tokens), asked for by a request's prompt logprobs", t)
-                self.compile_scoring(background=False)
-                exe = self._score_exe[t]
+            exe = self._score_exe[t] = compiling.result() if compiling is not None else self._compile_score(t)
         return exe
 
     def _sample_args(self, b: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 import secrets
 import time
 from typing import Sequence
@@ -155,11 +155,12 @@ class JaxEngine(Programs):
         self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
                                    if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
-        # the model program that also scores every token (prompt logprobs), at the largest token bucket only (steps
-        # that score pad to it): on accelerators compiled on a thread once the engine is up (compile_scoring), on
-        # CPU (seconds, on the cores that serve) when a request first asks for it
+        # the model programs that also score every token (prompt logprobs), per token bucket: on accelerators compiled
+        # on a thread once the engine is up (compile_scoring), on CPU (seconds each, on the cores that serve) when a
+        # scoring step first needs its bucket
         self._score_exe: dict[int, jax.stages.Compiled] = {}
-        self._score_compiling: Future | None = None  # that thread's compile
+        self._score_compiling: dict[int, Future] = {}  # the thread's compiles, by bucket
+        self._compile_thread: ThreadPoolExecutor | None = None
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
@@ -270,7 +271,7 @@ class JaxEngine(Programs):
         """Launch the step's model program: (token bucket, the sample rows' logits, their slots, the scores of
         the sequences with targets, if any)."""
         score = any(seq.targets for seq in batch.seqs)
-        t = self.buckets.token_counts[-1] if score else self.buckets.tokens(batch.num_tokens)
+        t = self.buckets.tokens(batch.num_tokens)
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
         if score:

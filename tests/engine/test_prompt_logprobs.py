@@ -145,22 +145,31 @@ def test_streamed_prompt_scores_come_with_the_first_delta():
     assert [t for d in got for t in d.token_ids] == chain(prompt, 3)
 
 
-def test_a_scoring_program_compiled_in_the_background_leaves_the_first_scoring_step_nothing_to_compile(tiny_model):
-    """As on accelerators (JaxEngine starts compile_scoring(background=True) once it is up): the first step that
-    scores takes the thread's program and compiles nothing itself, and its scores equal the dense reference's."""
+def test_scoring_programs_compiled_in_the_background_leave_scoring_steps_nothing_to_compile(tiny_model):
+    """As on accelerators (JaxEngine starts compile_scoring(background=True) once it is up): a step that scores
+    before the thread reached its bucket compiles that program itself (the thread's queued one is dropped); once
+    the thread is done, steps that score compile nothing; every step's scores equal the dense reference's."""
     from slipstream.engine.api import SlotState, StepBatch, StepSeq
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from tests.conftest import TINY_ENGINE
 
     cfg, model = tiny_model
     engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False)
-    engine.compile_scoring(background=True)
-    engine._score_compiling.result(timeout=300)
-    prompt = list(range(30, 50))
-    engine.insert(0, SlotState(prompt, [], SamplingParams(max_tokens=1, prompt_logprobs=2)))
+
+    def score(n: int) -> None:
+        prompt = list(range(30, 30 + n))
+        engine.insert(0, SlotState(prompt, [], SamplingParams(max_tokens=1, prompt_logprobs=2)))
+        step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], False, targets=prompt[1:])]))
+        step.result()
+        (scores,) = step.scores()
+        engine.free(0)
+        check_scores(model, prompt, (None, *scores), 2)
+
+    engine.compile_scoring(background=True)  # largest first: bucket 4 is queued behind 32, 16 and 8
+    score(3)
+    for compiling in list(engine._score_compiling.values()):
+        compiling.result(timeout=300)
     compiles = engine.compile_count
-    step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], False, targets=prompt[1:])]))
-    step.result()
-    (scores,) = step.scores()
+    for n in (3, 20, 9):  # buckets 4, 32, 16
+        score(n)
     assert engine.compile_count == compiles
-    check_scores(model, prompt, (None, *scores), 2)
