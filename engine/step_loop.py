@@ -179,11 +179,10 @@ class StepLoop:
                 done.add(chunk.seq)
         return done
 
-    def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence] | None = None) -> int:
+    def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence]) -> int:
         """The step ran: hand each sequence's kept samples on (and the prompt scores it completed) and retire what
         they finished (returns how many)."""
         finished = kept = 0
-        prompt_done = set() if prompt_done is None else prompt_done
         for seq, samples, finish in self._planner.complete(plan, sampled, self._engine.eos_token_ids,
                                                            self._engine.max_seq_len):
             kept += len(samples)

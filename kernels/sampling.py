@@ -204,17 +204,21 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
 
 def top_logprobs_reference(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """top_logprobs in JAX."""
-    log_z = jax.nn.logsumexp(logits, -1)                                     # [B]
-    chosen = jnp.take_along_axis(logits, token[:, None], 1)[:, 0]
+    chosen, log_z = _chosen_logprob(logits, token)
     top_vals, top_ids = jax.lax.top_k(logits, n)                             # [B, n]
-    return chosen - log_z, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
+    return chosen, top_ids.astype(jnp.int32), top_vals - log_z[:, None]
+
+
+def _chosen_logprob(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's `token` log-probability [B], and the rows' log-partition [B]."""
+    log_z = jax.nn.logsumexp(logits, -1)
+    return jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_z, log_z
 
 
 def best_logprob_reference(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """top_logprobs_reference with only the best of the n filled in (the others id 0 and -inf): a max, not a top-k
     (on a TPU, 1.2 against 3.9 ms for [256, 128256])."""
-    log_z = jax.nn.logsumexp(logits, -1)
-    chosen = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_z
+    chosen, log_z = _chosen_logprob(logits, token)
     ids = jnp.zeros((logits.shape[0], n), jnp.int32).at[:, 0].set(jnp.argmax(logits, -1).astype(jnp.int32))
     lps = jnp.full((logits.shape[0], n), -jnp.inf, jnp.float32).at[:, 0].set(jnp.max(logits, -1) - log_z)
     return chosen, ids, lps

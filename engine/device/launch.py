@@ -63,8 +63,9 @@ class ScoredRows:
         host: TokenScores = jax.device_get(self.device)
         out = []
         for at, targets, k in self.rows:
-            lps = host.logprob[at:at + len(targets)].tolist()
-            ids, top_lps = host.top_ids[at:at + len(targets), :k].tolist(), host.top_logprobs[at:at + len(targets), :k].tolist()
+            rows = slice(at, at + len(targets))
+            lps, ids, top_lps = (host.logprob[rows].tolist(), host.top_ids[rows, :k].tolist(),
+                                 host.top_logprobs[rows, :k].tolist())
             out.append(tuple(TokenLogprob(target, lp, tuple(zip(i, v)))
                              for target, lp, i, v in zip(targets, lps, ids, top_lps)))
         return out

@@ -42,20 +42,16 @@ class Programs:
         """The scoring model program's (every token's log-probabilities too)."""
         return self._model_args(t, score=True)
 
-    def compile_scoring(self, *, background: bool) -> None:
-        """Compile the scoring program (prompt logprobs) of every token bucket, largest first: now, or one after
-        another on a thread of its own (a step that scores waits for its bucket's). Without this, the first step
-        that scores at a bucket compiles its program."""
+    def compile_scoring(self) -> None:
+        """Compile the scoring programs (prompt logprobs) of every token bucket, largest first, one after another on
+        a thread of their own (a step that scores waits for its bucket's, or compiles it if the thread has not
+        begun it). Without this, the first step that scores at a bucket compiles its program."""
+        if self._compile_thread is None:
+            self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
+            self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
         for t in reversed(self.buckets.token_counts):
-            if t in self._score_exe or t in self._score_compiling:
-                continue
-            if background:
-                if self._compile_thread is None:
-                    self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
-                    self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
+            if t not in self._score_exe and t not in self._score_compiling:
                 self._score_compiling[t] = self._compile_thread.submit(self._compile_score, t)
-            else:
-                self._score_exe[t] = self._compile_score(t)
 
     def _compile_score(self, t: int) -> jax.stages.Compiled:
         start = time.perf_counter()

@@ -169,7 +169,7 @@ class JaxEngine(Programs):
         trim_host_heap()
         self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
         if precompile and jax.default_backend() != "cpu":
-            self.compile_scoring(background=True)
+            self.compile_scoring()
 
     # ---- jitted bodies ----------------------------------------------------------------------
 

@@ -146,7 +146,7 @@ def test_streamed_prompt_scores_come_with_the_first_delta():
 
 
 def test_scoring_programs_compiled_in_the_background_leave_scoring_steps_nothing_to_compile(tiny_model):
-    """As on accelerators (JaxEngine starts compile_scoring(background=True) once it is up): a step that scores
+    """As on accelerators (JaxEngine starts compile_scoring() once it is up): a step that scores
     before the thread reached its bucket compiles that program itself (the thread's queued one is dropped); once
     the thread is done, steps that score compile nothing; every step's scores equal the dense reference's."""
     from slipstream.engine.api import SlotState, StepBatch, StepSeq
@@ -165,7 +165,7 @@ def test_scoring_programs_compiled_in_the_background_leave_scoring_steps_nothing
         engine.free(0)
         check_scores(model, prompt, (None, *scores), 2)
 
-    engine.compile_scoring(background=True)  # largest first: bucket 4 is queued behind 32, 16 and 8
+    engine.compile_scoring()  # largest first: bucket 4 is queued behind 32, 16 and 8
     score(3)
     for compiling in list(engine._score_compiling.values()):
         compiling.result(timeout=300)
