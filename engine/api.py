@@ -54,6 +54,9 @@ class StepSeq:
     # positions (the prompt's next tokens); the step returns the model's log-probability of each where it
     # stands, with the slot's top alternatives (StepResult.scores).
     targets: Sequence[int] = ()
+    # Embeddings (SamplingParams.pooling): the step returns the sum of the last hidden states (after the final norm)
+    # of the chunk's last `pool` rows (StepResult.pooled)
+    pool: int = 0
 
     @property
     def end_pos(self) -> int:
@@ -108,6 +111,10 @@ class StepResult(Protocol):
         """After result(): per sequence with targets, in batch order, one TokenLogprob per target (its
         log-probability and the slot's prompt_logprobs alternatives)."""
 
+    def pooled(self) -> list[Any]:
+        """After result(): per sequence with pool rows, in batch order, the sum of those rows' last hidden states
+        (numpy f32[hidden_size])."""
+
 
 class Engine(Protocol):
     max_slots: int
@@ -116,6 +123,7 @@ class Engine(Protocol):
     num_pages: int               # including the reserved padding page 0
     max_num_batched_tokens: int  # tokens per step (the largest step bucket)
     vocab_size: int              # token ids the model accepts (requests are checked against it)
+    hidden_size: int             # the width of a pooled hidden state (an embedding)
     eos_token_ids: frozenset[int]
 
     def insert(self, slot: int, state: SlotState) -> None:

@@ -40,8 +40,8 @@ class BlockManager:
         keep = (len(tokens) - 1) // self.page_size
         if self.roles:
             keep = min(keep, len(seq.request.prompt_ids) // self.page_size)
-        if seq.scored_upto is not None:  # prompt scoring: the positions left to score are computed
-            keep = min(keep, seq.scored_upto // self.page_size)
+        if (wanted := seq.keep_computing_from) is not None:  # scores or hidden states: those positions are computed
+            keep = min(keep, wanted // self.page_size)
         if len(matched) > keep:
             self.allocator.free_many(matched[keep:])
             matched = matched[:keep]

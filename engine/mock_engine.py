@@ -1,5 +1,6 @@
 """An Engine with hand-computable outputs for scheduler and server tests: a sampling sequence's next
-token is always `(last fed token + 1) % vocab_size`. It keeps a host copy of what each KV page holds
+token is always `(last fed token + 1) % vocab_size`, and a row's last hidden state (what embeddings pool) is
+(its token, its position, 1.0). It keeps a host copy of what each KV page holds
 and checks every step against the slot's history and those pages, so page-table mistakes fail
 loudly. A launched step's samples are computed at once but handed out by result() only, in launch
 order, after a modelled device time: steps queue on one device, `step_sleep_s` each."""
@@ -10,6 +11,8 @@ import dataclasses
 import threading
 import time
 from typing import Sequence
+
+import numpy as np
 
 from slipstream.engine.api import PREVIOUS_SAMPLE, Sampled, SlotState, StepBatch, StepSeq
 from slipstream.engine.request import SamplingParams, TokenLogprob
@@ -52,6 +55,7 @@ class MockEngine:
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
+        self.hidden_size = 3  # (token, position, 1.0) per row
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.fail_after_steps = fail_after_steps
@@ -146,6 +150,7 @@ class MockEngine:
                     written.add(where)
                     self.kv[where] = int(token)
             scores = [self._score(seq) for seq in seqs if seq.targets]
+            pooled = [self._pool(seq) for seq in seqs if seq.pool]
             out = [self._sample(seq) for seq in seqs if seq.sample]
             bindings = [self._slots[seq.slot] for seq in seqs if seq.sample]
             for binding in bindings:
@@ -156,7 +161,7 @@ class MockEngine:
                                        for s in batch.seqs))
             self.events.append(("launch", index))
             self._device_free_at = max(time.monotonic(), self._device_free_at) + self.step_sleep_s
-            return MockStep(self, index, out, bindings, self._device_free_at, scores)
+            return MockStep(self, index, out, bindings, self._device_free_at, scores, pooled)
 
     def _collect(self, step: "MockStep") -> None:
         with self._lock:
@@ -232,6 +237,15 @@ class MockEngine:
         return tuple(TokenLogprob(t, -float((t - x - 1) % v), tuple(((x + 1 + i) % v, -float(i)) for i in range(k)))
                      for x, t in zip(seq.token_ids, seq.targets))
 
+    def _pool(self, seq: StepSeq) -> np.ndarray:
+        """The sum of the chunk's last `pool` rows' hidden states: (token, position, 1.0) each."""
+        if not 0 < seq.pool <= len(seq.token_ids):
+            raise MockEngineError(f"slot {seq.slot}: {seq.pool} pooled rows of a {len(seq.token_ids)}-token chunk")
+        if self._slots[seq.slot].params.pooling is None:
+            raise MockEngineError(f"slot {seq.slot}: pooled rows for a sequence that asked for no embedding")
+        rows = range(len(seq.token_ids) - seq.pool, len(seq.token_ids))
+        return np.array([[seq.token_ids[i], seq.start_pos + i, 1.0] for i in rows], np.float32).sum(axis=0)
+
     def _where(self, page_ids: Sequence[int], pos: int) -> tuple[int, int]:
         index, offset = divmod(pos, self.page_size)
         if index >= len(page_ids):
@@ -251,10 +265,11 @@ class MockStep:
     samples (collect in launch order)."""
 
     def __init__(self, engine: MockEngine, index: int, samples: list[Sampled],
-                 bindings: list[_Binding], done_at: float, scores: list[tuple[TokenLogprob, ...]]) -> None:
+                 bindings: list[_Binding], done_at: float, scores: list[tuple[TokenLogprob, ...]],
+                 pooled: list[np.ndarray] = ()) -> None:
         self.index, self.bindings = index, bindings
         self._engine, self._samples, self._done_at = engine, samples, done_at
-        self._scores = scores
+        self._scores, self._pooled = scores, list(pooled)
         self._collected = False
 
     def result(self) -> list[Sampled]:
@@ -268,3 +283,8 @@ class MockStep:
         if not self._collected:
             raise MockEngineError(f"scores() of step {self.index} before its result()")
         return self._scores
+
+    def pooled(self) -> list[np.ndarray]:
+        if not self._collected:
+            raise MockEngineError(f"pooled() of step {self.index} before its result()")
+        return self._pooled

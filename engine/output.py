@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from slipstream.engine.request import FinishReason, Request, TokenLogprob
 from slipstream.engine.request_stream import RequestStream, wake_all
@@ -105,6 +105,7 @@ class Emit:
     admitted_at: float | None = None
     # SamplingParams.prompt_logprobs, once all are known: one per prompt token (None for the first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    embedding: Any = None  # SamplingParams.pooling: the prompt's embedding (numpy f32[D]), with the finish
 
 
 _CLOSE = object()
@@ -211,14 +212,14 @@ class OutputProcessor:
             if stopped and rec.finish_reason is None:
                 # Before the stream ends: whoever sees the end may count on the slot being released.
                 self._release(tr.request.request_id)
-            self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error)
+            self._finish(tr, text, ids, finish, now, logprobs=logprobs, error=rec.error, embedding=rec.embedding)
         elif ids:
             tr.stream._push("".join(text), ids, logprobs, None, wakes=self._wakes,
                             prompt_logprobs=tr.take_prompt_logprobs())
 
     def _finish(self, tr: Tracker, text: list[str], ids: list[int], finish: FinishReason,
-                now: float, logprobs: Sequence[TokenLogprob] = (), error: str | None = None
-                ) -> None:
+                now: float, logprobs: Sequence[TokenLogprob] = (), error: str | None = None,
+                embedding: Any = None) -> None:
         if tr.done:
             return
         tr.done = True
@@ -237,4 +238,5 @@ class OutputProcessor:
         except Exception:  # noqa: BLE001 - a broken listener must not stop the output thread
             log.exception("metrics listener failed for %s", req.request_id)
         tr.stream._push("".join(text), ids, list(logprobs), finish, error, wakes=self._wakes,
-                        prompt_logprobs=None if finish is FinishReason.ERROR else tr.take_prompt_logprobs())
+                        prompt_logprobs=None if finish is FinishReason.ERROR else tr.take_prompt_logprobs(),
+                        embedding=embedding)

@@ -24,6 +24,7 @@ MAX_TEMPERATURE = 100.0          # far past any useful value; float32 holds it e
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided by it: keep it a normal float32
 MAX_LOGIT_BIAS = 300             # tokens one request may bias (each slot holds this many (id, bias) pairs)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+POOLING = ("mean", "last")       # how an embedding is made of a prompt's last hidden states
 _ids = itertools.count()
 
 
@@ -72,6 +73,9 @@ class SamplingParams:
     # None: none; k >= 0: the model's log-probability of each prompt token after the first, given the ones
     # before it, with k alternatives (the prompt is computed whole: no prefix-cache hits below what is scored)
     prompt_logprobs: int | None = None
+    # None: generate; "mean" or "last": embed the prompt (max_tokens 0): the mean of its tokens' last hidden states
+    # after the final norm, or its last token's (a mean is computed whole: no prefix-cache hits)
+    pooling: str | None = None
     n: int = 1
     constraint: Grammar | None = None  # structured output: the sampler masks tokens it refuses
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
@@ -96,6 +100,12 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _check_int("n", self.n, 1, MAX_N)
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise InvalidParam("pooling", f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")
+            if self.max_tokens != 0:
+                raise InvalidParam("max_tokens", f"an embedding (pooling) generates nothing: max_tokens must be 0, "
+                                   f"got {self.max_tokens}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParam("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from slipstream.engine.request import FinishReason, Request, TokenLogprob
 
@@ -22,6 +22,7 @@ class Delta:
     index: int = 0                       # the choice within its API request (set by the server)
     # SamplingParams.prompt_logprobs: in the first Delta, one per prompt token (None for the first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    embedding: Any = None  # SamplingParams.pooling: in the last Delta, the prompt's embedding (numpy f32[D])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Completion:
     prompt_tokens: int
     error: str | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # as Delta's
+    embedding: Any = None  # as Delta's
 
 
 class RequestStream:
@@ -63,6 +65,7 @@ class RequestStream:
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self._embedding: Any = None
         self._finish: FinishReason | None = None
         self._error: str | None = None
 
@@ -119,7 +122,8 @@ class RequestStream:
         return Delta(text="".join(text), token_ids=ids,
                      logprobs=logprobs if self._want_logprobs else None,
                      finish_reason=self._finish if final else None,
-                     error=self._error if final else None, prompt_logprobs=prompt_logprobs)
+                     error=self._error if final else None, prompt_logprobs=prompt_logprobs,
+                     embedding=self._embedding if final else None)
 
     def result(self, timeout: float | None = None) -> Completion:
         """Block until the request finishes; not from the event loop (it would stall it)."""
@@ -133,7 +137,7 @@ class RequestStream:
                               token_ids=list(self._ids),
                               logprobs=list(self._logprobs) if self._want_logprobs else None,
                               finish_reason=self._finish, prompt_tokens=self.prompt_tokens,
-                              error=self._error, prompt_logprobs=self._prompt_logprobs)
+                              error=self._error, prompt_logprobs=self._prompt_logprobs, embedding=self._embedding)
 
     @property
     def finished(self) -> bool:
@@ -141,7 +145,7 @@ class RequestStream:
 
     def _push(self, text: str, ids: list[int], logprobs: list[TokenLogprob],
               finish: FinishReason | None, error: str | None = None, wakes: list | None = None,
-              prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None) -> None:
+              prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None, embedding: Any = None) -> None:
         """Output thread: add one delta, merging it into the one the consumer has not taken. The
         consumer's event loop is woken now, or with the rest of `wakes` (see wake_all)."""
         with self._lock:
@@ -156,6 +160,8 @@ class RequestStream:
             self._pending[2].extend(logprobs)
             if prompt_logprobs is not None:
                 self._prompt_logprobs = self._pending[3] = prompt_logprobs
+            if embedding is not None:
+                self._embedding = embedding
             if finish is not None:
                 self._done.set()  # under the lock: _take sees the final state with its text
             loop = self._claim_wake()

@@ -75,8 +75,9 @@ class StepPlanner:
             if seq.in_flight:  # preempted with a sample still in flight: once it is back
                 i += 1
                 continue
-            # (a prompt to score is computed whole: it waits for no one's pages)
-            head = seq.first_page(self.page_size) if self.blocks.prefix is not None and seq.scored_upto is None else ()
+            # (a prompt to score or mean-pool is computed whole: it waits for no one's pages)
+            head = (seq.first_page(self.page_size) if self.blocks.prefix is not None and seq.keep_computing_from is None
+                    else ())
             if head and head in prefilling:
                 i += 1
                 continue
@@ -246,7 +247,7 @@ class StepPlanner:
                 samples = self.speculator.accept(c, samples)
             if seq.status is Status.FINISHED:
                 continue
-            if seq.max_tokens == 0:  # the prompt only (its scores): the sample is no output
+            if seq.max_tokens == 0:  # the prompt only (its scores, its embedding): the sample is no output
                 seq.in_flight -= 1
                 out.append((seq, [], FinishReason.LENGTH))
                 continue

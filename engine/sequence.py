@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from slipstream.engine.api import PREVIOUS_SAMPLE
 from slipstream.engine.request import FinishReason, Request, TokenLogprob
@@ -45,6 +46,10 @@ class Sequence:
     # SamplingParams.prompt_logprobs: entry p is the model's log-probability of prompt token p + 1 (kept across
     # preemptions: a recomputed prompt is not scored again)
     prompt_scores: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # SamplingParams.pooling: the sum of the pooled rows' hidden states so far (numpy f32[D]) and the prompt positions
+    # it covers (kept across preemptions: a recomputed position is not pooled again)
+    pool_sum: Any = None
+    pooled_upto: int = 0
 
     def __post_init__(self) -> None:
         if not self.max_tokens:
@@ -98,6 +103,42 @@ class Sequence:
         done = self.scored_upto is None
         self.prompt_scores[start:start + len(scores)] = scores
         return not done and self.scored_upto is None
+
+    @property
+    def keep_computing_from(self) -> int | None:
+        """The first prompt position whose step output is still wanted (its score, or its hidden state for a mean):
+        no cached page from it on is matched (a cache hit has no outputs). None when none is."""
+        out = self.scored_upto
+        if self.request.params.pooling == "mean" and self.pooled_upto < self.prompt_len:
+            out = self.pooled_upto if out is None else min(out, self.pooled_upto)
+        return out
+
+    def pool_rows(self, start: int, end: int) -> int:
+        """How many of the last rows of a chunk of positions [start, end) are pooled (SamplingParams.pooling): for a
+        mean, those not pooled yet; for the last token, the chunk's last row where it is the prompt's."""
+        mode = self.request.params.pooling
+        if mode is None or self.pooled_upto >= self.prompt_len:
+            return 0
+        if mode == "last":
+            return int(end == self.prompt_len)
+        return max(0, min(end, self.prompt_len) - max(start, self.pooled_upto))
+
+    def add_pooled(self, end: int, rows: int, rows_sum: Any) -> bool:
+        """A chunk ending at position `end` came back with the sum of its last `rows` rows' hidden states; True
+        when they complete the embedding."""
+        if end - rows != (self.pooled_upto if self.request.params.pooling == "mean" else self.prompt_len - 1):
+            raise RuntimeError(f"{self.request_id}: pooled rows {end - rows}..{end - 1} with {self.pooled_upto} "
+                               "positions pooled: a chunk was skipped or pooled twice")
+        self.pool_sum = rows_sum if self.pool_sum is None else self.pool_sum + rows_sum
+        self.pooled_upto = self.prompt_len if self.request.params.pooling == "last" else end
+        return self.pooled_upto >= self.prompt_len
+
+    @property
+    def embedding(self) -> Any:
+        """Once pooled: the mean of the prompt's hidden states, or the last one's (numpy f32[D])."""
+        if self.request.params.pooling == "mean":
+            return self.pool_sum / self.prompt_len
+        return self.pool_sum
 
     def add_sample(self, token_id: int, in_flight: bool = True) -> None:
         """The oldest sample in flight came back (in_flight=False: an accepted speculative token after

@@ -90,8 +90,10 @@ class StepLoop:
         launched = None
         if plan.chunks:
             batch = plan.batch()
-            scored = [c for c, s in zip(plan.chunks, batch.seqs) if s.targets]  # whose scores the step returns
-            launched = (plan, self._engine.launch(batch), scored)
+            # whose scores, and whose pooled hidden states, the step returns
+            scored = [c for c, s in zip(plan.chunks, batch.seqs) if s.targets]
+            pooled = [(c, s.pool) for c, s in zip(plan.chunks, batch.seqs) if s.pool]
+            launched = (plan, self._engine.launch(batch), scored, pooled)
         if self._in_flight is not None:  # step N's host work, while step N + 1 runs
             self._collect(records)
         self._in_flight = launched
@@ -124,12 +126,14 @@ class StepLoop:
 
     def _collect(self, records: list[Emit]) -> int:
         """Wait for the step in flight and apply its samples; returns how many requests it ended."""
-        (plan, result, scored), self._in_flight = self._in_flight, None
+        (plan, result, scored, pooled), self._in_flight = self._in_flight, None
         sampled = result.result()
         scores = result.scores() if scored else []
+        sums = result.pooled() if pooled else []
         with self._cv:
             prompt_done = self._apply_scores(scored, scores)
-            finished = self._apply(plan, sampled, records, prompt_done)
+            embedded = self._apply_pooled(pooled, sums)
+            finished = self._apply(plan, sampled, records, prompt_done, embedded)
         self._unbind_slots()
         return finished
 
@@ -179,9 +183,20 @@ class StepLoop:
                 done.add(chunk.seq)
         return done
 
-    def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence]) -> int:
-        """The step ran: hand each sequence's kept samples on (and the prompt scores it completed) and retire what
-        they finished (returns how many)."""
+    def _apply_pooled(self, pooled: list[tuple[Chunk, int]], sums: list) -> set[Sequence]:
+        """The step's pooled hidden states, onto their sequences; those whose embedding they complete."""
+        if len(sums) != len(pooled):
+            raise RuntimeError(f"engine returned pooled states for {len(sums)} chunks, {len(pooled)} asked for them")
+        done = set()
+        for (chunk, rows), rows_sum in zip(pooled, sums):
+            if chunk.seq.status is not Status.FINISHED and chunk.seq.add_pooled(chunk.known_end, rows, rows_sum):
+                done.add(chunk.seq)
+        return done
+
+    def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence],
+               embedded: set[Sequence] = frozenset()) -> int:
+        """The step ran: hand each sequence's kept samples on (and the prompt scores or the embedding it completed)
+        and retire what they finished (returns how many)."""
         finished = kept = 0
         for seq, samples, finish in self._planner.complete(plan, sampled, self._engine.eos_token_ids,
                                                            self._engine.max_seq_len):
@@ -189,7 +204,8 @@ class StepLoop:
             want_logprobs = seq.request.params.logprobs is not None
             records.append(Emit(seq.order, tuple(s.token_id for s in samples),
                                 tuple(s.logprob for s in samples) if want_logprobs else None,
-                                finish_reason=finish, prompt_logprobs=self._prompt_logprobs(seq, prompt_done)))
+                                finish_reason=finish, prompt_logprobs=self._prompt_logprobs(seq, prompt_done),
+                                embedding=seq.embedding if seq in embedded else None))
             if finish is not None:
                 self._retire(seq)
                 finished += 1

@@ -39,7 +39,8 @@ class Chunk:
         return StepSeq(slot=seq.slot, token_ids=seq.token_slice(self.start, self.known_end) + self.draft,
                        start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample,
                        num_samples=1 + len(self.draft), lora_slot=seq.lora_slot,
-                       targets=seq.score_targets(self.start, self.known_end))
+                       targets=seq.score_targets(self.start, self.known_end),
+                       pool=seq.pool_rows(self.start, self.known_end))
 
 
 @dataclasses.dataclass(frozen=True)

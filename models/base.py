@@ -6,7 +6,8 @@ A model is an NNX module (a `CausalLM`) that
   linear weight (what quantization rounds),
 - describes the KV cache it needs (`kv_cache_shape`),
 - runs one ragged step over the paged KV cache and returns the sampling rows' logits (`step`), and with every
-  token's log-probability of the token after it where a prompt is scored (`score_step`).
+  token's log-probability of the token after it where a prompt is scored, or its sequences' pooled hidden
+  states where prompts are embedded (`extended_step`).
 The engine runs it as a pure function: `nnx.split` outside jit, `nnx.merge` inside (`step_fn`).
 """
 from __future__ import annotations
@@ -165,13 +166,13 @@ class DenseAttention:
 
 # ---- what the engine calls -----------------------------------------------------------------------
 
-SCORE_BLOCK = 256  # tokens per LM-head call when every token is scored (score_step)
+SCORE_BLOCK = 256  # tokens per LM-head call when every token is scored (extended_step)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenScores:
-    """The model's log-probabilities at each token of a step (score_step): of the token after it, and the
+    """The model's log-probabilities at each token of a step (extended_step): of the token after it, and the
     most likely ones there (best first)."""
 
     logprob: jax.Array   # f32[T]
@@ -210,41 +211,57 @@ def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, 
     return model(tokens, positions, attend, cache, sample_index, dtype=dtype)
 
 
-def score_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
-               page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
-               targets: jax.Array, alternatives: jax.Array, *, top: int, dtype=jnp.float32,
-               attention: Callable = ragged_paged_attention,
-               block: int = SCORE_BLOCK) -> tuple[tuple[jax.Array, TokenScores], dict]:
-    """step(), and the model's log-probability at every token of the token after it: (the sample rows' logits
-    [R, V], TokenScores of all T tokens), cache. targets i32[T]: each token's next token (any id where none is
-    wanted: its row is computed and ignored); alternatives i32[]: how many of the `top` best are wanted (at most
-    one: the best alone, by a max, not a top-k: a third of its time on a TPU). The LM head runs over `block`
-    tokens at a time, so the step holds [block, V] logits, not [T, V]."""
+def extended_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+                  page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array, *,
+                  targets: jax.Array | None = None, alternatives: jax.Array | None = None, top: int = 0,
+                  pool: jax.Array | None = None, num_pooled: int = 0, dtype=jnp.float32,
+                  attention: Callable = ragged_paged_attention,
+                  block: int = SCORE_BLOCK) -> tuple[tuple[jax.Array, dict[str, Any]], dict]:
+    """step(), and what the step's rows give besides the sample rows' logits: ((logits [R, V], extras), cache).
+
+    With targets: extras["scores"], TokenScores of all T tokens: the model's log-probability at each token of the
+    token after it (targets i32[T]: each token's next token, any id where none is wanted: its row is computed and
+    ignored) and the `top` best there, of which alternatives i32[] are wanted (at most one: the best alone, by a
+    max, not a top-k: a third of its time on a TPU). The LM head runs over `block` rows at a time, so the step
+    holds [block, V] logits, not [T, V].
+
+    With pool i32[T]: extras["pooled"] f32[num_pooled, D], per pooled sequence the sum of its rows' last hidden
+    states after the final norm (HF's last_hidden_state): pool names each row's pooled sequence (num_pooled for a
+    row not pooled, padding too). An embedding is such a sum: over a prompt's rows (mean), or its last row."""
     attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
     h, cache = model.hidden(tokens, positions, attend, cache, dtype=dtype)
-    t = h.shape[0]
-    block = min(block, t)
-    pad = -t % block
-    blocks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, block, h.shape[-1])
-    block_targets = jnp.pad(targets, (0, pad)).reshape(-1, block)
+    extras: dict[str, Any] = {}
+    if targets is not None:
+        t = h.shape[0]
+        block = min(block, t)
+        pad = -t % block
+        blocks = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, block, h.shape[-1])
+        block_targets = jnp.pad(targets, (0, pad)).reshape(-1, block)
 
-    def score(args):
-        rows, target = args
-        return top_logprobs(model.logits(rows), target, top, wanted=alternatives)
+        def score(args):
+            rows, target = args
+            return top_logprobs(model.logits(rows), target, top, wanted=alternatives)
 
-    chosen, top_ids, top_lps = jax.lax.map(score, (blocks, block_targets))
-    scores = TokenScores(chosen.reshape(-1)[:t], top_ids.reshape(-1, top)[:t], top_lps.reshape(-1, top)[:t])
-    return (model.logits(h[sample_index]), scores), cache
+        chosen, top_ids, top_lps = jax.lax.map(score, (blocks, block_targets))
+        extras["scores"] = TokenScores(chosen.reshape(-1)[:t], top_ids.reshape(-1, top)[:t],
+                                       top_lps.reshape(-1, top)[:t])
+    if pool is not None:
+        normed = model.final_norm(h).astype(jnp.float32)
+        extras["pooled"] = jax.ops.segment_sum(normed, pool, num_segments=num_pooled + 1)[:num_pooled]
+    return (model.logits(h[sample_index]), extras), cache
 
 
-def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention, *, score_top: int = 0):
-    """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache); with score_top,
-    score_step's: (state, cache, step inputs..., targets, alternatives) -> ((logits, TokenScores), cache)."""
-    def run(state, cache, *inputs, dtype=jnp.float32):
+def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention, *, score_top: int = 0,
+            num_pooled: int = 0):
+    """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache); given `targets`
+    and `alternatives` (scoring, top score_top) or `pool` (pooling, num_pooled sequences), extended_step's:
+    (state, cache, step inputs..., targets=, alternatives=, pool=) -> ((logits, extras), cache)."""
+    def run(state, cache, *inputs, targets=None, alternatives=None, pool=None, dtype=jnp.float32):
         model = nnx.merge(graphdef, state)
-        if score_top:
-            return score_step(model, cache, *inputs, top=score_top, dtype=dtype, attention=attention)
-        return step(model, cache, *inputs, dtype=dtype, attention=attention)
+        if targets is None and pool is None:
+            return step(model, cache, *inputs, dtype=dtype, attention=attention)
+        return extended_step(model, cache, *inputs, targets=targets, alternatives=alternatives, top=score_top,
+                             pool=pool, num_pooled=num_pooled, dtype=dtype, attention=attention)
     return run
 
 

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from slipstream.engine.request_stream import Delta
+from slipstream.server.embeddings import Embedder
 from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
                          install_error_handlers)
@@ -32,12 +33,13 @@ from slipstream.server.lora_routes import add_lora_routes
 from slipstream.server.metrics import Metrics
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                             ErrorResponse, ModelCard, ModelList)
+                             EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
 from slipstream.server.service import Generation, Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _STATIC = Path(__file__).with_name("static")
 # The chat page runs only its own files: no inline script or style, no other origin, no framing.
@@ -82,9 +84,11 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
 
 
 def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1 << 20,
-               body_timeout_s: float = 30.0, web_ui: bool = True, lora_updates: bool = False) -> FastAPI:
+               body_timeout_s: float = 30.0, web_ui: bool = True, lora_updates: bool = False,
+               pooling: str = "last") -> FastAPI:
     """`web_ui`: serve the chat page at / and /chat (static files; --no-web-ui turns it off).
-    `lora_updates`: the runtime LoRA endpoints (--enable-lora-runtime-updates; needs service.lora)."""
+    `lora_updates`: the runtime LoRA endpoints (--enable-lora-runtime-updates; needs service.lora).
+    `pooling`: how /v1/embeddings pools a prompt's hidden states (server/embeddings.py: "last" or "mean")."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if not body_timeout_s > 0:
@@ -145,6 +149,13 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
+    embedder = Embedder(service, pooling)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse,
+              responses={200: {"description": "One embedding per input, in input order."}, **_V1_ERRORS})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return _json_response(await _unless_disconnected(request, embedder.embed(body, client_of(request, body.user))))
+
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         gen = await service.start(lambda: prepare_chat(service, body), client_of(request, body.user))
@@ -188,18 +199,24 @@ def _add_chat_page(app: FastAPI) -> None:
 
 
 async def _collect_unless_disconnected(request: Request, gen: Generation) -> list[Delta]:
-    collect = asyncio.ensure_future(gen.collect())
+    return await _unless_disconnected(request, gen.collect(), gen.cancel)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], on_gone: Callable[[], None] | None = None) -> T:
+    """`work`'s result, unless the client leaves first: then `work` is cancelled (and on_gone called)."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not collect.done():
-            collect.cancel()
-            gen.cancel()
-    if not collect.done() or collect.cancelled():
+        if not task.done():
+            task.cancel()
+            if on_gone is not None:
+                on_gone()
+    if not task.done() or task.cancelled():
         raise _ClientGone()
-    return collect.result()
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:

@@ -211,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.engine.distributed.replicas import ReplicaSet
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.app import create_app, make_server
+    from slipstream.server.embeddings import pooling_of
     from slipstream.server.service import Service, ServiceConfig
 
     started = time.monotonic()
@@ -234,9 +235,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
                                     max_requests_per_client=args.max_requests_per_client),
                       lora=build_registry(args, engine))
+    pooling = args.pooling if args.pooling != "auto" else pooling_of(path) or "last"
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout, web_ui=not args.no_web_ui,
-                     lora_updates=args.enable_lora_runtime_updates)
+                     lora_updates=args.enable_lora_runtime_updates, pooling=pooling)
     if group is not None:  # a lost peer fails the requests, and /ready answers 503
         group.add_handler(scheduler.abort)
     # Start-up made many long-lived objects (traced programs, the tokenizer, module state):

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="queued plus running requests per client (API key, else the `user` field); the "
                             "excess gets 429; 0 = no limit")
     serve.add_argument("--served-model-name", default=flag_env("served-model-name", None))
+    serve.add_argument("--pooling", default=flag_env("pooling", "auto"), choices=["auto", "last", "mean"],
+                       help="/v1/embeddings: an input's embedding is its last token's hidden state (last) or the mean "
+                            "of its tokens' (mean), after the final norm; auto: what the model directory's "
+                            "sentence-transformers config (modules.json) declares, else last")
     serve.add_argument("--shutdown-timeout", type=float, default=float(flag_env("shutdown-timeout", 30)),
                        help="seconds in-flight requests may run after SIGTERM (/ready answers 503 meanwhile)")
     serve.add_argument("--header-timeout", type=float, default=float(flag_env("header-timeout", 10)),

@@ -1,5 +1,5 @@
-"""OpenAI wire shapes for /v1/completions and /v1/chat/completions: requests, responses, stream chunks.
-Pure pydantic, no FastAPI. Requests ignore unknown fields but are strict about types (`"stream": "yes"`
+"""OpenAI wire shapes for /v1/completions, /v1/chat/completions and /v1/embeddings: requests, responses, stream
+chunks. Pure pydantic, no FastAPI. Requests ignore unknown fields but are strict about types (`"stream": "yes"`
 and `"max_tokens": "10"` are 400s, as on OpenAI). Every numeric field has its documented range here
 (README, "Request fields"), so an out-of-range value is a 400 naming the field before anything is
 tokenized or reaches the engine; SamplingParams checks the same ranges for gRPC."""
@@ -289,3 +289,36 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- /v1/embeddings (server/embeddings.py) ---------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one request, as OpenAI's
+
+
+class EmbeddingRequest(_Request):
+    model: Text | None = None
+    input: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | list[TokenId]
+            | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32 bytes
+    dimensions: int | None = Field(None, ge=1)  # the first this many (re-normalized); at most the model's width
+    user: Text | None = None
+    normalize: bool = True  # extension (vLLM's): False returns the pooled hidden state as it is
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -151,7 +151,8 @@ class Generation:
                       token_ids=[t for d in deltas for t in d.token_ids],
                       logprobs=None if deltas[0].logprobs is None else [lp for d in deltas for lp in d.logprobs or ()],
                       finish_reason=deltas[-1].finish_reason,
-                      prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))
+                      prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+                      embedding=deltas[-1].embedding)
                 for index, deltas in enumerate(parts)]
 
     def _checked(self, index: int, delta: Delta) -> Delta:
@@ -330,14 +331,14 @@ class Service:
             raise ServiceError(503, "the server is shutting down", code="shutting_down")
         n = params.n
         self.check_choices(len(prompts), n, prepared.prompt_param)
-        release = self._hold_client_place(client)
+        release = self.hold_client_place(client)
         try:
             return self._submit(prepared, release)
         except BaseException:
             release()
             raise
 
-    def _hold_client_place(self, client: str | None) -> Callable[[], None]:
+    def hold_client_place(self, client: str | None) -> Callable[[], None]:
         """Count one more request for `client` (429 past the limit); returns what gives it back."""
         limit = self.config.max_requests_per_client
         if not limit or client is None:

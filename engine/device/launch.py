@@ -1,5 +1,6 @@
 """A launched engine step and the samples it leaves on the device: `LaunchedStep` is JaxEngine's
-StepResult (result() copies the samples to the host once, advances grammar matchers, builds logprobs);
+StepResult (result() copies the samples to the host once, advances grammar matchers, builds logprobs; scores() and
+pooled() the prompt scores and pooled hidden states of the sequences that asked, ScoredRows and PooledRows);
 `PreviousSamples` keeps each slot's latest sample on the device, so a decode can feed a token the host
 has not collected yet (PREVIOUS_SAMPLE, engine/api.py): the sampling program writes it there, the model
 program reads it there."""
@@ -71,14 +72,46 @@ class ScoredRows:
         return out
 
 
+class PooledRows:
+    """The sequences of a step that pool rows (StepSeq.pool, embeddings): each row's pooled sequence for the
+    program (its index in the batch; max_slots where the row is not pooled), and (once launched) the program's
+    per-sequence sums f32[max_slots, D] on the device."""
+
+    def __init__(self, owners: np.ndarray, seqs: list[int]) -> None:
+        self.owners = owners  # i32[T]
+        self.seqs = seqs      # batch indices of the pooling sequences, in batch order
+        self.device: jax.Array | None = None
+
+    @classmethod
+    def of(cls, batch: StepBatch, t: int, max_slots: int) -> "PooledRows":
+        owners, seqs, at = np.full(t, max_slots, np.int32), [], 0
+        for i, seq in enumerate(batch.seqs):
+            n = len(seq.token_ids)
+            if seq.pool:
+                if not 0 < seq.pool <= n:
+                    raise ValueError(f"sequence in slot {seq.slot}: {seq.pool} pooled rows of a {n}-token chunk")
+                owners[at + n - seq.pool:at + n] = i
+                seqs.append(i)
+            at += n
+        return cls(owners, seqs)
+
+    def copy_to_host_async(self) -> None:
+        self.device.copy_to_host_async()
+
+    def collect(self) -> list[np.ndarray]:
+        return list(np.asarray(jax.device_get(self.device))[self.seqs])  # a copy of the pooled rows only
+
+
 class LaunchedStep:
-    """A launched step; result() waits for its samples, scores() for its scores (the engine's StepResult)."""
+    """A launched step; result() waits for its samples, scores() for its scores, pooled() for its pooled hidden
+    states (the engine's StepResult)."""
 
     def __init__(self, grammar: GrammarProgress, result: SampleResult | None,
-                 rows: list[tuple[int, Matcher | None]], scored: ScoredRows | None = None) -> None:
+                 rows: list[tuple[int, Matcher | None]], scored: ScoredRows | None = None,
+                 pooled: PooledRows | None = None) -> None:
         self._grammar, self._result, self._rows = grammar, result, rows  # rows: (logprobs k, matcher)
         self._samples: list[Sampled] | None = None
-        self._scored = scored
+        self._scored, self._pooled = scored, pooled
 
     def result(self) -> list[Sampled]:
         if self._samples is None:
@@ -87,6 +120,9 @@ class LaunchedStep:
 
     def scores(self) -> list[tuple[TokenLogprob, ...]]:
         return [] if self._scored is None else self._scored.collect()
+
+    def pooled(self) -> list[np.ndarray]:
+        return [] if self._pooled is None else self._pooled.collect()
 
     def _collect(self) -> list[Sampled]:
         if self._result is None:

@@ -28,49 +28,55 @@ log = logging.getLogger(__name__)
 class Programs:
     """Building, compiling and looking up the engine's programs (a base class of JaxEngine)."""
 
-    def _model_packing(self, t: int, split: bool = True, score: bool = False) -> Packing:
+    def _model_packing(self, t: int, split: bool = True, score: bool = False, pool: bool = False) -> Packing:
         return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
                              sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
-                             prompt_from=self.prompt_w16 and split, targets=score)
+                             prompt_from=self.prompt_w16 and split, targets=score, pool=pool)
 
-    def _model_args(self, t: int, split: bool = True, score: bool = False):
-        packing = self._model_packing(t, split, score)
+    def _model_args(self, t: int, split: bool = True, score: bool = False, pool: bool = False):
+        packing = self._model_packing(t, split, score, pool)
         return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
                 None if self.lora is None else self.lora.stacks)
 
-    def _score_args(self, t: int):
-        """The scoring model program's (every token's log-probabilities too)."""
-        return self._model_args(t, score=True)
+    # The extended programs: the model program that also scores every token (prompt logprobs) or pools rows
+    # (embeddings), or both, keyed (token bucket, score, pool).
+    EXTENDED = ((True, False), (False, True))  # the forms compile_extended makes ahead (both at once: at first use)
 
-    def compile_scoring(self) -> None:
-        """Compile the scoring programs (prompt logprobs) of every token bucket, largest first, one after another on
-        a thread of their own (a step that scores waits for its bucket's, or compiles it if the thread has not
-        begun it). Without this, the first step that scores at a bucket compiles its program."""
+    def compile_extended(self) -> None:
+        """Compile the scoring and the pooling programs of every token bucket, largest first, one after another on a
+        thread of their own (a step that needs one waits for it, or compiles it if the thread has not begun it).
+        Without this, the first step that scores or pools at a bucket compiles its program."""
         if self._compile_thread is None:
             self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
             self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
         for t in reversed(self.buckets.token_counts):
-            if t not in self._score_exe and t not in self._score_compiling:
-                self._score_compiling[t] = self._compile_thread.submit(self._compile_score, t)
+            for score, pool in self.EXTENDED:
+                key = (t, score, pool)
+                if key not in self._extended_exe and key not in self._extended_compiling:
+                    self._extended_compiling[key] = self._compile_thread.submit(self._compile_extended, key)
 
-    def _compile_score(self, t: int) -> jax.stages.Compiled:
+    def _compile_extended(self, key: tuple[int, bool, bool]) -> jax.stages.Compiled:
         start = time.perf_counter()
-        exe = self._model_jit.lower(*self._score_args(t)).compile()
-        log.info("compiled the prompt-scoring program (%d tokens) in %.1f s", t, time.perf_counter() - start)
+        t, score, pool = key
+        exe = self._model_jit.lower(*self._model_args(t, score=score, pool=pool)).compile()
+        log.info("compiled the %s program (%d tokens) in %.1f s", _extended_name(score, pool), t,
+                 time.perf_counter() - start)
         return exe
 
-    def _score_program(self, t: int) -> jax.stages.Compiled:
-        """The scoring program of token bucket t: compiled now if it is not yet (or waited for, if the thread is at
+    def _extended_program(self, t: int, score: bool, pool: bool) -> jax.stages.Compiled:
+        """The extended program of token bucket t: compiled now if it is not yet (or waited for, if the thread is at
         it). Always the step's own bucket, whatever is compiled: every process of a multi-host group runs the same
         program."""
-        exe = self._score_exe.get(t)
+        key = (t, score, pool)
+        exe = self._extended_exe.get(key)
         if exe is None:
-            compiling = self._score_compiling.pop(t, None)
+            compiling = self._extended_compiling.pop(key, None)
             if compiling is not None and compiling.cancel():  # still queued behind others: compiled here, now
                 compiling = None
             if compiling is None:
-                log.info("compiling the prompt-scoring program (%d tokens), asked for by a request's prompt logprobs", t)
-            exe = self._score_exe[t] = compiling.result() if compiling is not None else self._compile_score(t)
+                log.info("compiling the %s program (%d tokens), asked for by a request", _extended_name(score, pool), t)
+            exe = self._extended_exe[key] = (compiling.result() if compiling is not None
+                                             else self._compile_extended(key))
         return exe
 
     def _sample_args(self, b: int):
@@ -144,3 +150,7 @@ class Programs:
         if exe is None:  # only when precompile=False (tests of a single shape)
             exe = table[shape] = jitted.lower(*args_fn(shape)).compile()
         return exe
+
+
+def _extended_name(score: bool, pool: bool) -> str:
+    return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool)) if on)

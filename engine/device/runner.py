@@ -27,7 +27,7 @@ from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
 from slipstream.engine.request import MAX_TOP_LOGPROBS
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
-from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PreviousSamples, ScoredRows
+from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PooledRows, PreviousSamples, ScoredRows
 from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.programs import Programs
 from slipstream.engine.device.sample_program import empty_state, packed_sample_step, set_row
@@ -81,11 +81,11 @@ class JaxEngine(Programs):
             index_int8_stacks(model)
         # the step is a pure function of the weights' state: split once, merged inside the programs
         self.graphdef, self.params = nnx.split(model)
-        # attention through the engine's layer: per device under shard_map when tensor parallel; scoring (prompt
-        # logprobs) with every token's log-probabilities too
-        self._forward = step_fn(self.graphdef, attention=paged_attention)
-        self._score_forward = step_fn(self.graphdef, attention=paged_attention,
-                                      score_top=min(MAX_TOP_LOGPROBS, model_cfg.vocab_size))
+        # attention through the engine's layer: per device under shard_map when tensor parallel; given targets
+        # (prompt logprobs) with every token's log-probabilities too, given pooled rows (embeddings) their sequences'
+        # summed hidden states
+        self._forward = step_fn(self.graphdef, attention=paged_attention,
+                                score_top=min(MAX_TOP_LOGPROBS, model_cfg.vocab_size), num_pooled=config.max_slots)
         # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
         # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
         self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
@@ -95,7 +95,6 @@ class JaxEngine(Programs):
         if self.tp is not None:
             self.params = self.tp.place_params(self.params)
             self._forward = self.tp.under_mesh(self._forward)
-            self._score_forward = self.tp.under_mesh(self._score_forward)
             self._replicated = self.tp.replicated
             cache_cfg = self.tp.cache_config(model_cfg)
             if self.lora is not None:  # whole on every device; the partitioner splits the deltas' matmuls
@@ -114,6 +113,7 @@ class JaxEngine(Programs):
         self.max_num_batched_tokens = config.step_tokens()
         self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
         self.vocab_size = model_cfg.vocab_size
+        self.hidden_size = model_cfg.hidden_size
         self.buckets = Buckets.build(max_num_batched_tokens=self.max_num_batched_tokens, max_slots=self.max_slots)
 
         # The KV pages are allocated after compiling: compilation's working memory and the cache
@@ -155,11 +155,11 @@ class JaxEngine(Programs):
         self._generated_buckets = (tuple(t for t in self.buckets.token_counts if t <= self.max_slots)
                                    if self.prompt_w16 else ())
         self._sample_exe: dict[int, jax.stages.Compiled] = {}
-        # the model programs that also score every token (prompt logprobs), per token bucket: on accelerators compiled
-        # on a thread once the engine is up (compile_scoring), on CPU (seconds each, on the cores that serve) when a
-        # scoring step first needs its bucket
-        self._score_exe: dict[int, jax.stages.Compiled] = {}
-        self._score_compiling: dict[int, Future] = {}  # the thread's compiles, by bucket
+        # the model programs that also score every token (prompt logprobs) or pool rows (embeddings), per token bucket
+        # (Programs.EXTENDED): on accelerators compiled on a thread once the engine is up (compile_extended), on CPU
+        # (seconds each, on the cores that serve) when a step first needs its bucket's
+        self._extended_exe: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
+        self._extended_compiling: dict[tuple[int, bool, bool], Future] = {}  # the thread's compiles
         self._compile_thread: ThreadPoolExecutor | None = None
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
@@ -169,13 +169,13 @@ class JaxEngine(Programs):
         trim_host_heap()
         self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
         if precompile and jax.default_backend() != "cpu":
-            self.compile_scoring()
+            self.compile_extended()
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
     def _model_step(self, packing: Packing, params, cache, last, packed, lora_stacks=None):
-        """-> (logits of the sample rows, cache); with the packing's `targets` (scoring), ((those logits,
-        models.base.TokenScores of every token), cache)."""
+        """-> (logits of the sample rows, cache); with the packing's `targets` (scoring) or `pool` (embeddings),
+        ((those logits, models.base.extended_step's extras), cache)."""
         x = packing.unpack(packed)  # step_inputs.model_packing's arrays
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
@@ -186,9 +186,8 @@ class JaxEngine(Programs):
             params = self.lora.attach(params, lora_stacks, x["lora_slots"])
         inputs = (tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"], x["num_seqs"],
                   x["sample_index"])
-        if "targets" in x:
-            return self._score_forward(params, cache, *inputs, x["targets"], x["alternatives"], dtype=self.dtype)
-        return self._forward(params, cache, *inputs, dtype=self.dtype)
+        extras = {name: x[name] for name in ("targets", "alternatives", "pool") if name in x}
+        return self._forward(params, cache, *inputs, **extras, dtype=self.dtype)
 
     @property
     def max_loras(self) -> int:
@@ -267,22 +266,23 @@ class JaxEngine(Programs):
         hybrid weights' split (EngineConfig.prompt_w16)."""
         return batch.prompt_rows_from(self._slot_prompt_len)
 
-    def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int], ScoredRows | None]:
+    def _run_model(self, batch: StepBatch) -> tuple[int, jax.Array, list[int], ScoredRows | None, PooledRows | None]:
         """Launch the step's model program: (token bucket, the sample rows' logits, their slots, the scores of
-        the sequences with targets, if any)."""
+        the sequences with targets and the pooled rows of those that pool, if any)."""
         score = any(seq.targets for seq in batch.seqs)
+        pool = any(seq.pool for seq in batch.seqs)
         t = self.buckets.tokens(batch.num_tokens)
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
-        if score:
-            model = self._score_program(t)
+        if score or pool:
+            model = self._extended_program(t, score, pool)
         elif prompt_from is not None and not split:
             # generated tokens only (decodes, verification): the program without the prompt form's calls
             model = self._exe(self._generated_exe, t, self._model_jit, functools.partial(self._model_args, split=False))
         else:
             model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         # the program's one host array, written in place
-        packed, x = self._model_packing(t, split, score=score).host()
+        packed, x = self._model_packing(t, split, score=score, pool=pool).host()
         _, (tokens, *_), sample_slots = self.step_inputs(batch, x)
         src = previous_sources(batch, tokens, x["cu_q_lens"])
         x["src"][:] = -1 if src is None else src
@@ -290,16 +290,23 @@ class JaxEngine(Programs):
             x["lora_slots"][:] = token_lora_slots(batch, t, self.lora.max_loras)
         if split:
             x["prompt_from"][...] = prompt_from
-        scored = None
+        scored = pooled = None
         if score:
             scored = ScoredRows.of(batch, self._slot_prompt_logprobs)
             x["targets"][:] = scored.targets(t)
             x["alternatives"][...] = max(k for *_, k in scored.rows)
+        if pool:
+            pooled = PooledRows.of(batch, t, self.max_slots)
+            x["pool"][:] = pooled.owners
         out, self.cache = model(self.params, self.cache, self._previous.last, packed,
                                 None if self.lora is None else self.lora.stacks)
-        if score:
-            out, scored.device = out
-        return t, out, sample_slots, scored
+        if score or pool:
+            out, extras = out
+            if score:
+                scored.device = extras["scores"]
+            if pool:
+                pooled.device = extras["pooled"]
+        return t, out, sample_slots, scored, pooled
 
     @functools.cached_property
     def _previous(self) -> PreviousSamples:
@@ -322,7 +329,7 @@ class JaxEngine(Programs):
     def model_logits(self, batch: StepBatch) -> np.ndarray:
         """Run the step's model program (writing its K/V) without sampling: the logits [n, V] of the
         `sample` sequences, in order (tests and the perplexity tool)."""
-        _, logits, sample_slots, _ = self._run_model(batch)
+        _, logits, sample_slots, *_ = self._run_model(batch)
         return np.asarray(logits)[:len(sample_slots)]  # sliced on the host: no program per row count
 
     def step(self, batch: StepBatch) -> list[Sampled]:
@@ -333,12 +340,13 @@ class JaxEngine(Programs):
             if seq.sample and (matcher := self._matchers.get(seq.slot)) is not None and matcher in self.grammar.unadvanced:
                 raise ValueError(f"slot {seq.slot} is grammar-constrained and its latest sample is not "
                                  "collected yet; collect the step in flight before launching its next one")
-        t, logits, sample_slots, scored = self._run_model(batch)
-        if scored is not None:
-            scored.copy_to_host_async()
+        t, logits, sample_slots, scored, pooled = self._run_model(batch)
+        for extra in (scored, pooled):
+            if extra is not None:
+                extra.copy_to_host_async()
         n = len(sample_slots)
         if n == 0:
-            return LaunchedStep(self.grammar, None, [], scored)
+            return LaunchedStep(self.grammar, None, [], scored, pooled)
         b = self.buckets.sample_rows(t)
         packed, x = sample_inputs(batch, sample_slots, b, self._slot_sampling, self._slot_prompt_len)
         slot_ids = x["slot_ids"]
@@ -355,4 +363,4 @@ class JaxEngine(Programs):
         for leaf in jax.tree.leaves(result):
             leaf.copy_to_host_async()  # the step's one device -> host copy starts when it is ready
         self.grammar.unadvanced.update(m for _, m in rows if m is not None)
-        return LaunchedStep(self.grammar, result, rows, scored)
+        return LaunchedStep(self.grammar, result, rows, scored, pooled)

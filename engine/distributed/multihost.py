@@ -117,6 +117,9 @@ class _LockstepResult:
     def scores(self) -> list[tuple[TokenLogprob, ...]]:
         return self._local.scores()
 
+    def pooled(self) -> list:
+        return self._local.pooled()
+
 
 # ---- workers -----------------------------------------------------------------------------------
 

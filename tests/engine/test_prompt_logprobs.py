@@ -145,10 +145,10 @@ def test_streamed_prompt_scores_come_with_the_first_delta():
     assert [t for d in got for t in d.token_ids] == chain(prompt, 3)
 
 
-def test_scoring_programs_compiled_in_the_background_leave_scoring_steps_nothing_to_compile(tiny_model):
-    """As on accelerators (JaxEngine starts compile_scoring() once it is up): a step that scores
+def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_steps_nothing_to_compile(tiny_model):
+    """As on accelerators (JaxEngine starts compile_extended() once it is up): a step that scores
     before the thread reached its bucket compiles that program itself (the thread's queued one is dropped); once
-    the thread is done, steps that score compile nothing; every step's scores equal the dense reference's."""
+    the thread is done, steps that score or pool compile nothing; every step's scores equal the dense reference's."""
     from slipstream.engine.api import SlotState, StepBatch, StepSeq
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from tests.conftest import TINY_ENGINE
@@ -165,11 +165,21 @@ def test_scoring_programs_compiled_in_the_background_leave_scoring_steps_nothing
         engine.free(0)
         check_scores(model, prompt, (None, *scores), 2)
 
-    engine.compile_scoring()  # largest first: bucket 4 is queued behind 32, 16 and 8
+    def pool(n: int) -> None:
+        prompt = list(range(30, 30 + n))
+        engine.insert(0, SlotState(prompt, [], SamplingParams(max_tokens=0, pooling="last")))
+        step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], True, pool=1)]))
+        step.result()
+        (pooled,) = step.pooled()
+        engine.free(0)
+        assert pooled.shape == (cfg.hidden_size,) and np.isfinite(pooled).all()
+
+    engine.compile_extended()  # largest first: bucket 4 is queued behind 32, 16 and 8
     score(3)
-    for compiling in list(engine._score_compiling.values()):
+    for compiling in list(engine._extended_compiling.values()):
         compiling.result(timeout=300)
     compiles = engine.compile_count
     for n in (3, 20, 9):  # buckets 4, 32, 16
         score(n)
+        pool(n)
     assert engine.compile_count == compiles

@@ -131,7 +131,7 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
                max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
                body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
                service_config: dict[str, Any] | None = None, replicas: int = 1, uds: str | None = None,
-               uds_mode: int = 0o600, **engine_kwargs: Any) -> LiveServer:
+               uds_mode: int = 0o600, pooling: str = "last", **engine_kwargs: Any) -> LiveServer:
     """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers.
     `uds`: serve on this unix socket path (as `serve --uds`) instead of a loopback port."""
     engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
@@ -144,7 +144,8 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     if start:
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
-    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                     pooling=pooling)
     url, server, thread = run_http(app, shutdown_timeout_s=shutdown_timeout_s,
                                    exit_on_engine_failure=exit_on_engine_failure, header_timeout_s=header_timeout_s,
                                    max_connections=max_connections, uds=uds, uds_mode=uds_mode)
