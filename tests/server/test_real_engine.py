@@ -1,6 +1,6 @@
 """End to end with the real JAX engine: a tiny random model with SmolLM2's vocabulary, the real
-tokenizer and chat template, the official openai client, a raw SSE stream, and `echo` with logprobs
-(scoring a prompt)."""
+tokenizer and chat template, the official openai client, a raw SSE stream, `echo` with logprobs
+(scoring a prompt), and embeddings."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ from tests.conftest import build_tiny_hf
 
 
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory, default_tokenizer):
+def tiny_smol_dir(tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's vocabulary, saved by transformers."""
     import transformers
 
     path = str(tmp_path_factory.mktemp("tiny-smol-vocab"))
@@ -29,7 +30,12 @@ def real_server(tmp_path_factory, default_tokenizer):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-    cfg, params = load_hf_dir(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def real_server(tiny_smol_dir, default_tokenizer):
+    cfg, params = load_hf_dir(tiny_smol_dir)
     tokenizer = default_tokenizer
     engine = JaxEngine(cfg, params, EngineConfig(max_slots=4, page_size=16, max_seq_len=256, num_pages=64,
                                                  max_num_batched_tokens=64), eos_token_ids=tuple(tokenizer.eos_token_ids))
@@ -229,3 +235,35 @@ def test_each_of_n_choices_and_prompts_echoes_its_own_prompt(real_server):
         n = httpx.post(f"{url}/tokenize", json={"prompt": prompts[a // 2]}, timeout=60).json()["count"]
         assert firsts[a].logprobs.token_logprobs[0] is None and firsts[b].logprobs.token_logprobs[0] is None
         assert firsts[a].logprobs.token_logprobs[1:n] == pytest.approx(firsts[b].logprobs.token_logprobs[1:n], abs=1e-5)
+
+
+def test_embeddings_equal_transformers_while_a_stream_runs(real_server, tiny_smol_dir):
+    """The openai client's embeddings (base64 on the wire) of texts short and several steps long, taken while a
+    completion streams: each is transformers' last hidden state of the text's ids, normalized; the stream is
+    unchanged by them."""
+    import numpy as np
+    import torch
+    import transformers
+
+    url, _ = real_server
+    c = client(url)
+    args = dict(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0)
+    alone = c.completions.create(**args).choices[0].text
+    texts = ["Paris is the capital of France.", "word " * 150, "x"]
+    stream = c.completions.create(**args, stream=True)
+    first = next(stream).choices[0].text  # the stream has begun before the embeddings are asked for
+    out = c.embeddings.create(model="tiny", input=texts)
+    assert first + "".join(ch.choices[0].text for ch in stream if ch.choices) == alone
+    hf = transformers.AutoModel.from_pretrained(tiny_smol_dir, torch_dtype=torch.float32).eval()
+    want = []
+    for text in texts:
+        ids = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+        with torch.no_grad():
+            last = hf(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+        want.append(last / np.linalg.norm(last))
+    got = np.array([d.embedding for d in out.data])
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    cosine = got @ np.array(want).T  # the server's weights are int8 (q8_0-a16) and its K/V bf16: not f32's digits
+    assert np.diag(cosine).min() > 0.9999 and (cosine - np.eye(3)).max() < 0.9  # each its own text's, not another's
+    assert out.usage.prompt_tokens == sum(len(httpx.post(f"{url}/tokenize", json={"prompt": t}, timeout=60)
+                                              .json()["tokens"]) for t in texts)
