@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -27,6 +28,10 @@ import httpx
 
 from benchmarks.measure import cpu_model
 from benchmarks.perplexity import EVAL_TEXT
+
+
+# engine/device/programs.py's log line for each scoring or pooling program it compiles
+COMPILED = re.compile(r"compiled the (.+?) program \((\d+) tokens\) in ([\d.]+) s")
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -160,7 +165,8 @@ def main() -> None:
         for entry in args.configs.split(";"):
             name, _, flags = entry.partition("=")
             uds = os.path.join(tmp, f"{name}.sock")
-            proc = serve(shlex.split(flags), uds, os.path.join(tmp, "serve.log"))
+            log_path = os.path.join(tmp, f"{name}.log")
+            proc = serve(shlex.split(flags), uds, log_path)
             time.sleep(args.settle)
             try:
                 row = {"config": name, "flags": flags, **measure(uds, tokens, window=args.window, stride=args.stride,
@@ -170,9 +176,13 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(60)
-                with open(os.path.join(tmp, "serve.log"), encoding="utf-8", errors="replace") as f:
-                    compiled = [line.strip() for line in f if "prompt-scoring program" in line]
-            print(f"{name}: server log: {compiled[-1] if compiled else 'no scoring compile logged'}")
+                with open(log_path, encoding="utf-8", errors="replace") as f:
+                    compiled = [m for line in f if (m := COMPILED.search(line))]
+            # the extended programs (scoring, pooling) the server compiled meanwhile, and their seconds
+            row["extended_compiles"] = [[m[1], int(m[2]), float(m[3])] for m in compiled]
+            print(f"{name}: server log: {len(compiled)} extended programs compiled in "
+                  f"{sum(float(m[3]) for m in compiled):.1f} s: "
+                  + ", ".join(f"{m[1]} {m[2]}: {float(m[3]):.1f} s" for m in compiled))
             results.append(row)
             print(f"{name:10} perplexity {row['perplexity']:.4f}  scoring {row['score_s']:.2f} s "
                   f"({row['score_tokens_per_s']:.0f} tok/s)  prefill {row['prefill_s']:.2f} s "

@@ -42,6 +42,17 @@ class Programs:
     # (embeddings), or both, keyed (token bucket, score, pool).
     EXTENDED = ((True, False), (False, True))  # the forms compile_extended makes ahead (both at once: at first use)
 
+    def extended_bucket(self, t: int) -> int:
+        """The token bucket an extended step of bucket t runs at: t, or on accelerators at least
+        extended_min_tokens (there a step's time is flat up to about 128 rows, since every weight is read once
+        whatever the row count, so padding a small one costs little; the ladder below it would be half the
+        programs the background thread compiles, ~10 s each for Llama-3.2-1B on a v5e)."""
+        return self.buckets.tokens(min(max(t, self.extended_min_tokens), self.buckets.token_counts[-1]))
+
+    @property
+    def extended_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({self.extended_bucket(t) for t in self.buckets.token_counts}))
+
     def compile_extended(self) -> None:
         """Compile the scoring and the pooling programs of every token bucket, largest first, one after another on a
         thread of their own (a step that needs one waits for it, or compiles it if the thread has not begun it).
@@ -49,7 +60,7 @@ class Programs:
         if self._compile_thread is None:
             self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
             self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
-        for t in reversed(self.buckets.token_counts):
+        for t in reversed(self.extended_buckets):
             for score, pool in self.EXTENDED:
                 key = (t, score, pool)
                 if key not in self._extended_exe and key not in self._extended_compiling:

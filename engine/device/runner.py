@@ -48,6 +48,10 @@ from slipstream.models.loader import trim_host_heap
 from slipstream.quantization.layer_forms import bind_rows
 
 
+# on accelerators, the smallest token bucket a scoring or pooling step runs at (Programs.extended_bucket)
+EXTENDED_MIN_TOKENS = 128
+
+
 class JaxEngine(Programs):
     """Paged-KV engine over one model replica (all local devices see the same arrays)."""
 
@@ -159,6 +163,7 @@ class JaxEngine(Programs):
         # (Programs.EXTENDED): on accelerators compiled on a thread once the engine is up (compile_extended), on CPU
         # (seconds each, on the cores that serve) when a step first needs its bucket's
         self._extended_exe: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
+        self.extended_min_tokens = 1 if jax.default_backend() == "cpu" else EXTENDED_MIN_TOKENS
         self._extended_compiling: dict[tuple[int, bool, bool], Future] = {}  # the thread's compiles
         self._compile_thread: ThreadPoolExecutor | None = None
         self.compile_seconds = 0.0
@@ -272,6 +277,8 @@ class JaxEngine(Programs):
         score = any(seq.targets for seq in batch.seqs)
         pool = any(seq.pool for seq in batch.seqs)
         t = self.buckets.tokens(batch.num_tokens)
+        if score or pool:
+            t = self.extended_bucket(t)
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
         if score or pool:

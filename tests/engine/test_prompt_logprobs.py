@@ -146,9 +146,11 @@ def test_streamed_prompt_scores_come_with_the_first_delta():
 
 
 def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_steps_nothing_to_compile(tiny_model):
-    """As on accelerators (JaxEngine starts compile_extended() once it is up): a step that scores
-    before the thread reached its bucket compiles that program itself (the thread's queued one is dropped); once
-    the thread is done, steps that score or pool compile nothing; every step's scores equal the dense reference's."""
+    """As on accelerators (JaxEngine starts compile_extended() once it is up, and scoring and pooling steps run at
+    least extended_min_tokens rows, 128 there): a step that scores before the thread reached its bucket compiles
+    that program itself (the thread's queued one is dropped); once the thread is done, steps that score or pool
+    compile nothing, and no program of a bucket under the minimum exists; every step's scores equal the dense
+    reference's."""
     from slipstream.engine.api import SlotState, StepBatch, StepSeq
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from tests.conftest import TINY_ENGINE
@@ -168,18 +170,21 @@ def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_
     def pool(n: int) -> None:
         prompt = list(range(30, 30 + n))
         engine.insert(0, SlotState(prompt, [], SamplingParams(max_tokens=0, pooling="last")))
-        step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], True, pool=1)]))
+        step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2, 3], False, pool=1)]))
         step.result()
         (pooled,) = step.pooled()
         engine.free(0)
         assert pooled.shape == (cfg.hidden_size,) and np.isfinite(pooled).all()
 
-    engine.compile_extended()  # largest first: bucket 4 is queued behind 32, 16 and 8
+    engine.extended_min_tokens = 8
+    assert engine.extended_buckets == (8, 16, 32)
+    engine.compile_extended()  # largest first: bucket 8 is queued behind 32 and 16
     score(3)
     for compiling in list(engine._extended_compiling.values()):
         compiling.result(timeout=300)
     compiles = engine.compile_count
-    for n in (3, 20, 9):  # buckets 4, 32, 16
+    for n in (3, 20, 9):  # buckets 4 (run at 8), 32, 16
         score(n)
         pool(n)
     assert engine.compile_count == compiles
+    assert sorted(engine._extended_exe) == [(t, score, not score) for t in (8, 16, 32) for score in (False, True)]
