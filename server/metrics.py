@@ -112,7 +112,7 @@ class _StatsCollector(Collector):
 
 
 # Label values are bounded: the route template (never the raw path), and codes from fixed sets.
-HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health", "/ready",
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model}", "/health", "/ready",
                "/metrics", "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
                "/detokenize")
 ERROR_CODES = frozenset({

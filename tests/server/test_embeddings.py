@@ -33,6 +33,16 @@ def test_openai_client_gets_normalized_last_token_embeddings_in_input_order(live
     assert out.model == MODEL
 
 
+def test_responses_are_counted_under_the_route(make_live):
+    live = make_live()
+    with live.http() as http:
+        assert http.post("/v1/embeddings", json={"input": "abc"}).status_code == 200
+        assert http.post("/v1/embeddings", json={"input": ""}).status_code == 400
+    assert live.metric("slipstream_http_responses_total", route="/v1/embeddings", status_class="2xx") == 1
+    assert live.metric("slipstream_http_responses_total", route="/v1/embeddings", status_class="4xx",
+                       code="invalid_value") == 1
+
+
 def test_float_and_base64_formats_carry_the_same_vector(live):
     with live.http() as http:
         plain = http.post("/v1/embeddings", json={"input": "abc"}).json()
