@@ -24,6 +24,12 @@ def mock_embedding(prompt: list[int], pooling: str) -> np.ndarray:
     return rows.mean(axis=0) if pooling == "mean" else rows[-1]
 
 
+def mixed(prompts: list[list[int]], max_tokens) -> list[Request]:
+    """A generation request (greedy, max_tokens() tokens), a mean and a last-token embedding in turn."""
+    return [Request(prompt, SamplingParams(max_tokens=max_tokens(), temperature=0.0, ignore_eos=True) if i % 3 == 0
+                    else embed("mean" if i % 3 == 1 else "last")) for i, prompt in enumerate(prompts)]
+
+
 def test_pooling_needs_max_tokens_zero_and_a_known_mode():
     with pytest.raises(InvalidParam) as err:
         SamplingParams(max_tokens=5, pooling="mean")
@@ -41,12 +47,8 @@ def test_mock_embeddings_across_chunks_with_generation_beside_them():
     scheduler.start()
     rnd = random.Random(5)
     try:
-        requests = []
-        for i in range(12):
-            prompt = [rnd.randrange(0, 200) for _ in range(rnd.randint(1, 30))]
-            params = (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True) if i % 3 == 0
-                      else embed("mean" if i % 3 == 1 else "last"))
-            requests.append(Request(prompt, params))
+        requests = mixed([[rnd.randrange(0, 200) for _ in range(rnd.randint(1, 30))] for _ in range(12)],
+                         lambda: 6)
         results = [s.result(timeout=30) for s in [scheduler.submit(r) for r in requests]]
         for request, result in zip(requests, results):
             assert result.error is None, result.error
@@ -106,12 +108,9 @@ def test_embeddings_equal_transformers_across_chunks_cache_hits_and_preemption(t
     try:
         warm = scheduler.submit(Request(shared + [5, 6], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
         assert warm.result(timeout=300).error is None
-        requests = []
-        for i in range(12):
-            prompt = (shared if i % 2 else []) + [rnd.randrange(3, 256) for _ in range(rnd.randint(1, 40))]
-            params = (SamplingParams(temperature=0.0, max_tokens=rnd.randint(20, 40), ignore_eos=True) if i % 3 == 0
-                      else embed("mean" if i % 3 == 1 else "last"))
-            requests.append(Request(prompt, params))
+        prompts = [(shared if i % 2 else []) + [rnd.randrange(3, 256) for _ in range(rnd.randint(1, 40))]
+                   for i in range(12)]
+        requests = mixed(prompts, lambda: rnd.randint(20, 40))
         results = [s.result(timeout=300) for s in [scheduler.submit(r) for r in requests]]
         for request, result in zip(requests, results):
             assert result.error is None, result.error
