@@ -4,12 +4,16 @@ on every host core or loaded whole from the compile cache (engine/device/executa
 class: the engine (engine/device/runner.py) sets up the jitted functions, buckets and tables it fills."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import atexit
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import logging
 import os
+import queue
 import re
 import sys
+import threading
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +63,7 @@ class Programs:
         Without this, the first step that scores or pools at a bucket compiles its program."""
         if self._compile_thread is None:
             self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
-            self._compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-compile")
+            self._compile_thread = CompileQueue()
         for t in reversed(self.extended_buckets):
             for score, pool in self.EXTENDED:
                 key = (t, score, pool)
@@ -165,3 +169,38 @@ class Programs:
 
 def _extended_name(score: bool, pool: bool) -> str:
     return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool)) if on)
+
+
+class CompileQueue:
+    """One daemon thread running queued compiles in order (Programs.compile_extended). Python joins the threads of a
+    ThreadPoolExecutor at exit after their whole queue: a server drained and exiting while the ladder is queued then
+    waited for all of it (minutes on an accelerator). A daemon thread is not joined, and an atexit hook lets the
+    compile in progress finish (none is left half done in XLA while the interpreter finalizes) and drops the rest."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="slipstream-compile", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drop what is queued, and wait for the compile in progress."""
+        self._stopped = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None and not self._stopped:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():  # cancelled: a step compiled it itself
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for it
+                future.set_exception(exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 import secrets
 import time
 from typing import Sequence
@@ -29,7 +29,7 @@ from slipstream.engine.request import MAX_TOP_LOGPROBS
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PooledRows, PreviousSamples, ScoredRows
 from slipstream.engine.device.packed import Packing
-from slipstream.engine.device.programs import Programs
+from slipstream.engine.device.programs import CompileQueue, Programs
 from slipstream.engine.device.sample_program import empty_state, packed_sample_step, set_row
 from slipstream.engine.device.sampling import SamplingArrays, check_token_ids, logit_bias_row, prompt_mask_row
 from slipstream.engine.device.lora_slots import LoraSlots
@@ -165,7 +165,7 @@ class JaxEngine(Programs):
         self._extended_exe: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
         self.extended_min_tokens = 1 if jax.default_backend() == "cpu" else EXTENDED_MIN_TOKENS
         self._extended_compiling: dict[tuple[int, bool, bool], Future] = {}  # the thread's compiles
-        self._compile_thread: ThreadPoolExecutor | None = None
+        self._compile_thread: CompileQueue | None = None
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)

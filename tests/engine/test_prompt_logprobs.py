@@ -188,3 +188,28 @@ def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_
         pool(n)
     assert engine.compile_count == compiles
     assert sorted(engine._extended_exe) == [(t, score, not score) for t in (8, 16, 32) for score in (False, True)]
+
+
+def test_a_process_exits_without_compiling_the_rest_of_the_background_ladder(tiny_llama_dir):
+    """The background compiles are queued on a thread the interpreter joins at exit: a process that ends while they
+    are queued (a drained server) stops after the one in progress instead of compiling the whole ladder (minutes on
+    an accelerator)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.models.loader import load_hf_dir
+from tests.conftest import TINY_ENGINE
+cfg, model = load_hf_dir({tiny_llama_dir!r})
+engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False)
+engine.compile_extended()
+print("queued", len(engine._extended_compiling), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    queued = int(out.stdout.split()[-1])
+    compiled = out.stderr.count("compiled the ")
+    assert queued == 12 and compiled <= 2, (queued, compiled)  # the one running at exit (and one racing it)
