@@ -4,14 +4,14 @@ against Slipstream's plain prefill of the same passages (`/v1/completions`, `max
 server on the same model (its Q8_0 GGUF, built by benchmarks/bench/peers.py), in one run.
 
 Each server runs alone, in turn: Slipstream with --no-prefix-cache (benchmarks.scoring.serve), llama.cpp with
---no-cache-prompt --cache-ram 0 (its embeddings never reuse a slot's cache either). Inputs go in requests of
---batch, --concurrency requests at a time; a warm-up pass first (the pooling programs compile at first use on CPU),
-then the median of --reps passes. Run from the repo root:
+LLAMA_CPP_FLAGS and --no-cache-prompt --cache-ram 0 (its embeddings never reuse a slot's cache either). Inputs go in
+requests of --batch, --concurrency requests at a time; a warm-up pass first (the pooling programs compile at first use
+on CPU), then the median of --reps passes. Run from the repo root:
     .venv/bin/python -m benchmarks.embeddings [--configs "default=;f32=--quantize none --kv-cache-dtype float32"]
         [--pooling last] [--passages 256 --batch 32 --concurrency 4 --reps 3] [--out embeddings.json]
 On a TPU, with random weights (no reference, no llama.cpp; passages of N random token ids):
     python -m benchmarks.embeddings --configs "llama-3.2-1b=--model llama-3.2-1b --load-format dummy" \
-        --no-reference --no-peers --random-tokens 160
+        --no-reference --no-peers --random-tokens 160 --settle 60
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -133,32 +134,45 @@ def measure(client: httpx.Client, inputs: list, *, batch: int, concurrency: int,
     return out, first
 
 
-def agreement(vectors: np.ndarray, ref: np.ndarray) -> dict:
-    cos = np.sum(vectors * ref, axis=1)
-    return {"cosine_min": float(cos.min()), "cosine_median": float(np.median(cos))}
+def measure_server(client: httpx.Client, row: dict, args: argparse.Namespace, inputs: list, texts: list[str] | None,
+                   ids: list[list[int]] | None, ref: np.ndarray | None, *,
+                   tokenize: Callable[[str], list[int]], prefill: bool) -> dict:
+    """`row` with a server's numbers: how many texts it tokenizes unlike the reference's tokenizer, its rates, and
+    the cosines of its vectors to the reference's."""
+    if texts is not None and ids is not None:
+        row["token_ids_mismatched"] = sum(tokenize(t) != want for t, want in zip(texts, ids))
+    numbers, vectors = measure(client, inputs, batch=args.batch, concurrency=args.concurrency, reps=args.reps,
+                               prefill=prefill)
+    row.update(numbers)
+    if ref is not None:
+        cos = np.sum(vectors * ref, axis=1)
+        row.update(cosine_min=float(cos.min()), cosine_median=float(np.median(cos)))
+    return row
 
 
-def mismatched_ids(texts: list[str], ids: list[list[int]], tokenize) -> int:
-    """How many texts the server tokenizes differently from the reference's tokenizer."""
-    return sum(tokenize(t) != want for t, want in zip(texts, ids))
+# Steps of 2048 tokens, -b = -ub (an embedding's input must be whole in one ubatch: llama-server sets -b to -ub
+# itself), about 13 passages; 32 slots, so the requests in flight keep a step full; one KV pool for all slots
+# (-kvu). With a KV stream per slot (-no-kvu, as benchmarks/compare.py runs generation) mean-pooled vectors of
+# inputs that share a step came out wrong (cosine to transformers' down to 0.69; 0.9998 one input at a time; the
+# llama.cpp of llama-cpp-python 0.3.36): its ubatches then take each input in parts, and a mean covers the last.
+LLAMA_CPP_FLAGS = "-np 32 -c 16384 -b 2048 -ub 2048 -kvu"
 
 
-def llama_cpp(model: str, pooling: str, max_tokens: int, tmp: str, build_jobs: int) -> tuple:
-    """llama.cpp's server on the Q8_0 GGUF, started (peers.RunningServer) and ready: 32 slots of a context holding
-    every input, and -b = -ub (embeddings need each input whole in one ubatch; llama-server sets -b to -ub itself)."""
+def llama_cpp(model: str, pooling: str, flags: str, tmp: str, build_jobs: int) -> tuple:
+    """llama.cpp's server on the Q8_0 GGUF with `flags`, started (peers.RunningServer) and ready: (the server, its
+    command). A thread per core, as Slipstream uses; no prompt cache."""
     from benchmarks.bench import peers
 
     bin_dir = peers.ensure_llama_cpp(build_jobs)
     gguf = peers.ensure_gguf(model, "Q8_0", bin_dir)
-    slots, per_slot = 32, max(512, max_tokens)
     threads = str(os.cpu_count() or 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spec = peers.ServerSpec("llama.cpp", "llama.cpp server, Q8_0 GGUF", [
         str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
-        "--embeddings", "--pooling", pooling, "-t", threads, "-tb", threads, "-np", str(slots),
-        "-c", str(slots * per_slot), "-b", "2048", "-ub", "2048", "--no-cache-prompt", "--cache-ram", "0"])
+        "--embeddings", "--pooling", pooling, "-t", threads, "-tb", threads, *shlex.split(flags),
+        "--no-cache-prompt", "--cache-ram", "0"])
     server = peers.RunningServer(spec, port, Path(tmp) / "llama.log")
     try:
         server.wait_ready()
@@ -187,64 +201,59 @@ def main(argv: list[str] | None = None) -> None:
                              "background once the server is up)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers' vectors (and the cosines)")
     parser.add_argument("--no-peers", action="store_true", help="skip llama.cpp's server")
+    parser.add_argument("--llama-cpp-flags", default=LLAMA_CPP_FLAGS,
+                        help="llama-server's batching flags (besides the model, --embeddings, --pooling, threads and "
+                             "no prompt cache)")
     parser.add_argument("--build-jobs", type=int, default=2, help="for building llama.cpp the first time")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.model is None:
+    if args.model is None and not (args.no_reference and args.no_peers):
         from slipstream.models.registry import DEFAULT_MODEL, resolve_model
 
         args.model = resolve_model(DEFAULT_MODEL)
-    if not args.no_peers and not args.model.endswith(".gguf"):
+    if not args.no_peers and not str(args.model).endswith(".gguf"):
         parser.error("llama.cpp's server needs a GGUF --model: pass --no-peers")
 
-    texts = None if args.random_tokens else passages(args.passages)
-    inputs = random_passages(args.passages, args.random_tokens) if args.random_tokens else texts
-    ids = inputs if args.random_tokens or args.no_reference else hf_tokenize(args.model, texts)
-    ref = None if args.no_reference else reference(args.model, ids, args.pooling)
     machine = machine_name()
     print(f"machine: {machine}")
+    texts = None if args.random_tokens else passages(args.passages)
+    inputs = random_passages(args.passages, args.random_tokens) if args.random_tokens else texts
     kind = f"passages of {args.random_tokens} random ids" if args.random_tokens else "eval.txt passages"
     print(f"{len(inputs)} inputs ({kind}); pooling {args.pooling}; requests of {args.batch} inputs, "
           f"{args.concurrency} at a time; median of {args.reps} passes", flush=True)
+    ids = inputs if args.random_tokens else None if args.no_reference else hf_tokenize(args.model, texts)
+    if ids is not None:
+        print(f"{sum(map(len, ids))} tokens, {min(map(len, ids))} to {max(map(len, ids))} an input")
+    ref = None if args.no_reference else reference(args.model, ids, args.pooling)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for entry in args.configs.split(";"):
             name, _, flags = entry.partition("=")
             uds = os.path.join(tmp, f"{name}.sock")
-            proc = serve(["--model", args.model, "--pooling", args.pooling, *shlex.split(flags)], uds,
-                         os.path.join(tmp, "serve.log"))
+            model = ["--model", args.model] if args.model else []  # a config's own --model comes later and wins
+            proc = serve([*model, "--pooling", args.pooling, *shlex.split(flags)], uds, os.path.join(tmp, "serve.log"))
             time.sleep(args.settle)
             try:
                 client = httpx.Client(transport=httpx.HTTPTransport(uds=uds), base_url="http://slipstream", timeout=600)
-                row = {"server": f"slipstream {name}", "flags": flags}
-                if texts is not None and ids is not None:
-                    row["token_ids_mismatched"] = mismatched_ids(texts, ids, lambda t: client.post(
-                        "/tokenize", json={"prompt": t}).raise_for_status().json()["tokens"])
-                numbers, vectors = measure(client, inputs, batch=args.batch, concurrency=args.concurrency,
-                                           reps=args.reps, prefill=True)
-                row.update(numbers)
+                results.append(measure_server(
+                    client, {"server": f"slipstream {name}", "flags": flags}, args, inputs, texts, ids, ref,
+                    tokenize=lambda t: client.post("/tokenize", json={"prompt": t}).raise_for_status().json()["tokens"],
+                    prefill=True))
             finally:
                 proc.terminate()
                 proc.wait(60)
-            if ref is not None:
-                row.update(agreement(vectors, ref))
-            results.append(row)
+            row = results[-1]
             print(f"{row['server']}: {row['embed_inputs_per_s']:.1f} inputs/s", flush=True)
         if not args.no_peers:
-            server, command = llama_cpp(args.model, args.pooling, args.random_tokens, tmp, args.build_jobs)
+            server, command = llama_cpp(args.model, args.pooling, args.llama_cpp_flags, tmp, args.build_jobs)
             try:
                 client = httpx.Client(base_url=server.base_url, timeout=600, trust_env=False)
-                row = {"server": "llama.cpp Q8_0", "command": command}
-                if texts is not None and ids is not None:
-                    row["token_ids_mismatched"] = mismatched_ids(texts, ids, lambda t: client.post(
-                        "/tokenize", json={"content": t, "add_special": True}).raise_for_status().json()["tokens"])
-                numbers, vectors = measure(client, inputs, batch=args.batch, concurrency=args.concurrency,
-                                           reps=args.reps, prefill=False)
-                row.update(numbers)
+                row = measure_server(  # the ids its /v1/embeddings runs: special tokens added as the GGUF says
+                    client, {"server": "llama.cpp Q8_0", "command": command}, args, inputs, texts, ids, ref,
+                    tokenize=lambda t: client.post("/tokenize", json={"content": t, "add_special": True}
+                                                   ).raise_for_status().json()["tokens"], prefill=False)
             finally:
                 server.stop()
-            if ref is not None:
-                row.update(agreement(vectors, ref))
             results.append(row)
             print(f"llama.cpp: {command}")
             for r in results[:-1]:
