@@ -276,15 +276,19 @@ def _exit_code(proc: subprocess.Popen, since: float) -> tuple[int, float]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny, tmp_path_factory) -> list[list[str]]:
-    """What one process (one device, no mesh) answers."""
-    tmp, http = tmp_path_factory.mktemp("one-process"), _free_port()
-    proc = _serve(tiny, tmp / "one.log", http)
+def one_process(tiny) -> list[list[str]]:
+    """What one process (one device, no mesh) answers: the CLI's engine builder and HTTP app with the
+    group's flags, served on a thread of this process (no second process's start-up and imports)."""
+    from slipstream.server.cli import build_parser
+    from tests.models.test_presets_serve import serve_in_thread
+
+    url, server, thread, _ = serve_in_thread(build_parser().parse_args(
+        ["serve", "--model", tiny, *SERVE, "--compile-cache", ""]))
     try:
-        _wait_ready(f"http://127.0.0.1:{http}", [proc], tmp)
-        return _answers(f"http://127.0.0.1:{http}")
+        return _answers(url)
     finally:
-        _stop([proc])
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
 def test_two_processes_answer_like_one_and_stop_when_process_1_dies(tiny, one_process, tmp_path):
