@@ -166,6 +166,14 @@ def subprocess_compile_cache() -> None:
     enable_compilation_cache(os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE"))
 
 
+def compile_cache_env() -> dict[str, str]:
+    """Environment variables that point a child process's JAX at the run's persistent XLA cache, for children
+    that cannot call subprocess_compile_cache (benchmarks/device's phases process): JAX reads JAX_* options."""
+    path = os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE")
+    return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"} if path else {}
+
+
 # f32 weights: these engines are checked against f32 references (the CPU default would be q8_0-a16)
 TINY_ENGINE = dict(max_slots=4, page_size=8, max_seq_len=128, num_pages=48, max_num_batched_tokens=32,
                    quantize="none")
