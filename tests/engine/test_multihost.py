@@ -197,9 +197,9 @@ def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
         # 4 query heads over 2 KV heads do not split 8 ways: the pages are whole on each device
         assert r["k"]["devices"] == 8 and not r["k"]["fully_addressable"] and r["k"]["here"] == [r["k"]["shape"]] * 4
 
-# steps of up to 4 tokens: each process compiles 5 programs (token buckets 1, 2, 4; 1 and 2 sampled rows)
+# steps of up to 2 tokens: each process compiles 4 programs (token buckets 1 and 2, 1 and 2 sampled rows)
 # instead of 7 at 16, and the prompts prefill in chunks across both processes
-SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "4",
+SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "2",
          "--quantize", "none"]
 START_S = 400  # two processes compiling on shared CPU cores
 EXIT_S = 30    # a survivor fails its requests and exits within this
