@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random Llama-family checkpoints built with transformers, and the default model."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import pytest
@@ -80,6 +82,26 @@ def first_layers(cfg, model, n: int):
     flat = [(path, var.replace(var.get_value()[:n]) if path[0] == "blocks" else var)
             for path, var in nnx.to_flat_state(nnx.state(model))]
     return short, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+@contextlib.contextmanager
+def gguf_read_once(path: str, reader):
+    """transformers' own loads of the GGUF at `path` (its tokenizer, its model) handed `reader`, the run's parse
+    of it (default_gguf_reader): transformers parses the file again on each load (seconds: config, tokenizer,
+    weights) and builds gguf's tensor-name map once per submodule (~400 times, ~9 s); both are pure functions
+    of the file."""
+    import gguf
+
+    open_reader = gguf.GGUFReader
+
+    def read(file, *args, **kwargs):
+        same = os.path.samefile(file, path) and not args and not kwargs
+        return reader if same else open_reader(file, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", read)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -164,6 +186,14 @@ def subprocess_compile_cache() -> None:
     from slipstream.engine.device.compile_count import enable_compilation_cache
 
     enable_compilation_cache(os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE"))
+
+
+def compile_cache_env() -> dict[str, str]:
+    """Environment variables that point a child process's JAX at the run's persistent XLA cache, for children
+    that cannot call subprocess_compile_cache (benchmarks/device's phases process): JAX reads JAX_* options."""
+    path = os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE")
+    return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"} if path else {}
 
 
 # f32 weights: these engines are checked against f32 references (the CPU default would be q8_0-a16)

@@ -11,7 +11,7 @@ from benchmarks import device
 from benchmarks.bench import trace_server
 from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.request import SamplingParams
-from tests.conftest import build_tiny_hf
+from tests.conftest import build_tiny_hf, compile_cache_env
 from tests.server.test_serve_hf_models import _save_word_tokenizer
 
 # an 8-token budget: 4 step programs (1, 2, 4, 8 tokens); the prefill of 8 rates against the matmul row nearest it
@@ -117,11 +117,13 @@ def test_serving_over_a_unix_socket(tiny_dir, tmp_path):
     assert "Serving (6 prompts" in md and md.startswith("Machine: 1 x cpu") and "The same run traced" in md
 
 
-def test_llama_8b_int8_script_dry_run(tmp_path):
+def test_llama_8b_int8_script_dry_run(tmp_path, monkeypatch):
     """benchmarks/device_8b's engine part on a CPU: a shrunk Llama-3.1-8B config, dummy int8 weights drawn
     layer by layer, int8 KV; its serving part's KV budget covers every concurrent sequence."""
     from benchmarks import device_8b
 
+    for name, value in compile_cache_env().items():  # the phases' process: the run's XLA cache
+        monkeypatch.setenv(name, value)
     out = tmp_path / "engine"
     assert device_8b.main(["engine", "--dry-run", "--output-dir", str(out)]) == 0
     r = _report(out)

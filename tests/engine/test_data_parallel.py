@@ -119,8 +119,8 @@ def test_abort_fails_every_replicas_requests():
 def worker(model_dir: str) -> dict:
     """Greedy tokens of each replica at TP=1 x DP=2 (f32 engines built by hand, as the tensor-parallel
     test does), then `slipstream serve`'s engines and replica set at TP=2 x DP=2 with int8 weights
-    (q8_0-a16, the CPU default) serving two requests at once, one a replica: a slot and steps of up to 4
-    tokens each (5 programs a replica to compile instead of 8 with 2 slots and 8 tokens; the prompts
+    (q8_0-a16, the CPU default) serving two requests at once, one a replica: a slot and steps of up to 2
+    tokens each (4 programs a replica to compile instead of 8 with 2 slots and 8 tokens; the prompts
     prefill in chunks). (TP=2 x DP=2 by hand would repeat the served replicas' checks;
     test_tensor_parallel.py's nine-heads case runs one such replica by hand.)"""
     import jax
@@ -160,7 +160,7 @@ def worker(model_dir: str) -> dict:
 
     args = cli.build_parser().parse_args([
         "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "q8_0-a16",
-        "--max-slots", "1", "--max-num-batched-tokens", "4", "--page-size", "8", "--max-seq-len", "128",
+        "--max-slots", "1", "--max-num-batched-tokens", "2", "--page-size", "8", "--max-seq-len", "128",
         "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
     engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
     replicas = ReplicaSet([Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig()) for e in engines])

@@ -197,9 +197,9 @@ def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
         # 4 query heads over 2 KV heads do not split 8 ways: the pages are whole on each device
         assert r["k"]["devices"] == 8 and not r["k"]["fully_addressable"] and r["k"]["here"] == [r["k"]["shape"]] * 4
 
-# steps of up to 4 tokens: each process compiles 5 programs (token buckets 1, 2, 4; 1 and 2 sampled rows)
+# steps of up to 2 tokens: each process compiles 4 programs (token buckets 1 and 2, 1 and 2 sampled rows)
 # instead of 7 at 16, and the prompts prefill in chunks across both processes
-SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "4",
+SERVE = ["--max-slots", "2", "--max-seq-len", "512", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "2",
          "--quantize", "none"]
 START_S = 400  # two processes compiling on shared CPU cores
 EXIT_S = 30    # a survivor fails its requests and exits within this
@@ -276,15 +276,19 @@ def _exit_code(proc: subprocess.Popen, since: float) -> tuple[int, float]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny, tmp_path_factory) -> list[list[str]]:
-    """What one process (one device, no mesh) answers."""
-    tmp, http = tmp_path_factory.mktemp("one-process"), _free_port()
-    proc = _serve(tiny, tmp / "one.log", http)
+def one_process(tiny) -> list[list[str]]:
+    """What one process (one device, no mesh) answers: the CLI's engine builder and HTTP app with the
+    group's flags, served on a thread of this process (no second process's start-up and imports)."""
+    from slipstream.server.cli import build_parser
+    from tests.models.test_presets_serve import serve_in_thread
+
+    url, server, thread, _ = serve_in_thread(build_parser().parse_args(
+        ["serve", "--model", tiny, *SERVE, "--compile-cache", ""]))
     try:
-        _wait_ready(f"http://127.0.0.1:{http}", [proc], tmp)
-        return _answers(f"http://127.0.0.1:{http}")
+        return _answers(url)
     finally:
-        _stop([proc])
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
 def test_two_processes_answer_like_one_and_stop_when_process_1_dies(tiny, one_process, tmp_path):

@@ -82,11 +82,10 @@ def test_serve_flag_parses_and_refuses_bad_json_clearly(capsys):
     assert "--speculative-config: speculative config: num_speculative_tokens must be" in capsys.readouterr().err
 
 
-def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked():
-    from slipstream.models.registry import DEFAULT_MODEL, tokenizer_for
+def test_bench_repeat_dataset_asks_to_repeat_a_passage_of_the_length_asked(default_tokenizer):
     from slipstream.server.bench.datasets import repeat_dataset
 
-    tok = tokenizer_for(DEFAULT_MODEL)
+    tok = default_tokenizer  # tokenizer_for(DEFAULT_MODEL)'s, built once for the run
     reqs = repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)
     assert reqs == repeat_dataset(tok, num_prompts=3, passage_len=120, seed=1)  # seeded
     for r in reqs:

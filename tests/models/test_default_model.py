@@ -1,13 +1,13 @@
 """The embedded default model (SmolLM2-135M-Instruct GGUF): our loader + paged engine vs transformers."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 import torch
 
 from slipstream.engine.request import SamplingParams
+from tests.conftest import gguf_read_once
 from tests.engine.test_runner import _generate as drive_engine
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -18,19 +18,10 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def hf_model(default_model_path, default_gguf_reader):
     """transformers' own load of the GGUF (its dequantization and name mapping), handed the run's parsed
-    file: it parses the file twice (config, then weights, ~6 s each) and builds gguf's tensor-name map
-    once per submodule (~400 times, ~9 s); both are pure functions of the file and the architecture."""
-    import gguf
+    file (it would parse it twice, config then weights, ~6 s each)."""
     from transformers import AutoModelForCausalLM
 
-    def reader(path, *args, **kwargs):
-        same = os.path.samefile(path, default_model_path) and not args and not kwargs
-        return default_gguf_reader if same else open_reader(path, *args, **kwargs)
-
-    open_reader = gguf.GGUFReader
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with gguf_read_once(default_model_path, default_gguf_reader):
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_path),
                                                     gguf_file=os.path.basename(default_model_path),
                                                     dtype=torch.float32).eval()

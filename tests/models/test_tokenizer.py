@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from slipstream.models.registry import load_tokenizer
 from slipstream.models.tokenizer import ChatTemplateError, IncrementalDetokenizer
+from tests.conftest import gguf_read_once
 
 TEXTS = [
     "Hello world!",
@@ -21,12 +21,14 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizers(default_model_path):
+def tokenizers(default_model_path, default_gguf_reader, default_tokenizer):
+    """Ours (the run's, read-only) and transformers' own, both from the run's parse of the GGUF."""
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
-                                       gguf_file=os.path.basename(default_model_path))
-    return load_tokenizer(default_model_path), hf
+    with gguf_read_once(default_model_path, default_gguf_reader):
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(default_model_path),
+                                           gguf_file=os.path.basename(default_model_path))
+    return default_tokenizer, hf
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -93,15 +93,13 @@ def test_linear_with_offsets_and_a16_matches_the_dequantized_weight():
     assert errors["q8_0-a16"] < errors["q8_0"] / 50
 
 
-def test_prepare_keeps_loader_built_q8_0_weights_and_quantizes_the_rest(tmp_path):
+def test_prepare_keeps_loader_built_q8_0_weights_and_quantizes_the_rest(tiny_llama_dir):
     from flax import nnx
 
     from slipstream.engine.device.params import prepare_model
     from slipstream.models.loader import load_hf_dir
-    from tests.conftest import build_tiny_hf
 
-    path = build_tiny_hf(str(tmp_path / "tiny"))
-    _, model = load_hf_dir(path)
+    _, model = load_hf_dir(tiny_llama_dir)  # a model of its own: the run's checkpoint, loaded afresh
     pre = quantize_weight(model.blocks.attn.wq.w.get_value(), "q8_0")
     model.blocks.attn.wq.w.set_value(pre)
     embed = model.embed.table.get_value()
@@ -134,13 +132,11 @@ def test_hf_loader_builds_q8_0_weights_that_track_float(tmp_path):
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
-def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding():
-    from slipstream.models.loader import load_gguf, read_gguf
-    from slipstream.models.registry import DEFAULT_MODEL, resolve_model
+def test_default_model_lm_head_comes_straight_from_the_q8_0_embedding(default_model_path, default_gguf_reader):
+    from slipstream.models.loader import load_gguf
 
-    path = resolve_model(DEFAULT_MODEL)
-    reader = read_gguf(path)  # parsing the file's fields takes seconds: once, for the loader and the checks
-    cfg, model = load_gguf(path, quantize="q8_0", reader=reader)
+    reader = default_gguf_reader  # the run's parse of the file (seconds), for the loader and the checks
+    cfg, model = load_gguf(default_model_path, quantize="q8_0", reader=reader)
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert raw.tensor_type == gguf.GGMLQuantizationType.Q8_0
     embed = quants.dequantize(raw.data, raw.tensor_type).reshape(cfg.vocab_size, cfg.hidden_size)

@@ -1,4 +1,4 @@
-"""The short fault soak (tests/soak/soak.py --short, ~20 s) as part of the suite: disconnects, a 10x
+"""The short fault soak (tests/soak/soak.py --short, ~15 s) as part of the suite: disconnects, a 10x
 flood, a slow reader and a SIGTERM drain against a MockEngine server in a child process."""
 from __future__ import annotations
 
