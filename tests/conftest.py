@@ -135,9 +135,9 @@ SERIAL_MODULES = ("test_lora_serving", "test_grammar_abuse", "test_trace_server"
 # run ends on short files instead of one worker finishing a long file alone. Other files follow in
 # their usual order.
 SLOWEST_FIRST = ("test_tensor_parallel", "test_data_parallel", "test_device", "test_multihost", "test_q8_matmul",
-                 "test_presets_serve", "test_attention_tpu", "test_f32_stack", "test_q8_matmul_nibbles",
-                 "test_fuzz", "test_architectures_vs_hf", "test_lora_tensor_parallel", "test_groupwise",
-                 "test_unix_socket", "test_default_model", "test_serve_hf_models", "test_tokenizer",
+                 "test_presets_serve", "test_attention_tpu", "test_int8_stack_tpu", "test_f32_stack",
+                 "test_q8_matmul_nibbles", "test_fuzz", "test_architectures_vs_hf", "test_lora_tensor_parallel",
+                 "test_groupwise", "test_unix_socket", "test_default_model", "test_soak", "test_serve_hf_models",
                  "test_int8_engine", "test_speculative_engine", "test_speculative_draft", "test_lora",
                  "test_real_engine")
 

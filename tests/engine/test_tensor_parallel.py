@@ -106,7 +106,7 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
            score: bool = False) -> dict:
     """Greedy tokens and placement per TP degree; "NxM" is replica M-1 of data parallel M at TP=N (the
     last replica: the devices furthest from the single-device run's); with `score`, a prompt's scores (prompt
-    logprobs: the scoring program, LM head over every token)."""
+    logprobs: the scoring program, LM head over every token), taken in the greedy run's prefill step."""
     import jax
     import numpy as np
 
@@ -128,11 +128,11 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
         engine = JaxEngine(cfg, model, EngineConfig(**{**TINY_ENGINE, "quantize": quantize, "tensor_parallel": int(n),
                                                        "kv_cache_dtype": kv_cache_dtype}), precompile=False,
                            devices=devices)
-        tokens = greedy(engine, prompts, STEPS)  # compiles the shapes it uses
+        run = greedy_scoring if score else lambda engine, prompts: (greedy(engine, prompts, STEPS), None)
+        tokens, scores = run(engine, prompts)  # compiles the shapes it uses
         before = engine.compile_count
-        again = greedy(engine, prompts, STEPS)
+        again, _ = run(engine, prompts)
         steady_compiles = engine.compile_count - before
-        scores = _prompt_scores(engine, prompts[2]) if score else None
         report["tp"][tp] = {"scores": scores,
             "tokens": tokens, "again": again, "steady_compiles": steady_compiles,
             "weights": _weights(engine), "cache": {k: _shards(v) for k, v in engine.cache.items()},
@@ -143,16 +143,30 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
     return report
 
 
-def _prompt_scores(engine, prompt: list[int]) -> list[tuple[float, list[int]]]:
-    """One step scoring `prompt` (prompt_logprobs=3): each token's log-probability and the top 3's ids."""
+def greedy_scoring(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple[float, list[int]]]]:
+    """test_kernel_paths.greedy, the last prompt's tokens also scored in the prefill step (prompt_logprobs=3): that
+    step runs the scoring program of its bucket in place of the plain one (one program fewer to compile). The
+    tokens, and each scored token's log-probability with the top 3's ids."""
     from slipstream.engine.api import SlotState, StepBatch, StepSeq
     from slipstream.engine.request import SamplingParams
 
-    engine.insert(0, SlotState(prompt, (), SamplingParams(temperature=0.0, prompt_logprobs=3)))
-    step = engine.launch(StepBatch([StepSeq(0, prompt, 0, [1, 2], True, targets=prompt[1:])]))
-    step.result()
-    engine.free(0)
-    return [(lp.logprob, [i for i, _ in lp.top]) for lp in step.scores()[0]]
+    last = len(prompts) - 1
+    pages = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
+    for slot, prompt in enumerate(prompts):
+        engine.insert(slot, SlotState(prompt, [], SamplingParams(temperature=0.0,
+                                                                 prompt_logprobs=3 if slot == last else None)))
+    step = engine.launch(StepBatch([StepSeq(s, p, 0, pages[s], True, targets=p[1:] if s == last else None)
+                                    for s, p in enumerate(prompts)]))
+    out = [[sampled.token_id] for sampled in step.result()]
+    scores = [(lp.logprob, [i for i, _ in lp.top]) for lp in step.scores()[0]]
+    for _ in range(STEPS - 1):
+        rows = [StepSeq(s, [out[s][-1]], len(prompts[s]) + len(out[s]) - 1, pages[s], True)
+                for s in range(len(prompts))]
+        for s, sampled in enumerate(engine.step(StepBatch(rows))):
+            out[s].append(sampled.token_id)
+    for slot in range(len(prompts)):
+        engine.free(slot)
+    return out, scores
 
 
 def _run(cases: list[dict], kernels: str) -> list[dict]:
