@@ -64,7 +64,7 @@ setup-test:
 serve: setup-serve
 	$(VENV)/bin/slipstream serve --host 127.0.0.1 --port 8000
 
-# The suite includes the short fault soak (tests/server/test_soak.py, ~20 s). It runs on two
+# The suite includes the short fault soak (tests/server/test_soak.py, ~15 s). It runs on two
 # pytest-xdist workers (whole files per worker, the slowest files first: tests/conftest.py's
 # SLOWEST_FIRST), then the `serial` tests alone in one process.
 test: setup-test

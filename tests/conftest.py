@@ -121,7 +121,7 @@ def default_model_path() -> str:
 SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", "test_serve_hf_models",
                 "test_presets_serve", "test_device", "test_soak", "test_fuzz", "test_default_model",
                 "test_unix_socket", "test_chat_page", "test_chat_page_serving", "test_grammar_abuse",
-                "test_real_engine", "test_lora_tensor_parallel")
+                "test_real_engine", "test_lora_tensor_parallel", "test_embeddings_bench")
 
 # Tests that assert the process-wide compile count across a long window, compare one request's latency
 # idle and under load, or hold a fake server's stamps to its schedule within milliseconds: `make test` runs the rest on two pytest-xdist workers, then these alone

@@ -190,26 +190,25 @@ def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_
     assert sorted(engine._extended_exe) == [(t, score, not score) for t in (8, 16, 32) for score in (False, True)]
 
 
-def test_a_process_exits_without_compiling_the_rest_of_the_background_ladder(tiny_llama_dir):
-    """The background compiles are queued on a thread the interpreter joins at exit: a process that ends while they
-    are queued (a drained server) stops after the one in progress instead of compiling the whole ladder (minutes on
-    an accelerator)."""
+def test_a_process_exits_without_running_the_rest_of_the_compile_queue():
+    """The background compiles (engine/device/programs.CompileQueue): a process that ends while they are queued (a
+    drained server) stops after the one in progress instead of running the whole ladder (minutes on an
+    accelerator), and exits cleanly."""
     import subprocess
     import sys
 
-    script = f"""
-import logging, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from slipstream.engine.device.runner import EngineConfig, JaxEngine
-from slipstream.models.loader import load_hf_dir
-from tests.conftest import TINY_ENGINE
-cfg, model = load_hf_dir({tiny_llama_dir!r})
-engine = JaxEngine(cfg, model, EngineConfig(**TINY_ENGINE), precompile=False)
-engine.compile_extended()
-print("queued", len(engine._extended_compiling), flush=True)
+    script = """
+import sys, time
+from slipstream.engine.device.programs import CompileQueue
+def job(i):
+    print("ran", i, file=sys.stderr, flush=True)
+    time.sleep(0.5)
+queue = CompileQueue()
+futures = [queue.submit(job, i) for i in range(10)]
+time.sleep(0.1)  # the first is running
+print("queued", len(futures), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    queued = int(out.stdout.split()[-1])
-    compiled = out.stderr.count("compiled the ")
-    assert queued == 12 and compiled <= 2, (queued, compiled)  # the one running at exit (and one racing it)
+    assert out.stdout.split() == ["queued", "10"]
+    assert out.stderr.count("ran ") == 1, out.stderr  # the one in progress finished; the other nine were dropped
