@@ -102,11 +102,14 @@ class Embedder:
         window = self.service.config.max_choices
         groups = [range(start, min(start + window, len(prompts))) for start in range(0, len(prompts), window)]
         in_flight = asyncio.Semaphore(GROUPS_IN_FLIGHT)
+        first_queued = asyncio.Event()  # the first group is the request's: a full queue refuses it there
 
         async def run(group: range) -> None:
             prepared = Prepared(prompts=[prompts[i] for i in group], params=self._params, id_prefix="embd",
                                 prompt_param="input", lora=lora)
             async with in_flight:
+                if group.start:
+                    await first_queued.wait()
                 while True:
                     try:
                         gen = await self.service.start(lambda: prepared)
@@ -115,6 +118,7 @@ class Embedder:
                         if exc.status != 429 or group.start == 0:
                             raise
                         await asyncio.sleep(QUEUE_RETRY_S)
+                first_queued.set()
                 for delta in await gen.collect():
                     out[group[delta.index]] = delta.embedding
 
