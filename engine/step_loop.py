@@ -194,7 +194,7 @@ class StepLoop:
         return done
 
     def _apply(self, plan: Plan, sampled: list, records: list[Emit], prompt_done: set[Sequence],
-               embedded: set[Sequence] = frozenset()) -> int:
+               embedded: set[Sequence]) -> int:
         """The step ran: hand each sequence's kept samples on (and the prompt scores or the embedding it completed)
         and retire what they finished (returns how many)."""
         finished = kept = 0

@@ -18,6 +18,7 @@ import numpy as np
 
 from slipstream.engine.request import POOLING, SamplingParams
 from slipstream.server.errors import ServiceError
+from slipstream.server.openai_api import as_items, is_single
 from slipstream.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from slipstream.server.service import Prepared, Service
 
@@ -68,13 +69,10 @@ class Embedder:
         if req.dimensions is not None and req.dimensions > self.hidden_size:
             raise ServiceError(400, f"dimensions must be at most the model's {self.hidden_size}, got {req.dimensions}",
                                param="dimensions", code="invalid_value")
-        raw = req.input
-        single = isinstance(raw, str) or bool(raw and isinstance(raw[0], int))  # a text or one prompt's ids
-        items = [raw] if single else list(raw)
-        if not items or not raw:
+        if not req.input:
             raise ServiceError(400, "input must not be empty", param="input", code="invalid_value")
-        prompts = []
-        for i, item in enumerate(items):
+        single, prompts = is_single(req.input), []
+        for i, item in enumerate(as_items(req.input)):
             param = "input" if single else f"input[{i}]"
             ids = service.encode(item, param=param)
             if len(ids) > service.max_seq_len:  # before any is embedded: a bad input fails the request at once

@@ -74,8 +74,17 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
 
 def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
     """A completion request's prompts: its text, texts, ids or lists of ids, as a list."""
-    raw = req.prompt
-    return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+    return as_items(req.prompt)
+
+
+def as_items(raw: str | list) -> list[str | list[int]]:
+    """A text, texts, one prompt's ids or lists of ids (OpenAI's prompt and input fields), as a list of prompts."""
+    return [raw] if is_single(raw) else list(raw)
+
+
+def is_single(raw: str | list) -> bool:
+    """Whether the field holds one prompt (a text or one prompt's ids), not a list of them."""
+    return isinstance(raw, str) or bool(raw and isinstance(raw[0], int))
 
 
 def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
