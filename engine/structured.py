@@ -38,12 +38,23 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 
 @dataclasses.dataclass(frozen=True)
+class Reasoning:
+    """A reasoning model's thinking before a constrained answer: free text between two tokens of the vocabulary
+    (<think> ... </think>), which the grammar lets through before the constraint applies."""
+
+    open_id: int
+    close_id: int
+    inside: bool  # the prompt opened the thinking: the output starts in it and must close it
+
+
+@dataclasses.dataclass(frozen=True)
 class Constraint:
     """What a request asks its output to match, before compilation (the front ends build it)."""
 
     kind: str                 # one of KINDS
     source: Any = None        # schema dict, regex str, list of choices, grammar str; None for json_object
     field: str = "response_format"  # the request field to blame in errors
+    reasoning: Reasoning | None = None  # a thinking model: the constraint applies to the answer after it
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -155,6 +166,23 @@ def _source_text(c: Constraint) -> str:
 
 
 def _grammar_text(c: Constraint) -> str:
+    text = _answer_grammar(c)
+    return text if c.reasoning is None else _after_reasoning(text, c.reasoning)
+
+
+def _after_reasoning(answer: str, r: Reasoning) -> str:
+    """The answer's grammar behind the thinking: `... <close>` first when the prompt opened it, else optionally
+    `<open> ... <close>`, then whitespace. The thinking's text cannot hold the tag tokens (llguidance keeps a
+    regex's text apart from the tokens a grammar names), so the first closing token ends it."""
+    top = json.loads(answer) if answer.lstrip().startswith("{") else {"grammars": [{"lark_grammar": answer}]}
+    body = {**top["grammars"][0], "name": "answer"}
+    closed = f"thinking <[{r.close_id}]> gap"  # the newlines models write before the answer (Qwen3: two)
+    lead = f"start: {closed} @answer\n" if r.inside else f"start: (<[{r.open_id}]> {closed})? @answer\n"
+    head = {"name": "reasoning", "lark_grammar": lead + "thinking: /(.|\\n)*/\ngap: /[ \\t\\r\\n]*/\n"}
+    return json.dumps({**top, "grammars": [head, body, *top["grammars"][1:]]})
+
+
+def _answer_grammar(c: Constraint) -> str:
     if c.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if c.kind == "json_schema":

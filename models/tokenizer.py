@@ -80,11 +80,13 @@ class Tokenizer:
         return self._hf.id_to_token(token_id)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The template's text for `messages`; `variables`: more names the template reads (enable_thinking)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use the completions endpoint")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return self._template.render(**variables, messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None

@@ -212,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.app import create_app, make_server
     from slipstream.server.embeddings import pooling_of
+    from slipstream.server.reasoning import reasoning_format
     from slipstream.server.service import Service, ServiceConfig
 
     started = time.monotonic()
@@ -234,7 +235,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(scheduler, engine, tokenizer,
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
                                     max_requests_per_client=args.max_requests_per_client),
-                      lora=build_registry(args, engine))
+                      lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser))
+    if service.reasoning is not None:
+        log.info("reasoning: chat replies' %s...%s returned as reasoning_content (--reasoning-parser %s)",
+                 service.reasoning.open, service.reasoning.close, args.reasoning_parser)
     pooling = args.pooling if args.pooling != "auto" else pooling_of(path) or "last"
     app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_size,
                      body_timeout_s=args.body_timeout, web_ui=not args.no_web_ui,

@@ -9,6 +9,7 @@ import re
 from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.models.registry import DEFAULT_MODEL, architecture_presets
 from slipstream.server.lora import add_lora_flags
+from slipstream.server.reasoning import PARSERS
 from slipstream.server.settings import flag_env
 from slipstream.server.unix_socket import parse_mode
 
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/v1/embeddings: an input's embedding is its last token's hidden state (last) or the mean "
                             "of its tokens' (mean), after the final norm; auto: what the model directory's "
                             "sentence-transformers config (modules.json) declares, else last")
+    serve.add_argument("--reasoning-parser", default=flag_env("reasoning-parser", "auto"), choices=PARSERS,
+                       help="chat replies' thinking (<think>...</think>) returned apart from the answer, as "
+                            "reasoning_content and reasoning; auto: when the vocabulary has both tags as tokens "
+                            "(Qwen3, QwQ, DeepSeek-R1 distills); deepseek_r1 and qwen3 are names for think")
     serve.add_argument("--shutdown-timeout", type=float, default=float(flag_env("shutdown-timeout", 30)),
                        help="seconds in-flight requests may run after SIGTERM (/ready answers 503 meanwhile)")
     serve.add_argument("--header-timeout", type=float, default=float(flag_env("header-timeout", 10)),

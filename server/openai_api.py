@@ -3,6 +3,7 @@
 chunks. The HTTP routes call these; the transport-neutral service knows nothing of OpenAI."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -11,11 +12,13 @@ from pydantic_core import to_json
 
 from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
+from slipstream.engine.structured import Reasoning
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage, ChatResponseMessage,
                              ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage, valid_unicode)
+from slipstream.server.reasoning import ReasoningStream
 from slipstream.server.service import Generation, Prepared, Service
 from slipstream.server.structured import (Constraint, ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan,
                                           with_tools)
@@ -67,9 +70,29 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
-    params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=constraint)
-    prompt = service.render_chat(with_tools(messages, plan))
+    params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
+    prompt = service.render_chat(with_tools(messages, plan), template_kwargs=template_kwargs(req.chat_template_kwargs))
+    if constraint is not None:
+        # a reasoning model thinks first: the grammar applies to the answer after the thinking
+        fmt = service.reasoning
+        if fmt is not None:
+            constraint = dataclasses.replace(constraint, reasoning=Reasoning(
+                fmt.open_id, fmt.close_id, inside=fmt.starts_inside(prompt)))
+        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
     return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora)
+
+
+# the chat template's own variables, which chat_template_kwargs may not replace
+_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs checked: a name the server sets itself is a 400 naming it."""
+    for name in kwargs or {}:
+        if name in _TEMPLATE_NAMES:
+            raise ServiceError(400, f"chat_template_kwargs.{name} is set by the server and cannot be replaced",
+                               param=f"chat_template_kwargs.{name}", code="invalid_value")
+    return kwargs or {}
 
 
 def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
@@ -125,6 +148,9 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
         entry["name"] = message.name
     if message.tool_calls:
         entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thinking is not None:
+        entry["reasoning_content"] = thinking
     return entry
 
 
@@ -289,6 +315,11 @@ class ChatFormat(_StreamEvents):
         self.top_logprobs = body.top_logprobs or 0
         self.tools = tool_plan(body.tools, body.tool_choice)
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
+        # a reasoning model's choices: whether each starts inside the thinking, and its stream's split
+        self.reasoning, self.include_reasoning = service.reasoning, body.include_reasoning
+        self.inside = [self.reasoning.starts_inside(gen.prompt_ids(i)) for i in range(gen.num_choices)] \
+            if self.reasoning else []
+        self.reasoning_streams = [ReasoningStream(self.reasoning, inside) for inside in self.inside]
 
     def usage(self) -> Usage:
         p, c = self.gen.prompt_tokens, self.gen.completion_tokens
@@ -315,11 +346,19 @@ class ChatFormat(_StreamEvents):
             choices=[self._choice(c) for c in choices])
 
     def _choice(self, c: Delta) -> ChatChoice:
-        content, calls = parse_reply(self.tools, c.text) if self.tools else (c.text, [])
+        text, thinking = c.text, None
+        if self.reasoning:
+            thinking, text = self.reasoning.split(c.text, self.inside[c.index])
+            text = text or None  # all thinking (cut short, or nothing after it): no content, as vLLM
+        content, calls = parse_reply(self.tools, text) if self.tools and text is not None else (text, [])
         reason = _reason(c) or "stop"
         return ChatChoice(index=c.index, message=ChatResponseMessage(
-            content=content, tool_calls=[ToolCall(**call) for call in calls] or None),
+            content=content, tool_calls=[ToolCall(**call) for call in calls] or None, **self._thinking(thinking)),
             logprobs=self.logprobs(c.logprobs), finish_reason="tool_calls" if calls and reason == "stop" else reason)
+
+    def _thinking(self, text: str | None) -> dict[str, str]:
+        """A message's or delta's reasoning fields: under both names, when there is any to return."""
+        return {"reasoning_content": text, "reasoning": text} if text and self.include_reasoning else {}
 
     def opening_chunks(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice with the role and empty content.
@@ -328,23 +367,30 @@ class ChatFormat(_StreamEvents):
                 for i in range(self.gen.num_choices)]
 
     def chunk(self, d: Delta) -> ChatCompletionChunk | None:
-        text, calls, reason = d.text, None, _reason(d)
+        text, calls, reason, thinking = d.text, None, _reason(d), ""
+        if self.reasoning_streams:
+            split = self.reasoning_streams[d.index]
+            thinking, text = split.feed(d.text)
+            if d.finish_reason is not None:
+                more, tail = split.finish()
+                thinking, text = thinking + more, text + tail
         if self.tools:
             stream = self.tool_streams[d.index]
-            text, deltas = stream.feed(d.text)
+            text, deltas = stream.feed(text)
             if d.finish_reason is not None:
                 tail, more = stream.finish()
                 text, deltas = text + tail, deltas + more
                 reason = "tool_calls" if stream.calls and reason == "stop" else reason
             calls = [ToolCallDelta(**c) for c in deltas] or None
-        if not text and not calls and not d.logprobs and d.finish_reason is None:
+        fields = self._thinking(thinking)
+        if not text and not calls and not fields and not d.logprobs and d.finish_reason is None:
             return None
-        delta = ChatDelta(content=text or None, tool_calls=calls)
+        delta = ChatDelta(content=text or None, tool_calls=calls, **fields)
         return self._chunk([ChatChunkChoice(index=d.index, delta=delta, logprobs=self.logprobs(d.logprobs),
                                             finish_reason=reason)])
 
     def _direct(self, d: Delta) -> bytes | None:
-        if self.tools or d.logprobs is not None:
+        if self.tools or self.reasoning or d.logprobs is not None:
             return None
         return b',"delta":' + (b'{"content":' + to_json(d.text) + b"}" if d.text else b"{}")
 

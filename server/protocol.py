@@ -98,6 +98,9 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None                 # a tool turn: which call it answers
+    # an assistant turn's thinking, as this server returned it (templates such as Qwen3's read reasoning_content)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -108,6 +111,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false}), and whether a
+    # reasoning model's thinking is returned
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -187,6 +194,9 @@ class ToolCallDelta(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # a reasoning model's thinking under both names clients read (server/reasoning.py); absent otherwise
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -215,6 +225,8 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

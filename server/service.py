@@ -20,6 +20,7 @@ from slipstream.engine.request import MAX_LOGIT_BIAS, FinishReason, Request, Sam
 from slipstream.engine.scheduler import RequestStream, Scheduler
 from slipstream.server.errors import ServiceError, parse_input, service_error
 from slipstream.server.metrics import ResponseCounts
+from slipstream.server.reasoning import ReasoningFormat
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,9 @@ class Service:
     """Holds the scheduler, tokenizer and limits; turns prepared requests into Generations."""
 
     def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig,
-                 lora: LoraRegistry | None = None) -> None:
+                 lora: LoraRegistry | None = None, reasoning: ReasoningFormat | None = None) -> None:
         self.scheduler = scheduler
+        self.reasoning = reasoning  # how chat replies' thinking is told from their answer (None: it is not)
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -258,10 +260,12 @@ class Service:
             raise ServiceError(400, f"{param} must not be empty", param=param, code="invalid_value")
         return ids
 
-    def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages") -> list[int]:
-        """Apply the model's chat template (with the assistant turn opened) and tokenize."""
+    def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages",
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Apply the model's chat template (with the assistant turn opened; `template_kwargs`: more variables
+        for it, such as Qwen3's enable_thinking) and tokenize."""
         try:
-            text = parse_input(param, "chat template input", self._render, messages)
+            text = parse_input(param, "chat template input", self._render, messages, template_kwargs or {})
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. a template demanding alternating roles
             log.info("chat template rejected a request: %s", exc)
             raise ServiceError(400, "the model's chat template rejected these messages (check the order of roles)",
@@ -269,8 +273,8 @@ class Service:
         # The template already carries BOS and friends; adding them again would double them.
         return self.encode(text, add_special_tokens=False, param=param)
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
     def sampling_params(self, *, param_names: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
         """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""

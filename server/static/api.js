@@ -32,8 +32,9 @@ export async function listModels(apiKey) {
   return (await response.json()).data.map((m) => m.id);
 }
 
-// Streams one reply; onDelta(text) per content piece, onUsage(usage) once at the end.
-export async function streamChat(body, { apiKey, signal, onDelta, onUsage }) {
+// Streams one reply; onDelta(text) per content piece, onThinking(text) per piece of a reasoning model's
+// thinking, onUsage(usage) once at the end.
+export async function streamChat(body, { apiKey, signal, onDelta, onThinking, onUsage }) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST",
     headers: headers(apiKey),
@@ -60,6 +61,7 @@ export async function streamChat(body, { apiKey, signal, onDelta, onUsage }) {
         if (chunk.error) throw new HttpError(chunk.error.code || 500, chunk.error.message || "stream failed");
         if (chunk.usage) onUsage(chunk.usage);
         for (const choice of chunk.choices || []) {
+          if (choice.delta && choice.delta.reasoning_content) onThinking(choice.delta.reasoning_content);
           if (choice.delta && choice.delta.content) onDelta(choice.delta.content);
           if (choice.finish_reason) finish = choice.finish_reason;
         }

@@ -43,6 +43,18 @@ function messageNode(message) {
   const who = document.createElement("div");
   who.className = "who";
   who.textContent = message.role === "user" ? "You" : "Assistant";
+  if (message.thinking) {  // a reasoning model's thinking, folded away above its answer
+    const details = document.createElement("details");
+    details.className = "thinking";
+    const summary = document.createElement("summary");
+    summary.textContent = message.content ? "Thought" : "Thinking…";
+    const text = document.createElement("div");
+    text.textContent = message.thinking;
+    details.append(summary, text);
+    details.open = !!message.showThinking;  // kept open across the re-renders of a streaming reply
+    details.addEventListener("toggle", () => { message.showThinking = details.open; });
+    li.append(details);
+  }
   const body = document.createElement("div");
   body.className = "content";
   if (message.role === "assistant") body.append(renderMarkdown(message.content));
@@ -50,7 +62,8 @@ function messageNode(message) {
   const meta = document.createElement("div");
   meta.className = "stats";
   meta.textContent = stats(message);
-  li.append(who, body, meta);
+  li.prepend(who);
+  li.append(body, meta);
   return li;
 }
 
@@ -115,20 +128,22 @@ async function generate() {
   const started = performance.now();
   let first = null;
   let pieces = 0;
+  const piece = (add) => {  // a streamed piece of the answer or of the thinking: both count as output
+    const now = performance.now();
+    if (first === null) first = now;
+    pieces += 1;
+    add();
+    reply.stats.ttft = (first - started) / 1000;
+    reply.stats.tokens = pieces;
+    if (now > first) reply.stats.tps = (pieces - 1) / ((now - first) / 1000);
+    update(index);
+  };
   const apiKey = sessionStorage.getItem(KEY);
   try {
     await streamChat({ ...params(), messages: history }, {
       apiKey, signal: controller.signal,
-      onDelta: (text) => {
-        const now = performance.now();
-        if (first === null) first = now;
-        pieces += 1;
-        reply.content += text;
-        reply.stats.ttft = (first - started) / 1000;
-        reply.stats.tokens = pieces;
-        if (now > first) reply.stats.tps = (pieces - 1) / ((now - first) / 1000);
-        update(index);
-      },
+      onDelta: (text) => piece(() => { reply.content += text; }),
+      onThinking: (text) => piece(() => { reply.thinking = (reply.thinking || "") + text; }),
       onUsage: (usage) => {
         // the server's own count: a streamed piece may hold more than one token
         reply.stats.tokens = usage.completion_tokens;

@@ -314,3 +314,55 @@ def test_a_refused_token_leaves_only_eos(compiler, tokenizer):
     assert not matcher.advance(tokenizer.encode("no", add_special_tokens=False)[0])
     assert matcher.error is not None and not matcher.advance(EOS)
     assert _allowed(MaskFiller(VOCAB, {EOS}).fill([matcher], 1)[0]) == {EOS}
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(tokenizer):
+    """SmolLM2's tokenizer plus <think> and </think> as plain added tokens, as Qwen3's holds them."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+    from slipstream.models.tokenizer import Tokenizer
+
+    hf = HFTokenizer.from_str(tokenizer._hf.to_str())
+    hf.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<think>", "</think>")])
+    return Tokenizer(hf, bos_token=None, eos_token=None, add_bos=False, chat_template=None)
+
+
+@pytest.mark.parametrize("kind, source, answer", [
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 12}'),
+    ("regex", r"[0-9]+ apples", "12 apples"),
+    ("choice", ["yes", "no"], "no"),
+    ("grammar", 'start: "A" | "B" "C"', "BC")])
+def test_a_thinking_models_grammar_lets_the_thinking_through_then_constrains_the_answer(tokenizer, think_tokenizer,
+                                                                                     kind, source, answer):
+    from slipstream.engine.structured import Reasoning
+    from slipstream.server.reasoning import reasoning_format
+
+    assert reasoning_format(tokenizer, "auto") is None  # SmolLM2's own: "<think>" is several tokens there
+    fmt = reasoning_format(think_tokenizer, "auto")
+    assert fmt is not None and (fmt.open_id, fmt.close_id) == (VOCAB, VOCAB + 1)
+    vocab = VOCAB + 2
+    compiler = GrammarCompiler(think_tokenizer, vocab, {EOS})
+    filler = MaskFiller(vocab, {EOS})
+    ids = lambda text: think_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def run(inside: bool, text: str) -> tuple[bool, "Matcher"]:
+        matcher = compiler.compile(Constraint(kind, source, reasoning=Reasoning(fmt.open_id, fmt.close_id, inside))).matcher()
+        return all(matcher.advance(t) for t in ids(text)), matcher
+
+    thinking = "<think>\nIs it {x}? 7 < 8, so... no.\n</think>\n\n"
+    for inside, text in [(False, thinking + answer), (False, answer), (True, thinking[7:] + answer)]:
+        ok, matcher = run(inside, text)
+        assert ok and matcher.done, (inside, text)
+    # while thinking, anything but the tags' own order and EOS goes
+    ok, matcher = run(False, "<think>Anything {[ goes")
+    allowed = _allowed(filler.fill([matcher], 1)[0])
+    assert ok and fmt.close_id in allowed and fmt.open_id not in allowed and EOS not in allowed
+    assert set(ids(" here")) <= allowed
+    # after the thinking, and with no thinking, the constraint holds
+    for text in (thinking + "Hmm", "Hmm"):
+        ok, matcher = run(False, text)
+        assert not ok, text
+    ok, matcher = run(True, "")
+    first = _allowed(filler.fill([matcher], 1)[0])
+    assert fmt.open_id not in first and fmt.close_id in first  # the prompt opened it: close it, don't reopen

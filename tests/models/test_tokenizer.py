@@ -68,6 +68,21 @@ def test_chat_template_sandbox_blocks_attribute_escape():
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_chat_template_reads_the_variables_a_request_passes():
+    """chat_template_kwargs reach the template as variables (Qwen3's enable_thinking), beside its own."""
+    from tokenizers import Tokenizer as HF, models
+
+    from slipstream.models.tokenizer import Tokenizer
+
+    template = ("{{ messages[0].content }}|{% if enable_thinking is defined and not enable_thinking %}"
+                "<think></think>{% else %}think{% endif %}|{{ add_generation_prompt }}")
+    tok = Tokenizer(HF(models.BPE()), bos_token=None, eos_token=None, add_bos=False, chat_template=template)
+    messages = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(messages) == "x|think|True"
+    assert tok.apply_chat_template(messages, enable_thinking=False) == "x|<think></think>|True"
+    assert tok.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=True) == "x|think|False"
+
+
 def test_incremental_detokenizer_never_splits_utf8(tokenizers):
     ours, _ = tokenizers
     text = "Ünïcödé 😀 and 中文 with emoji 🎉👩‍👩‍👧 done."

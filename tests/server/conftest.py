@@ -21,6 +21,7 @@ from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import SlipstreamServer, create_app, make_server
+from slipstream.server.reasoning import reasoning_format
 from slipstream.server.service import Service, ServiceConfig
 
 MODEL = "mock-model"
@@ -131,19 +132,22 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
                max_queue: int = 256, shutdown_timeout_s: float = 5.0, exit_on_engine_failure: bool = True,
                body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
                service_config: dict[str, Any] | None = None, replicas: int = 1, uds: str | None = None,
-               uds_mode: int = 0o600, pooling: str = "last", **engine_kwargs: Any) -> LiveServer:
+               uds_mode: int = 0o600, pooling: str = "last", tokenizer: Any = None,
+               reasoning_parser: str = "auto", **engine_kwargs: Any) -> LiveServer:
     """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers.
-    `uds`: serve on this unix socket path (as `serve --uds`) instead of a loopback port."""
-    engine_kwargs = {"vocab_size": ByteTokenizer.vocab_size, "eos_token_ids": frozenset({EOS}),
+    `uds`: serve on this unix socket path (as `serve --uds`) instead of a loopback port.
+    `tokenizer`: another than ByteTokenizer (the engine then takes its vocabulary and EOS)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    engine_kwargs = {"vocab_size": tokenizer.vocab_size, "eos_token_ids": frozenset(tokenizer.eos_token_ids),
                      "max_seq_len": 128, "max_slots": 4, "num_pages": 128, **engine_kwargs}
     engines = [MockEngine(**engine_kwargs) for _ in range(replicas)]
     engine = engines[0]
-    tokenizer = ByteTokenizer()
     schedulers = [Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig(max_queue=max_queue)) for e in engines]
     scheduler = schedulers[0] if replicas == 1 else ReplicaSet(schedulers)
     if start:
         scheduler.start()
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})),
+                      reasoning=reasoning_format(tokenizer, reasoning_parser))
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                      pooling=pooling)
     url, server, thread = run_http(app, shutdown_timeout_s=shutdown_timeout_s,

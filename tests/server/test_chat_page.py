@@ -64,6 +64,25 @@ def test_stop_aborts_the_request_and_the_server_frees_the_slot(browser: Browser,
     assert slow.engine.occupied_slots == []
 
 
+def test_a_reasoning_models_thinking_streams_into_a_fold_above_its_answer(browser: Browser, make_live) -> None:
+    from tests.server.test_reasoning import ThinkTokenizer
+
+    live = make_live(tokenizer=ThinkTokenizer(), step_sleep_s=STEP_S)
+    page = open_chat(browser, live.url)
+    send(page, "What is 2+2?")
+    thinking = "document.querySelector('#messages li.assistant details.thinking')"
+    page.wait(f"!!{thinking}")  # the fold appears while the model still thinks
+    page.wait(DONE)
+    assert page.eval(f"document.querySelector('{REPLY}').textContent") == "The answer is 4."
+    assert page.eval(f"{thinking}.querySelector('summary').textContent") == "Thought"
+    assert page.eval(f"{thinking}.lastChild.textContent") == "Let me see."
+    assert page.eval(f"{thinking}.open") is False
+    page.click("#messages li.assistant details.thinking summary")
+    page.wait(f"{thinking}.open")
+    stats = page.eval("document.querySelector('#messages li.assistant .stats').textContent")
+    assert "8 tokens" in stats  # the thinking's tokens count as output
+
+
 def test_markdown_renders_and_html_in_model_output_stays_text(browser: Browser, scripted: LiveServer) -> None:
     page = open_chat(browser, scripted.url, max_tokens=400)
     send(page, "show me")

@@ -17,7 +17,7 @@ REASONS = [None, FinishReason.STOP, FinishReason.LENGTH]
 
 
 def _service():
-    return types.SimpleNamespace(model_name="served-model", token_text=lambda token_id: f"<{token_id}>")
+    return types.SimpleNamespace(model_name="served-model", reasoning=None, token_text=lambda token_id: f"<{token_id}>")
 
 
 def _gen(choices: int = 4):
