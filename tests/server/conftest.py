@@ -50,10 +50,13 @@ class ByteTokenizer:
                 continue
             out.append(raw.decode(errors="replace"))
             raw.clear()
-            if not skip_special_tokens:
-                out.append("<s>" if i == BOS else "</s>")
+            out.append(self.special_text(i, skip_special_tokens))
         out.append(raw.decode(errors="replace"))
         return "".join(out)
+
+    def special_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        """The text of an id past the bytes."""
+        return "" if skip_special_tokens else "<s>" if token_id == BOS else "</s>"
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)

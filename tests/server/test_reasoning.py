@@ -52,18 +52,8 @@ class ThinkTokenizer(ByteTokenizer):
                 i += 1
         return ids
 
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        out, raw = [], bytearray()
-        for i in ids:
-            if i < 256:
-                raw.append(i)
-                continue
-            out.append(raw.decode(errors="replace"))
-            raw.clear()
-            if i in PIECES:
-                out.append(PIECES[i])
-        out.append(raw.decode(errors="replace"))
-        return "".join(out)
+    def special_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        return PIECES.get(token_id, "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                             **variables: Any) -> str:
