@@ -18,7 +18,7 @@ import numpy as np
 
 from slipstream.engine.request import POOLING, SamplingParams
 from slipstream.server.errors import ServiceError
-from slipstream.server.openai_api import as_items, is_single
+from slipstream.server.openai_api import as_items, is_single, prompt_tokens_kept, truncated
 from slipstream.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from slipstream.server.service import Prepared, Service
 
@@ -72,9 +72,10 @@ class Embedder:
         if not req.input:
             raise ServiceError(400, "input must not be empty", param="input", code="invalid_value")
         single, prompts = is_single(req.input), []
+        keep = prompt_tokens_kept(service, req.truncate_prompt_tokens)
         for i, item in enumerate(as_items(req.input)):
             param = "input" if single else f"input[{i}]"
-            ids = service.encode(item, param=param)
+            ids = truncated(service.encode(item, param=param), keep)
             if len(ids) > service.max_seq_len:  # before any is embedded: a bad input fails the request at once
                 raise ServiceError(400, f"{param} is {len(ids)} tokens; this server's context is {service.max_seq_len} "
                                    "tokens", param=param, code="context_length_exceeded")

@@ -20,8 +20,8 @@ from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
                              CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage, valid_unicode)
 from slipstream.server.reasoning import ReasoningStream
 from slipstream.server.service import Generation, Prepared, Service
-from slipstream.server.structured import (Constraint, ToolStream, compile_constraint, parse_reply, request_constraint, tool_plan,
-                                          with_tools)
+from slipstream.server.structured import (Constraint, ToolStream, compile_constraint, parse_reply, request_constraint,
+                                          tool_plan, with_tools)
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -42,10 +42,14 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     if max_tokens == 0 and not req.echo:
         raise ServiceError(400, "max_tokens must be at least 1 (0, the prompt alone, needs echo)", param="max_tokens",
                            code="invalid_value")
+    if req.echo and req.truncate_prompt_tokens is not None:
+        raise ServiceError(400, "truncate_prompt_tokens cannot be used with echo (the echoed prompt would not be the "
+                           "one that ran)", param="truncate_prompt_tokens", code="unsupported")
+    keep = prompt_tokens_kept(service, req.truncate_prompt_tokens)
     # echo with logprobs: the prompt's tokens get theirs too, computed (never from the prefix cache)
     params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=request_constraint(req),
                      prompt_logprobs=req.logprobs if req.echo else None)
-    prompts = [service.encode(item) for item in items]
+    prompts = [truncated(service.encode(item), keep) for item in items]
     return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora)
 
 
@@ -63,6 +67,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     if req.top_logprobs is not None and not req.logprobs:
         raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     service.check_choices(1, req.n, "messages")
+    keep = prompt_tokens_kept(service, req.truncate_prompt_tokens)
     messages = chat_messages(req.messages)
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
@@ -71,7 +76,8 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
-    prompt = service.render_chat(with_tools(messages, plan), template_kwargs=template_kwargs(req.chat_template_kwargs))
+    prompt = truncated(service.render_chat(with_tools(messages, plan),
+                                           template_kwargs=template_kwargs(req.chat_template_kwargs)), keep)
     if constraint is not None:
         # a reasoning model thinks first: the grammar applies to the answer after the thinking
         fmt = service.reasoning
@@ -93,6 +99,22 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
             raise ServiceError(400, f"chat_template_kwargs.{name} is set by the server and cannot be replaced",
                                param=f"chat_template_kwargs.{name}", code="invalid_value")
     return kwargs or {}
+
+
+def prompt_tokens_kept(service: Service, k: int | None) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: the context), None to keep them all;
+    a 400 naming the field for 0 or more than the context."""
+    if k is None:
+        return None
+    if k == 0 or k > service.max_seq_len:
+        raise ServiceError(400, f"truncate_prompt_tokens must be -1 (the context) or 1 .. {service.max_seq_len} (this "
+                           f"server's context), got {k}", param="truncate_prompt_tokens", code="invalid_value")
+    return service.max_seq_len if k == -1 else k
+
+
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens: the start is dropped)."""
+    return ids if keep is None else ids[-keep:]
 
 
 def prompt_items(req: CompletionRequest) -> list[str | list[int]]:

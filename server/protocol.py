@@ -58,6 +58,7 @@ class _SamplingRequest(_Request):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)  # keep the prompt's last k (-1: the context)
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
     # client relying on them gets a 400 instead of a silently different answer.
     logit_bias: dict[str, float] | None = None
@@ -316,6 +317,7 @@ class EmbeddingRequest(_Request):
     dimensions: int | None = Field(None, ge=1)  # the first this many (re-normalized); at most the model's width
     user: Text | None = None
     normalize: bool = True  # extension (vLLM's): False returns the pooled hidden state as it is
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)  # each input's last k (-1: the context)
 
 
 class Embedding(BaseModel):

@@ -347,7 +347,8 @@ def test_a_thinking_models_grammar_lets_the_thinking_through_then_constrains_the
     ids = lambda text: think_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
 
     def run(inside: bool, text: str) -> tuple[bool, "Matcher"]:
-        matcher = compiler.compile(Constraint(kind, source, reasoning=Reasoning(fmt.open_id, fmt.close_id, inside))).matcher()
+        thinking = Reasoning(fmt.open_id, fmt.close_id, inside)
+        matcher = compiler.compile(Constraint(kind, source, reasoning=thinking)).matcher()
         return all(matcher.advance(t) for t in ids(text)), matcher
 
     thinking = "<think>\nIs it {x}? 7 < 8, so... no.\n</think>\n\n"

@@ -125,3 +125,20 @@ def test_pooling_of_refuses_a_pooling_it_does_not_make(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     with pytest.raises(ValueError, match="1_Pooling/config.json.*--pooling"):
         pooling_of(str(tmp_path))
+
+
+def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens(live):
+    """vLLM's truncate_prompt_tokens: the last k tokens of each input run (positions from 0), -1 the context's worth,
+    so an input longer than the context is embedded instead of refused."""
+    with live.http() as http:
+        r = http.post("/v1/embeddings", json={"input": ["abcdef", "xy"], "truncate_prompt_tokens": 3})
+        assert r.status_code == 200, r.text
+        rows = {"abcdef": [(100, 0), (101, 1), (102, 2)], "xy": [(BOS, 0), (120, 1), (121, 2)]}
+        for d, text in zip(r.json()["data"], ["abcdef", "xy"]):
+            np.testing.assert_allclose(d["embedding"], unit(np.array([*rows[text][-1], 1.0])), rtol=1e-6)
+        assert r.json()["usage"]["prompt_tokens"] == 6
+        long = http.post("/v1/embeddings", json={"input": "y" * 200, "truncate_prompt_tokens": -1})
+        assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 128
+        for k in (0, 129, -2):
+            bad = http.post("/v1/embeddings", json={"input": "abc", "truncate_prompt_tokens": k})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", (k, bad.text)

@@ -132,6 +132,25 @@ def test_chat_streaming_n2(live: LiveServer) -> None:
     assert finished == {0, 1}
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(live: LiveServer) -> None:
+    """vLLM's truncate_prompt_tokens drops a prompt's start, so a prompt longer than the context still runs."""
+    client = live.client()
+    out = client.completions.create(model=MODEL, prompt="y" * 200, max_tokens=3,
+                                    extra_body={"truncate_prompt_tokens": 100})
+    assert out.usage.prompt_tokens == 100 and out.choices[0].text == "z{|"
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                         extra_body={"truncate_prompt_tokens": 4})
+    assert out.usage.prompt_tokens == 4 and out.choices[0].message.content == "?@"  # "ant>" still ends in ">"
+    with live.http() as http:
+        for body in ({"prompt": "y" * 200, "max_tokens": 3},  # untruncated: too long
+                     {"prompt": "abc", "truncate_prompt_tokens": 0},
+                     {"prompt": "abc", "echo": True, "truncate_prompt_tokens": 2}):
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == ("prompt" if "truncate_prompt_tokens" not in body
+                                                  else "truncate_prompt_tokens"), r.text
+
+
 def test_models_lists_the_served_model(live: LiveServer) -> None:
     client = live.client()
     assert [m.id for m in client.models.list()] == [MODEL]
