@@ -59,9 +59,12 @@ class StepPlanner:
         self._epoch += 1
 
     def admit(self) -> Admission:
-        """Move waiting sequences to running while slots and pages allow (priority, then FCFS)."""
+        """Move waiting sequences to running while slots and pages allow (priority, then FCFS). One more urgent
+        than a running sequence preempts the least urgent (Sequence.victim_key) for its slot or pages."""
         admitted: list[Sequence] = []
         rejected: list[tuple[Sequence, str]] = []
+        preempted: list[Sequence] = []
+        freed: list[int] = []
         if not self.waiting or self.running and self._blocked_epoch == self._epoch:
             return Admission(admitted, rejected)  # none waits, or nothing changed since the head last waited
         # First pages of prompts whose new pages are still being prefilled: n > 1 siblings (or
@@ -70,7 +73,7 @@ class StepPlanner:
         prefilling = {self._new_head(r) for r in self.running if r.prefilling}
         lora_blocked = False  # a request waits for a LoRA slot: no later one may take or hold one
         i = 0
-        while i < len(self.waiting) and self.free_slots:
+        while i < len(self.waiting):
             seq = self.waiting[i]
             if seq.in_flight:  # preempted with a sample still in flight: once it is back
                 i += 1
@@ -81,6 +84,8 @@ class StepPlanner:
             if head and head in prefilling:
                 i += 1
                 continue
+            if not self.free_slots and not self._preempt_for(seq, preempted, freed):
+                break
             adapter = seq.request.lora
             if adapter is not None:
                 if not self.lora.max_loras:
@@ -97,7 +102,10 @@ class StepPlanner:
                     continue
             # One page of headroom per running sequence, so admitting does not immediately
             # force a preemption (and a wasted prefill) at the next page boundary.
-            if not self.blocks.admit(seq, reserve=len(self.running)):
+            fits = self.blocks.admit(seq, reserve=len(self.running))
+            while not fits and self._preempt_for(seq, preempted, freed):
+                fits = self.blocks.admit(seq, reserve=len(self.running))
+            if not fits:
                 if seq.lora_slot:
                     self.lora.release(seq.lora_slot)
                     seq.lora_slot = 0
@@ -118,7 +126,19 @@ class StepPlanner:
             self.running.append(seq)
             admitted.append(seq)
             prefilling.add(self._new_head(seq))
-        return Admission(admitted, rejected)
+        return Admission(admitted, rejected, preempted, freed)
+
+    def _preempt_for(self, seq: Sequence, preempted: list[Sequence], freed: list[int]) -> bool:
+        """Preempt the least urgent running sequence if `seq` is more urgent (a lower priority value); whether
+        it did. The victim waits behind `seq` (Sequence.queue_key)."""
+        victim = max(self.running, key=Sequence.victim_key, default=None)
+        if victim is None or victim.request.priority <= seq.request.priority:
+            return False
+        preempted.append(victim)
+        slot = self.preempt(victim)
+        if slot is not None:
+            freed.append(slot)
+        return True
 
     def plan(self) -> Plan:
         """This step's chunks within the token budget; grows pages, preempting the newest
@@ -139,7 +159,7 @@ class StepPlanner:
         def grow(seq: Sequence, num_tokens: int) -> bool:
             nonlocal used
             while not self.blocks.grow(seq, num_tokens):
-                victim = max(self.running, key=lambda s: s.admit_seq)
+                victim = max(self.running, key=Sequence.victim_key)
                 chunks[:] = [c for c in chunks if c.seq is not victim]
                 used = sum(c.length for c in chunks)
                 preempted.append(victim)

@@ -174,9 +174,14 @@ class Sequence:
         return (*prompt[start:], *self.output_ids[:end - len(prompt)])
 
     def queue_key(self) -> tuple[int, int, int]:
-        # Preempted sequences go before everything else: they already hold delivered tokens,
-        # and letting new arrivals overtake them could starve them.
-        return (0 if self.preempted else 1, self.request.priority, self.order)
+        # By priority; within one, preempted sequences first: they already hold delivered tokens, and
+        # letting new arrivals overtake them could starve them. (A sequence preempted for a more urgent
+        # one must not go back before it.)
+        return (self.request.priority, 0 if self.preempted else 1, self.order)
+
+    def victim_key(self) -> tuple[int, int]:
+        """Running sequences with the largest key are preempted first: the least urgent, the newest admitted."""
+        return (self.request.priority, self.admit_seq)
 
     def first_page(self, page_size: int) -> tuple:
         """Its prefix-cache salt and the tokens of its first cacheable page (() if none): what n > 1

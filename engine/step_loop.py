@@ -148,6 +148,9 @@ class StepLoop:
 
     def _admit(self, records: list[Emit]) -> list[Sequence]:
         admission = self._planner.admit()
+        self._unbind.extend(admission.freed_slots)  # unbound before the admitted are inserted
+        if admission.preempted:
+            self._totals.add(preemptions=len(admission.preempted))
         for seq, error in admission.rejected:
             self._forget(seq)
             records.append(Emit(seq.order, finish_reason=FinishReason.ERROR, error=error))

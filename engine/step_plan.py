@@ -80,3 +80,5 @@ class Plan:
 class Admission:
     admitted: list[Sequence]            # now running, with a slot and pages; to insert
     rejected: list[tuple[Sequence, str]]  # can never fit in the KV cache: fail with this error
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)  # less urgent, for an admitted one
+    freed_slots: list[int] = dataclasses.field(default_factory=list)     # engine slots they were bound to

@@ -234,7 +234,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if named else os.path.basename(os.path.normpath(args.model)))
     service = Service(scheduler, engine, tokenizer,
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
-                                    max_requests_per_client=args.max_requests_per_client),
+                                    max_requests_per_client=args.max_requests_per_client,
+                                    priority_scheduling=args.scheduling_policy == "priority"),
                       lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser))
     if service.reasoning is not None:
         log.info("reasoning: chat replies' %s...%s returned as reasoning_content (--reasoning-parser %s)",

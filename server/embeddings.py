@@ -66,6 +66,7 @@ class Embedder:
         """(the LoRA adapter `model` names, each input's token ids): validated and tokenized, off the event loop."""
         service = self.service
         lora = service.check_model(req.model)
+        service.check_priority(req.priority)
         if req.dimensions is not None and req.dimensions > self.hidden_size:
             raise ServiceError(400, f"dimensions must be at most the model's {self.hidden_size}, got {req.dimensions}",
                                param="dimensions", code="invalid_value")
@@ -88,7 +89,7 @@ class Embedder:
         lora, prompts = await asyncio.to_thread(self.prepare, req)
         release = self.service.hold_client_place(client)
         try:
-            vectors = await self._embed_all(prompts, lora)
+            vectors = await self._embed_all(prompts, lora, req.priority)
         finally:
             release()
         data = [Embedding(index=i, embedding=self._encode(v, req)) for i, v in enumerate(vectors)]
@@ -96,7 +97,7 @@ class Embedder:
         return EmbeddingResponse(data=data, model=req.model or self.service.model_name,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
-    async def _embed_all(self, prompts: list[list[int]], lora: Any) -> list[np.ndarray]:
+    async def _embed_all(self, prompts: list[list[int]], lora: Any, priority: int) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(prompts)
         window = self.service.config.max_choices
         groups = [range(start, min(start + window, len(prompts))) for start in range(0, len(prompts), window)]
@@ -105,7 +106,7 @@ class Embedder:
 
         async def run(group: range) -> None:
             prepared = Prepared(prompts=[prompts[i] for i in group], params=self._params, id_prefix="embd",
-                                prompt_param="input", lora=lora)
+                                prompt_param="input", lora=lora, priority=priority)
             async with in_flight:
                 if group.start:
                     await first_queued.wait()

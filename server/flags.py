@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/v1/embeddings: an input's embedding is its last token's hidden state (last) or the mean "
                             "of its tokens' (mean), after the final norm; auto: what the model directory's "
                             "sentence-transformers config (modules.json) declares, else last")
+    serve.add_argument("--scheduling-policy", default=flag_env("scheduling-policy", "fcfs"),
+                       choices=["fcfs", "priority"],
+                       help="priority: requests may carry a `priority` (lower first; a more urgent request preempts the "
+                            "least urgent running one when slots or KV pages run out); fcfs: first come, first served, "
+                            "and a request's priority other than 0 is a 400")
     serve.add_argument("--reasoning-parser", default=flag_env("reasoning-parser", "auto"), choices=PARSERS,
                        help="chat replies' thinking (<think>...</think>) returned apart from the answer, as "
                             "reasoning_content and reasoning; auto: when the vocabulary has both tags as tokens "

@@ -71,7 +71,8 @@ class _StatsCollector(Collector):
                       lambda s: s.prefix_hits)
         yield counter("slipstream_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                       lambda s: s.prefix_hit_tokens)
-        yield counter("slipstream_preemptions", "Requests preempted for lack of KV pages.", lambda s: s.preemptions)
+        yield counter("slipstream_preemptions", "Requests preempted for lack of KV pages, or for a more urgent request.",
+                      lambda s: s.preemptions)
         rejections = CounterMetricFamily("slipstream_rejections", "Requests refused at submission.",
                                          labels=["replica", "reason"])
         for i, s in replicas:

@@ -29,6 +29,7 @@ from slipstream.server.structured import (Constraint, ToolStream, compile_constr
 def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
     lora = service.check_model(req.model)
+    priority = service.check_priority(req.priority)
     _reject_unsupported(req.suffix, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
@@ -50,12 +51,13 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     params = _params(service, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=request_constraint(req),
                      prompt_logprobs=req.logprobs if req.echo else None)
     prompts = [truncated(service.encode(item), keep) for item in items]
-    return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora)
+    return Prepared(prompts=prompts, params=params, id_prefix="cmpl", lora=lora, priority=priority)
 
 
 def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
     lora = service.check_model(req.model)
+    priority = service.check_priority(req.priority)
     plan = tool_plan(req.tools, req.tool_choice)
     constraint = request_constraint(req)
     forced = parse_input("tools", "tool definitions", plan.constraint) if plan is not None else None
@@ -85,7 +87,8 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
             constraint = dataclasses.replace(constraint, reasoning=Reasoning(
                 fmt.open_id, fmt.close_id, inside=fmt.starts_inside(prompt)))
         params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
-    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora)
+    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora,
+                    priority=priority)
 
 
 # the chat template's own variables, which chat_template_kwargs may not replace

@@ -59,6 +59,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)  # keep the prompt's last k (-1: the context)
+    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # vLLM's: lower runs first (--scheduling-policy priority)
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
     # client relying on them gets a 400 instead of a silently different answer.
     logit_bias: dict[str, float] | None = None
@@ -318,6 +319,7 @@ class EmbeddingRequest(_Request):
     user: Text | None = None
     normalize: bool = True  # extension (vLLM's): False returns the pooled hidden state as it is
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)  # each input's last k (-1: the context)
+    priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)
 
 
 class Embedding(BaseModel):

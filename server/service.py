@@ -31,6 +31,7 @@ class ServiceConfig:
     max_choices: int = 64            # prompts x n per request; more would let one request fill the queue
     max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of one text prompt: tokenization is bounded before it starts
     max_requests_per_client: int = 0  # queued + running API requests per client (429 beyond); 0: no limit
+    priority_scheduling: bool = False  # requests may carry a priority (--scheduling-policy priority)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -51,6 +52,7 @@ class Prepared:
     id_prefix: str = "cmpl"        # response id prefix: cmpl / chatcmpl / decode
     prompt_param: str = "prompt"   # the API field a too-long prompt is blamed on
     lora: Any = None               # the LoRA adapter the request's model names (None: the base model)
+    priority: int = 0              # lower runs first, and preempts running requests of a higher value
 
 
 class Generation:
@@ -342,6 +344,14 @@ class Service:
             release()
             raise
 
+    def check_priority(self, priority: int) -> int:
+        """A request's priority, allowed only under --scheduling-policy priority (else any but 0 is a 400, as
+        on vLLM: one client must not jump the others' queue unless the operator said so)."""
+        if priority and not self.config.priority_scheduling:
+            raise ServiceError(400, f"priority {priority} needs a server started with --scheduling-policy priority "
+                               "(this one serves first come, first served)", param="priority", code="unsupported")
+        return priority
+
     def hold_client_place(self, client: str | None) -> Callable[[], None]:
         """Count one more request for `client` (429 past the limit); returns what gives it back."""
         limit = self.config.max_requests_per_client
@@ -375,7 +385,7 @@ class Service:
                     sub = params if n == 1 else dataclasses.replace(
                         params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
                     streams.append(self.scheduler.submit(Request(prompt_ids, sub, request_id=f"{gen_id}-{p * n + i}",
-                                                                 lora=prepared.lora)))
+                                                                 lora=prepared.lora, priority=prepared.priority)))
         except Exception as exc:
             raise service_error(exc, prompt_param=prepared.prompt_param) from exc
         finally:

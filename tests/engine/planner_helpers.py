@@ -10,7 +10,7 @@ from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import Request, SamplingParams
 from slipstream.engine.schedule import StepPlanner
 from slipstream.engine.sequence import Sequence, Status
-from slipstream.engine.step_plan import Plan
+from slipstream.engine.step_plan import Admission, Plan
 
 _order = itertools.count()
 
@@ -43,12 +43,18 @@ class Driver:
         for s in seqs:
             self.p.enqueue(s)
 
-    def step(self) -> Plan:
+    def admit(self) -> Admission:
         admission = self.p.admit()
+        for slot in admission.freed_slots:  # preempted for more urgent sequences
+            self.engine.free(slot)
         for s in admission.admitted:
             self.engine.insert(s.slot, SlotState(s.request.prompt_ids, tuple(s.output_ids),
                                                  s.request.params))
             s.inserted = True
+        return admission
+
+    def step(self) -> Plan:
+        self.admit()
         plan = self.p.plan()
         for slot in plan.freed_slots:
             self.engine.free(slot)
@@ -78,12 +84,6 @@ class PipelinedDriver(Driver):
         self.in_flight = None
         self.stop_at = stop_at  # a sampled token that ends its sequence (an EOS)
         self.batches = []
-
-    def admit(self) -> None:
-        for s in self.p.admit().admitted:
-            self.engine.insert(s.slot, SlotState(s.request.prompt_ids, tuple(s.output_ids),
-                                                 s.request.params))
-            s.inserted = True
 
     def step(self) -> Plan:
         self.admit()

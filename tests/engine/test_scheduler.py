@@ -84,6 +84,21 @@ def test_priority_then_fcfs_order():
     assert order == [blocker.request_id, ids[1], ids[3], ids[0], ids[2], ids[4]]
 
 
+def test_an_urgent_request_preempts_a_running_batch_job_which_resumes_with_its_tokens():
+    """Both slots held by long low-priority requests: a priority 0 one arriving runs at once, through the threaded
+    loop (the victim's slot unbound before the urgent one is inserted; MockEngine checks every step's history)."""
+    engine = MockEngine(max_slots=2, max_seq_len=1024, num_pages=300, step_sleep_s=0.002)
+    with running(engine) as sched:
+        batch = [sched.submit(req([40 + i], 200, priority=5)) for i in range(2)]
+        wait_for(lambda: sched.stats().running == 2)
+        urgent = sched.submit(req([90], 5, priority=0))
+        assert urgent.result(timeout=WAIT).token_ids == chain([90], 5)
+        assert not any(b.finished for b in batch)  # it did not wait for a batch job to end
+        assert sched.stats().preemptions >= 1
+        for i, b in enumerate(batch):
+            assert b.result(timeout=WAIT).token_ids == chain([40 + i], 200)
+
+
 def test_each_step_stays_within_the_configured_budget_and_mixes_decodes_with_chunks():
     engine = MockEngine(max_slots=3, page_size=4, max_num_batched_tokens=16, max_seq_len=1024,
                         num_pages=300, step_sleep_s=0.001)
