@@ -43,8 +43,9 @@ class Tracker:
     def __init__(self, request: Request, stream: RequestStream, tokenizer) -> None:
         self.request = request
         self.stream = stream
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.params.skip_special_tokens)
         self.stops = request.params.stop
+        self.keep_stop = request.params.include_stop_str_in_output
         self.held = ""          # text that might be the start of a stop string
         self.done = False
         self.admitted_at: float | None = None
@@ -62,15 +63,17 @@ class Tracker:
         return out
 
     def feed(self, piece: str) -> tuple[str, bool]:
-        """Text safe to emit after `piece`; True when a stop string matched (text cut before it)."""
+        """Text safe to emit after `piece`; True when a stop string matched (text cut before it, or after it with
+        include_stop_str_in_output)."""
         if not self.stops:  # nothing to match or hold back (the usual case, once per token)
             buf, self.held = self.held + piece, ""
             return buf, False
         buf = self.held + piece
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = min(((i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0), default=None)
+        if found is not None:  # the earliest match (the longest of those starting there)
             self.held = ""
-            return buf[:cut], True
+            cut, longest = found
+            return buf[:cut - longest if self.keep_stop else cut], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buf)), hold, -1):

@@ -68,6 +68,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut off
+    skip_special_tokens: bool = True          # special tokens (<|im_start|>...) left out of the text
     ignore_eos: bool = False
     logprobs: int | None = None      # None: no logprobs; k >= 0: chosen token + k alternatives
     # None: none; k >= 0: the model's log-probability of each prompt token after the first, given the ones
@@ -106,8 +108,9 @@ class SamplingParams:
             if self.max_tokens != 0:
                 raise InvalidParam("max_tokens", f"an embedding (pooling) generates nothing: max_tokens must be 0, "
                                    f"got {self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParam("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidParam(flag, f"{flag} must be a boolean, got {getattr(self, flag)!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParam("stop", f"stop must be non-empty strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP:

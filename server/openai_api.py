@@ -78,8 +78,14 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
+    if req.continue_final_message and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise ServiceError(400, "continue_final_message goes on with a final assistant message: it needs the last "
+                           "message's role to be assistant and add_generation_prompt false",
+                           param="continue_final_message", code="invalid_value")
     prompt = truncated(service.render_chat(with_tools(messages, plan),
-                                           template_kwargs=template_kwargs(req.chat_template_kwargs)), keep)
+                                           template_kwargs=template_kwargs(req.chat_template_kwargs),
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final=req.continue_final_message), keep)
     if constraint is not None:
         # a reasoning model thinks first: the grammar applies to the answer after the thinking
         fmt = service.reasoning
@@ -144,8 +150,11 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
                 "repetition_penalty": req.repetition_penalty,
                 "top_k": 0 if req.top_k == -1 else req.top_k}  # -1 is vLLM's "off"
     grammar = compile_constraint(service, constraint) if constraint is not None else None
+    _reject_vllm_unsupported(req)
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
+        stop_token_ids=_stop_token_ids(service, req.stop_token_ids), skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=_logit_bias(service, req.logit_bias),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -198,6 +207,24 @@ def _message_text(message: ChatMessage, index: int) -> str:
         except ValueError as exc:
             raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
     return "".join(texts)
+
+
+def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's fields this server does not implement, at anything but their neutral value: a 400 naming the field."""
+    if req.prompt_logprobs is not None:
+        raise ServiceError(400, "prompt_logprobs is not supported by this server (on /v1/completions, echo with "
+                           "logprobs returns the prompt's log-probabilities)", param="prompt_logprobs",
+                           code="unsupported")
+    _reject_unsupported(req.min_tokens, "min_tokens", req.use_beam_search, "use_beam_search",
+                        req.allowed_token_ids, "allowed_token_ids", req.bad_words, "bad_words")
+
+
+def _stop_token_ids(service: Service, ids: list[int] | None) -> tuple[int, ...]:
+    bad = [t for t in ids or () if t >= service.vocab_size]
+    if bad:
+        raise ServiceError(400, f"stop_token_ids must be token ids in [0, {service.vocab_size}), got {bad[0]}",
+                           param="stop_token_ids", code="invalid_value")
+    return tuple(ids or ())
 
 
 def _reject_unsupported(*pairs: Any) -> None:

@@ -28,6 +28,7 @@ Text = Annotated[str, AfterValidator(valid_unicode)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_INT32)]
+MAX_STOP_TOKEN_IDS = 256
 
 
 class _Request(BaseModel):
@@ -60,6 +61,17 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)  # keep the prompt's last k (-1: the context)
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # vLLM's: lower runs first (--scheduling-policy priority)
+    # vLLM's output controls
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM fields this server does not implement: accepted at their neutral value only (else a 400 naming them),
+    # so a client relying on one learns it instead of getting a silently different answer
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    use_beam_search: bool = False
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
+    prompt_logprobs: int | None = None
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a
     # client relying on them gets a 400 instead of a silently different answer.
     logit_bias: dict[str, float] | None = None
@@ -117,6 +129,9 @@ class ChatCompletionRequest(_SamplingRequest):
     # reasoning model's thinking is returned
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    # vLLM's: the final assistant message left open for the model to go on with it ("prefill"), instead of a new turn
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # ---- responses -------------------------------------------------------------------------------

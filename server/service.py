@@ -263,20 +263,33 @@ class Service:
         return ids
 
     def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages",
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> list[int]:
         """Apply the model's chat template (with the assistant turn opened; `template_kwargs`: more variables
-        for it, such as Qwen3's enable_thinking) and tokenize."""
+        for it, such as Qwen3's enable_thinking) and tokenize. continue_final: the text ends where the final
+        message's content does (what the template puts after it, an end-of-turn token, is cut), for the model
+        to go on with it."""
         try:
-            text = parse_input(param, "chat template input", self._render, messages, template_kwargs or {})
+            text = parse_input(param, "chat template input", self._render, messages, template_kwargs or {},
+                               add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as exc:  # e.g. a template demanding alternating roles
             log.info("chat template rejected a request: %s", exc)
             raise ServiceError(400, "the model's chat template rejected these messages (check the order of roles)",
                                param=param, code="invalid_value") from None
+        if continue_final:
+            final = messages[-1].get("content") or ""
+            end = text.rfind(final) if final.strip() else -1
+            if end < 0:
+                raise ServiceError(400, "continue_final_message: the final message's content is empty, or the chat "
+                                   "template does not render it as given", param=param, code="invalid_value")
+            text = text[:end + len(final)]
         # The template already carries BOS and friends; adding them again would double them.
         return self.encode(text, add_special_tokens=False, param=param)
 
-    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
+                add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
 
     def sampling_params(self, *, param_names: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
         """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""
