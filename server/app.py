@@ -34,6 +34,7 @@ from slipstream.server.metrics import Metrics
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
+from slipstream.server.responses import ResponseFormat, ResponseObject, ResponsesRequest, translate
 from slipstream.server.service import Generation, Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
@@ -165,6 +166,16 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
+    @app.post("/v1/responses", response_model=None, responses=_generation_responses(ResponseObject))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        translation = translate(body)
+        gen = await translation.start(service, client_of(request, body.user))
+        fmt = ResponseFormat(service, gen, body, translation.chat)
+        if body.stream:
+            await _admitted(gen)
+            return _EventStream(fmt.events(gen.deltas()), gen.cancel)
+        return _json_response(fmt.response(await _collect_unless_disconnected(request, gen)))
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -257,12 +268,17 @@ async def _event_stream_once_admitted(gen: Generation, fmt: CompletionFormat | C
     """_event_stream, once the engine has launched the request's first step (at most ADMISSION_WAIT_S): the
     response's headers and its first events then go out while the device runs that step, instead of
     taking the host (the GIL) from the engine thread while it admits the request and launches the step."""
+    await _admitted(gen)
+    return _event_stream(gen, fmt, include_usage)
+
+
+async def _admitted(gen: Generation) -> None:
+    """Wait for the request's first step to launch, at most ADMISSION_WAIT_S (_event_stream_once_admitted)."""
     try:
         await gen.admitted(ADMISSION_WAIT_S)
     except BaseException:  # cancelled meanwhile: nobody will consume the generation
         gen.cancel()
         raise
-    return _event_stream(gen, fmt, include_usage)
 
 
 def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> _EventStream:
