@@ -78,9 +78,9 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     "with `error` if the request fails mid-stream), or `[DONE]` last."}}}
 
 
-def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of "
-                  "chunks in the same shape, ending with `data: [DONE]`.",
+def _generation_responses(model: type[BaseModel], events: str = "chunks in the same shape, ending with "
+                          "`data: [DONE]`") -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": f"The completion; with `stream: true`, server-sent events of {events}.",
                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_V1_ERRORS}
 
 
@@ -166,7 +166,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
 
-    @app.post("/v1/responses", response_model=None, responses=_generation_responses(ResponseObject))
+    @app.post("/v1/responses", response_model=None, responses=_generation_responses(
+        ResponseObject, "OpenAI's typed events (`event: <type>`), response.created to response.completed"))
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         translation = translate(body)
         gen = await translation.start(service, client_of(request, body.user))
