@@ -80,7 +80,7 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
 
 def _generation_responses(model: type[BaseModel], events: str = "chunks in the same shape, ending with "
                           "`data: [DONE]`") -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model, "description": f"The completion; with `stream: true`, server-sent events of {events}.",
+    return {200: {"model": model, "description": f"The reply; with `stream: true`, server-sent events of {events}.",
                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_V1_ERRORS}
 
 

@@ -150,7 +150,9 @@ class Translation:
         except (ServiceError, InvalidParam) as exc:
             err = service_error(exc)
             name = self.field(err.param)
-            message = err.message.replace(err.param, name) if name != err.param else err.message
+            message = err.message  # "<field> must ...", "<field>: invalid ...": the field renamed, not the prose
+            if err.param is not None and message.startswith(err.param):
+                message = name + message[len(err.param):]
             if err.code == "context_length_exceeded":
                 message = message.replace("max_tokens", "max_output_tokens")
             raise ServiceError(err.status, message, param=name, code=err.code,
@@ -303,12 +305,28 @@ class ResponseObject(BaseModel):
     user: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _TextItem:
+    """How an item of text (the answer, or the thinking) is shown: its id prefix and fields, its part, its events."""
+
+    prefix: str
+    fields: dict[str, Any]
+    part: dict[str, Any]
+    events: str                # the delta and done events' prefix
+    extra: dict[str, Any]      # what those events carry besides the text
+
+
+_TEXT_ITEMS = {
+    "message": _TextItem("msg", {"role": "assistant"}, {"type": "output_text", "text": "", "annotations": []},
+                         "response.output_text", {"logprobs": []}),
+    "reasoning": _TextItem("rs", {"summary": []}, {"type": "reasoning_text", "text": ""},
+                           "response.reasoning_text", {})}
+
+
 class ResponseFormat:
     """One Generation as a response: the chat format's split reply (ChatFormat.chunk) as output items, opened
     and closed as the reply goes. Whole responses run the same way over the one collected Delta."""
 
-    _KINDS = {"message": ("msg", "output_text", "response.output_text"),
-              "reasoning": ("rs", "reasoning_text", "response.reasoning_text")}
 
     def __init__(self, service: Service, gen: Generation, req: ResponsesRequest, chat: ChatCompletionRequest) -> None:
         self.gen, self.req = gen, req
@@ -320,6 +338,7 @@ class ResponseFormat:
         self.open: dict[str, Any] | None = None  # the item being written (the last of output)
         self.status, self.reason = "in_progress", None
         self.sequence = 0
+        self.streaming = True  # False: the events are not written, only the response built
         self.tokens, self.thought = 0, None  # tokens so far; of them, those up to the thinking's end once it ends
 
     # ---- the response ----
@@ -345,6 +364,7 @@ class ResponseFormat:
 
     def response(self, choices: list[Delta]) -> ResponseObject:
         """The whole response from the collected reply."""
+        self.streaming = False
         self.feed(choices[0])
         return self.body()
 
@@ -387,25 +407,22 @@ class ResponseFormat:
         events += self._close()
         if not self.output:  # nothing said: an empty answer, as OpenAI gives one
             events += self._text("message", "") + self._close()
-        return [*events, self._event(f"response.{self.status}", response=self._dump())]
+        if self.streaming:
+            events.append(self._event(f"response.{self.status}", response=self._dump()))
+        return events
 
     def _text(self, kind: str, text: str) -> list[bytes]:
-        prefix, part_type, events_name = self._KINDS[kind]
-        events = []
+        shown, events = _TEXT_ITEMS[kind], []
         if self.open is None or self.open["type"] != kind:
             events += self._close()
-            item = ({"id": f"{prefix}_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                     "role": "assistant", "content": []} if kind == "message" else
-                    {"id": f"{prefix}_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
-                     "status": "in_progress"})
+            item = {"id": f"{shown.prefix}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress",
+                    **shown.fields, "content": []}
             events += self._add(item)
-            part = {"type": part_type, "text": "", **({"annotations": []} if kind == "message" else {})}
-            item["content"].append(part)
-            events.append(self._event("response.content_part.added", **self._where(), part=part))
+            item["content"].append(dict(shown.part))
+            events.append(self._event("response.content_part.added", **self._where(), part=item["content"][0]))
         if text:
             self.open["content"][0]["text"] += text
-            events.append(self._event(f"{events_name}.delta", **self._where(), delta=text,
-                                      **({"logprobs": []} if kind == "message" else {})))
+            events.append(self._event(f"{shown.events}.delta", **self._where(), delta=text, **shown.extra))
         return events
 
     def _call(self, call: ToolCallDelta) -> list[bytes]:
@@ -436,10 +453,8 @@ class ResponseFormat:
         if item["type"] == "function_call":
             events = [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])]
         else:
-            _, _, events_name = self._KINDS[item["type"]]
-            part = item["content"][0]
-            events = [self._event(f"{events_name}.done", **where, content_index=0, text=part["text"],
-                                  **({"logprobs": []} if item["type"] == "message" else {})),
+            shown, part = _TEXT_ITEMS[item["type"]], item["content"][0]
+            events = [self._event(f"{shown.events}.done", **where, content_index=0, text=part["text"], **shown.extra),
                       self._event("response.content_part.done", **where, content_index=0, part=part)]
         return [*events, self._event("response.output_item.done", output_index=len(self.output) - 1, item=item)]
 
@@ -449,6 +464,8 @@ class ResponseFormat:
     def _event(self, kind: str, **fields: Any) -> bytes:
         """The event as SSE bytes, written at once: the items it shows change afterwards."""
         self.sequence += 1
+        if not self.streaming:
+            return b""
         data = json.dumps({"type": kind, "sequence_number": self.sequence - 1, **fields}, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n".encode()
 

@@ -144,6 +144,11 @@ def test_a_streamed_reasoning_item_comes_before_the_answer(think_live):
     whole = post(think_live, input="What is 2+2?").json()
     same = lambda items: [{k: v for k, v in item.items() if k != "id"} for item in items]  # noqa: E731
     assert same(final["output"]) == same(whole["output"]) and final["usage"] == whole["usage"]
+    # the openai client's stream helper builds the response from the events alone
+    with think_live.client().responses.stream(model=MODEL, input="What is 2+2?") as stream:
+        built = stream.get_final_response()
+    assert [item.type for item in built.output] == ["reasoning", "message"]
+    assert (built.output[0].content[0].text, built.output_text) == ("Let me see.", "The answer is 4.")
 
 
 # ---- function calls --------------------------------------------------------------------------------
