@@ -34,6 +34,7 @@ from slipstream.server.metrics import Metrics
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
+from slipstream.server.response_store import ResponseStore
 from slipstream.server.responses import ResponseFormat, ResponseObject, ResponsesRequest, translate
 from slipstream.server.service import Generation, Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
@@ -169,13 +170,26 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     @app.post("/v1/responses", response_model=None, responses=_generation_responses(
         ResponseObject, "OpenAI's typed events (`event: <type>`), response.created to response.completed"))
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        translation = translate(body)
+        translation = translate(body, stored)
         gen = await translation.start(service, client_of(request, body.user))
-        fmt = ResponseFormat(service, gen, body, translation.chat)
+        fmt = ResponseFormat(service, gen, body, translation, stored)
         if body.stream:
             await _admitted(gen)
             return _EventStream(fmt.events(gen.deltas()), gen.cancel)
         return _json_response(fmt.response(await _collect_unless_disconnected(request, gen)))
+
+    stored = ResponseStore()  # in memory, for previous_response_id
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={
+        k: _V1_ERRORS[k] if k != 404 else _error("No such response is kept.") for k in (401, 404)})
+    async def stored_response(response_id: str) -> Response:
+        return Response(stored.get(response_id).body, media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", responses={
+        k: _V1_ERRORS[k] if k != 404 else _error("No such response is kept.") for k in (401, 404)})
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

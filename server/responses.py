@@ -1,7 +1,8 @@
 """POST /v1/responses, OpenAI's Responses API, over the chat path: a request's input items become chat messages
 (server/openai_api.prepare_chat renders and constrains them), and the chat format's split of a reply (thinking,
-answer, tool calls) becomes output items, whole or as the stream's typed events. Stateless: no response is kept,
-so `previous_response_id` is a 400. Errors name the Responses field, never the chat field it was translated to.
+answer, tool calls) becomes output items, whole or as the stream's typed events. Responses are kept in memory
+(server/response_store.py) for `previous_response_id`. Errors name the Responses field, never the chat field it was
+translated to.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.openai_api import ChatFormat, prepare_chat
 from slipstream.server.protocol import (ChatCompletionRequest, ChatMessage, MessageFunction, MessageToolCall, Text,
                                         TokenCount, ToolCallDelta, _Request, valid_unicode)
+from slipstream.server.response_store import ResponseStore
 from slipstream.server.service import Generation, Prepared, Service
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -40,11 +42,11 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     user: Text | None = None
     metadata: dict[str, Text] | None = None
-    store: bool | None = None                # accepted: nothing is stored
+    store: bool | None = None  # keep the response for previous_response_id and GET (the default, as OpenAI's)
     reasoning: dict[str, Any] | None = None  # accepted: a model thinks as its template says (effort is ignored)
     truncation: Literal["disabled", "auto"] | None = None
-    # what a client may rely on that this server does not do: a 400 naming the field, not a different answer
     previous_response_id: Text | None = None
+    # what a client may rely on that this server does not do: a 400 naming the field, not a different answer
     conversation: Text | dict[str, Any] | None = None
     background: bool | None = None
     top_logprobs: int | None = None
@@ -79,10 +81,9 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> ServiceError:
 
 
 def _unsupported(req: ResponsesRequest) -> None:
-    if req.previous_response_id is not None or req.conversation is not None:
-        name = "previous_response_id" if req.previous_response_id is not None else "conversation"
-        raise _bad(name, f"{name}: this server keeps no responses; send the whole conversation in input",
-                   "unsupported")
+    if req.conversation is not None:
+        raise _bad("conversation", "conversation: this server keeps no conversations; send the conversation in "
+                                   "input, or continue a response with previous_response_id", "unsupported")
     for name, on in (("background", req.background), ("top_logprobs", req.top_logprobs),
                      ("truncation", req.truncation == "auto")):
         if on:
@@ -137,8 +138,10 @@ class Translation:
     """A Responses request as the chat request it runs as, and which Responses field each message came from."""
 
     chat: ChatCompletionRequest
-    origins: list[str]             # per chat message: "instructions", "input" or "input[i]"
+    origins: list[str]             # per chat message: "instructions", "previous_response_id", "input" or "input[i]"
     calls: dict[int, list[str]]    # per assistant message with tool calls: each call's input item
+    items: list[dict[str, Any]]    # the conversation's items: the previous response's, then this request's
+    earlier: int                   # of them, how many the previous response brought
 
     async def start(self, service: Service, client: str | None) -> Generation:
         """Service.start over prepare_chat; its errors name the Responses fields (a too-long prompt: input)."""
@@ -175,22 +178,24 @@ class Translation:
         return "input" if param == "messages" else param
 
 
-def translate(req: ResponsesRequest) -> Translation:
-    """The chat request for `req`; a 400 naming the field for what cannot be translated."""
+def translate(req: ResponsesRequest, store: ResponseStore) -> Translation:
+    """The chat request for `req` (after the conversation of the response it continues, whose instructions are not
+    carried over, as on OpenAI); a 400 naming the field for what cannot be translated."""
     _unsupported(req)
+    if not req.input:
+        raise _bad("input", "input must not be empty")
+    earlier = [] if req.previous_response_id is None else \
+        store.get(req.previous_response_id, "previous_response_id").items
+    items = [*earlier, *([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)]
     messages: list[ChatMessage] = []
     origins: list[str] = []
     calls: dict[int, list[str]] = {}
     if req.instructions is not None:
         messages.append(ChatMessage(role="system", content=req.instructions))
         origins.append("instructions")
-    if isinstance(req.input, str):
-        messages.append(ChatMessage(role="user", content=req.input))
-        origins.append("input")
-    elif not req.input:
-        raise _bad("input", "input must not be empty")
-    for i, raw in enumerate(req.input if isinstance(req.input, list) else ()):
-        param = f"input[{i}]"
+    for i, raw in enumerate(items):
+        param = "previous_response_id" if i < len(earlier) else "input" if isinstance(req.input, str) else \
+            f"input[{i - len(earlier)}]"
         item = _item(raw, param)
         if isinstance(item, _Message):
             messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{param}.content")))
@@ -214,7 +219,7 @@ def translate(req: ResponsesRequest) -> Translation:
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
         response_format=_response_format(req.text), parallel_tool_calls=req.parallel_tool_calls, user=req.user)
-    return Translation(chat, origins, calls)
+    return Translation(chat, origins, calls, items, len(earlier))
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -298,7 +303,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any]
     parallel_tool_calls: bool
     metadata: dict[str, str]
-    previous_response_id: None = None
+    previous_response_id: str | None
     reasoning: dict[str, Any] | None
     store: bool
     truncation: str = "disabled"
@@ -328,9 +333,11 @@ class ResponseFormat:
     and closed as the reply goes. Whole responses run the same way over the one collected Delta."""
 
 
-    def __init__(self, service: Service, gen: Generation, req: ResponsesRequest, chat: ChatCompletionRequest) -> None:
-        self.gen, self.req = gen, req
-        self.chat = ChatFormat(service, gen, chat)
+    def __init__(self, service: Service, gen: Generation, req: ResponsesRequest, translation: Translation,
+                 store: ResponseStore) -> None:
+        self.gen, self.req, self.translation = gen, req, translation
+        self.store = store if req.store is not False else None
+        self.chat = ChatFormat(service, gen, translation.chat)
         self.id = "resp_" + gen.id.partition("-")[2]
         self.model = req.model or service.model_name
         self.created_at = int(time.time())
@@ -357,7 +364,8 @@ class ResponseFormat:
             if done else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, tools=req.tools or [], tool_choice=req.tool_choice or "auto",
+            top_p=1.0 if req.top_p is None else req.top_p, previous_response_id=req.previous_response_id,
+            tools=req.tools or [], tool_choice=req.tool_choice or "auto",
             text=req.text or {"format": {"type": "text"}},
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             metadata=req.metadata or {}, reasoning=req.reasoning, store=req.store is not False, user=req.user)
@@ -407,6 +415,10 @@ class ResponseFormat:
         events += self._close()
         if not self.output:  # nothing said: an empty answer, as OpenAI gives one
             events += self._text("message", "") + self._close()
+        if self.store is not None:
+            items = self.translation.items
+            self.store.put(self.id, self.body().model_dump_json().encode(), [*items, *self.output],
+                           new=[*items[self.translation.earlier:], *self.output])
         if self.streaming:
             events.append(self._event(f"response.{self.status}", response=self._dump()))
         return events

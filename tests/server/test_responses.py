@@ -12,6 +12,7 @@ import pytest
 
 from slipstream.server import openai_api
 from slipstream.server.errors import ServiceError
+from slipstream.server.response_store import ResponseStore
 from tests.server.conftest import MODEL, start_live, wait_for
 from tests.server.test_reasoning import ThinkTokenizer
 
@@ -254,7 +255,7 @@ BAD = [
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "file_search"}}, "tool_choice", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format", "invalid_value"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "unsupported"),
     ({"input": "hi", "truncation": "auto"}, "truncation", "unsupported"),
     ({"input": "hi", "background": True}, "background", "unsupported"),
 ]
@@ -269,12 +270,70 @@ def test_bad_requests_are_400s_naming_the_responses_field(live, body, param, cod
         assert chat_name not in r.json()["error"]["message"], r.text
 
 
-def test_previous_response_id_says_to_send_the_whole_conversation(live):
-    with pytest.raises(openai.BadRequestError) as info:
+def test_an_unknown_model_or_previous_response_is_a_404(live):
+    with pytest.raises(openai.NotFoundError) as info:
         live.client().responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
-    assert "keeps no responses; send the whole conversation in input" in info.value.message
+    assert info.value.body["param"] == "previous_response_id" and "in memory" in info.value.message
     with pytest.raises(openai.NotFoundError):
         live.client().responses.create(model="other-model", input="hi")
+
+
+# ---- stored responses ----------------------------------------------------------------------------
+
+def test_previous_response_id_continues_the_conversation(live):
+    client = live.client()
+    first = client.responses.create(model=MODEL, instructions="Be terse.", input="Hi", max_output_tokens=3)
+    second = client.responses.create(model=MODEL, input=[{"role": "user", "content": "More?"}],
+                                     previous_response_id=first.id, max_output_tokens=4)
+    # the earlier turns, without the earlier instructions (as on OpenAI)
+    reply = chat(live, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "More?"}], max_tokens=4)
+    assert second.usage.input_tokens == reply["usage"]["prompt_tokens"]
+    assert second.output_text == reply["choices"][0]["message"]["content"]
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id) == first and client.responses.retrieve(second.id) == second
+
+
+def test_a_streamed_response_is_kept_too(live):
+    events = sse_events(live, input="abc", max_output_tokens=3)
+    final = events[-1]["response"]
+    with live.http() as http:
+        assert http.get(f"/v1/responses/{final['id']}").json() == final
+
+
+def test_store_false_keeps_nothing_and_a_deleted_response_is_gone(live):
+    client = live.client()
+    unkept = client.responses.create(model=MODEL, input="abc", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    kept = client.responses.create(model=MODEL, input="abc", max_output_tokens=2)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="more", previous_response_id=kept.id)
+
+
+def test_the_store_forgets_the_least_recently_used_first():
+    store = ResponseStore(max_responses=2, max_bytes=1000)
+    for name in ("a", "b"):
+        store.put(name, b"x" * 50, [], new=[])
+    store.get("a")  # now more recent than b
+    store.put("c", b"x" * 50, [], new=[])
+    assert [name for name in "abc" if _kept(store, name)] == ["a", "c"]
+    store.put("big", b"x" * 950, [], new=[{"role": "user", "content": "y" * 10}])  # leaves room for no other
+    assert [name for name in ("a", "c", "big") if _kept(store, name)] == ["big"]
+    store.put("huge", b"x" * 1001, [], new=[])  # larger than the whole store: not kept, nothing evicted
+    assert not _kept(store, "huge") and _kept(store, "big")
+
+
+def _kept(store: ResponseStore, name: str) -> bool:
+    try:
+        store.get(name)
+    except ServiceError:
+        return False
+    return True
 
 
 # ---- the stream's end --------------------------------------------------------------------------------
