@@ -153,9 +153,11 @@ class Translation:
         except (ServiceError, InvalidParam) as exc:
             err = service_error(exc)
             name = self.field(err.param)
-            message = err.message  # "<field> must ...", "<field>: invalid ...": the field renamed, not the prose
-            if err.param is not None and message.startswith(err.param):
-                message = name + message[len(err.param):]
+            message = err.message
+            if err.param == "messages":  # a word of the prose too: only a leading one names the field
+                message = name + message[len(err.param):] if message.startswith(err.param) else message
+            elif err.param is not None:
+                message = message.replace(err.param, name)
             if err.code == "context_length_exceeded":
                 message = message.replace("max_tokens", "max_output_tokens")
             raise ServiceError(err.status, message, param=name, code=err.code,

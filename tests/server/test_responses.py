@@ -255,6 +255,8 @@ BAD = [
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "file_search"}}, "tool_choice", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "invalid_value"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format", "invalid_value"),
+    ({"input": "hi", "tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "text.format", "invalid_value"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "unsupported"),
     ({"input": "hi", "truncation": "auto"}, "truncation", "unsupported"),
     ({"input": "hi", "background": True}, "background", "unsupported"),
