@@ -34,6 +34,8 @@ from slipstream.server.metrics import Metrics
 from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
+from slipstream.server.response_store import ResponseStore
+from slipstream.server.responses import ResponseFormat, ResponseObject, ResponsesRequest, translate
 from slipstream.server.service import Generation, Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
@@ -77,9 +79,9 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
     "with `error` if the request fails mid-stream), or `[DONE]` last."}}}
 
 
-def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of "
-                  "chunks in the same shape, ending with `data: [DONE]`.",
+def _generation_responses(model: type[BaseModel], events: str = "chunks in the same shape, ending with "
+                          "`data: [DONE]`") -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": f"The reply; with `stream: true`, server-sent events of {events}.",
                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}}, **_V1_ERRORS}
 
 
@@ -164,6 +166,30 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
             return await _event_stream_once_admitted(gen, fmt, _include_usage(body))
         choices = await _collect_unless_disconnected(request, gen)
         return _json_response(fmt.response(choices))
+
+    @app.post("/v1/responses", response_model=None, responses=_generation_responses(
+        ResponseObject, "OpenAI's typed events (`event: <type>`), response.created to response.completed"))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        translation = translate(body, stored)
+        gen = await translation.start(service, client_of(request, body.user))
+        fmt = ResponseFormat(service, gen, body, translation, stored)
+        if body.stream:
+            await _admitted(gen)
+            return _EventStream(fmt.events(gen.deltas()), gen.cancel)
+        return _json_response(fmt.response(await _collect_unless_disconnected(request, gen)))
+
+    stored = ResponseStore()  # in memory, for previous_response_id
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={
+        k: _V1_ERRORS[k] if k != 404 else _error("No such response is kept.") for k in (401, 404)})
+    async def stored_response(response_id: str) -> Response:
+        return Response(stored.get(response_id).body, media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", responses={
+        k: _V1_ERRORS[k] if k != 404 else _error("No such response is kept.") for k in (401, 404)})
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -257,12 +283,17 @@ async def _event_stream_once_admitted(gen: Generation, fmt: CompletionFormat | C
     """_event_stream, once the engine has launched the request's first step (at most ADMISSION_WAIT_S): the
     response's headers and its first events then go out while the device runs that step, instead of
     taking the host (the GIL) from the engine thread while it admits the request and launches the step."""
+    await _admitted(gen)
+    return _event_stream(gen, fmt, include_usage)
+
+
+async def _admitted(gen: Generation) -> None:
+    """Wait for the request's first step to launch, at most ADMISSION_WAIT_S (_event_stream_once_admitted)."""
     try:
         await gen.admitted(ADMISSION_WAIT_S)
     except BaseException:  # cancelled meanwhile: nobody will consume the generation
         gen.cancel()
         raise
-    return _event_stream(gen, fmt, include_usage)
 
 
 def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> _EventStream:

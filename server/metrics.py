@@ -113,9 +113,9 @@ class _StatsCollector(Collector):
 
 
 # Label values are bounded: the route template (never the raw path), and codes from fixed sets.
-HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model}", "/health", "/ready",
-               "/metrics", "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
-               "/detokenize")
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+               "/v1/responses/{response_id}", "/v1/models", "/v1/models/{model}", "/health", "/ready", "/metrics",
+               "/openapi.json", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize")
 ERROR_CODES = frozenset({
     "invalid_value", "invalid_json", "unsupported", "context_length_exceeded", "model_not_found", "invalid_api_key",
     "request_timeout", "request_too_large", "unsupported_media_type", "overloaded", "too_many_requests",
@@ -126,6 +126,8 @@ ERROR_CODES = frozenset({
 def route_template(path: str) -> str:
     if path in HTTP_ROUTES:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{response_id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

@@ -1,0 +1,487 @@
+"""POST /v1/responses, OpenAI's Responses API, over the chat path: a request's input items become chat messages
+(server/openai_api.prepare_chat renders and constrains them), and the chat format's split of a reply (thinking,
+answer, tool calls) becomes output items, whole or as the stream's typed events. Responses are kept in memory
+(server/response_store.py) for `previous_response_id`. Errors name the Responses field, never the chat field it was
+translated to.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from slipstream.engine.errors import InvalidParam
+from slipstream.engine.request_stream import Delta
+from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.openai_api import ChatFormat, prepare_chat
+from slipstream.server.protocol import (ChatCompletionRequest, ChatMessage, MessageFunction, MessageToolCall, Text,
+                                        TokenCount, ToolCallDelta, _Request, valid_unicode)
+from slipstream.server.response_store import ResponseStore
+from slipstream.server.service import Generation, Prepared, Service
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class ResponsesRequest(_Request):
+    model: Text | None = None
+    input: Text | list[Any]  # items are checked one by one (translate), so that errors name input[i]
+    instructions: Text | None = None
+    max_output_tokens: TokenCount | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    parallel_tool_calls: bool | None = None
+    user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None  # keep the response for previous_response_id and GET (the default, as OpenAI's)
+    reasoning: dict[str, Any] | None = None  # accepted: a model thinks as its template says (effort is ignored)
+    truncation: Literal["disabled", "auto"] | None = None
+    previous_response_id: Text | None = None
+    # what a client may rely on that this server does not do: a 400 naming the field, not a different answer
+    conversation: Text | dict[str, Any] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+
+
+class _Message(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Any  # a text or input_text/output_text parts (_text checks them, naming the part)
+
+
+class _FunctionCall(_Request):
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+
+
+class _FunctionCallOutput(_Request):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Any  # a text or input_text parts
+
+
+_ITEMS: dict[str, type[_Request] | None] = {
+    "message": _Message, "function_call": _FunctionCall, "function_call_output": _FunctionCallOutput,
+    "reasoning": None}  # an earlier turn's thinking: accepted, not shown to the model again
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ServiceError:
+    return ServiceError(400, message, param=param, code=code)
+
+
+def _unsupported(req: ResponsesRequest) -> None:
+    if req.conversation is not None:
+        raise _bad("conversation", "conversation: this server keeps no conversations; send the conversation in "
+                                   "input, or continue a response with previous_response_id", "unsupported")
+    for name, on in (("background", req.background), ("top_logprobs", req.top_logprobs),
+                     ("truncation", req.truncation == "auto")):
+        if on:
+            raise _bad(name, f"{name} is not supported by this server", "unsupported")
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's text: a string, or its input_text / output_text parts joined."""
+    if isinstance(content, str):
+        return _unicode(content, param)
+    if not isinstance(content, list):
+        raise _bad(param, f"{param} must be a string or a list of input_text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text"):
+            raise _bad(f"{param}[{j}].type", f"only input_text and output_text parts are supported, got {kind!r}",
+                       "unsupported")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{param}[{j}].text", f"{param}[{j}].text must be a string")
+        texts.append(_unicode(part["text"], f"{param}[{j}].text"))
+    return "".join(texts)
+
+
+def _unicode(text: str, param: str) -> str:
+    try:
+        return valid_unicode(text)
+    except ValueError as exc:
+        raise _bad(param, f"{param}: {exc}") from None
+
+
+def _item(raw: Any, param: str) -> _Request | None:
+    if not isinstance(raw, dict):
+        raise _bad(param, f"{param} must be an object")
+    kind = raw.get("type", "message")
+    if kind not in _ITEMS:
+        raise _bad(f"{param}.type", f"input items of type {kind!r} are not supported (message, function_call, "
+                                    "function_call_output, reasoning are)", "unsupported")
+    model = _ITEMS[kind]
+    if model is None:
+        return None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        raise _bad(field, f"{field}: {err['msg']}") from None
+
+
+@dataclasses.dataclass
+class Translation:
+    """A Responses request as the chat request it runs as, and which Responses field each message came from."""
+
+    chat: ChatCompletionRequest
+    origins: list[str]             # per chat message: "instructions", "previous_response_id", "input" or "input[i]"
+    calls: dict[int, list[str]]    # per assistant message with tool calls: each call's input item
+    items: list[dict[str, Any]]    # the conversation's items: the previous response's, then this request's
+    earlier: int                   # of them, how many the previous response brought
+
+    async def start(self, service: Service, client: str | None) -> Generation:
+        """Service.start over prepare_chat; its errors name the Responses fields (a too-long prompt: input)."""
+        def prepare() -> Prepared:
+            return dataclasses.replace(prepare_chat(service, self.chat), id_prefix="resp", prompt_param="input")
+
+        try:
+            return await service.start(prepare, client)
+        except (ServiceError, InvalidParam) as exc:
+            err = service_error(exc)
+            name = self.field(err.param)
+            message = err.message
+            if err.param == "messages":  # a word of the prose too: only a leading one names the field
+                message = name + message[len(err.param):] if message.startswith(err.param) else message
+            elif err.param is not None:
+                message = message.replace(err.param, name)
+            if err.code == "context_length_exceeded":
+                message = message.replace("max_tokens", "max_output_tokens")
+            raise ServiceError(err.status, message, param=name, code=err.code,
+                               retry_after_s=err.retry_after_s) from None
+
+    def field(self, param: str | None) -> str | None:
+        """The Responses field a chat field came from."""
+        if param is None:
+            return None
+        if param in ("max_tokens", "max_completion_tokens"):
+            return "max_output_tokens"
+        if param.startswith("response_format"):
+            return "text.format"
+        if m := re.fullmatch(r"tools\.(\d+)\.function(.*)", param):
+            return f"tools[{m[1]}]{m[2]}"
+        if m := re.fullmatch(r"messages\.(\d+)\.tool_calls\.(\d+)\.function(.*)", param):
+            return self.calls[int(m[1])][int(m[2])] + m[3]
+        if m := re.fullmatch(r"messages\.(\d+)(.*)", param):
+            return self.origins[int(m[1])] + m[2]
+        return "input" if param == "messages" else param
+
+
+def translate(req: ResponsesRequest, store: ResponseStore) -> Translation:
+    """The chat request for `req` (after the conversation of the response it continues, whose instructions are not
+    carried over, as on OpenAI); a 400 naming the field for what cannot be translated."""
+    _unsupported(req)
+    if not req.input:
+        raise _bad("input", "input must not be empty")
+    earlier = [] if req.previous_response_id is None else \
+        store.get(req.previous_response_id, "previous_response_id").items
+    items = [*earlier, *([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)]
+    messages: list[ChatMessage] = []
+    origins: list[str] = []
+    calls: dict[int, list[str]] = {}
+    if req.instructions is not None:
+        messages.append(ChatMessage(role="system", content=req.instructions))
+        origins.append("instructions")
+    for i, raw in enumerate(items):
+        param = "previous_response_id" if i < len(earlier) else "input" if isinstance(req.input, str) else \
+            f"input[{i - len(earlier)}]"
+        item = _item(raw, param)
+        if isinstance(item, _Message):
+            messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{param}.content")))
+            origins.append(param)
+        elif isinstance(item, _FunctionCall):
+            call = MessageToolCall(id=item.call_id, function=MessageFunction(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is None or last.role != "assistant":
+                last = ChatMessage(role="assistant", content="")
+                messages.append(last)
+                origins.append(param)
+            last.tool_calls = [*(last.tool_calls or ()), call]  # one turn's calls are one assistant message
+            calls.setdefault(len(messages) - 1, []).append(param)
+        elif isinstance(item, _FunctionCallOutput):
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content=_text(item.output, f"{param}.output")))
+            origins.append(param)
+    if not messages:
+        raise _bad("input", "input holds no message")
+    chat = ChatCompletionRequest(
+        model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
+        top_p=req.top_p, tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice),
+        response_format=_response_format(req.text), parallel_tool_calls=req.parallel_tool_calls, user=req.user)
+    return Translation(chat, origins, calls, items, len(earlier))
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat's {"type": "function", "function": {...}}."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise _bad(f"tools[{i}].type", f"tools[{i}].type {tool.get('type')!r} is not supported; this server "
+                                           "runs function tools only", "unsupported")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise _bad(f"tools[{i}].name", f"tools[{i}].name must be a non-empty string")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise _bad(f"tools[{i}].parameters", f"tools[{i}].parameters must be a JSON schema object")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                     if tool.get(k) is not None}})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise _bad("tool_choice", "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise _bad("text.format", "text.format.schema must be a JSON schema object")
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise _bad("text.format", f"text.format type must be text, json_object or json_schema, got {kind!r}")
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+
+
+class ResponseObject(BaseModel):
+    """The response (also what the stream's response.* events carry, without usage until it completes)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, str] | None = None
+    model: str
+    output: list[dict[str, Any]]  # reasoning, message and function_call items
+    usage: ResponseUsage | None = None
+    # the request's parameters, as OpenAI echoes them
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    text: dict[str, Any]
+    parallel_tool_calls: bool
+    metadata: dict[str, str]
+    previous_response_id: str | None
+    reasoning: dict[str, Any] | None
+    store: bool
+    truncation: str = "disabled"
+    user: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextItem:
+    """How an item of text (the answer, or the thinking) is shown: its id prefix and fields, its part, its events."""
+
+    prefix: str
+    fields: dict[str, Any]
+    part: dict[str, Any]
+    events: str                # the delta and done events' prefix
+    extra: dict[str, Any]      # what those events carry besides the text
+
+
+_TEXT_ITEMS = {
+    "message": _TextItem("msg", {"role": "assistant"}, {"type": "output_text", "text": "", "annotations": []},
+                         "response.output_text", {"logprobs": []}),
+    "reasoning": _TextItem("rs", {"summary": []}, {"type": "reasoning_text", "text": ""},
+                           "response.reasoning_text", {})}
+
+
+class ResponseFormat:
+    """One Generation as a response: the chat format's split reply (ChatFormat.chunk) as output items, opened
+    and closed as the reply goes. Whole responses run the same way over the one collected Delta."""
+
+
+    def __init__(self, service: Service, gen: Generation, req: ResponsesRequest, translation: Translation,
+                 store: ResponseStore) -> None:
+        self.gen, self.req, self.translation = gen, req, translation
+        self.store = store if req.store is not False else None
+        self.chat = ChatFormat(service, gen, translation.chat)
+        self.id = "resp_" + gen.id.partition("-")[2]
+        self.model = req.model or service.model_name
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written (the last of output)
+        self.status, self.reason = "in_progress", None
+        self.sequence = 0
+        self.streaming = True  # False: the events are not written, only the response built
+        self.tokens, self.thought = 0, None  # tokens so far; of them, those up to the thinking's end once it ends
+
+    # ---- the response ----
+
+    def body(self, error: ServiceError | None = None) -> ResponseObject:
+        req, done = self.req, self.status != "in_progress"
+        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
+        thinking = any(item["type"] == "reasoning" for item in self.output)
+        reasoning_tokens = (self.tokens if self.thought is None else self.thought) if thinking else 0
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, status=self.status, model=self.model, output=self.output,
+            error=None if error is None else {"code": "server_error", "message": error.message},
+            incomplete_details=None if self.reason is None else {"reason": self.reason},
+            usage=ResponseUsage(input_tokens=p, output_tokens=c, total_tokens=p + c,
+                                output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
+            if done else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, previous_response_id=req.previous_response_id,
+            tools=req.tools or [], tool_choice=req.tool_choice or "auto",
+            text=req.text or {"format": {"type": "text"}},
+            parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+            metadata=req.metadata or {}, reasoning=req.reasoning, store=req.store is not False, user=req.user)
+
+    def response(self, choices: list[Delta]) -> ResponseObject:
+        """The whole response from the collected reply."""
+        self.streaming = False
+        self.feed(choices[0])
+        return self.body()
+
+    async def events(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        """The stream's SSE events. A failure after the headers ends it with an error event, then response.failed."""
+        try:
+            yield self._event("response.created", response=self._dump())
+            yield self._event("response.in_progress", response=self._dump())
+            async with contextlib.aclosing(deltas) as stream:
+                async for delta in stream:
+                    for event in self.feed(delta):
+                        yield event
+        except Exception as exc:  # noqa: BLE001 - headers are gone: the error becomes the last events
+            err = service_error(exc)
+            yield self._event("error", code=err.code, message=err.message, param=err.param)
+            self.status = "failed"
+            yield self._event("response.failed", response=self._dump(err))
+
+    # ---- the reply, item by item ----
+
+    def feed(self, d: Delta) -> list[bytes]:
+        """The SSE events for one Delta (the last one closes the response)."""
+        chunk, events = self.chat.chunk(d), []
+        if chunk is not None:
+            delta = chunk.choices[0].delta
+            if delta.reasoning_content:
+                events += self._text("reasoning", delta.reasoning_content)
+            if delta.content:
+                events += self._text("message", delta.content)
+            for call in delta.tool_calls or ():
+                events += self._call(call)
+        close = self.chat.reasoning.close_id if self.chat.reasoning is not None else None
+        if self.thought is None and close in d.token_ids:
+            self.thought = self.tokens + d.token_ids.index(close) + 1
+        self.tokens += len(d.token_ids)
+        if d.finish_reason is None:
+            return events
+        cut = chunk is not None and chunk.choices[0].finish_reason == "length"
+        self.status, self.reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
+        events += self._close()
+        if not self.output:  # nothing said: an empty answer, as OpenAI gives one
+            events += self._text("message", "") + self._close()
+        if self.store is not None:
+            items = self.translation.items
+            self.store.put(self.id, self.body().model_dump_json().encode(), [*items, *self.output],
+                           new=[*items[self.translation.earlier:], *self.output])
+        if self.streaming:
+            events.append(self._event(f"response.{self.status}", response=self._dump()))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[bytes]:
+        shown, events = _TEXT_ITEMS[kind], []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            item = {"id": f"{shown.prefix}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress",
+                    **shown.fields, "content": []}
+            events += self._add(item)
+            item["content"].append(dict(shown.part))
+            events.append(self._event("response.content_part.added", **self._where(), part=item["content"][0]))
+        if text:
+            self.open["content"][0]["text"] += text
+            events.append(self._event(f"{shown.events}.delta", **self._where(), delta=text, **shown.extra))
+        return events
+
+    def _call(self, call: ToolCallDelta) -> list[bytes]:
+        events = []
+        if call.id is not None:  # a call's first delta: a new item
+            events += self._close()
+            events += self._add({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                                 "call_id": call.id, "name": call.function.name, "arguments": ""})
+        if call.function.arguments:
+            self.open["arguments"] += call.function.arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                      output_index=len(self.output) - 1, delta=call.function.arguments))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        self.output.append(item)
+        self.open = item
+        return [self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def _close(self) -> list[bytes]:
+        """The events that finish the open item (none when no item is open)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        last = self.status == "incomplete"  # closed by the end of a reply cut short
+        item["status"] = "incomplete" if last else "completed"
+        where = {"item_id": item["id"], "output_index": len(self.output) - 1}
+        if item["type"] == "function_call":
+            events = [self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])]
+        else:
+            shown, part = _TEXT_ITEMS[item["type"]], item["content"][0]
+            events = [self._event(f"{shown.events}.done", **where, content_index=0, text=part["text"], **shown.extra),
+                      self._event("response.content_part.done", **where, content_index=0, part=part)]
+        return [*events, self._event("response.output_item.done", output_index=len(self.output) - 1, item=item)]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        """The event as SSE bytes, written at once: the items it shows change afterwards."""
+        self.sequence += 1
+        if not self.streaming:
+            return b""
+        data = json.dumps({"type": kind, "sequence_number": self.sequence - 1, **fields}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def _dump(self, error: ServiceError | None = None) -> dict[str, Any]:
+        return self.body(error).model_dump(mode="json")
