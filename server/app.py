@@ -35,7 +35,8 @@ from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_c
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
 from slipstream.server.response_store import ResponseStore
-from slipstream.server.responses import ResponseFormat, ResponseObject, ResponsesRequest, translate
+from slipstream.server.responses import ResponsesRequest, translate
+from slipstream.server.responses_output import ResponseFormat, ResponseObject
 from slipstream.server.service import Generation, Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
