@@ -62,10 +62,10 @@ class Tracker:
         out, self.prompt_logprobs = self.prompt_logprobs, None
         return out
 
-    def feed(self, piece: str) -> tuple[str, bool]:
+    def feed(self, piece: str, match: bool = True) -> tuple[str, bool]:
         """Text safe to emit after `piece`; True when a stop string matched (text cut before it, or after it with
-        include_stop_str_in_output)."""
-        if not self.stops:  # nothing to match or hold back (the usual case, once per token)
+        include_stop_str_in_output). match=False (short of min_tokens): no stop string applies yet."""
+        if not self.stops or not match:  # nothing to match or hold back (the usual case, once per token)
             buf, self.held = self.held + piece, ""
             return buf, False
         buf = self.held + piece
@@ -199,7 +199,7 @@ class OutputProcessor:
                 logprobs.append(rec.logprobs[i])
             if finish is FinishReason.STOP and i == len(rec.token_ids) - 1:
                 break  # EOS / stop token: counted as generated, never shown as text
-            piece, stopped = tr.feed(tr.detok.add(token))
+            piece, stopped = tr.feed(tr.detok.add(token), match=tr.num_tokens + i + 1 >= tr.request.params.min_tokens)
             text.append(piece)
             if stopped:
                 finish = FinishReason.STOP

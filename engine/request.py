@@ -68,6 +68,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # EOS and stop_token_ids masked, and stop strings not matched, before this many tokens (a constrained reply
+    # still ends when its grammar does)
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut off
     skip_special_tokens: bool = True          # special tokens (<|im_start|>...) left out of the text
     ignore_eos: bool = False
@@ -102,6 +105,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _check_int("n", self.n, 1, MAX_N)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_INT32)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                               f"({self.max_tokens})")
         if self.pooling is not None:
             if self.pooling not in POOLING:
                 raise InvalidParam("pooling", f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}")

@@ -232,6 +232,15 @@ class MaskFiller:
             self._eos_row[t // 32] |= np.uint32(1 << (t % 32))
         self._executor: llguidance.LLExecutor | None = None
 
+    def ban(self, mask: np.ndarray | None, batch: int, banned: dict[int, Sequence[int]]) -> np.ndarray:
+        """`mask` (None: all ones) with each row r of `banned` refusing its tokens (min_tokens: EOS and the
+        request's stop tokens)."""
+        out = np.full((batch, self.words), 0xFFFFFFFF, np.uint32) if mask is None else mask
+        for r, tokens in banned.items():
+            for t in tokens:
+                out[r, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        return out
+
     def fill(self, rows: Sequence["Matcher | None"], batch: int) -> np.ndarray | None:
         """The mask of a batch of `batch` rows whose first len(rows) have these matchers (None:
         unconstrained, all ones); None when no row is constrained (the sampler skips the mask)."""

@@ -154,7 +154,7 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
         stop_token_ids=_stop_token_ids(service, req.stop_token_ids), skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
         logit_bias=_logit_bias(service, req.logit_bias),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -215,7 +215,7 @@ def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> 
         raise ServiceError(400, "prompt_logprobs is not supported by this server (on /v1/completions, echo with "
                            "logprobs returns the prompt's log-probabilities)", param="prompt_logprobs",
                            code="unsupported")
-    _reject_unsupported(req.min_tokens, "min_tokens", req.use_beam_search, "use_beam_search",
+    _reject_unsupported(req.use_beam_search, "use_beam_search",
                         req.allowed_token_ids, "allowed_token_ids", req.bad_words, "bad_words")
 
 

@@ -65,9 +65,9 @@ class _SamplingRequest(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     # vLLM fields this server does not implement: accepted at their neutral value only (else a 400 naming them),
     # so a client relying on one learns it instead of getting a silently different answer
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     use_beam_search: bool = False
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[Text] | None = None

@@ -133,6 +133,8 @@ class JaxEngine(Programs):
         self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
         self._slot_prompt_logprobs = np.zeros(self.max_slots + 1, np.int32)  # alternatives per scored prompt token
+        # min_tokens: per slot, the output index from which EOS and its stop tokens may be sampled, and those tokens
+        self._slot_min_tokens: dict[int, tuple[int, tuple[int, ...]]] = {}
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
         self._matchers: dict[int, Matcher] = {}
@@ -225,6 +227,10 @@ class JaxEngine(Programs):
         self._slot_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._slot_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self._matchers.pop(slot, None)
+        self._slot_min_tokens.pop(slot, None)
+        if params.min_tokens and params.constraint is None:  # a grammar decides where a constrained reply ends
+            ending = sorted({*self.eos_token_ids, *(t for t in params.stop_token_ids if t < self.vocab_size)})
+            self._slot_min_tokens[slot] = (params.min_tokens, tuple(ending))
         if params.constraint is not None:
             matcher = params.constraint.matcher()
             for token in state.output_ids:  # a preempted sequence resumes where its output is
@@ -258,6 +264,7 @@ class JaxEngine(Programs):
     def free(self, slot: int) -> None:
         self._slot_logprobs[slot] = -1
         self._matchers.pop(slot, None)
+        self._slot_min_tokens.pop(slot, None)
 
     def step_inputs(self, batch: StepBatch, out: dict[str, np.ndarray] | None = None,
                     ) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
@@ -319,11 +326,17 @@ class JaxEngine(Programs):
     def _previous(self) -> PreviousSamples:
         return PreviousSamples(self.max_slots, self._replicated)
 
-    def _fill_mask(self, sample_slots: list[int], b: int) -> np.ndarray | jax.Array:
-        """u32[b, ceil(V/32)]: the constrained rows' grammar masks, all ones elsewhere."""
+    def _fill_mask(self, sample_slots: list[int], b: int, steps: np.ndarray) -> np.ndarray | jax.Array:
+        """u32[b, ceil(V/32)]: the constrained rows' grammar masks, EOS and stop tokens refused in the rows short of
+        their min_tokens (`steps`: each row's output index), all ones elsewhere."""
         rows = [self._matchers.get(slot) for slot in sample_slots]
         start = time.perf_counter()
         mask = self._mask_filler.fill(rows, b)
+        if self._slot_min_tokens:
+            short = {i: held[1] for i, slot in enumerate(sample_slots)
+                     if (held := self._slot_min_tokens.get(slot)) is not None and steps[i] < held[0]}
+            if short:
+                mask = self._mask_filler.ban(mask, b, short)
         if mask is None:  # kept on the device: an unconstrained step uploads no mask
             if b not in self._no_mask:
                 self._no_mask[b] = jax.device_put(np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32),
@@ -357,7 +370,7 @@ class JaxEngine(Programs):
         b = self.buckets.sample_rows(t)
         packed, x = sample_inputs(batch, sample_slots, b, self._slot_sampling, self._slot_prompt_len)
         slot_ids = x["slot_ids"]
-        bitmask = self._fill_mask(sample_slots, b)  # on the host while the model program runs
+        bitmask = self._fill_mask(sample_slots, b, x["step"])  # on the host while the model program runs
         sampler = self._exe(self._sample_exe, b, self._sample_jit, self._sample_args)
         result, self.sampling_state, self._previous.last = sampler(
             logits, self.sampling_state, self._previous.last, packed, bitmask)

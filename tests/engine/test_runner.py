@@ -201,6 +201,24 @@ def test_logit_bias_steers_greedy_and_stays_with_its_request(tiny_engine, tiny_m
         [greedy, _dense_greedy(cfg, params, other, 6)]
 
 
+def test_min_tokens_holds_back_eos_and_stop_tokens_then_lets_them_through(tiny_engine):
+    """With +100 on an ending token greedy picks it at once; min_tokens k refuses it (EOS, or the request's stop
+    token) for the first k tokens only, and a row beside it without min_tokens is not held back."""
+    rng = np.random.default_rng(14)
+    prompt, other = list(rng.integers(3, 256, 7)), list(rng.integers(3, 256, 5))
+    eos = min(tiny_engine.eos_token_ids)
+    to_eos = dict(temperature=0.0, max_tokens=5, logit_bias=((eos, 100.0),))
+    held = SamplingParams(**to_eos, min_tokens=3)
+    free = SamplingParams(**to_eos)
+    out = _generate(tiny_engine, [prompt, other], [held, free], [[1, 2, 3, 4], [5, 6, 7, 8]], 5)
+    assert eos not in out[0][:3] and out[0][3] == eos
+    assert out[1][0] == eos
+    stop77 = SamplingParams(temperature=0.0, max_tokens=4, logit_bias=((77, 100.0),), stop_token_ids=(77,),
+                            min_tokens=2)
+    out = _generate(tiny_engine, [prompt], [stop77], [[1, 2, 3, 4]], 4)[0]
+    assert 77 not in out[:2] and out[2] == 77
+
+
 def test_a_penalized_insert_sets_its_slots_counts_and_prompt_mask(tiny_engine):
     """A resumed request's counts are its output so far (uploaded); a new one's are zeros (written on
     the device), over whatever the slot held."""

@@ -61,10 +61,21 @@ def test_continue_final_message_goes_on_with_the_assistants_prefilled_reply(live
             assert r.json()["error"]["param"] in ("continue_final_message", "messages"), r.text
 
 
-@pytest.mark.parametrize("field, value", [("min_tokens", 5), ("use_beam_search", True), ("allowed_token_ids", [1]),
+def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens(live: LiveServer) -> None:
+    """(The engine masks EOS and stop tokens before min_tokens: tests/engine/test_runner.py; MockEngine's replies
+    ignore masks.) "f" is the third token: a stop string from the min_tokens-th token on."""
+    assert complete(live, stop=["f"], min_tokens=3)["choices"][0]["text"] == "de"
+    assert complete(live, stop=["f"], min_tokens=4)["choices"][0]["text"] == "defghi"
+    assert complete(live, stop=["d"], min_tokens=2)["choices"][0]["text"] == "defghi"  # "d" came too early
+    with live.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("allowed_token_ids", [1]),
                                           ("bad_words", ["x"]), ("prompt_logprobs", 1), ("stop_token_ids", [258])])
 def test_what_is_not_implemented_is_a_400_naming_it_and_neutral_values_pass(live: LiveServer, field, value) -> None:
-    neutral = {"min_tokens": 0, "use_beam_search": False, "allowed_token_ids": None, "bad_words": [],
+    neutral = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": [],
                "prompt_logprobs": None, "stop_token_ids": []}[field]
     with live.http() as http:
         for route, body in (("/v1/completions", {"prompt": "abc"}),
