@@ -71,6 +71,7 @@ class SamplingParams:
     # EOS and stop_token_ids masked, and stop strings not matched, before this many tokens (a constrained reply
     # still ends when its grammar does)
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
     include_stop_str_in_output: bool = False  # a matched stop string ends the text instead of being cut off
     skip_special_tokens: bool = True          # special tokens (<|im_start|>...) left out of the text
     ignore_eos: bool = False
@@ -106,6 +107,14 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         _check_int("n", self.n, 1, MAX_N)
         _check_int("min_tokens", self.min_tokens, 0, MAX_INT32)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple) or not self.allowed_token_ids:
+                raise InvalidParam("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+            for token in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token, 0, MAX_INT32)
+            if self.constraint is not None:
+                raise InvalidParam("allowed_token_ids", "allowed_token_ids cannot be combined with structured output "
+                                   "(the grammar decides which tokens may come)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                                f"({self.max_tokens})")

@@ -241,6 +241,20 @@ class MaskFiller:
                 out[r, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return out
 
+    def restrict(self, mask: np.ndarray | None, batch: int, allowed: dict[int, np.ndarray]) -> np.ndarray:
+        """`mask` (None: all ones) with each row r of `allowed` limited to its packed row of tokens."""
+        out = np.full((batch, self.words), 0xFFFFFFFF, np.uint32) if mask is None else mask
+        for r, row in allowed.items():
+            out[r] &= row
+        return out
+
+    def packed(self, tokens: Iterable[int]) -> np.ndarray:
+        """u32[ceil(V/32)]: a mask row allowing exactly `tokens`."""
+        row = np.zeros(self.words, np.uint32)
+        for t in tokens:
+            row[t // 32] |= np.uint32(1 << (t % 32))
+        return row
+
     def fill(self, rows: Sequence["Matcher | None"], batch: int) -> np.ndarray | None:
         """The mask of a batch of `batch` rows whose first len(rows) have these matchers (None:
         unconstrained, all ones); None when no row is constrained (the sampler skips the mask)."""

@@ -92,7 +92,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
         if fmt is not None:
             constraint = dataclasses.replace(constraint, reasoning=Reasoning(
                 fmt.open_id, fmt.close_id, inside=fmt.starts_inside(prompt)))
-        params = dataclasses.replace(params, constraint=compile_constraint(service, constraint))
+        params = service.sampling_params(base=params, constraint=compile_constraint(service, constraint))
     return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora,
                     priority=priority)
 
@@ -153,8 +153,10 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
     _reject_vllm_unsupported(req)
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
-        stop_token_ids=_stop_token_ids(service, req.stop_token_ids), skip_special_tokens=req.skip_special_tokens,
+        stop_token_ids=_token_ids(service, req.stop_token_ids, "stop_token_ids") or (),
+        skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
+        allowed_token_ids=_token_ids(service, req.allowed_token_ids, "allowed_token_ids"),
         logit_bias=_logit_bias(service, req.logit_bias),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -215,16 +217,16 @@ def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> 
         raise ServiceError(400, "prompt_logprobs is not supported by this server (on /v1/completions, echo with "
                            "logprobs returns the prompt's log-probabilities)", param="prompt_logprobs",
                            code="unsupported")
-    _reject_unsupported(req.use_beam_search, "use_beam_search",
-                        req.allowed_token_ids, "allowed_token_ids", req.bad_words, "bad_words")
+    _reject_unsupported(req.use_beam_search, "use_beam_search", req.bad_words, "bad_words")
 
 
-def _stop_token_ids(service: Service, ids: list[int] | None) -> tuple[int, ...]:
+def _token_ids(service: Service, ids: list[int] | None, param: str) -> tuple[int, ...] | None:
+    """A list of token ids a request field names, checked against the vocabulary (None when not given)."""
     bad = [t for t in ids or () if t >= service.vocab_size]
     if bad:
-        raise ServiceError(400, f"stop_token_ids must be token ids in [0, {service.vocab_size}), got {bad[0]}",
-                           param="stop_token_ids", code="invalid_value")
-    return tuple(ids or ())
+        raise ServiceError(400, f"{param} must be token ids in [0, {service.vocab_size}), got {bad[0]}",
+                           param=param, code="invalid_value")
+    return None if ids is None else tuple(ids)
 
 
 def _reject_unsupported(*pairs: Any) -> None:

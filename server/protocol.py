@@ -66,10 +66,10 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    allowed_token_ids: list[TokenId] | None = None
     # vLLM fields this server does not implement: accepted at their neutral value only (else a 400 naming them),
     # so a client relying on one learns it instead of getting a silently different answer
     use_beam_search: bool = False
-    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[Text] | None = None
     prompt_logprobs: int | None = None
     # Known OpenAI fields this server does not implement: accepted only at their neutral value, so a

@@ -291,10 +291,12 @@ class Service:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   **template_kwargs)
 
-    def sampling_params(self, *, param_names: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
-        """SamplingParams from API fields; a rejected value becomes a 400 naming the API field."""
+    def sampling_params(self, *, param_names: dict[str, str] | None = None, base: SamplingParams | None = None,
+                        **fields: Any) -> SamplingParams:
+        """SamplingParams from API fields (`base` with these changed); a rejected value becomes a 400 naming the API
+        field."""
         try:
-            return SamplingParams(**fields)
+            return SamplingParams(**fields) if base is None else dataclasses.replace(base, **fields)
         except ValueError as exc:
             err = service_error(exc)
             if err.param is not None and param_names and err.param in param_names:

@@ -135,6 +135,7 @@ class JaxEngine(Programs):
         self._slot_prompt_logprobs = np.zeros(self.max_slots + 1, np.int32)  # alternatives per scored prompt token
         # min_tokens: per slot, the output index from which EOS and its stop tokens may be sampled, and those tokens
         self._slot_min_tokens: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._slot_allowed: dict[int, np.ndarray] = {}  # allowed_token_ids: per slot, its packed mask row
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
         self._matchers: dict[int, Matcher] = {}
@@ -228,9 +229,15 @@ class JaxEngine(Programs):
         self._slot_prompt_logprobs[slot] = params.prompt_logprobs or 0
         self._matchers.pop(slot, None)
         self._slot_min_tokens.pop(slot, None)
+        self._slot_allowed.pop(slot, None)
+        if params.allowed_token_ids is not None:
+            check_token_ids(params.allowed_token_ids, self.vocab_size)
+            self._slot_allowed[slot] = self._mask_filler.packed(params.allowed_token_ids)
         if params.min_tokens and params.constraint is None:  # a grammar decides where a constrained reply ends
             ending = sorted({*self.eos_token_ids, *(t for t in params.stop_token_ids if t < self.vocab_size)})
             self._slot_min_tokens[slot] = (params.min_tokens, tuple(ending))
+            if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(ending):
+                raise ValueError("allowed_token_ids holds only tokens that min_tokens refuses")
         if params.constraint is not None:
             matcher = params.constraint.matcher()
             for token in state.output_ids:  # a preempted sequence resumes where its output is
@@ -265,6 +272,7 @@ class JaxEngine(Programs):
         self._slot_logprobs[slot] = -1
         self._matchers.pop(slot, None)
         self._slot_min_tokens.pop(slot, None)
+        self._slot_allowed.pop(slot, None)
 
     def step_inputs(self, batch: StepBatch, out: dict[str, np.ndarray] | None = None,
                     ) -> tuple[int, tuple[np.ndarray, ...], list[int]]:
@@ -337,6 +345,11 @@ class JaxEngine(Programs):
                      if (held := self._slot_min_tokens.get(slot)) is not None and steps[i] < held[0]}
             if short:
                 mask = self._mask_filler.ban(mask, b, short)
+        if self._slot_allowed:
+            limited = {i: row for i, slot in enumerate(sample_slots)
+                       if (row := self._slot_allowed.get(slot)) is not None}
+            if limited:
+                mask = self._mask_filler.restrict(mask, b, limited)
         if mask is None:  # kept on the device: an unconstrained step uploads no mask
             if b not in self._no_mask:
                 self._no_mask[b] = jax.device_put(np.full((b, mask_words(self.vocab_size)), 0xFFFFFFFF, np.uint32),

@@ -219,6 +219,24 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_then_lets_them_through(tiny_e
     assert 77 not in out[:2] and out[2] == 77
 
 
+def test_allowed_token_ids_limit_each_step_to_them(tiny_engine, tiny_model):
+    """Greedy over the allowed ids only: never outside them, the step's best among them (+100 on a token outside
+    does not get it picked), and a row beside it unaffected."""
+    cfg, params = tiny_model
+    rng = np.random.default_rng(15)
+    prompt, other = list(rng.integers(3, 256, 7)), list(rng.integers(3, 256, 5))
+    greedy = _dense_greedy(cfg, params, prompt, 6)
+    allowed = tuple(sorted({*rng.integers(3, 256, 5).tolist()} - set(greedy)))
+    limited = SamplingParams(temperature=0.0, max_tokens=6, allowed_token_ids=allowed,
+                             logit_bias=((greedy[0], 100.0),))
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    out = _generate(tiny_engine, [prompt, other], [limited, plain], [[1, 2, 3, 4], [5, 6, 7, 8]], 6)
+    assert set(out[0]) <= set(allowed)
+    assert out[1] == _dense_greedy(cfg, params, other, 6)
+    first = dense_last_logits(cfg, params, prompt)
+    assert out[0][0] == max(allowed, key=lambda t: float(first[t]))
+
+
 def test_a_penalized_insert_sets_its_slots_counts_and_prompt_mask(tiny_engine):
     """A resumed request's counts are its output so far (uploaded); a new one's are zeros (written on
     the device), over whatever the slot held."""

@@ -367,3 +367,10 @@ def test_a_thinking_models_grammar_lets_the_thinking_through_then_constrains_the
     ok, matcher = run(True, "")
     first = _allowed(filler.fill([matcher], 1)[0])
     assert fmt.open_id not in first and fmt.close_id in first  # the prompt opened it: close it, don't reopen
+
+
+def test_allowed_token_ids_and_a_grammar_do_not_combine(compiler):
+    """Both would limit the same mask row: the grammar alone decides (an empty intersection could leave nothing)."""
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(max_tokens=4, constraint=compiler.compile(Constraint("choice", ["yes"])), allowed_token_ids=(5,))
+    assert e.value.field == "allowed_token_ids"

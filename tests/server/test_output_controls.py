@@ -72,8 +72,9 @@ def test_min_tokens_keeps_stop_strings_from_ending_the_first_tokens(live: LiveSe
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("allowed_token_ids", [1]),
-                                          ("bad_words", ["x"]), ("prompt_logprobs", 1), ("stop_token_ids", [258])])
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+                                          ("stop_token_ids", [258]), ("allowed_token_ids", [258]),
+                                          ("allowed_token_ids", [])])
 def test_what_is_not_implemented_is_a_400_naming_it_and_neutral_values_pass(live: LiveServer, field, value) -> None:
     neutral = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": [],
                "prompt_logprobs": None, "stop_token_ids": []}[field]
