@@ -78,23 +78,34 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
+    prompt = truncated(_chat_prompt(service, req, with_tools(messages, plan)), keep)
+    if constraint is not None:
+        grammar = compile_constraint(service, _after_thinking(service, constraint, prompt))
+        params = service.sampling_params(base=params, constraint=grammar)
+    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora,
+                    priority=priority)
+
+
+def _chat_prompt(service: Service, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
+    """The rendered conversation's ids: a new assistant turn opened, none, or the final assistant message left open
+    (continue_final_message)."""
     if req.continue_final_message and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ServiceError(400, "continue_final_message goes on with a final assistant message: it needs the last "
                            "message's role to be assistant and add_generation_prompt false",
                            param="continue_final_message", code="invalid_value")
-    prompt = truncated(service.render_chat(with_tools(messages, plan),
-                                           template_kwargs=template_kwargs(req.chat_template_kwargs),
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final=req.continue_final_message), keep)
-    if constraint is not None:
-        # a reasoning model thinks first: the grammar applies to the answer after the thinking
-        fmt = service.reasoning
-        if fmt is not None:
-            constraint = dataclasses.replace(constraint, reasoning=Reasoning(
-                fmt.open_id, fmt.close_id, inside=fmt.starts_inside(prompt)))
-        params = service.sampling_params(base=params, constraint=compile_constraint(service, constraint))
-    return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora,
-                    priority=priority)
+    return service.render_chat(messages, template_kwargs=template_kwargs(req.chat_template_kwargs),
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final=req.continue_final_message)
+
+
+def _after_thinking(service: Service, constraint: Constraint, prompt: list[int]) -> Constraint:
+    """A reasoning model thinks first: its grammar lets the thinking through (from inside it when the prompt
+    opened it), then holds the answer to the constraint."""
+    fmt = service.reasoning
+    if fmt is None:
+        return constraint
+    return dataclasses.replace(constraint, reasoning=Reasoning(fmt.open_id, fmt.close_id,
+                                                               inside=fmt.starts_inside(prompt)))
 
 
 # the chat template's own variables, which chat_template_kwargs may not replace
