@@ -235,3 +235,39 @@ def test_the_grammar_of_a_constrained_reply_lets_the_thinking_through_first(thin
     for kwargs, inside in [({}, False), ({"think_first": True}, True), ({"enable_thinking": False}, False)]:
         chat(think_live, response_format={"type": "json_object"}, chat_template_kwargs=kwargs)
         assert seen[-1].reasoning == Reasoning(open_id=261, close_id=264, inside=inside)
+
+
+def test_a_tool_call_after_the_thinking_is_parsed_from_the_answer_whole_and_streamed():
+    """Tool calls come from the answer only: a <tool_call> the model wrote while thinking stays in the reasoning."""
+    import types
+
+    from slipstream.engine.request import FinishReason
+    from slipstream.engine.request_stream import Delta
+    from slipstream.server.openai_api import ChatFormat
+    from slipstream.server.protocol import ChatCompletionRequest
+
+    reply = ('<think>\nMaybe <tool_call>{"name": "weather", "arguments": {}}</tool_call>? No, ask properly.\n</think>'
+             '\n\nChecking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    service = types.SimpleNamespace(model_name="m", reasoning=FMT, token_text=str)
+    gen = types.SimpleNamespace(id="chatcmpl-1", num_choices=1, prompt_tokens=3, completion_tokens=9,
+                                prompt_ids=lambda index: [1, 260])
+    body = ChatCompletionRequest(messages=ASK, tools=[{"type": "function", "function": {
+        "name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])
+    whole = ChatFormat(service, gen, body).response([Delta(reply, [], None, FinishReason.STOP)])
+    message = whole.choices[0].message
+    assert message.reasoning_content == 'Maybe <tool_call>{"name": "weather", "arguments": {}}</tool_call>? No, ' \
+                                        'ask properly.'
+    assert message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("weather", {"city": "Oslo"})]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    fmt = ChatFormat(service, gen, body)
+    pieces = [reply[i:i + 5] for i in range(0, len(reply), 5)]
+    chunks = [fmt.chunk(Delta(p, [], None, FinishReason.STOP if i == len(pieces) - 1 else None))
+              for i, p in enumerate(pieces)]
+    deltas = [c.choices[0].delta for c in chunks if c is not None]
+    assert "".join(d.reasoning_content or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas).strip() == "Checking."
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("weather", {"city": "Oslo"})]
+    assert [c for c in chunks if c is not None][-1].choices[0].finish_reason == "tool_calls"
