@@ -26,7 +26,7 @@ from slipstream.server.unix_socket import DEFAULT_MODE, create_with_mode, remove
 _PARAM_NAMES = {"max_tokens": "max_tokens", "n": "num_samples",
                 **{f: f"sampling.{f}" for f in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                                                 "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                                "logit_bias")}}
+                                                "logit_bias", "min_tokens", "stop_token_ids")}}
 _OPTIONAL_SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 _END = object()  # the pump's end-of-stream marker
@@ -60,10 +60,13 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
     if s.HasField("json_schema"):
         field = "sampling.json_schema"
         grammar = compile_constraint(service, Constraint("json_schema", json_source(s.json_schema, field), field=field))
+    priority = service.check_priority(s.priority, "sampling.priority")
     params = service.sampling_params(
         param_names=_PARAM_NAMES, max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
         n=request.num_samples or 1, temperature=s.temperature if s.HasField("temperature") else 0.0,
-        stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=grammar,
+        stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=grammar, min_tokens=s.min_tokens,
+        stop_token_ids=service.token_ids(list(s.stop_token_ids), "sampling.stop_token_ids"),
+        include_stop_str_in_output=s.include_stop_str_in_output,
         logit_bias=service.logit_bias(sorted(s.logit_bias.items()), "sampling.logit_bias"), **optional)
     if kind == "text_content":
         prompt, prompt_param = service.encode(request.text_content.text, param="text_content.text"), "text_content"
@@ -72,7 +75,8 @@ def prepare_decode(service: Service, request: pb.DecodeRequest, bos_prefix: Sequ
         prompt = service.encode(list(request.token_content.token_ids), param="token_content.token_ids")
         if not request.has_bos:
             prompt = [*bos_prefix, *prompt]
-    return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param, lora=lora)
+    return Prepared(prompts=[prompt], params=params, id_prefix="decode", prompt_param=prompt_param, lora=lora,
+                    priority=priority)
 
 
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):

@@ -164,10 +164,11 @@ def _params(service: Service, req: CompletionRequest | ChatCompletionRequest, *,
     _reject_vllm_unsupported(req)
     return service.sampling_params(
         param_names=param_names, constraint=grammar, max_tokens=max_tokens, n=req.n, stop=stop, seed=req.seed,
-        stop_token_ids=_token_ids(service, req.stop_token_ids, "stop_token_ids") or (),
+        stop_token_ids=service.token_ids(req.stop_token_ids or (), "stop_token_ids"),
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
-        allowed_token_ids=_token_ids(service, req.allowed_token_ids, "allowed_token_ids"),
+        allowed_token_ids=None if req.allowed_token_ids is None else service.token_ids(req.allowed_token_ids,
+                                                                                       "allowed_token_ids"),
         logit_bias=_logit_bias(service, req.logit_bias),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -229,15 +230,6 @@ def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> 
                            "logprobs returns the prompt's log-probabilities)", param="prompt_logprobs",
                            code="unsupported")
     _reject_unsupported(req.use_beam_search, "use_beam_search", req.bad_words, "bad_words")
-
-
-def _token_ids(service: Service, ids: list[int] | None, param: str) -> tuple[int, ...] | None:
-    """A list of token ids a request field names, checked against the vocabulary (None when not given)."""
-    bad = [t for t in ids or () if t >= service.vocab_size]
-    if bad:
-        raise ServiceError(400, f"{param} must be token ids in [0, {service.vocab_size}), got {bad[0]}",
-                           param=param, code="invalid_value")
-    return None if ids is None else tuple(ids)
 
 
 def _reject_unsupported(*pairs: Any) -> None:

@@ -359,13 +359,21 @@ class Service:
             release()
             raise
 
-    def check_priority(self, priority: int) -> int:
+    def check_priority(self, priority: int, param: str = "priority") -> int:
         """A request's priority, allowed only under --scheduling-policy priority (else any but 0 is a 400, as
         on vLLM: one client must not jump the others' queue unless the operator said so)."""
         if priority and not self.config.priority_scheduling:
-            raise ServiceError(400, f"priority {priority} needs a server started with --scheduling-policy priority "
-                               "(this one serves first come, first served)", param="priority", code="unsupported")
+            raise ServiceError(400, f"{param} {priority} needs a server started with --scheduling-policy priority "
+                               "(this one serves first come, first served)", param=param, code="unsupported")
         return priority
+
+    def token_ids(self, ids: Sequence[int], param: str) -> tuple[int, ...]:
+        """Token ids a request field names, checked against the vocabulary (a 400 naming the field)."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ServiceError(400, f"{param} must be token ids in [0, {self.vocab_size}), got {bad[0]}",
+                               param=param, code="invalid_value")
+        return tuple(ids)
 
     def hold_client_place(self, client: str | None) -> Callable[[], None]:
         """Count one more request for `client` (429 past the limit); returns what gives it back."""

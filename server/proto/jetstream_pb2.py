@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'slipstream/server/proto/jetstream.proto\x12\x0fjetstream_proto\"\xf2\x03\n\rDecodeRequest\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x42\n\x0ctext_content\x18\x05 \x01(\x0b\x32*.jetstream_proto.DecodeRequest.TextContentH\x00\x12\x44\n\rtoken_content\x18\x06 \x01(\x0b\x32+.jetstream_proto.DecodeRequest.TokenContentH\x00\x12;\n\x08metadata\x18\x07 \x01(\x0b\x32\'.jetstream_proto.DecodeRequest.MetadataH\x01\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x05\x12\x17\n\x0flora_adapter_id\x18\t \x01(\t\x12\x0f\n\x07has_bos\x18\n \x01(\x08\x12\x35\n\x08sampling\x18\x64 \x01(\x0b\x32#.jetstream_proto.SlipstreamSampling\x1a\x1b\n\x0bTextContent\x12\x0c\n\x04text\x18\x01 \x01(\t\x1a!\n\x0cTokenContent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x1a\x1e\n\x08Metadata\x12\x12\n\nstart_time\x18\x01 \x01(\x02\x42\t\n\x07\x63ontentB\x13\n\x11metadata_optionalJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\x9c\x04\n\x12SlipstreamSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x0bjson_schema\x18\x0b \x01(\tH\x08\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x32.jetstream_proto.SlipstreamSampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_json_schema\"\xcb\x02\n\x0e\x44\x65\x63odeResponse\x12I\n\x0finitial_content\x18\x02 \x01(\x0b\x32..jetstream_proto.DecodeResponse.InitialContentH\x00\x12G\n\x0estream_content\x18\x03 \x01(\x0b\x32-.jetstream_proto.DecodeResponse.StreamContentH\x00\x1a\x10\n\x0eInitialContent\x1a\x81\x01\n\rStreamContent\x12\x45\n\x07samples\x18\x01 \x03(\x0b\x32\x34.jetstream_proto.DecodeResponse.StreamContent.Sample\x1a)\n\x06Sample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x42\t\n\x07\x63ontentJ\x04\x08\x01\x10\x02\"\x14\n\x12HealthCheckRequest\"&\n\x13HealthCheckResponse\x12\x0f\n\x07is_live\x18\x01 \x01(\x08\x32\xb9\x01\n\x0cOrchestrator\x12M\n\x06\x44\x65\x63ode\x12\x1e.jetstream_proto.DecodeRequest\x1a\x1f.jetstream_proto.DecodeResponse\"\x00\x30\x01\x12Z\n\x0bHealthCheck\x12#.jetstream_proto.HealthCheckRequest\x1a$.jetstream_proto.HealthCheckResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'slipstream/server/proto/jetstream.proto\x12\x0fjetstream_proto\"\xf2\x03\n\rDecodeRequest\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x42\n\x0ctext_content\x18\x05 \x01(\x0b\x32*.jetstream_proto.DecodeRequest.TextContentH\x00\x12\x44\n\rtoken_content\x18\x06 \x01(\x0b\x32+.jetstream_proto.DecodeRequest.TokenContentH\x00\x12;\n\x08metadata\x18\x07 \x01(\x0b\x32\'.jetstream_proto.DecodeRequest.MetadataH\x01\x12\x13\n\x0bnum_samples\x18\x08 \x01(\x05\x12\x17\n\x0flora_adapter_id\x18\t \x01(\t\x12\x0f\n\x07has_bos\x18\n \x01(\x08\x12\x35\n\x08sampling\x18\x64 \x01(\x0b\x32#.jetstream_proto.SlipstreamSampling\x1a\x1b\n\x0bTextContent\x12\x0c\n\x04text\x18\x01 \x01(\t\x1a!\n\x0cTokenContent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x1a\x1e\n\x08Metadata\x12\x12\n\nstart_time\x18\x01 \x01(\x02\x42\t\n\x07\x63ontentB\x13\n\x11metadata_optionalJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xfe\x04\n\x12SlipstreamSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x0bjson_schema\x18\x0b \x01(\tH\x08\x88\x01\x01\x12\x46\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x32.jetstream_proto.SlipstreamSampling.LogitBiasEntry\x12\x10\n\x08priority\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0e\n\x0c_json_schema\"\xcb\x02\n\x0e\x44\x65\x63odeResponse\x12I\n\x0finitial_content\x18\x02 \x01(\x0b\x32..jetstream_proto.DecodeResponse.InitialContentH\x00\x12G\n\x0estream_content\x18\x03 \x01(\x0b\x32-.jetstream_proto.DecodeResponse.StreamContentH\x00\x1a\x10\n\x0eInitialContent\x1a\x81\x01\n\rStreamContent\x12\x45\n\x07samples\x18\x01 \x03(\x0b\x32\x34.jetstream_proto.DecodeResponse.StreamContent.Sample\x1a)\n\x06Sample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x42\t\n\x07\x63ontentJ\x04\x08\x01\x10\x02\"\x14\n\x12HealthCheckRequest\"&\n\x13HealthCheckResponse\x12\x0f\n\x07is_live\x18\x01 \x01(\x08\x32\xb9\x01\n\x0cOrchestrator\x12M\n\x06\x44\x65\x63ode\x12\x1e.jetstream_proto.DecodeRequest\x1a\x1f.jetstream_proto.DecodeResponse\"\x00\x30\x01\x12Z\n\x0bHealthCheck\x12#.jetstream_proto.HealthCheckRequest\x1a$.jetstream_proto.HealthCheckResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,21 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST_METADATA']._serialized_start=479
   _globals['_DECODEREQUEST_METADATA']._serialized_end=509
   _globals['_SLIPSTREAMSAMPLING']._serialized_start=562
-  _globals['_SLIPSTREAMSAMPLING']._serialized_end=1102
-  _globals['_SLIPSTREAMSAMPLING_LOGITBIASENTRY']._serialized_start=917
-  _globals['_SLIPSTREAMSAMPLING_LOGITBIASENTRY']._serialized_end=965
-  _globals['_DECODERESPONSE']._serialized_start=1105
-  _globals['_DECODERESPONSE']._serialized_end=1436
-  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_start=1271
-  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_end=1287
-  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_start=1290
-  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_end=1419
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_start=1378
-  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_end=1419
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1438
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1458
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1460
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1498
-  _globals['_ORCHESTRATOR']._serialized_start=1501
-  _globals['_ORCHESTRATOR']._serialized_end=1686
+  _globals['_SLIPSTREAMSAMPLING']._serialized_end=1200
+  _globals['_SLIPSTREAMSAMPLING_LOGITBIASENTRY']._serialized_start=1015
+  _globals['_SLIPSTREAMSAMPLING_LOGITBIASENTRY']._serialized_end=1063
+  _globals['_DECODERESPONSE']._serialized_start=1203
+  _globals['_DECODERESPONSE']._serialized_end=1534
+  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_start=1369
+  _globals['_DECODERESPONSE_INITIALCONTENT']._serialized_end=1385
+  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_start=1388
+  _globals['_DECODERESPONSE_STREAMCONTENT']._serialized_end=1517
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_start=1476
+  _globals['_DECODERESPONSE_STREAMCONTENT_SAMPLE']._serialized_end=1517
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1536
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1556
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1558
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1596
+  _globals['_ORCHESTRATOR']._serialized_start=1599
+  _globals['_ORCHESTRATOR']._serialized_end=1784
 # @@protoc_insertion_point(module_scope)

@@ -140,8 +140,25 @@ def test_sampling_extension_reaches_the_engine(rpc: GrpcLive, live: LiveServer) 
     assert (params.temperature, params.max_tokens, params.n) == (0.0, DEFAULT_MAX_TOKENS, 1)
 
 
+def test_output_controls_and_priority_in_the_sampling_extension(rpc: GrpcLive, make_rpc) -> None:
+    """The extension's min_tokens, stop_token_ids, include_stop_str_in_output reach the engine as on HTTP; a
+    priority needs --scheduling-policy priority (INVALID_ARGUMENT naming it otherwise)."""
+    for sampling, text in [(pb.SlipstreamSampling(stop_token_ids=[ord("g")]), "def"),
+                           (pb.SlipstreamSampling(stop=["fg"], include_stop_str_in_output=True), "defg"),
+                           (pb.SlipstreamSampling(stop=["f"], min_tokens=4), "defghijklm")]:
+        texts, _, _ = collect(rpc.stub.Decode(text_request("abc", 10, sampling=sampling)))
+        assert "".join(texts) == text, sampling
+    error = _code(lambda: list(rpc.stub.Decode(text_request("abc", 3, sampling=pb.SlipstreamSampling(priority=2)))))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.priority" in error.details()
+    _, urgent = make_rpc(service_config={"priority_scheduling": True})
+    texts, _, _ = collect(urgent.stub.Decode(text_request("abc", 3, sampling=pb.SlipstreamSampling(priority=-2))))
+    assert "".join(texts) == "def"
+
+
 @pytest.mark.parametrize("request_, blamed", [
     (pb.DecodeRequest(max_tokens=3), "text_content or token_content"),
+    (text_request("abc", 3, sampling=pb.SlipstreamSampling(stop_token_ids=[999])), "sampling.stop_token_ids"),
+    (text_request("abc", 3, sampling=pb.SlipstreamSampling(min_tokens=4)), "sampling.min_tokens"),
     (text_request("abc", -1), "max_tokens"),
     (text_request("abc", 3, num_samples=17), "num_samples"),
     (text_request("abc", 3, sampling=pb.SlipstreamSampling(top_p=1.5)), "sampling.top_p"),
