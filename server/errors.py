@@ -59,6 +59,21 @@ def service_error(exc: BaseException, *, prompt_param: str = "prompt") -> Servic
     return ServiceError(500, "internal server error", code="internal_error")
 
 
+def renamed(exc: BaseException, field: Callable[[str], str]) -> ServiceError:
+    """The client-facing form of an error met on the chat path by a request of another API translated onto it (the
+    Responses and Anthropic APIs): its field as `field` names it, in `param` and in the message (for "messages",
+    only where the message starts with it: elsewhere the word is prose)."""
+    err = service_error(exc)
+    if err.param is None:
+        return err
+    name, message = field(err.param), err.message
+    if err.param == "messages":
+        message = name + message[len(err.param):] if message.startswith(err.param) else message
+    else:
+        message = message.replace(err.param, name)
+    return ServiceError(err.status, message, param=name, code=err.code, retry_after_s=err.retry_after_s)
+
+
 def parse_input(field: str, what: str, parse: Callable[..., T], *args: Any) -> T:
     """The one way text a client sent is parsed (JSON arguments, schemas, grammars, templates,
     protobuf): whatever the parser raises is the client's 400 naming `field` (InvalidParam), never

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from slipstream.engine.errors import InvalidParam
-from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.errors import ServiceError, renamed
 from slipstream.server.openai_api import prepare_chat
 from slipstream.server.protocol import (ChatCompletionRequest, ChatMessage, MessageFunction, MessageToolCall, Text,
                                         TokenCount, _Request, valid_unicode)
@@ -146,17 +146,11 @@ class Translation:
         try:
             return await service.start(prepare, client)
         except (ServiceError, InvalidParam) as exc:
-            err = service_error(exc)
-            name = self.field(err.param)
-            message = err.message
-            if err.param == "messages":  # a word of the prose too: only a leading one names the field
-                message = name + message[len(err.param):] if message.startswith(err.param) else message
-            elif err.param is not None:
-                message = message.replace(err.param, name)
+            err = renamed(exc, self.field)
             if err.code == "context_length_exceeded":
-                message = message.replace("max_tokens", "max_output_tokens")
-            raise ServiceError(err.status, message, param=name, code=err.code,
-                               retry_after_s=err.retry_after_s) from None
+                err = ServiceError(err.status, err.message.replace("max_tokens", "max_output_tokens"), param=err.param,
+                                   code=err.code)
+            raise err from None
 
     def field(self, param: str | None) -> str | None:
         """The Responses field a chat field came from."""
