@@ -164,7 +164,7 @@ class RequestGate:
             return
         headers = Headers(scope=scope)
         try:
-            check_api_key(self.api_key, bearer_token(headers.get("authorization")))
+            check_api_key(self.api_key, presented_key(headers, scope["path"]))
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 try:
                     async with asyncio.timeout(self.body_timeout_s):
@@ -211,10 +211,19 @@ def client_of(request: Request, user: str | None) -> str:
     key it presents, else its address (the key is hashed so that it is never held as a dict key)."""
     if user:
         return f"user:{user}"
-    token = bearer_token(request.headers.get("authorization"))
+    token = presented_key(request.headers, request.url.path)
     if token:
         return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     return f"addr:{request.client.host if request.client else 'unknown'}"
+
+
+def presented_key(headers: Headers, path: str) -> str | None:
+    """The API key a request presents: 'Authorization: Bearer <key>', or on Anthropic's routes its x-api-key header
+    (what the anthropic SDK sends)."""
+    token = bearer_token(headers.get("authorization"))
+    if token is None and path.startswith("/v1/messages"):
+        token = headers.get("x-api-key")
+    return token
 
 
 def _check_body(headers: Headers, body: bytes) -> None:
