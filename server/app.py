@@ -23,6 +23,9 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from slipstream.engine.request_stream import Delta
+from slipstream.server.anthropic import CountTokensRequest, MessagesRequest, translate as translate_messages
+from slipstream.server.anthropic_output import (AnthropicErrors, CountTokensResponse, ErrorResponse as AnthropicError,
+                                                MessageFormat, MessageObject)
 from slipstream.server.embeddings import Embedder
 from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
@@ -101,7 +104,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     app.state.api_key = api_key  # the gRPC front end checks the same key
     app.state.metrics = metrics = Metrics(service.scheduler, lambda: service.engine.compile_count, service.responses)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
-    app.add_middleware(CountResponses, counts=service.responses)  # outermost: sees the gate's answers too
+    app.add_middleware(CountResponses, counts=service.responses)  # sees the gate's answers too
+    app.add_middleware(AnthropicErrors)  # outermost: Anthropic's routes' errors in their shape, once counted
     install_error_handlers(app)
     created = int(time.time())
     if service.lora is not None:
@@ -191,6 +195,23 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     async def delete_response(response_id: str) -> dict[str, Any]:
         stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    anthropic_errors = {k: {**v, "model": AnthropicError} for k, v in _V1_ERRORS.items()}
+
+    @app.post("/v1/messages", response_model=None, responses={**_generation_responses(
+        MessageObject, "Anthropic's typed events (`event: <type>`), message_start to message_stop"), **anthropic_errors})
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        translation = translate_messages(body)
+        gen = await translation.start(service, client_of(request, translation.chat.user))
+        fmt = MessageFormat(service, gen, body, translation)
+        if body.stream:
+            await _admitted(gen)
+            return _EventStream(fmt.events(gen.deltas()), gen.cancel)
+        return _json_response(fmt.message(await _collect_unless_disconnected(request, gen)))
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=anthropic_errors)
+    async def count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        return CountTokensResponse(input_tokens=await asyncio.to_thread(translate_messages(body).count, service))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
