@@ -3,20 +3,20 @@ blocks, whole or as the stream's typed events, and every error of these routes i
 (server/anthropic.py translates the request)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from slipstream.engine.request import FinishReason
 from slipstream.engine.request_stream import Delta
-from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.errors import ServiceError
 from slipstream.server.openai_api import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.service import Generation, Service
+from slipstream.server.typed_events import TypedEvents
 
 from slipstream.server.anthropic import MessagesRequest, Translation
 
@@ -60,9 +60,11 @@ _BLOCKS = {"thinking": ({"thinking": "", "signature": ""}, "thinking_delta", "th
            "tool_use": ({"input": {}}, "input_json_delta", "partial_json")}
 
 
-class MessageFormat:
+class MessageFormat(TypedEvents):
     """One Generation as a message: the chat format's split reply (ChatFormat.chunk) as content blocks, opened and
     closed as the reply goes. A whole message runs the same way over the one collected Delta."""
+
+    kinds = ("thinking", "text")
 
     def __init__(self, service: Service, gen: Generation, req: MessagesRequest, translation: Translation) -> None:
         self.gen = gen
@@ -75,7 +77,6 @@ class MessageFormat:
         self.arguments: list[str] = []  # per tool_use block: its input as the model wrote it
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.streaming = True  # False: the events are not written, only the message built
 
     def body(self) -> MessageObject:
         return MessageObject(id=self.id, model=self.model, content=self.content, stop_reason=self.stop_reason,
@@ -84,35 +85,22 @@ class MessageFormat:
 
     def message(self, choices: list[Delta]) -> MessageObject:
         """The whole message from the collected reply."""
-        self.streaming = False
-        self.feed(choices[0])
+        self.whole(choices)
         return self.body()
 
-    async def events(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        """The stream's SSE events. A failure after the headers ends it with an error event."""
-        try:
-            yield _event("message_start", message=self.body().model_dump(mode="json"))
-            async with contextlib.aclosing(deltas) as stream:
-                async for delta in stream:
-                    for event in self.feed(delta):
-                        yield event
-        except Exception as exc:  # noqa: BLE001 - headers are gone: the error becomes the last event
-            yield _event("error", error=error_detail(service_error(exc)))
+    def opening(self) -> list[bytes]:
+        return [_event("message_start", message=self.body().model_dump(mode="json"))]
+
+    def failed(self, err: ServiceError) -> list[bytes]:
+        return [_event("error", error=error_detail(err))]
 
     # ---- the reply, block by block ----
 
     def feed(self, d: Delta) -> list[bytes]:
         """The SSE events for one Delta (the last one ends the message)."""
         d = self._matched_stop(d)
-        chunk, events = self.chat.chunk(d), []
-        if chunk is not None:
-            delta = chunk.choices[0].delta
-            if delta.reasoning_content:
-                events += self._text("thinking", delta.reasoning_content)
-            if delta.content:
-                events += self._text("text", delta.content)
-            for call in delta.tool_calls or ():
-                events += self._call(call)
+        chunk = self.chat.chunk(d)
+        events = self.parts(chunk)
         if d.finish_reason is None:
             return events
         events += self._close()
@@ -136,14 +124,14 @@ class MessageFormat:
         self.stop_sequence = found
         return dataclasses.replace(d, text=d.text[:-len(found)])
 
-    def _text(self, kind: str, text: str) -> list[bytes]:
+    def text(self, kind: str, text: str) -> list[bytes]:
         events = []
         if self.open is None or self.open["type"] != kind:
             events += self._close() + self._start({"type": kind, **_BLOCKS[kind][0]})
         self.open[kind] += text
         return [*events, self._delta(text)]
 
-    def _call(self, call: ToolCallDelta) -> list[bytes]:
+    def call(self, call: ToolCallDelta) -> list[bytes]:
         events = []
         if call.id is not None:  # a call's first delta: a new block
             events += self._close()

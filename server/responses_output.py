@@ -2,22 +2,22 @@
 output items, whole or as the stream's typed events (server/responses.py translates the request)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from slipstream.engine.request_stream import Delta
-from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.errors import ServiceError
 from slipstream.server.openai_api import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.response_store import ResponseStore
 from slipstream.server.responses import ResponsesRequest, Translation
 from slipstream.server.service import Generation, Service
+from slipstream.server.typed_events import TypedEvents
 
 
 
@@ -84,10 +84,11 @@ _TEXT_ITEMS = {
                            "response.reasoning_text", {})}
 
 
-class ResponseFormat:
+class ResponseFormat(TypedEvents):
     """One Generation as a response: the chat format's split reply (ChatFormat.chunk) as output items, opened
     and closed as the reply goes. Whole responses run the same way over the one collected Delta."""
 
+    kinds = ("reasoning", "message")
 
     def __init__(self, service: Service, gen: Generation, req: ResponsesRequest, translation: Translation,
                  store: ResponseStore) -> None:
@@ -101,7 +102,6 @@ class ResponseFormat:
         self.open: dict[str, Any] | None = None  # the item being written (the last of output)
         self.status, self.reason = "in_progress", None
         self.sequence = 0
-        self.streaming = True  # False: the events are not written, only the response built
         self.tokens, self.thought = 0, None  # tokens so far; of them, those up to the thinking's end once it ends
 
     # ---- the response ----
@@ -128,38 +128,25 @@ class ResponseFormat:
 
     def response(self, choices: list[Delta]) -> ResponseObject:
         """The whole response from the collected reply."""
-        self.streaming = False
-        self.feed(choices[0])
+        self.whole(choices)
         return self.body()
 
-    async def events(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        """The stream's SSE events. A failure after the headers ends it with an error event, then response.failed."""
-        try:
-            yield self._event("response.created", response=self._dump())
-            yield self._event("response.in_progress", response=self._dump())
-            async with contextlib.aclosing(deltas) as stream:
-                async for delta in stream:
-                    for event in self.feed(delta):
-                        yield event
-        except Exception as exc:  # noqa: BLE001 - headers are gone: the error becomes the last events
-            err = service_error(exc)
-            yield self._event("error", code=err.code, message=err.message, param=err.param)
-            self.status = "failed"
-            yield self._event("response.failed", response=self._dump(err))
+    def opening(self) -> list[bytes]:
+        return [self._event("response.created", response=self._dump()),
+                self._event("response.in_progress", response=self._dump())]
+
+    def failed(self, err: ServiceError) -> list[bytes]:
+        """An error event, then response.failed."""
+        event = self._event("error", code=err.code, message=err.message, param=err.param)
+        self.status = "failed"
+        return [event, self._event("response.failed", response=self._dump(err))]
 
     # ---- the reply, item by item ----
 
     def feed(self, d: Delta) -> list[bytes]:
         """The SSE events for one Delta (the last one closes the response)."""
-        chunk, events = self.chat.chunk(d), []
-        if chunk is not None:
-            delta = chunk.choices[0].delta
-            if delta.reasoning_content:
-                events += self._text("reasoning", delta.reasoning_content)
-            if delta.content:
-                events += self._text("message", delta.content)
-            for call in delta.tool_calls or ():
-                events += self._call(call)
+        chunk = self.chat.chunk(d)
+        events = self.parts(chunk)
         close = self.chat.reasoning.close_id if self.chat.reasoning is not None else None
         if self.thought is None and close in d.token_ids:
             self.thought = self.tokens + d.token_ids.index(close) + 1
@@ -170,7 +157,7 @@ class ResponseFormat:
         self.status, self.reason = ("incomplete", "max_output_tokens") if cut else ("completed", None)
         events += self._close()
         if not self.output:  # nothing said: an empty answer, as OpenAI gives one
-            events += self._text("message", "") + self._close()
+            events += self.text("message", "") + self._close()
         if self.store is not None:
             items = self.translation.items
             self.store.put(self.id, self.body().model_dump_json().encode(), [*items, *self.output],
@@ -179,7 +166,7 @@ class ResponseFormat:
             events.append(self._event(f"response.{self.status}", response=self._dump()))
         return events
 
-    def _text(self, kind: str, text: str) -> list[bytes]:
+    def text(self, kind: str, text: str) -> list[bytes]:
         shown, events = _TEXT_ITEMS[kind], []
         if self.open is None or self.open["type"] != kind:
             events += self._close()
@@ -193,7 +180,7 @@ class ResponseFormat:
             events.append(self._event(f"{shown.events}.delta", **self._where(), delta=text, **shown.extra))
         return events
 
-    def _call(self, call: ToolCallDelta) -> list[bytes]:
+    def call(self, call: ToolCallDelta) -> list[bytes]:
         events = []
         if call.id is not None:  # a call's first delta: a new item
             events += self._close()
