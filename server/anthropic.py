@@ -200,15 +200,22 @@ def translate(req: CountTokensRequest) -> Translation:
                 call = MessageToolCall(id=block.id, function=MessageFunction(name=block.name, arguments=arguments))
                 turn.tool_calls = [*(turn.tool_calls or ()), call]
                 calls.setdefault(len(messages) - 1, []).append(field)
-    if len(messages) == (req.system is not None):
+    last = messages[-1] if len(messages) > (req.system is not None) else None
+    if last is not None and last.role == "assistant" and not last.content.strip() and not last.tool_calls:
+        messages.pop()  # an empty prefill, as none: the reply is a new turn
+        origins.pop()
+        last = messages[-1] if len(messages) > (req.system is not None) else None
+    if last is None:
         raise _bad("messages", "hold no text, tool use or tool result")
-    prefill = messages[-1].role == "assistant"
+    prefill = last.role == "assistant"
     sampling = {}
     if isinstance(req, MessagesRequest):
         sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                         stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences),  # to tell
                         user=_user(req.metadata))                                                  # which matched
     tools, choice = _tools(req.tools), _tool_choice(req.tool_choice)
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools or ()}:
+        raise _bad("tool_choice.name", f"names tool {choice['function']['name']!r}, which is not in tools")
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, tools=tools,
         tool_choice=choice, parallel_tool_calls=False if (req.tool_choice or {}).get("disable_parallel_tool_use")

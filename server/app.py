@@ -199,7 +199,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
     anthropic_errors = {k: {**v, "model": AnthropicError} for k, v in _V1_ERRORS.items()}
 
     @app.post("/v1/messages", response_model=None, responses={**_generation_responses(
-        MessageObject, "Anthropic's typed events (`event: <type>`), message_start to message_stop"), **anthropic_errors})
+        MessageObject, "Anthropic's typed events (`event: <type>`), message_start to message_stop"),
+        **anthropic_errors})
     async def messages(body: MessagesRequest, request: Request) -> Response:
         translation = translate_messages(body)
         gen = await translation.start(service, client_of(request, translation.chat.user))

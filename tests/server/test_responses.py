@@ -33,9 +33,9 @@ def post(live, **body: Any) -> httpx.Response:
         return http.post("/v1/responses", json=body)
 
 
-def sse_events(live, **body: Any) -> list[dict[str, Any]]:
+def sse_events(live, path: str = "/v1/responses", **body: Any) -> list[dict[str, Any]]:
     """The stream's events as sent: each `event:` line names its data's type."""
-    with live.http() as http, http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+    with live.http() as http, http.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         blocks = [b for b in r.read().decode().split("\n\n") if b]
