@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Sen
 from slipstream.engine.request import FinishReason
 from slipstream.engine.request_stream import Delta
 from slipstream.server.errors import ServiceError
+from slipstream.server.gate import ANTHROPIC_PATHS
 from slipstream.server.openai_api import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.service import Generation, Service
@@ -43,14 +44,14 @@ class CountTokensResponse(BaseModel):
     input_tokens: int
 
 
-class ErrorDetail(BaseModel):
+class AnthropicErrorDetail(BaseModel):
     type: str
     message: str
 
 
-class ErrorResponse(BaseModel):
+class AnthropicError(BaseModel):
     type: Literal["error"] = "error"
-    error: ErrorDetail
+    error: AnthropicErrorDetail
 
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -203,7 +204,7 @@ class AnthropicErrors:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/messages"):
+        if scope["type"] != "http" or scope["path"] not in ANTHROPIC_PATHS:
             await self.app(scope, receive, send)
             return
         start: AsgiMessage | None = None
@@ -231,4 +232,4 @@ def _reshaped(status: int, body: bytes) -> bytes:
         err = ServiceError(status, str(error["message"]), param=error.get("param"))
     except (ValueError, KeyError, TypeError):
         err = ServiceError(status, body.decode(errors="replace") or "error")
-    return ErrorResponse(error=ErrorDetail(**error_detail(err))).model_dump_json().encode()
+    return AnthropicError(error=AnthropicErrorDetail(**error_detail(err))).model_dump_json().encode()

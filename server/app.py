@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 
 from slipstream.engine.request_stream import Delta
 from slipstream.server.anthropic import CountTokensRequest, MessagesRequest, translate as translate_messages
-from slipstream.server.anthropic_output import (AnthropicErrors, CountTokensResponse, ErrorResponse as AnthropicError,
-                                                MessageFormat, MessageObject)
+from slipstream.server.anthropic_output import (AnthropicError, AnthropicErrors, CountTokensResponse, MessageFormat,
+                                                MessageObject)
 from slipstream.server.embeddings import Embedder
 from slipstream.server.errors import ServiceError, service_error
 from slipstream.server.gate import (CountResponses, RequestGate, client_of, error_body, head_timeout_protocol,
@@ -197,6 +197,9 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         return {"id": response_id, "object": "response", "deleted": True}
 
     anthropic_errors = {k: {**v, "model": AnthropicError} for k, v in _V1_ERRORS.items()}
+    anthropic_errors[400] = _error("Invalid request: `error.message` starts with the field.", model=AnthropicError)
+    anthropic_errors[401] = _error("Missing or wrong API key (when the server has one): send 'x-api-key: <key>' or "
+                                   "'Authorization: Bearer <key>'.", model=AnthropicError)
 
     @app.post("/v1/messages", response_model=None, responses={**_generation_responses(
         MessageObject, "Anthropic's typed events (`event: <type>`), message_start to message_stop"),

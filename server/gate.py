@@ -143,6 +143,7 @@ def _error_code(body: bytes) -> str | None:
 
 
 GATED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), gated like it
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's API: its key header, its error shape
 
 
 class RequestGate:
@@ -221,7 +222,7 @@ def presented_key(headers: Headers, path: str) -> str | None:
     """The API key a request presents: 'Authorization: Bearer <key>', or on Anthropic's routes its x-api-key header
     (what the anthropic SDK sends)."""
     token = bearer_token(headers.get("authorization"))
-    if token is None and path.startswith("/v1/messages"):
+    if token is None and path in ANTHROPIC_PATHS:
         token = headers.get("x-api-key")
     return token
 

@@ -313,6 +313,17 @@ def test_bad_requests_are_400s_in_anthropics_shape_naming_the_field(live, body, 
         assert chat_name not in message, message
 
 
+def test_the_openapi_document_shows_anthropics_error_shape(live):
+    with live.http() as http:
+        spec = http.get("/openapi.json").json()
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert {"400", "401", "404", "413", "429", "500", "503"} <= set(responses)
+        assert all(responses[s]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/"
+                                                                             "AnthropicError"}
+                   for s in ("400", "401", "413", "429", "503"))
+
+
 def test_count_tokens_needs_no_max_tokens_and_has_the_same_errors(live):
     assert count(live, messages=HI) == chat(live, HI, max_tokens=1)["usage"]["prompt_tokens"]
     r = post(live, "/v1/messages/count_tokens", messages=[{"role": "user", "content": [{"type": "image"}]}])
