@@ -166,6 +166,34 @@ class Translation:
 def translate(req: CountTokensRequest) -> Translation:
     """The chat request for `req`; a 400 naming the field for what cannot be translated. A final assistant message is
     a prefill: the reply goes on from it, as on Anthropic."""
+    messages, origins, calls = _conversation(req)
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant" and not last.content.strip() and not last.tool_calls:
+        messages.pop()  # an empty prefill, as none: the reply is a new turn
+        origins.pop()
+    if len(messages) == (req.system is not None):
+        raise _bad("messages", "must hold some text, tool use or tool result")
+    prefill = messages[-1].role == "assistant"
+    tools, choice = _tools(req.tools), _tool_choice(req.tool_choice)
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools or ()}:
+        raise _bad("tool_choice.name", f"names tool {choice['function']['name']!r}, which is not in tools")
+    fields: dict[str, Any] = {}
+    if isinstance(req, MessagesRequest):
+        # a matched stop string stays in the text, for the reply to tell which one matched (and cut it there)
+        fields = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences),
+                      user=_user(req.metadata))
+    if (req.tool_choice or {}).get("disable_parallel_tool_use"):
+        fields["parallel_tool_calls"] = False
+    chat = ChatCompletionRequest(model=req.model, messages=messages, tools=tools, tool_choice=choice,
+                                 chat_template_kwargs=_thinking(req.thinking), add_generation_prompt=not prefill,
+                                 continue_final_message=prefill, **fields)
+    return Translation(chat, origins, calls)
+
+
+def _conversation(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str], dict[int, list[str]]]:
+    """The system prompt and the messages as chat messages (a turn's text, thinking and tool calls as one message,
+    each tool result as a tool message of its own), each one's Messages field, and each tool call's block."""
     messages: list[ChatMessage] = []
     origins: list[str] = []
     calls: dict[int, list[str]] = {}
@@ -200,28 +228,7 @@ def translate(req: CountTokensRequest) -> Translation:
                 call = MessageToolCall(id=block.id, function=MessageFunction(name=block.name, arguments=arguments))
                 turn.tool_calls = [*(turn.tool_calls or ()), call]
                 calls.setdefault(len(messages) - 1, []).append(field)
-    last = messages[-1] if len(messages) > (req.system is not None) else None
-    if last is not None and last.role == "assistant" and not last.content.strip() and not last.tool_calls:
-        messages.pop()  # an empty prefill, as none: the reply is a new turn
-        origins.pop()
-        last = messages[-1] if len(messages) > (req.system is not None) else None
-    if last is None:
-        raise _bad("messages", "hold no text, tool use or tool result")
-    prefill = last.role == "assistant"
-    sampling = {}
-    if isinstance(req, MessagesRequest):
-        sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences),  # to tell
-                        user=_user(req.metadata))                                                  # which matched
-    tools, choice = _tools(req.tools), _tool_choice(req.tool_choice)
-    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools or ()}:
-        raise _bad("tool_choice.name", f"names tool {choice['function']['name']!r}, which is not in tools")
-    chat = ChatCompletionRequest(
-        model=req.model, messages=messages, tools=tools,
-        tool_choice=choice, parallel_tool_calls=False if (req.tool_choice or {}).get("disable_parallel_tool_use")
-        else None, chat_template_kwargs=_thinking(req.thinking), add_generation_prompt=not prefill,
-        continue_final_message=prefill, **sampling)
-    return Translation(chat, origins, calls)
+    return messages, origins, calls
 
 
 def _user(metadata: dict[str, Any] | None) -> str | None:
