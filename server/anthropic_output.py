@@ -109,9 +109,9 @@ class MessageFormat(TypedEvents):
         self.stop_reason = "stop_sequence" if self.stop_sequence is not None and reason != "tool_use" else reason
         if self.stop_reason != "stop_sequence":
             self.stop_sequence = None
-        return [*events, _event("message_delta", delta={"stop_reason": self.stop_reason,
-                                                        "stop_sequence": self.stop_sequence},
-                                usage={"output_tokens": self.gen.completion_tokens}), _event("message_stop")]
+        return [*events, self._event("message_delta", delta={"stop_reason": self.stop_reason,
+                                                             "stop_sequence": self.stop_sequence},
+                                     usage={"output_tokens": self.gen.completion_tokens}), self._event("message_stop")]
 
     def _matched_stop(self, d: Delta) -> Delta:
         """The last Delta without the stop sequence it ends with, noted as the one that matched. The chat request
@@ -168,7 +168,7 @@ class MessageFormat(TypedEvents):
 
 
 def _event(kind: str, **fields: Any) -> bytes:
-    data = json.dumps({"type": kind, **fields}, separators=(",", ":"), ensure_ascii=False)
+    data = json.dumps({"type": kind, **fields}, separators=(",", ":"))
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
