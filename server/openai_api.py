@@ -273,9 +273,27 @@ class _StreamEvents:
     where the delta needs the model (logprobs, tool calls)."""
 
     _events: tuple[bool, _ChunkEvents] | None = None  # per include_usage
+    service: Service
+    continuous = False  # stream_options.continuous_usage_stats: each chunk with the usage so far
+    token_ids_as_text = False  # return_tokens_as_token_ids
+
+    def _options(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        options = body.stream_options
+        self.continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        self.token_ids_as_text = body.return_tokens_as_token_ids
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.token_ids_as_text else self.service.token_text(token_id)
 
     def sse(self, d: Delta, include_usage: bool) -> bytes:
         """chunk(d)'s SSE event (b"" for none)."""
+        if self.continuous:
+            chunk = self.chunk(d)
+            if chunk is None:
+                return b""
+            chunk.usage = self.usage()
+            return sse_event(chunk, include_usage)
         body = self._direct(d)
         if body is None:
             chunk = self.chunk(d)
@@ -296,6 +314,7 @@ class CompletionFormat(_StreamEvents):
         self.offsets = [0] * gen.num_choices  # text_offset continues across stream chunks
         # echo: each choice's prompt text, until its first chunk (or its response) shows it
         self.echo: list[str | None] = [None] * gen.num_choices
+        self._options(body)
         if body.echo:
             items = prompt_items(body)
             self.echo = [item if isinstance(item, str) else service.tokenizer.decode(item)
@@ -314,12 +333,12 @@ class CompletionFormat(_StreamEvents):
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         if prompt is not None:
             first = self.gen.prompt_ids(index)[0]
-            self._add(out, index, self.service.token_text(first), None, None)
+            self._add(out, index, self.token_text(first), None, None)
         for lp in [*(prompt or ())[1:], *lps]:
-            token = self.service.token_text(lp.token_id)
+            token = self.token_text(lp.token_id)
             top: dict[str, float] = {}
             for token_id, logprob in lp.top:
-                top.setdefault(self.service.token_text(token_id), logprob)
+                top.setdefault(self.token_text(token_id), logprob)
             top.setdefault(token, lp.logprob)  # OpenAI always includes the sampled token
             self._add(out, index, token, lp.logprob, top)
         return out
@@ -370,6 +389,7 @@ class ChatFormat(_StreamEvents):
         self.service, self.gen, self.model = service, gen, body.model or service.model_name
         self.created = int(time.time())
         self.top_logprobs = body.top_logprobs or 0
+        self._options(body)
         self.tools = tool_plan(body.tools, body.tool_choice)
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
         # a reasoning model's choices: whether each starts inside the thinking, and its stream's split
@@ -387,7 +407,7 @@ class ChatFormat(_StreamEvents):
             return None
 
         def top(token_id: int, logprob: float) -> TopLogprob:
-            text = self.service.token_text(token_id)
+            text = self.token_text(token_id)
             return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
         content = []

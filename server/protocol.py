@@ -37,6 +37,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _SamplingRequest(_Request):
@@ -65,6 +66,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (text may not round-trip)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)
     allowed_token_ids: list[TokenId] | None = None
     # vLLM fields this server does not implement: accepted at their neutral value only (else a 400 naming them),

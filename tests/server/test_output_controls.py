@@ -84,3 +84,29 @@ def test_what_is_not_implemented_is_a_400_naming_it_and_neutral_values_pass(live
             r = http.post(route, json={**body, "max_tokens": 2, field: value})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
             assert http.post(route, json={**body, "max_tokens": 2, field: neutral}).status_code == 200
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(live: LiveServer) -> None:
+    out = complete(live, max_tokens=2, logprobs=1, return_tokens_as_token_ids=True)
+    lps = out["choices"][0]["logprobs"]
+    assert lps["tokens"] == ["token_id:100", "token_id:101"] and out["choices"][0]["text"] == "de"
+    assert set(lps["top_logprobs"][0]) == {"token_id:100"}
+    with live.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                    "logprobs": True, "top_logprobs": 2,
+                                                    "return_tokens_as_token_ids": True})
+    first = r.json()["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == "token_id:63" and first["bytes"] == list(b"token_id:63")
+    assert [t["token"] for t in first["top_logprobs"]] == ["token_id:63", "token_id:64"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(live: LiveServer) -> None:
+    for route, body in (("/v1/completions", {"prompt": "abc"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        with live.http() as http, http.stream("POST", route, json={
+                **body, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        counted = [e["usage"]["completion_tokens"] for e in events if e["choices"] and e["usage"]]
+        assert counted == sorted(counted) and counted[-1] == 4, (route, counted)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
