@@ -212,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
     from slipstream.server.app import create_app, make_server
     from slipstream.server.embeddings import pooling_of
+    from slipstream.server.fim import fim_format
     from slipstream.server.reasoning import reasoning_format
     from slipstream.server.service import Service, ServiceConfig
 
@@ -236,7 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       ServiceConfig(model_name=name, max_prompt_bytes=args.max_body_size,
                                     max_requests_per_client=args.max_requests_per_client,
                                     priority_scheduling=args.scheduling_policy == "priority"),
-                      lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser))
+                      lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser),
+                      fim=fim_format(tokenizer))
     if service.reasoning is not None:
         log.info("reasoning: chat replies' %s...%s returned as reasoning_content (--reasoning-parser %s)",
                  service.reasoning.open, service.reasoning.close, args.reasoning_parser)

@@ -30,7 +30,6 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     """Validate, then tokenize; CPU only and thread-safe, so callers may run it off the event loop."""
     lora = service.check_model(req.model)
     priority = service.check_priority(req.priority)
-    _reject_unsupported(req.suffix, "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ServiceError(400, "best_of is not supported (use n)", param="best_of", code="unsupported")
     items = prompt_items(req)
@@ -43,6 +42,8 @@ def prepare_completion(service: Service, req: CompletionRequest) -> Prepared:
     if max_tokens == 0 and not req.echo:
         raise ServiceError(400, "max_tokens must be at least 1 (0, the prompt alone, needs echo)", param="max_tokens",
                            code="invalid_value")
+    if req.suffix is not None:
+        items = _fills(service, req, items)
     if req.echo and req.truncate_prompt_tokens is not None:
         raise ServiceError(400, "truncate_prompt_tokens cannot be used with echo (the echoed prompt would not be the "
                            "one that ran)", param="truncate_prompt_tokens", code="unsupported")
@@ -119,6 +120,21 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
             raise ServiceError(400, f"chat_template_kwargs.{name} is set by the server and cannot be replaced",
                                param=f"chat_template_kwargs.{name}", code="invalid_value")
     return kwargs or {}
+
+
+def _fills(service: Service, req: CompletionRequest, items: list[str | list[int]]) -> list[str]:
+    """The prompts of a fill in the middle (server/fim.py): each text prompt between the model's tags with the
+    suffix; a 400 naming suffix where the model has no such tags, or with echo."""
+    fim = service.fim
+    if fim is None:
+        raise ServiceError(400, "suffix (fill in the middle) needs a model with fill-in-the-middle tokens "
+                           "(<|fim_prefix|>... or <fim_prefix>...); this one has none", param="suffix",
+                           code="unsupported")
+    if req.echo:
+        raise ServiceError(400, "suffix cannot be used with echo", param="suffix", code="unsupported")
+    if not all(isinstance(item, str) for item in items):
+        raise ServiceError(400, "suffix needs text prompts, not token ids", param="prompt", code="invalid_value")
+    return [fim.text(item, req.suffix) for item in items]
 
 
 def prompt_tokens_kept(service: Service, k: int | None) -> int | None:

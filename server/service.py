@@ -20,6 +20,7 @@ from slipstream.engine.request import MAX_LOGIT_BIAS, FinishReason, Request, Sam
 from slipstream.engine.scheduler import RequestStream, Scheduler
 from slipstream.server.errors import ServiceError, parse_input, service_error
 from slipstream.server.metrics import ResponseCounts
+from slipstream.server.fim import FimFormat
 from slipstream.server.reasoning import ReasoningFormat
 
 log = logging.getLogger(__name__)
@@ -178,9 +179,11 @@ class Service:
     """Holds the scheduler, tokenizer and limits; turns prepared requests into Generations."""
 
     def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig,
-                 lora: LoraRegistry | None = None, reasoning: ReasoningFormat | None = None) -> None:
+                 lora: LoraRegistry | None = None, reasoning: ReasoningFormat | None = None,
+                 fim: FimFormat | None = None) -> None:
         self.scheduler = scheduler
         self.reasoning = reasoning  # how chat replies' thinking is told from their answer (None: it is not)
+        self.fim = fim  # the model's fill-in-the-middle tags, for completions with a suffix (None: it has none)
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config

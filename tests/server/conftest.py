@@ -21,6 +21,7 @@ from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import SlipstreamServer, create_app, make_server
+from slipstream.server.fim import fim_format
 from slipstream.server.reasoning import reasoning_format
 from slipstream.server.service import Service, ServiceConfig
 
@@ -60,6 +61,37 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class PieceTokenizer(ByteTokenizer):
+    """Bytes, plus `pieces` (id -> text, ids from 258 up) as single tokens, matched first when encoding, and `end`
+    as EOS: a prompt ending in a piece's id makes MockEngine reply with the pieces after it, a scripted reply."""
+
+    def __init__(self, pieces: dict[int, str], end: int, template: str = CHAT_TEMPLATE) -> None:
+        super().__init__()
+        self.pieces, self.vocab_size, self.eos_token_ids = pieces, end + 1, frozenset({end})
+        self._template = jinja2.Environment().from_string(template)
+        self._ids = {text: i for i, text in pieces.items()}
+        self._longest_first = sorted(self._ids, key=len, reverse=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            piece = next((p for p in self._longest_first if text.startswith(p, i)), None)
+            if piece is not None:
+                ids.append(self._ids[piece])
+                i += len(piece)
+            else:
+                ids.extend(text[i].encode())
+                i += 1
+        return ids
+
+    def special_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        return self.pieces.get(token_id, "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            **variables: Any) -> str:
+        return self._template.render(**variables, messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 class CountingTokenizer(ByteTokenizer):
@@ -150,7 +182,7 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     if start:
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})),
-                      reasoning=reasoning_format(tokenizer, reasoning_parser))
+                      reasoning=reasoning_format(tokenizer, reasoning_parser), fim=fim_format(tokenizer))
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                      pooling=pooling)
     url, server, thread = run_http(app, shutdown_timeout_s=shutdown_timeout_s,

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from slipstream.engine.grammar_cost import MAX_SCHEMA_DEPTH
-from tests.server.conftest import MODEL, wait_for
-from tests.server.test_reasoning import ThinkTokenizer
+from tests.server.conftest import MODEL, PieceTokenizer, wait_for
+from tests.server.test_reasoning import TEMPLATE, ThinkTokenizer
 # the servers (live: room for tools and a whole mock reply; think_live: ThinkTokenizer's scripted thinking;
 # grammar_live: a real tokenizer, so that constraints compile) and the chat route's reply
 from tests.server.test_responses import chat, grammar_live, live, think_live  # noqa: F401 - fixtures
@@ -188,18 +188,11 @@ TOOL_PIECES = {260: "<|assistant|>", 261: "<tool_call>", 262: '\n{"name": "get_w
                263: '{"city": "Paris"}}', 264: "\n</tool_call>"}
 
 
-class ToolTokenizer(ThinkTokenizer):
+class ToolTokenizer(PieceTokenizer):
     """The mock engine's reply to a prompt ending in <|assistant|> is one get_weather call for Paris, then EOS."""
 
-    vocab_size = 266
-    eos_token_ids = frozenset({265})
-
     def __init__(self) -> None:
-        super().__init__()
-        self._ids = {text: i for i, text in TOOL_PIECES.items()}
-
-    def special_text(self, token_id: int, skip_special_tokens: bool) -> str:
-        return TOOL_PIECES.get(token_id, "")
+        super().__init__(TOOL_PIECES, 265, TEMPLATE)
 
 
 def test_a_tool_call_is_a_tool_use_block(make_live):

@@ -9,14 +9,13 @@ import json
 from typing import Any
 
 import httpx
-import jinja2
 import pytest
 
 from slipstream.engine.structured import Reasoning
 from slipstream.server import openai_api
 from slipstream.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 
-from tests.server.conftest import ByteTokenizer
+from tests.server.conftest import ByteTokenizer, PieceTokenizer
 
 # ids from 258 up: text a single token stands for (258/259 are spare)
 PIECES = {260: "<|assistant|>", 261: "<think>", 262: "\nLet me", 263: " see.\n", 264: "</think>", 265: "\n\n",
@@ -28,36 +27,11 @@ TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
             "{% elif enable_thinking is defined and not enable_thinking %}<think></think>\n\n{% endif %}{% endif %}")
 
 
-class ThinkTokenizer(ByteTokenizer):
-    """Bytes, plus the PIECES as single tokens (matched first when encoding), as a reasoning model's
-    tokenizer holds <think> and </think>."""
-
-    vocab_size = END + 1
-    eos_token_ids = frozenset({END})
+class ThinkTokenizer(PieceTokenizer):
+    """Bytes plus the PIECES, as a reasoning model's tokenizer holds <think> and </think>."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._template = jinja2.Environment().from_string(TEMPLATE)
-        self._ids = {text: i for i, text in PIECES.items()}
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            piece = next((p for p in sorted(self._ids, key=len, reverse=True) if text.startswith(p, i)), None)
-            if piece is not None:
-                ids.append(self._ids[piece])
-                i += len(piece)
-            else:
-                ids.extend(text[i].encode())
-                i += 1
-        return ids
-
-    def special_text(self, token_id: int, skip_special_tokens: bool) -> str:
-        return PIECES.get(token_id, "")
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
-        return self._template.render(**variables, messages=messages, add_generation_prompt=add_generation_prompt)
+        super().__init__(PIECES, END, TEMPLATE)
 
 
 ASK = [{"role": "user", "content": "What is 2+2?"}]
