@@ -14,7 +14,7 @@ from slipstream.engine.request import FinishReason
 from slipstream.engine.request_stream import Delta
 from slipstream.server.errors import ServiceError
 from slipstream.server.gate import ANTHROPIC_PATHS
-from slipstream.server.openai_api import ChatFormat
+from slipstream.server.openai_formats import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.service import Generation, Service
 from slipstream.server.typed_events import TypedEvents

@@ -1,7 +1,7 @@
 """FastAPI app: OpenAI /v1 routes (JSON and SSE), health/ready/metrics, and the server with its drain.
 
-Routes only translate between HTTP and the service (request preparation and response shapes live
-in server/openai_api.py); engine logic stays out of here.
+Routes only translate between HTTP and the service (request preparation in server/openai_api.py, response shapes
+in server/openai_formats.py; the Responses and Anthropic APIs in their own modules); engine logic stays out of here.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from slipstream.server.grpc_service import GrpcServer, start_grpc_server
 from slipstream.server.lora import LoraUsage
 from slipstream.server.lora_routes import add_lora_routes
 from slipstream.server.metrics import Metrics
-from slipstream.server.openai_api import ChatFormat, CompletionFormat, prepare_chat, prepare_completion, sse_event
+from slipstream.server.openai_api import prepare_chat, prepare_completion
+from slipstream.server.openai_formats import ChatFormat, CompletionFormat, sse_event
 from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                              EmbeddingRequest, EmbeddingResponse, ErrorResponse, ModelCard, ModelList)
 from slipstream.server.response_store import ResponseStore

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from slipstream.engine.request_stream import Delta
 from slipstream.server.errors import ServiceError
-from slipstream.server.openai_api import ChatFormat
+from slipstream.server.openai_formats import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.response_store import ResponseStore
 from slipstream.server.responses import ResponsesRequest, Translation

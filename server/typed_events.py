@@ -36,7 +36,7 @@ class TypedEvents:
         raise NotImplementedError
 
     def parts(self, chunk: ChatCompletionChunk | None) -> list[bytes]:
-        """The events for a chat chunk's split (server/openai_api.ChatFormat.chunk): thinking, answer, tool calls."""
+        """The events for a chat chunk's split (server/openai_formats.ChatFormat.chunk): thinking, answer, tool calls."""
         if chunk is None:
             return []
         delta, events = chunk.choices[0].delta, []

@@ -217,7 +217,7 @@ def test_a_tool_call_after_the_thinking_is_parsed_from_the_answer_whole_and_stre
 
     from slipstream.engine.request import FinishReason
     from slipstream.engine.request_stream import Delta
-    from slipstream.server.openai_api import ChatFormat
+    from slipstream.server.openai_formats import ChatFormat
     from slipstream.server.protocol import ChatCompletionRequest
 
     reply = ('<think>\nMaybe <tool_call>{"name": "weather", "arguments": {}}</tool_call>? No, ask properly.\n</think>'

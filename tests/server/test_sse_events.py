@@ -8,7 +8,7 @@ import pytest
 
 from slipstream.engine.request_stream import Delta
 from slipstream.engine.request import FinishReason, TokenLogprob
-from slipstream.server.openai_api import ChatFormat, CompletionFormat, sse_event
+from slipstream.server.openai_formats import ChatFormat, CompletionFormat, sse_event
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
 
 TEXTS = ["", "Hello", " world", 'quote " and \\ backslash', "new\nline\ttab\r\x00\x1b\x7f", "é ü 中文 🙂",
