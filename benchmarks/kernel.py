@@ -126,7 +126,8 @@ def sampling(argv: list[str]) -> int:
         slot_ids, active = jnp.arange(b, dtype=jnp.int32), jnp.ones(b, bool)
         no_mask = jnp.full((b, mask_words(v)), 0xFFFFFFFF, jnp.uint32)
         drafts = jax.tree.map(jnp.asarray, DraftRows.none(b))
-        settings = {name: jax.tree.map(jnp.asarray, SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
+        settings = {name: jax.tree.map(jnp.asarray,
+                                       SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
                     for name, params in SETTINGS.items()}
         # one program per path for every setting: the settings are arrays, not static arguments
         shapes = (logits, empty_state(slots, v), slot_ids, active, settings["greedy"], no_mask, drafts)
