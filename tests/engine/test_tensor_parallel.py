@@ -1,8 +1,8 @@
 """Tensor parallel on 8 virtual CPU devices: greedy tokens at TP=2 and 4 equal the single-device
 engine's, weights, int8 scales and KV pages are really split across the devices, and a repeated
 workload compiles nothing. JAX reads XLA_FLAGS when its CPU backend starts, so the cases run in a
-fresh Python process (this file's __main__), which reports what it saw as JSON: one process for every
-case of both kernel settings (each process costs seconds of start-up)."""
+fresh Python process (this file's __main__), which reports what it saw as JSON: one process per kernel
+setting for all its cases (each process costs seconds of start-up)."""
 from __future__ import annotations
 
 import json
@@ -140,7 +140,6 @@ def worker(model_path: str, quantize: str, tps: tuple[int | str, ...], kv_cache_
             "bytes": device_bytes((engine.params, engine.cache))[str(jax.devices()[0])] if not dp else None,
             "cache_devices": sorted({d.id for d in engine.cache["k"].sharding.device_set})}
         del engine
-    report["paths"] = native.kernel_paths()  # what each kernel ran as, for this case's setting
     return report
 
 
@@ -170,9 +169,10 @@ def greedy_scoring(engine, prompts: list[list[int]]) -> tuple[list[list[int]], l
     return out, scores
 
 
-def _run(cases: list[dict]) -> list[dict]:
-    """Reports of worker(**case) for each case (its "kernels": the SLIPSTREAM_KERNELS it runs under), in one process."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "PYTHONPATH": ROOT}
+def _run(cases: list[dict], kernels: str) -> list[dict]:
+    """Reports of worker(**case) for each case, in one process with SLIPSTREAM_KERNELS=kernels."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+           "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": ROOT}
     run = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -218,23 +218,23 @@ SCORED = ("none", "nine")  # the cases that also score a prompt (f32 Llama; the 
 
 @pytest.fixture(scope="module")
 def tp_report(tmp_path_factory, tiny_llama_dir):
-    """report(kernels, case): that case's report; the first ask runs every case of both kernel settings."""
+    """report(kernels, case): that case's report; the first ask runs every case of its kernel setting."""
     from tests.conftest import build_tiny_hf
 
     paths = {"llama": tiny_llama_dir}
     reports: dict[str, dict[str, dict]] = {}
 
     def report(kernels: str, case: str) -> dict:
-        if not reports:
-            for family, *_ in (c for cases in CASES.values() for c in cases.values()):
+        if kernels not in reports:
+            cases = CASES[kernels]
+            for family, *_ in cases.values():
                 if family not in paths:
                     build = build_nine_heads if family == "nine" else lambda path: build_tiny_hf(path, family)
                     paths[family] = build(str(tmp_path_factory.mktemp(f"tp-{family}")))
-            named = [(setting, name, {"kernels": setting, "model_path": paths[family], "quantize": quantize,
-                                      "tps": tps, "kv_cache_dtype": kv, "score": setting == "auto" and name in SCORED})
-                     for setting, cases in CASES.items() for name, (family, quantize, kv, tps) in cases.items()]
-            for (setting, name, _), run in zip(named, _run([case for *_, case in named])):
-                reports.setdefault(setting, {})[name] = run
+            runs = _run([{"model_path": paths[family], "quantize": quantize, "tps": tps, "kv_cache_dtype": kv,
+                          "score": kernels == "auto" and name in SCORED}
+                         for name, (family, quantize, kv, tps) in cases.items()], kernels)
+            reports[kernels] = dict(zip(cases, runs))
         return reports[kernels][case]
 
     return report
@@ -257,8 +257,6 @@ def test_tensor_parallel_greedy_equals_one_device_and_is_really_split(tp_report,
     report = tp_report(kernels, quantize)
     if kernels == "auto" and not report["native"]:
         pytest.skip("native kernels not built: the reference case covers the rest")
-    if kernels == "reference":  # after the auto cases in the same process: every kernel chosen afresh
-        assert set(report["paths"].values()) == {"reference"}, report["paths"]
     _assert_same_tokens_no_recompiles(report)
     tps = (2,) if (kernels, quantize) == ("reference", "q8_0-a16") else (2, 4)
     assert sorted(report["tp"]) == sorted(map(str, (1, *tps)))
@@ -340,29 +338,11 @@ def test_tensor_parallel_heads_that_do_not_divide(tp_report):
         assert r["weights"]["lm_head.w.q"]["shapes"] == [[480 // 16 // tp, 288 * 16]]
 
 
-def _kernels(setting: str) -> None:
-    """Run what follows under SLIPSTREAM_KERNELS=setting: the kernel paths are chosen afresh (kernels/native.py
-    remembers each choice for the process) and every function traced again (a trace holds the kernels it chose)."""
-    import jax
-
-    from slipstream.kernels import native
-
-    os.environ["SLIPSTREAM_KERNELS"] = setting
-    native._paths.clear()
-    jax.clear_caches()
-
-
 if __name__ == "__main__":
     from tests.conftest import subprocess_compile_cache
 
     subprocess_compile_cache()
-    reports, setting = [], None
-    for case in json.loads(sys.argv[1]):
-        if case["kernels"] != setting:
-            setting = case["kernels"]
-            _kernels(setting)
-        reports.append(worker(**{k: v for k, v in case.items() if k != "kernels"}))
-    print(json.dumps(reports))
+    print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
 
 
 @pytest.mark.parametrize("case", SCORED)
