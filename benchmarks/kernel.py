@@ -125,12 +125,15 @@ def sampling(argv: list[str]) -> int:
                              (rng.normal(size=(b, v)) * args.scale).astype(np.float32))
         slot_ids, active = jnp.arange(b, dtype=jnp.int32), jnp.ones(b, bool)
         no_mask = jnp.full((b, mask_words(v)), 0xFFFFFFFF, jnp.uint32)
-        for name, params in SETTINGS.items():
-            sarrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
+        drafts = jax.tree.map(jnp.asarray, DraftRows.none(b))
+        settings = {name: jax.tree.map(jnp.asarray,
+                                       SamplingArrays.from_params([params] * b, list(range(b)), [0] * b, b))
+                    for name, params in SETTINGS.items()}
+        # one program per path for every setting: the settings are arrays, not static arguments
+        shapes = (logits, empty_state(slots, v), slot_ids, active, settings["greedy"], no_mask, drafts)
+        programs = {"native": compiled(shapes, True), "reference": compiled(shapes, False)}
+        for name, sarrays in settings.items():
             state = empty_state(slots, v)
-            drafts = jax.tree.map(jnp.asarray, DraftRows.none(b))
-            shapes = (logits, state, slot_ids, active, sarrays, no_mask, drafts)
-            programs = {"native": compiled(shapes, True), "reference": compiled(shapes, False)}
             times: dict[str, list[float]] = {k: [] for k in programs}
             for rep in range(args.reps + 2):
                 for path, exe in programs.items():

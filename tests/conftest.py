@@ -130,16 +130,21 @@ SLOW_MODULES = ("test_multihost", "test_tensor_parallel", "test_data_parallel", 
 SERIAL_MODULES = ("test_lora_serving", "test_grammar_abuse", "test_trace_server")
 
 
-# The slowest files, slowest first (per-file times of a full run): `make test` hands whole files to its
-# two workers in collection order (--dist loadfile --no-loadscope-reorder), so these start first and the
-# run ends on short files instead of one worker finishing a long file alone. Other files follow in
-# their usual order.
-SLOWEST_FIRST = ("test_tensor_parallel", "test_data_parallel", "test_device", "test_multihost", "test_q8_matmul",
-                 "test_presets_serve", "test_attention_tpu", "test_int8_stack_tpu", "test_f32_stack",
-                 "test_q8_matmul_nibbles", "test_fuzz", "test_architectures_vs_hf", "test_lora_tensor_parallel",
-                 "test_groupwise", "test_unix_socket", "test_default_model", "test_soak", "test_serve_hf_models",
-                 "test_int8_engine", "test_speculative_engine", "test_speculative_draft", "test_lora",
-                 "test_real_engine")
+# The slowest files, slowest first (per-file times of a full run, cold compile cache): `make test` hands whole
+# files to its two workers in collection order (--dist loadfile --no-loadscope-reorder), so these start first
+# and the run ends on short files instead of one worker finishing a long file alone. test_data_parallel starts
+# well after test_tensor_parallel: its process's single-device engine is the one that process compiles first
+# (same virtual devices, same programs), loaded from the run's XLA cache once written, not compiled beside it;
+# test_speculative_engine starts well after test_speculative_draft, whose target engine (16 slots, 64-token
+# steps: 23 programs, ~8 s) it precompiles again. Other files follow in their usual order.
+SLOWEST_FIRST = ("test_tensor_parallel", "test_device", "test_multihost", "test_attention_tpu", "test_int8_stack_tpu",
+                 "test_lora", "test_engine", "test_presets_serve", "test_layer_stack", "test_q8_matmul",
+                 "test_speculative_draft", "test_bench_client", "test_int8_engine", "test_f32_stack", "test_kernel",
+                 "test_presets", "test_tpu_int8_matmul", "test_hybrid_weights", "test_soak", "test_default_model",
+                 "test_speculative_engine", "test_kernel_paths", "test_data_parallel", "test_real_engine",
+                 "test_embeddings_bench", "test_kv_write_float_tpu", "test_fuzz", "test_kv_write_tpu",
+                 "test_attention_native", "test_serve_hf_models", "test_loader", "test_architectures_vs_hf",
+                 "test_unix_socket", "test_groupwise", "test_lora_tensor_parallel")
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -92,9 +92,10 @@ def test_tpu_program_reads_int8_stacks_in_place(model, monkeypatch):
     assert _sliced(_tpu_program(before), types) == types
 
 
-def _greedy(engine: JaxEngine, prompts: list[list[int]], decodes: int = 3) -> np.ndarray:
+def _greedy(engine: JaxEngine, prompts: list[list[int]], decodes: int = 1) -> np.ndarray:
     """The logits of the prompts' prefill and of greedy decodes after it, both slots in each step (two
-    programs): [1 + decodes, slots, V]."""
+    programs; a decode runs the same program at every position, and each interpreted call takes a
+    fraction of a second): [1 + decodes, slots, V]."""
     pages = [list(range(1, 8)), list(range(8, 15))]
     for s, p in enumerate(prompts):
         engine.insert(s, SlotState(p, [], SamplingParams(temperature=0.0)))
