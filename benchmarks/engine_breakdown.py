@@ -31,7 +31,7 @@ def sampling_program(engine, logits: jax.Array, slot_ids: np.ndarray, active: np
     x["step"][:] = 0
     for f in dataclasses.fields(DraftRows):
         x[f.name][:] = getattr(DraftRows.none(b), f.name)
-    bitmask = engine._fill_mask(rows, b)
+    bitmask = engine._fill_mask(rows, b, x["step"])
     sampler = engine._sample_exe.get(b) or engine._sample_jit.lower(*engine._sample_args(b)).compile()
 
     def sample():
