@@ -227,22 +227,12 @@ class MaskFiller:
     def __init__(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
-        self._eos_row = np.zeros(self.words, np.uint32)
-        for t in eos_token_ids:
-            self._eos_row[t // 32] |= np.uint32(1 << (t % 32))
+        self._eos_row = self.packed(eos_token_ids)
         self._executor: llguidance.LLExecutor | None = None
 
-    def ban(self, mask: np.ndarray | None, batch: int, banned: dict[int, Sequence[int]]) -> np.ndarray:
-        """`mask` (None: all ones) with each row r of `banned` refusing its tokens (min_tokens: EOS and the
-        request's stop tokens)."""
-        out = np.full((batch, self.words), 0xFFFFFFFF, np.uint32) if mask is None else mask
-        for r, tokens in banned.items():
-            for t in tokens:
-                out[r, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-        return out
-
     def restrict(self, mask: np.ndarray | None, batch: int, allowed: dict[int, np.ndarray]) -> np.ndarray:
-        """`mask` (None: all ones) with each row r of `allowed` limited to its packed row of tokens."""
+        """`mask` (None: all ones) with each row r of `allowed` limited to its packed row of tokens (allowed_token_ids;
+        min_tokens: all but EOS and the request's stop tokens)."""
         out = np.full((batch, self.words), 0xFFFFFFFF, np.uint32) if mask is None else mask
         for r, row in allowed.items():
             out[r] &= row

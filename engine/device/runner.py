@@ -133,8 +133,9 @@ class JaxEngine(Programs):
         self._slot_prompt_len = np.zeros(self.max_slots + 1, np.int32)  # a row's seed step: its token's index
         self._slot_logprobs = np.full(self.max_slots + 1, -1, np.int32)  # -1: not asked
         self._slot_prompt_logprobs = np.zeros(self.max_slots + 1, np.int32)  # alternatives per scored prompt token
-        # min_tokens: per slot, the output index from which EOS and its stop tokens may be sampled, and those tokens
-        self._slot_min_tokens: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # min_tokens: per slot, the output index from which EOS and its stop tokens may be sampled, and the packed
+        # mask row of every other token
+        self._slot_min_tokens: dict[int, tuple[int, np.ndarray]] = {}
         self._slot_allowed: dict[int, np.ndarray] = {}  # allowed_token_ids: per slot, its packed mask row
         # structured output: a grammar matcher per constrained slot; the host fills their mask rows
         # while the model program runs, the sampling program applies them
@@ -235,7 +236,7 @@ class JaxEngine(Programs):
             self._slot_allowed[slot] = self._mask_filler.packed(params.allowed_token_ids)
         if params.min_tokens and params.constraint is None:  # a grammar decides where a constrained reply ends
             ending = sorted({*self.eos_token_ids, *(t for t in params.stop_token_ids if t < self.vocab_size)})
-            self._slot_min_tokens[slot] = (params.min_tokens, tuple(ending))
+            self._slot_min_tokens[slot] = (params.min_tokens, ~self._mask_filler.packed(ending))
             if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(ending):
                 raise ValueError("allowed_token_ids holds only tokens that min_tokens refuses")
         if params.constraint is not None:
@@ -344,7 +345,7 @@ class JaxEngine(Programs):
             short = {i: held[1] for i, slot in enumerate(sample_slots)
                      if (held := self._slot_min_tokens.get(slot)) is not None and steps[i] < held[0]}
             if short:
-                mask = self._mask_filler.ban(mask, b, short)
+                mask = self._mask_filler.restrict(mask, b, short)
         if self._slot_allowed:
             limited = {i: row for i, slot in enumerate(sample_slots)
                        if (row := self._slot_allowed.get(slot)) is not None}
