@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from slipstream.server.structured import partial_tail
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "think", "deepseek_r1", "qwen3", "none")  # vLLM's names select the same <think> parser
 
@@ -46,7 +48,7 @@ class ReasoningFormat:
         if closed:
             return reasoning.strip("\n"), content.lstrip("\n")
         if not final:
-            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, self.close)]
+            reasoning = reasoning[:len(reasoning) - partial_tail(reasoning, self.close)]
         return reasoning.strip("\n"), ""
 
 
@@ -83,14 +85,6 @@ def _last(ids: Sequence[int], token: int) -> int:
         if ids[i] == token:
             return i
     return -1
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def reasoning_format(tokenizer: Any, parser: str) -> ReasoningFormat | None:

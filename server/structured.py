@@ -259,6 +259,14 @@ def _json_or_text(raw: str) -> Any:
         return raw
 
 
+def partial_tail(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (0 if none): text a stream holds back."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -331,11 +339,7 @@ class ToolStream:
         if start >= 0:
             end = start
         else:  # hold back a tail that could be the start of the tag
-            end = len(self.text)
-            for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if self.text.endswith(OPEN[:k]):
-                    end = len(self.text) - k
-                    break
+            end = len(self.text) - partial_tail(self.text[self.sent:], OPEN)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out, []
 
