@@ -18,7 +18,8 @@ from slipstream.server.errors import ServiceError, parse_input, renamed
 from slipstream.server.openai_api import prepare_chat
 from slipstream.server.protocol import (ChatCompletionRequest, ChatMessage, MessageFunction, MessageToolCall, StopText,
                                         Text, TokenCount, _Request)
-from slipstream.server.service import Generation, Prepared, Service
+from slipstream.server.generation import Generation, Prepared
+from slipstream.server.service import Service
 
 # ---- requests ------------------------------------------------------------------------------------
 

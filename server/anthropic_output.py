@@ -16,7 +16,8 @@ from slipstream.server.errors import ServiceError
 from slipstream.server.gate import ANTHROPIC_PATHS
 from slipstream.server.openai_formats import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
-from slipstream.server.service import Generation, Service
+from slipstream.server.generation import Generation
+from slipstream.server.service import Service
 from slipstream.server.typed_events import TypedEvents
 
 from slipstream.server.anthropic import MessagesRequest, Translation

@@ -41,7 +41,8 @@ from slipstream.server.protocol import (ChatCompletionRequest, ChatCompletionRes
 from slipstream.server.response_store import ResponseStore
 from slipstream.server.responses import ResponsesRequest, translate
 from slipstream.server.responses_output import ResponseFormat, ResponseObject
-from slipstream.server.service import Generation, Service
+from slipstream.server.generation import Generation
+from slipstream.server.service import Service
 from slipstream.server.tokenize_routes import add_tokenize_routes
 from slipstream.server.unix_socket import DEFAULT_MODE, bind_stream, remove
 

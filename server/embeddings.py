@@ -20,7 +20,8 @@ from slipstream.engine.request import POOLING, SamplingParams
 from slipstream.server.errors import ServiceError
 from slipstream.server.openai_api import as_items, is_single, prompt_tokens_kept, truncated
 from slipstream.server.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from slipstream.server.service import Prepared, Service
+from slipstream.server.generation import Prepared
+from slipstream.server.service import Service
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.server.errors import ServiceError, bearer_token, check_api_key, grpc_code, parse_input, retry_after, service_error
 from slipstream.server.proto import jetstream_pb2 as pb
 from slipstream.server.proto import jetstream_pb2_grpc as pb_grpc
-from slipstream.server.service import Generation, Prepared, Service
+from slipstream.server.generation import Generation, Prepared
+from slipstream.server.service import Service
 from slipstream.server.structured import Constraint, compile_constraint, json_source
 from slipstream.server.unix_socket import DEFAULT_MODE, create_with_mode, remove
 

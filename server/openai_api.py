@@ -10,7 +10,8 @@ from slipstream.engine.request import DEFAULT_MAX_TOKENS, SamplingParams
 from slipstream.engine.structured import Reasoning
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, valid_unicode
-from slipstream.server.service import Prepared, Service
+from slipstream.server.generation import Prepared
+from slipstream.server.service import Service
 from slipstream.server.structured import Constraint, compile_constraint, request_constraint, tool_plan, with_tools
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
                                         ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage)
 from slipstream.server.reasoning import ReasoningStream
-from slipstream.server.service import Generation, Service
+from slipstream.server.generation import Generation
+from slipstream.server.service import Service
 from slipstream.server.structured import ToolStream, parse_reply, tool_plan
 
 

@@ -17,7 +17,8 @@ from slipstream.server.openai_api import prepare_chat
 from slipstream.server.protocol import (ChatCompletionRequest, ChatMessage, MessageFunction, MessageToolCall, Text,
                                         TokenCount, _Request, valid_unicode)
 from slipstream.server.response_store import ResponseStore
-from slipstream.server.service import Generation, Prepared, Service
+from slipstream.server.generation import Generation, Prepared
+from slipstream.server.service import Service
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from slipstream.server.openai_formats import ChatFormat
 from slipstream.server.protocol import ToolCallDelta
 from slipstream.server.response_store import ResponseStore
 from slipstream.server.responses import ResponsesRequest, Translation
-from slipstream.server.service import Generation, Service
+from slipstream.server.generation import Generation
+from slipstream.server.service import Service
 from slipstream.server.typed_events import TypedEvents
 
 

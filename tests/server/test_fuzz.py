@@ -29,7 +29,8 @@ from slipstream.server.grpc_service import prepare_decode
 from slipstream.server.openai_api import prepare_chat, prepare_completion
 from slipstream.server.proto import jetstream_pb2 as pb
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
-from slipstream.server.service import Prepared, Service
+from slipstream.server.generation import Prepared
+from slipstream.server.service import Service
 from tests.server.conftest import BOS, LiveServer
 
 # Counters for the summary printed at the end of the module (cases, and statuses by hundreds).
