@@ -210,7 +210,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.engine.distributed.replicas import ReplicaSet
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-    from slipstream.server.app import create_app, make_server
+    from slipstream.server.app import create_app
+    from slipstream.server.http_server import make_server
     from slipstream.server.embeddings import pooling_of
     from slipstream.server.fim import fim_format
     from slipstream.server.reasoning import reasoning_format

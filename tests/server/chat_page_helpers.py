@@ -11,7 +11,8 @@ import pytest
 
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
+from slipstream.server.http_server import make_server
 from slipstream.server.service import Service, ServiceConfig
 from tests.server.cdp import Browser, Page, install_chromium
 from tests.server.conftest import BOS, MODEL, ByteTokenizer, LiveServer, start_live, wait_for

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-from slipstream.server.app import SlipstreamServer, create_app, make_server
+from slipstream.server.app import create_app
+from slipstream.server.http_server import SlipstreamServer, make_server
 from slipstream.server.fim import fim_format
 from slipstream.server.reasoning import reasoning_format
 from slipstream.server.service import Service, ServiceConfig

@@ -16,7 +16,8 @@ from google.protobuf import descriptor_pb2
 from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.request import DEFAULT_MAX_TOKENS
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
+from slipstream.server.http_server import make_server
 from slipstream.server.grpc_service import prepare_decode, start_grpc_server
 from slipstream.server.proto import generate
 from slipstream.server.proto import jetstream_pb2 as pb

@@ -15,7 +15,8 @@ import pytest
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.models.loader import load_hf_dir
-from slipstream.server.app import create_app, make_server
+from slipstream.server.app import create_app
+from slipstream.server.http_server import make_server
 from slipstream.server.service import Service, ServiceConfig
 from tests.conftest import build_tiny_hf
 

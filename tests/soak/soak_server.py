@@ -40,7 +40,8 @@ class ByteTokenizer:
 def serve(args: argparse.Namespace) -> int:
     from slipstream.engine.mock_engine import MockEngine
     from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-    from slipstream.server.app import create_app, make_server
+    from slipstream.server.app import create_app
+    from slipstream.server.http_server import make_server
     from slipstream.server.service import Service, ServiceConfig
 
     engine = MockEngine(vocab_size=ByteTokenizer.vocab_size, eos_token_ids=frozenset({EOS}), max_seq_len=128,
