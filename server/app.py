@@ -10,22 +10,22 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
-from slipstream.engine.request_stream import Delta
 from slipstream.server.anthropic import CountTokensRequest, MessagesRequest, translate as translate_messages
 from slipstream.server.anthropic_output import (AnthropicError, AnthropicErrors, CountTokensResponse, MessageFormat,
                                                 MessageObject)
 from slipstream.server.embeddings import Embedder
-from slipstream.server.errors import ServiceError, service_error
+from slipstream.server.errors import service_error
+from slipstream.server.http_streams import (EventStream, admitted, collect_unless_disconnected, json_response,
+                                             unless_disconnected)
 from slipstream.server.gate import CountResponses, RequestGate, client_of, error_body, install_error_handlers
 from slipstream.server.lora import LoraUsage
 from slipstream.server.lora_routes import add_lora_routes
@@ -39,10 +39,9 @@ from slipstream.server.responses import ResponsesRequest, translate
 from slipstream.server.responses_output import ResponseFormat, ResponseObject
 from slipstream.server.generation import Generation
 from slipstream.server.service import Service
+from slipstream.server.llamacpp_routes import add_llamacpp_routes
 from slipstream.server.tokenize_routes import add_tokenize_routes
 
-T = TypeVar("T")
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _STATIC = Path(__file__).with_name("static")
 # The chat page runs only its own files: no inline script or style, no other origin, no framing.
 _PAGE_HEADERS = {
@@ -111,6 +110,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
             add_lora_routes(app, service.lora, service.model_name)
 
     add_tokenize_routes(app, service)
+    add_llamacpp_routes(app, service)
 
     @app.get("/health", responses={200: {"description": "The process is alive."}})
     async def health() -> dict[str, str]:
@@ -149,15 +149,15 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         fmt = CompletionFormat(service, gen, body)
         if body.stream:
             return await _event_stream_once_admitted(gen, fmt, _include_usage(body))
-        choices = await _collect_unless_disconnected(request, gen)
-        return _json_response(fmt.response(choices))
+        choices = await collect_unless_disconnected(request, gen)
+        return json_response(fmt.response(choices))
 
     embedder = Embedder(service, pooling)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse,
               responses={200: {"description": "One embedding per input, in input order."}, **_V1_ERRORS})
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return _json_response(await _unless_disconnected(request, embedder.embed(body, client_of(request, body.user))))
+        return json_response(await unless_disconnected(request, embedder.embed(body, client_of(request, body.user))))
 
     @app.post("/v1/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -165,8 +165,8 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         fmt = ChatFormat(service, gen, body)
         if body.stream:
             return await _event_stream_once_admitted(gen, fmt, _include_usage(body))
-        choices = await _collect_unless_disconnected(request, gen)
-        return _json_response(fmt.response(choices))
+        choices = await collect_unless_disconnected(request, gen)
+        return json_response(fmt.response(choices))
 
     @app.post("/v1/responses", response_model=None, responses=_generation_responses(
         ResponseObject, "OpenAI's typed events (`event: <type>`), response.created to response.completed"))
@@ -175,9 +175,9 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         gen = await translation.start(service, client_of(request, body.user))
         fmt = ResponseFormat(service, gen, body, translation, stored)
         if body.stream:
-            await _admitted(gen)
-            return _EventStream(fmt.events(gen.deltas()), gen.cancel)
-        return _json_response(fmt.response(await _collect_unless_disconnected(request, gen)))
+            await admitted(gen)
+            return EventStream(fmt.events(gen.deltas()), gen.cancel)
+        return json_response(fmt.response(await collect_unless_disconnected(request, gen)))
 
     stored = ResponseStore()  # in memory, for previous_response_id
 
@@ -205,9 +205,9 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int = 1
         gen = await translation.start(service, client_of(request, translation.chat.user))
         fmt = MessageFormat(service, gen, body, translation)
         if body.stream:
-            await _admitted(gen)
-            return _EventStream(fmt.events(gen.deltas()), gen.cancel)
-        return _json_response(fmt.message(await _collect_unless_disconnected(request, gen)))
+            await admitted(gen)
+            return EventStream(fmt.events(gen.deltas()), gen.cancel)
+        return json_response(fmt.message(await collect_unless_disconnected(request, gen)))
 
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=anthropic_errors)
     async def count_tokens(body: CountTokensRequest) -> CountTokensResponse:
@@ -243,82 +243,14 @@ def _add_chat_page(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=_STATIC), name="static")
 
 
-# ---- non-streaming: collect, but stop the engine if the client leaves ---------------------------
-
-
-async def _collect_unless_disconnected(request: Request, gen: Generation) -> list[Delta]:
-    return await _unless_disconnected(request, gen.collect(), gen.cancel)
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T], on_gone: Callable[[], None] | None = None) -> T:
-    """`work`'s result, unless the client leaves first: then `work` is cancelled (and on_gone called)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            if on_gone is not None:
-                on_gone()
-    if not task.done() or task.cancelled():
-        raise _ClientGone()
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _ClientGone(ServiceError):
-    def __init__(self) -> None:
-        # 499 (nginx's "client closed request"): nobody reads it, but logs show what happened.
-        super().__init__(499, "client disconnected", code="client_disconnected")
-
-
-# ---- streaming -----------------------------------------------------------------------------------
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that cancels the engine requests however it ends (done, disconnect, shutdown)."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            await self.body_iterator.aclose()
-
-
-# How long a streaming response waits for its request's first step to launch before sending its headers anyway.
-ADMISSION_WAIT_S = 0.05
-
-
 async def _event_stream_once_admitted(gen: Generation, fmt: CompletionFormat | ChatFormat,
-                                      include_usage: bool) -> _EventStream:
-    """_event_stream, once the engine has launched the request's first step (at most ADMISSION_WAIT_S): the
-    response's headers and its first events then go out while the device runs that step, instead of
-    taking the host (the GIL) from the engine thread while it admits the request and launches the step."""
-    await _admitted(gen)
+                                      include_usage: bool) -> EventStream:
+    """_event_stream, once the engine has launched the request's first step (http_streams.admitted)."""
+    await admitted(gen)
     return _event_stream(gen, fmt, include_usage)
 
 
-async def _admitted(gen: Generation) -> None:
-    """Wait for the request's first step to launch, at most ADMISSION_WAIT_S (_event_stream_once_admitted)."""
-    try:
-        await gen.admitted(ADMISSION_WAIT_S)
-    except BaseException:  # cancelled meanwhile: nobody will consume the generation
-        gen.cancel()
-        raise
-
-
-def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> _EventStream:
+def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_usage: bool) -> EventStream:
     async def events() -> AsyncIterator[bytes]:
         try:
             for chunk in fmt.opening_chunks():
@@ -334,12 +266,7 @@ def _event_stream(gen: Generation, fmt: CompletionFormat | ChatFormat, include_u
             yield b"data: " + json.dumps(error_body(service_error(exc)), separators=(",", ":")).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    return _EventStream(events(), gen.cancel)
-
-
-def _json_response(body: BaseModel) -> Response:
-    # pydantic writes a -inf logprob as null; json.dumps (JSONResponse) would refuse it.
-    return Response(body.model_dump_json(), media_type="application/json")
+    return EventStream(events(), gen.cancel)
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:

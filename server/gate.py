@@ -142,7 +142,8 @@ def _error_code(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-GATED_PATHS = ("/tokenize", "/detokenize")  # outside /v1/ (vLLM's paths), gated like it
+# outside /v1/ (vLLM's and llama.cpp's paths), gated like it
+GATED_PATHS = ("/tokenize", "/detokenize", "/completion", "/completions", "/infill", "/apply-template", "/props")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's API: its key header, its error shape
 
 

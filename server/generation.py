@@ -43,6 +43,7 @@ class Generation:
         self.completion_tokens = 0
         self._streams = streams
         self._open = set(range(len(streams)))
+        self._cut: set[int] = set()  # choices the front end ended early (cut): their further Deltas are dropped
         self._on_done = on_done  # called once, when the generation ends or is cancelled
 
     @property
@@ -61,6 +62,14 @@ class Generation:
         done, self._on_done = self._on_done, None
         if done is not None:
             done()
+
+    def cut(self, index: int) -> None:
+        """End choice `index` early (a front end's own stop condition): its sub-request is cancelled and `deltas`
+        yields nothing more of it. The others go on."""
+        if index in self._open:
+            self._cut.add(index)
+            self._open.discard(index)
+            self._streams[index].cancel()
 
     async def admitted(self, timeout: float) -> None:
         """Wait until the engine took up every choice (launched its first step; or it ended), at most
@@ -82,6 +91,8 @@ class Generation:
                         break
                     except Exception as exc:  # noqa: BLE001 - as the pumps hand it on below
                         raise service_error(exc)
+                    if self._cut:
+                        break
                     yield self._checked(0, delta)
                 self._open.discard(0)
             finally:
@@ -107,6 +118,8 @@ class Generation:
                 if item is None:
                     remaining -= 1
                     self._open.discard(index)
+                elif index in self._cut:
+                    continue
                 elif isinstance(item, BaseException):
                     raise service_error(item)
                 else:

@@ -116,7 +116,8 @@ class _StatsCollector(Collector):
 HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
                "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
                "/v1/models/{model}", "/health", "/ready", "/metrics", "/openapi.json",
-               "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize")
+               "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize",
+               "/completion", "/completions", "/infill", "/apply-template", "/props")
 ERROR_CODES = frozenset({
     "invalid_value", "invalid_json", "unsupported", "context_length_exceeded", "model_not_found", "invalid_api_key",
     "request_timeout", "request_too_large", "unsupported_media_type", "overloaded", "too_many_requests",

@@ -305,12 +305,21 @@ class TokenizeRequest(_Request):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # a prompt's BOS and friends; messages: the template carries them
+    # llama.cpp's spelling: `content` (BOS only with add_special), and tokens as {id, piece} with with_pieces
+    content: Text | None = None
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str  # the token's text (U+FFFD where a token holds part of a character)
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece]
 
 
 class DetokenizeRequest(_Request):
@@ -320,6 +329,7 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+    content: str  # the same text under llama.cpp's name
 
 
 # ---- /v1/embeddings (server/embeddings.py) ---------------------------------------------------------------------

@@ -137,10 +137,18 @@ class Service:
     def render_chat(self, messages: list[dict[str, Any]], *, param: str = "messages",
                     template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
                     continue_final: bool = False) -> list[int]:
-        """Apply the model's chat template (with the assistant turn opened; `template_kwargs`: more variables
-        for it, such as Qwen3's enable_thinking) and tokenize. continue_final: the text ends where the final
-        message's content does (what the template puts after it, an end-of-turn token, is cut), for the model
-        to go on with it."""
+        """Apply the model's chat template (render_chat_text) and tokenize."""
+        text = self.render_chat_text(messages, param=param, template_kwargs=template_kwargs,
+                                     add_generation_prompt=add_generation_prompt, continue_final=continue_final)
+        # The template already carries BOS and friends; adding them again would double them.
+        return self.encode(text, add_special_tokens=False, param=param)
+
+    def render_chat_text(self, messages: list[dict[str, Any]], *, param: str = "messages",
+                         template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+                         continue_final: bool = False) -> str:
+        """The model's chat template applied (with the assistant turn opened; `template_kwargs`: more variables
+        for it, such as Qwen3's enable_thinking). continue_final: the text ends where the final message's content
+        does (what the template puts after it, an end-of-turn token, is cut), for the model to go on with it."""
         try:
             text = parse_input(param, "chat template input", self._render, messages, template_kwargs or {},
                                add_generation_prompt)
@@ -155,8 +163,7 @@ class Service:
                 raise ServiceError(400, "continue_final_message: the final message's content is empty, or the chat "
                                    "template does not render it as given", param=param, code="invalid_value")
             text = text[:end + len(final)]
-        # The template already carries BOS and friends; adding them again would double them.
-        return self.encode(text, add_special_tokens=False, param=param)
+        return text
 
     def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
                 add_generation_prompt: bool = True) -> str:
