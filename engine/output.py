@@ -106,6 +106,7 @@ class Emit:
     finish_reason: FinishReason | None = None  # STOP here means the last id is an EOS/stop token
     error: str | None = None
     admitted_at: float | None = None
+    cached_tokens: int = 0                     # with admitted_at: the prompt tokens the prefix cache held
     # SamplingParams.prompt_logprobs, once all are known: one per prompt token (None for the first)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     embedding: Any = None  # SamplingParams.pooling: the prompt's embedding (numpy f32[D]), with the finish
@@ -186,6 +187,7 @@ class OutputProcessor:
     def _handle(self, tr: Tracker, rec: Emit, produced_at: float, now: float) -> None:
         if rec.admitted_at is not None and tr.admitted_at is None:
             tr.admitted_at = rec.admitted_at
+            tr.stream.cached_tokens = rec.cached_tokens
             tr.stream._mark_admitted(wakes=self._wakes)
         if rec.prompt_logprobs is not None:
             tr.prompt_logprobs = rec.prompt_logprobs  # handed on with the first token (or the end)

@@ -60,6 +60,7 @@ class RequestStream:
         self._pending: list | None = None  # [texts, ids, logprobs, prompt logprobs]
         self._ended = False  # the consumer has taken the final Delta
         self._admitted = False  # the engine took it up: its first step is launched (see admitted())
+        self.cached_tokens = 0  # of the prompt, how many tokens the prefix cache held when it was admitted
         # The whole completion, for result(); bounded by the text like the pending Delta.
         self._text: list[str] = []
         self._ids: list[int] = []

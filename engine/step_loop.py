@@ -157,7 +157,7 @@ class StepLoop:
         for seq in admission.admitted:
             if not seq.admitted_once:
                 seq.admitted_once = True
-                records.append(Emit(seq.order, admitted_at=time.monotonic()))
+                records.append(Emit(seq.order, admitted_at=time.monotonic(), cached_tokens=seq.num_computed))
         return admission.admitted
 
     def _insert(self, seq: Sequence) -> str | None:

@@ -24,8 +24,9 @@ from slipstream.server.anthropic import MessagesRequest, Translation
 
 
 class MessageUsage(BaseModel):
-    input_tokens: int
+    input_tokens: int             # as Anthropic counts them: the input tokens not read from the cache
     output_tokens: int
+    cache_read_input_tokens: int = 0  # the input tokens the prefix cache held
 
 
 class MessageObject(BaseModel):
@@ -83,7 +84,9 @@ class MessageFormat(TypedEvents):
     def body(self) -> MessageObject:
         return MessageObject(id=self.id, model=self.model, content=self.content, stop_reason=self.stop_reason,
                              stop_sequence=self.stop_sequence, usage=MessageUsage(
-                                 input_tokens=self.gen.prompt_tokens, output_tokens=self.gen.completion_tokens))
+                                 input_tokens=self.gen.prompt_tokens - self.gen.cached_tokens,
+                                 output_tokens=self.gen.completion_tokens,
+                                 cache_read_input_tokens=self.gen.cached_tokens))
 
     def message(self, choices: list[Delta]) -> MessageObject:
         """The whole message from the collected reply."""

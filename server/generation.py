@@ -50,6 +50,16 @@ class Generation:
     def num_choices(self) -> int:
         return len(self._streams)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Of prompt_tokens, how many the prefix cache held (each prompt counted once, as prompt_tokens counts it)."""
+        per_prompt = len(self._streams) // max(1, len(self._prompts))
+        return sum(s.cached_tokens for s in self._streams[::per_prompt or 1]) if self._prompts else 0
+
+    def cached_in(self, index: int) -> int:
+        """The prompt tokens of choice `index` the prefix cache held."""
+        return self._streams[index].cached_tokens
+
     def prompt_ids(self, index: int) -> list[int]:
         """The token ids of choice `index`'s prompt."""
         return self._prompts[index * len(self._prompts) // len(self._streams)]

@@ -119,6 +119,7 @@ class LlamaFormat:
                 "generation_settings": self.settings(),
                 "prompt": self.service.tokenizer.decode(prompt_ids, skip_special_tokens=False),
                 "has_new_line": "\n" in c.text, "truncated": False, "stop_type": c.stop_type or "none",
+                "tokens_cached": self.gen.cached_in(index),
                 "stopping_word": c.stopping_word, "timings": self.timings(index)}
         if self.req.n_probs:
             body["completion_probabilities"] = c.probs

@@ -13,7 +13,8 @@ from slipstream.server.openai_api import prompt_items
 from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
                                         ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                        CompletionResponse, ToolCall, ToolCallDelta, TopLogprob, Usage)
+                                        CompletionResponse, PromptTokensDetails, ToolCall, ToolCallDelta, TopLogprob,
+                                        Usage)
 from slipstream.server.reasoning import ReasoningStream
 from slipstream.server.generation import Generation
 from slipstream.server.service import Service
@@ -28,6 +29,12 @@ def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
     """A streamed chunk as its SSE event. OpenAI sends "usage": null on every chunk when usage was
     asked for, and no key otherwise."""
     return b"data: " + chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode() + b"\n\n"
+
+
+def usage(gen: Generation) -> Usage:
+    p, c = gen.prompt_tokens, gen.completion_tokens
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
 
 class _ChunkEvents:
@@ -100,8 +107,7 @@ class CompletionFormat(_StreamEvents):
                          for item in items for _ in range(body.n)]
 
     def usage(self) -> Usage:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        return usage(self.gen)
 
     def logprobs(self, index: int, lps: list[TokenLogprob] | None,
                  prompt: tuple[TokenLogprob | None, ...] | None = None) -> CompletionLogprobs | None:
@@ -178,8 +184,7 @@ class ChatFormat(_StreamEvents):
         self.reasoning_streams = [ReasoningStream(self.reasoning, inside) for inside in self.inside]
 
     def usage(self) -> Usage:
-        p, c = self.gen.prompt_tokens, self.gen.completion_tokens
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        return usage(self.gen)
 
     def logprobs(self, lps: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if lps is None:

@@ -117,6 +117,7 @@ class ResponseFormat(TypedEvents):
             error=None if error is None else {"code": "server_error", "message": error.message},
             incomplete_details=None if self.reason is None else {"reason": self.reason},
             usage=ResponseUsage(input_tokens=p, output_tokens=c, total_tokens=p + c,
+                                input_tokens_details=InputTokensDetails(cached_tokens=self.gen.cached_tokens),
                                 output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
             if done else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,

@@ -69,8 +69,15 @@ def built(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def same(msg: dict[str, Any]) -> dict[str, Any]:
-    """A message without what differs between two runs (its id, its tool calls' ids)."""
-    return {**msg, "id": None, "content": [{**b, "id": None} if "id" in b else b for b in msg["content"]]}
+    """A message without what differs between two runs (its id, its tool calls' ids, how much of its input a run
+    before left in the prefix cache)."""
+    return {**msg, "id": None, "content": [{**b, "id": None} if "id" in b else b for b in msg["content"]],
+            "usage": {"input": all_input(msg), "output_tokens": msg["usage"]["output_tokens"]}}
+
+
+def all_input(msg: dict[str, Any]) -> int:
+    """The message's input tokens, read from the cache or not (Anthropic's input_tokens counts those not read)."""
+    return msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"]
 
 
 # ---- text ----------------------------------------------------------------------------------------
@@ -88,7 +95,7 @@ def test_a_text_reply_equals_the_chat_routes(live):
     assert out["content"][0]["text"] == "?@ABCDEFG"
     assert out["id"].startswith("msg_") and (out["type"], out["role"], out["model"]) == ("message", "assistant", MODEL)
     assert (out["stop_reason"], out["stop_sequence"]) == ("max_tokens", None)
-    assert out["usage"] == {"input_tokens": reply["usage"]["prompt_tokens"], "output_tokens": 9}
+    assert all_input(out) == reply["usage"]["prompt_tokens"] and out["usage"]["output_tokens"] == 9
 
 
 def test_a_reply_that_ends_is_end_turn(live):
@@ -137,7 +144,7 @@ def test_a_final_assistant_message_is_continued(live):
     out = message(live, max_tokens=3, messages=ask)
     reply = chat(live, ask, max_tokens=3, add_generation_prompt=False, continue_final_message=True)
     assert out["content"][0]["text"] == reply["choices"][0]["message"]["content"] == "z{|"
-    assert count(live, messages=ask) == out["usage"]["input_tokens"] == reply["usage"]["prompt_tokens"]
+    assert count(live, messages=ask) == all_input(out) == reply["usage"]["prompt_tokens"]
     empty = message(live, max_tokens=3,
                     messages=[ask[0], {"role": "assistant", "content": [{"type": "text", "text": ""}]}])
     assert same(empty) == same(message(live, max_tokens=3, messages=ask[:1]))  # an empty prefill is none
@@ -241,7 +248,7 @@ def test_tool_use_and_tool_result_history_reaches_the_prompt(live):
                         {"role": "user", "content": "Thanks."}], tools=[CHAT_WEATHER], max_tokens=3)
     counted = count(live, messages=turns, tools=[WEATHER])
     out = message(live, messages=turns, tools=[WEATHER], max_tokens=3)
-    assert counted == out["usage"]["input_tokens"] == reply["usage"]["prompt_tokens"]
+    assert counted == all_input(out) == reply["usage"]["prompt_tokens"]
     assert out["content"][0]["text"] == reply["choices"][0]["message"]["content"]
     blocks = [{"type": "text", "text": "18 C and sunny"}, {"type": "text", "text": "!!"}]
     longer = [*turns[:2], {"role": "user", "content": [{**turns[2]["content"][0], "content": blocks, "is_error": True},

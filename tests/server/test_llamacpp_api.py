@@ -142,6 +142,9 @@ class _Gen:
     def prompt_ids(self, index: int) -> list[int]:
         return [1, 2]
 
+    def cached_in(self, index: int) -> int:
+        return 0
+
 
 def test_t_max_predict_ms_ends_the_reply_at_a_newline_past_the_time(live, monkeypatch):
     now = [100.0]

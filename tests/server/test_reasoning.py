@@ -223,7 +223,7 @@ def test_a_tool_call_after_the_thinking_is_parsed_from_the_answer_whole_and_stre
     reply = ('<think>\nMaybe <tool_call>{"name": "weather", "arguments": {}}</tool_call>? No, ask properly.\n</think>'
              '\n\nChecking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     service = types.SimpleNamespace(model_name="m", reasoning=FMT, token_text=str)
-    gen = types.SimpleNamespace(id="chatcmpl-1", num_choices=1, prompt_tokens=3, completion_tokens=9,
+    gen = types.SimpleNamespace(id="chatcmpl-1", num_choices=1, prompt_tokens=3, completion_tokens=9, cached_tokens=0,
                                 prompt_ids=lambda index: [1, 260])
     body = ChatCompletionRequest(messages=ASK, tools=[{"type": "function", "function": {
         "name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])

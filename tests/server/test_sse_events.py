@@ -21,7 +21,8 @@ def _service():
 
 
 def _gen(choices: int = 4):
-    return types.SimpleNamespace(id="cmpl-abc\"1", num_choices=choices, prompt_tokens=3, completion_tokens=5)
+    return types.SimpleNamespace(id="cmpl-abc\"1", num_choices=choices, prompt_tokens=3, completion_tokens=5,
+                                 cached_tokens=0)
 
 
 def _formats():
