@@ -1,8 +1,8 @@
 """The sparse mixture-of-experts MLP shared by every MoE architecture (Qwen3-MoE, Mixtral, OLMoE): a router picks
 each token's top-k experts, and only those run. The step's (token, expert) pairs are sorted by expert and multiplied
-group by group: one grouped matmul (ragged_dot) on TPU, where it is native; elsewhere a loop over fixed-size blocks
-of the sorted rows, each block one expert's, that runs only the blocks the step uses (XLA:CPU lowers ragged_dot to a
-dense product over every expert). Expert weights are quantization/experts.py's stacks [L, E, in, out]."""
+group by group: one grouped matmul (ragged_dot) on TPU, where it is native, for steps of at least as many pairs as
+experts; elsewhere a loop over fixed-size blocks of the sorted rows, each block one expert's, that runs only the
+blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are quantization/experts.py's stacks [L, E, in, out]."""
 from __future__ import annotations
 
 import functools
@@ -70,7 +70,9 @@ def expert_rows(x: jax.Array, chosen: jax.Array, picks: tuple, top_k: int) -> ja
     sizes = jnp.bincount(chosen, length=experts).astype(jnp.int32)                    # [E]
     args = (x, chosen, order, sizes)
     blocks = functools.partial(_block_rows, picks=picks, top_k=top_k)
-    if not ex.has_ragged(picks):
+    # with fewer pairs than experts (a small decode step) the block loop reads at most one expert per pair, where
+    # ragged_dot's operand is every expert of the layer
+    if not ex.has_ragged(picks) or chosen.shape[0] < experts:
         return blocks(*args)
     return jax.lax.platform_dependent(*args, tpu=functools.partial(_ragged_rows, picks=picks, top_k=top_k),
                                       default=blocks)

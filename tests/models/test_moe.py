@@ -172,3 +172,10 @@ def test_olmoe_clip_qkv_is_refused(olmoe_dir):
     raw = _config(olmoe_dir)
     with pytest.raises(ValueError, match="clip_qkv"):
         ModelConfig.from_hf_dict({**raw, "clip_qkv": 8.0})
+
+
+def test_tensor_parallel_is_refused_for_moe(olmoe):
+    from slipstream.engine.device.sharding import TensorParallel
+
+    with pytest.raises(ValueError, match="one device per replica"):
+        TensorParallel(olmoe[0], 2)
