@@ -20,7 +20,8 @@ import numpy as np
 
 from benchmarks.device import parse_args, record
 from benchmarks.engine import build, decodes, fill, kv_read_bytes, positions_per_phase
-from benchmarks.measure import cpu_model, interleaved, linear_forms, median_ms, weight_bytes_read_per_token
+from benchmarks.measure import (cpu_model, expert_share, interleaved, linear_forms, median_ms,
+                                weight_bytes_read_per_token)
 from slipstream.engine.api import PREVIOUS_SAMPLE, StepBatch, StepSeq
 from slipstream.engine.device.runner import EngineConfig
 from slipstream.models.config import ModelConfig
@@ -117,9 +118,11 @@ def matmul_kind(weight_mode: str, float_dtype) -> str:
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """Multiply-adds x 2 of one token through every layer's linear weights (q/k/v/o, gate/up/down)."""
+    """Multiply-adds x 2 of one token through every layer's linear weights (q/k/v/o, gate/up/down; of a sparse
+    MoE, its num_experts_per_tok experts')."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    mlp = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
+    per_layer = cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * mlp
     return 2 * cfg.num_layers * per_layer
 
 
@@ -203,8 +206,9 @@ def _decode_batches(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs:
         row["pipelined_ms"] = pipelined_ms(setup, batch, args.steps + args.warmup)
         if args.profile:
             row.update(step_profile(step))
-        if hbm_gbs:
-            row["floor_ms"] = (weights + kv_read_bytes(setup, batch)) / (hbm_gbs * 1e9) * 1e3
+        if hbm_gbs:  # a sparse MoE's step reads the experts its tokens choose
+            read = weight_bytes_read_per_token(engine.params, expert_share(cfg, batch))
+            row["floor_ms"] = (read + kv_read_bytes(setup, batch)) / (hbm_gbs * 1e9) * 1e3
             row["step_over_floor"] = ms / row["floor_ms"]
             row["pipelined_over_floor"] = row["pipelined_ms"] / row["floor_ms"]
         results.append(row)

@@ -145,11 +145,29 @@ def _leaf_bytes(tree) -> int:
                else leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree, is_leaf=stacks))
 
 
-def weight_bytes_read_per_token(params) -> int:
+def weight_bytes_read_per_token(params, experts_read: float = 1.0) -> int:
     """Bytes a decode step must read (params: the engine's model state): every layer weight and the
-    LM head (the tied embedding table is read whole by the LM head; untied, only a few rows of it)."""
+    LM head (the tied embedding table is read whole by the LM head; untied, only a few rows of it); of a
+    sparse MoE's experts the share `experts_read` (expert_share)."""
     head = params["lm_head"] if params.get("lm_head") else params["embed"]
-    return _leaf_bytes(params["blocks"]) + _leaf_bytes(head) + _leaf_bytes(params["final_norm"])
+    experts = _expert_bytes(params["blocks"])
+    return (_leaf_bytes(params["blocks"]) - experts + round(experts * experts_read) + _leaf_bytes(head)
+            + _leaf_bytes(params["final_norm"]))
+
+
+def _expert_bytes(tree) -> int:
+    from slipstream.quantization.experts import ExpertStack, PackedExperts
+
+    stacks = lambda v: isinstance(v, (ExpertStack, PackedExperts))  # noqa: E731
+    return sum(_leaf_bytes(leaf) for leaf in jax.tree_util.tree_leaves(tree, is_leaf=stacks) if stacks(leaf))
+
+
+def expert_share(cfg, batch: int) -> float:
+    """The expected share of a sparse MoE's experts that `batch` decoding tokens choose between them (each token
+    num_experts_per_tok of num_experts, routed uniformly at random); 1 for a dense model."""
+    if not cfg.num_experts:
+        return 1.0
+    return 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
 
 
 def linear_forms(params) -> dict[str, int]:

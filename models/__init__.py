@@ -11,7 +11,8 @@ Adding an architecture (Gemma 3 in models/gemma3.py is a complete example):
    it has one) to a new architecture name, and read any new config fields (a flag here, not an `if`
    on the name inside layer code).
 2. models/<name>.py: a `CausalLM` subclass with its block module built from models/layers.py
-   (Attention, GatedMLP, RMSNorm, Linear; add a shared layer there if another model may use it),
+   (Attention, GatedMLP, RMSNorm, Linear; models/moe.py's SparseMoE and moe_weights for a mixture of experts,
+   whose expert tensors are declared with Weight(experts=True); add a shared layer there if another model may use it),
    its `WEIGHTS` (one `Weight` per parameter path), and `block` (plus `embed_tokens` / `logits`
    hooks if they differ).
 3. models/architectures.py: register the class.

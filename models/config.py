@@ -31,8 +31,11 @@ class RopeScaling:
 
 # HF "architectures" entries and model_type values -> our architecture names
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                    "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+                    "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                  "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 LAYER_KINDS = ("full", "sliding")
 
@@ -58,6 +61,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), unscaled
     qk_norm: bool = False                  # RMSNorm over head_dim on q and k (Qwen3, Gemma 3)
+    qk_norm_full: bool = False             # with qk_norm: over the whole q / k projection, not per head (OLMoE)
+    # sparse mixture of experts in every layer's MLP (0: a dense gated MLP): each token's num_experts_per_tok
+    # experts of the router's softmax, weighted by their probabilities (renormalised over the chosen ones
+    # when norm_topk_prob); each expert a gated MLP of moe_intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     hidden_activation: str = "silu"        # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default head_dim)
     final_logit_softcap: float | None = None    # logits = cap * tanh(logits / cap)
@@ -92,6 +103,13 @@ class ModelConfig:
             raise ValueError("sliding layers need a sliding_window")
         if self.hidden_activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_activation must be silu or gelu_tanh, got {self.hidden_activation!r}")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0: dense MLPs), got {self.num_experts}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ValueError(f"a sparse MoE needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}) and "
+                             f"moe_intermediate_size >= 1, got {self.num_experts_per_tok} and "
+                             f"{self.moe_intermediate_size}")
 
     @property
     def q_per_kv(self) -> int:
@@ -202,13 +220,43 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         qk_norm=arch in ("qwen3", "gemma3"),
     )
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         fields["sliding_window"] = None
     if arch == "gemma3":
         fields.update(_gemma3_fields(cfg, rope))
     elif fields["sliding_window"] and cfg.get("layer_types"):
         fields["layer_types"] = _layer_kinds(cfg["layer_types"])
+    if arch in MOE_ARCHITECTURES:
+        fields.update(_moe_fields(cfg, arch))
     return fields
+
+
+def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict:
+    """The sparse-MoE fields of Qwen3-MoE, Mixtral and OLMoE configs. Every layer must be sparse: a config
+    that makes some layers dense (Qwen3-MoE's decoder_sparse_step / mlp_only_layers) is refused, as are
+    shared experts (Qwen2-MoE style) and OLMoE's clip_qkv."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    n = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_dense = set(cfg.get("mlp_only_layers") or ())
+    dense = [i for i in range(n) if i in only_dense or not (experts > 0 and (i + 1) % step == 0)]
+    if dense:
+        raise ValueError(f"{arch}: layers {dense} have a dense MLP (num_experts {experts}, decoder_sparse_step "
+                         f"{step}, mlp_only_layers {sorted(only_dense)}); Slipstream serves MoE configs whose every "
+                         "layer is sparse (decoder_sparse_step 1, mlp_only_layers [])")
+    if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
+        raise ValueError(f"{arch}: shared experts are not supported (Qwen2-MoE / DeepSeek style)")
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{arch}: clip_qkv {cfg['clip_qkv']} is not supported (OLMoE-1B-7B leaves it null)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch}: expert activation {act!r} is not supported; supported: silu")
+    mixtral = arch == "mixtral"
+    return dict(num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["intermediate_size" if arch != "qwen3_moe" else "moe_intermediate_size"]),
+                # Mixtral renormalises always (a softmax over the chosen logits)
+                norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+                qk_norm=not mixtral, qk_norm_full=arch == "olmoe")
 
 
 def _layer_kinds(hf_types) -> tuple[str, ...]:

@@ -140,6 +140,24 @@ def _draw(key: jax.Array, path: tuple, weight: Weight, shape: tuple[int, ...], d
     return _rotations(one, jnp.asarray(_shifts(shift_key, shape[0], one.size), jnp.int32))
 
 
+def _draw_experts(key: jax.Array, shape: tuple[int, ...], quantize: str, dtype):
+    """A sparse MoE's experts [L, E, in, out] (quantization/experts.ExpertStack): quantized, uniform int8 with one
+    scale (1/sqrt(in) spread, as the other linears), drawn as int8; else normal floats. One layer's experts drawn,
+    the other layers rotations of it (each expert of a layer is its own draw)."""
+    from slipstream.quantization.experts import ExpertStack
+
+    draw_key, shift_key = jax.random.split(key)
+    if quantize == "none":
+        one = jax.random.normal(draw_key, shape[1:], dtype) * jnp.asarray(1 / math.sqrt(shape[-2]), dtype)
+    else:
+        one = _int8_device(draw_key, shape[1:])
+    q = _rotations(one, jnp.asarray(_shifts(shift_key, shape[0], one.size), jnp.int32))
+    if quantize == "none":
+        return ExpertStack(q)
+    d = np.float32(1 / math.sqrt(shape[-2]) / _INT8_UNIFORM_STD)
+    return ExpertStack(q, jnp.full((shape[0], shape[1], shape[3]), d, jnp.float32))
+
+
 def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", seed: int = 0,
                 progress: bool = False) -> CausalLM:
     """The architecture's module with every weight random (quantize: "none", or a quantization mode
@@ -162,7 +180,9 @@ def dummy_model(cfg: ModelConfig, *, dtype="float32", quantize: str = "none", se
         var, weight = variables[path], declared[path]
         shape = tuple(var.get_value().shape)
         tensor_key = jax.random.fold_in(key, index)
-        if weight.linear and quantize in GROUPWISE:
+        if weight.experts:
+            value = _draw_experts(tensor_key, shape, quantize, dtype)
+        elif weight.linear and quantize in GROUPWISE:
             value = _draw_groupwise(tensor_key, shape, quantize)
         elif weight.linear and quantize != "none":
             value = _draw_quantized(tensor_key, shape, quantize if weight.per_layer else head_mode(quantize), dtype)

@@ -160,18 +160,25 @@ class Attention(nnx.Module):
         self.wk = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), layers=layers, bias=bias)
         self.wv = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), layers=layers, bias=bias)
         self.wo = Linear(cfg.num_heads * hd, d, ("q_heads", "embed"), layers=layers)
-        norm = dict(axis="head_dim", layers=layers, offset=norm_offset)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        # per head (over head_dim), or over the whole projection (OLMoE)
+        full = cfg.qk_norm_full
+        norm = dict(layers=layers, offset=norm_offset)
+        q_width, k_width = (cfg.num_heads * hd, cfg.num_kv_heads * hd) if full else (hd, hd)
+        q_axis, k_axis = ("q_heads", "kv_heads") if full else ("head_dim", "head_dim")
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, axis=q_axis, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, axis=k_axis, **norm) if cfg.qk_norm else None
+        self.qk_norm_full = full
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend: AttentionOp,
                  cache: Any, layer: jax.Array, sliding: bool | jax.Array) -> tuple[jax.Array, Any]:
         t = x.shape[0]
         q, k, v = project(x, (self.wq, self.wk, self.wv))
+        if self.q_norm is not None and self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, self.num_heads, self.head_dim)                              # [T,H,hd]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)                           # [T,KV,hd]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, cache = attend(q, k, v, cache, layer, sliding)                          # [T,H,hd]

@@ -1,5 +1,6 @@
 """Llama family as an NNX module tree: Llama 1-3.x (RoPE scaling), SmolLM2, Mistral (sliding window),
-Qwen2 (q/k/v bias). Pre-norm blocks: x += attn(norm(x)); x += swiglu(norm(x))."""
+Qwen2 (q/k/v bias); with ModelConfig.num_experts a sparse-MoE MLP (models/moe.py: Mixtral, Qwen3-MoE, OLMoE).
+Pre-norm blocks: x += attn(norm(x)); x += swiglu(norm(x))."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from slipstream.models import layers
+from slipstream.models import layers, moe
 from slipstream.models.base import CausalLM, Weight
 from slipstream.models.config import ModelConfig
 
@@ -43,7 +44,7 @@ class LlamaBlock(nnx.Module):
         self.attn_norm = layers.RMSNorm(d, eps, layers=layers_)
         self.attn = layers.Attention(cfg, layers=layers_)
         self.mlp_norm = layers.RMSNorm(d, eps, layers=layers_)
-        self.mlp = layers.GatedMLP(cfg, layers=layers_)
+        self.mlp = moe.SparseMoE(cfg, layers_=layers_) if cfg.num_experts else layers.GatedMLP(cfg, layers=layers_)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any,
                  layer: jax.Array, kinds: layers.LayerKinds) -> tuple[jax.Array, Any]:

@@ -104,12 +104,16 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     missing_decl = set(variables) - {tuple(w.path.split(".")) for w in declared}
     if missing_decl:  # a module weight without a declaration is a bug in the architecture file
         raise RuntimeError(f"{type(model).__name__} declares no checkpoint name for {sorted(missing_decl)}")
-    bar = tqdm(total=sum(cfg.num_layers if w.per_layer else 1 for w in declared), unit="tensor",
+    bar = tqdm(total=sum((cfg.num_layers * max(1, cfg.num_experts * w.experts)) if w.per_layer else 1
+                         for w in declared), unit="tensor",
                desc=f"loading {os.path.basename(source)}", file=sys.stderr, disable=not progress, leave=False)
     tied_head = None
     for w in declared:
         var = variables[tuple(w.path.split("."))]
         shape = tuple(var.get_value().shape)
+        if w.experts:
+            var.set_value(_experts(cfg, w, shape, get, name_of(w), source, dtype, quantize != "none", bar))
+            continue
         one = shape[1:] if w.per_layer else shape
         stored = tuple(reversed(one)) if w.linear else one  # checkpoints hold linears [out, in]
         name = name_of(w)
@@ -149,6 +153,36 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
         model.lm_head = head
     trim_host_heap()
     return model
+
+
+def _experts(cfg: ModelConfig, w: Weight, shape: tuple[int, ...], get: Getter, name: str | None, source: str, dtype,
+             rounded: bool, bar):
+    """A sparse MoE's expert weight (quantization/experts.ExpertStack [L, E, in, out]) from one checkpoint
+    tensor per layer and expert; rounded (a quantized load): each tensor to per-channel int8 as it is read."""
+    import jax
+    import jax.numpy as jnp
+
+    from slipstream.quantization.experts import ExpertStack, round_numpy
+
+    layers, experts, k, n = shape
+    out = np.empty(shape, np.int8 if rounded else np.dtype(jnp.dtype(dtype)))
+    scale = np.empty((layers, experts, n), np.float32) if rounded else None
+    for i in range(layers):
+        for e in range(experts):
+            full = None if name is None else name.format(i=i, e=e)
+            arr = None if full is None else get(full, w, (n, k))
+            if arr is None:
+                raise ModelLoadError(f"{source}: missing tensor {full or w.path} (expected shape {(n, k)}; experts "
+                                     "are read one tensor per expert, as the Hub's checkpoints and transformers' "
+                                     "save_pretrained store them)")
+            if rounded:
+                out[i, e], scale[i, e] = round_numpy(np.asarray(arr, np.float32).T)
+            else:
+                out[i, e] = arr.T
+            bar.update()
+    if rounded:
+        return ExpertStack(jax.device_put(out), jax.device_put(scale))
+    return ExpertStack(_device(out, dtype))
 
 
 def _check_shape(source: str, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -49,7 +49,7 @@ def lora_targets(model: "CausalLM") -> dict[str, Target]:
     targets = {}
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))
-        if not (w.linear and w.per_layer and w.hf.endswith(".weight") and key in flat):
+        if not (w.linear and w.per_layer and w.hf.endswith(".weight") and key in flat) or w.experts:
             continue
         prefix = w.hf[:-len(".weight")]
         module = prefix.rsplit(".", 1)[-1]

@@ -5,9 +5,11 @@ from __future__ import annotations
 from slipstream.models.base import Weight
 from slipstream.models.llama import Llama, llama_weights
 
+QK_NORMS = (
+    Weight("blocks.attn.q_norm.w", "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    Weight("blocks.attn.k_norm.w", "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+)
+
 
 class Qwen3(Llama):
-    WEIGHTS = llama_weights((
-        Weight("blocks.attn.q_norm.w", "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
-        Weight("blocks.attn.k_norm.w", "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
-    ))
+    WEIGHTS = llama_weights(QK_NORMS)

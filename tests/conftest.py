@@ -54,10 +54,41 @@ def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: 
         cfg.architectures = ["Gemma3ForCausalLM"]
         model = transformers.Gemma3ForCausalLM(cfg)
         _randomize_norms(model, torch)
+    elif family in MOE_FAMILIES:
+        # 4 experts, top 2, over 3 layers; Qwen3-MoE renormalises the top-k weights, OLMoE does not (and
+        # normalises q / k over the whole projection)
+        moe = {**common, "num_experts_per_tok": 2, "num_hidden_layers": 3, "intermediate_size": 48}
+        if family == "qwen3_moe":
+            cfg = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=32, head_dim=16,
+                                              norm_topk_prob=True)
+            model = transformers.Qwen3MoeForCausalLM(cfg)
+        elif family == "mixtral":
+            cfg = transformers.MixtralConfig(**moe, num_local_experts=4, head_dim=16,
+                                             sliding_window=None)
+            model = transformers.MixtralForCausalLM(cfg)
+        else:
+            cfg = transformers.OlmoeConfig(**moe, num_experts=4)
+            model = transformers.OlmoeForCausalLM(cfg)
+        _randomize_norms(model, torch)
+        _randomize_experts(model, torch)
     else:
         raise ValueError(family)
     model.eval().save_pretrained(path, safe_serialization=True)
     return path
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def _randomize_experts(model, torch) -> None:
+    """Router logits of a few units (each token's top experts win by clear margins, and differ token to token) and
+    experts large enough to move the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.ndim == 2 and "experts" not in name:
+                p.normal_(0, 1.0)
+            elif "experts" in name:
+                p.normal_(0, 0.1)
 
 
 def _randomize_norms(model, torch) -> None:

@@ -13,6 +13,8 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
 - a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`);
+- a sparse MoE's int8 experts are packed for the per-channel kernel, which reads one expert at (layer, expert)
+  (quantization/experts.PackedExperts); float experts stay one stack picked by index;
 - with the hybrid weights (EngineConfig.prompt_w16) the group-wise stacks are `StackedHybrid`: the StackedQ8 and
   its int8-channel-w16 rounding, a step's prompt rows on the second (docs/kernels.md).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
@@ -31,9 +33,11 @@ import numpy as np
 from flax import nnx
 
 from slipstream.kernels import f32_matmul as f32
+from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.models import layers
 from slipstream.models.base import CausalLM
 from slipstream.quantization import Int8Weight, QuantizedWeight
+from slipstream.quantization.experts import pack_numpy
 from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
     FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedHybrid, StackedInt8,
     StackedPick, StackedQ8)
@@ -70,6 +74,11 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
     candidates: dict[tuple, object] = {}
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))
+        if w.experts and key in flat:  # a stack the native per-channel kernel reads at (layer, expert)
+            value = flat[key].get_value()
+            if stack_int8 and value.scale is not None and icm.native_available():
+                flat[key].set_value(pack_numpy(value))
+            continue
         if w.linear and w.per_layer and key in flat:
             value = flat[key].get_value()
             if ((stack_int8 and (isinstance(value, QuantizedWeight) or channel_weight(value)))
@@ -102,7 +111,7 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
         if var is not None and w.linear and not w.per_layer and stack_int8 and channel_weight(var.get_value()):
             var.set_value(pack_channel(var.get_value()))
             continue
-        if var is None or not (w.linear and w.per_layer):
+        if var is None or not (w.linear and w.per_layer) or w.experts:
             continue
         if key in stacked:
             var.set_value(stacked[key])
@@ -124,7 +133,7 @@ def index_int8_stacks(model: CausalLM) -> int:
     wrapped = 0
     for w in type(model).WEIGHTS:
         var = flat.get(tuple(w.path.split(".")))
-        if var is None or not (w.linear and w.per_layer):
+        if var is None or not (w.linear and w.per_layer) or w.experts:
             continue
         value = var.get_value()
         if isinstance(value, Int8Weight) and value.q.ndim == 3:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from slipstream.models.base import CausalLM
 from slipstream.models.layers import Linear
 from slipstream.quantization import Int8Weight, QuantizedWeight, quantize_weight
+from slipstream.quantization.experts import ExpertStack, quantize_experts
 from slipstream.quantization.groupwise import QuantizedTable
 from slipstream.quantization.weights import QUANTIZED_MODES, check_mode, head_mode
 
@@ -21,7 +22,7 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
     """Round the declared linear weights (models/base.Weight.linear, the LM head included) to `mode`
     and cast the remaining float weights to `dtype`, in place. A tied LM head gets int8 rows of the
     embedding table (the float table stays for the token lookup); the LM head takes weights.head_mode's mode
-    ("int8" under "int4"). Weights the loader already built
+    ("int8" under "int4"); a sparse MoE's experts become per-channel int8 in every mode. Weights the loader already built
     as group-wise int8 (models.loader with quantize="q8_0") are kept: their floats never exist.
     quantization.int8's modes round each weight on its device, one tensor at a time."""
     check_mode(mode)
@@ -44,14 +45,19 @@ def prepare_model(model: CausalLM, mode: str, dtype, *, progress: bool = False) 
         targets = [w for w in type(model).WEIGHTS if w.linear and tuple(w.path.split(".")) in flat]
         for w in tqdm(targets, desc=f"quantize {mode}", file=sys.stderr, disable=not progress, leave=False):
             var = flat[tuple(w.path.split("."))]
+            if w.experts:  # per-channel int8 whatever the mode (quantization/experts.py)
+                var.set_value(quantize_experts(var.get_value()))
+                continue
             var.set_value(quantize_weight(var.get_value(), mode if w.per_layer else head_mode(mode)))
         nnx.update(model, state)
 
     state = nnx.state(model, nnx.Param)
 
-    kept = QuantizedWeight | Int8Weight | QuantizedTable
+    kept = QuantizedWeight | Int8Weight | QuantizedTable | ExpertStack
 
     def cast(x):
+        if isinstance(x, ExpertStack):
+            return x.astype(dtype)
         if isinstance(x, kept) or not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         return x.astype(dtype)

@@ -126,6 +126,9 @@ class TensorParallel:
                  devices: list[jax.Device] | None = None):
         if devices is not None and len(devices) != n:
             raise ValueError(f"tensor_parallel={n} was given {len(devices)} devices")
+        if cfg.num_experts and n > 1:  # no sharding rule for the expert stacks (quantization/experts.py) yet
+            raise ValueError(f"a sparse-MoE model ({cfg.num_experts} experts) runs on one device per replica: use "
+                             f"tensor_parallel 1 (data-parallel replicas serve more traffic), not {n}")
         self.mesh = make_mesh(n) if devices is None else Mesh(np.asarray(devices), MESH_AXES)
         self.n, self.config = n, config
         h, kv = cfg.num_heads, cfg.num_kv_heads

@@ -12,7 +12,7 @@ from slipstream.models.loader import load_hf_dir
 from tests.conftest import build_tiny_hf
 
 FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("mistral", False), ("qwen2", True),
-            ("qwen3", False), ("gemma3", True)]
+            ("qwen3", False), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,11 @@ def test_logits_match_transformers(checkpoint, family, tie):
         np.testing.assert_allclose(ours[i, :n], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "qwen3_moe", "mixtral", "olmoe"])
 def test_engine_ragged_steps_match_transformers(checkpoint, family):
     """Chunked prefill of two sequences in mixed steps through the paged cache: each chunk's last
-    logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8)."""
+    logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8; the MoE families:
+    each step's tokens routed together, through the engine's block loop over sorted rows)."""
     from slipstream.engine.api import StepBatch, StepSeq
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
 

@@ -29,12 +29,18 @@ PUBLIC = {
     "gemma-3-1b": ("gemma3", 26, 1152, 4, 1, 256, 6912, 262144, True, 4),
     "gemma-3-4b": ("gemma3", 34, 2560, 8, 4, 256, 10240, 262208, True, 5),
     "mistral-7b": ("llama", 32, 4096, 32, 8, 128, 14336, 32768, False, 32),
+    "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 32, 4, 128, 6144, 151936, False, 48),
+    "mixtral-8x7b": ("mixtral", 32, 4096, 32, 8, 128, 14336, 32000, False, 32),
+    "olmoe-1b-7b": ("olmoe", 16, 2048, 16, 16, 128, 1024, 50304, False, 16),
 }
+# MoE presets: (experts, experts per token, expert width, top-k weights renormalised)
+EXPERTS = {"qwen3-30b-a3b": (128, 8, 768, True), "mixtral-8x7b": (8, 2, 14336, True), "olmoe-1b-7b": (64, 8, 1024, False)}
 # the dummy-weight tests' vocabulary: a multiple of the q8 kernel's 16-column tiles, like every preset's
 VOCAB = 1024
 # parameters of the public models (embedding counted once when tied), from their model cards
 PARAMS_BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.2-1b": 1.24, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
-                   "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "mistral-7b": 7.25}
+                   "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "mistral-7b": 7.25, "qwen3-30b-a3b": 30.5,
+                   "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.92}
 
 
 def preset(name: str) -> ModelConfig:
@@ -51,6 +57,8 @@ def shrunk_dir(tmp_path, name: str, vocab_size: int | None = None) -> str:
     heads = min(cfg["num_attention_heads"], 4)
     cfg.update(num_hidden_layers=6 if cfg["model_type"] == "gemma3_text" else 2, hidden_size=64,
                intermediate_size=128, num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio))
+    if "moe_intermediate_size" in cfg:  # the experts' own width (their count and top-k kept)
+        cfg["moe_intermediate_size"] = 32
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
     path = tmp_path / name
@@ -75,6 +83,9 @@ def test_preset_config_has_the_public_numbers(name):
         assert cfg.rope_local_theta == 10000 and cfg.final_logit_softcap is None
     if name.startswith("llama-3"):
         assert cfg.rope_scaling.kind == "llama3" and cfg.rope_theta == 500000
+    moe = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob)
+    assert moe == EXPERTS.get(name, (0, 0, 0, False))
+    assert cfg.qk_norm_full == (arch == "olmoe")
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))
@@ -83,10 +94,12 @@ def test_every_weight_shape_follows_from_the_config(name):
     cfg = preset(name)
     model = build_abstract(cfg)
     d, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
-    q, kv, f = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    q, kv, f = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.moe_intermediate_size or cfg.intermediate_size
+    qn, kn = (q, kv) if cfg.qk_norm_full else (hd, hd)
     expected = {"q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d),
                 "o_proj.weight": (d, q), "gate_proj.weight": (f, d), "up_proj.weight": (f, d),
-                "down_proj.weight": (d, f), "q_norm.weight": (hd,), "k_norm.weight": (hd,),
+                "down_proj.weight": (d, f), "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
+                "gate.weight": (cfg.num_experts, d), "q_norm.weight": (qn,), "k_norm.weight": (kn,),
                 "layernorm.weight": (d,), "embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
                 "lm_head.weight": (cfg.vocab_size, d)}
     state = _weights(model)
@@ -98,10 +111,12 @@ def test_every_weight_shape_follows_from_the_config(name):
             continue
         seen += 1
         want = next(shape for suffix, shape in expected.items() if w.hf.endswith(suffix))
-        one = tuple(leaf.shape[1:] if w.per_layer else leaf.shape)
+        one = tuple(leaf.shape[2:] if w.experts else leaf.shape[1:] if w.per_layer else leaf.shape)
         assert (tuple(reversed(one)) if w.linear else one) == want, w.hf
         if w.per_layer:
             assert leaf.shape[0] == layers
+        if w.experts:  # one checkpoint tensor per expert: [L, E, in, out]
+            assert leaf.shape[1] == cfg.num_experts and "{e}" in w.hf
     assert seen >= 11
     assert params / 1e9 == pytest.approx(PARAMS_BILLIONS[name], rel=0.02)
 
@@ -164,7 +179,8 @@ Q8_DRAWN = ("llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b", "gemma-3-4
 @pytest.mark.parametrize("name, quantize", [*((n, "q8_0-a16") for n in Q8_DRAWN),
                                             ("gemma-3-1b", "none"), ("qwen3-0.6b", "none"),
                                             ("llama-3.2-1b", "int8"), ("llama-3.1-8b", "int8"),
-                                            ("qwen3-0.6b", "int8-channel")])
+                                            ("qwen3-0.6b", "int8-channel"), ("olmoe-1b-7b", "q8_0-a16"),
+                                            ("qwen3-30b-a3b", "int8"), ("mixtral-8x7b", "none")])
 def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
     # one vocabulary for all (the presets' own are checked above and served in test_presets_serve.py): the
     # embedding's and LM head's draws and the logits' programs compile once for the file
@@ -178,7 +194,12 @@ def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path,
         head = np.asarray(model.lm_head.w.get_value().dequantize())[:, :256]
         np.testing.assert_array_equal(head, np.asarray(model.embed.table.get_value())[:256].T)
     assert got == want
-    if quantize != "none":
+    if cfg.num_experts:  # experts drawn as int8 with one scale in every quantized mode, else floats
+        experts = model.blocks.mlp.w_up.get_value()
+        assert (experts.scale is not None) == (quantize != "none")
+        assert experts.w.dtype == (np.int8 if quantize != "none" else np.float32)
+        assert not np.array_equal(np.asarray(experts.w[0, 0]), np.asarray(experts.w[0, 1]))  # each its own draw
+    elif quantize != "none":
         from slipstream.quantization import Int8Weight, QuantizedWeight
 
         kind = Int8Weight if quantize.startswith("int8") else QuantizedWeight

@@ -37,6 +37,9 @@ SERVED = {
     "qwen3-0.6b": ("qwen3 (q/k norms), tied embedding, two KV heads", ()),
     "qwen3-8b": ("qwen3, untied LM head, one KV head", TPU_INT8),
     "gemma-3-4b": ("gemma3: sliding and global layers, linear RoPE scaling, two KV heads", ()),
+    "olmoe-1b-7b": ("olmoe: 64 experts top-8, q/k norms over the whole projection", ()),
+    "qwen3-30b-a3b": ("qwen3_moe: 128 experts top-8, renormalised", TPU_INT8),
+    "mixtral-8x7b": ("mixtral: 8 experts top-2, no q/k norms", ()),
 }
 
 

@@ -1,0 +1,165 @@
+"""Expert weights of a sparse-MoE layer (models/moe.py): every layer's experts as one stack [L, E, in, out] that the
+layer body multiplies at a traced layer and expert index, so a step reads only the experts its tokens chose and no
+layer's experts are sliced out of the stack. Forms: float; per-output-channel int8 (every quantized mode's experts,
+rounded on the device); and on CPU that int8 packed once for kernels/int8_channel_matmul.py (PackedExperts, built by
+quantization/layer_packing.pack_experts). Which rows go to which expert is models/moe.py's business."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from slipstream.kernels import int8_channel_matmul as icm
+
+INT8_MAX = 127.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertStack:
+    """w [L, E, in, out]: float, or int8 q with `scale` f32 [L, E, out] (one symmetric scale per output channel,
+    w = q * scale: rounding costs a float model's accuracy no more than the dense layers' int8 does)."""
+
+    w: jax.Array
+    scale: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+    def pick(self, layer: jax.Array) -> "ExpertPick":
+        return ExpertPick(layer, self)
+
+    def astype(self, dtype) -> "ExpertStack":
+        """Float experts in `dtype`; int8 ones as they are."""
+        return self if self.scale is not None else ExpertStack(self.w.astype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPick:
+    """Layer `layer` of an ExpertStack, inside the scanned layer body."""
+
+    layer: jax.Array
+    stack: ExpertStack
+
+    @property
+    def experts(self) -> int:
+        return self.stack.shape[1]
+
+    def matmul(self, x: jax.Array, expert: jax.Array) -> jax.Array:
+        """x [M, in] @ expert `expert`'s weight (traced index) -> f32 [M, out]; only that expert is read."""
+        w = self.stack.w[self.layer, expert]                                         # [in, out]
+        y = jnp.einsum("mk,kn->mn", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y if self.stack.scale is None else y * self.stack.scale[self.layer, expert]
+
+    def ragged(self, x: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        """Rows x [P, in] sorted by expert (group_sizes [E] rows each; row_expert [P] each row's) times their
+        experts' weights -> f32 [P, out], one grouped matmul (jax.lax.ragged_dot: native on TPU)."""
+        w = jax.lax.dynamic_index_in_dim(self.stack.w, self.layer, keepdims=False)   # [E, in, out]
+        y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+        if self.stack.scale is None:
+            return y
+        scale = jax.lax.dynamic_index_in_dim(self.stack.scale, self.layer, keepdims=False)  # [E, out]
+        return y * scale[row_expert]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """An int8 ExpertStack packed for kernels/int8_channel_matmul.py (CPU): expert e of layer l is entry
+    l * experts + e of the stacks packed [L*E, Np/16, Kp*16], scales and colsum [L*E, Np], which the kernel reads
+    where it lies. Activations in two int8 parts per row (~15 bits, as int8-channel-a16)."""
+
+    packed: jax.Array
+    scales: jax.Array
+    colsum: jax.Array
+    experts: int = dataclasses.field(metadata=dict(static=True))
+    n: int = dataclasses.field(metadata=dict(static=True))
+
+    def pick(self, layer: jax.Array) -> "PackedPick":
+        return PackedPick(layer, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPick:
+    """Layer `layer` of a PackedExperts (no grouped product: models/moe.py runs its row blocks)."""
+
+    layer: jax.Array
+    stack: PackedExperts
+
+    @property
+    def experts(self) -> int:
+        return self.stack.experts
+
+    def matmul(self, x: jax.Array, expert: jax.Array) -> jax.Array:
+        s = self.stack
+        return icm.int8_channel_matmul(x, s.packed, s.scales, s.colsum, n=s.n, parts=2,
+                                       layer=self.layer * s.experts + expert)
+
+
+def has_ragged(picks) -> bool:
+    """Whether every one of these experts' forms multiplies sorted rows as one grouped product (`ragged`)."""
+    return all(hasattr(p, "ragged") for p in picks)
+
+
+# ---- rounding ----------------------------------------------------------------------------------
+
+def _round(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [..., in, out] -> (q int8 in -127..127, scale f32 [..., out]): symmetric per output channel."""
+    wf = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(wf), axis=-2) / INT8_MAX
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    q = jnp.clip(jnp.round(wf * inv[..., None, :]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scale
+
+
+@jax.jit
+def _round_stack(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A float stack [L, E, in, out] rounded one layer at a time into int8 buffers allocated once (the float
+    temporaries are one layer's)."""
+    layers, experts, _, n = w.shape
+
+    def body(layer, out):
+        q, scale = _round(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False))
+        return (jax.lax.dynamic_update_index_in_dim(out[0], q, layer, 0),
+                jax.lax.dynamic_update_index_in_dim(out[1], scale, layer, 0))
+
+    init = (jnp.zeros(w.shape, jnp.int8), jnp.zeros((layers, experts, n), jnp.float32))
+    return jax.lax.fori_loop(0, layers, body, init)
+
+
+def quantize_experts(stack: ExpertStack) -> ExpertStack:
+    """Float experts -> per-output-channel int8, on their device (int8 ones are kept)."""
+    if stack.scale is not None:
+        return stack
+    if not jnp.issubdtype(stack.w.dtype, jnp.floating) or stack.w.ndim != 4:
+        raise ValueError(f"expected float experts [L, E, in, out], got {stack.w.dtype} {tuple(stack.w.shape)}")
+    return ExpertStack(*_round_stack(stack.w))
+
+
+def round_numpy(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's float weight [in, out] -> (q int8 [in, out], scale f32 [out]) on the host, as _round does (the
+    loader rounds each checkpoint tensor as it reads it)."""
+    wf = np.asarray(w, np.float32)
+    scale = (np.abs(wf).max(axis=0) / np.float32(INT8_MAX)).astype(np.float32)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    return np.clip(np.round(wf * inv), -INT8_MAX, INT8_MAX).astype(np.int8), scale
+
+
+def pack_numpy(stack: ExpertStack) -> PackedExperts:
+    """An int8 ExpertStack -> its PackedExperts, one expert at a time on the host (load time, CPU)."""
+    from slipstream.quantization.groupwise import host_empty
+
+    q, scale = np.asarray(stack.w), np.asarray(stack.scale)
+    layers, experts, k, n = q.shape
+    kp, np_ = icm.padded(k, n)
+    # huge pages: the decode step streams the chosen experts
+    packed = host_empty((layers * experts, np_ // icm.TILE, kp * icm.TILE), np.int8)
+    scales = np.zeros((layers * experts, np_), np.float32)
+    colsum = np.zeros((layers * experts, np_), np.int32)
+    for i in range(layers):
+        for e in range(experts):
+            packed[i * experts + e], scales[i * experts + e], colsum[i * experts + e] = icm.pack(q[i, e], scale[i, e])
+    return PackedExperts(jax.device_put(packed), jax.device_put(scales), jax.device_put(colsum), experts, n)

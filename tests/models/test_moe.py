@@ -1,0 +1,181 @@
+"""Sparse-MoE models (models/moe.py): both ways of running the sorted (token, expert) rows give each pair its
+expert's output, int8 experts stay close to float, greedy generation through the engine (chunked prefill and
+decode of several sequences) equals transformers', and unsupported MoE configs are refused by name."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from slipstream.engine.api import SlotState, StepBatch, StepSeq
+from slipstream.engine.device.params import prepare_model
+from slipstream.engine.device.runner import EngineConfig, JaxEngine
+from slipstream.engine.request import SamplingParams
+from slipstream.models import moe
+from slipstream.models.base import dense_logits
+from slipstream.models.config import ModelConfig
+from slipstream.models.loader import load_hf_dir
+from slipstream.quantization import experts as ex
+from tests.conftest import build_tiny_hf
+
+LOGPROB_TOL = 0.02  # tests/quantization/test_int8_engine.py's bound on int8 weights' log-probabilities
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tmp_path_factory) -> str:
+    return build_tiny_hf(str(tmp_path_factory.mktemp("olmoe")), "olmoe")
+
+
+@pytest.fixture(scope="module")
+def olmoe(olmoe_dir):
+    return load_hf_dir(olmoe_dir)
+
+
+def _pairs_reference(x, chosen, top_k, gate, up, down):
+    """Each pair's expert output in numpy: down_e(silu(gate_e x) * up_e x)."""
+    out = []
+    for j, e in enumerate(chosen):
+        xt = x[j // top_k]
+        g, u = xt @ gate[e], xt @ up[e]
+        out.append((g / (1 + np.exp(-g)) * u) @ down[e])
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("tokens", [3, 64])
+def test_block_loop_and_ragged_dot_give_every_pair_its_experts_output(tokens):
+    """A decode-sized step (few rows: one small block per used expert) and a prefill-sized one (skewed routing: an
+    expert over several blocks, another unused), float and int8 experts, both the CPU's block loop and the grouped
+    ragged_dot (the TPU's path, run here as XLA:CPU's dense lowering)."""
+    rng = np.random.default_rng(0)
+    e, d, f, top_k = 4, 32, 16, 2
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    weights = [rng.standard_normal((2, e, *shape)).astype(np.float32) / np.sqrt(shape[0]) for shape in
+               ((d, f), (d, f), (f, d))]
+    # expert 0 takes most pairs, expert 3 none
+    chosen = rng.choice(3, size=tokens * top_k, p=[0.7, 0.2, 0.1]).astype(np.int32)
+    layer = 1
+    want = _pairs_reference(x, chosen, top_k, *(w[layer] for w in weights))
+    float_stacks = [ex.ExpertStack(jnp.asarray(w)) for w in weights]
+    int8_stacks = [ex.quantize_experts(s) for s in float_stacks]
+    assert moe.block_rows(tokens * top_k, e) * 2 < (chosen == 0).sum() or tokens == 3
+    for stacks, tol in ((float_stacks, 1e-5), (int8_stacks, 0.02)):
+        picks = tuple(s.pick(jnp.int32(layer)) for s in stacks)
+        args = (jnp.asarray(x), jnp.asarray(chosen), jnp.argsort(chosen, stable=True),
+                jnp.bincount(chosen, length=e).astype(jnp.int32))
+        blocks = jax.jit(lambda *a: moe._block_rows(*a, picks=picks, top_k=top_k))(*args)
+        ragged = jax.jit(lambda *a: moe._ragged_rows(*a, picks=picks, top_k=top_k))(*args)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(blocks), want, rtol=0, atol=tol * scale)
+        np.testing.assert_allclose(np.asarray(ragged), want, rtol=0, atol=tol * scale)
+    # the CPU's packed int8 experts: the native per-channel kernel at (layer, expert)
+    packed = tuple(ex.pack_numpy(s).pick(jnp.int32(layer)) for s in int8_stacks)
+    assert not ex.has_ragged(packed)
+    got = jax.jit(lambda *a: moe.expert_rows(*a, picks=packed, top_k=top_k))(jnp.asarray(x), jnp.asarray(chosen))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=0.02 * np.abs(want).max())
+
+
+def _log_softmax(z):
+    z = np.asarray(z, np.float64)
+    return z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("mode", ["int8", "q8_0-a16"])
+def test_int8_experts_stay_close_to_float(olmoe, mode):
+    """The TPU's default (experts per-channel int8, multiplied through XLA here) and the CPU's (q8_0-a16 dense
+    linears; experts packed for the native kernel as the engine packs them): log-probabilities within the int8
+    tests' bound of f32's, and the same greedy tokens wherever f32's lead is clear."""
+    from slipstream.engine.device.layer_stack import split_linears
+
+    cfg, model = olmoe
+    tokens = np.random.default_rng(3).integers(3, 256, (2, 24)).astype(np.int32)
+    ref = _log_softmax(nnx.jit(dense_logits)(model, tokens))
+    quantized = prepare_model(nnx.clone(model), mode, jnp.float32)
+    assert quantized.blocks.mlp.w_down.get_value().w.dtype == jnp.int8
+    if mode == "q8_0-a16":
+        split_linears(quantized)
+        assert isinstance(quantized.blocks.mlp.w_down.get_value(), ex.PackedExperts)
+    got = _log_softmax(nnx.jit(dense_logits)(quantized, tokens))
+    assert np.abs(got - ref).max() < LOGPROB_TOL
+    assert np.abs(got - ref).max() > 1e-6  # rounded, not the float weights
+    # a greedy token may differ only where f32's top two are closer than the error allows
+    top2 = np.sort(ref, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 2 * LOGPROB_TOL
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].all() and clear.any()
+
+
+def test_greedy_generation_through_the_engine_equals_transformers(olmoe, olmoe_dir):
+    """Three sequences at once: prompts prefilled in chunks beside the others' decodes, then 8 greedy tokens each,
+    in f32: every token equals transformers' greedy generation."""
+    import transformers
+
+    cfg, model = olmoe
+    engine = JaxEngine(cfg, model, EngineConfig(max_slots=3, page_size=8, max_seq_len=64, num_pages=24,
+                                                max_num_batched_tokens=16, quantize="none"), precompile=False)
+    rng = np.random.default_rng(5)
+    prompts = [list(map(int, rng.integers(3, 256, n))) for n in (19, 7, 12)]
+    new = 8
+    hf = transformers.AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32).eval()
+    want = []
+    for p in prompts:  # greedy by hand: generate() would stop at, or with min_new_tokens mask, the EOS id
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(new):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        want.append(ids[len(p):])
+    pages = [[1 + 8 * s + i for i in range(8)] for s in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=new)
+    for slot, p in enumerate(prompts):
+        engine.insert(slot, SlotState(p, [], params))
+    done, got = [0, 0, 0], [[], [], []]
+    while any(len(g) < new for g in got):
+        seqs = []
+        for s, p in enumerate(prompts):
+            if done[s] < len(p):  # a prefill chunk of up to 5 tokens, sampled at the prompt's end
+                n = min(5, len(p) - done[s])
+                seqs.append(StepSeq(s, p[done[s]:done[s] + n], done[s], pages[s], done[s] + n == len(p)))
+                done[s] += n
+            elif len(got[s]) < new:
+                seqs.append(StepSeq(s, [got[s][-1]], len(p) + len(got[s]) - 1, pages[s], True))
+        for seq, sampled in zip([q for q in seqs if q.sample], engine.step(StepBatch(seqs))):
+            got[seq.slot].append(sampled.token_id)
+    assert got == want
+
+
+def _config(path: str) -> dict:
+    with open(f"{path}/config.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mlp_only_layers": [1]}, r"layers \[1\] have a dense MLP"),
+    ({"decoder_sparse_step": 2}, r"layers \[0, 2\] have a dense MLP"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "shared_expert_intermediate_size": 32},
+     "Qwen2MoeForCausalLM.*not supported"),
+    ({"shared_expert_intermediate_size": 32}, "shared experts are not supported"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok <= num_experts"),
+])
+def test_unsupported_moe_configs_are_refused_by_name(tmp_path_factory, change, message):
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+           "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+           "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 256, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict({**raw, **change})
+
+
+def test_olmoe_clip_qkv_is_refused(olmoe_dir):
+    raw = _config(olmoe_dir)
+    with pytest.raises(ValueError, match="clip_qkv"):
+        ModelConfig.from_hf_dict({**raw, "clip_qkv": 8.0})
+
+
+def test_tensor_parallel_is_refused_for_moe(olmoe):
+    from slipstream.engine.device.sharding import TensorParallel
+
+    with pytest.raises(ValueError, match="one device per replica"):
+        TensorParallel(olmoe[0], 2)
