@@ -36,7 +36,11 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", 
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF general.architecture -> ours (a "llama" file with experts is Mixtral)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# whether llama.cpp renormalises the top-k router weights, where the file has no {arch}.expert_weights_norm:
+# its converter writes none for these, and its graph fixes the choice per architecture
+GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 LAYER_KINDS = ("full", "sliding")
 
 
@@ -157,9 +161,6 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool) -> "ModelConfig":
         arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
-                             " (other architectures load from an HF directory)")
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -167,6 +168,13 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata is missing {arch}.{key}")
             return value
 
+        moe = _gguf_moe_fields(meta, arch)  # first: an MoE file of an unsupported kind is refused by what it has
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+                             " (other architectures load from an HF directory)")
+        ours = "mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch]
+        if ours in MOE_ARCHITECTURES and not moe:
+            raise ValueError(f"GGUF {arch}: metadata is missing {arch}.expert_count (a mixture-of-experts architecture)")
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
@@ -175,24 +183,61 @@ class ModelConfig:
         if meta.get(f"{arch}.rope.scaling.type") == "linear":
             scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
         return cls(
-            architecture=arch,
+            architecture=ours,
             num_layers=int(get("block_count")),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
-            intermediate_size=int(get("feed_forward_length")),
+            # an MoE file may leave out the dense width (its layers have none)
+            intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"))),
             vocab_size=int(vocab),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings=not has_output_tensor,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
+            qk_norm_full=arch == "olmoe",
             max_position_embeddings=int(get("context_length", 2048)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **moe,
         )
+
+
+def _gguf_moe_fields(meta: Mapping[str, Any], arch: str) -> dict:
+    """The sparse-MoE fields of a GGUF file ({} without {arch}.expert_count): Qwen3-MoE (qwen3moe), Mixtral (llama)
+    and OLMoE (olmoe) as llama.cpp's converter writes them. Refused by name: shared experts (qwen2moe, deepseek2),
+    a router other than softmax (sigmoid: deepseek2, llama4), scaled router weights and leading dense layers."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    # qwen2moe files give their one shared expert by its width only
+    if meta.get(f"{arch}.expert_shared_count") or meta.get(f"{arch}.expert_shared_feed_forward_length"):
+        raise ValueError(f"GGUF {arch}: shared experts are not supported (Qwen2-MoE / DeepSeek style); supported "
+                         "MoE files: qwen3moe, olmoe, llama with experts (Mixtral)")
+    gating = int(meta.get(f"{arch}.expert_gating_func") or 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid
+        raise ValueError(f"GGUF {arch}: expert_gating_func {gating} (2: sigmoid) is not supported; supported: "
+                         "1 (softmax over the router's logits)")
+    scale = float(meta.get(f"{arch}.expert_weights_scale") or 1.0)
+    if scale != 1.0:
+        raise ValueError(f"GGUF {arch}: expert_weights_scale {scale} is not supported; supported: 1.0")
+    dense = int(meta.get(f"{arch}.leading_dense_block_count") or 0)
+    step = int(meta.get(f"{arch}.moe_every_n_layers") or meta.get(f"{arch}.interleave_moe_layer_step") or 1)
+    if dense or step != 1:
+        raise ValueError(f"GGUF {arch}: some layers have a dense MLP (leading_dense_block_count {dense}, an MoE layer "
+                         f"every {step}); Slipstream serves MoE files whose every layer is sparse")
+    norm = meta.get(f"{arch}.expert_weights_norm", GGUF_NORM_TOPK.get(arch, False))
+    # Mixtral and OLMoE files give the experts' width as feed_forward_length (they have no other MLP)
+    width = meta.get(f"{arch}.expert_feed_forward_length") or meta.get(f"{arch}.feed_forward_length")
+    used = meta.get(f"{arch}.expert_used_count")
+    for key, value in (("expert_feed_forward_length", width), ("expert_used_count", used)):
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+    return dict(num_experts=experts, num_experts_per_tok=int(used), moe_intermediate_size=int(width),
+                norm_topk_prob=bool(norm))
 
 
 def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:

@@ -9,6 +9,7 @@ Q8_0/Q4_0/Q4_1/Q4_K blocks convert exactly, other types are rounded to Q8_0.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -79,7 +80,8 @@ def _q8_rows(arr) -> Q8Rows:
     return q, d
 
 
-# get(checkpoint name, declaration, expected checkpoint shape) -> the tensor, Q8 rows, or None
+# get(checkpoint name, declaration, expected checkpoint shape) -> the tensor, Q8 rows, or None; for an expert
+# weight stored one tensor per layer (shape [E, out, in]), one reader per expert
 Getter = Callable[[str, Weight, tuple[int, ...]], "np.ndarray | Q8Rows | None"]
 
 
@@ -158,7 +160,8 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
 def _experts(cfg: ModelConfig, w: Weight, shape: tuple[int, ...], get: Getter, name: str | None, source: str, dtype,
              rounded: bool, bar):
     """A sparse MoE's expert weight (quantization/experts.ExpertStack [L, E, in, out]) from one checkpoint
-    tensor per layer and expert; rounded (a quantized load): each tensor to per-channel int8 as it is read."""
+    tensor per layer and expert (HF) or per layer (GGUF); rounded (a quantized load): each expert to per-channel
+    int8 as it is read, so the float temporaries are one expert's."""
     import jax
     import jax.numpy as jnp
 
@@ -167,14 +170,24 @@ def _experts(cfg: ModelConfig, w: Weight, shape: tuple[int, ...], get: Getter, n
     layers, experts, k, n = shape
     out = np.empty(shape, np.int8 if rounded else np.dtype(jnp.dtype(dtype)))
     scale = np.empty((layers, experts, n), np.float32) if rounded else None
+    # "{e}" in the name: one checkpoint tensor per expert (HF); else one per layer [E, out, in] (GGUF), which `get`
+    # hands over as one reader per expert
+    stacked = name is not None and "{e}" not in name
     for i in range(layers):
+        if stacked:
+            readers = get(name.format(i=i), w, (experts, n, k))
+            if readers is None:
+                raise ModelLoadError(f"{source}: missing tensor {name.format(i=i)} (expected shape {(experts, n, k)})")
         for e in range(experts):
-            full = None if name is None else name.format(i=i, e=e)
-            arr = None if full is None else get(full, w, (n, k))
-            if arr is None:
-                raise ModelLoadError(f"{source}: missing tensor {full or w.path} (expected shape {(n, k)}; experts "
-                                     "are read one tensor per expert, as the Hub's checkpoints and transformers' "
-                                     "save_pretrained store them)")
+            if stacked:
+                arr = readers[e]()
+            else:
+                full = None if name is None else name.format(i=i, e=e)
+                arr = None if full is None else get(full, w, (n, k))
+                if arr is None:
+                    raise ModelLoadError(f"{source}: missing tensor {full or w.path} (expected shape {(n, k)}; "
+                                         "experts are read one tensor per expert, as the Hub's checkpoints and "
+                                         "transformers' save_pretrained store them)")
             if rounded:
                 out[i, e], scale[i, e] = round_numpy(np.asarray(arr, np.float32).T)
             else:
@@ -295,13 +308,52 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
     cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
     permute = meta.get("general.architecture") == "llama"
 
-    def get(name: str, w: Weight, shape: tuple[int, ...]) -> np.ndarray | None:
+    def checked(name: str, shape: tuple[int, ...]):
         t = tensors.get(name)
+        logical = None if t is None else tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+        if t is not None and logical != tuple(shape):
+            raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {tuple(shape)}")
+        return t
+
+    def dequantized(name: str, t, shape: tuple[int, ...], data=None) -> np.ndarray:
+        try:
+            arr = gguf.quants.dequantize(t.data if data is None else data, t.tensor_type).reshape(shape)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            raise ModelLoadError(
+                f"{path}: tensor {name} ({t.tensor_type.name}, shape {tuple(shape)}) cannot be decoded: {e}"
+            ) from None
+        arr = arr.astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise ModelLoadError(f"{path}: tensor {name} contains NaN or infinite values (corrupt file?)")
+        return arr
+
+    def experts(name: str, shape: tuple[int, ...]) -> list[Callable[[], np.ndarray]] | None:
+        """A layer's experts [E, out, in] as one reader per expert, each dequantizing only its expert (a float copy
+        of a Qwen3-30B-A3B layer's 128 would be 0.8 GB): llama.cpp's one tensor per layer (blk.{i}.ffn_gate_exps)
+        or older Mixtral files' one per expert (blk.{i}.ffn_gate.{e})."""
+        one = shape[1:]
+        t = checked(name, shape)
+        if t is not None:
+            return [functools.partial(dequantized, f"{name}[{e}]", t, one, t.data[e]) for e in range(shape[0])]
+        per_expert = name.replace("_exps.weight", ".{e}.weight")
+        if per_expert == name or per_expert.format(e=0) not in tensors:
+            return None
+
+        def read(full: str) -> np.ndarray:
+            t = checked(full, one)
+            if t is None:
+                raise ModelLoadError(f"{path}: missing tensor {full} (expected shape {one}; the file stores one tensor "
+                                     f"per expert from {per_expert.format(e=0)} on)")
+            return dequantized(full, t, one)
+
+        return [functools.partial(read, per_expert.format(e=e)) for e in range(shape[0])]
+
+    def get(name: str, w: Weight, shape: tuple[int, ...]):
+        if w.experts:
+            return experts(name, shape)
+        t = checked(name, shape)
         if t is None:
             return None
-        logical = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
-        if logical != tuple(shape):
-            raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {tuple(shape)}")
         heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(w.rope_permute) if permute else None
         if quantize in GROUPWISE and (w.linear or w.path == "embed.table"):
             rows = _gguf_q8_rows(t, shape)
@@ -311,14 +363,7 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
                 if heads:
                     rows = tuple(_unpermute_rope(v, heads) for v in rows)
                 return rows
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-        except (ValueError, NotImplementedError, TypeError) as e:
-            raise ModelLoadError(
-                f"{path}: tensor {name} ({t.tensor_type.name}, shape {tuple(shape)}) cannot be decoded: {e}"
-            ) from None
-        if not np.isfinite(arr).all():
-            raise ModelLoadError(f"{path}: tensor {name} contains NaN or infinite values (corrupt file?)")
+        arr = dequantized(name, t, shape)
         return _unpermute_rope(arr, heads) if heads else arr
 
     return cfg, _assemble(cfg, get, lambda w: w.gguf, path, dtype, progress, quantize)

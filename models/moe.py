@@ -22,12 +22,15 @@ MIN_BLOCK, MAX_BLOCK = 8, 64  # rows per block of the block loop (block_rows)
 def moe_weights(prefix: str, gate: str, up: str, down: str) -> tuple[Weight, ...]:
     """An MoE MLP's weights: the router [E, D] as checkpoints hold it and the experts' gate / up / down
     (`prefix`: the MLP's checkpoint name under a layer, e.g. "mlp." or Mixtral's "block_sparse_moe.")."""
-    hf = "model.layers.{i}." + prefix
+    hf, gg = "model.layers.{i}." + prefix, "blk.{i}."  # GGUF: every expert of a layer in one tensor [E, out, in]
     return (
-        Weight("blocks.mlp.router", hf + "gate.weight", None),
-        Weight("blocks.mlp.w_gate", hf + f"experts.{{e}}.{gate}.weight", None, linear=True, experts=True),
-        Weight("blocks.mlp.w_up", hf + f"experts.{{e}}.{up}.weight", None, linear=True, experts=True),
-        Weight("blocks.mlp.w_down", hf + f"experts.{{e}}.{down}.weight", None, linear=True, experts=True),
+        Weight("blocks.mlp.router", hf + "gate.weight", gg + "ffn_gate_inp.weight"),
+        Weight("blocks.mlp.w_gate", hf + f"experts.{{e}}.{gate}.weight", gg + "ffn_gate_exps.weight", linear=True,
+               experts=True),
+        Weight("blocks.mlp.w_up", hf + f"experts.{{e}}.{up}.weight", gg + "ffn_up_exps.weight", linear=True,
+               experts=True),
+        Weight("blocks.mlp.w_down", hf + f"experts.{{e}}.{down}.weight", gg + "ffn_down_exps.weight", linear=True,
+               experts=True),
     )
 
 
