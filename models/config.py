@@ -174,7 +174,7 @@ class ModelConfig:
                              " (other architectures load from an HF directory)")
         ours = "mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch]
         if ours in MOE_ARCHITECTURES and not moe:
-            raise ValueError(f"GGUF {arch}: metadata is missing {arch}.expert_count (a mixture-of-experts architecture)")
+            raise ValueError(f"GGUF metadata is missing {arch}.expert_count ({arch} is a mixture of experts)")
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])

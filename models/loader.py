@@ -5,7 +5,8 @@ weight its declaration (the class's WEIGHTS) names, linears [in, out], layers st
 axis. Errors name the file, the tensor and the expected shape.
 With quantize="q8_0" (or "q8_0-a16") the linear weights, the LM head and the embedding's lookup
 table are built as group-wise int8 one tensor at a time, so no float copy of them ever exists; GGUF
-Q8_0/Q4_0/Q4_1/Q4_K blocks convert exactly, other types are rounded to Q8_0.
+Q8_0/Q4_0/Q4_1/Q4_K blocks convert exactly, other types are rounded to Q8_0. A sparse MoE's experts
+(any quantized mode, either format) are rounded to per-channel int8 one expert at a time as they are read.
 """
 from __future__ import annotations
 
