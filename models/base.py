@@ -31,8 +31,8 @@ class Weight:
     hf / gguf: checkpoint names ("{i}" is the layer; None: not in that format); linear: a [in, out]
     matmul weight stored [out, in] in checkpoints (transposed on load, quantized by int8 modes);
     rope_permute: "q" or "k" for llama.cpp's interleaved Q/K rows in GGUF files; experts: a sparse MoE's
-    expert weights, one checkpoint tensor per layer and expert ("{e}" in the name) stacked [L, E, in, out]
-    (quantization/experts.py's form, not a dense linear's). A declared weight the module does not have (a
+    expert weights stacked [L, E, in, out] (quantization/experts.py's form, not a dense linear's), from one HF tensor
+    per layer and expert ("{e}" in the name) or one GGUF tensor per layer holding every expert. A declared weight the module does not have (a
     bias or q/k norm its config leaves out, the LM head when tied, a dense MLP in an MoE) is skipped."""
 
     path: str
