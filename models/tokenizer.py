@@ -1,5 +1,6 @@
-"""Tokenizer (HF `tokenizers`, from tokenizer.json or rebuilt from GGUF vocab + merges), chat
-templates rendered in a sandboxed jinja2 environment, and a UTF-8 safe incremental detokenizer."""
+"""Tokenizer (HF `tokenizers`, from tokenizer.json or rebuilt from a GGUF's vocabulary: byte-level BPE or
+SentencePiece BPE), chat templates rendered in a sandboxed jinja2 environment, and a UTF-8 safe incremental
+detokenizer."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 
 class ChatTemplateError(ValueError):
@@ -129,28 +130,76 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE)")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        hf.decoder = decoders.ByteLevel()
-        # llama.cpp token types: 3 = control (special), 4 = user-defined (added, not special)
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        if kind == "gpt2":
+            hf, special_types, defaults = _byte_level_bpe(meta, tokens), (_CONTROL,), {}
+        elif kind == "llama":
+            hf, special_types = _sentencepiece_bpe(meta, tokens, types), (_UNKNOWN, _CONTROL)
+            defaults = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                        "tokenizer.ggml.add_bos_token": True}  # llama.cpp's for a SentencePiece vocabulary
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
+                             "llama (SentencePiece BPE)")
+        # llama.cpp matches these whole in the text: control (and unknown) tokens as special, user-defined as not
         hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                               for t, ty in zip(tokens, types) if ty == 3])
+                               for t, ty in zip(tokens, types) if ty in special_types])
         hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                       for t, ty in zip(tokens, types) if ty == 4])
+                       for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        get = lambda key: meta.get(key, defaults.get(key))  # noqa: E731
 
         def tok(key: str) -> str | None:
-            idx = meta.get(key)
+            idx = get(key)
             return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
         return cls(hf, bos_token=tok("tokenizer.ggml.bos_token_id"), eos_token=tok("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token")),
                    chat_template=meta.get("tokenizer.chat_template"))
+
+
+# llama.cpp's token types (tokenizer.ggml.token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str]) -> HFTokenizer:
+    """GPT-2 style BPE (Llama 3, Qwen): merges from the file, bytes spelled as printable characters."""
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                byte_fallback=False))
+    hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
+    """SentencePiece BPE (Llama 2, Mistral, Mixtral) as llama.cpp runs it: the text, spaces written `▁` and one
+    prepended, is merged as a whole (no pre-split); characters the vocabulary lacks become `<0xNN>` tokens."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError("GGUF SentencePiece tokenizer needs tokenizer.ggml.scores, one per token "
+                         f"({len(tokens)}); got {None if scores is None else len(scores)}")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", next(
+        (i for i, ty in enumerate(types) if ty == _UNKNOWN), None))
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    hf = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_spm_merges(tokens, scores),
+                                unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    space = normalizers.Replace(" ", "\u2581")
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if prefix else space
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    hf.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return hf
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The BPE merge list a SentencePiece vocabulary implies. SentencePiece (and llama.cpp) merge any two adjacent
+    pieces whose concatenation is a piece, highest-scoring result first; so every split of a piece into two pieces
+    is a merge, ranked by that piece's score (ties: longer left piece first, as transformers' converter orders them)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    splits = [(t[:cut], t[cut:], float(scores[i])) for i, t in enumerate(tokens) for cut in range(1, len(t))
+              if t[:cut] in ids and t[cut:] in ids]
+    splits.sort(key=lambda m: (-m[2], -len(m[0]), -len(m[1])))  # stable: file order after that
+    return [(left, right) for left, right, _ in splits]
 
 
 def _compile_template(source: str) -> jinja2.Template:
