@@ -28,6 +28,9 @@
 // on it. kernels/int8_channel_matmul.py's numpy reference computes the same operations in the same order and
 // equals the kernel bit for bit.
 //
+// Grouped target (a sparse MoE layer's experts): x's rows sorted by group, each group times its own weight of a stack,
+// the groups one after another in one call, each multiplied as a call of its rows alone (no padded rows, one XLA op).
+//
 // Work split: items of (chunk of column tiles, block of input rows) are claimed from an atomic counter
 // (runtime/parallel.h), column-chunk major so that a chunk's weights come from memory once and serve every row block
 // from cache; an item first makes sure its row block is quantized (groups of kQuantRows rows, shared by the items
