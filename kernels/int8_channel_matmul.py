@@ -5,7 +5,8 @@ weight (int8-channel-w16: the weight's rounding residual as a second int8 weight
 by the activations' first part in the same call and added: `(f32(acc_0) * xs_0 + f32(acc_1) * xs_1) * ws +
 (f32(acc_r) * xs_0) * ws_r`, one fixed float sequence on every path.
 
-`int8_channel_matmul` is the one entry point. On CPU it runs the native kernel (kernels/cpu/csrc/
+`int8_channel_matmul` is the entry point, and `grouped_matmul` for rows in groups, each group times its own weight of a
+stack (a sparse MoE layer's experts, one call for all of them). On CPU it runs the native kernel (kernels/cpu/csrc/
 int8_channel_matmul.cc, through XLA's FFI: AVX-512 VNNI, AMX-INT8 for calls of many rows, bit for bit the same
 outputs at every row count); elsewhere, or with SLIPSTREAM_KERNELS=reference, `reference` does the same math in
 JAX. `pack` lays a weight out for the kernel once, at load time; `reference_numpy` is the kernel's arithmetic in
@@ -29,6 +30,7 @@ SHIFT = 128  # the activations are stored xq + 128 (the unsigned operand of vpdp
 TARGET = "slipstream_int8_channel_matmul"
 TARGET_RESIDUAL = "slipstream_int8_channel_matmul_residual"
 TARGET_RESIDUAL_ROWS = "slipstream_int8_channel_matmul_residual_rows"  # on a range of x's rows (into another's output)
+TARGET_GROUPED = "slipstream_int8_channel_matmul_grouped"  # rows in groups, each group times its own weight
 INT8_MAX = np.float32(127.0)
 LO_STEPS = np.float32(254.0)  # the second part's scale: the first's / 254
 
@@ -237,3 +239,40 @@ def int8_channel_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, cols
     else:
         y = ref(*args)
     return y.reshape(*lead, n)
+
+
+def _grouped_reference(x, packed, scales, colsum, sizes, first, *, n: int, parts: int) -> jax.Array:
+    """grouped_matmul in JAX: every group's weight times every row, each row keeping its own group's product."""
+    m = x.shape[0]
+    row_group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m), side="right")        # [M]; past the groups: G
+
+    def body(g, y):
+        w, s = (jax.lax.dynamic_index_in_dim(a, first + g, keepdims=False) for a in (packed, scales))
+        return jnp.where((row_group == g)[:, None], reference(x, w, s, n=n, parts=parts), y)
+
+    return jax.lax.fori_loop(0, sizes.shape[0], body, jnp.zeros((m, n), jnp.float32))
+
+
+def _grouped_native(x, packed, scales, colsum, sizes, first, *, n: int, parts: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_GROUPED, out)(x, packed, scales, colsum, sizes, first, parts=np.int32(parts))
+
+
+def grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, colsum: jax.Array, sizes: jax.Array,
+                   first: jax.Array | int, *, n: int, parts: int = 1) -> jax.Array:
+    """Rows in groups times each group's weight: x [M, K] (any float dtype), its rows group after group (sizes
+    int32 [G], sum(sizes) <= M), times weights first .. first + G - 1 of a packed stack [L, ...] (pack's outputs
+    stacked) -> f32 [M, n]; each row's output is what int8_channel_matmul at its group's weight gives it, and rows
+    past the groups' are 0. One native call whatever the groups (a sparse MoE layer's experts: models/moe.py)."""
+    k = x.shape[-1]
+    _check_weight("packed", k, n, packed.shape[:1], packed, scales, colsum)
+    if parts not in (1, 2):
+        raise ValueError(f"int8_channel_matmul: parts must be 1 or 2, got {parts}")
+    if x.ndim != 2 or sizes.ndim != 1:
+        raise ValueError(f"grouped_matmul: x [M, K] and sizes [G]; got x {x.shape}, sizes {sizes.shape}")
+    args = (x.astype(jnp.float32), packed, scales, colsum, sizes.astype(jnp.int32),
+            jnp.asarray(first, jnp.int32).reshape(()))
+    ref = functools.partial(_grouped_reference, n=n, parts=parts)
+    if native_available():
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(_grouped_native, n=n, parts=parts), default=ref)
+    return ref(*args)

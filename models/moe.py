@@ -1,8 +1,9 @@
 """The sparse mixture-of-experts MLP shared by every MoE architecture (Qwen3-MoE, Mixtral, OLMoE): a router picks
 each token's top-k experts, and only those run. The step's (token, expert) pairs are sorted by expert and multiplied
-group by group: one grouped matmul (ragged_dot) on TPU, where it is native, for steps of at least as many pairs as
-experts; elsewhere a loop over fixed-size blocks of the sorted rows, each block one expert's, that runs only the
-blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are quantization/experts.py's stacks [L, E, in, out]."""
+group by group: with the CPU's packed int8 experts, one native call per projection over every expert's rows
+(quantization/experts.grouped_mlp); one grouped matmul (ragged_dot) on TPU, where it is native, for steps of at least
+as many pairs as experts; elsewhere a loop over fixed-size blocks of the sorted rows, each block one expert's, that
+runs only the blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are quantization/experts.py's stacks [L, E, in, out]."""
 from __future__ import annotations
 
 import functools
@@ -71,6 +72,9 @@ def expert_rows(x: jax.Array, chosen: jax.Array, picks: tuple, top_k: int) -> ja
     experts = picks[0].experts
     order = jnp.argsort(chosen, stable=True)                                          # [P] pairs by expert
     sizes = jnp.bincount(chosen, length=experts).astype(jnp.int32)                    # [E]
+    # the CPU's packed experts: every expert's rows in one kernel call per projection
+    if (y := ex.grouped_mlp(x[order // top_k], sizes, picks, x.dtype)) is not None:  # [P,D] sorted
+        return y[jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))]
     args = (x, chosen, order, sizes)
     blocks = functools.partial(_block_rows, picks=picks, top_k=top_k)
     # with fewer pairs than experts (a small decode step) the block loop reads at most one expert per pair, where

@@ -1,8 +1,9 @@
 """Expert weights of a sparse-MoE layer (models/moe.py): every layer's experts as one stack [L, E, in, out] that the
 layer body multiplies at a traced layer and expert index, so a step reads only the experts its tokens chose and no
 layer's experts are sliced out of the stack. Forms: float; per-output-channel int8 (every quantized mode's experts,
-rounded on the device); and on CPU that int8 packed once for kernels/int8_channel_matmul.py (PackedExperts, built by
-quantization/layer_packing.pack_experts). Which rows go to which expert is models/moe.py's business."""
+rounded on the device); and on CPU that int8 packed once for kernels/int8_channel_matmul.py (PackedExperts, gate and
+up fused into one, built by quantization/layer_packing.pack_experts), whose rows every expert multiplies in one kernel
+call (grouped_mlp). Which rows go to which expert is models/moe.py's business."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,15 +69,25 @@ class ExpertPick:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedExperts:
-    """An int8 ExpertStack packed for kernels/int8_channel_matmul.py (CPU): expert e of layer l is entry
+    """Int8 ExpertStacks packed for kernels/int8_channel_matmul.py (CPU): expert e of layer l is entry
     l * experts + e of the stacks packed [L*E, Np/16, Kp*16], scales and colsum [L*E, Np], which the kernel reads
-    where it lies. Activations in two int8 parts per row (~15 bits, as int8-channel-a16)."""
+    where it lies. One weight, or a fused group of weights one input feeds (a gated MLP's gate and up): member j's
+    output columns start at offsets[j] (whole 16-column tiles) and number widths[j]. Activations in two int8 parts
+    per row (~15 bits, as int8-channel-a16)."""
 
     packed: jax.Array
     scales: jax.Array
     colsum: jax.Array
     experts: int = dataclasses.field(metadata=dict(static=True))
-    n: int = dataclasses.field(metadata=dict(static=True))
+    widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in np.cumsum([0] + [icm.padded(1, w)[1] for w in self.widths[:-1]]))
+
+    @property
+    def n(self) -> int:
+        return self.offsets[-1] + self.widths[-1]
 
     def pick(self, layer: jax.Array) -> "PackedPick":
         return PackedPick(layer, self)
@@ -84,7 +95,7 @@ class PackedExperts:
 
 @dataclasses.dataclass(frozen=True)
 class PackedPick:
-    """Layer `layer` of a PackedExperts (no grouped product: models/moe.py runs its row blocks)."""
+    """Layer `layer` of a PackedExperts: its rows sorted by expert multiplied in one kernel call (`grouped`)."""
 
     layer: jax.Array
     stack: PackedExperts
@@ -93,10 +104,36 @@ class PackedPick:
     def experts(self) -> int:
         return self.stack.experts
 
-    def matmul(self, x: jax.Array, expert: jax.Array) -> jax.Array:
+    def grouped(self, rows: jax.Array, sizes: jax.Array) -> tuple[jax.Array, ...]:
+        """rows [P, in] sorted by expert (sizes [E] rows each) times their experts' weights -> each member's f32
+        [P, width]."""
         s = self.stack
-        return icm.int8_channel_matmul(x, s.packed, s.scales, s.colsum, n=s.n, parts=2,
-                                       layer=self.layer * s.experts + expert)
+        y = icm.grouped_matmul(rows, s.packed, s.scales, s.colsum, sizes, self.layer * s.experts, n=s.n, parts=2)
+        return tuple(y[:, o:o + w] for o, w in zip(s.offsets, s.widths))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedExperts:
+    """Experts whose weights live in their group's PackedExperts as member `index` (no arrays)."""
+
+    index: int = dataclasses.field(metadata=dict(static=True))
+
+    def pick(self, layer: jax.Array) -> "FusedExperts":
+        return self
+
+
+def grouped_mlp(rows: jax.Array, sizes: jax.Array, picks: tuple, dtype) -> jax.Array | None:
+    """down_e(silu(gate_e(x)) * up_e(x)) of rows [P, D] sorted by expert (sizes [E]) -> f32 [P, D], where the
+    experts' form multiplies every expert's rows in one kernel call per projection (PackedPick: gate and up fused,
+    or apart); None for other forms (models/moe.py then runs its own loops). dtype: the activations'."""
+    gate, up, down = picks
+    if not (isinstance(gate, PackedPick) and isinstance(down, PackedPick)
+            and (isinstance(up, PackedPick) or (isinstance(up, FusedExperts) and len(gate.stack.widths) == 2))):
+        return None
+    g, u = gate.grouped(rows, sizes) if isinstance(up, FusedExperts) else (*gate.grouped(rows, sizes),
+                                                                            *up.grouped(rows, sizes))
+    return down.grouped((jax.nn.silu(g) * u).astype(dtype), sizes)[0]
 
 
 def has_ragged(picks) -> bool:
@@ -148,18 +185,26 @@ def round_numpy(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(wf * inv), -INT8_MAX, INT8_MAX).astype(np.int8), scale
 
 
-def pack_numpy(stack: ExpertStack) -> PackedExperts:
-    """An int8 ExpertStack -> its PackedExperts, one expert at a time on the host (load time, CPU)."""
+def pack_numpy(*stacks: ExpertStack) -> PackedExperts:
+    """Int8 ExpertStacks [L, E, K, N_j] sharing L, E and K (one weight, or a group one input feeds) -> one
+    PackedExperts over their columns, one expert at a time on the host (load time, CPU)."""
     from slipstream.quantization.groupwise import host_empty
 
-    q, scale = np.asarray(stack.w), np.asarray(stack.scale)
-    layers, experts, k, n = q.shape
-    kp, np_ = icm.padded(k, n)
+    qs, scales = [np.asarray(s.w) for s in stacks], [np.asarray(s.scale) for s in stacks]
+    if len({q.shape[:3] for q in qs}) != 1:
+        raise ValueError(f"experts packed as one group share L, E and K; got {[q.shape for q in qs]}")
+    layers, experts, k = qs[0].shape[:3]
+    widths = tuple(int(q.shape[3]) for q in qs)
+    tiles = np.cumsum([0] + [icm.padded(k, n)[1] // icm.TILE for n in widths])
+    kp = icm.padded(k, 1)[0]
     # huge pages: the decode step streams the chosen experts
-    packed = host_empty((layers * experts, np_ // icm.TILE, kp * icm.TILE), np.int8)
-    scales = np.zeros((layers * experts, np_), np.float32)
-    colsum = np.zeros((layers * experts, np_), np.int32)
-    for i in range(layers):
-        for e in range(experts):
-            packed[i * experts + e], scales[i * experts + e], colsum[i * experts + e] = icm.pack(q[i, e], scale[i, e])
-    return PackedExperts(jax.device_put(packed), jax.device_put(scales), jax.device_put(colsum), experts, n)
+    packed = host_empty((layers * experts, int(tiles[-1]), kp * icm.TILE), np.int8)
+    sc = np.zeros((layers * experts, int(tiles[-1]) * icm.TILE), np.float32)
+    cs = np.zeros((layers * experts, int(tiles[-1]) * icm.TILE), np.int32)
+    for j, (q, scale) in enumerate(zip(qs, scales)):
+        cols = slice(int(tiles[j]) * icm.TILE, int(tiles[j + 1]) * icm.TILE)
+        for i in range(layers):
+            for e in range(experts):
+                at = i * experts + e
+                packed[at, tiles[j]:tiles[j + 1]], sc[at, cols], cs[at, cols] = icm.pack(q[i, e], scale[i, e])
+    return PackedExperts(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), experts, widths)

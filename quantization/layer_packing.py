@@ -12,6 +12,7 @@ from slipstream.kernels import f32_matmul as f32
 from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.kernels.q8_matmul import TILE, amx_tiles_wanted, pack_tiles, widen
 from slipstream.quantization import int8
+from slipstream.quantization.experts import ExpertStack, FusedExperts, PackedExperts, pack_numpy
 from slipstream.quantization.groupwise import host_copy, host_empty
 from slipstream.quantization.layer_forms import PackedChannel, StackedChannel, StackedF32, StackedHybrid, StackedQ8
 from slipstream.quantization.weights import QuantizedWeight
@@ -58,6 +59,13 @@ def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
             packed[i, starts[j]:starts[j + 1]], sc[i, cols], cs[i, cols] = icm.pack(qs[j][i], scales[j][i, 0])
     return StackedChannel(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), widths, weights[0].parts,
                           residual)
+
+
+def pack_experts(gate: ExpertStack, up: ExpertStack, down: ExpertStack) -> tuple[PackedExperts, FusedExperts,
+                                                                                PackedExperts]:
+    """A sparse MoE layer's int8 expert stacks -> their forms for the per-channel kernel: gate and up fused into one
+    PackedExperts over their columns (one kernel call for both; up holds a FusedExperts marker), down alone."""
+    return pack_numpy(gate, up), FusedExperts(1), pack_numpy(down)
 
 
 def stack_tiles(w: QuantizedWeight) -> jax.Array | None:

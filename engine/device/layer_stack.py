@@ -13,8 +13,8 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
   parallelism (engine/sharding.py) and quantization/int8.py's (the TPU/GPU modes) are kept as L separate buffers (`PerLayer`), and the layer body picks layer
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
 - a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`);
-- a sparse MoE's int8 experts are packed for the per-channel kernel, which reads one expert at (layer, expert)
-  (quantization/experts.PackedExperts); float experts stay one stack picked by index;
+- a sparse MoE's int8 experts are packed for the per-channel kernel, which reads each expert at (layer, expert),
+  gate and up fused (quantization/experts.PackedExperts); float experts stay one stack picked by index;
 - with the hybrid weights (EngineConfig.prompt_w16) the group-wise stacks are `StackedHybrid`: the StackedQ8 and
   its int8-channel-w16 rounding, a step's prompt rows on the second (docs/kernels.md).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
@@ -37,12 +37,12 @@ from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.models import layers
 from slipstream.models.base import CausalLM
 from slipstream.quantization import Int8Weight, QuantizedWeight
-from slipstream.quantization.experts import pack_numpy
+from slipstream.quantization.experts import ExpertStack
 from slipstream.quantization.layer_forms import (  # noqa: F401  (re-exported: engine/sharding.py, tests)
     FusedMember, Int8Pick, LayerPick, PackedChannel, PerLayer, StackedChannel, StackedF32, StackedHybrid, StackedInt8,
     StackedPick, StackedQ8)
 from slipstream.quantization.layer_packing import (channel_weight, fuse_channel, fuse_f32, fuse_hybrid, fuse_q8,
-                                                   pack_channel)
+                                                   pack_channel, pack_experts)
 
 # The linears of one module that models/layers.py multiplies by one input (layers.project), in its order.
 FUSED: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -72,12 +72,14 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
     flat = dict(nnx.to_flat_state(state))
     n = model.cfg.num_layers
     candidates: dict[tuple, object] = {}
+    experts = [flat[key] for w in type(model).WEIGHTS if w.experts and (key := tuple(w.path.split("."))) in flat]
+    if (stack_int8 and experts and all(isinstance(v.get_value(), ExpertStack) and v.get_value().scale is not None
+                                       for v in experts) and icm.native_available()):  # gate, up, down: stacks the native per-channel kernel reads at (layer, expert)
+        for var, form in zip(experts, pack_experts(*(v.get_value() for v in experts))):
+            var.set_value(form)
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))
-        if w.experts and key in flat:  # a stack the native per-channel kernel reads at (layer, expert)
-            value = flat[key].get_value()
-            if stack_int8 and value.scale is not None and icm.native_available():
-                flat[key].set_value(pack_numpy(value))
+        if w.experts:
             continue
         if w.linear and w.per_layer and key in flat:
             value = flat[key].get_value()

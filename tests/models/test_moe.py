@@ -16,11 +16,13 @@ from slipstream.engine.api import SlotState, StepBatch, StepSeq
 from slipstream.engine.device.params import prepare_model
 from slipstream.engine.device.runner import EngineConfig, JaxEngine
 from slipstream.engine.request import SamplingParams
+from slipstream.kernels import int8_channel_matmul as icm
 from slipstream.models import moe
 from slipstream.models.base import dense_logits
 from slipstream.models.config import ModelConfig
 from slipstream.models.loader import load_hf_dir
 from slipstream.quantization import experts as ex
+from slipstream.quantization.layer_packing import pack_experts
 from tests.conftest import build_tiny_hf
 
 LOGPROB_TOL = 0.02  # tests/quantization/test_int8_engine.py's bound on int8 weights' log-probabilities
@@ -72,11 +74,35 @@ def test_block_loop_and_ragged_dot_give_every_pair_its_experts_output(tokens):
         scale = np.abs(want).max()
         np.testing.assert_allclose(np.asarray(blocks), want, rtol=0, atol=tol * scale)
         np.testing.assert_allclose(np.asarray(ragged), want, rtol=0, atol=tol * scale)
-    # the CPU's packed int8 experts: the native per-channel kernel at (layer, expert)
-    packed = tuple(ex.pack_numpy(s).pick(jnp.int32(layer)) for s in int8_stacks)
-    assert not ex.has_ragged(packed)
-    got = jax.jit(lambda *a: moe.expert_rows(*a, picks=packed, top_k=top_k))(jnp.asarray(x), jnp.asarray(chosen))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=0.02 * np.abs(want).max())
+    # the CPU's packed int8 experts: every expert's rows in one per-channel kernel call per projection, gate and up
+    # fused (as the engine packs them) or apart
+    for forms in (pack_experts(*int8_stacks), tuple(ex.pack_numpy(s) for s in int8_stacks)):
+        packed = tuple(form.pick(jnp.int32(layer)) for form in forms)
+        got = jax.jit(lambda *a: moe.expert_rows(*a, picks=packed, top_k=top_k))(jnp.asarray(x), jnp.asarray(chosen))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=0.02 * np.abs(want).max())
+
+
+def test_grouped_matmul_gives_each_row_its_groups_product():
+    """kernels/int8_channel_matmul.grouped_matmul: each group's rows, bit for bit, what a call on those rows alone at
+    the group's weight gives them (empty groups among them); rows past the groups are 0."""
+    rng = np.random.default_rng(1)
+    k, n, stack, first = 96, 40, 6, 2
+    weights = [icm.pack(rng.integers(-127, 128, (k, n), dtype=np.int8), rng.uniform(0.5, 1.5, n).astype(np.float32))
+               for _ in range(stack)]
+    packed, scales, colsum = (jnp.asarray(np.stack(parts)) for parts in zip(*weights))
+    sizes = np.array([3, 0, 17, 1], np.int32)
+    x = rng.standard_normal((sizes.sum() + 2, k)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, s: icm.grouped_matmul(x, packed, scales, colsum, s, first, n=n, parts=2))(
+        x, jnp.asarray(sizes)))
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    for g, size in enumerate(sizes):
+        rows = x[start[g]:start[g + 1]]
+        one = icm.int8_channel_matmul(jnp.asarray(rows), packed, scales, colsum, n=n, parts=2, layer=first + g)
+        if icm.native_available():
+            np.testing.assert_array_equal(got[start[g]:start[g + 1]], np.asarray(one))
+        else:
+            np.testing.assert_allclose(got[start[g]:start[g + 1]], np.asarray(one), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[start[-1]:], 0)
 
 
 def _log_softmax(z):

@@ -28,6 +28,9 @@
 // on it. kernels/int8_channel_matmul.py's numpy reference computes the same operations in the same order and
 // equals the kernel bit for bit.
 //
+// Grouped target (a sparse MoE layer's experts): x's rows sorted by group, each group times its own weight of a stack,
+// the groups one after another in one call, each multiplied as a call of its rows alone (no padded rows, one XLA op).
+//
 // Work split: items of (chunk of column tiles, block of input rows) are claimed from an atomic counter
 // (runtime/parallel.h), column-chunk major so that a chunk's weights come from memory once and serve every row block
 // from cache; an item first makes sure its row block is quantized (groups of kQuantRows rows, shared by the items
@@ -583,26 +586,21 @@ struct Residual {
   ffi::Buffer<ffi::S32> colsum;
 };
 
-ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
-                                ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, const Residual* residual,
-                                ffi::Buffer<ffi::S32> layer, const int32_t* rows, ffi::ResultBuffer<ffi::F32> y,
-                                int32_t parts) {
-  const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), cd = colsum.dimensions(),
-             yd = y->dimensions();
+// Checks x [M, K], the weight (one [Np/16, Kp*16], or a stack [L, ...]), its residual and y [M, N] against each
+// other and fills p's sizes (M, K, Kp, N, tiles); *stack: L, or 1 for one weight.
+ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S8>& packed, const ffi::Buffer<ffi::F32>& scales,
+                    const ffi::Buffer<ffi::S32>& colsum, const Residual* residual, ffi::Span<const int64_t> yd,
+                    int32_t parts, Problem& p, int64_t* stack) {
+  const auto xd = x.dimensions(), wd = packed.dimensions(), sd = scales.dimensions(), cd = colsum.dimensions();
   // one weight [Np/16, Kp*16] (scales, colsum [Np]), or a stack of L of them of which `layer` picks one (read
   // where it lies: a scanned layer loop passes the whole stack)
   const size_t rank = wd.size();
-  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank - 1 || cd.size() != rank - 1 ||
-      yd.size() != 2 || layer.element_count() != 1)
+  if (xd.size() != 2 || (rank != 2 && rank != 3) || sd.size() != rank - 1 || cd.size() != rank - 1 || yd.size() != 2)
     return ffi::Error::InvalidArgument(
         "int8_channel_matmul: x [M,K], packed [(L,) Np/16, Kp*16], scales and colsum [(L,) Np], layer [], y [M,N]");
   if (parts != 1 && parts != 2) return ffi::Error::InvalidArgument("int8_channel_matmul: parts must be 1 or 2");
-  const int64_t stack = rank == 3 ? wd[0] : 1;
-  const int64_t index = rank == 3 ? layer.typed_data()[0] : 0;
-  if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("int8_channel_matmul: layer index out of range");
+  *stack = rank == 3 ? wd[0] : 1;
   const size_t lw = rank - 2;
-  Job job;
-  Problem& p = job.p;
   p.m = static_cast<int>(xd[0]);
   p.k = static_cast<int>(xd[1]);
   p.tiles = static_cast<int>(wd[lw]);
@@ -622,14 +620,13 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
         !std::equal(rcd.begin(), rcd.end(), cd.begin()))
       return ffi::Error::InvalidArgument("int8_channel_matmul: the residual weight's shapes are not the weight's");
   }
-  int64_t begin = 0;  // rows: only [begin, end) of x are multiplied and written (the rest of y is left as it is)
-  if (rows) {
-    begin = std::clamp<int64_t>(rows[0], 0, p.m);
-    p.m = static_cast<int>(std::clamp<int64_t>(rows[1], begin, p.m) - begin);
-  }
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  return ffi::Error::Success();
+}
+
+// p's weight pointers at weight `index` of the stack (and of its residual's).
+void PointAt(Problem& p, const ffi::Buffer<ffi::S8>& packed, const ffi::Buffer<ffi::F32>& scales,
+             const ffi::Buffer<ffi::S32>& colsum, const Residual* residual, int64_t index) {
   const size_t np = static_cast<size_t>(p.tiles) * kTile;
-  p.x = x.typed_data() + begin * p.k;
   p.w = packed.typed_data() + index * np * p.kp;
   p.ws = scales.typed_data() + index * np;
   p.colsum = colsum.typed_data() + index * np;
@@ -638,7 +635,14 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
     p.wsr = residual->scales.typed_data() + index * np;
     p.colsumr = residual->colsum.typed_data() + index * np;
   }
-  p.y = y->typed_data() + begin * p.n;
+}
+
+// The product of p (its x, weight and y pointers set) over the pool's threads.
+void Execute(ffi::ThreadPool& pool, const Problem& problem) {
+  if (problem.m == 0 || problem.n == 0) return;
+  Job job;
+  job.p = problem;
+  const Problem& p = job.p;
   // a large output (the LM head over many rows) is usually fresh memory: 2 MiB pages fault ~500x less often
   const size_t out_bytes = static_cast<size_t>(p.m) * p.n * sizeof(float);
   if (out_bytes >= 8 * rt::kHugePage) rt::AdviseHugePages(rt::HugeAligned(p.y, out_bytes));
@@ -649,10 +653,10 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   // the calling thread's buffer, kept between calls; helpers use it only while this call waits for them
   thread_local Acts acts;
   job.acts = &acts;
-  const size_t act_rows = (static_cast<size_t>(p.m) * parts + kAmxRows - 1) / kAmxRows * kAmxRows;
+  const size_t act_rows = (static_cast<size_t>(p.m) * p.parts + kAmxRows - 1) / kAmxRows * kAmxRows;
   acts.u.resize(act_rows * p.kp);
   acts.xs.resize(act_rows);
-  const size_t used = static_cast<size_t>(p.m) * parts;
+  const size_t used = static_cast<size_t>(p.m) * p.parts;
   for (size_t ar = used; ar < act_rows; ++ar)  // xq = 0 past the rows
     for (int k0 = 0; k0 < p.kp; k0 += kStep) std::memset(acts.u.data() + ActRow(ar, p.kp) + k0 / kStep * kTileBytes, 128, kStep);
   std::fill(acts.xs.begin() + used, acts.xs.end(), 0.0f);
@@ -663,6 +667,62 @@ ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   job.Split(threads > 0 ? std::min(threads, pool_threads) : pool_threads);
   rt::ParallelFor(pool, int64_t(job.chunks) * job.row_blocks, threads,
                   [&job](int64_t item) { job.Run(static_cast<int>(item)); });
+}
+
+ffi::Error Int8ChannelMatmulRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum, const Residual* residual,
+                                ffi::Buffer<ffi::S32> layer, const int32_t* rows, ffi::ResultBuffer<ffi::F32> y,
+                                int32_t parts) {
+  Problem p;
+  int64_t stack = 1;
+  if (ffi::Error e = Describe(x, packed, scales, colsum, residual, y->dimensions(), parts, p, &stack); e.failure()) return e;
+  if (layer.element_count() != 1) return ffi::Error::InvalidArgument("int8_channel_matmul: layer is a scalar");
+  const int64_t index = packed.dimensions().size() == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= stack) return ffi::Error::InvalidArgument("int8_channel_matmul: layer index out of range");
+  int64_t begin = 0;  // rows: only [begin, end) of x are multiplied and written (the rest of y is left as it is)
+  if (rows) {
+    begin = std::clamp<int64_t>(rows[0], 0, p.m);
+    p.m = static_cast<int>(std::clamp<int64_t>(rows[1], begin, p.m) - begin);
+  }
+  p.x = x.typed_data() + begin * p.k;
+  p.y = y->typed_data() + begin * p.n;
+  PointAt(p, packed, scales, colsum, residual, index);
+  Execute(pool, p);
+  return ffi::Error::Success();
+}
+
+// Rows sorted by group (a sparse MoE layer's (token, expert) pairs by expert): group g's sizes[g] rows, after the
+// groups before it, times weight first + g of the stack, each group as a call on its rows alone would multiply
+// them (bit for bit); rows past every group's are 0. One call for all of a layer's experts: the groups run one
+// after another, each split over the threads as any call is.
+ffi::Error Int8ChannelMatmulGroupedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> packed,
+                                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> colsum,
+                                        ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> first,
+                                        ffi::ResultBuffer<ffi::F32> y, int32_t parts) {
+  Problem p;
+  int64_t stack = 1;
+  if (ffi::Error e = Describe(x, packed, scales, colsum, nullptr, y->dimensions(), parts, p, &stack); e.failure()) return e;
+  const int64_t groups = sizes.element_count();
+  if (packed.dimensions().size() != 3 || sizes.dimensions().size() != 1 || first.element_count() != 1)
+    return ffi::Error::InvalidArgument("int8_channel_matmul (grouped): a stack [L, ...], sizes [G], first []");
+  const int64_t base = first.typed_data()[0];
+  if (base < 0 || base + groups > stack)
+    return ffi::Error::InvalidArgument("int8_channel_matmul (grouped): weights first .. first + G - 1 out of range");
+  const int rows = p.m;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t size = sizes.typed_data()[g];
+    if (size < 0 || row + size > rows)
+      return ffi::Error::InvalidArgument("int8_channel_matmul (grouped): group sizes negative or past x's rows");
+    Problem one = p;
+    one.m = size;
+    one.x = x.typed_data() + row * p.k;
+    one.y = y->typed_data() + row * p.n;
+    PointAt(one, packed, scales, colsum, nullptr, base + g);
+    Execute(pool, one);
+    row += size;
+  }
+  std::fill(y->typed_data() + row * p.n, y->typed_data() + static_cast<size_t>(rows) * p.n, 0.0f);
   return ffi::Error::Success();
 }
 
@@ -743,6 +803,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmulResidualRows, Int8Chann
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]: rows outside [begin, end) unwritten
                                   .Attr<int32_t>("parts"));
 
+// Rows sorted by group, group g's times weight first + g of the stack (a sparse MoE layer's experts: models/moe.py)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SlipstreamInt8ChannelMatmulGrouped, Int8ChannelMatmulGroupedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], rows sorted by group
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // packed [L, Np/16, Kp*16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [L, Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // colsum [L, Np]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes [G]: rows of each group, in order
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first: group 0's weight in the stack
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int32_t>("parts"));
+
 // ---- Python module: targets(), isa(), set_isa() (runtime/module.h) and the test/benchmark setters ----
 
 // amx_rows(min_rows) -> the previous: calls of at least min_rows input rows run on the tile unit where it is chosen
@@ -770,7 +843,8 @@ PyMODINIT_FUNC PyInit__int8_channel_matmul() {
       {{"slipstream_int8_channel_matmul", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmul)},
        {"slipstream_int8_channel_matmul_residual", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidual)},
        {"slipstream_int8_channel_matmul_residual_rows",
-        reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidualRows)}},
+        reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulResidualRows)},
+       {"slipstream_int8_channel_matmul_grouped", reinterpret_cast<void*>(SlipstreamInt8ChannelMatmulGrouped)}},
       &g_isa,
       {{"amx_rows", AmxRowsPy, METH_VARARGS,
         "amx_rows(min_rows): calls of at least min_rows input rows run on the tile unit (negative: keep); returns "
