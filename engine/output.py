@@ -43,7 +43,8 @@ class Tracker:
     def __init__(self, request: Request, stream: RequestStream, tokenizer) -> None:
         self.request = request
         self.stream = stream
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.params.skip_special_tokens,
+                                            context=request.prompt_ids)
         self.stops = request.params.stop
         self.keep_stop = request.params.include_stop_str_in_output
         self.held = ""          # text that might be the start of a stop string

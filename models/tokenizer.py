@@ -216,6 +216,9 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not parse: {e}") from None
 
 
+DETOKENIZE_CONTEXT = 5  # prompt ids an IncrementalDetokenizer decodes before the first new one (vLLM's offset too)
+
+
 class IncrementalDetokenizer:
     """Turns a stream of ids into text deltas without ever emitting half a UTF-8 character.
 
@@ -223,12 +226,15 @@ class IncrementalDetokenizer:
     multi-token characters) come out as a whole-sequence decode would.
     """
 
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the window whose text was already emitted
-        self._read = 0    # end of that window
+        # `context`: the prompt's last ids, decoded as text already emitted, so the first new token comes out as it
+        # reads after them: a SentencePiece decoder strips the leading space of a sequence's first token ("▁fox" alone
+        # is "fox"), which the reply's first token is not
+        self._ids: list[int] = list(context[len(context) - DETOKENIZE_CONTEXT:] if context else ())
+        self._prefix = 0               # start of the window whose text was already emitted
+        self._read = len(self._ids)    # end of that window
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)

@@ -267,3 +267,19 @@ def test_model_file_with_spm_tokenizer_serves(model_file, vocab):
     logits = np.asarray(nnx.jit(dense_logits)(model, jnp.asarray([ids], jnp.int32)))
     assert logits.shape == (1, len(ids), len(vocab[0])) and np.isfinite(logits).all()
     assert isinstance(tok.decode([int(logits[0, -1].argmax())], skip_special_tokens=False), str)
+
+
+@pytest.mark.parametrize("text, cut", [("The quick brown fox jumps over the lazy dog.", 3),
+                                       ("[INST] What is a fox? [/INST] A fox is an animal.", 9),
+                                       ("Un café crème à côté, déjà vu!", 4), ("emoji 😀🎉 done", 2)])
+def test_a_streamed_reply_keeps_its_first_tokens_space(ours, vocab, text, cut):
+    """A reply streams as the text it adds to the prompt: its first token's "▁" is a space (a SentencePiece decoder
+    strips it only at a sequence's start), as llama.cpp and vLLM stream it."""
+    from slipstream.models.tokenizer import IncrementalDetokenizer
+
+    ids = ours.encode(text)
+    prompt, reply = ids[:cut], ids[cut:]
+    detok = IncrementalDetokenizer(ours, context=prompt)
+    streamed = "".join(detok.add(t) for t in reply) + detok.flush()
+    assert streamed == ours.decode(ids)[len(ours.decode(prompt)):]
+    assert (streamed[:1] == " ") == vocab[0][reply[0]].startswith("\u2581")  # the space its first token holds
