@@ -80,6 +80,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._hf.id_to_token(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (logprobs, token pieces), special tokens shown: a SentencePiece
+        piece "▁fox" is " fox", where decoding it alone strips the space a sequence's first token loses."""
+        text = self._hf.decode([token_id], skip_special_tokens=False)
+        piece = self._hf.id_to_token(token_id) or ""
+        spaces = len(piece) - len(piece.lstrip("\u2581"))  # the piece's leading spaces, as "▁"
+        return " " * max(0, spaces - (len(text) - len(text.lstrip(" ")))) + text
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True, **variables: Any) -> str:
         """The template's text for `messages`; `variables`: more names the template reads (enable_thinking)."""

@@ -198,6 +198,8 @@ class Service:
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs; special tokens shown, not skipped (EOS has a logprob too)."""
+        if (text := getattr(self.tokenizer, "token_text", None)) is not None:
+            return text(token_id)  # models/tokenizer.Tokenizer: a SentencePiece piece keeps its space
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- submission -------------------------------------------------------------------------

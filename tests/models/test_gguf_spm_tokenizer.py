@@ -283,3 +283,16 @@ def test_a_streamed_reply_keeps_its_first_tokens_space(ours, vocab, text, cut):
     streamed = "".join(detok.add(t) for t in reply) + detok.flush()
     assert streamed == ours.decode(ids)[len(ours.decode(prompt)):]
     assert (streamed[:1] == " ") == vocab[0][reply[0]].startswith("\u2581")  # the space its first token holds
+
+
+def test_a_tokens_text_keeps_its_space(ours, tmp_path, vocab):
+    """Logprobs and token pieces show a token as it reads inside a text: "▁fox" is " fox" (decoding it alone strips
+    the space), with and without the decoder's strip (add_space_prefix false)."""
+    tokens = vocab[0]
+    for piece, text in (("\u2581the", " the"), ("\u2581\u2581", "  "), ("ers", "ers"), ("<s>", "<s>")):
+        assert ours.token_text(tokens.index(piece)) == text, piece
+    no_prefix = load_tokenizer(write_gguf(str(tmp_path / "no-prefix.gguf"), *vocab, add_space_prefix=False))
+    assert no_prefix.token_text(tokens.index("\u2581the")) == " the"
+    byte_level = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "Ġ", "Ġa"],
+                                               "tokenizer.ggml.merges": ["Ġ a"]})
+    assert byte_level.token_text(2) == " a" and byte_level.token_text(0) == "a"
