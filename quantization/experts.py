@@ -3,7 +3,8 @@ layer body multiplies at a traced layer and expert index, so a step reads only t
 layer's experts are sliced out of the stack. Forms: float; per-output-channel int8 (every quantized mode's experts,
 rounded on the device); and on CPU that int8 packed once for kernels/int8_channel_matmul.py (PackedExperts, gate and
 up fused into one, built by quantization/layer_packing.pack_experts), whose rows every expert multiplies in one kernel
-call (grouped_mlp). Which rows go to which expert is models/moe.py's business."""
+call (grouped_mlp). On TPU the int8 stacks are read where they lie by kernels/tpu/expert_matmul.py (kernel_gated,
+kernel_matmul). Which rows go to which expert is models/moe.py's business."""
 from __future__ import annotations
 
 import dataclasses
