@@ -1,9 +1,11 @@
 """The sparse mixture-of-experts MLP shared by every MoE architecture (Qwen3-MoE, Mixtral, OLMoE): a router picks
 each token's top-k experts, and only those run. The step's (token, expert) pairs are sorted by expert and multiplied
 group by group: with the CPU's packed int8 experts, one native call per projection over every expert's rows
-(quantization/experts.grouped_mlp); one grouped matmul (ragged_dot) on TPU, where it is native, for steps of at least
-as many pairs as experts; elsewhere a loop over fixed-size blocks of the sorted rows, each block one expert's, that
-runs only the blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are quantization/experts.py's stacks [L, E, in, out]."""
+(quantization/experts.grouped_mlp); with int8 experts on TPU, the sorted rows padded to whole blocks (each block one
+expert's) through kernels/tpu/expert_matmul.py, gate and up in one call; with float experts on TPU, one grouped matmul
+(ragged_dot) for steps of at least as many pairs as experts; elsewhere a loop over the same blocks that runs only
+the blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are
+quantization/experts.py's stacks [L, E, in, out]."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +20,8 @@ from slipstream.models.config import ModelConfig
 from slipstream.quantization import experts as ex
 
 MIN_BLOCK, MAX_BLOCK = 8, 64  # rows per block of the block loop (block_rows)
+# rows per block of the TPU kernel: a bf16 sublane tile at least; a prefill chunk's experts read about once
+KERNEL_MIN_BLOCK, KERNEL_MAX_BLOCK = 16, 128
 
 
 def moe_weights(prefix: str, gate: str, up: str, down: str) -> tuple[Weight, ...]:
@@ -77,6 +81,9 @@ def expert_rows(x: jax.Array, chosen: jax.Array, picks: tuple, top_k: int) -> ja
         return y[jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))]
     args = (x, chosen, order, sizes)
     blocks = functools.partial(_block_rows, picks=picks, top_k=top_k)
+    if ex.kernel_applies(picks, x):
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(kernel_rows, picks=picks, top_k=top_k),
+                                          default=blocks)
     # with fewer pairs than experts (a small decode step) the block loop reads at most one expert per pair, where
     # ragged_dot's operand is every expert of the layer
     if not ex.has_ragged(picks) or chosen.shape[0] < experts:
@@ -99,11 +106,30 @@ def _ragged_rows(x, chosen, order, sizes, *, picks, top_k):
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def block_rows(pairs: int, experts: int) -> int:
-    """Rows per block: about the pairs an expert gets on average (a power of two in [MIN_BLOCK, MAX_BLOCK]), so a
-    decode step's few rows run in small blocks and a prefill chunk's read each expert's weights a few times."""
+def block_rows(pairs: int, experts: int, lo: int = MIN_BLOCK, hi: int = MAX_BLOCK) -> int:
+    """Rows per block: about the pairs an expert gets on average (a power of two in [lo, hi]), so a decode step's
+    few rows run in small blocks and a prefill chunk's read each expert's weights a few times."""
     mean = -(-pairs // experts)
-    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (mean - 1).bit_length()))
+    return min(hi, max(lo, 1 << (mean - 1).bit_length()))
+
+
+def _layout(chosen, order, sizes, tokens: int, top_k: int, b: int):
+    """Each expert's sorted rows padded to whole blocks of b rows -> (row_token [C*b]: each padded row's token,
+    `tokens` for padding; block_expert [C]; used: the blocks in use (traced); slot [P]: each pair's padded row).
+    C = P/b + min(E, P) blocks, an upper bound."""
+    p, e = chosen.shape[0], sizes.shape[0]
+    capacity = -(-p // b) + min(e, p)
+    per_expert = -(-sizes // b)                                                       # [E] blocks of each expert
+    first_block = jnp.cumsum(per_expert) - per_expert                                 # [E]
+    sorted_expert = chosen[order]                                                     # [P]
+    rank = jnp.arange(p, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
+    sorted_slot = first_block[sorted_expert] * b + rank                               # [P] padded row, sorted
+    row_token = jnp.full((capacity * b,), tokens, jnp.int32).at[sorted_slot].set((order // top_k).astype(jnp.int32))
+    # block i's expert: how many experts' blocks end at or before it (compared all at once: no loop on TPU)
+    ends = jnp.cumsum(per_expert)
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(capacity), side="right", method="compare_all"), e - 1)
+    slot = jnp.zeros((p,), jnp.int32).at[order].set(sorted_slot)                      # [P] pair order
+    return row_token, block_expert.astype(jnp.int32), jnp.sum(per_expert), slot
 
 
 def _block_rows(x, chosen, order, sizes, *, picks, top_k):
@@ -111,17 +137,8 @@ def _block_rows(x, chosen, order, sizes, *, picks, top_k):
     (a traced count, at most P/B + E) multiplies each block by its one expert's weights."""
     gate, up, down = picks
     t, d = x.shape
-    p, e = chosen.shape[0], sizes.shape[0]
-    b = block_rows(p, e)
-    capacity = -(-p // b) + min(e, p)                                                 # blocks, an upper bound
-    per_expert = -(-sizes // b)                                                       # [E] blocks of each expert
-    first_block = jnp.cumsum(per_expert) - per_expert                                 # [E]
-    sorted_expert = chosen[order]                                                     # [P]
-    rank = jnp.arange(p, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
-    slot = first_block[sorted_expert] * b + rank                                      # [P] padded row of each
-    row_token = jnp.full((capacity * b,), t, jnp.int32).at[slot].set((order // top_k).astype(jnp.int32))
-    # block i's expert: how many experts' blocks end at or before it
-    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(capacity), side="right"), e - 1)
+    b = block_rows(chosen.shape[0], sizes.shape[0])
+    row_token, block_expert, used, slot = _layout(chosen, order, sizes, t, top_k, b)
     padded_x = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])                       # row t: padding
 
     def body(i, out):
@@ -130,5 +147,19 @@ def _block_rows(x, chosen, order, sizes, *, picks, top_k):
         h = _gated(x, gate.matmul(rows, expert), up.matmul(rows, expert))             # [B,F]
         return jax.lax.dynamic_update_slice_in_dim(out, down.matmul(h, expert), i * b, 0)
 
-    out = jax.lax.fori_loop(0, jnp.sum(per_expert), body, jnp.zeros((capacity * b, d), jnp.float32))
-    return out[jnp.zeros((p,), jnp.int32).at[order].set(slot)]                       # [P,D] pair order
+    out = jax.lax.fori_loop(0, used, body, jnp.zeros((row_token.shape[0], d), jnp.float32))
+    return out[slot]                                                                  # [P,D] pair order
+
+
+def kernel_rows(x, chosen, order, sizes, *, picks, top_k, block: int | None = None, interpret: bool = False):
+    """The TPU's path for int8 experts: the block layout's rows through kernels/tpu/expert_matmul.py, one call for
+    gate and up (silu(gate) * up formed in the kernel) and one for down; no loop, and only the used experts read.
+    block: rows per block (default block_rows with the kernel's bounds); interpret: Pallas' TPU interpreter (tests
+    run this on CPU)."""
+    gate, up, down = picks
+    t, d = x.shape
+    b = block or block_rows(chosen.shape[0], sizes.shape[0], KERNEL_MIN_BLOCK, KERNEL_MAX_BLOCK)
+    row_token, block_expert, used, slot = _layout(chosen, order, sizes, t, top_k, b)
+    rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[row_token]                # [C*B,D] row t: padding
+    h = ex.kernel_gated(gate, up, rows, block_expert, used, b, interpret=interpret)   # [C*B,F] x's dtype
+    return ex.kernel_matmul(down, h, block_expert, used, b, interpret=interpret)[slot]  # [P,D] f32

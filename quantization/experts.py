@@ -3,7 +3,8 @@ layer body multiplies at a traced layer and expert index, so a step reads only t
 layer's experts are sliced out of the stack. Forms: float; per-output-channel int8 (every quantized mode's experts,
 rounded on the device); and on CPU that int8 packed once for kernels/int8_channel_matmul.py (PackedExperts, gate and
 up fused into one, built by quantization/layer_packing.pack_experts), whose rows every expert multiplies in one kernel
-call (grouped_mlp). Which rows go to which expert is models/moe.py's business."""
+call (grouped_mlp). On TPU the int8 stacks are read where they lie by kernels/tpu/expert_matmul.py (kernel_gated,
+kernel_matmul). Which rows go to which expert is models/moe.py's business."""
 from __future__ import annotations
 
 import dataclasses
@@ -134,6 +135,43 @@ def grouped_mlp(rows: jax.Array, sizes: jax.Array, picks: tuple, dtype) -> jax.A
     g, u = gate.grouped(rows, sizes) if isinstance(up, FusedExperts) else (*gate.grouped(rows, sizes),
                                                                             *up.grouped(rows, sizes))
     return down.grouped((jax.nn.silu(g) * u).astype(dtype), sizes)[0]
+
+
+def kernel_applies(picks: tuple, x: jax.Array) -> bool:
+    """Whether a layer's gate, up and down run kernels/tpu/expert_matmul.py on TPU: int8 ExpertStacks (gate and up
+    alike) whose shapes tile, activations bf16 or f32, and SLIPSTREAM_KERNELS not `reference`. Lowered for other
+    platforms, models/moe.py's own loop runs instead (lax.platform_dependent)."""
+    from slipstream.kernels import native
+    from slipstream.kernels.tpu.expert_matmul import blocks
+
+    gate, up, down = picks
+    if not (all(isinstance(p, ExpertPick) and p.stack.scale is not None for p in picks)
+            and gate.stack.shape == up.stack.shape and x.dtype in (jnp.bfloat16, jnp.float32)):
+        return False
+    if any(blocks(*p.stack.shape[2:]) is None for p in (gate, down)):
+        return False
+    if jax.default_backend() == "tpu":  # records (and logs) the path, for the start-up log and /metrics
+        return native.use_pallas("expert_matmul")
+    return not native.reference_forced()
+
+
+def kernel_gated(gate: "ExpertPick", up: "ExpertPick", rows: jax.Array, block_expert: jax.Array, used: jax.Array,
+                 block: int, *, interpret: bool = False) -> jax.Array:
+    """silu(rows @ gate_e) * (rows @ up_e) for rows [C * block, in] in blocks of `block` rows, block i expert
+    block_expert[i] (blocks >= used ignored) -> [C * block, out] in rows' dtype: one kernel call."""
+    from slipstream.kernels.tpu.expert_matmul import expert_matmul
+
+    return expert_matmul(rows, gate.stack.w, gate.stack.scale, gate.layer, block_expert, used, up.stack.w,
+                         up.stack.scale, rows=block, interpret=interpret)
+
+
+def kernel_matmul(pick: "ExpertPick", rows: jax.Array, block_expert: jax.Array, used: jax.Array, block: int, *,
+                  interpret: bool = False) -> jax.Array:
+    """rows [C * block, in] @ each block's expert -> f32 [C * block, out] (kernel_gated's layout)."""
+    from slipstream.kernels.tpu.expert_matmul import expert_matmul
+
+    return expert_matmul(rows, pick.stack.w, pick.stack.scale, pick.layer, block_expert, used, rows=block,
+                         interpret=interpret)
 
 
 def has_ragged(picks) -> bool:

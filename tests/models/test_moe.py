@@ -82,6 +82,50 @@ def test_block_loop_and_ragged_dot_give_every_pair_its_experts_output(tokens):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=0.02 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("tokens, dtype", [(3, "float32"), (64, "float32"), (40, "bfloat16")])
+def test_tpu_kernel_path_gives_every_pair_its_experts_output(tokens, dtype):
+    """The TPU's int8 path (kernels/tpu/expert_matmul.py under Pallas' interpreter): a decode-sized step and
+    prefill-sized ones with skewed routing (an expert over several blocks, another unused) give what the block loop
+    gives, and the product of the rounded weights."""
+    rng = np.random.default_rng(1)
+    e, d, f, top_k, layer = 4, 256, 128, 2, 1
+    x = jnp.asarray(rng.standard_normal((tokens, d)), dtype)
+    stacks = [ex.quantize_experts(ex.ExpertStack(jnp.asarray(rng.standard_normal((2, e, *shape)) / np.sqrt(shape[0]),
+                                                             jnp.float32)))
+              for shape in ((d, f), (d, f), (f, d))]
+    chosen = rng.choice(3, size=tokens * top_k, p=[0.7, 0.2, 0.1]).astype(np.int32)
+    rounded = [np.asarray(s.w[layer], np.float32) * np.asarray(s.scale[layer])[:, None, :] for s in stacks]
+    want = _pairs_reference(np.asarray(x.astype(jnp.float32)), chosen, top_k, *rounded)
+    picks = tuple(s.pick(jnp.int32(layer)) for s in stacks)
+    assert ex.kernel_applies(picks, x)
+    args = (x, jnp.asarray(chosen), jnp.argsort(chosen, stable=True), jnp.bincount(chosen, length=e).astype(jnp.int32))
+    block = 16 if tokens > 3 else None  # prefill-sized: an expert over several blocks
+    got = jax.jit(lambda *a: moe.kernel_rows(*a, picks=picks, top_k=top_k, block=block, interpret=True))(*args)
+    loop = jax.jit(lambda *a: moe._block_rows(*a, picks=picks, top_k=top_k))(*args)
+    assert got.shape == (tokens * top_k, d) and got.dtype == jnp.float32
+    tol = (1e-5 if dtype == "float32" else 2e-2) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(loop), rtol=0, atol=tol)
+
+
+def test_int8_experts_lower_to_the_kernel_only_for_tpu():
+    """Lowered for TPU, a layer's int8 experts are two kernel calls (gate and up together, then down): no loop, no
+    grouped dot of a converted stack; for CPU, no kernel."""
+    e, d, f, top_k = 8, 256, 128, 2
+    stacks = [ex.ExpertStack(jnp.zeros((2, e, *shape), jnp.int8), jnp.ones((2, e, shape[1]), jnp.float32))
+              for shape in ((d, f), (d, f), (f, d))]
+
+    def rows(x, chosen, layer):
+        return moe.expert_rows(x, chosen, tuple(s.pick(layer) for s in stacks), top_k)
+
+    for tokens in (1, 64):  # fewer pairs than experts, and more
+        args = (jnp.zeros((tokens, d), jnp.bfloat16), jnp.zeros((tokens * top_k,), jnp.int32), jnp.int32(1))
+        tpu = jax.jit(rows).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+        assert tpu.count("tpu_custom_call") == 2 and "ragged_dot" not in tpu and "stablehlo.while" not in tpu
+        cpu = jax.jit(rows).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+        assert "tpu_custom_call" not in cpu
+
+
 def test_grouped_matmul_gives_each_row_its_groups_product():
     """kernels/int8_channel_matmul.grouped_matmul: each group's rows, bit for bit, what a call on those rows alone at
     the group's weight gives them (empty groups among them); rows past the groups are 0."""
