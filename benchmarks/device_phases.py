@@ -135,7 +135,7 @@ def load(args: argparse.Namespace, config: EngineConfig):
     path = resolve_model(args.model, args.load_format)
     mode = config.weight_mode()
     quantize = mode if mode in QUANTIZED_MODES else "none"
-    if args.load_format == "dummy":  # drawn on the device, int8 ones directly (any mode)
+    if args.load_format == "dummy":  # random weights (models/dummy.py), int8 ones drawn directly (any mode)
         return load_dummy(path, dtype=config.activation_dtype(), quantize=mode)
     return load_model(path, quantize=quantize)
 

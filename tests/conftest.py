@@ -171,9 +171,9 @@ SERIAL_MODULES = ("test_lora_serving", "test_grammar_abuse", "test_trace_server"
 SLOWEST_FIRST = ("test_tensor_parallel", "test_device", "test_multihost", "test_attention_tpu", "test_int8_stack_tpu",
                  "test_lora", "test_engine", "test_presets_serve", "test_layer_stack", "test_q8_matmul",
                  "test_speculative_draft", "test_bench_client", "test_int8_engine", "test_f32_stack", "test_kernel",
-                 "test_presets", "test_tpu_int8_matmul", "test_hybrid_weights", "test_soak", "test_default_model",
+                 "test_tpu_int8_matmul", "test_hybrid_weights", "test_soak", "test_default_model",
                  "test_speculative_engine", "test_kernel_paths", "test_data_parallel", "test_real_engine",
-                 "test_embeddings_bench", "test_kv_write_float_tpu", "test_fuzz", "test_kv_write_tpu",
+                 "test_embeddings_bench", "test_kv_write_float_tpu", "test_fuzz", "test_kv_write_tpu", "test_presets",
                  "test_attention_native", "test_serve_hf_models", "test_loader", "test_architectures_vs_hf",
                  "test_unix_socket", "test_groupwise", "test_lora_tensor_parallel")
 

@@ -21,16 +21,26 @@ def _weight(rng, k: int, n: int, offset: bool, layers: int | None = None) -> int
     kernel and the reference differ only in the order of their f32 sums."""
     lead = () if layers is None else (layers,)
     g = k // int8.GROUP
-    q = jnp.asarray(rng.integers(-128, 128, lead + (k, n)), jnp.int8)
-    scale = jnp.asarray(2.0 ** rng.integers(-6, 1, lead + (g, n)), jnp.float32)
-    off = scale * jnp.asarray(rng.integers(-64, 65, lead + (g, n)), jnp.float32) if offset else None
-    return int8.Int8Weight(q=q, scale=scale, offset=off)
+    q = rng.integers(-128, 128, lead + (k, n))
+    scale = 2.0 ** rng.integers(-6, 1, lead + (g, n))
+    off = _put(scale * rng.integers(-64, 65, lead + (g, n)), jnp.float32) if offset else None
+    return int8.Int8Weight(q=_put(q, jnp.int8), scale=_put(scale, jnp.float32), offset=off)
+
+
+def _put(values, dtype) -> jax.Array:
+    """Host values in `dtype` on the device (cast on the host: a cast on the device compiles per shape)."""
+    return jax.device_put(np.asarray(values).astype(jnp.dtype(dtype)))
 
 
 def _reference(x: jax.Array, w: int8.Int8Weight) -> np.ndarray:
     """x @ w dequantized to x's dtype, products and sums in f32."""
+    return np.asarray(_reference_product(x, w))
+
+
+@jax.jit  # one program a shape (each eager step compiled its own)
+def _reference_product(x: jax.Array, w: int8.Int8Weight) -> jax.Array:
     wf = w.dequantize(x.dtype).astype(jnp.float32)
-    return np.asarray(jnp.dot(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST))
+    return jnp.dot(x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
 
 
 def _close(y, ref) -> None:
@@ -55,7 +65,7 @@ CASES = [  # m, k, n, block_k, block_n, offset, x dtype, dequant ("+i32": widene
 def test_kernel_matches_dequantized_dot(m, k, n, bk, bn, offset, dtype, dequant):
     rng = np.random.default_rng(m + k + n)
     w = _weight(rng, k, n, offset)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    x = _put(rng.standard_normal((m, k)), dtype)
     dequant, _, widen = dequant.partition("+")
     y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, dequant=dequant,
                            via_int32=widen == "i32", interpret=True)
@@ -68,7 +78,7 @@ def test_streamed_activations():
     m, k, n = 2100, 1024, 256          # 2112 padded rows x 1024 f32 = 8.25 MiB > X_RESIDENT_BYTES
     assert _pad(m) * k * 4 > kernel.X_RESIDENT_BYTES
     w = _weight(rng, k, n, True)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    x = _put(rng.standard_normal((m, k)), jnp.float32)
     y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=512, block_n=128, interpret=True)
     _close(y, _reference(x, w))
 
@@ -80,7 +90,7 @@ def _pad(m: int) -> int:
 def test_stack_read_at_a_layer_index():
     rng = np.random.default_rng(4)
     stack = _weight(rng, 512, 256, True, layers=3)
-    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    x = _put(rng.standard_normal((4, 512)), jnp.bfloat16)
     for layer in (0, 2):
         y = kernel.int8_matmul(x, stack.q, stack.scale, stack.offset, jnp.int32(layer), block_k=256,
                                block_n=128, interpret=True)
@@ -129,7 +139,7 @@ def _lowered(fn, *args, platform: str) -> str:
 def test_int8_matmul_lowers_to_the_kernel_only_for_tpu(offset):
     rng = np.random.default_rng(5)
     w = _weight(rng, 512, 256, offset)
-    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.bfloat16)
+    x = _put(rng.standard_normal((2, 3, 512)), jnp.bfloat16)
     assert "tpu_custom_call" in _lowered(int8.matmul, x, w, platform="tpu")
     assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="cpu")
     # off TPU the XLA branch runs: exactly the dequantize-then-dot product
@@ -141,10 +151,10 @@ def test_int8_matmul_lowers_to_the_kernel_only_for_tpu(offset):
 
 def test_untiled_shapes_and_forced_reference_keep_xla_on_tpu(monkeypatch):
     rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.standard_normal((4, 288)), jnp.bfloat16)
+    x = _put(rng.standard_normal((4, 288)), jnp.bfloat16)
     assert "tpu_custom_call" not in _lowered(int8.matmul, x, _weight(rng, 288, 128, True), platform="tpu")
     w = _weight(rng, 512, 256, True)
-    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    x = _put(rng.standard_normal((4, 512)), jnp.bfloat16)
     monkeypatch.setenv("SLIPSTREAM_KERNELS", "reference")
     assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="tpu")
 
@@ -152,8 +162,8 @@ def test_untiled_shapes_and_forced_reference_keep_xla_on_tpu(monkeypatch):
 def test_per_channel_mode_is_unchanged():
     """int8-channel weights keep their own dots (the kernel is for the group-wise mode only)."""
     rng = np.random.default_rng(7)
-    w = int8.quantize(jnp.asarray(rng.standard_normal((512, 256)), jnp.float32), "int8-channel")
-    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    w = int8.quantize(_put(rng.standard_normal((512, 256)), jnp.float32), "int8-channel")
+    x = _put(rng.standard_normal((4, 512)), jnp.bfloat16)
     assert "tpu_custom_call" not in _lowered(int8.matmul, x, w, platform="tpu")
 
 
@@ -171,7 +181,7 @@ def test_stack_at_a_layer_index_equals_the_layer_alone(m, k, n, offset, dtype):
     layer's slice, and the XLA branch (the layer sliced out) bit for bit against the slice's product."""
     rng = np.random.default_rng(m * k + n)
     stack = _weight(rng, k, n, offset, layers=3)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    x = _put(rng.standard_normal((m, k)), dtype)
     rest = () if stack.offset is None else (stack.offset,)
     tpu = jax.jit(lambda x, i, *w: int8._tpu_matmul(x, i, *w, interpret=True))
     for layer in (2, 1):
@@ -190,7 +200,7 @@ def test_stack_at_a_layer_index_lowers_to_the_kernel_on_the_whole_stack():
     whole: no dynamic-slice of them (the layer's blocks are read in place)."""
     rng = np.random.default_rng(8)
     stack = _weight(rng, 512, 256, True, layers=3)
-    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    x = _put(rng.standard_normal((3, 512)), jnp.bfloat16)
     text = _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1), platform="tpu")
     (call,) = [line for line in text.splitlines() if "tpu_custom_call" in line]
     assert "tensor<3x512x256xi8>" in call and call.count("tensor<3x16x256xf32>") == 2
@@ -202,9 +212,9 @@ def test_stack_at_a_layer_index_lowers_to_the_kernel_on_the_whole_stack():
 def test_stack_paths_without_the_kernel_slice_the_layer():
     """Shapes that do not tile and per-channel weights multiply layer i's slice, as before."""
     rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((4, 288)), jnp.float32)
+    x = _put(rng.standard_normal((4, 288)), jnp.float32)
     cases = [_weight(rng, 288, 128, True, layers=2),
-             int8.quantize(jnp.asarray(rng.standard_normal((2, 288, 128)), jnp.float32), "int8-channel")]
+             int8.quantize(_put(rng.standard_normal((2, 288, 128)), jnp.float32), "int8-channel")]
     for stack in cases:
         text = _lowered(lambda x, i: int8.matmul(x, stack, layer=i), x, jnp.int32(1), platform="tpu")
         assert "tpu_custom_call" not in text and "dynamic_slice" in text
@@ -228,16 +238,15 @@ def _weight4(rng, k: int, n: int, offset: bool, scale_dtype, layers: int | None 
     `scale_dtype`: every dequantized weight is exact, as in _weight."""
     lead = () if layers is None else (layers,)
     g = k // int8.GROUP
-    q = jnp.asarray(rng.integers(-8, 8, lead + (k, n)), jnp.int8)
-    scale = jnp.asarray(2.0 ** rng.integers(-6, 1, lead + (g, n)), scale_dtype)
-    off = (scale.astype(jnp.float32) * jnp.asarray(rng.integers(-16, 17, lead + (g, n)), jnp.float32)
-           ).astype(scale_dtype) if offset else None
-    return int8.Int8Weight(q=nibbles.pack4(q), scale=scale, offset=off, bits=4)
+    q = _put(rng.integers(-8, 8, lead + (k, n)), jnp.int8)
+    scale = 2.0 ** rng.integers(-6, 1, lead + (g, n))
+    off = _put(scale * rng.integers(-16, 17, lead + (g, n)), scale_dtype) if offset else None
+    return int8.Int8Weight(q=nibbles.pack4(q), scale=_put(scale, scale_dtype), offset=off, bits=4)
 
 
 def test_nibbles_round_trip_and_layout():
     """pack4 puts input 64j + i in byte row 32j + i's low nibble and input 64j + 32 + i in its high one."""
-    q = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (2, 128, 3)), jnp.int8)
+    q = _put(np.random.default_rng(0).integers(-8, 8, (2, 128, 3)), jnp.int8)
     packed = nibbles.pack4(q)
     assert packed.shape == (2, 64, 3) and packed.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(nibbles.unpack4(packed)), np.asarray(q))
@@ -260,7 +269,7 @@ CASES4 = [  # m, k, n, block_k, block_n, offset, x dtype, scale dtype
 def test_4bit_kernel_matches_dequantized_dot(m, k, n, bk, bn, offset, dtype, sdtype):
     rng = np.random.default_rng(m + k + n)
     w = _weight4(rng, k, n, offset, sdtype)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    x = _put(rng.standard_normal((m, k)), dtype)
     y = kernel.int8_matmul(x, w.q, w.scale, w.offset, block_k=bk, block_n=bn, bits=4, interpret=True)
     _close(y, _reference(x, w))
     if bk is None:
@@ -272,7 +281,7 @@ def test_4bit_stack_at_a_layer_index_through_int8_matmul():
     place) gives the XLA branch's product of the layer's weight."""
     rng = np.random.default_rng(11)
     stack = _weight4(rng, 512, 256, True, jnp.bfloat16, layers=3)
-    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    x = _put(rng.standard_normal((4, 512)), jnp.bfloat16)
     tpu = jax.jit(lambda x, i, *w: int8._tpu_matmul(x, i, *w, bits=4, interpret=True))
     for layer in (2, 0):
         one = jax.tree.map(lambda a: a[layer], stack)

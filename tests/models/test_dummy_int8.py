@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from slipstream.models import dummy
-from slipstream.models.dummy import _draw_quantized, _rotated
+from slipstream.models.dummy import _draw_quantized, _normal, _rotated, _shifts
 from slipstream.quantization import int8
 
 IN, OUT = 256, 512
@@ -51,17 +51,15 @@ def test_temporaries_are_one_layer_whatever_the_layer_count(mode):
 @pytest.mark.parametrize("mode", int8.MODES)
 def test_each_layer_is_its_own_rounded_random_layer(mode):
     layers = 5
-    w = _draw_quantized(jax.random.key(3), (layers, IN, OUT), mode, jnp.bfloat16)
+    w = _draw_quantized(np.random.default_rng(3), (layers, IN, OUT), mode, jnp.bfloat16)
     assert isinstance(w, int8.Int8Weight) and w.shape == (layers, IN, OUT) and w.q.dtype == jnp.int8
     groups = 1 if mode in int8.CHANNEL_MODES else IN // int8.GROUP
     assert w.scale.shape == (layers, groups, OUT)
     assert (w.offset is None) == (mode in int8.CHANNEL_MODES)
     # the same as rounding each float layer alone with the public function
-    draw_key, shift_key = jax.random.split(jax.random.key(3))
-    one = jax.random.normal(draw_key, (IN, OUT), jnp.bfloat16) * jnp.asarray(1 / math.sqrt(IN), jnp.bfloat16)
-    from slipstream.models.dummy import _shifts
-
-    shifts = jnp.asarray(_shifts(shift_key, layers, one.size), jnp.int32)
+    rng = np.random.default_rng(3)
+    one = _normal(rng, (IN, OUT), 1 / math.sqrt(IN), jnp.bfloat16)
+    shifts = jnp.asarray(_shifts(rng, layers, one.size), jnp.int32)
     for layer in (0, layers - 1):
         alone = int8.quantize(_rotated(layer, one, shifts), mode)
         np.testing.assert_array_equal(np.asarray(w.q[layer]), np.asarray(alone.q))

@@ -8,7 +8,6 @@ import json
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -217,7 +216,7 @@ def test_other_int8_formats_are_drawn_a_layer_at_a_time(mode):
     layer at a time (the TPU's int8 modes in one program: tests/models/test_dummy_int8.py)."""
     from slipstream.models.dummy import _draw_quantized
 
-    w = _draw_quantized(jax.random.key(0), (3, 64, 32), mode, jnp.float32)
+    w = _draw_quantized(np.random.default_rng(0), (3, 64, 32), mode, jnp.float32)
     assert w.shape == (3, 64, 32)
     dense = np.asarray(w.dequantize())
     assert not np.allclose(dense[0], dense[1])  # each layer its own weights
