@@ -14,7 +14,8 @@ MODULES = {  # module -> (FFI targets, its instruction sets, slowest first)
     "lora_delta": ({"slipstream_lora_delta"}, ("portable", "avx2", "avx512")),
     "q8_matmul": ({"slipstream_q8_matmul", "slipstream_q8_matmul_rows"}, ("portable", "avx2", "avx512_vnni", "amx")),
     "int8_channel_matmul": ({"slipstream_int8_channel_matmul", "slipstream_int8_channel_matmul_residual",
-                             "slipstream_int8_channel_matmul_residual_rows"}, ("portable", "avx512_vnni", "amx")),
+                             "slipstream_int8_channel_matmul_residual_rows", "slipstream_int8_channel_matmul_grouped"},
+                            ("portable", "avx512_vnni", "amx")),
     "ragged_paged_attention": ({"slipstream_ragged_paged_attention", "slipstream_ragged_paged_attention_int8"},
                                ("portable", "avx2", "avx512", "avx512_vnni")),
 }
