@@ -9,6 +9,17 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite compiles hundreds of small programs and runs each a few times: XLA:CPU's code generation at optimisation
+# level 0 (LLVM's level; the HLO passes still run) compiles them about a quarter faster. Read when JAX's CPU backend
+# starts, so set before any test touches JAX; the servers and workers the tests start inherit it.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def virtual_devices(n: int) -> str:
+    """XLA_FLAGS for a subprocess with `n` virtual CPU devices (and the suite's own flags)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
 
 
 def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: int = 0) -> str:

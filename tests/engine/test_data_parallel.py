@@ -14,6 +14,7 @@ from slipstream.engine.mock_engine import MockEngine
 from slipstream.engine.distributed.replicas import ReplicaSet
 from slipstream.engine.request import FinishReason
 from slipstream.engine.scheduler import EngineUnavailable, OutputProcessor, Scheduler, SchedulerConfig
+from tests.conftest import virtual_devices
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, wait_for
 
 
@@ -190,7 +191,7 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
 
     model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("dp-llama")), "llama")
     _save_word_tokenizer(model_dir)  # for the CLI's engines
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "PYTHONPATH": ROOT}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(DEVICES), "PYTHONPATH": ROOT}
     run = subprocess.run([sys.executable, os.path.abspath(__file__), model_dir], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import virtual_devices
 from tests.engine.lora_helpers import reference_greedy
 
 # No module-level importorskip("peft"): the child process imports this module for `_child`, and peft
@@ -47,7 +48,7 @@ def _child(base_dir: str, adapter_dirs: dict[str, str], quantize: str) -> list[l
 def tp_logits(tiny_llama_dir, tiny_lora_adapters) -> dict[str, np.ndarray]:
     """quantize -> the TP=2 engine's logits [base, attn, all], both from one fresh process."""
     dirs = {n: tiny_lora_adapters[1][n] for n in ("attn", "all")}
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(2), "JAX_PLATFORMS": "cpu"}
     code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); from tests.conftest import subprocess_compile_cache; "
             "subprocess_compile_cache(); from tests.engine.test_lora_tensor_parallel import _child; "
             f"print('RESULT', json.dumps({{q: _child({tiny_llama_dir!r}, {dirs!r}, q) for q in {QUANTIZE!r}}}))")

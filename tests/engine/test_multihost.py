@@ -23,6 +23,7 @@ from slipstream.engine.distributed.multihost import (_FRAME, DistributedConfig, 
                               serve_worker, worker_grammars)
 from slipstream.engine.request import FinishReason, SamplingParams
 from slipstream.engine.scheduler import EngineUnavailable
+from tests.conftest import virtual_devices
 from tests.engine.scheduler_helpers import WAIT, ByteTokenizer, chain, req, running, wait_for
 from tests.server.test_serve_hf_models import WORDS, _free_port, _save_word_tokenizer
 
@@ -178,7 +179,7 @@ def test_weights_and_kv_pages_span_both_processes(tiny_model, tiny_llama_dir):
     from tests.engine.test_kernel_paths import greedy
 
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": virtual_devices(4)}
     procs = [subprocess.Popen([sys.executable, __file__, str(i), coordinator, tiny_llama_dir], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
              for i in (0, 1)]
@@ -227,7 +228,7 @@ def _group(model: str, tmp: pathlib.Path, http: int) -> list[subprocess.Popen]:
     return [_serve(model, tmp / f"process{i}.log", http, "--tensor-parallel", "8",
                    "--coordinator-address", f"127.0.0.1:{coordinator}", "--control-port", str(control),
                    "--num-processes", "2", "--process-id", str(i), "--peer-timeout", "5",
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) for i in (0, 1)]
+                   env={"XLA_FLAGS": virtual_devices(4)}) for i in (0, 1)]
 
 
 def _logs(tmp: pathlib.Path) -> str:

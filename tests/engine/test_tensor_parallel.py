@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tests.conftest import virtual_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = 8
 STEPS = 8
@@ -171,7 +173,7 @@ def greedy_scoring(engine, prompts: list[list[int]]) -> tuple[list[list[int]], l
 
 def _run(cases: list[dict], kernels: str) -> list[dict]:
     """Reports of worker(**case) for each case, in one process with SLIPSTREAM_KERNELS=kernels."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(DEVICES),
            "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": ROOT}
     run = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
