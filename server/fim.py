@@ -32,10 +32,17 @@ class FimFormat:
         else the texts in turn; "" for none."""
         if not files:
             return ""
-        if self.repo is None:
-            return "".join(text for _, text in files)
-        body = "".join(f"{self.file_sep}{name}\n{text}" for name, text in files)
-        return f"{self.repo}myproject\n{body}{self.file_sep}filename\n"
+        return self.context_head() + "".join(self.context_file(name, text) for name, text in files) + \
+            self.context_tail()
+
+    def context_head(self) -> str:
+        return "" if self.repo is None else f"{self.repo}myproject\n"
+
+    def context_file(self, name: str, text: str) -> str:
+        return text if self.repo is None else f"{self.file_sep}{name}\n{text}"
+
+    def context_tail(self) -> str:
+        return "" if self.repo is None else f"{self.file_sep}filename\n"
 
 
 def fim_format(tokenizer: Any) -> FimFormat | None:

@@ -53,8 +53,9 @@ class Generation:
     @property
     def cached_tokens(self) -> int:
         """Of prompt_tokens, how many the prefix cache held (each prompt counted once, as prompt_tokens counts it)."""
-        per_prompt = len(self._streams) // max(1, len(self._prompts))
-        return sum(s.cached_tokens for s in self._streams[::per_prompt or 1]) if self._prompts else 0
+        if not self._prompts:
+            return 0
+        return sum(s.cached_tokens for s in self._streams[::len(self._streams) // len(self._prompts)])
 
     def cached_in(self, index: int) -> int:
         """The prompt tokens of choice `index` the prefix cache held."""

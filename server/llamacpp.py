@@ -190,10 +190,14 @@ def _infill_ids(service: Service, req: LlamaCompletionRequest) -> list[int]:
     fill = fim.text(req.input_prefix, req.input_suffix) + req.prompt
     room = service.max_seq_len - len(service.encode(fill, param="input_prefix")) - (
         req.n_predict if req.n_predict > 0 else service.max_seq_len // 4)
+    def count(text: str) -> int:
+        return len(service.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
     files: list[tuple[str, str]] = []
-    for chunk in reversed(req.input_extra):
-        kept = [(chunk.filename, chunk.text), *files]
-        if len(service.tokenizer.encode(fim.context(kept), add_special_tokens=False)) > room:
+    room -= count(fim.context_head() + fim.context_tail())
+    for chunk in reversed(req.input_extra):  # each file counted once (its tags are single tokens)
+        room -= count(fim.context_file(chunk.filename, chunk.text))
+        if room < 0:
             break
-        files = kept
+        files.insert(0, (chunk.filename, chunk.text))
     return service.encode(fim.context(files) + fill, param="input_prefix")

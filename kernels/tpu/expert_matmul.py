@@ -24,20 +24,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from slipstream.kernels.tpu.int8_matmul import _largest_divisor
+
 ROW_ALIGN = 16             # rows per block: a multiple of this (bf16 sublane tile)
 K_ALIGN = 256
 N_ALIGN = 128              # the lane width
 MAX_BK = 2048
 MAX_BLOCK_BYTES = 1 << 20  # one weight's int8 block [bk, bn]
 VMEM_LIMIT = 64 << 20      # v5e has 128 MiB; the estimate below stays well under this for rows <= 512
-
-
-def _largest_divisor(total: int, align: int, cap: int) -> int | None:
-    best = None
-    for b in range(align, min(total, cap) + 1, align):
-        if total % b == 0:
-            best = b
-    return best
 
 
 def blocks(k: int, n: int) -> tuple[int, int] | None:
