@@ -191,6 +191,8 @@ def _decode_batches(args: argparse.Namespace, cfg: ModelConfig, params, hbm_gbs:
                             "programs": engine.num_programs, "token_budget": budget, "memory": device_memory(),
                             "linear_forms": linear_forms(engine.params)})
     fill(setup, seed=0)
+    # the scoring and pooling programs compile on a thread after start-up: steps are timed once they are done
+    record(args, "extended_compile", {"waited_s": engine.wait_extended()})
     results = []
     for batch in slots:
         setup.rewind()

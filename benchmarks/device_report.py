@@ -40,7 +40,9 @@ def markdown(r: dict) -> str:
         e = r["engine"]
         lines += [f"Engine: {_g(e['weight_mb'])} MB of weights read per decode step, KV {e['kv_dtype']} "
                   f"({e['kv_bytes_per_token']} bytes/token), pages of {e['page_size']}, context {e['context']}, "
-                  f"ready in {e['ready_s']:.1f} s ({e['programs']} programs)", ""]
+                  f"ready in {e['ready_s']:.1f} s ({e['programs']} programs)"
+                  + (f"; steps timed after the scoring and pooling programs' background compile (waited "
+                     f"{r['extended_compile']['waited_s']:.1f} s)" if "extended_compile" in r else ""), ""]
     if r.get("decode"):
         lines += ["| slots | step ms | tok/s | floor ms (weights + KV at HBM read) | step/floor | pipelined step ms "
                   "| pipelined/floor |", "|---:|---:|---:|---:|---:|---:|---:|"]

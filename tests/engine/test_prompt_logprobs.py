@@ -180,8 +180,7 @@ def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_
     assert engine.extended_buckets == (8, 16, 32)
     engine.compile_extended()  # largest first: bucket 8 is queued behind 32 and 16
     score(3)
-    for compiling in list(engine._extended_compiling.values()):
-        compiling.result(timeout=300)
+    engine.wait_extended(timeout=300)
     compiles = engine.compile_count
     for n in (3, 20, 9):  # buckets 4 (run at 8), 32, 16
         score(n)
