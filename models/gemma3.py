@@ -30,7 +30,8 @@ class Gemma3Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any,
                  layer: jax.Array, kinds: layers.LayerKinds) -> tuple[jax.Array, Any]:
         sliding = kinds.sliding(layer)
-        h, cache = self.attn(self.attn_norm(x), positions, kinds.inv_freq(sliding), attend, cache, layer, sliding)
+        h, cache = self.attn(self.attn_norm(x), positions, kinds.inv_freq(sliding), attend, cache, layer, sliding,
+                             kinds.rope_scale(sliding))
         x = x + self.post_attn_norm(h)
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))), cache           # [T,D]
 

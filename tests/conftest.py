@@ -39,6 +39,18 @@ def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: 
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(cfg)
+    elif family == "llama_yarn":
+        # YaRN with every optional field: the ramp over dimensions 1-4 of 8 (a low base and a short original
+        # context), not rounded, and an attention factor from mscale / mscale_all_dim
+        cfg = transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.5, "mscale_all_dim": 0.5, "truncate": False})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "qwen3_yarn":  # Qwen3's long-context setting: factor and original context only
+        cfg = transformers.Qwen3Config(**common, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.Qwen3ForCausalLM(cfg)
+        _randomize_norms(model, torch)
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
         model = transformers.MistralForCausalLM(cfg)

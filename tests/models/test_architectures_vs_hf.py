@@ -11,7 +11,8 @@ from slipstream.models.base import dense_logits
 from slipstream.models.loader import load_hf_dir
 from tests.conftest import build_tiny_hf
 
-FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("mistral", False), ("qwen2", True),
+FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("llama_yarn", False),
+            ("qwen3_yarn", False), ("mistral", False), ("qwen2", True),
             ("qwen3", False), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
 
 
