@@ -59,7 +59,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 # GGUF general.architecture -> ours (a "llama" file with experts is Mixtral)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "gemma3": "gemma3"}
 # whether llama.cpp renormalises the top-k router weights, where the file has no {arch}.expert_weights_norm:
 # its converter writes none for these, and its graph fixes the choice per architecture
 GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
@@ -209,7 +210,7 @@ class ModelConfig:
         heads = int(get("attention.head_count"))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(
+        fields = dict(
             architecture=ours,
             num_layers=int(get("block_count")),
             hidden_size=hidden,
@@ -231,6 +232,39 @@ class ModelConfig:
             eos_token_ids=() if eos is None else (int(eos),),
             **moe,
         )
+        if arch == "gemma3":
+            fields.update(_gguf_gemma3_fields(meta, arch, hidden // heads))
+        return cls(**fields)
+
+
+def _gguf_gemma3_fields(meta: Mapping[str, Any], arch: str, hidden_per_head: int) -> dict:
+    """Gemma 3 as llama.cpp reads its files: every sliding_window_pattern-th layer global (6 where the file gives no
+    pattern; llama.cpp also takes a list of per-layer flags, true: sliding), sliding layers on rope.freq_base_swa
+    (10000 where absent), the attention scale from the model size (27B: hidden / heads, else head_dim: the
+    query_pre_attn_scalar of Gemma 3's checkpoints), GeGLU, tied embeddings scaled by sqrt(hidden)."""
+    n = int(meta[f"{arch}.block_count"])
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, expected {n}")
+        kinds = tuple("sliding" if flag else "full" for flag in pattern)
+    else:  # llama.cpp's set_swa_pattern: 0 every layer sliding, 1 none
+        pattern = int(pattern)
+        kinds = tuple("sliding" if pattern == 0 or i % pattern < pattern - 1 else "full" for i in range(n))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is None and "sliding" in kinds:
+        raise ValueError(f"GGUF metadata is missing {arch}.attention.sliding_window")
+    if meta.get(f"{arch}.attn_logit_softcapping"):
+        raise ValueError(f"GGUF {arch}.attn_logit_softcapping is not supported (Gemma 2 style); Gemma 3 files "
+                         "have none")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden_per_head)
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return dict(layer_types=kinds, sliding_window=int(window) if window else None, qk_norm=True,
+                rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or 10000.0),
+                rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 1e6), hidden_activation="gelu_tanh",
+                query_pre_attn_scalar=float(hidden_per_head if n == 62 else head_dim),
+                final_logit_softcap=float(cap) if cap else None,
+                rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6))
 
 
 def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str) -> RopeScaling | None:

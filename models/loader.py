@@ -308,6 +308,8 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
     tensors = {t.name: t for t in reader.tensors}
     cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
     permute = meta.get("general.architecture") == "llama"
+    # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added; the module adds it itself
+    norm_shift = 1.0 if meta.get("general.architecture") == "gemma3" else 0.0
 
     def checked(name: str, shape: tuple[int, ...]):
         t = tensors.get(name)
@@ -365,6 +367,8 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
                     rows = tuple(_unpermute_rope(v, heads) for v in rows)
                 return rows
         arr = dequantized(name, t, shape)
+        if norm_shift and name.endswith("norm.weight"):
+            arr = arr - np.float32(norm_shift)
         return _unpermute_rope(arr, heads) if heads else arr
 
     return cfg, _assemble(cfg, get, lambda w: w.gguf, path, dtype, progress, quantize)
