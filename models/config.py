@@ -54,9 +54,9 @@ class RopeScaling:
 # HF "architectures" entries and model_type values -> our architecture names
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+                    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Phi3ForCausalLM": "phi3"}
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-                  "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+                  "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe", "phi3": "phi3"}
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 # GGUF general.architecture -> ours (a "llama" file with experts is Mixtral)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
@@ -118,6 +118,10 @@ class ModelConfig:
         if not (0 < self.partial_rotary_factor <= 1) or self.rotary_dim % 2 or not self.rotary_dim:
             raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate an even number of head_dim's "
                              f"{self.head_dim} dimensions, got {self.partial_rotary_factor}")
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "longrope" and len(rs.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope short_factor and long_factor need one entry per rotated pair ("
+                             f"{self.rotary_dim // 2}), got {len(rs.short_factor)}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
         if not (0 < self.rms_norm_eps < 1):
@@ -153,6 +157,17 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def for_context(self, max_seq_len: int) -> "ModelConfig":
+        """This config for sequences of at most max_seq_len tokens: LongRoPE's long factors only where that passes
+        the original context, as llama.cpp picks them by its context size (transformers picks them per sequence, so
+        a server of short contexts gives its logits with the short factors, and one of long contexts one set of
+        frequencies for every key in the cache)."""
+        rs = self.rope_scaling
+        if rs is None or rs.kind != "longrope":
+            return self
+        long = max_seq_len > rs.original_max_position
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(rs, long=long))
 
     def window(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding" else None
@@ -358,6 +373,10 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
     )
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         fields["sliding_window"] = None
+    if arch == "phi3" and (fields["sliding_window"] or 0) >= fields["max_position_embeddings"]:
+        fields["sliding_window"] = None  # Phi-3.5 / Phi-4-mini: a window past the context is none
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish") and arch != "gemma3":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch}; supported: silu")
     if arch == "gemma3":
         fields.update(_gemma3_fields(cfg, rope))
     elif fields["sliding_window"] and cfg.get("layer_types"):

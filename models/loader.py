@@ -100,6 +100,7 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     if quantize not in ("none", *GROUPWISE):
         raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
     groupwise = quantize in GROUPWISE
+    get = _fused_parts(cfg, get)
     model = build_abstract(cfg)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
@@ -156,6 +157,26 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
         model.lm_head = head
     trim_host_heap()
     return model
+
+
+def _fused_parts(cfg: ModelConfig, get: Getter) -> Getter:
+    """`get` that also reads "name[part]": those rows of a fused checkpoint tensor (Phi-3's q / k / v of qkv_proj,
+    gate / up of gate_up_proj), float or Q8 rows alike. The fused tensor is read once per part."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    spans = {"q": (0, q, q + 2 * kv), "k": (q, q + kv, q + 2 * kv), "v": (q + kv, q + 2 * kv, q + 2 * kv),
+             "gate": (0, f, 2 * f), "up": (f, 2 * f, 2 * f)}  # (first row, end, rows of the fused tensor)
+
+    def read(name: str, w: Weight, shape: tuple[int, ...]):
+        if not name.endswith("]"):
+            return get(name, w, shape)
+        fused, part = name[:-1].split("[")
+        start, stop, rows = spans[part]
+        whole = get(fused, w, (rows, *shape[1:]))
+        if whole is None:
+            return None
+        return tuple(v[start:stop] for v in whole) if isinstance(whole, tuple) else whole[start:stop]
+
+    return read
 
 
 def _experts(cfg: ModelConfig, w: Weight, shape: tuple[int, ...], get: Getter, name: str | None, source: str, dtype,

@@ -12,7 +12,7 @@ from slipstream.models.loader import load_hf_dir
 from tests.conftest import build_tiny_hf
 
 FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("llama_yarn", False),
-            ("qwen3_yarn", False), ("mistral", False), ("qwen2", True),
+            ("qwen3_yarn", False), ("phi3", False), ("phi3_short", True), ("mistral", False), ("qwen2", True),
             ("qwen3", False), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
 
 
@@ -63,7 +63,7 @@ def test_logits_match_transformers(checkpoint, family, tie):
         np.testing.assert_allclose(ours[i, :n], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3", "qwen3_moe", "mixtral", "olmoe"])
 def test_engine_ragged_steps_match_transformers(checkpoint, family):
     """Chunked prefill of two sequences in mixed steps through the paged cache: each chunk's last
     logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8; the MoE families:
