@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 ROPE_KINDS = ("linear", "llama3", "yarn", "longrope")
@@ -60,7 +60,7 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 # GGUF general.architecture -> ours (a "llama" file with experts is Mixtral)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                      "gemma3": "gemma3"}
+                      "gemma3": "gemma3", "phi3": "phi3"}
 # whether llama.cpp renormalises the top-k router weights, where the file has no {arch}.expert_weights_norm:
 # its converter writes none for these, and its graph fixes the choice per architecture
 GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
@@ -205,7 +205,9 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
+                           rope_factors: tuple[Sequence[float], Sequence[float]] | None = None) -> "ModelConfig":
+        """rope_factors: the file's rope_factors_short / rope_factors_long tensors (Phi-3's LongRoPE), if any."""
         arch = meta.get("general.architecture")
 
         def get(key: str, default: Any = None) -> Any:
@@ -249,6 +251,8 @@ class ModelConfig:
         )
         if arch == "gemma3":
             fields.update(_gguf_gemma3_fields(meta, arch, hidden // heads))
+        if arch == "phi3":
+            fields.update(_gguf_phi3_fields(meta, arch, fields, rope_factors))
         return cls(**fields)
 
 
@@ -280,6 +284,27 @@ def _gguf_gemma3_fields(meta: Mapping[str, Any], arch: str, hidden_per_head: int
                 query_pre_attn_scalar=float(hidden_per_head if n == 62 else head_dim),
                 final_logit_softcap=float(cap) if cap else None,
                 rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6))
+
+
+def _gguf_phi3_fields(meta: Mapping[str, Any], arch: str, fields: dict, rope_factors) -> dict:
+    """Phi-3 / Phi-4-mini as llama.cpp's converter writes them: RoPE on rope.dimension_count of each head, LongRoPE
+    as two factor tensors with its attention factor in rope.scaling.attn_factor (no scaling type), no window when
+    sliding_window is 0 (Phi-4) or past the context."""
+    rotary = int(meta.get(f"{arch}.rope.dimension_count") or fields["head_dim"])
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    context = fields["max_position_embeddings"]
+    out = dict(partial_rotary_factor=rotary / fields["head_dim"],
+               sliding_window=window if 0 < window < context else None)
+    if rope_factors is not None:
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.rope.scaling.original_context_length (LongRoPE)")
+        short, long = (tuple(float(v) for v in f) for f in rope_factors)
+        out["rope_scaling"] = RopeScaling(
+            kind="longrope", factor=context / int(original), original_max_position=int(original),
+            attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
+            short_factor=short, long_factor=long, long=context > int(original))
+    return out
 
 
 def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str) -> RopeScaling | None:

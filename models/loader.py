@@ -327,7 +327,9 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
     reader = reader or read_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
+    factors = [tensors.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
+    cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors, rope_factors=(
+        None if None in factors else tuple(np.asarray(t.data, np.float32).reshape(-1).tolist() for t in factors)))
     permute = meta.get("general.architecture") == "llama"
     # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added; the module adds it itself
     norm_shift = 1.0 if meta.get("general.architecture") == "gemma3" else 0.0

@@ -20,6 +20,11 @@ class ChatTemplateError(ValueError):
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tiktoken's o200k_base split (GPT-4o; Phi-4-mini, Llama 4): a word is its capitals then its lower case letters
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_PATTERN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+                  rf"{_CONTRACTIONS}|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -34,10 +39,12 @@ def _pre_tokenizer(pre: str | None):
         return pre_tokenizers.Sequence([split(_LLAMA3_PATTERN), byte_level])
     if pre == "qwen2":
         return pre_tokenizers.Sequence([split(_QWEN2_PATTERN), byte_level])
+    if pre in ("gpt-4o", "llama4"):
+        return pre_tokenizers.Sequence([split(_GPT4O_PATTERN), byte_level])
     if pre in (None, "default", "gpt2", "gpt-2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raise ValueError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported; "
-                     "supported: smollm, starcoder, llama-bpe, qwen2, gpt2")
+                     "supported: smollm, starcoder, llama-bpe, qwen2, gpt-4o, gpt2")
 
 
 class Tokenizer:
