@@ -375,6 +375,9 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or rope
+    if arch == "phi3" and (scaling.get("rope_type") or scaling.get("type")) in ("su", "yarn"):
+        scaling = {**scaling, "rope_type": "longrope"}  # Phi-3's older names of LongRoPE (transformers reads them so)
     fields = dict(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -385,7 +388,7 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope, cfg),
+        rope_scaling=_rope_scaling_from_hf(scaling, cfg),
         partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),

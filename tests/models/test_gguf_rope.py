@@ -104,3 +104,9 @@ def test_hf_rope_kinds_named_when_refused():
     yarn = ModelConfig.from_hf_dict({**base, "max_position_embeddings": 131072, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
     assert yarn.rope_scaling.attention_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for name in ("su", "yarn"):  # Phi-3's older names of LongRoPE
+        phi = ModelConfig.from_hf_dict({**base, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 8192,
+                                        "original_max_position_embeddings": 4096,
+                                        "rope_scaling": {"type": name, **factors}})
+        assert phi.rope_scaling.kind == "longrope" and phi.rope_scaling.long
