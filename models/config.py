@@ -253,7 +253,7 @@ class ModelConfig:
             fields.update(_gguf_gemma3_fields(meta, arch, hidden // heads))
         if arch == "phi3":
             fields.update(_gguf_phi3_fields(meta, arch, fields, rope_factors))
-        return cls(**fields)
+        return cls(**_yarn_context(fields))
 
 
 def _gguf_gemma3_fields(meta: Mapping[str, Any], arch: str, hidden_per_head: int) -> dict:
@@ -411,7 +411,7 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
         fields["layer_types"] = _layer_kinds(cfg["layer_types"])
     if arch in MOE_ARCHITECTURES:
         fields.update(_moe_fields(cfg, arch))
-    return fields
+    return _yarn_context(fields)
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict:
@@ -521,6 +521,17 @@ def _rope_scaling_from_hf(rs: Mapping[str, Any] | None, cfg: Mapping[str, Any]) 
                          "length, which keys already in the KV cache cannot follow; supported: "
                          f"{', '.join(ROPE_KINDS)}")
     raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}")
+
+
+def _yarn_context(fields: dict) -> dict:
+    """YaRN stretches the original context by its factor (Qwen2.5 / Qwen3: 32k to 128k) where the config's
+    max_position_embeddings (a GGUF's context_length) stays the unscaled one: the model's context is the longer of
+    the two, as vLLM derives it."""
+    rs = fields.get("rope_scaling")
+    if rs is not None and rs.kind == "yarn":
+        stretched = int(rs.original_max_position * rs.factor)
+        fields["max_position_embeddings"] = max(fields["max_position_embeddings"], stretched)
+    return fields
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

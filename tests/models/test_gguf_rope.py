@@ -78,6 +78,9 @@ def test_yarn_metadata_defaults_and_betas():
     # no original_context_length: llama.cpp takes the training context
     assert (cfg.rope_scaling.original_max_position, cfg.rope_scaling.beta_fast, cfg.rope_scaling.beta_slow) == (
         131072, 16.0, 1.0)
+    qwen = ModelConfig.from_gguf_metadata({**META, "qwen3.context_length": 40960,
+                                           "qwen3.rope.scaling.original_context_length": 32768}, has_output_tensor=True)
+    assert qwen.max_position_embeddings == 131072  # the context YaRN stretches 32k to
 
 
 @pytest.mark.parametrize("change, message", [
@@ -101,9 +104,11 @@ def test_hf_rope_kinds_named_when_refused():
         ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="'ntk' is not supported; supported: linear, llama3, yarn, longrope"):
         ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "ntk", "factor": 2.0}})
-    yarn = ModelConfig.from_hf_dict({**base, "max_position_embeddings": 131072, "rope_scaling": {
+    # Qwen3's long-context setting: 40960 positions in the config, YaRN's 4 x 32768 served
+    yarn = ModelConfig.from_hf_dict({**base, "max_position_embeddings": 40960, "rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
     assert yarn.rope_scaling.attention_factor == pytest.approx(1 + 0.1 * np.log(4.0))
+    assert yarn.max_position_embeddings == 131072
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     for name in ("su", "yarn"):  # Phi-3's older names of LongRoPE
         phi = ModelConfig.from_hf_dict({**base, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 8192,
