@@ -136,3 +136,17 @@ def test_gemma3_step_copies_no_cache(checkpoint):
     copies = [line.strip() for line in hlo.splitlines()
               if re.search(r"\bcopy(-start)?\(", line) and f"[{dims}]" in line.split("=", 1)[1].split("copy")[0]]
     assert not copies, "cache-sized copies in the compiled step:\n" + "\n".join(copies)
+
+
+def test_longrope_for_a_short_context_gives_transformers_short_factor_logits(checkpoint):
+    """Phi's LongRoPE: a server whose sequences stay within the original context (ModelConfig.for_context) rotates
+    with the short factors, as transformers does for such a sequence; the long ones give other logits."""
+    path = checkpoint("phi3")
+    cfg, model = load_hf_dir(path)  # a context of 512 past the original 4: the long factors
+    tokens = np.random.default_rng(2).integers(3, 256, (1, 4)).astype(np.int32)
+    ref = _hf_logits(path, tokens, [4])[0]
+    long = np.asarray(nnx.jit(dense_logits)(model, tokens))[0]
+    model.cfg = cfg.for_context(4)
+    short = np.asarray(nnx.jit(dense_logits)(model, tokens))[0]
+    np.testing.assert_allclose(short, ref, atol=1e-4, rtol=0)
+    assert np.abs(long - ref).max() > 1e-3  # 80x the tolerance at these 4 positions
