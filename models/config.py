@@ -9,35 +9,58 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+
+ROPE_KINDS = ("linear", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("llama3") or plain linear position interpolation."""
+    """RoPE frequency scaling, as transformers computes it: plain linear position interpolation ("linear"),
+    Llama 3's ("llama3"), YaRN's blend of interpolated and original frequencies ("yarn": Qwen2.5 / Qwen3 long
+    context) or LongRoPE's per-frequency factors ("longrope": Phi-3 / Phi-4). YaRN and LongRoPE also scale cos and
+    sin by attention_factor."""
 
-    kind: str  # "llama3" or "linear"
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    kind: str  # one of ROPE_KINDS
+    factor: float = 1.0
+    low_freq_factor: float = 1.0   # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3, yarn, longrope: the context the model was pretrained on
+    beta_fast: float = 32.0        # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True          # yarn: the ramp's ends rounded to whole dimensions
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin multiplied by it
+    # longrope: each frequency divided by its factor; the long ones when the model's context
+    # (max_position_embeddings) passes original_max_position, as llama.cpp picks them for its context
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling type {self.kind!r} is not supported; use 'llama3' or 'linear'")
-        if self.factor <= 0:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_scaling type {self.kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}")
+        if not self.factor > 0:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.kind == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("longrope rope_scaling needs short_factor and long_factor of one length (rotary dim / 2), "
+                             f"got {len(self.short_factor)} and {len(self.long_factor)}")
+
+    def rescale(self) -> tuple[float, ...]:
+        """longrope: the factors each frequency is divided by."""
+        return self.long_factor if self.long else self.short_factor
 
 
 # HF "architectures" entries and model_type values -> our architecture names
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+                    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Phi3ForCausalLM": "phi3"}
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-                  "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+                  "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe", "phi3": "phi3"}
 MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 # GGUF general.architecture -> ours (a "llama" file with experts is Mixtral)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "gemma3": "gemma3", "phi3": "phi3"}
 # whether llama.cpp renormalises the top-k router weights, where the file has no {arch}.expert_weights_norm:
 # its converter writes none for these, and its graph fixes the choice per architecture
 GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
@@ -56,6 +79,7 @@ class ModelConfig:
     vocab_size: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0     # RoPE on the first head_dim * this dimensions (Phi-4-mini: 0.75)
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention_bias: bool = False          # Qwen2: bias on q/k/v projections
@@ -91,6 +115,13 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not (0 < self.partial_rotary_factor <= 1) or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and rotate an even number of head_dim's "
+                             f"{self.head_dim} dimensions, got {self.partial_rotary_factor}")
+        rs = self.rope_scaling
+        if rs is not None and rs.kind == "longrope" and len(rs.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope short_factor and long_factor need one entry per rotated pair ("
+                             f"{self.rotary_dim // 2}), got {len(rs.short_factor)}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
         if not (0 < self.rms_norm_eps < 1):
@@ -120,8 +151,23 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def sm_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def for_context(self, max_seq_len: int) -> "ModelConfig":
+        """This config for sequences of at most max_seq_len tokens: LongRoPE's long factors only where that passes
+        the original context, as llama.cpp picks them by its context size (transformers picks them per sequence, so
+        a server of short contexts gives its logits with the short factors, and one of long contexts one set of
+        frequencies for every key in the cache)."""
+        rs = self.rope_scaling
+        if rs is None or rs.kind != "longrope":
+            return self
+        long = max_seq_len > rs.original_max_position
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(rs, long=long))
 
     def window(self, kind: str) -> int | None:
         return self.sliding_window if kind == "sliding" else None
@@ -159,7 +205,9 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, has_output_tensor: bool,
+                           rope_factors: tuple[Sequence[float], Sequence[float]] | None = None) -> "ModelConfig":
+        """rope_factors: the file's rope_factors_short / rope_factors_long tensors (Phi-3's LongRoPE), if any."""
         arch = meta.get("general.architecture")
 
         def get(key: str, default: Any = None) -> Any:
@@ -179,10 +227,7 @@ class ModelConfig:
         heads = int(get("attention.head_count"))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") == "linear":
-            scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
-        return cls(
+        fields = dict(
             architecture=ours,
             num_layers=int(get("block_count")),
             hidden_size=hidden,
@@ -193,7 +238,7 @@ class ModelConfig:
             intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"))),
             vocab_size=int(vocab),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
+            rope_scaling=_gguf_rope_scaling(meta, arch),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             tie_embeddings=not has_output_tensor,
             attention_bias=arch == "qwen2",
@@ -204,6 +249,91 @@ class ModelConfig:
             eos_token_ids=() if eos is None else (int(eos),),
             **moe,
         )
+        if arch == "gemma3":
+            fields.update(_gguf_gemma3_fields(meta, arch, hidden // heads))
+        if arch == "phi3":
+            fields.update(_gguf_phi3_fields(meta, arch, fields, rope_factors))
+        return cls(**_yarn_context(fields))
+
+
+def _gguf_gemma3_fields(meta: Mapping[str, Any], arch: str, hidden_per_head: int) -> dict:
+    """Gemma 3 as llama.cpp reads its files: every sliding_window_pattern-th layer global (6 where the file gives no
+    pattern; llama.cpp also takes a list of per-layer flags, true: sliding), sliding layers on rope.freq_base_swa
+    (10000 where absent), the attention scale from the model size (27B: hidden / heads, else head_dim: the
+    query_pre_attn_scalar of Gemma 3's checkpoints), GeGLU, tied embeddings scaled by sqrt(hidden)."""
+    n = int(meta[f"{arch}.block_count"])
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, expected {n}")
+        kinds = tuple("sliding" if flag else "full" for flag in pattern)
+    else:  # llama.cpp's set_swa_pattern: 0 every layer sliding, 1 none
+        pattern = int(pattern)
+        kinds = tuple("sliding" if pattern == 0 or i % pattern < pattern - 1 else "full" for i in range(n))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is None and "sliding" in kinds:
+        raise ValueError(f"GGUF metadata is missing {arch}.attention.sliding_window")
+    if meta.get(f"{arch}.attn_logit_softcapping"):
+        raise ValueError(f"GGUF {arch}.attn_logit_softcapping is not supported (Gemma 2 style); Gemma 3 files "
+                         "have none")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden_per_head)
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return dict(layer_types=kinds, sliding_window=int(window) if window else None, qk_norm=True,
+                rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or 10000.0),
+                rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 1e6), hidden_activation="gelu_tanh",
+                query_pre_attn_scalar=float(hidden_per_head if n == 62 else head_dim),
+                final_logit_softcap=float(cap) if cap else None,
+                rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6))
+
+
+def _gguf_phi3_fields(meta: Mapping[str, Any], arch: str, fields: dict, rope_factors) -> dict:
+    """Phi-3 / Phi-4-mini as llama.cpp's converter writes them: RoPE on rope.dimension_count of each head, LongRoPE
+    as two factor tensors with its attention factor in rope.scaling.attn_factor (no scaling type), no window when
+    sliding_window is 0 (Phi-4) or past the context."""
+    rotary = int(meta.get(f"{arch}.rope.dimension_count") or fields["head_dim"])
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    context = fields["max_position_embeddings"]
+    out = dict(partial_rotary_factor=rotary / fields["head_dim"],
+               sliding_window=window if 0 < window < context else None)
+    if rope_factors is not None:
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.rope.scaling.original_context_length (LongRoPE)")
+        short, long = (tuple(float(v) for v in f) for f in rope_factors)
+        out["rope_scaling"] = RopeScaling(
+            kind="longrope", factor=context / int(original), original_max_position=int(original),
+            attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor") or 1.0),
+            short_factor=short, long_factor=long, long=context > int(original))
+    return out
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str) -> RopeScaling | None:
+    """{arch}.rope.scaling.* as llama.cpp's converter writes them: linear, or YaRN with its original context and
+    optional betas. What llama.cpp would apply and transformers has no field for is refused by its key."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    key = f"{arch}.rope.scaling."
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF {key}type {kind!r} is not supported; supported: linear, yarn")
+    if meta.get(key + "factor") is None:
+        raise ValueError(f"GGUF metadata is missing {key}factor (rope scaling {kind})")
+    factor = float(meta[key + "factor"])
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=factor)
+    defaults = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0}
+    for name, default in defaults.items():
+        value = meta.get(key + name)
+        if value is not None and not math.isclose(float(value), default) and not (name == "yarn_ext_factor"
+                                                                                  and float(value) < 0):  # unset
+            raise ValueError(f"GGUF {key}{name} {value} is not supported; supported: {default} (YaRN as "
+                             "transformers computes it from factor and original_context_length)")
+    original = meta.get(key + "original_context_length") or meta.get(f"{arch}.context_length")  # llama.cpp's default
+    if original is None:
+        raise ValueError(f"GGUF metadata is missing {key}original_context_length (rope scaling yarn)")
+    return RopeScaling(kind="yarn", factor=factor, original_max_position=int(original),
+                       beta_fast=float(meta.get(key + "yarn_beta_fast") or 32.0),
+                       beta_slow=float(meta.get(key + "yarn_beta_slow") or 1.0), attention_factor=_yarn_mscale(factor))
 
 
 def _gguf_moe_fields(meta: Mapping[str, Any], arch: str) -> dict:
@@ -245,6 +375,9 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
     heads = int(cfg["num_attention_heads"])
     eos = cfg.get("eos_token_id")
     rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or rope
+    if arch == "phi3" and (scaling.get("rope_type") or scaling.get("type")) in ("su", "yarn"):
+        scaling = {**scaling, "rope_type": "longrope"}  # Phi-3's older names of LongRoPE (transformers reads them so)
     fields = dict(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -255,7 +388,8 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
         intermediate_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or rope),
+        rope_scaling=_rope_scaling_from_hf(scaling, cfg),
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
@@ -267,13 +401,17 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
     )
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         fields["sliding_window"] = None
+    if arch == "phi3" and (fields["sliding_window"] or 0) >= fields["max_position_embeddings"]:
+        fields["sliding_window"] = None  # Phi-3.5 / Phi-4-mini: a window past the context is none
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish") and arch != "gemma3":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported for {arch}; supported: silu")
     if arch == "gemma3":
         fields.update(_gemma3_fields(cfg, rope))
     elif fields["sliding_window"] and cfg.get("layer_types"):
         fields["layer_types"] = _layer_kinds(cfg["layer_types"])
     if arch in MOE_ARCHITECTURES:
         fields.update(_moe_fields(cfg, arch))
-    return fields
+    return _yarn_context(fields)
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict:
@@ -327,11 +465,11 @@ def _gemma3_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict:
         kinds = tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(n))
     if "full_attention" in rope:  # transformers 5: one RoPE per layer type
         full, local = rope["full_attention"], rope.get("sliding_attention") or {}
-        theta, scaling = float(full.get("rope_theta", 1e6)), _rope_scaling_from_hf(full)
+        theta, scaling = float(full.get("rope_theta", 1e6)), _rope_scaling_from_hf(full, cfg)
         local_theta = float(local.get("rope_theta", 1e4))
     else:
         theta = float(cfg.get("rope_theta", 1e6))
-        scaling = _rope_scaling_from_hf(cfg.get("rope_scaling"))
+        scaling = _rope_scaling_from_hf(cfg.get("rope_scaling"), cfg)
         local_theta = float(cfg.get("rope_local_base_freq", 1e4))
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -343,18 +481,59 @@ def _gemma3_fields(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> dict:
                 sliding_window=int(cfg["sliding_window"]) if "sliding" in kinds else cfg.get("sliding_window"))
 
 
-def _rope_scaling_from_hf(rs: Mapping[str, Any] | None) -> RopeScaling | None:
+def _rope_scaling_from_hf(rs: Mapping[str, Any] | None, cfg: Mapping[str, Any]) -> RopeScaling | None:
+    """A config's rope_scaling (or transformers 5's rope_parameters) as transformers' _compute_*_parameters read it;
+    cfg: the whole config (Phi-3 keeps original_max_position_embeddings there)."""
     if not rs:
         return None
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return None
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    original = int(cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+                   or (8192 if kind == "llama3" else max_pos))
     if kind == "llama3":
         return RopeScaling(
             kind="llama3", factor=float(rs["factor"]),
             low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position=int(rs.get("original_max_position_embeddings", 8192)))
+            original_max_position=original)
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(rs["factor"]))
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; use 'llama3' or 'linear'")
+    if kind in ("yarn", "longrope", "su"):
+        factor = float(rs.get("factor") or max_pos / original)
+        attention = rs.get("attention_factor")
+        if kind == "yarn":
+            if attention is None:
+                mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+                attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                             else _yarn_mscale(factor))
+            return RopeScaling(kind="yarn", factor=factor, original_max_position=original,
+                               beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                               truncate=bool(rs.get("truncate", True)), attention_factor=float(attention))
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeScaling(kind="longrope", factor=factor, original_max_position=original,
+                           attention_factor=float(attention), short_factor=tuple(map(float, rs["short_factor"])),
+                           long_factor=tuple(map(float, rs["long_factor"])), long=max_pos > original)
+    if kind == "dynamic":
+        raise ValueError("rope_scaling type 'dynamic' is not supported: its frequencies change with each sequence's "
+                         "length, which keys already in the KV cache cannot follow; supported: "
+                         f"{', '.join(ROPE_KINDS)}")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}")
+
+
+def _yarn_context(fields: dict) -> dict:
+    """YaRN stretches the original context by its factor (Qwen2.5 / Qwen3: 32k to 128k) where the config's
+    max_position_embeddings (a GGUF's context_length) stays the unscaled one: the model's context is the longer of
+    the two, as vLLM derives it."""
+    rs = fields.get("rope_scaling")
+    if rs is not None and rs.kind == "yarn":
+        stretched = int(rs.original_max_position * rs.factor)
+        fields["max_position_embeddings"] = max(fields["max_position_embeddings"], stretched)
+    return fields
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context factor (its paper's 0.1 ln(s) + 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -92,14 +92,18 @@ class Embed(nnx.Module):
         return jnp.einsum("td,vd->tv", h, table, preferred_element_type=jnp.float32)  # [T,V]
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with Llama-3 or linear scaling applied (as HF does)."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [rotary_dim // 2] with the scaling applied (as transformers computes them)."""
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     rs = scaling
     if rs is None:
         return inv.astype(np.float32)
     if rs.kind == "linear":
         return (inv / rs.factor).astype(np.float32)
+    if rs.kind == "yarn":
+        return _yarn_inv_freq(inv, rotary_dim, theta, rs).astype(np.float32)
+    if rs.kind == "longrope":
+        return (inv / np.asarray(rs.rescale(), np.float64)).astype(np.float32)
     low_wavelen = rs.original_max_position / rs.low_freq_factor
     high_wavelen = rs.original_max_position / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -111,12 +115,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [T, N, hd], positions: [T]."""
-    angles = positions[:, None].astype(jnp.float32) * inv_freq                      # [T,hd/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def _yarn_inv_freq(inv: np.ndarray, dim: int, theta: float, rs: RopeScaling) -> np.ndarray:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided
+    by the factor), those turning more than beta_fast times kept, a linear ramp over the dimensions between."""
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return dim * math.log(rs.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if high == low else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv / rs.factor * ramp + inv * (1 - ramp)                                # [rotary_dim/2]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float | jax.Array = 1.0) -> jax.Array:
+    """Rotate-half RoPE (HF layout) of the first 2 * len(inv_freq) dimensions, the rest passed through (partial
+    rotary); cos and sin multiplied by `scale` (YaRN's and LongRoPE's attention factor). x: [T, N, hd],
+    positions: [T]."""
+    rot = 2 * inv_freq.shape[-1]
+    angles = positions[:, None].astype(jnp.float32) * inv_freq                      # [T,rot/2]
+    cos, sin = jnp.cos(angles)[:, None, :] * scale, jnp.sin(angles)[:, None, :] * scale
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf[..., :rot], 2, axis=-1)
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return jnp.concatenate(rotated + ([xf[..., rot:]] if rot < x.shape[-1] else []), axis=-1).astype(x.dtype)
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -137,7 +161,8 @@ class LayerKinds:
         self.cfg = cfg
         self.uniform = len(set(cfg.layer_types)) == 1
         self._sliding = np.asarray([k == "sliding" for k in cfg.layer_types])
-        self._inv = {k: rope_inv_freq(cfg.head_dim, *cfg.rope(k)) for k in ("full", "sliding")}
+        self._inv = {k: rope_inv_freq(cfg.rotary_dim, *cfg.rope(k)) for k in ("full", "sliding")}
+        self._scale = {k: scaling.attention_factor if (scaling := cfg.rope(k)[1]) else 1.0 for k in ("full", "sliding")}
 
     def sliding(self, layer: jax.Array) -> bool | jax.Array:
         return bool(self._sliding[0]) if self.uniform else jnp.asarray(self._sliding)[layer]
@@ -146,6 +171,13 @@ class LayerKinds:
         if isinstance(sliding, bool):
             return jnp.asarray(self._inv["sliding" if sliding else "full"])
         return jnp.where(sliding, self._inv["sliding"], self._inv["full"])
+
+    def rope_scale(self, sliding: bool | jax.Array) -> float | jax.Array:
+        """The factor on cos and sin (YaRN, LongRoPE; else 1)."""
+        if isinstance(sliding, bool):
+            return self._scale["sliding" if sliding else "full"]
+        return self._scale["full"] if self._scale["full"] == self._scale["sliding"] else jnp.where(
+            sliding, self._scale["sliding"], self._scale["full"])
 
 
 class Attention(nnx.Module):
@@ -170,7 +202,8 @@ class Attention(nnx.Module):
         self.qk_norm_full = full
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend: AttentionOp,
-                 cache: Any, layer: jax.Array, sliding: bool | jax.Array) -> tuple[jax.Array, Any]:
+                 cache: Any, layer: jax.Array, sliding: bool | jax.Array,
+                 rope_scale: float | jax.Array = 1.0) -> tuple[jax.Array, Any]:
         t = x.shape[0]
         q, k, v = project(x, (self.wq, self.wk, self.wv))
         if self.q_norm is not None and self.qk_norm_full:
@@ -180,7 +213,7 @@ class Attention(nnx.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, positions, inv_freq, rope_scale), apply_rope(k, positions, inv_freq, rope_scale)
         out, cache = attend(q, k, v, cache, layer, sliding)                          # [T,H,hd]
         return self.wo(out.reshape(t, -1)), cache
 

@@ -49,7 +49,8 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any,
                  layer: jax.Array, kinds: layers.LayerKinds) -> tuple[jax.Array, Any]:
         sliding = kinds.sliding(layer)
-        h, cache = self.attn(self.attn_norm(x), positions, kinds.inv_freq(sliding), attend, cache, layer, sliding)
+        h, cache = self.attn(self.attn_norm(x), positions, kinds.inv_freq(sliding), attend, cache, layer, sliding,
+                             kinds.rope_scale(sliding))
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache                                  # [T,D]
 

@@ -100,6 +100,7 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     if quantize not in ("none", *GROUPWISE):
         raise ValueError(f"the loader quantizes to {' or '.join(GROUPWISE)} only (got {quantize!r})")
     groupwise = quantize in GROUPWISE
+    get = _fused_parts(cfg, get)
     model = build_abstract(cfg)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
@@ -156,6 +157,26 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
         model.lm_head = head
     trim_host_heap()
     return model
+
+
+def _fused_parts(cfg: ModelConfig, get: Getter) -> Getter:
+    """`get` that also reads "name[part]": those rows of a fused checkpoint tensor (Phi-3's q / k / v of qkv_proj,
+    gate / up of gate_up_proj), float or Q8 rows alike. The fused tensor is read once per part."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    spans = {"q": (0, q, q + 2 * kv), "k": (q, q + kv, q + 2 * kv), "v": (q + kv, q + 2 * kv, q + 2 * kv),
+             "gate": (0, f, 2 * f), "up": (f, 2 * f, 2 * f)}  # (first row, end, rows of the fused tensor)
+
+    def read(name: str, w: Weight, shape: tuple[int, ...]):
+        if not name.endswith("]"):
+            return get(name, w, shape)
+        fused, part = name[:-1].split("[")
+        start, stop, rows = spans[part]
+        whole = get(fused, w, (rows, *shape[1:]))
+        if whole is None:
+            return None
+        return tuple(v[start:stop] for v in whole) if isinstance(whole, tuple) else whole[start:stop]
+
+    return read
 
 
 def _experts(cfg: ModelConfig, w: Weight, shape: tuple[int, ...], get: Getter, name: str | None, source: str, dtype,
@@ -306,8 +327,12 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
     reader = reader or read_gguf(path)
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors)
+    factors = [tensors.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
+    cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors, rope_factors=(
+        None if None in factors else tuple(np.asarray(t.data, np.float32).reshape(-1).tolist() for t in factors)))
     permute = meta.get("general.architecture") == "llama"
+    # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added; the module adds it itself
+    norm_shift = 1.0 if meta.get("general.architecture") == "gemma3" else 0.0
 
     def checked(name: str, shape: tuple[int, ...]):
         t = tensors.get(name)
@@ -365,6 +390,8 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
                     rows = tuple(_unpermute_rope(v, heads) for v in rows)
                 return rows
         arr = dequantized(name, t, shape)
+        if norm_shift and name.endswith("norm.weight"):
+            arr = arr - np.float32(norm_shift)
         return _unpermute_rope(arr, heads) if heads else arr
 
     return cfg, _assemble(cfg, get, lambda w: w.gguf, path, dtype, progress, quantize)

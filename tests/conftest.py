@@ -39,6 +39,31 @@ def build_tiny_hf(path: str, family: str = "llama", *, tie: bool = False, seed: 
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(cfg)
+    elif family == "llama_yarn":
+        # YaRN with every optional field: the ramp over dimensions 1-4 of 8 (a low base and a short original
+        # context), not rounded, and an attention factor from mscale / mscale_all_dim
+        cfg = transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.5, "mscale_all_dim": 0.5, "truncate": False})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "qwen3_yarn":  # Qwen3's long-context setting: factor and original context only
+        cfg = transformers.Qwen3Config(**common, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.Qwen3ForCausalLM(cfg)
+        _randomize_norms(model, torch)
+    elif family in ("phi3", "phi3_short"):
+        # fused qkv / gate_up, RoPE on 12 of head_dim's 16 (Phi-4-mini's 0.75), LongRoPE: "phi3" a context past the
+        # original 4 (the long factors, as transformers takes them for any sequence longer than 4), "phi3_short" the
+        # original context (the short factors) and a sliding window of 8
+        long = family == "phi3"
+        factors = torch.Generator().manual_seed(1)
+        rope = {"rope_type": "longrope", "rope_theta": 100.0,
+                "short_factor": (1 + torch.rand(6, generator=factors)).tolist(),
+                "long_factor": (1 + 7 * torch.rand(6, generator=factors)).tolist()}
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 512 if long else 64}, head_dim=16,
+                                      partial_rotary_factor=0.75, original_max_position_embeddings=4 if long else 64,
+                                      rope_parameters=rope, sliding_window=None if long else 8, pad_token_id=0)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
         model = transformers.MistralForCausalLM(cfg)

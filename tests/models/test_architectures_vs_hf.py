@@ -11,7 +11,8 @@ from slipstream.models.base import dense_logits
 from slipstream.models.loader import load_hf_dir
 from tests.conftest import build_tiny_hf
 
-FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("mistral", False), ("qwen2", True),
+FAMILIES = [("llama", False), ("llama", True), ("llama3", False), ("llama_yarn", False),
+            ("qwen3_yarn", False), ("phi3", False), ("phi3_short", True), ("mistral", False), ("qwen2", True),
             ("qwen3", False), ("gemma3", True), ("qwen3_moe", False), ("mixtral", False), ("olmoe", False)]
 
 
@@ -62,7 +63,7 @@ def test_logits_match_transformers(checkpoint, family, tie):
         np.testing.assert_allclose(ours[i, :n], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3", "qwen3_moe", "mixtral", "olmoe"])
 def test_engine_ragged_steps_match_transformers(checkpoint, family):
     """Chunked prefill of two sequences in mixed steps through the paged cache: each chunk's last
     logits equal HF's at that position (Gemma 3: both layer kinds, past its window of 8; the MoE families:
@@ -135,3 +136,17 @@ def test_gemma3_step_copies_no_cache(checkpoint):
     copies = [line.strip() for line in hlo.splitlines()
               if re.search(r"\bcopy(-start)?\(", line) and f"[{dims}]" in line.split("=", 1)[1].split("copy")[0]]
     assert not copies, "cache-sized copies in the compiled step:\n" + "\n".join(copies)
+
+
+def test_longrope_for_a_short_context_gives_transformers_short_factor_logits(checkpoint):
+    """Phi's LongRoPE: a server whose sequences stay within the original context (ModelConfig.for_context) rotates
+    with the short factors, as transformers does for such a sequence; the long ones give other logits."""
+    path = checkpoint("phi3")
+    cfg, model = load_hf_dir(path)  # a context of 512 past the original 4: the long factors
+    tokens = np.random.default_rng(2).integers(3, 256, (1, 4)).astype(np.int32)
+    ref = _hf_logits(path, tokens, [4])[0]
+    long = np.asarray(nnx.jit(dense_logits)(model, tokens))[0]
+    model.cfg = cfg.for_context(4)
+    short = np.asarray(nnx.jit(dense_logits)(model, tokens))[0]
+    np.testing.assert_allclose(short, ref, atol=1e-4, rtol=0)
+    assert np.abs(long - ref).max() > 1e-3  # 80x the tolerance at these 4 positions

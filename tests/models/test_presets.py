@@ -31,6 +31,7 @@ PUBLIC = {
     "qwen3-30b-a3b": ("qwen3_moe", 48, 2048, 32, 4, 128, 6144, 151936, False, 48),
     "mixtral-8x7b": ("mixtral", 32, 4096, 32, 8, 128, 14336, 32000, False, 32),
     "olmoe-1b-7b": ("olmoe", 16, 2048, 16, 16, 128, 1024, 50304, False, 16),
+    "phi-4-mini": ("phi3", 32, 3072, 24, 8, 128, 8192, 200064, True, 32),
 }
 # MoE presets: (experts, experts per token, expert width, top-k weights renormalised)
 EXPERTS = {"qwen3-30b-a3b": (128, 8, 768, True), "mixtral-8x7b": (8, 2, 14336, True), "olmoe-1b-7b": (64, 8, 1024, False)}
@@ -39,7 +40,7 @@ VOCAB = 1024
 # parameters of the public models (embedding counted once when tied), from their model cards
 PARAMS_BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.2-1b": 1.24, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
                    "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "mistral-7b": 7.25, "qwen3-30b-a3b": 30.5,
-                   "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.92}
+                   "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.92, "phi-4-mini": 3.84}
 
 
 def preset(name: str) -> ModelConfig:
@@ -53,6 +54,8 @@ def shrunk_dir(tmp_path, name: str, vocab_size: int | None = None) -> str:
     with open(os.path.join(PRESET_DIR, f"{name}.json")) as f:
         cfg = json.load(f)
     ratio = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    if cfg["model_type"] == "phi3":  # its head_dim, whose rotated part LongRoPE's factors cover
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     heads = min(cfg["num_attention_heads"], 4)
     cfg.update(num_hidden_layers=6 if cfg["model_type"] == "gemma3_text" else 2, hidden_size=64,
                intermediate_size=128, num_attention_heads=heads, num_key_value_heads=max(1, heads // ratio))
@@ -82,6 +85,10 @@ def test_preset_config_has_the_public_numbers(name):
         assert cfg.rope_local_theta == 10000 and cfg.final_logit_softcap is None
     if name.startswith("llama-3"):
         assert cfg.rope_scaling.kind == "llama3" and cfg.rope_theta == 500000
+    if arch == "phi3":  # RoPE on 96 of 128 dimensions, LongRoPE's long factors past 4k; its 256k window is none
+        assert cfg.rotary_dim == 96 and cfg.sliding_window is None and cfg.rope_scaling.long
+        assert not cfg.for_context(4096).rope_scaling.long and cfg.for_context(4097).rope_scaling.long
+        assert cfg.rope_scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
     moe = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob)
     assert moe == EXPERTS.get(name, (0, 0, 0, False))
     assert cfg.qk_norm_full == (arch == "olmoe")
@@ -100,7 +107,8 @@ def test_every_weight_shape_follows_from_the_config(name):
                 "down_proj.weight": (d, f), "w1.weight": (f, d), "w3.weight": (f, d), "w2.weight": (d, f),
                 "gate.weight": (cfg.num_experts, d), "q_norm.weight": (qn,), "k_norm.weight": (kn,),
                 "layernorm.weight": (d,), "embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,),
-                "lm_head.weight": (cfg.vocab_size, d)}
+                "lm_head.weight": (cfg.vocab_size, d), "qkv_proj.weight[q]": (q, d), "qkv_proj.weight[k]": (kv, d),
+                "qkv_proj.weight[v]": (kv, d), "gate_up_proj.weight[gate]": (f, d), "gate_up_proj.weight[up]": (f, d)}
     state = _weights(model)
     params = sum(math.prod(leaf.shape) for leaf in state.values())
     seen = 0
@@ -179,7 +187,8 @@ Q8_DRAWN = ("llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b", "gemma-3-4
                                             ("gemma-3-1b", "none"), ("qwen3-0.6b", "none"),
                                             ("llama-3.2-1b", "int8"), ("llama-3.1-8b", "int8"),
                                             ("qwen3-0.6b", "int8-channel"), ("olmoe-1b-7b", "q8_0-a16"),
-                                            ("qwen3-30b-a3b", "int8"), ("mixtral-8x7b", "none")])
+                                            ("qwen3-30b-a3b", "int8"), ("mixtral-8x7b", "none"),
+                                            ("phi-4-mini", "q8_0-a16")])
 def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
     # one vocabulary for all (the presets' own are checked above and served in test_presets_serve.py): the
     # embedding's and LM head's draws and the logits' programs compile once for the file

@@ -40,6 +40,7 @@ SERVED = {
     "olmoe-1b-7b": ("olmoe: 64 experts top-8, q/k norms over the whole projection", ()),
     "qwen3-30b-a3b": ("qwen3_moe: 128 experts top-8, renormalised", TPU_INT8),
     "mixtral-8x7b": ("mixtral: 8 experts top-2, no q/k norms", ()),
+    "phi-4-mini": ("phi3: q/k/v and gate/up split from fused tensors, RoPE on 3/4 of head_dim, LongRoPE, tied", ()),
 }
 
 
