@@ -78,6 +78,7 @@ class JaxEngine(Programs):
         # prompt rows on a second weight form (int8-channel-w16), generated tokens' rows on q8_0-a16
         self.prompt_w16 = config.prompt_w16()
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
+        model.cfg = model_cfg.for_context(config.max_seq_len)  # LongRoPE: the factors of the context served
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
             split_linears(model, stack_int8=config.tensor_parallel == 1,  # sharding splits PerLayer
                           prompt_w16=self.prompt_w16)

@@ -150,3 +150,19 @@ def test_longrope_for_a_short_context_gives_transformers_short_factor_logits(che
     short = np.asarray(nnx.jit(dense_logits)(model, tokens))[0]
     np.testing.assert_allclose(short, ref, atol=1e-4, rtol=0)
     assert np.abs(long - ref).max() > 1e-3  # 80x the tolerance at these 4 positions
+
+
+def test_an_engine_serving_a_short_context_runs_longrope_with_the_short_factors(checkpoint):
+    """The engine rotates by the context it serves (max_seq_len), not by the model's longest: sequences that stay
+    within Phi's original context give transformers' logits."""
+    from slipstream.engine.api import StepBatch, StepSeq
+    from slipstream.engine.device.runner import EngineConfig, JaxEngine
+
+    path = checkpoint("phi3")
+    cfg, model = load_hf_dir(path)
+    tokens = np.random.default_rng(2).integers(3, 256, (1, 4)).astype(np.int32)
+    ref = _hf_logits(path, tokens, [4])[0]
+    engine = JaxEngine(cfg, model, EngineConfig(max_slots=1, page_size=4, max_seq_len=4, num_pages=3,
+                                                max_num_batched_tokens=4, quantize="none"), precompile=False)
+    (logits,) = engine.model_logits(StepBatch([StepSeq(0, tokens[0].tolist(), 0, [1], sample=True)]))
+    np.testing.assert_allclose(logits, ref[3], atol=1e-4, rtol=0)
