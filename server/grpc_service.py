@@ -89,8 +89,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         self._service = service
         self._api_key = api_key
         # What the tokenizer puts before any text (BOS, or nothing): prepended to token prompts
-        # that say has_bos=false, as JetStream does.
-        self._bos_prefix = tuple(service.tokenizer.encode("", add_special_tokens=True))
+        # that say has_bos=false, as JetStream does (never the EOS an add_eos_token vocabulary appends).
+        tokenizer = service.tokenizer
+        self._bos_prefix = (tokenizer.bos_token_id,) if tokenizer.add_bos else ()
 
     async def HealthCheck(self, request: pb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext) -> pb.HealthCheckResponse:

@@ -37,6 +37,7 @@ class ByteTokenizer:
 
     vocab_size = 258
     eos_token_ids = frozenset({EOS})
+    bos_token_id, add_bos = BOS, True
 
     def __init__(self) -> None:
         self._template = jinja2.Environment().from_string(CHAT_TEMPLATE)

@@ -24,6 +24,7 @@ class ByteTokenizer:
 
     vocab_size = 258
     eos_token_ids = frozenset({EOS})
+    bos_token_id, add_bos = BOS, True
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + list(text.encode())
