@@ -32,18 +32,23 @@ log = logging.getLogger(__name__)
 class Programs:
     """Building, compiling and looking up the engine's programs (a base class of JaxEngine)."""
 
-    def _model_packing(self, t: int, split: bool = True, score: bool = False, pool: bool = False) -> Packing:
+    def _model_packing(self, t: int, split: bool = True, score: bool = False, pool: bool = False,
+                       images: bool = False) -> Packing:
         return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
                              sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
-                             prompt_from=self.prompt_w16 and split, targets=score, pool=pool)
+                             prompt_from=self.prompt_w16 and split, targets=score, pool=pool, images=images)
 
-    def _model_args(self, t: int, split: bool = True, score: bool = False, pool: bool = False):
-        packing = self._model_packing(t, split, score, pool)
-        return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
+    def _model_args(self, t: int, split: bool = True, score: bool = False, pool: bool = False, images: bool = False):
+        packing = self._model_packing(t, split, score, pool, images)
+        args = (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
                 None if self.lora is None else self.lora.stacks)
+        if images:  # the image rows [T, D] in the activation dtype (engine/device/images.py)
+            args += (jax.ShapeDtypeStruct((t, self.hidden_size), self.dtype, sharding=self._replicated),)
+        return args
 
-    # The extended programs: the model program that also scores every token (prompt logprobs) or pools rows
-    # (embeddings), or both, keyed (token bucket, score, pool).
+    # The extended programs: the model program that also scores every token (prompt logprobs), pools rows
+    # (embeddings) or feeds image rows (a vision-language model's prompt), or several, keyed (token bucket, score,
+    # pool, images).
     EXTENDED = ((True, False), (False, True))  # the forms compile_extended makes ahead (both at once: at first use)
 
     def extended_bucket(self, t: int) -> int:
@@ -66,30 +71,31 @@ class Programs:
             self._compile_thread = CompileQueue()
         for t in reversed(self.extended_buckets):
             for score, pool in self.EXTENDED:
-                key = (t, score, pool)
+                key = (t, score, pool, False)
                 if key not in self._extended_exe and key not in self._extended_compiling:
                     self._extended_compiling[key] = self._compile_thread.submit(self._compile_extended, key)
 
-    def _compile_extended(self, key: tuple[int, bool, bool]) -> jax.stages.Compiled:
+    def _compile_extended(self, key: tuple[int, bool, bool, bool]) -> jax.stages.Compiled:
         start = time.perf_counter()
-        t, score, pool = key
-        exe = self._model_jit.lower(*self._model_args(t, score=score, pool=pool)).compile()
-        log.info("compiled the %s program (%d tokens) in %.1f s", _extended_name(score, pool), t,
+        t, score, pool, images = key
+        exe = self._model_jit.lower(*self._model_args(t, score=score, pool=pool, images=images)).compile()
+        log.info("compiled the %s program (%d tokens) in %.1f s", _extended_name(score, pool, images), t,
                  time.perf_counter() - start)
         return exe
 
-    def _extended_program(self, t: int, score: bool, pool: bool) -> jax.stages.Compiled:
+    def _extended_program(self, t: int, score: bool, pool: bool, images: bool = False) -> jax.stages.Compiled:
         """The extended program of token bucket t: compiled now if it is not yet (or waited for, if the thread is at
         it). Always the step's own bucket, whatever is compiled: every process of a multi-host group runs the same
         program."""
-        key = (t, score, pool)
+        key = (t, score, pool, images)
         exe = self._extended_exe.get(key)
         if exe is None:
             compiling = self._extended_compiling.pop(key, None)
             if compiling is not None and compiling.cancel():  # still queued behind others: compiled here, now
                 compiling = None
             if compiling is None:
-                log.info("compiling the %s program (%d tokens), asked for by a request", _extended_name(score, pool), t)
+                log.info("compiling the %s program (%d tokens), asked for by a request",
+                         _extended_name(score, pool, images), t)
             exe = self._extended_exe[key] = (compiling.result() if compiling is not None
                                              else self._compile_extended(key))
         return exe
@@ -167,8 +173,8 @@ class Programs:
         return exe
 
 
-def _extended_name(score: bool, pool: bool) -> str:
-    return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool)) if on)
+def _extended_name(score: bool, pool: bool, images: bool = False) -> str:
+    return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool), ("image", images)) if on)
 
 
 class CompileQueue:
