@@ -84,7 +84,7 @@ def test_prompt_with_an_image_through_ragged_steps_matches_transformers(llava_di
     hf = hf_model(llava_dir)
     ref = hf_logits(hf, ids, pixels)
     text_ref = hf_logits(hf, text_ids, None)
-    assert np.abs(hf_logits(hf, ids, _pixels(2)) - ref)[-1].max() > 0.1  # the image moves the logits
+    assert np.abs(hf_logits(hf, ids, _pixels(2)) - ref)[-1].max() > 1e-2  # another image moves them 100x the tolerance
     for start in range(0, len(ids), 8):
         end = min(start + 8, len(ids))
         seqs = [StepSeq(slot=0, token_ids=ids[start:end], start_pos=start, page_ids=(1, 2, 3), sample=True,
