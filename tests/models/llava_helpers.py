@@ -33,10 +33,14 @@ def build_tiny_llava(path: str, *, seed: int = 0, feature_layer: int | list[int]
                                    vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
                                    projector_hidden_act="gelu", image_seq_length=IMAGE_ROWS)
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0, and the image rows small: make them matter
+    with torch.no_grad():
+        # random init leaves norms at 1, biases at 0 and the text model's weights at 0.02: attention near uniform,
+        # where an image barely moves a greedy reply, which repeats a token. Make them matter.
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias") or "projector" in name:
                 p.normal_(0, 0.5)
+            elif "language_model" in name:
+                p.normal_(0, 0.6)
     model.save_pretrained(path, safe_serialization=True)
     _save_tokenizer(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
@@ -81,12 +85,11 @@ def hf_logits(model, ids: list[int], pixels: np.ndarray | None) -> np.ndarray:
 
 
 def hf_greedy(model, ids: list[int], pixels: np.ndarray, n: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels, dtype=torch.float32),
-                             max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
+    """transformers' greedy continuation (EOS not special: the engine's ignore_eos), a full forward per token."""
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(hf_logits(model, ids, pixels)[-1].argmax()))
+    return ids[-n:]
 
 
 def prompt_with_image(words_before: list[int], words_after: list[int]) -> tuple[list[int], int]:
