@@ -82,6 +82,13 @@ class ImageProcessor:
             return cls(size=(n, n), resample=Image.Resampling.BILINEAR, mean=HALF, std=HALF)
         return cls(size=n, crop_size=(n, n))
 
+    @property
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every output, or None where it follows the input's aspect ratio."""
+        if self.crop_size is not None:
+            return self.crop_size
+        return self.size if self.do_resize and not isinstance(self.size, int) else None
+
     def __call__(self, image: Image.Image) -> np.ndarray:
         """An image -> pixels f32[3, H, W], in transformers' order: resize, center crop, rescale, normalize."""
         if self.do_convert_rgb:

@@ -58,8 +58,12 @@ class ImageInputs:
         """None for a text-only model."""
         if cfg.vision is None:
             return None
-        return cls(ImageProcessor.for_model(folder, cfg.vision), cfg.image_token_id, cfg.vision.num_image_tokens,
-                   limits)
+        processor = ImageProcessor.for_model(folder, cfg.vision)
+        size = cfg.vision.image_size
+        if processor.output_size != (size, size):
+            raise ValueError(f"{folder}: preprocessor_config.json makes images of {processor.output_size or 'varying'} "
+                             f"pixels (height, width); the vision tower takes {size}x{size}")
+        return cls(processor, cfg.image_token_id, cfg.vision.num_image_tokens, limits)
 
     def check_count(self, count: int, param: str) -> None:
         """Before reading the count-th image (1-based) of a request."""

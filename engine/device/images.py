@@ -25,11 +25,18 @@ class ImageEncoder:
             return nnx.merge(graphdef, state).encode_images(pixels, dtype)
 
         self._jit = jax.jit(encode)
+        self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by pixels' shape [3, H, W]
         self.dtype = np.dtype(dtype)
         self._held: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._max_held = max(1, max_held)
         self.encoded = 0        # images the tower ran for
         self.seconds = 0.0      # and its time (host and device: the engine thread waits for the rows)
+
+    def compile(self, params: Any, size: int) -> None:
+        """Compile the tower's program for size x size images now (the engine's start-up), not at the first image."""
+        shape = (3, size, size)
+        if shape not in self._compiled:
+            self._compiled[shape] = self._jit.lower(params, jax.ShapeDtypeStruct((1, *shape), np.float32)).compile()
 
     def rows(self, params: Any, image: ImageInput) -> np.ndarray:
         """The image's rows [length, hidden_size] in the activation dtype, encoded now if not held."""
@@ -38,7 +45,9 @@ class ImageEncoder:
             self._held.move_to_end(image.digest)
             return held
         start = time.perf_counter()
-        out = np.asarray(self._jit(params, np.asarray(image.pixels, np.float32)[None])[0], self.dtype)
+        pixels = np.asarray(image.pixels, np.float32)[None]
+        program = self._compiled.get(pixels.shape[1:], self._jit)
+        out = np.asarray(program(params, pixels)[0], self.dtype)
         self.seconds += time.perf_counter() - start
         self.encoded += 1
         if out.shape[0] != image.length:

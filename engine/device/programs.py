@@ -63,15 +63,19 @@ class Programs:
         return tuple(sorted({self.extended_bucket(t) for t in self.buckets.token_counts}))
 
     def compile_extended(self) -> None:
-        """Compile the scoring and the pooling programs of every token bucket, largest first, one after another on a
-        thread of their own (a step that needs one waits for it, or compiles it if the thread has not begun it).
+        """Compile the scoring and the pooling programs (and a vision-language model's image programs) of every token
+        bucket, largest first, one after another on a thread of their own (a step that needs one waits for it, or compiles it if the thread has not begun it).
         Without this, the first step that scores or pools at a bucket compiles its program."""
         if self._compile_thread is None:
             self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
             self._compile_thread = CompileQueue()
+        # and with a vision tower the image form (the model program with an image-rows input)
+        forms = [(score, pool, False) for score, pool in self.EXTENDED]
+        if self.images is not None:
+            forms.append((False, False, True))
         for t in reversed(self.extended_buckets):
-            for score, pool in self.EXTENDED:
-                key = (t, score, pool, False)
+            for score, pool, images in forms:
+                key = (t, score, pool, images)
                 if key not in self._extended_exe and key not in self._extended_compiling:
                     self._extended_compiling[key] = self._compile_thread.submit(self._compile_extended, key)
 

@@ -180,6 +180,8 @@ class JaxEngine(Programs):
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
         if precompile:
             self.compile_all(progress=progress)
+            if self.images is not None:  # the tower's program at the model's image size
+                self.images.compile(self.params, model_cfg.vision.image_size)
         trim_host_heap()
         self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
         if precompile and jax.default_backend() != "cpu":

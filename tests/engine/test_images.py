@@ -81,8 +81,10 @@ def test_prefix_cache_reuses_pages_of_the_same_image_only(llava):
         encoded = engine.images.encoded
         first, cached = run(1)
         assert cached == 0 and engine.images.encoded == encoded + 1
+        compiles = engine.compile_count  # the image programs of the steps' buckets compiled by now
         other, cached = run(2)  # the same text, another image: no page of it is reused
         assert cached == 0 and engine.images.encoded == encoded + 2
+        assert engine.compile_count == compiles
         again, cached = run(1)  # the first image again: its three pages are, and its tower does not run
         assert cached == 3 * PAGE and engine.images.encoded == encoded + 2
         assert again == first and other != first

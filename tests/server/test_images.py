@@ -187,3 +187,21 @@ def test_bad_images_are_400s_naming_the_field(llava_server, image_host):
         "model": "dummy", "input": [{"role": "user", "content": [
             {"type": "input_text", "text": "w5"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}))
     assert err["param"] == "input[0].content[1].image_url" and "not a decodable image" in err["message"]
+
+
+def test_a_processor_whose_images_the_tower_cannot_take_is_refused_at_start(tmp_path):
+    import json
+
+    from slipstream.models.config import ModelConfig
+    from slipstream.server.images import ImageInputs, ImageLimits
+
+    path = build_tiny_llava(str(tmp_path / "m"))
+    cfg = ModelConfig.from_hf_json(f"{path}/config.json")
+    assert ImageInputs.for_model(cfg, path, ImageLimits()).rows == IMAGE_ROWS
+    with open(f"{path}/preprocessor_config.json") as f:
+        raw = json.load(f)
+    raw["crop_size"] = {"height": 48, "width": 48}
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="the vision tower takes 32x32"):
+        ImageInputs.for_model(cfg, path, ImageLimits())
