@@ -75,7 +75,10 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
-    prompt = truncated(_chat_prompt(service, req, with_tools(messages, plan)), keep)
+    rendered = with_tools(messages, plan)
+    if service.images is not None:  # a vision-language model's template reads every message's content as parts
+        rendered = [{**m, "content": as_parts(m["content"])} for m in rendered]
+    prompt = truncated(_chat_prompt(service, req, rendered), keep)
     image_inputs = ()
     if images:  # each image's placeholder expanded to the rows it fills
         prompt, image_inputs = service.images.expand(prompt, images, "messages")
@@ -203,8 +206,9 @@ def _logit_bias(service: Service, bias: dict[str, float] | None) -> tuple[tuple[
 def chat_messages(messages: list[ChatMessage], service: Service | None = None,
                   images: list[LoadedImage] | None = None) -> list[dict[str, Any]]:
     """A request's messages as the chat template takes them: text parts joined; with a vision-language model's
-    service and an `images` list, every message's content as parts ({"type": "text"} and {"type": "image"}, the
-    form its template reads) and each image part read into `images`; other parts a 400."""
+    service and an `images` list, a user message with images as parts ({"type": "text"} and {"type": "image"}, the
+    form its template reads; as_parts gives the others that form after server.structured.with_tools) and each image
+    part read into `images`; other parts a 400."""
     vision = None if service is None or images is None else service.images
     no_images = ("this route takes text only" if images is None else
                  "this model takes no images (it is a text-only model)")
@@ -249,14 +253,18 @@ def _message_text(message: ChatMessage, index: int, no_images: str = "this route
     return "".join(texts)
 
 
-def _message_parts(message: ChatMessage, index: int, vision, images: list[LoadedImage]) -> list[dict[str, Any]]:
-    """A message's content as parts for a vision-language model's template; image parts read into `images`."""
+def _message_parts(message: ChatMessage, index: int, vision, images: list[LoadedImage]) -> str | list[dict[str, Any]]:
+    """A message's content for a vision-language model's template: its text (_message_text), or where it holds
+    images, parts, with each image read into `images`. Images go in user messages only (as on OpenAI)."""
     content = message.content
-    if content is None or isinstance(content, str):
-        return [{"type": "text", "text": content or ""}]
+    if not (isinstance(content, list) and any(part.get("type") == "image_url" for part in content)):
+        return _message_text(message, index)
     parts: list[dict[str, Any]] = []
     param = f"messages.{index}.content"
     for j, part in enumerate(content):
+        if part.get("type") == "image_url" and message.role != "user":
+            raise ServiceError(400, f"{param}.{j}: images go in user messages, not {message.role} ones",
+                               param=f"{param}.{j}", code="invalid_value")
         if part.get("type") == "image_url":
             source = part.get("image_url")
             url = source.get("url") if isinstance(source, dict) else source
@@ -267,6 +275,11 @@ def _message_parts(message: ChatMessage, index: int, vision, images: list[Loaded
             text = _message_text(ChatMessage(role=message.role, content=[part]), index)
             parts.append({"type": "text", "text": text})
     return parts
+
+
+def as_parts(content: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A message's content as a list of parts (a text a single text part)."""
+    return content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
 
 
 def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:

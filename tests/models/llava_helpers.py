@@ -1,6 +1,6 @@
 """A tiny random LLaVA (transformers' LlavaForConditionalGeneration: a 2-layer CLIP tower on 32x32 images in 8x8
-patches, a 2-layer Llama) saved as an HF directory with a word-level tokenizer, a chat template that renders image
-parts as <image>, and a CLIP preprocessor config; and transformers' own pixels and logits for it."""
+patches, a 2-layer Llama) saved as an HF directory with a word-level tokenizer, llava-1.5's chat template (image parts
+as <image>), and a CLIP preprocessor config; and transformers' own pixels and logits for it."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,16 @@ import numpy as np
 IMAGE_TOKEN = 255     # <image>
 IMAGE_ROWS = 16       # (32 / 8)^2 patches; the class token's row dropped ("default" selection)
 WORDS = [f"w{i}" for i in range(5, 255)]  # ids 5..254; 0 <pad>, 1 <eos>, 2 <bos>, 3 USER:, 4 ASSISTANT:
+# llava-hf/llava-1.5-7b-hf's chat_template.json (the processor's): every message's content read as parts, and
+# transformers' {% generation %} tag
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'].upper() + ': ' if m['role'] == 'user' else 'ASSISTANT: ' }}"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<image> ' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ ' ' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
 def build_tiny_llava(path: str, *, seed: int = 0, feature_layer: int | list[int] = -2,
@@ -63,8 +68,9 @@ def _save_tokenizer(path: str) -> None:
     tok.add_special_tokens([AddedToken("<image>", special=True)])
     tok.save(f"{path}/tokenizer.json")
     with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({"eos_token": "<eos>", "bos_token": "<bos>", "add_bos_token": False,
-                   "chat_template": CHAT_TEMPLATE}, f)
+        json.dump({"eos_token": "<eos>", "bos_token": "<bos>", "add_bos_token": False}, f)
+    with open(f"{path}/chat_template.json", "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE}, f)
 
 
 def hf_model(path: str):

@@ -129,6 +129,21 @@ def test_an_image_url_is_fetched_and_answers_as_its_data_url(llava_server, image
     assert inline.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_a_conversation_with_a_system_prompt_tools_and_an_image(llava_server):
+    """Every message reaches llava-1.5's template as parts, the tools' system prompt and an earlier call too."""
+    url, _ = llava_server
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={**_chat([]), "messages": [
+        {"role": "system", "content": "w7 w8"},
+        {"role": "user", "content": [{"type": "text", "text": "w9"},
+                                     {"type": "image_url", "image_url": {"url": _data_url(_png(5))}}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "w11"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > IMAGE_ROWS
+
+
 def test_anthropic_image_block_and_responses_input_image(llava_server):
     url, _ = llava_server
     data = _png(2)
@@ -178,6 +193,9 @@ def test_bad_images_are_400s_naming_the_field(llava_server, image_host):
     for parts, param, words in cases:
         err = _error(httpx.post(f"{url}/v1/chat/completions", timeout=60, json=_chat(parts)))
         assert err["param"] == param and words in err["message"], (param, err)
+    err = _error(httpx.post(f"{url}/v1/chat/completions", timeout=60, json={**_chat([ok]), "messages": [
+        {"role": "user", "content": "w5"}, {"role": "assistant", "content": [ok]}]}))
+    assert err["param"] == "messages.1.content.0" and "user messages" in err["message"]
     err = _error(httpx.post(f"{url}/v1/messages", timeout=60, json={
         "model": "dummy", "max_tokens": 6, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "w5"}, {"type": "image", "source": {"type": "base64", "media_type": "image/png",
