@@ -69,19 +69,21 @@ def llava_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_host():
-    """A local HTTP server: /a.png an image, /slow.png one sent after 3 s, anything else a 404."""
-    image = _png(7)
+    """A local HTTP server: /a.png an image, /slow.png one sent after 3 s, /big.png one over --max-image-bytes,
+    anything else a 404."""
+    image, big = _png(7), _png(8, (60, 60), noise=True)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path in ("/a.png", "/slow.png"):
+            if self.path in ("/a.png", "/slow.png", "/big.png"):
                 if self.path == "/slow.png":
                     time.sleep(3)
+                body = big if self.path == "/big.png" else image
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(image)))
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(image)
+                self.wfile.write(body)
             else:
                 self.send_error(404)
 
@@ -125,6 +127,11 @@ def test_an_image_url_is_fetched_and_answers_as_its_data_url(llava_server, image
         {"type": "image_url", "image_url": {"url": _data_url(data)}}, text]))
     assert fetched.status_code == 200 and inline.status_code == 200, (fetched.text, inline.text)
     assert fetched.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
+    anthropic = httpx.post(f"{url}/v1/messages", timeout=120, json={
+        "model": "dummy", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": f"{host}/a.png"}}, {"type": "text", "text": "w20 w21"}]}]})
+    assert anthropic.status_code == 200, anthropic.text
+    assert anthropic.json()["content"][0]["text"] == inline.json()["choices"][0]["message"]["content"]
     # the same pixels again: its pages came from the prefix cache
     assert inline.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -184,6 +191,8 @@ def test_bad_images_are_400s_naming_the_field(llava_server, image_host):
         ([ok, ok, ok], "messages.0.content.2", "more than 2 images"),
         ([{"type": "image_url", "image_url": {"url": f"{host}/missing.png"}}],
          "messages.0.content.0.image_url.url", "HTTP 404"),
+        ([{"type": "image_url", "image_url": {"url": f"{host}/big.png"}}],
+         "messages.0.content.0.image_url.url", "larger than 4000 bytes"),
         ([{"type": "image_url", "image_url": {"url": f"{host}/slow.png"}}],
          "messages.0.content.0.image_url.url", "fetching the image failed"),
         ([{"type": "image_url", "image_url": {"url": "ftp://example/a.png"}}],
