@@ -49,7 +49,7 @@ VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 VISION_ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # transformers' LlamaConfig defaults: llava-1.5's config.json leaves them out of its text_config
 _LLAMA_DEFAULTS = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       vocab_size=32000, max_position_embeddings=2048)
+                       vocab_size=32000, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
 # and CLIPVisionConfig's (its vision_config leaves these out)
 _CLIP_DEFAULTS = dict(hidden_act="quick_gelu", layer_norm_eps=1e-5)
 

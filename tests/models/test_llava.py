@@ -98,3 +98,24 @@ def test_prompt_with_an_image_through_ragged_steps_matches_transformers(llava_di
         if start < len(text_ids):
             np.testing.assert_allclose(logits[1], text_ref[t_end - 1], atol=1e-4, rtol=0)
     assert engine.images.encoded == 1  # once for its three chunks
+
+
+def test_the_hubs_llava_config_parses_as_the_preset():
+    """llava-hf/llava-1.5-7b-hf's config.json leaves its text model's sizes to LlamaConfig's defaults."""
+    from slipstream.models.config import ModelConfig
+    from slipstream.models.registry import PRESET_DIR
+
+    hub = {"architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+           "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+           "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                           "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                           "torch_dtype": "float16", "vocab_size": 32064},
+           "tie_word_embeddings": False, "torch_dtype": "float16",
+           "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                             "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+           "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    cfg = ModelConfig.from_hf_dict(hub)
+    assert cfg == ModelConfig.from_hf_json(os.path.join(PRESET_DIR, "llava-1.5-7b.json"))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.image_token_id) == (32, 4096, 32064, 32000)
+    assert (cfg.vision.num_layers, cfg.vision.num_image_tokens, cfg.vision.activation) == (23, 576, "quick_gelu")
