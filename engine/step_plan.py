@@ -41,7 +41,7 @@ class Chunk:
                        num_samples=1 + len(self.draft), lora_slot=seq.lora_slot,
                        targets=seq.score_targets(self.start, self.known_end),
                        pool=seq.pool_rows(self.start, self.known_end),
-                       images=image_rows(seq.request.images, self.start, self.known_end))
+                       images=image_rows(seq.request.images, self.start, self.known_end) if seq.request.images else ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 class ImageLimits:
     max_images: int = DEFAULT_MAX_IMAGES           # per request (--max-images-per-request)
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's encoded bytes (--max-image-bytes)
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # an http(s) image URL's connect, and each read (--image-fetch-timeout)
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # an http(s) URL's connect, and each read (--image-fetch-timeout)
     fetch_urls: bool = True                          # http(s) URLs allowed (--no-image-urls: data URLs only)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_llava(path: str, *, seed: int = 0, feature_layer: int | list[int] = -2,
-                     strategy: str = "default") -> str:
+                     strategy: str = "default", tower: str = "clip") -> str:
     import torch
     import transformers
 
@@ -32,8 +32,10 @@ def build_tiny_llava(path: str, *, seed: int = 0, feature_layer: int | list[int]
     text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     rms_norm_eps=1e-5, bos_token_id=2, eos_token_id=1)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, image_size=32, patch_size=8, projection_dim=16)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                 patch_size=8)
+    vision = (transformers.CLIPVisionConfig(**sizes, projection_dim=16) if tower == "clip"
+              else transformers.SiglipVisionConfig(**sizes))
     cfg = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN,
                                    vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
                                    projector_hidden_act="gelu", image_seq_length=IMAGE_ROWS)

@@ -23,13 +23,15 @@ def _pixels(seed: int, n: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
 
 
-@pytest.mark.parametrize("feature_layer, strategy", [(-2, "default"), ([0, -1], "full")])
-def test_image_rows_match_transformers(tmp_path, feature_layer, strategy):
+@pytest.mark.parametrize("tower, feature_layer, strategy", [("clip", -2, "default"), ("clip", [0, -1], "full"),
+                                                           ("siglip", -1, "full")])
+def test_image_rows_match_transformers(tmp_path, tower, feature_layer, strategy):
     import torch
 
-    path = build_tiny_llava(str(tmp_path / "m"), feature_layer=feature_layer, strategy=strategy)
+    path = build_tiny_llava(str(tmp_path / "m"), feature_layer=feature_layer, strategy=strategy, tower=tower)
     cfg, model = load_hf_dir(path)
-    assert cfg.vision.num_image_tokens == IMAGE_ROWS + (strategy == "full")
+    assert cfg.vision.kind == tower
+    assert cfg.vision.num_image_tokens == IMAGE_ROWS + (tower == "clip" and strategy == "full")
     pixels = _pixels(0, 2)
     ours = np.asarray(nnx.jit(lambda m, p: m.encode_images(p))(model, pixels))
     with torch.no_grad():
