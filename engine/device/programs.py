@@ -64,8 +64,9 @@ class Programs:
 
     def compile_extended(self) -> None:
         """Compile the scoring and the pooling programs (and a vision-language model's image programs) of every token
-        bucket, largest first, one after another on a thread of their own (a step that needs one waits for it, or compiles it if the thread has not begun it).
-        Without this, the first step that scores or pools at a bucket compiles its program."""
+        bucket, largest first, one after another on a thread of their own (a step that needs one waits for it, or
+        compiles it if the thread has not begun it). Without this, the first step that scores, pools or feeds image
+        rows at a bucket compiles its program."""
         if self._compile_thread is None:
             self._previous  # noqa: B018 - made on this thread: the compile's arguments read its spec
             self._compile_thread = CompileQueue()
