@@ -80,7 +80,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
         rendered = [{**m, "content": as_parts(m["content"])} for m in rendered]
     prompt = truncated(_chat_prompt(service, req, rendered), keep)
     image_inputs = ()
-    if images:  # each image's placeholder expanded to the rows it fills
+    if service.images is not None:  # each image's placeholder expanded to the rows it fills (and none without one)
         prompt, image_inputs = service.images.expand(prompt, images, "messages")
     if constraint is not None:
         grammar = compile_constraint(service, _after_thinking(service, constraint, prompt))
@@ -234,23 +234,25 @@ def _message_text(message: ChatMessage, index: int, no_images: str = "this route
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
     param = f"messages.{index}.content"
-    for j, part in enumerate(content):
-        if part.get("type") == "image_url":
-            raise ServiceError(400, f"{param}.{j}: {no_images}", param=f"{param}.{j}", code="unsupported")
-        if part.get("type") != "text":
-            raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
-                               param=param, code="unsupported")
-        if not isinstance(part.get("text"), str):
-            got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
-            raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
-                               param=f"{param}.{j}.text", code="invalid_value")
-        try:
-            texts.append(valid_unicode(part["text"]))
-        except ValueError as exc:
-            raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
-    return "".join(texts)
+    return "".join(_part_text(part, param, j, no_images) for j, part in enumerate(content))
+
+
+def _part_text(part: dict[str, Any], param: str, j: int, no_images: str) -> str:
+    """Part j of a message's content (param) as text: a text part's, or a 400."""
+    if part.get("type") == "image_url":
+        raise ServiceError(400, f"{param}.{j}: {no_images}", param=f"{param}.{j}", code="unsupported")
+    if part.get("type") != "text":
+        raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
+                           param=param, code="unsupported")
+    if not isinstance(part.get("text"), str):
+        got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
+        raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
+                           param=f"{param}.{j}.text", code="invalid_value")
+    try:
+        return valid_unicode(part["text"])
+    except ValueError as exc:
+        raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def _message_parts(message: ChatMessage, index: int, vision, images: list[LoadedImage]) -> str | list[dict[str, Any]]:
@@ -272,8 +274,7 @@ def _message_parts(message: ChatMessage, index: int, vision, images: list[Loaded
             images.append(vision.from_url(url, f"{param}.{j}.image_url.url"))
             parts.append({"type": "image"})
         else:
-            text = _message_text(ChatMessage(role=message.role, content=[part]), index)
-            parts.append({"type": "text", "text": text})
+            parts.append({"type": "text", "text": _part_text(part, param, j, "")})
     return parts
 
 

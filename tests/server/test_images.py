@@ -198,6 +198,7 @@ def test_bad_images_are_400s_naming_the_field(llava_server, image_host):
         ([{"type": "image_url", "image_url": {"url": "ftp://example/a.png"}}],
          "messages.0.content.0.image_url.url", "data: or http(s) URL"),
         ([{"type": "text", "text": "w5 <image>"}, ok], "messages", "2 image placeholders for 1 images"),
+        ([{"type": "text", "text": "w5 <image>"}], "messages", "1 image placeholders for 0 images"),
     ]
     for parts, param, words in cases:
         err = _error(httpx.post(f"{url}/v1/chat/completions", timeout=60, json=_chat(parts)))
