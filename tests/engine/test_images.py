@@ -50,7 +50,8 @@ def _run(engine, requests, **config):
         scheduler.shutdown(timeout=10)
 
 
-def test_greedy_outputs_equal_transformers_and_survive_preemption(llava):
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_greedy_outputs_equal_transformers_and_survive_preemption(llava, prefix_cache):
     path, engine = llava
     hf = hf_model(path)
     prompts = [prompt_with_image([2, 3, 17], [40, 99, 7, 8, 9, 4]), prompt_with_image([2, 3], [50, 51, 4]),
@@ -60,7 +61,7 @@ def test_greedy_outputs_equal_transformers_and_survive_preemption(llava):
     assert want[0] != want[2]  # the image decides the reply
     requests = [_request(ids, offset, _pixels(s), 20) for (ids, offset), s in zip(prompts, seeds)]
     # 10 usable pages for 4 sequences of up to 45 tokens (6 pages each): some are preempted and recomputed
-    results, _, stats = _run(_SmallBudget(engine, num_pages=11), requests, enable_prefix_cache=False)
+    results, _, stats = _run(_SmallBudget(engine, num_pages=11), requests, enable_prefix_cache=prefix_cache)
     for res, tokens in zip(results, want):
         assert res.error is None and res.finish_reason == FinishReason.LENGTH
         assert res.token_ids == tokens
