@@ -24,14 +24,16 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_llava(path: str, *, seed: int = 0, feature_layer: int | list[int] = -2,
-                     strategy: str = "default", tower: str = "clip") -> str:
+                     strategy: str = "default", tower: str = "clip", text_model: str = "llama") -> str:
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    text = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                    rms_norm_eps=1e-5, bos_token_id=2, eos_token_id=1)
+    text_sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=2,
+                      eos_token_id=1)
+    text = (transformers.LlamaConfig(**text_sizes) if text_model == "llama"
+            else transformers.Qwen2Config(**text_sizes))  # q/k/v biases
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
                  patch_size=8)
     vision = (transformers.CLIPVisionConfig(**sizes, projection_dim=16) if tower == "clip"

@@ -69,14 +69,18 @@ def test_config_needs_a_supported_tower(llava_dir, tmp_path):
         ModelConfig.from_hf_dict(raw)
 
 
-def test_prompt_with_an_image_through_ragged_steps_matches_transformers(llava_dir):
+@pytest.mark.parametrize("text_model", ["llama", "qwen2"])
+def test_prompt_with_an_image_through_ragged_steps_matches_transformers(llava_dir, tmp_path, text_model):
     """Chunks of 8 tokens: the 16 image rows (from position 5) are split over three chunks; each chunk's last logits
     equal transformers' at that position, and a second sequence without an image runs in the same steps."""
+    if text_model != "llama":
+        llava_dir = build_tiny_llava(str(tmp_path / text_model), text_model=text_model)
     from slipstream.engine.api import StepBatch, StepSeq, image_rows
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from slipstream.engine.request import ImageInput
 
     cfg, model = load_hf_dir(llava_dir)
+    assert cfg.attention_bias == (text_model == "qwen2")
     engine = JaxEngine(cfg, model, EngineConfig(max_slots=2, page_size=8, max_seq_len=64, num_pages=16,
                                                 max_num_batched_tokens=16, quantize="none"), precompile=False)
     pixels = _pixels(1)
