@@ -172,7 +172,8 @@ class JaxEngine(Programs):
         self._extended_compiling: dict[tuple[int, bool, bool, bool], Future] = {}  # the thread's compiles
         # a vision-language model's tower program and the encoded rows of the images steps are feeding; steps with
         # image rows run the image form of the model program (Programs._extended_program), compiled at first use
-        self.images = (ImageEncoder(self.graphdef, self.dtype, max_held=2 * self.max_slots)
+        self.images = (ImageEncoder(self.graphdef, self.dtype, self.hidden_size, max_held=2 * self.max_slots,
+                                    sharding=self._replicated)
                        if model_cfg.vision is not None else None)
         self._compile_thread: CompileQueue | None = None
         self.compile_seconds = 0.0
@@ -336,8 +337,7 @@ class JaxEngine(Programs):
             x["pool"][:] = pooled.owners
         lora_stacks = None if self.lora is None else self.lora.stacks
         if images:
-            embeds = np.zeros((t, self.hidden_size), self.images.dtype)
-            self.images.fill(self.params, batch, embeds, x["embedded"])
+            embeds = self.images.embeds(self.params, batch, t, x["embedded"])
             out, self.cache = model(self.params, self.cache, self._previous.last, packed, lora_stacks, embeds)
         else:
             out, self.cache = model(self.params, self.cache, self._previous.last, packed, lora_stacks)
