@@ -170,9 +170,11 @@ class JaxEngine(Programs):
         self._extended_exe: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.extended_min_tokens = 1 if jax.default_backend() == "cpu" else EXTENDED_MIN_TOKENS
         self._extended_compiling: dict[tuple[int, bool, bool, bool], Future] = {}  # the thread's compiles
-        # a vision-language model's tower program and the encoded rows of the images steps are feeding; steps with
-        # image rows run the image form of the model program (Programs._extended_program), compiled at first use
-        self.images = (ImageEncoder(self.graphdef, self.dtype, self.hidden_size, max_held=2 * self.max_slots,
+        # a vision-language model's tower program and the encoded rows of the images steps are feeding (at most one
+        # per slot mid-prefill, and a couple that a preempted or cancelled sequence left; an image pushed out is
+        # encoded again if needed); steps with image rows run the image form of the model program
+        # (Programs._extended_program: compiled at first use on CPU, in the background on accelerators)
+        self.images = (ImageEncoder(self.graphdef, self.dtype, self.hidden_size, max_held=self.max_slots + 2,
                                     sharding=self._replicated)
                        if model_cfg.vision is not None else None)
         self._compile_thread: CompileQueue | None = None
