@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, Sequence
 
-from slipstream.engine.request import SamplingParams, TokenLogprob
+from slipstream.engine.request import ImageInput, SamplingParams, TokenLogprob
 
 # A decode's input token that is still on the device: the token the slot's latest launched step
 # sampled. Only as the one token of a decode, and never for a grammar-constrained slot whose
@@ -34,6 +34,32 @@ class SlotState:
     lora_slot: int = 0   # the device's LoRA slot of its adapter (0: the base model)
     lora: Any = None     # that adapter (models.lora.LoraAdapter), which the engine puts in the slot;
                          # None with a lora_slot: the slot already holds it (multi-host workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRows:
+    """Rows of a chunk that an image fills: the chunk's rows [at, at + count) are the image's rows
+    [first, first + count). The engine feeds them in place of the placeholder tokens' embeddings."""
+
+    image: ImageInput
+    at: int
+    first: int
+    count: int
+
+    @property
+    def last(self) -> bool:
+        """They end the image: no later chunk needs its rows."""
+        return self.first + self.count == self.image.length
+
+
+def image_rows(images: Sequence[ImageInput], start: int, end: int) -> tuple[ImageRows, ...]:
+    """The image rows of a chunk of positions [start, end)."""
+    out = []
+    for image in images:
+        lo, hi = max(start, image.offset), min(end, image.end)
+        if lo < hi:
+            out.append(ImageRows(image, lo - start, lo - image.offset, hi - lo))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +83,9 @@ class StepSeq:
     # Embeddings (SamplingParams.pooling): the step returns the sum of the last hidden states (after the final norm)
     # of the chunk's last `pool` rows (StepResult.pooled)
     pool: int = 0
+    # Images (a vision-language model): chunk rows fed the image's encoded rows instead of their tokens'
+    # embeddings (image_rows)
+    images: tuple[ImageRows, ...] = ()
 
     @property
     def end_pos(self) -> int:

@@ -31,7 +31,7 @@ class BlockManager:
         tokens = seq.tokens
         salt = seq.request.cache_salt
         # its full pages' digests, computed once: the match reads them now, register() at the prefill's end
-        digests = chain_digests(tokens, self.page_size, salt=salt) if self.prefix else []
+        digests = chain_digests(tokens, self.page_size, salt=salt, images=seq.request.images) if self.prefix else []
         matched = self.prefix.match(tokens, salt, digests) if self.prefix else []
         # At least the last known token is computed: its logits give the next token. With roles, only prompt
         # positions come from the cache (register() offers no others): a preempted sequence's recomputed output is

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,9 +24,11 @@ _DIGEST_BYTES = 16
 
 
 def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | None = None,
-                  salt: bytes = b"") -> list[bytes]:
+                  salt: bytes = b"", images: Sequence[Any] = ()) -> list[bytes]:
     """Digest of each full page, chained so that page i's digest covers tokens [0, (i+1)*page_size)
     and `salt` (what else the KV depends on: the request's LoRA adapter; b"" for the base model).
+    `images` (engine.request.ImageInput: offset, length, digest): a page holding an image's rows covers its digest
+    too, since those rows' KV comes from the image and not from the placeholder tokens.
 
     blake2b over the parent digest and the page's int32 tokens: stable across processes,
     unlike Python's `hash`.
@@ -42,6 +44,9 @@ def chain_digests(token_ids: Sequence[int], page_size: int, max_pages: int | Non
     for i in range(num_pages):
         h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)
         h.update(tokens[i * page_size:(i + 1) * page_size].tobytes())
+        for image in images:
+            if image.offset < (i + 1) * page_size and image.offset + image.length > i * page_size:
+                h.update(image.digest)
         parent = h.digest()
         digests.append(parent)
     return digests

@@ -162,6 +162,22 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt: what the model's vision tower encodes (its preprocessed pixels) and the run of prompt
+    positions its rows fill (each holding the model's image placeholder token). The engine encodes it when a step
+    first feeds one of those positions; the prefix cache keys the pages it touches on `digest`."""
+
+    pixels: Any    # numpy f32[3, H, W] (models/image_processor.py)
+    offset: int    # the prompt position of its first row
+    length: int    # rows it fills (the model's tokens per image)
+    digest: bytes  # of the pixel values: the same image reuses cached pages, another never does
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclasses.dataclass
 class Request:
     """One sequence to generate. `n > 1` requests are expanded into n Requests sharing a prompt."""
@@ -172,6 +188,7 @@ class Request:
     priority: int = 0  # lower runs first; FCFS within a priority
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     lora: Any = None   # a models.lora.LoraAdapter to run under; None: the base model
+    images: tuple[ImageInput, ...] = ()  # in prompt order, their position runs apart
 
     @property
     def cache_salt(self) -> bytes:

@@ -184,13 +184,14 @@ class Sequence:
         return (self.request.priority, self.admit_seq)
 
     def first_page(self, page_size: int) -> tuple:
-        """Its prefix-cache salt and the tokens of its first cacheable page (() if none): what n > 1
+        """Its prefix-cache salt, the images in its first page and that page's tokens (() if none): what n > 1
         siblings share (under one LoRA adapter: KV is never shared across adapters)."""
         if self.num_tokens <= page_size:
             return ()
         prompt = self.request.prompt_ids
-        return (self.request.cache_salt, *(prompt[:page_size] if len(prompt) >= page_size
-                                           else self.tokens[:page_size]))
+        images = tuple(image.digest for image in self.request.images if image.offset < page_size)
+        return (self.request.cache_salt, *images, *(prompt[:page_size] if len(prompt) >= page_size
+                                                    else self.tokens[:page_size]))
 
     def check_finish(self, token_id: int, eos_token_ids: frozenset[int],
                      max_seq_len: int) -> FinishReason | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from slipstream.engine.api import StepBatch, StepSeq
+from slipstream.engine.api import StepBatch, StepSeq, image_rows
 from slipstream.engine.sequence import Sequence
 
 
@@ -40,7 +40,8 @@ class Chunk:
                        start_pos=self.start, page_ids=tuple(seq.pages), sample=self.sample,
                        num_samples=1 + len(self.draft), lora_slot=seq.lora_slot,
                        targets=seq.score_targets(self.start, self.known_end),
-                       pool=seq.pool_rows(self.start, self.known_end))
+                       pool=seq.pool_rows(self.start, self.known_end),
+                       images=image_rows(seq.request.images, self.start, self.known_end) if seq.request.images else ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,4 +20,9 @@ Adding an architecture (Gemma 3 in models/gemma3.py is a complete example):
    tests/models/test_architectures_vs_hf.py (logits within 1e-4 of transformers, dense and through
    the engine's ragged steps).
 The engine, loaders, quantization and kernels need no change.
+
+A vision-language model (models/llava.py) adds a tower and a projector as submodules (models/vision.py; their
+weights declared with `stacked_by` for the tower's own layer count, and HF_ALIASES for a checkpoint's other layouts),
+an `encode_images(pixels) -> [B, rows, hidden]` method, `ModelConfig.vision` / `image_token_id`, and its processor
+in models/image_processor.py; its prompt's image rows reach the text model through `CausalLM.hidden`'s `embeds`.
 """

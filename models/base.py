@@ -41,10 +41,24 @@ class Weight:
     linear: bool = False
     rope_permute: str | None = None
     experts: bool = False
+    # a stack of some other count of layers than the text model's (a vision tower's): the ModelConfig attribute
+    # path that gives it ("vision.num_layers"), "{i}" in the name as for `blocks.`
+    stacked_by: str | None = None
 
     @property
     def per_layer(self) -> bool:
         return self.path.startswith("blocks.")
+
+    def num_stacked(self, cfg: ModelConfig) -> int:
+        """Layers stacked on its leading axis (0: not a stack)."""
+        if self.per_layer:
+            return cfg.num_layers
+        if self.stacked_by is None:
+            return 0
+        value = cfg
+        for name in self.stacked_by.split("."):
+            value = getattr(value, name)
+        return value
 
 
 class CausalLM(nnx.Module):
@@ -52,6 +66,9 @@ class CausalLM(nnx.Module):
     LM head. Subclasses build `self.blocks` (stacked weights) and define `block` and the hooks."""
 
     WEIGHTS: ClassVar[tuple[Weight, ...]] = ()
+    # (prefix of a declared HF name, a prefix other checkpoints of the architecture use instead): the HF loader
+    # tries each in turn (transformers has saved LLaVA under three layouts)
+    HF_ALIASES: ClassVar[tuple[tuple[str, str], ...]] = ()
     embed: layers.Embed
     final_norm: layers.RMSNorm
     lm_head: layers.Linear | None  # None: tied to the embedding
@@ -80,16 +97,21 @@ class CausalLM(nnx.Module):
     # ---- the forward ----------------------------------------------------------------------------
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any,
-                 rows: jax.Array | None = None, *, dtype=jnp.float32) -> tuple[jax.Array, Any]:
+                 rows: jax.Array | None = None, *, dtype=jnp.float32, embeds: jax.Array | None = None,
+                 embedded: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """Flat tokens [T] at positions [T] -> (logits [R, V] of the tokens at `rows` (all when None),
-        the KV state after every layer attended through `attend`)."""
-        x, cache = self.hidden(tokens, positions, attend, cache, dtype=dtype)
+        the KV state after every layer attended through `attend`). embeds [T, D] with embedded i32[T]: rows that
+        enter the first layer in place of their token's embedding where embedded is 1 (an image's, models/llava.py)."""
+        x, cache = self.hidden(tokens, positions, attend, cache, dtype=dtype, embeds=embeds, embedded=embedded)
         return self.logits(x if rows is None else x[rows]), cache
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, attend: layers.AttentionOp, cache: Any, *,
-               dtype=jnp.float32) -> tuple[jax.Array, Any]:
+               dtype=jnp.float32, embeds: jax.Array | None = None,
+               embedded: jax.Array | None = None) -> tuple[jax.Array, Any]:
         """__call__ up to the final norm: the last layer's output [T, D] of every token, and the KV state."""
         x = self.embed_tokens(tokens, dtype)
+        if embeds is not None:
+            x = jnp.where(embedded[:, None] > 0, embeds.astype(x.dtype), x)                     # [T,D]
 
         def body(blk, carry, i):
             x, cache = carry
@@ -200,7 +222,8 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, platf
 
 def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
          page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array,
-         *, dtype=jnp.float32, attention: Callable = ragged_paged_attention) -> tuple[jax.Array, dict]:
+         *, dtype=jnp.float32, attention: Callable = ragged_paged_attention, embeds: jax.Array | None = None,
+         embedded: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """One ragged step over the paged KV cache: logits [R, V] of the tokens at sample_index [R], and the
     cache with every real token's K/V written.
 
@@ -209,17 +232,19 @@ def step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, 
     tokens from cu_q_lens[num_seqs] on are padding). kv_lens [S], page_indices [S, P], cu_q_lens [S+1],
     num_seqs [1]: kernels.attention's interface. Every weight matmul sees all T tokens at once.
     attention: the ragged paged attention op (the engine wraps kernels.attention's for tensor parallelism).
+    embeds [T, D], embedded i32[T]: rows fed in place of their token's embedding (CausalLM.__call__).
     """
     attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
-    return model(tokens, positions, attend, cache, sample_index, dtype=dtype)
+    return model(tokens, positions, attend, cache, sample_index, dtype=dtype, embeds=embeds, embedded=embedded)
 
 
 def extended_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: jax.Array, kv_lens: jax.Array,
                   page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, sample_index: jax.Array, *,
                   targets: jax.Array | None = None, alternatives: jax.Array | None = None, top: int = 0,
                   pool: jax.Array | None = None, num_pooled: int = 0, dtype=jnp.float32,
-                  attention: Callable = ragged_paged_attention,
-                  block: int = SCORE_BLOCK) -> tuple[tuple[jax.Array, dict[str, Any]], dict]:
+                  attention: Callable = ragged_paged_attention, block: int = SCORE_BLOCK,
+                  embeds: jax.Array | None = None,
+                  embedded: jax.Array | None = None) -> tuple[tuple[jax.Array, dict[str, Any]], dict]:
     """step(), and what the step's rows give besides the sample rows' logits: ((logits [R, V], extras), cache).
 
     With targets: extras["scores"], TokenScores of all T tokens: the model's log-probability at each token of the
@@ -232,7 +257,7 @@ def extended_step(model: CausalLM, cache: dict, tokens: jax.Array, positions: ja
     states after the final norm (HF's last_hidden_state): pool names each row's pooled sequence (num_pooled for a
     row not pooled, padding too). An embedding is such a sum: over a prompt's rows (mean), or its last row."""
     attend = PagedAttention(model.cfg, kv_lens, page_indices, cu_q_lens, num_seqs, attention)
-    h, cache = model.hidden(tokens, positions, attend, cache, dtype=dtype)
+    h, cache = model.hidden(tokens, positions, attend, cache, dtype=dtype, embeds=embeds, embedded=embedded)
     extras: dict[str, Any] = {}
     if targets is not None:
         t = h.shape[0]
@@ -258,13 +283,16 @@ def step_fn(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention
             num_pooled: int = 0):
     """The pure function the engine jits: (state, cache, step inputs...) -> (logits, cache); given `targets`
     and `alternatives` (scoring, top score_top) or `pool` (pooling, num_pooled sequences), extended_step's:
-    (state, cache, step inputs..., targets=, alternatives=, pool=) -> ((logits, extras), cache)."""
-    def run(state, cache, *inputs, targets=None, alternatives=None, pool=None, dtype=jnp.float32):
+    (state, cache, step inputs..., targets=, alternatives=, pool=) -> ((logits, extras), cache). Given embeds and
+    embedded, those rows replace their tokens' embeddings (images)."""
+    def run(state, cache, *inputs, targets=None, alternatives=None, pool=None, dtype=jnp.float32, embeds=None,
+            embedded=None):
         model = nnx.merge(graphdef, state)
         if targets is None and pool is None:
-            return step(model, cache, *inputs, dtype=dtype, attention=attention)
+            return step(model, cache, *inputs, dtype=dtype, attention=attention, embeds=embeds, embedded=embedded)
         return extended_step(model, cache, *inputs, targets=targets, alternatives=alternatives, top=score_top,
-                             pool=pool, num_pooled=num_pooled, dtype=dtype, attention=attention)
+                             pool=pool, num_pooled=num_pooled, dtype=dtype, attention=attention, embeds=embeds,
+                             embedded=embedded)
     return run
 
 

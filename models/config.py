@@ -65,6 +65,70 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwe
 # its converter writes none for these, and its graph fixes the choice per architecture
 GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 LAYER_KINDS = ("full", "sliding")
+# HF architectures that pair a vision tower with one of our text models (models/llava.py)
+VISION_LANGUAGE = {"LlavaForConditionalGeneration": "llava"}
+# vision towers: HF vision_config model_type -> ours
+VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+VISION_ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+# transformers' LlamaConfig defaults: llava-1.5's config.json leaves them out of its text_config
+_LLAMA_DEFAULTS = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       vocab_size=32000, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+# and CLIPVisionConfig's (its vision_config leaves these out)
+_CLIP_DEFAULTS = dict(hidden_act="quick_gelu", layer_norm_eps=1e-5)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """A vision tower (a ViT: CLIP or SigLIP) and the projector that maps its features into the text model's
+    embedding space (LLaVA's two-layer MLP). Only the layers up to the deepest feature layer are built and run."""
+
+    kind: str                        # "clip" (a class token, a pre-norm) or "siglip"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    image_size: int                  # square input, pixels
+    patch_size: int
+    num_layers: int                  # layers run: up to the deepest of feature_layers
+    feature_layers: tuple[int, ...]  # hidden states concatenated as the features (0: the embeddings' output)
+    drop_cls: bool = True            # "default" feature selection: the class token's row is dropped
+    layer_norm_eps: float = 1e-5
+    activation: str = "quick_gelu"   # of the tower's MLP: quick_gelu, gelu_tanh or gelu
+    projector_activation: str = "gelu"
+    projector_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in VISION_TOWERS.values():
+            raise ValueError(f"vision tower {self.kind!r} is not supported; supported: {', '.join(VISION_TOWERS)}")
+        for name in ("hidden_size", "intermediate_size", "num_heads", "image_size", "patch_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"vision config {name} must be a positive integer, got {value!r}")
+        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError(f"vision config: image_size {self.image_size} must be a multiple of patch_size "
+                             f"{self.patch_size}, and hidden_size {self.hidden_size} of num_heads {self.num_heads}")
+        if not self.feature_layers or max(self.feature_layers) != self.num_layers or min(self.feature_layers) < 0:
+            raise ValueError(f"vision config: feature_layers {self.feature_layers} must be hidden-state indices "
+                             f"whose deepest is num_layers ({self.num_layers})")
+        for name in ("activation", "projector_activation"):
+            if getattr(self, name) not in VISION_ACTIVATIONS.values():
+                raise ValueError(f"vision config {name} {getattr(self, name)!r} is not supported; supported: "
+                                 f"{', '.join(VISION_ACTIVATIONS)}")
+        if self.drop_cls and not self.class_token:
+            raise ValueError("vision_feature_select_strategy 'default' drops the class token, which a SigLIP tower "
+                             "does not have: use 'full'")
+
+    @property
+    def class_token(self) -> bool:
+        return self.kind == "clip"
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Rows an image fills in the prompt: its features' rows."""
+        return self.num_patches + self.class_token - self.drop_cls
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +167,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # a vision-language model (architecture "llava"): its tower and projector, and the prompt's image placeholder
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -145,6 +212,8 @@ class ModelConfig:
             raise ValueError(f"a sparse MoE needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}) and "
                              f"moe_intermediate_size >= 1, got {self.num_experts_per_tok} and "
                              f"{self.moe_intermediate_size}")
+        if (self.vision is None) != (self.image_token_id is None):
+            raise ValueError("a vision-language model needs both a vision config and an image token id")
 
     @property
     def q_per_kv(self) -> int:
@@ -183,6 +252,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         names = cfg.get("architectures") or []
+        if any(n in VISION_LANGUAGE for n in names) or cfg.get("model_type") in VISION_LANGUAGE.values():
+            return _vision_language(cfg)
         arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
         if arch is None and not names:
             arch = HF_MODEL_TYPES.get(cfg.get("model_type", "llama"))
@@ -412,6 +483,53 @@ def _hf_fields(cfg: Mapping[str, Any], arch: str) -> dict:
     if arch in MOE_ARCHITECTURES:
         fields.update(_moe_fields(cfg, arch))
     return _yarn_context(fields)
+
+
+def _vision_language(cfg: Mapping[str, Any]) -> ModelConfig:
+    """LLaVA: a text model we serve (Llama, Mistral, Qwen2) after a CLIP or SigLIP tower and an MLP projector."""
+    text = dict(cfg.get("text_config") or {})
+    text_type = text.get("model_type", "llama")
+    if text_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"LLaVA text model {text_type!r} is not supported; supported: llama, mistral, qwen2")
+    if text_type == "llama":
+        text = {**_LLAMA_DEFAULTS, **text}
+    text_arch = HF_MODEL_TYPES[text_type]
+    vision = dict(cfg.get("vision_config") or {})
+    kind = VISION_TOWERS.get(vision.get("model_type", "clip_vision_model"))
+    if kind is None:
+        raise ValueError(f"vision tower {vision.get('model_type')!r} is not supported; supported: "
+                         f"{', '.join(VISION_TOWERS)}")
+    if kind == "clip":
+        vision = {**_CLIP_DEFAULTS, **vision}
+    try:
+        depth = int(vision["num_hidden_layers"])
+        layer = cfg.get("vision_feature_layer", -2)
+        indices = tuple(i % (depth + 1) for i in (layer if isinstance(layer, list) else [layer]))
+        activation = vision.get("hidden_act", "gelu_pytorch_tanh")
+        projector_act = cfg.get("projector_hidden_act", "gelu")
+        for act in (activation, projector_act):
+            if act not in VISION_ACTIVATIONS:
+                raise ValueError(f"vision activation {act!r} is not supported; supported: "
+                                 f"{', '.join(VISION_ACTIVATIONS)}")
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported; supported: default, full")
+        tower = VisionConfig(
+            kind=kind, hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+            num_heads=int(vision["num_attention_heads"]), image_size=int(vision["image_size"]),
+            patch_size=int(vision["patch_size"]), num_layers=max(indices), feature_layers=indices,
+            drop_cls=strategy == "default", layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            activation=VISION_ACTIVATIONS[activation], projector_activation=VISION_ACTIVATIONS[projector_act],
+            projector_bias=bool(cfg.get("multimodal_projector_bias", True)))
+        fields = _hf_fields(text, text_arch)
+    except KeyError as e:
+        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if image_token is None:
+        raise ValueError("config.json is missing required field 'image_token_index' (LLaVA's image placeholder)")
+    if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in text:
+        fields["tie_embeddings"] = bool(cfg["tie_word_embeddings"])
+    return ModelConfig(**{**fields, "architecture": "llava"}, vision=tower, image_token_id=int(image_token))
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict:

@@ -1,6 +1,7 @@
 """A deterministic byte-level BPE tokenizer of exactly a config's vocabulary size, for models served
 with dummy weights: every text encodes (the 256 byte tokens cover it), the config's bos/eos/pad ids
-are special tokens, and a ChatML template makes /v1/chat/completions work."""
+are special tokens, and a ChatML template makes /v1/chat/completions work (a vision-language model's image token is
+<image>, which the template renders for an image part)."""
 from __future__ import annotations
 
 import itertools
@@ -14,8 +15,11 @@ from slipstream.models.config import ModelConfig
 from slipstream.models.tokenizer import Tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+IMAGE = "<image>"
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{{ '<image>' if p['type'] == 'image' else p['text'] }}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 # merged tokens grow from these characters (GPT-2's byte alphabet writes a leading space as "Ġ")
 _WORD_START, _LETTERS = "Ġ", string.ascii_lowercase
@@ -53,6 +57,8 @@ def _special_ids(cfg: ModelConfig, pad_token_id: int | None) -> dict[int, str]:
         specials.setdefault(cfg.bos_token_id, "<|bos|>")
     if pad_token_id is not None:
         specials.setdefault(pad_token_id, "<|pad|>")
+    if cfg.image_token_id is not None:
+        specials.setdefault(cfg.image_token_id, IMAGE)
     for token_id in specials:
         if not 0 <= token_id < cfg.vocab_size:
             raise ValueError(f"special token id {token_id} is outside the vocabulary (vocab_size {cfg.vocab_size})")

@@ -108,8 +108,8 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
     missing_decl = set(variables) - {tuple(w.path.split(".")) for w in declared}
     if missing_decl:  # a module weight without a declaration is a bug in the architecture file
         raise RuntimeError(f"{type(model).__name__} declares no checkpoint name for {sorted(missing_decl)}")
-    bar = tqdm(total=sum((cfg.num_layers * max(1, cfg.num_experts * w.experts)) if w.per_layer else 1
-                         for w in declared), unit="tensor",
+    bar = tqdm(total=sum(max(1, w.num_stacked(cfg)) * max(1, cfg.num_experts * w.experts) for w in declared),
+               unit="tensor",
                desc=f"loading {os.path.basename(source)}", file=sys.stderr, disable=not progress, leave=False)
     tied_head = None
     for w in declared:
@@ -118,11 +118,12 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
         if w.experts:
             var.set_value(_experts(cfg, w, shape, get, name_of(w), source, dtype, quantize != "none", bar))
             continue
-        one = shape[1:] if w.per_layer else shape
+        stacked = w.num_stacked(cfg)
+        one = shape[1:] if stacked else shape
         stored = tuple(reversed(one)) if w.linear else one  # checkpoints hold linears [out, in]
         name = name_of(w)
         tensors = []
-        for i in range(cfg.num_layers if w.per_layer else 1):
+        for i in range(max(stacked, 1)):
             full = None if name is None else name.format(i=i)
             arr = None if full is None else get(full, w, stored)
             if arr is None:
@@ -146,7 +147,7 @@ def _assemble(cfg: ModelConfig, get: Getter, name_of: Callable[[Weight], str | N
             value = (stack_packed(tensors, one[0], one[1], quantize) if w.per_layer
                      else pack_one(tensors[0], quantize))
         else:
-            value = _device(np.stack(tensors) if w.per_layer else tensors[0], dtype)
+            value = _device(np.stack(tensors) if stacked else tensors[0], dtype)
         del tensors
         var.set_value(value)
     bar.close()
@@ -245,6 +246,11 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+def hf_names(name: str, aliases: tuple[tuple[str, str], ...]) -> list[str]:
+    """A declared HF tensor name and the names the architecture's other checkpoint layouts give it."""
+    return [name, *(other + name[len(prefix):] for prefix, other in aliases if name.startswith(prefix))]
+
+
 def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
                 quantize: str = "none") -> tuple[ModelConfig, CausalLM]:
     """Tensors are read one at a time as _assemble asks for them (models/safetensors_file.py): with a
@@ -254,14 +260,18 @@ def load_hf_dir(path: str, *, dtype="float32", progress: bool = False,
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model directory)")
+    from slipstream.models.architectures import model_class
+
     cfg = ModelConfig.from_hf_json(cfg_path)
     try:
         where = index_files(_safetensors_files(path))
     except SafetensorsError as e:
         raise ModelLoadError(str(e)) from None
+    aliases = model_class(cfg).HF_ALIASES
 
     def get(name: str, w: Weight, shape: tuple[int, ...]) -> np.ndarray | None:
-        if name not in where:
+        name = next((n for n in hf_names(name, aliases) if n in where), None)
+        if name is None:
             return None
         file = where[name]
         try:

@@ -8,6 +8,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -129,6 +130,10 @@ class Tokenizer:
         if template is None and os.path.exists(jinja_file):
             with open(jinja_file) as f:
                 template = f.read()
+        processor_file = os.path.join(path, "chat_template.json")  # a processor's (vision-language models: LLaVA)
+        if template is None and os.path.exists(processor_file):
+            with open(processor_file) as f:
+                template = json.load(f).get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
 
@@ -222,12 +227,24 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[st
     return [(left, right) for left, right, _ in splits]
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' {% generation %}...{% endgeneration %} (it marks the assistant's tokens for training masks):
+    rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     try:

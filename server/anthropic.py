@@ -74,10 +74,26 @@ class _Thinking(_Request):
     thinking: Text
 
 
+class _Image(_Request):
+    type: Literal["image"]
+    source: dict[str, Any]  # {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+
+    def url(self, field: str) -> str:
+        """As the chat's image_url: a data URL or the URL itself."""
+        kind = self.source.get("type")
+        if kind == "base64" and isinstance(self.source.get("data"), str):
+            return f"data:{self.source.get('media_type') or 'image/png'};base64,{self.source['data']}"
+        if kind == "url" and isinstance(self.source.get("url"), str):
+            return self.source["url"]
+        raise _bad(f"{field}.source", "an image source is {\"type\": \"base64\", \"media_type\", \"data\"} or "
+                                      "{\"type\": \"url\", \"url\"}")
+
+
 _BLOCKS: dict[str, type[_Request] | None] = {
-    "text": _TextBlock, "tool_use": _ToolUse, "tool_result": _ToolResult, "thinking": _Thinking,
+    "text": _TextBlock, "tool_use": _ToolUse, "tool_result": _ToolResult, "thinking": _Thinking, "image": _Image,
     "redacted_thinking": None}  # encrypted thinking from Anthropic's models: accepted, not shown to the model
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+_ROLE_BLOCKS = {"user": ("text", "image", "tool_result"),
+                "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 def _bad(field: str, message: str, code: str = "invalid_value") -> ServiceError:
@@ -127,6 +143,8 @@ class Translation:
     chat: ChatCompletionRequest
     origins: list[str]            # per chat message: "system", "messages.i" or "messages.i.content.j" (a tool result)
     calls: dict[int, list[str]]   # per assistant message with tool calls: each call's block
+    # per (chat message, content part) of a message with images: the block it came from
+    parts: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
     def prepare(self, service: Service) -> Prepared:
         return dataclasses.replace(prepare_chat(service, self.chat), id_prefix="msg")
@@ -159,6 +177,8 @@ class Translation:
             return f"tools.{m[1]}.input_schema{m[2]}"
         if m := re.fullmatch(r"messages\.(\d+)\.tool_calls\.(\d+)\.function\.arguments(.*)", param):
             return f"{self.calls[int(m[1])][int(m[2])]}.input{m[3]}"
+        if (m := re.fullmatch(r"messages\.(\d+)\.content\.(\d+)(.*)", param)) and (int(m[1]), int(m[2])) in self.parts:
+            return self.parts[int(m[1]), int(m[2])] + (".source" if m[3].startswith(".image_url") else m[3])
         if m := re.fullmatch(r"messages\.(\d+)(.*)", param):
             return self.origins[int(m[1])] + m[2]
         return param
@@ -167,7 +187,7 @@ class Translation:
 def translate(req: CountTokensRequest) -> Translation:
     """The chat request for `req`; a 400 naming the field for what cannot be translated. A final assistant message is
     a prefill: the reply goes on from it, as on Anthropic."""
-    messages, origins, calls = _conversation(req)
+    messages, origins, calls, parts = _conversation(req)
     last = messages[-1] if messages else None
     if last is not None and last.role == "assistant" and not last.content.strip() and not last.tool_calls:
         messages.pop()  # an empty prefill, as none: the reply is a new turn
@@ -189,15 +209,18 @@ def translate(req: CountTokensRequest) -> Translation:
     chat = ChatCompletionRequest(model=req.model, messages=messages, tools=tools, tool_choice=choice,
                                  chat_template_kwargs=_thinking(req.thinking), add_generation_prompt=not prefill,
                                  continue_final_message=prefill, **fields)
-    return Translation(chat, origins, calls)
+    return Translation(chat, origins, calls, parts)
 
 
-def _conversation(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str], dict[int, list[str]]]:
+def _conversation(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str], dict[int, list[str]],
+                                                    dict[tuple[int, int], str]]:
     """The system prompt and the messages as chat messages (a turn's text, thinking and tool calls as one message,
-    each tool result as a tool message of its own), each one's Messages field, and each tool call's block."""
+    each tool result as a tool message of its own), each one's Messages field, each tool call's block, and for a turn
+    with images (its content then chat parts, one per text or image block) each part's block."""
     messages: list[ChatMessage] = []
     origins: list[str] = []
     calls: dict[int, list[str]] = {}
+    parts: dict[tuple[int, int], str] = {}
     if req.system is not None:
         messages.append(ChatMessage(role="system", content=_texts(req.system, "system")))
         origins.append("system")
@@ -220,7 +243,15 @@ def _conversation(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
                 turn = ChatMessage(role=message.role, content="")
                 messages.append(turn)
                 origins.append(f"messages.{i}")
-            if isinstance(block, _TextBlock):
+            if isinstance(block, _Image):
+                if isinstance(turn.content, str):  # the turn's text so far as its first part
+                    turn.content = [{"type": "text", "text": turn.content}] if turn.content else []
+                parts[len(messages) - 1, len(turn.content)] = field
+                turn.content.append({"type": "image_url", "image_url": {"url": block.url(field)}})
+            elif isinstance(block, _TextBlock) and isinstance(turn.content, list):
+                parts[len(messages) - 1, len(turn.content)] = field
+                turn.content.append({"type": "text", "text": block.text})
+            elif isinstance(block, _TextBlock):
                 turn.content += block.text
             elif isinstance(block, _Thinking):
                 turn.reasoning_content = (turn.reasoning_content or "") + block.thinking
@@ -229,7 +260,7 @@ def _conversation(req: CountTokensRequest) -> tuple[list[ChatMessage], list[str]
                 call = MessageToolCall(id=block.id, function=MessageFunction(name=block.name, arguments=arguments))
                 turn.tool_calls = [*(turn.tool_calls or ()), call]
                 calls.setdefault(len(messages) - 1, []).append(field)
-    return messages, origins, calls
+    return messages, origins, calls, parts
 
 
 def _user(metadata: dict[str, Any] | None) -> str | None:

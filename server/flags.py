@@ -159,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a client has to send a request body (408 after)")
     serve.add_argument("--max-body-size", type=parse_bytes, default=parse_bytes(flag_env("max-body-size", "1MiB")),
                        help="largest request body (413 above); also bounds a gRPC prompt")
+    serve.add_argument("--max-images-per-request", type=int, default=int(flag_env("max-images-per-request", 8)),
+                       help="images one chat request may carry (a vision-language model; 400 beyond)")
+    serve.add_argument("--max-image-bytes", type=parse_bytes, default=parse_bytes(flag_env("max-image-bytes", "20MiB")),
+                       help="one image's encoded size, from a data URL or fetched (400 above); a data URL also "
+                            "counts against --max-body-size")
+    serve.add_argument("--image-fetch-timeout", type=float, default=float(flag_env("image-fetch-timeout", 10)),
+                       help="seconds to connect to an http(s) image URL, and for each read of it")
+    serve.add_argument("--no-image-urls", action="store_true", default=bool(flag_env("no-image-urls", "")),
+                       help="take images as data URLs (and base64) only: the server fetches no http(s) URL")
     serve.add_argument("--max-connections", type=int, default=int(flag_env("max-connections", 1024)),
                        help="open HTTP connections; requests beyond get 503")
     serve.add_argument("--no-web-ui", action="store_true", default=bool(flag_env("no-web-ui", "")),

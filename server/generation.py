@@ -25,6 +25,7 @@ class Prepared:
     prompt_param: str = "prompt"   # the API field a too-long prompt is blamed on
     lora: Any = None               # the LoRA adapter the request's model names (None: the base model)
     priority: int = 0              # lower runs first, and preempts running requests of a higher value
+    images: tuple[Any, ...] = ()   # engine.request.ImageInput of its one prompt (a vision-language model's chat)
 
 
 class Generation:

@@ -11,6 +11,7 @@ from slipstream.engine.structured import Reasoning
 from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, valid_unicode
 from slipstream.server.generation import Prepared
+from slipstream.server.images import LoadedImage
 from slipstream.server.service import Service
 from slipstream.server.structured import Constraint, compile_constraint, request_constraint, tool_plan, with_tools
 
@@ -62,7 +63,11 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
         raise ServiceError(400, "top_logprobs requires logprobs=true", param="top_logprobs", code="invalid_value")
     service.check_choices(1, req.n, "messages")
     keep = prompt_tokens_kept(service, req.truncate_prompt_tokens)
-    messages = chat_messages(req.messages)
+    images: list[LoadedImage] = []
+    messages = chat_messages(req.messages, service, images)
+    if images and keep is not None:
+        raise ServiceError(400, "truncate_prompt_tokens cannot be used with images (it could cut an image's rows)",
+                           param="truncate_prompt_tokens", code="unsupported")
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
              "logprobs": "top_logprobs"}
@@ -70,12 +75,18 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
-    prompt = truncated(_chat_prompt(service, req, with_tools(messages, plan)), keep)
+    rendered = with_tools(messages, plan)
+    if service.images is not None:  # a vision-language model's template reads every message's content as parts
+        rendered = [{**m, "content": as_parts(m["content"])} for m in rendered]
+    prompt = truncated(_chat_prompt(service, req, rendered), keep)
+    image_inputs = ()
+    if service.images is not None:  # each image's placeholder expanded to the rows it fills (and none without one)
+        prompt, image_inputs = service.images.expand(prompt, images, "messages")
     if constraint is not None:
         grammar = compile_constraint(service, _after_thinking(service, constraint, prompt))
         params = service.sampling_params(base=params, constraint=grammar)
     return Prepared(prompts=[prompt], params=params, id_prefix="chatcmpl", prompt_param="messages", lora=lora,
-                    priority=priority)
+                    priority=priority, images=image_inputs)
 
 
 def _chat_prompt(service: Service, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
@@ -192,13 +203,23 @@ def _logit_bias(service: Service, bias: dict[str, float] | None) -> tuple[tuple[
     return service.logit_bias([(int(key), value) for key, value in bias.items()])
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """A request's messages as the chat template takes them (text parts joined; other parts a 400)."""
-    return [_message(m, i) for i, m in enumerate(messages)]
+def chat_messages(messages: list[ChatMessage], service: Service | None = None,
+                  images: list[LoadedImage] | None = None) -> list[dict[str, Any]]:
+    """A request's messages as the chat template takes them: text parts joined; with a vision-language model's
+    service and an `images` list, a user message with images as parts ({"type": "text"} and {"type": "image"}, the
+    form its template reads; as_parts gives the others that form after server.structured.with_tools) and each image
+    part read into `images`; other parts a 400."""
+    vision = None if service is None or images is None else service.images
+    no_images = ("this route takes text only" if images is None else
+                 "this model takes no images (it is a text-only model)")
+    return [_message(m, i, vision, images, no_images) for i, m in enumerate(messages)]
 
 
-def _message(message: ChatMessage, index: int) -> dict[str, Any]:
-    entry: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+def _message(message: ChatMessage, index: int, vision=None, images: list[LoadedImage] | None = None,
+             no_images: str = "") -> dict[str, Any]:
+    content = (_message_text(message, index, no_images) if vision is None
+               else _message_parts(message, index, vision, images))
+    entry: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         entry["name"] = message.name
     if message.tool_calls:
@@ -209,25 +230,57 @@ def _message(message: ChatMessage, index: int) -> dict[str, Any]:
     return entry
 
 
-def _message_text(message: ChatMessage, index: int) -> str:
+def _message_text(message: ChatMessage, index: int, no_images: str = "this route takes text only") -> str:
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    param = f"messages.{index}.content"
+    return "".join(_part_text(part, param, j, no_images) for j, part in enumerate(content))
+
+
+def _part_text(part: dict[str, Any], param: str, j: int, no_images: str) -> str:
+    """Part j of a message's content (param) as text: a text part's, or a 400."""
+    if part.get("type") == "image_url":
+        raise ServiceError(400, f"{param}.{j}: {no_images}", param=f"{param}.{j}", code="unsupported")
+    if part.get("type") != "text":
+        raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
+                           param=param, code="unsupported")
+    if not isinstance(part.get("text"), str):
+        got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
+        raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
+                           param=f"{param}.{j}.text", code="invalid_value")
+    try:
+        return valid_unicode(part["text"])
+    except ValueError as exc:
+        raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
+
+
+def _message_parts(message: ChatMessage, index: int, vision, images: list[LoadedImage]) -> str | list[dict[str, Any]]:
+    """A message's content for a vision-language model's template: its text (_message_text), or where it holds
+    images, parts, with each image read into `images`. Images go in user messages only (as on OpenAI)."""
+    content = message.content
+    if not (isinstance(content, list) and any(part.get("type") == "image_url" for part in content)):
+        return _message_text(message, index)
+    parts: list[dict[str, Any]] = []
     param = f"messages.{index}.content"
     for j, part in enumerate(content):
-        if part.get("type") != "text":
-            raise ServiceError(400, f"only text content parts are supported, got type {part.get('type')!r}",
-                               param=param, code="unsupported")
-        if not isinstance(part.get("text"), str):
-            got = "missing" if "text" not in part else f"a {type(part['text']).__name__}, not a string"
-            raise ServiceError(400, f"{param}.{j}.text is {got}: a text part carries its text as a string",
-                               param=f"{param}.{j}.text", code="invalid_value")
-        try:
-            texts.append(valid_unicode(part["text"]))
-        except ValueError as exc:
-            raise ServiceError(400, str(exc), param=param, code="invalid_value") from None
-    return "".join(texts)
+        if part.get("type") == "image_url" and message.role != "user":
+            raise ServiceError(400, f"{param}.{j}: images go in user messages, not {message.role} ones",
+                               param=f"{param}.{j}", code="invalid_value")
+        if part.get("type") == "image_url":
+            source = part.get("image_url")
+            url = source.get("url") if isinstance(source, dict) else source
+            vision.check_count(len(images) + 1, f"{param}.{j}")
+            images.append(vision.from_url(url, f"{param}.{j}.image_url.url"))
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, param, j, "")})
+    return parts
+
+
+def as_parts(content: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A message's content as a list of parts (a text a single text part)."""
+    return content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
 
 
 def _reject_vllm_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -92,16 +92,34 @@ def _text(content: Any, param: str) -> str:
         return _unicode(content, param)
     if not isinstance(content, list):
         raise _bad(param, f"{param} must be a string or a list of input_text parts")
-    texts = []
+    return "".join(_part_text(part, f"{param}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, param: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("input_text", "output_text"):
+        raise _bad(f"{param}.type", f"only input_text and output_text parts are supported, got {kind!r}",
+                   "unsupported")
+    if not isinstance(part.get("text"), str):
+        raise _bad(f"{param}.text", f"{param}.text must be a string")
+    return _unicode(part["text"], f"{param}.text")
+
+
+def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text (_text), or with input_image parts one chat part per part
+    (input_image's image_url a data URL or an http(s) URL)."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)):
+        return _text(content, param)
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise _bad(f"{param}[{j}].type", f"only input_text and output_text parts are supported, got {kind!r}",
-                       "unsupported")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{param}[{j}].text", f"{param}[{j}].text must be a string")
-        texts.append(_unicode(part["text"], f"{param}[{j}].text"))
-    return "".join(texts)
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise _bad(f"{param}[{j}].image_url", f"{param}[{j}].image_url must be a data: or http(s) URL string "
+                                                      "(file_id is not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{param}[{j}]")})
+    return parts
 
 
 def _unicode(text: str, param: str) -> str:
@@ -165,6 +183,8 @@ class Translation:
             return f"tools[{m[1]}]{m[2]}"
         if m := re.fullmatch(r"messages\.(\d+)\.tool_calls\.(\d+)\.function(.*)", param):
             return self.calls[int(m[1])][int(m[2])] + m[3]
+        if m := re.fullmatch(r"messages\.(\d+)\.content\.(\d+)(\.image_url)?.*", param):  # an input_image's part
+            return f"{self.origins[int(m[1])]}.content[{m[2]}]{m[3] or ''}"
         if m := re.fullmatch(r"messages\.(\d+)(.*)", param):
             return self.origins[int(m[1])] + m[2]
         return "input" if param == "messages" else param
@@ -190,7 +210,7 @@ def translate(req: ResponsesRequest, store: ResponseStore) -> Translation:
             f"input[{i - len(earlier)}]"
         item = _item(raw, param)
         if isinstance(item, _Message):
-            messages.append(ChatMessage(role=item.role, content=_text(item.content, f"{param}.content")))
+            messages.append(ChatMessage(role=item.role, content=_content(item.content, f"{param}.content")))
             origins.append(param)
         elif isinstance(item, _FunctionCall):
             call = MessageToolCall(id=item.call_id, function=MessageFunction(name=item.name, arguments=item.arguments))

@@ -21,6 +21,7 @@ from slipstream.server.errors import ServiceError, parse_input, service_error
 from slipstream.server.metrics import ResponseCounts
 from slipstream.server.fim import FimFormat
 from slipstream.server.generation import Generation, Prepared
+from slipstream.server.images import ImageInputs
 from slipstream.server.reasoning import ReasoningFormat
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class Service:
 
     def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig,
                  lora: LoraRegistry | None = None, reasoning: ReasoningFormat | None = None,
-                 fim: FimFormat | None = None) -> None:
+                 fim: FimFormat | None = None, images: ImageInputs | None = None) -> None:
         self.scheduler = scheduler
+        self.images = images  # a vision-language model's image inputs (None: a text-only model; image parts are a 400)
         self.reasoning = reasoning  # how chat replies' thinking is told from their answer (None: it is not)
         self.fim = fim  # the model's fill-in-the-middle tags, for completions with a suffix (None: it has none)
         self.engine = engine
@@ -158,6 +160,8 @@ class Service:
                                param=param, code="invalid_value") from None
         if continue_final:
             final = messages[-1].get("content") or ""
+            if isinstance(final, list):  # a vision-language model's parts (openai_api._message_parts)
+                final = "".join(part.get("text", "") for part in final)
             end = text.rfind(final) if final.strip() else -1
             if end < 0:
                 raise ServiceError(400, "continue_final_message: the final message's content is empty, or the chat "
@@ -289,7 +293,8 @@ class Service:
                     sub = params if n == 1 else dataclasses.replace(
                         params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
                     streams.append(self.scheduler.submit(Request(prompt_ids, sub, request_id=f"{gen_id}-{p * n + i}",
-                                                                 lora=prepared.lora, priority=prepared.priority)))
+                                                                 lora=prepared.lora, priority=prepared.priority,
+                                                                 images=prepared.images)))
         except Exception as exc:
             raise service_error(exc, prompt_param=prepared.prompt_param) from exc
         finally:

@@ -32,18 +32,23 @@ log = logging.getLogger(__name__)
 class Programs:
     """Building, compiling and looking up the engine's programs (a base class of JaxEngine)."""
 
-    def _model_packing(self, t: int, split: bool = True, score: bool = False, pool: bool = False) -> Packing:
+    def _model_packing(self, t: int, split: bool = True, score: bool = False, pool: bool = False,
+                       images: bool = False) -> Packing:
         return model_packing(t, max_slots=self.max_slots, max_pages_per_seq=self.max_pages_per_seq,
                              sample_rows=self.buckets.sample_rows(t), lora=self.lora is not None,
-                             prompt_from=self.prompt_w16 and split, targets=score, pool=pool)
+                             prompt_from=self.prompt_w16 and split, targets=score, pool=pool, images=images)
 
-    def _model_args(self, t: int, split: bool = True, score: bool = False, pool: bool = False):
-        packing = self._model_packing(t, split, score, pool)
-        return (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
+    def _model_args(self, t: int, split: bool = True, score: bool = False, pool: bool = False, images: bool = False):
+        packing = self._model_packing(t, split, score, pool, images)
+        args = (packing, self.params, self._cache_spec, self._previous.spec, packing.spec(self._replicated),
                 None if self.lora is None else self.lora.stacks)
+        if images:  # the image rows [T, D] in the activation dtype (engine/device/images.py)
+            args += (jax.ShapeDtypeStruct((t, self.hidden_size), self.dtype, sharding=self._replicated),)
+        return args
 
-    # The extended programs: the model program that also scores every token (prompt logprobs) or pools rows
-    # (embeddings), or both, keyed (token bucket, score, pool).
+    # The extended programs: the model program that also scores every token (prompt logprobs), pools rows
+    # (embeddings) or feeds image rows (a vision-language model's prompt), or several, keyed (token bucket, score,
+    # pool, images).
     EXTENDED = ((True, False), (False, True))  # the forms compile_extended makes ahead (both at once: at first use)
 
     def extended_bucket(self, t: int) -> int:
@@ -58,16 +63,20 @@ class Programs:
         return tuple(sorted({self.extended_bucket(t) for t in self.buckets.token_counts}))
 
     def compile_extended(self) -> None:
-        """The scoring and the pooling programs of every token bucket, largest first: loaded whole from the compile
-        cache when the engine's own programs came from there and it holds these too; else lowered here, now, and
-        compiled one after another on a thread of their own (a step that needs one waits for it, or compiles it if the
-        thread has not begun it), each saved to the cache. Lowering is Python (tracing, the Pallas kernels' lowering)
-        and holds the GIL, which the serving thread needs between its device calls: lowered on the thread, it slowed
-        every step while the ladder ran (OLMoE-1B-7B on a TPU v5e: a 1-slot decode step 40 ms instead of 5 for
-        minutes after start); XLA's compile releases it. Without this, the first step that scores or pools at a
-        bucket compiles its program."""
-        keys = [(t, score, pool) for t in reversed(self.extended_buckets) for score, pool in self.EXTENDED
-                if (t, score, pool) not in self._extended_exe and (t, score, pool) not in self._extended_compiling]
+        """The scoring and the pooling programs (and a vision-language model's image programs) of every token bucket,
+        largest first: loaded whole from the compile cache when the engine's own programs came from there and it holds
+        these too; else lowered here, now, and compiled one after another on a thread of their own (a step that needs
+        one waits for it, or compiles it if the thread has not begun it), each saved to the cache. Lowering is Python
+        (tracing, the Pallas kernels' lowering) and holds the GIL, which the serving thread needs between its device
+        calls: lowered on the thread, it slowed every step while the ladder ran (OLMoE-1B-7B on a TPU v5e: a 1-slot
+        decode step 33 ms instead of 4.5); XLA's compile releases it. Without this, the first step that scores, pools
+        or feeds image rows at a bucket compiles its program."""
+        # and with a vision tower the image form (the model program with an image-rows input)
+        forms = [(score, pool, False) for score, pool in self.EXTENDED]
+        if self.images is not None:
+            forms.append((False, False, True))
+        keys = [(t, *form) for t in reversed(self.extended_buckets) for form in forms
+                if (t, *form) not in self._extended_exe and (t, *form) not in self._extended_compiling]
         if not keys:
             return
         start = time.perf_counter()
@@ -77,7 +86,7 @@ class Programs:
         if loaded:
             self._extended_exe.update((key, loaded[name]) for key, name in zip(keys, names))
             self.programs_loaded += len(loaded)
-            log.info("loaded %d prompt-scoring and pooling programs in %.1f s", len(loaded),
+            log.info("loaded %d prompt-scoring, pooling and image programs in %.1f s", len(loaded),
                      time.perf_counter() - start)
             return
         if self._compile_thread is None:
@@ -88,8 +97,8 @@ class Programs:
             self._extended_compiling[key] = self._compile_thread.submit(self._compile_extended, key, lowered, store)
         seconds = time.perf_counter() - start
         self.lower_seconds += seconds
-        log.info("lowered %d prompt-scoring and pooling programs in %.1f s; compiling them on a thread", len(keys),
-                 seconds)
+        log.info("lowered %d prompt-scoring, pooling and image programs in %.1f s; compiling them on a thread",
+                 len(keys), seconds)
 
     def wait_extended(self, timeout: float | None = None) -> float:
         """Wait for the thread's compiles (benchmarks time steps once they are done); the seconds waited."""
@@ -98,34 +107,35 @@ class Programs:
             compiling.result(timeout=timeout)
         return time.perf_counter() - start
 
-    def _lower_extended(self, key: tuple[int, bool, bool]) -> jax.stages.Lowered:
-        t, score, pool = key
-        return self._model_jit.lower(*self._model_args(t, score=score, pool=pool))
+    def _lower_extended(self, key: tuple[int, bool, bool, bool]) -> jax.stages.Lowered:
+        t, score, pool, images = key
+        return self._model_jit.lower(*self._model_args(t, score=score, pool=pool, images=images))
 
-    def _compile_extended(self, key: tuple[int, bool, bool], lowered: jax.stages.Lowered | None = None,
+    def _compile_extended(self, key: tuple[int, bool, bool, bool], lowered: jax.stages.Lowered | None = None,
                           store: ExecutableStore | None = None) -> jax.stages.Compiled:
         start = time.perf_counter()
-        t, score, pool = key
+        t, score, pool, images = key
         lowered = lowered or self._lower_extended(key)
         exe = store.compile(lowered) if store is not None else lowered.compile()
         if store is not None:
             store.save(_extended_file(key), exe)
-        log.info("compiled the %s program (%d tokens) in %.1f s", _extended_name(score, pool), t,
+        log.info("compiled the %s program (%d tokens) in %.1f s", _extended_name(score, pool, images), t,
                  time.perf_counter() - start)
         return exe
 
-    def _extended_program(self, t: int, score: bool, pool: bool) -> jax.stages.Compiled:
+    def _extended_program(self, t: int, score: bool, pool: bool, images: bool = False) -> jax.stages.Compiled:
         """The extended program of token bucket t: compiled now if it is not yet (or waited for, if the thread is at
         it). Always the step's own bucket, whatever is compiled: every process of a multi-host group runs the same
         program."""
-        key = (t, score, pool)
+        key = (t, score, pool, images)
         exe = self._extended_exe.get(key)
         if exe is None:
             compiling = self._extended_compiling.pop(key, None)
             if compiling is not None and compiling.cancel():  # still queued behind others: compiled here, now
                 compiling = None
             if compiling is None:
-                log.info("compiling the %s program (%d tokens), asked for by a request", _extended_name(score, pool), t)
+                log.info("compiling the %s program (%d tokens), asked for by a request",
+                         _extended_name(score, pool, images), t)
             exe = self._extended_exe[key] = (compiling.result() if compiling is not None
                                              else self._compile_extended(key))
         return exe
@@ -203,13 +213,13 @@ class Programs:
         return exe
 
 
-def _extended_file(key: tuple[int, bool, bool]) -> str:
-    t, score, pool = key
-    return f"model-{t}-" + "-".join(name for name, on in (("score", score), ("pool", pool)) if on)
+def _extended_file(key: tuple[int, bool, bool, bool]) -> str:
+    t, *on = key
+    return f"model-{t}-" + "-".join(name for name, yes in zip(("score", "pool", "images"), on) if yes)
 
 
-def _extended_name(score: bool, pool: bool) -> str:
-    return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool)) if on)
+def _extended_name(score: bool, pool: bool, images: bool = False) -> str:
+    return " and ".join(name for name, on in (("prompt-scoring", score), ("pooling", pool), ("image", images)) if on)
 
 
 class CompileQueue:

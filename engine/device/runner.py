@@ -27,6 +27,7 @@ from slipstream.engine.device.buckets import Buckets
 from slipstream.engine.device.engine_config import EngineConfig  # imported from here across the repo too
 from slipstream.engine.request import MAX_TOP_LOGPROBS
 from slipstream.engine.kv_cache import kv_bytes_per_token, num_pages_for_budget, pages_needed
+from slipstream.engine.device.images import ImageEncoder
 from slipstream.engine.device.launch import GrammarProgress, LaunchedStep, PooledRows, PreviousSamples, ScoredRows
 from slipstream.engine.device.packed import Packing
 from slipstream.engine.device.programs import CompileQueue, Programs
@@ -167,15 +168,24 @@ class JaxEngine(Programs):
         # the model programs that also score every token (prompt logprobs) or pool rows (embeddings), per token bucket
         # (Programs.EXTENDED): on accelerators compiled on a thread once the engine is up (compile_extended), on CPU
         # (seconds each, on the cores that serve) when a step first needs its bucket's
-        self._extended_exe: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}
+        self._extended_exe: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.extended_min_tokens = 1 if jax.default_backend() == "cpu" else EXTENDED_MIN_TOKENS
-        self._extended_compiling: dict[tuple[int, bool, bool], Future] = {}  # the thread's compiles
+        self._extended_compiling: dict[tuple[int, bool, bool, bool], Future] = {}  # the thread's compiles
+        # a vision-language model's tower program and the encoded rows of the images steps are feeding (at most one
+        # per slot mid-prefill, and a couple that a preempted or cancelled sequence left; an image pushed out is
+        # encoded again if needed); steps with image rows run the image form of the model program
+        # (Programs._extended_program: compiled at first use on CPU, in the background on accelerators)
+        self.images = (ImageEncoder(self.graphdef, self.dtype, self.hidden_size, max_held=self.max_slots + 2,
+                                    sharding=self._replicated)
+                       if model_cfg.vision is not None else None)
         self._compile_thread: CompileQueue | None = None
         self.compile_seconds = 0.0
         self.lower_seconds = 0.0
         self.programs_loaded = 0  # of them, whole executables from the cache directory (no tracing)
         if precompile:
             self.compile_all(progress=progress)
+            if self.images is not None:  # the tower's program at the model's image size
+                self.images.compile(self.params, model_cfg.vision.image_size)
         trim_host_heap()
         self.cache = self.tp.init_cache(make_cache, self._cache_spec) if self.tp else make_cache()
         if precompile and jax.default_backend() != "cpu":
@@ -183,9 +193,10 @@ class JaxEngine(Programs):
 
     # ---- jitted bodies ----------------------------------------------------------------------
 
-    def _model_step(self, packing: Packing, params, cache, last, packed, lora_stacks=None):
+    def _model_step(self, packing: Packing, params, cache, last, packed, lora_stacks=None, embeds=None):
         """-> (logits of the sample rows, cache); with the packing's `targets` (scoring) or `pool` (embeddings),
-        ((those logits, models.base.extended_step's extras), cache)."""
+        ((those logits, models.base.extended_step's extras), cache). embeds [T, D]: the image rows of the rows the
+        packing's `embedded` marks."""
         x = packing.unpack(packed)  # step_inputs.model_packing's arrays
         # a decode fed by the step in flight (PREVIOUS_SAMPLE) takes its slot's latest sample, which
         # never left the device: src i32[T] names that slot, -1 elsewhere (one program, not two)
@@ -197,6 +208,8 @@ class JaxEngine(Programs):
         inputs = (tokens, x["positions"], x["kv_lens"], x["page_indices"], x["cu_q_lens"], x["num_seqs"],
                   x["sample_index"])
         extras = {name: x[name] for name in ("targets", "alternatives", "pool") if name in x}
+        if "embedded" in x:
+            extras.update(embeds=embeds, embedded=x["embedded"])
         return self._forward(params, cache, *inputs, **extras, dtype=self.dtype)
 
     @property
@@ -293,20 +306,23 @@ class JaxEngine(Programs):
         the sequences with targets and the pooled rows of those that pool, if any)."""
         score = any(seq.targets for seq in batch.seqs)
         pool = any(seq.pool for seq in batch.seqs)
+        images = any(seq.images for seq in batch.seqs)
+        if images and self.images is None:
+            raise ValueError("a step feeds image rows to a model without a vision tower")
         t = self.buckets.tokens(batch.num_tokens)
-        if score or pool:
+        if score or pool or images:
             t = self.extended_bucket(t)
         prompt_from = self.prompt_rows_from(batch) if self.prompt_w16 else None
         split = prompt_from is not None and not (prompt_from == batch.num_tokens and t in self._generated_buckets)
-        if score or pool:
-            model = self._extended_program(t, score, pool)
+        if score or pool or images:
+            model = self._extended_program(t, score, pool, images)
         elif prompt_from is not None and not split:
             # generated tokens only (decodes, verification): the program without the prompt form's calls
             model = self._exe(self._generated_exe, t, self._model_jit, functools.partial(self._model_args, split=False))
         else:
             model = self._exe(self._model_exe, t, self._model_jit, self._model_args)
         # the program's one host array, written in place
-        packed, x = self._model_packing(t, split, score=score, pool=pool).host()
+        packed, x = self._model_packing(t, split, score=score, pool=pool, images=images).host()
         _, (tokens, *_), sample_slots = self.step_inputs(batch, x)
         src = previous_sources(batch, tokens, x["cu_q_lens"])
         x["src"][:] = -1 if src is None else src
@@ -322,8 +338,12 @@ class JaxEngine(Programs):
         if pool:
             pooled = PooledRows.of(batch, t, self.max_slots)
             x["pool"][:] = pooled.owners
-        out, self.cache = model(self.params, self.cache, self._previous.last, packed,
-                                None if self.lora is None else self.lora.stacks)
+        lora_stacks = None if self.lora is None else self.lora.stacks
+        if images:
+            embeds = self.images.embeds(self.params, batch, t, x["embedded"])
+            out, self.cache = model(self.params, self.cache, self._previous.last, packed, lora_stacks, embeds)
+        else:
+            out, self.cache = model(self.params, self.cache, self._previous.last, packed, lora_stacks)
         if score or pool:
             out, extras = out
             if score:

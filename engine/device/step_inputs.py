@@ -21,11 +21,13 @@ MODEL_INPUTS = ("tokens", "positions", "kv_lens", "page_indices", "cu_q_lens", "
 
 @functools.cache
 def model_packing(tokens: int, *, max_slots: int, max_pages_per_seq: int, sample_rows: int, lora: bool = False,
-                  prompt_from: bool = False, targets: bool = False, pool: bool = False) -> Packing:
+                  prompt_from: bool = False, targets: bool = False, pool: bool = False,
+                  images: bool = False) -> Packing:
     """The model program's host arrays: MODEL_INPUTS, `src` i32[T] (the slot whose latest sample a
     PREVIOUS_SAMPLE position takes, -1 elsewhere), with LoRA each token's adapter slot i32[T], with the
     hybrid weights' split the first prompt row i32[], when scoring each token's next token i32[T] and the most
-    alternatives a scored row wants i32[], when pooling each row's pooled sequence i32[T] (launch.PooledRows)."""
+    alternatives a scored row wants i32[], when pooling each row's pooled sequence i32[T] (launch.PooledRows), with
+    images whether each row takes the step's image rows (its `embeds` input) i32[T]."""
     t, s = tokens, max_slots
     shapes = dict(tokens=(t,), positions=(t,), kv_lens=(s,), page_indices=(s, max_pages_per_seq),
                   cu_q_lens=(s + 1,), num_seqs=(1,), sample_index=(sample_rows,), src=(t,))
@@ -38,6 +40,8 @@ def model_packing(tokens: int, *, max_slots: int, max_pages_per_seq: int, sample
         shapes["alternatives"] = ()
     if pool:
         shapes["pool"] = (t,)
+    if images:
+        shapes["embedded"] = (t,)
     return Packing(tuple((name, shape, "int32") for name, shape in shapes.items()))
 
 

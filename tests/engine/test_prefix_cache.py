@@ -300,3 +300,23 @@ def test_evictable_last_use_orders_idle_pages_as_lru_eviction_does():
     while cache.evict(1):
         lru_order.append(next(p for p in idle if alloc.refcount(p) == 0 and p not in lru_order))
     assert lru_order == idle
+
+
+def test_page_digests_cover_the_images_whose_rows_they_hold():
+    """A page holding an image's rows keys on the image: another image changes that page's digest and every later
+    one (chained), the pages before the image keep theirs; image_rows cuts a chunk's image rows."""
+    from slipstream.engine.api import image_rows
+    from slipstream.engine.request import ImageInput
+
+    tokens = list(range(40))
+    a, b = (ImageInput(None, 10, 12, bytes([i]) * 16) for i in (1, 2))
+    plain = chain_digests(tokens, 8)
+    with_a, with_b = chain_digests(tokens, 8, images=[a]), chain_digests(tokens, 8, images=[b])
+    assert with_a[0] == with_b[0] == plain[0]  # positions 0..7: before the image
+    assert all(x != y and x != z for x, y, z in zip(with_a[1:], with_b[1:], plain[1:]))
+    assert chain_digests(tokens, 8, images=[a]) == with_a
+    rows = image_rows([a], 8, 16)  # positions 10..15 of the chunk 8..15: the image's rows 0..5
+    assert [(r.at, r.first, r.count, r.last) for r in rows] == [(2, 0, 6, False)]
+    rows = image_rows([a], 16, 24)  # the chunk 16..23: the image's rows 6..11, its last
+    assert [(r.at, r.first, r.count, r.last) for r in rows] == [(0, 6, 6, True)]
+    assert image_rows([a], 22, 30) == ()

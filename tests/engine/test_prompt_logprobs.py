@@ -186,7 +186,7 @@ def test_extended_programs_compiled_in_the_background_leave_scoring_and_pooling_
         score(n)
         pool(n)
     assert engine.compile_count == compiles
-    assert sorted(engine._extended_exe) == [(t, score, not score) for t in (8, 16, 32) for score in (False, True)]
+    assert sorted(engine._extended_exe) == [(t, score, not score, False) for t in (8, 16, 32) for score in (False, True)]
 
 
 def test_a_process_exits_without_running_the_rest_of_the_compile_queue():

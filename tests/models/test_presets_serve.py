@@ -14,12 +14,27 @@ import pytest
 
 from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
 from slipstream.server.app import create_app
-from slipstream.server.cli import build_engine, build_parser
+from slipstream.server.cli import build_engine, build_parser, image_inputs
 from slipstream.server.service import Service, ServiceConfig
 from tests.server.conftest import run_http
 from tests.models.test_presets import PUBLIC, shrunk_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _png_url() -> str:
+    """A 40x30 PNG as a data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 # one slot (the requests come one at a time) and 2-token steps: 2 token buckets to compile; a chat
 # prompt prefills in many chunks
 SMALL = ["--max-slots", "1", "--max-seq-len", "64", "--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "2"]
@@ -38,6 +53,7 @@ SERVED = {
     "qwen3-8b": ("qwen3, untied LM head, one KV head", TPU_INT8),
     "gemma-3-4b": ("gemma3: sliding and global layers, linear RoPE scaling, two KV heads", ()),
     "olmoe-1b-7b": ("olmoe: 64 experts top-8, q/k norms over the whole projection", ()),
+    "llava-1.5-7b": ("llava: a CLIP tower and projector over llama, an image in a chat request", ()),
     "qwen3-30b-a3b": ("qwen3_moe: 128 experts top-8, renormalised", TPU_INT8),
     "mixtral-8x7b": ("mixtral: 8 experts top-2, no q/k norms", ()),
     "phi-4-mini": ("phi3: q/k/v and gate/up split from fused tensors, RoPE on 3/4 of head_dim, LongRoPE, tied", ()),
@@ -46,9 +62,10 @@ SERVED = {
 
 def serve_in_thread(args):
     """The CLI's engine and HTTP app for parsed `serve` args, served on a thread: (url, server, thread, tokenizer)."""
-    engine, tokenizer, _ = build_engine(args)
+    engine, tokenizer, path = build_engine(args)
     scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"),
+                      images=image_inputs(args, engine, path))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))
     return url, server, thread, tokenizer
@@ -77,6 +94,14 @@ def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
             "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["text"]
+        if name.startswith("llava"):  # 28x28 pixels in 14x14 patches: 4 image positions
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "dummy", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _png_url()}}, {"type": "text", "text": "What is it?"}]}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(
+                "<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n",
+                add_special_tokens=False)) + 3
     finally:
         server.should_exit = True
         thread.join(timeout=15)

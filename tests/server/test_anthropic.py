@@ -270,7 +270,10 @@ BAD = [
     ({"messages": [{"role": "user", "content": []}], "max_tokens": 5}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}], "max_tokens": 5}, "messages.0.role"),
     ({"messages": [*HI, {"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5},
-     "messages.1.content.0.type"),
+     "messages.1.content.0.source"),
+    # an image to a text-only model (tests/server/test_images.py: a vision-language model's)
+    ({"messages": [*HI, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}], "max_tokens": 5}, "messages.1.content.1"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "document"}]}],
       "max_tokens": 5}, "messages.0.content.1.type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
@@ -327,7 +330,7 @@ def test_the_openapi_document_shows_anthropics_error_shape(live):
 def test_count_tokens_needs_no_max_tokens_and_has_the_same_errors(live):
     assert count(live, messages=HI) == chat(live, HI, max_tokens=1)["usage"]["prompt_tokens"]
     r = post(live, "/v1/messages/count_tokens", messages=[{"role": "user", "content": [{"type": "image"}]}])
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.0.content.0.type: ")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.0.content.0.source: ")
 
 
 def test_an_unknown_model_is_a_404_in_anthropics_shape(live):

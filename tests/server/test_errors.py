@@ -98,7 +98,7 @@ def test_chat_field_errors_name_the_chat_field(live: LiveServer) -> None:
         assert err["param"] == "top_logprobs" and "20" in err["message"]
         err = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 400)
-        assert err["param"] == "messages.0.content" and "image_url" in err["message"]
+        assert err["param"] == "messages.0.content.0" and "text-only model" in err["message"]
         err = _error(http.post("/v1/chat/completions", json={"messages": []}), 400)
         assert err["param"] == "messages"
 

@@ -233,7 +233,8 @@ BAD = [
     ({"input": []}, "input", "invalid_value"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type", "unsupported"),
     ({"input": ["hi"]}, "input[0]", "invalid_value"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type",
+    # an image to a text-only model (tests/server/test_images.py: a vision-language model's)
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "unsupported"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text",
      "invalid_value"),
