@@ -2,8 +2,8 @@
 (response_format, vLLM's structured_outputs / guided_*, tool_choice), the tools rendered into the
 prompt, and the model's tool calls parsed back out (whole, or as OpenAI streaming deltas).
 
-Tool calls use the Hermes/Qwen2.5 convention, <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-put into the system prompt here so that it works with any chat template (SmolLM2's knows no tools).
+Tool calls are in the served model's own format (server/tool_formats.py): the chat template renders the tools
+when it takes them; otherwise the system prompt describes them, so that any template works (SmolLM2's knows none).
 """
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ import uuid
 import weakref
 from typing import Any
 
-from slipstream.engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth
+from slipstream.engine.grammar_cost import MAX_SCHEMA_DEPTH, nesting_depth, too_costly
 from slipstream.engine.errors import InvalidParam
 from slipstream.engine.structured import Constraint, Grammar, GrammarCompiler
 from slipstream.server.errors import ServiceError, parse_input
+from slipstream.server.tool_formats import FALLBACK, Call, Hermes, ToolFormat
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = Hermes.OPEN, Hermes.CLOSE
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _compilers_lock = threading.Lock()
@@ -104,31 +105,40 @@ class ToolPlan:
     tools: list[dict]           # the function definitions ({"name", "description", "parameters"})
     mode: str                   # "auto", "required" or "named"
     named: str | None = None    # the forced function's name ("named")
+    fmt: ToolFormat = FALLBACK  # the served model's tool format
+
+    @property
+    def names(self) -> set[str]:
+        """The functions a reply may call."""
+        return {self.named} if self.mode == "named" else {t["name"] for t in self.tools}
 
     def constraint(self) -> Constraint | None:
-        """Forced calls are constrained: the arguments of the named function, or one call of any."""
-        if self.mode != "auto":
-            for i, t in enumerate(self.tools):  # before _hoist_defs, which recurses through them
-                if (depth := nesting_depth(_parameters(t))) > MAX_SCHEMA_DEPTH:
-                    field = f"tools.{i}.function.parameters"
-                    raise _bad(field, f"{field} is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
-        if self.mode == "named":
-            fn = next(t for t in self.tools if t["name"] == self.named)
-            return Constraint("json_schema", _parameters(fn), field="tool_choice")
-        if self.mode == "required":
-            calls, defs = [], {}
-            for i, t in enumerate(self.tools):
-                params = _hoist_defs(_parameters(t), f"tool{i}_", defs, f"tools.{i}.function.parameters")
-                calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                              "properties": {"name": {"const": t["name"]}, "arguments": params}})
-            return Constraint("json_schema", {"anyOf": calls, **({"$defs": defs} if defs else {})},
-                              field="tool_choice")
-        return None
+        """Forced calls are constrained to one call in the model's syntax: of the named function, or of any."""
+        if self.mode == "auto":
+            return None
+        for i, t in enumerate(self.tools):  # before _hoist_defs, which recurses through them
+            if (depth := nesting_depth(_parameters(t))) > MAX_SCHEMA_DEPTH:
+                field = f"tools.{i}.function.parameters"
+                raise _bad(field, f"{field} is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+        calls = []
+        for i, t in enumerate(self.tools):
+            if t["name"] not in self.names:
+                continue
+            field, defs = f"tools.{i}.function.parameters", {}
+            params = _hoist_defs(_parameters(t), "", defs, field)
+            params = {**params, "$defs": defs} if defs else params
+            # the grammar embeds the schema in Lark text, where the JSON schema's regex checks would not see it
+            if (costly := too_costly("json_schema", params)) is not None:
+                raise _bad(field, f"{field}: {costly}")
+            calls.append(self.fmt.syntax.grammar(t["name"], params, self.fmt.token))
+        rules = "".join(f"\ncall{i}: {call}" for i, call in enumerate(calls))
+        return Constraint("grammar", "start: " + " | ".join(f"call{i}" for i in range(len(calls))) + rules,
+                          field="tool_choice")
 
 
 def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
-    """The schema without its local $defs, which move into `defs` under prefixed names (so that
-    several functions' schemas fit under one root and their "#/$defs/..." references still resolve)."""
+    """The schema without its local $defs, which move into `defs` under prefixed names (so that the schema fits
+    under another root and its "#/$defs/..." and "#/definitions/..." references still resolve there)."""
     schema = dict(schema)
     local = {}
     for key in ("definitions", "$defs"):
@@ -176,7 +186,7 @@ def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice: Any, fmt: ToolFormat = FALLBACK) -> ToolPlan | None:
     """None when the reply is plain text: no tools, or tool_choice "none"."""
     if tool_choice is not None and not tools:
         if tool_choice == "none":
@@ -195,9 +205,9 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
         _check_unicode(fn, f"tools.{i}.function")
         functions.append(fn)
     if tool_choice in (None, "auto"):
-        return ToolPlan(functions, "auto")
+        return ToolPlan(functions, "auto", fmt=fmt)
     if tool_choice == "required":
-        return ToolPlan(functions, "required")
+        return ToolPlan(functions, "required", fmt=fmt)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -205,32 +215,66 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any) -> ToolPlan | None:
                                   "{'type': 'function', 'function': {'name': ...}}")
     if name not in {f["name"] for f in functions}:
         raise _bad("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
-    return ToolPlan(functions, "named", name)
+    return ToolPlan(functions, "named", name, fmt)
 
 
 def tools_prompt(plan: ToolPlan) -> str:
     listing = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in plan.tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            f"{OPEN}{CLOSE} XML tags:\n{OPEN}\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{CLOSE}")
+            f"</tools>\n\n{plan.fmt.syntax.how}")
 
 
-def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """Messages any template can render: the tools in the system prompt, earlier calls and their
-    results as text in the same convention."""
+def template_input(messages: list[dict[str, Any]], plan: ToolPlan | None,
+                   fmt: ToolFormat = FALLBACK) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and the template variables that render a chat request's tools as the model's format has them:
+    the template's `tools` (OpenAI's tool objects, as transformers passes them) and earlier calls as `tool_calls`
+    with their arguments as objects; a system message's `tools` field (JSON text); or the system prompt
+    (with_tools), for a template that takes none."""
+    if fmt.place == "prompt":
+        return with_tools(messages, plan, fmt), {}
     out = []
     for index, m in enumerate(messages):
         m = dict(m)
-        calls = m.pop("tool_calls", None)
+        given = m.pop("tool_calls", None)
+        calls = _history_calls(given, f"messages.{index}.tool_calls")
+        if calls and fmt.calls_in_template:
+            m["tool_calls"] = [{"id": fmt.syntax.history_id(c.get("id")), "type": "function",
+                                "function": {"name": name, "arguments": arguments}}
+                               for c, (name, arguments) in zip(given, calls)]
+        elif calls:
+            m["content"] = "\n".join([m.get("content") or "", fmt.syntax.render(calls)]).strip()
+        if m.get("tool_call_id") is not None:
+            m["tool_call_id"] = fmt.syntax.history_id(m["tool_call_id"])
+        out.append(m)
+    if plan is None:
+        return out, {}
+    if fmt.place == "template":
+        return out, {"tools": [{"type": "function", "function": f} for f in plan.tools]}
+    listing = json.dumps(plan.tools, ensure_ascii=False)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "role": "system", "tools": listing}
+    else:
+        out.insert(0, {"role": "system", "content": "", "tools": listing})
+    return out, {}
+
+
+def _history_calls(calls: list[dict] | None, field: str) -> list[Call]:
+    """An assistant message's earlier calls as (name, arguments): JSON arguments as their value."""
+    return [(c["function"]["name"], _arguments(c["function"].get("arguments"), f"{field}.{j}.function.arguments"))
+            for j, c in enumerate(calls or ())]
+
+
+def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None,
+               fmt: ToolFormat = FALLBACK) -> list[dict[str, Any]]:
+    """Messages any template can render: the tools in the system prompt, earlier calls and their
+    results as text in the format's syntax."""
+    out = []
+    for index, m in enumerate(messages):
+        m = dict(m)
+        calls = _history_calls(m.pop("tool_calls", None), f"messages.{index}.tool_calls")
         if calls:
-            field = f"messages.{index}.tool_calls"
-            m["content"] = "\n".join([m.get("content") or ""] + [
-                f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                          "arguments": _arguments(c["function"].get("arguments"),
-                                                                  f"{field}.{j}.function.arguments")},
-                                         ensure_ascii=False) + f"\n{CLOSE}" for j, c in enumerate(calls)]).strip()
+            m["content"] = "\n".join([m.get("content") or "", fmt.syntax.render(calls)]).strip()
         if m["role"] == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         m.pop("tool_call_id", None)
@@ -276,84 +320,80 @@ def _call(name: str, arguments: Any) -> dict:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def _model_json(text: str) -> Any:
-    """The model's JSON, or None. A prompt can make a model write what Python's json cannot read
-    (5000 nested brackets: RecursionError): that is plain text, not a 500 after generating."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
+def _split(plan: ToolPlan, text: str) -> tuple[str, list[Call]]:
+    return plan.fmt.syntax.parse(text, plan.names)
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished reply."""
-    if plan.mode == "named":
-        return None, [_call(plan.named, text)]
-    if plan.mode == "required":
-        call = _model_json(text)
-        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-            return text, []  # cut short by max_tokens: no complete call to report
-        return None, [_call(call["name"], call["arguments"])]
-    names = {f["name"] for f in plan.tools}
-    calls, content, rest = [], [], text
-    while OPEN in rest:
-        before, _, after = rest.partition(OPEN)
-        body, closed, rest = after.partition(CLOSE)
-        call = _model_json(body)
-        ok = isinstance(call, dict) and call.get("name") in names
-        content.append(before)
-        if ok:
-            calls.append(_call(call["name"], call.get("arguments", {})))
-        else:
-            content.append(OPEN + body + (CLOSE if closed else ""))
-    content.append(rest)
-    text_out = "".join(content).strip()
-    return (text_out or None) if calls else text, calls
+    """(content, tool_calls) of a finished reply; text that holds no call of the tools stays content."""
+    frame = plan.fmt.syntax.frame(plan.named) if plan.mode == "named" else None
+    if frame is not None and (at := text.find(frame[0])) >= 0:  # the grammar wrote the head: the rest is arguments
+        args, tail = text[at + len(frame[0]):], frame[1]
+        return None, [_call(plan.named, args[:len(args) - len(tail)] if tail and args.endswith(tail) else args)]
+    content, calls = _split(plan, text)
+    if not calls:
+        return text, []
+    return content.strip() or None, [_call(name, arguments) for name, arguments in calls]
 
 
 class ToolStream:
     """One streamed choice as OpenAI streams it: content passes through until a tool call may start;
-    a named function's arguments stream as they come (its id and name first), other calls go out
-    whole when the reply is complete. feed() and finish() return (content, tool_calls deltas)."""
+    a named function's arguments stream as they come (its id and name first) where the model's syntax writes
+    them as JSON, other calls go out whole when the reply is complete. feed() and finish() return
+    (content, tool_calls deltas)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""        # the whole reply so far
         self.sent = 0         # of it, how much went out (as content, or as a named call's arguments)
         self.calls: list[dict] = []
+        self.markers = plan.fmt.syntax.markers(plan.names)
+        self.frame = plan.fmt.syntax.frame(plan.named) if plan.mode == "named" else None
+        self.args_at = -1     # a named call: where its arguments start in the text, once its head is there
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         self.text += piece
         if self.plan.mode == "named":
-            if not piece:
-                return "", []
-            if not self.calls:
-                self.calls = [_call(self.plan.named, "")]
-                first = self.calls[0]
-                return "", [{"index": 0, "id": first["id"], "type": "function",
-                             "function": {"name": self.plan.named, "arguments": piece}}]
-            return "", [{"index": 0, "function": {"arguments": piece}}]
+            return "", self._arguments(final=False)
         if self.plan.mode != "auto":
             return "", []
-        start = self.text.find(OPEN, self.sent)
+        start = min((i for m in self.markers if (i := self.text.find(m, self.sent)) >= 0), default=-1)
         if start >= 0:
             end = start
-        else:  # hold back a tail that could be the start of the tag
-            end = len(self.text) - partial_tail(self.text[self.sent:], OPEN)
+        else:  # hold back a tail that could be the start of a marker
+            end = len(self.text) - max((partial_tail(self.text[self.sent:], m) for m in self.markers), default=0)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out, []
 
+    def _arguments(self, final: bool) -> list[dict]:
+        """A named call's argument pieces settled so far (all of them when final), the first with its id and name."""
+        if self.frame is None:
+            return []
+        head, tail = self.frame
+        if self.args_at < 0:
+            at = self.text.find(head)
+            if at < 0:
+                return []
+            self.args_at = self.sent = at + len(head)
+        if tail and self.text.endswith(tail):  # complete (or the arguments may still go on past it)
+            end = len(self.text) - len(tail)
+        else:
+            end = len(self.text) - (0 if final else partial_tail(self.text[self.sent:], tail))
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        if not self.calls:
+            self.calls = [_call(self.plan.named, "")]
+            return [{"index": 0, "id": self.calls[0]["id"], "type": "function",
+                     "function": {"name": self.plan.named, "arguments": piece}}]
+        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
+
     def finish(self) -> tuple[str, list[dict]]:
         """What is left at the end of the reply."""
-        if self.plan.mode == "named":
-            return "", []
-        content, calls = parse_reply(self.plan, self.text)
-        self.calls = calls
+        if self.plan.mode == "named" and self.args_at >= 0:
+            return "", self._arguments(final=True)
+        content, calls = _split(self.plan, self.text)
         if not calls:
             rest, self.sent = self.text[self.sent:], len(self.text)
             return rest, []
-        tail = ""
-        if self.plan.mode == "auto" and content:
-            sent = self.text[:self.sent]
-            tail = content[len(sent):] if content.startswith(sent) else ""
-        return tail, [{"index": i, **c} for i, c in enumerate(calls)]
+        self.calls = [_call(name, arguments) for name, arguments in calls]
+        tail = content[self.sent:] if self.plan.mode == "auto" else ""
+        return (tail.rstrip() if self.sent else tail.strip()), [{"index": i, **c} for i, c in enumerate(self.calls)]
