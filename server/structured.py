@@ -311,6 +311,18 @@ def partial_tail(text: str, tag: str) -> int:
     return 0
 
 
+_NO_JSON = object()
+
+
+def _model_json(text: str) -> Any:
+    """The model's JSON, or _NO_JSON. A prompt can make a model write what Python's json cannot read
+    (5000 nested brackets: RecursionError): that is plain text, not a 500 after generating."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NO_JSON
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -325,15 +337,38 @@ def _split(plan: ToolPlan, text: str) -> tuple[str, list[Call]]:
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished reply; text that holds no call of the tools stays content."""
-    frame = plan.fmt.syntax.frame(plan.named) if plan.mode == "named" else None
-    if frame is not None and (at := text.find(frame[0])) >= 0:  # the grammar wrote the head: the rest is arguments
-        args, tail = text[at + len(frame[0]):], frame[1]
-        return None, [_call(plan.named, args[:len(args) - len(tail)] if tail and args.endswith(tail) else args)]
+    """(content, tool_calls) of a finished reply; text that holds no call of the tools stays content. A named
+    function's reply is its call, as OpenAI's is, with the arguments written so far when cut short."""
+    if plan.mode == "named":
+        return None, [_call(plan.named, _named_arguments(plan, text))]
     content, calls = _split(plan, text)
     if not calls:
         return text, []
     return content.strip() or None, [_call(name, arguments) for name, arguments in calls]
+
+
+def _named_arguments(plan: ToolPlan, text: str) -> Any:
+    """A forced call's arguments: the text after the grammar's head (less its tail), or parsed where they are not JSON;
+    "" where the reply stopped before them."""
+    frame = plan.fmt.syntax.frame(plan.named)
+    if frame is None:
+        calls = _split(plan, text)[1]
+        return calls[0][1] if calls else ""
+    head, tail = frame
+    at = text.find(head)
+    if at < 0:
+        return ""
+    args = text[at + len(head):]
+    return args[:_arguments_end(args, tail)]
+
+
+def _arguments_end(args: str, tail: str) -> int:
+    """Where a forced call's arguments end in the text after its head: before its tail, whole or begun (a reply cut
+    there), when what is left is JSON; else at the end (cut inside the arguments)."""
+    for k in range(min(len(tail), len(args)), 0, -1):
+        if args.endswith(tail[:k]) and _model_json(args[:len(args) - k]) is not _NO_JSON:
+            return len(args) - k
+    return len(args)
 
 
 class ToolStream:
@@ -354,7 +389,7 @@ class ToolStream:
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         self.text += piece
         if self.plan.mode == "named":
-            return "", self._arguments(final=False)
+            return "", self._arguments(final=True)
         if self.plan.mode != "auto":
             return "", []
         start = min((i for m in self.markers if (i := self.text.find(m, self.sent)) >= 0), default=-1)
@@ -366,7 +401,8 @@ class ToolStream:
         return out, []
 
     def _arguments(self, final: bool) -> list[dict]:
-        """A named call's argument pieces settled so far (all of them when final), the first with its id and name."""
+        """A named call's argument pieces settled so far (not what may be its tail; all of them when final), the first
+        with its id and name."""
         if self.frame is None:
             return []
         head, tail = self.frame
@@ -375,10 +411,11 @@ class ToolStream:
             if at < 0:
                 return []
             self.args_at = self.sent = at + len(head)
-        if tail and self.text.endswith(tail):  # complete (or the arguments may still go on past it)
-            end = len(self.text) - len(tail)
+        if final:
+            end = self.args_at + _arguments_end(self.text[self.args_at:], tail)
         else:
-            end = len(self.text) - (0 if final else partial_tail(self.text[self.sent:], tail))
+            end = len(self.text) - (len(tail) if tail and self.text.endswith(tail) else
+                                    partial_tail(self.text[self.sent:], tail))
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         if not self.calls:
             self.calls = [_call(self.plan.named, "")]
@@ -388,7 +425,12 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left at the end of the reply."""
-        if self.plan.mode == "named" and self.args_at >= 0:
+        if self.plan.mode == "named":
+            if self.frame is None:  # arguments not written as JSON: the call goes out whole
+                self.calls = [_call(self.plan.named, _named_arguments(self.plan, self.text))]
+                return "", [{"index": 0, **self.calls[0]}]
+            if self.args_at < 0:  # cut short before the arguments: the call has none
+                self.args_at = self.sent = len(self.text)
             return "", self._arguments(final=True)
         content, calls = _split(self.plan, self.text)
         if not calls:

@@ -359,3 +359,23 @@ def test_a_required_call_is_constrained_to_the_models_syntax_and_comes_back_as_t
         matcher = grammar.matcher()
         assert all(matcher.advance(t) for t in scripted) and matcher.done
         assert not all(grammar.matcher().advance(t) for t in other)
+
+
+@pytest.mark.parametrize("syntax", [Hermes(), Llama3Json(), Mistral(), Pythonic()], ids=lambda s: s.name)
+def test_a_named_call_cut_short_is_still_the_call_with_the_arguments_so_far(syntax):
+    plan = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, ToolFormat(syntax))
+    whole = syntax.render([("get_weather", {"city": "Oslo"})])
+    json_args = syntax.frame("get_weather") is not None
+    for text, arguments in [(whole[:6], ""),  # inside the head
+                            (whole[:whole.index("Oslo") + 2], '{"city": "Os'),  # inside the arguments
+                            (whole[:whole.index("Oslo") + 6], '{"city": "Oslo"}'), (whole, '{"city": "Oslo"}')]:
+        arguments = arguments if json_args else "" if text != whole else '{"city": "Oslo"}'
+        content, calls = parse_reply(plan, text)
+        assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [("get_weather", arguments)], text
+        stream = ToolStream(plan)
+        deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i:i + 3])[1]]
+        content, more = stream.finish()
+        deltas += more
+        assert content == "" and deltas[0]["function"]["name"] == "get_weather"
+        assert "".join(d["function"]["arguments"] for d in deltas) == arguments, text
