@@ -12,8 +12,8 @@ from slipstream.server.errors import ServiceError, parse_input
 from slipstream.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, valid_unicode
 from slipstream.server.generation import Prepared
 from slipstream.server.service import Service
-from slipstream.server.structured import (Constraint, compile_constraint, request_constraint, template_input,
-                                          tool_plan)
+from slipstream.server.structured import Constraint, compile_constraint, request_constraint
+from slipstream.server.tool_calls import template_input, tool_plan
 
 # ---- requests ------------------------------------------------------------------------------------
 

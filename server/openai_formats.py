@@ -18,7 +18,7 @@ from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
 from slipstream.server.reasoning import ReasoningStream
 from slipstream.server.generation import Generation
 from slipstream.server.service import Service
-from slipstream.server.structured import ToolStream, parse_reply, tool_plan
+from slipstream.server.tool_calls import ToolStream, parse_reply, tool_plan
 
 
 def _reason(d: Delta) -> str | None:

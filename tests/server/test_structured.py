@@ -8,7 +8,8 @@ import pytest
 
 from slipstream.server.errors import ServiceError
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
-from slipstream.server.structured import CLOSE, OPEN, ToolStream, parse_reply, request_constraint, tool_plan, with_tools
+from slipstream.server.structured import request_constraint
+from slipstream.server.tool_calls import CLOSE, OPEN, ToolStream, parse_reply, tool_plan, with_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -97,7 +98,8 @@ def test_forced_replies_become_calls():
     named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     forced = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSE}'
     content, calls = parse_reply(named, forced)
-    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Rome"}'}]
+    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather",
+                                                                   "arguments": '{"city": "Rome"}'}]
     required = tool_plan([WEATHER, CLOCK], "required")
     content, calls = parse_reply(required, f'{OPEN}\n{{"name": "get_time", "arguments": {{}}}}\n{CLOSE}')
     assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}

@@ -16,9 +16,9 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, p
 
 from slipstream.models.tokenizer import Tokenizer
 from slipstream.server import openai_api
-from slipstream.server.structured import ToolStream, parse_reply, template_input, tool_plan
-from slipstream.server.tool_formats import (FALLBACK, Hermes, Llama3Json, Mistral, Phi4Mini, Pythonic, ToolFormat,
-                                            template_use, tool_format)
+from slipstream.server.tool_calls import ToolStream, parse_reply, template_input, tool_plan
+from slipstream.server.tool_formats import FALLBACK, ToolFormat, template_use, tool_format
+from slipstream.server.tool_syntax import Hermes, Llama3Json, Mistral, Phi4Mini, Pythonic
 
 from tests.server.conftest import ByteTokenizer, start_live
 
@@ -65,7 +65,8 @@ QWEN = """{% if tools %}<|im_start|>system
 
 LLAMA = """{% if tools is not defined %}{% set tools = none %}{% endif %}{% set ns = namespace(told=false) %}
 {% for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>
-{% if tools is not none and m.role == 'user' and not ns.told %}{% set ns.told = true %}Respond with a JSON for a function call.
+{% if tools is not none and m.role == 'user' and not ns.told %}{% set ns.told = true %}\
+Respond with a JSON for a function call.
 {% for t in tools %}{{ t | tojson(indent=4) }}
 {% endfor %}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", \
 "parameters": {{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>
