@@ -153,14 +153,16 @@ def template_input(messages: list[dict[str, Any]], plan: ToolPlan | None,
     """The messages and the template variables that render a chat request's tools as the model's format has them:
     the template's `tools` (OpenAI's tool objects, as transformers passes them) and earlier calls as `tool_calls`
     with their arguments as objects; a system message's `tools` field (JSON text); or the system prompt
-    (with_tools), for a template that takes none."""
+    (with_tools), for a template that takes none. A tool result without a `name` gets its call's (Hermes-2-Pro's
+    template demands one)."""
     if fmt.place == "prompt":
         return with_tools(messages, plan, fmt), {}
-    out = []
+    out, called = [], {}
     for index, m in enumerate(messages):
         m = dict(m)
         given = m.pop("tool_calls", None)
         calls = _history_calls(given, f"messages.{index}.tool_calls")
+        called.update((c.get("id"), name) for c, (name, _) in zip(given or (), calls))
         if calls and fmt.calls_in_template:
             m["tool_calls"] = [{"id": fmt.syntax.history_id(c.get("id")), "type": "function",
                                 "function": {"name": name, "arguments": arguments}}
@@ -168,6 +170,8 @@ def template_input(messages: list[dict[str, Any]], plan: ToolPlan | None,
         elif calls:
             m["content"] = "\n".join([m.get("content") or "", fmt.syntax.render(calls)]).strip()
         if m.get("tool_call_id") is not None:
+            if m["role"] == "tool" and "name" not in m and m["tool_call_id"] in called:
+                m["name"] = called[m["tool_call_id"]]
             m["tool_call_id"] = fmt.syntax.history_id(m["tool_call_id"])
         out.append(m)
     if plan is None:

@@ -57,7 +57,7 @@ def tool_format(tokenizer: Any, parser: str) -> ToolFormat:
             name = "mistral"
         elif tokens[Llama3Json.TAG] is not None or re.search(r"<\|(start_header_id|header_start)\|>", source):
             name = "llama3_json"
-        elif place == "system" and "functools" in source:
+        elif "functools" in source:
             name = "phi4_mini"
         else:
             name = "hermes"

@@ -55,7 +55,7 @@ QWEN = """{% if tools %}<|im_start|>system
 {% elif messages[0].role == 'system' %}<|im_start|>system
 {{ messages[0].content }}<|im_end|>
 {% endif %}{% for m in messages if m.role != 'system' %}{% if m.role == 'tool' %}<|im_start|>user
-<tool_response>{{ m.content }}</tool_response><|im_end|>
+<tool_response>{{ m.name }}: {{ m.content }}</tool_response><|im_end|>
 {% else %}<|im_start|>{{ m.role }}
 {{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>
 {"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
@@ -224,6 +224,8 @@ def test_auto_picks_the_syntax_by_vocabulary_then_template():
     assert tool_format(byte_tokenizer([], LLAMA, None), "auto").syntax.name == "llama3_json"
     phi = tool_format(byte_tokenizer([], PHI, None), "auto")
     assert (phi.syntax.name, phi.place) == ("phi4_mini", "system")
+    phi_tools = "{% if tools %}Call as functools[...]: {{ tools | tojson }}{% endif %}{{ messages[0].content }}"
+    assert tool_format(byte_tokenizer([], phi_tools, None), "auto").syntax.name == "phi4_mini"
     # a template that takes no tools: the system prompt's Hermes, whatever the rest of the vocabulary
     for tokenizer in (byte_tokenizer([], PLAIN, None), ByteTokenizer()):
         fmt = tool_format(tokenizer, "auto")
@@ -262,7 +264,7 @@ def test_a_qwen_style_template_renders_the_tools_and_the_history_itself():
     text = render(family("qwen"), HISTORY)
     assert text.startswith(f"<|im_start|>system\nBe brief.\n# Tools\n<tools>{json.dumps(WEATHER)}</tools><|im_end|>\n")
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
-    assert "<tool_response>sunny</tool_response>" in text and "You may call" not in text
+    assert "<tool_response>get_weather: sunny</tool_response>" in text and "You may call" not in text  # its call's
     assert text.endswith("<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n")
     # tool_choice none: no tools for the template, the history as it was
     assert "<tools>" not in render(family("qwen"), HISTORY, "none")
