@@ -48,7 +48,7 @@ class ToolPlan:
             if t["name"] not in self.names:
                 continue
             field, defs = f"tools.{i}.function.parameters", {}
-            params = _hoist_defs(_parameters(t), "", defs, field)
+            params = _hoist_defs(_parameters(t), defs, field)
             params = {**params, "$defs": defs} if defs else params
             # the grammar embeds the schema in Lark text, where the JSON schema's regex checks would not see it
             if (costly := too_costly("json_schema", params)) is not None:
@@ -59,9 +59,9 @@ class ToolPlan:
                           field="tool_choice")
 
 
-def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
-    """The schema without its local $defs, which move into `defs` under prefixed names (so that the schema fits
-    under another root and its "#/$defs/..." and "#/definitions/..." references still resolve there)."""
+def _hoist_defs(schema: dict, defs: dict, field: str) -> dict:
+    """The schema without its local $defs and definitions, which move into `defs` (so that the schema fits under
+    another root, the call's, and its "#/$defs/..." and "#/definitions/..." references resolve there)."""
     schema = dict(schema)
     local = {}
     for key in ("definitions", "$defs"):
@@ -76,13 +76,13 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict, field: str) -> dict:
             out = {k: fix(v) for k, v in node.items()}
             for root in ("#/$defs/", "#/definitions/"):
                 if isinstance(ref, str) and ref.startswith(root):
-                    out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+                    out["$ref"] = "#/$defs/" + ref[len(root):]
             return out
         if isinstance(node, list):
             return [fix(v) for v in node]
         return node
 
-    defs.update({prefix + name: fix(d) for name, d in local.items()})
+    defs.update({name: fix(d) for name, d in local.items()})
     return fix(schema)
 
 

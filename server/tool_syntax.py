@@ -50,11 +50,11 @@ def _call_schema(name: str, params: dict, key: str) -> dict:
     defs = params.get("$defs")
     params = {k: v for k, v in params.items() if k != "$defs"}
     return {"type": "object", "additionalProperties": False, "required": ["name", key],
-            "properties": {"name": {"const": name}, key: params}, **({"$defs": defs} if defs else {}),
-            "x-guidance": JSON_OPTIONS}
+            "properties": {"name": {"const": name}, key: params}, **({"$defs": defs} if defs else {})}
 
 
 def _embedded(schema: dict) -> str:
+    """A JSON schema inside a Lark grammar, written with JSON_OPTIONS' separators."""
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
@@ -280,6 +280,17 @@ def _literal(node: ast.AST) -> Any:
     return _NOT_LITERAL
 
 
+def _python(value: Any) -> str:
+    """A JSON value as a Python literal, its strings and numbers written as JSON writes them (as the grammar does)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k), ensure_ascii=False)}: {_python(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _python_calls(source: str, names: set[str]) -> list[Call] | None:
     try:
         tree = ast.parse(source, mode="eval")
@@ -321,7 +332,7 @@ class Pythonic(Syntax):
     def render(self, calls: Sequence[Call]) -> str:
         def args(a: Any) -> str:
             items = a.items() if isinstance(a, dict) else [("arguments", a)]
-            return ", ".join(f"{k}={v!r}" for k, v in items)
+            return ", ".join(f"{k}={_python(v)}" for k, v in items)
 
         return "[" + ", ".join(f"{n}({args(a)})" for n, a in calls) + "]"
 

@@ -305,7 +305,7 @@ def test_a_template_without_tools_keeps_the_system_prompt_fallback():
     fmt = tool_format(tokenizer, "pythonic")
     out, variables = template_input(HISTORY, tool_plan([WEATHER], "auto", fmt), fmt)
     text = tokenizer.apply_chat_template(out, **variables)
-    assert Pythonic.how in text and "<assistant>[get_weather(city='Oslo')]" in text and variables == {}
+    assert Pythonic.how in text and '<assistant>[get_weather(city="Oslo")]' in text and variables == {}
 
 
 def test_the_fallback_format_is_hermes_in_the_system_prompt():
@@ -382,3 +382,26 @@ def test_a_named_call_cut_short_is_still_the_call_with_the_arguments_so_far(synt
         deltas += more
         assert content == "" and deltas[0]["function"]["name"] == "get_weather"
         assert "".join(d["function"]["arguments"] for d in deltas) == arguments, text
+
+
+def test_forced_calls_keep_their_schemas_references_and_checks(default_tokenizer):
+    """A function's $defs (or definitions) still resolve inside the call's grammar; a costly regex in its
+    parameters is a 400 naming them, though the grammar holds the schema as Lark text."""
+    from slipstream.engine.structured import GrammarCompiler
+    from slipstream.server.errors import ServiceError
+
+    compiler = GrammarCompiler(default_tokenizer, 49152, {2})
+    unit = {"type": "function", "function": {"name": "convert", "parameters": {
+        "type": "object", "properties": {"unit": {"$ref": "#/definitions/unit"}}, "required": ["unit"],
+        "definitions": {"unit": {"enum": ["C", "F"]}}}}}
+    for syntax in (Hermes(), Llama3Json(), Mistral(), Mistral(v11=True), Phi4Mini(), Pythonic()):
+        grammar = compiler.compile(tool_plan([unit, CLOCK], "required", ToolFormat(syntax)).constraint())
+        for args, ok in (({"unit": "F"}, True), ({"unit": "K"}, False)):
+            matcher = grammar.matcher()
+            ids = default_tokenizer.encode(syntax.render([("convert", args)]), add_special_tokens=False)
+            assert (all(matcher.advance(t) for t in ids) and matcher.done) == ok, (syntax.name, args)
+    costly = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(a{50}){50}"}}}}}
+    with pytest.raises(ServiceError) as e:
+        tool_plan([CLOCK, costly], "required").constraint()
+    assert e.value.param == "tools.1.function.parameters" and "unrolls" in e.value.message
