@@ -20,7 +20,7 @@ from slipstream.server.tool_calls import ToolStream, parse_reply, template_input
 from slipstream.server.tool_formats import FALLBACK, ToolFormat, template_use, tool_format
 from slipstream.server.tool_syntax import Hermes, Llama3Json, Mistral, Phi4Mini, Pythonic
 
-from tests.server.conftest import ByteTokenizer, start_live
+from tests.server.conftest import MODEL, ByteTokenizer, start_live
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -405,3 +405,24 @@ def test_forced_calls_keep_their_schemas_references_and_checks(default_tokenizer
     with pytest.raises(ServiceError) as e:
         tool_plan([CLOCK, costly], "required").constraint()
     assert e.value.param == "tools.1.function.parameters" and "unrolls" in e.value.message
+
+
+def test_the_anthropic_and_responses_routes_take_the_same_calls(served):
+    """Both front ends reuse the chat path: the model's own syntax, parsed into a tool_use block and a
+    function_call item."""
+    _, live, grammars = served
+    schema = WEATHER["function"]["parameters"]
+    with live.http() as http:
+        message = http.post("/v1/messages", json={
+            "model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "tools": [{"name": "get_weather", "input_schema": schema}], "tool_choice": {"type": "any"}})
+        response = http.post("/v1/responses", json={
+            "model": MODEL, "input": "Weather in Oslo?", "tool_choice": "required",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": schema}]})
+    assert message.status_code == 200, message.text
+    assert [(b["type"], b["name"], b["input"]) for b in message.json()["content"]] == [("tool_use", *OSLO)]
+    assert message.json()["stop_reason"] == "tool_use"
+    assert response.status_code == 200, response.text
+    assert [(i["type"], i["name"], json.loads(i["arguments"])) for i in response.json()["output"]] == \
+        [("function_call", *OSLO)]
+    assert len(grammars) == 2  # each forced
