@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=flag_env("tool-call-parser", "auto"), choices=TOOL_CALL_PARSERS,
                        help="the syntax of chat tool calls, parsed into tool_calls and used by tool_choice required or "
                             "a named function: hermes (<tool_call>, Qwen), llama3_json (Llama 3.x), mistral "
-                            "([TOOL_CALLS]), phi4_mini (functools[...]), pythonic ([f(a=1)]); auto: by the "
+                            "([TOOL_CALLS]), phi4_mini (functools[...]), pythonic ([f(a=1)]), or vLLM's names for them; auto: by the "
                             "vocabulary's markers and the chat template (hermes when it takes no tools, which the "
                             "system prompt then describes)")
     serve.add_argument("--shutdown-timeout", type=float, default=float(flag_env("shutdown-timeout", 30)),

@@ -15,7 +15,9 @@ from jinja2 import nodes
 
 from slipstream.server.tool_syntax import SYNTAXES, Hermes, Llama3Json, Mistral, Syntax
 
-PARSERS = ("auto", "hermes", "llama3_json", "mistral", "phi4_mini", "pythonic")
+# vLLM's names for the same syntaxes, so that its --tool-call-parser values carry over
+ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "phi4_mini_json": "phi4_mini"}
+PARSERS = ("auto", "hermes", "llama3_json", "mistral", "phi4_mini", "pythonic", *ALIASES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,7 @@ def tool_format(tokenizer: Any, parser: str) -> ToolFormat:
     source = getattr(tokenizer, "chat_template", None) or ""
     place, calls_in_template = template_use(source)
     tokens = {m: _token(tokenizer, m) for m in ("<tool_call>", Mistral.CALLS, Mistral.ARGS, Llama3Json.TAG)}
-    name = parser
+    name = ALIASES.get(parser, parser)
     if parser == "auto":
         if tokens["<tool_call>"] is not None:
             name = "hermes"

@@ -134,6 +134,8 @@ def test_auto_picks_the_syntax_by_vocabulary_then_template():
     # named: that syntax, even against the vocabulary
     assert tool_format(qwen, "llama3_json").syntax.name == "llama3_json"
     assert tool_format(qwen, "pythonic").place == "template"
+    assert tool_format(qwen, "llama4_pythonic").syntax.name == "pythonic"  # vLLM's name for it
+    assert tool_format(qwen, "phi4_mini_json").syntax.name == "phi4_mini"
     with pytest.raises(ValueError, match="--tool-call-parser must be one of"):
         tool_format(qwen, "json")
 
