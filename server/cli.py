@@ -227,6 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slipstream.server.fim import fim_format
     from slipstream.server.reasoning import reasoning_format
     from slipstream.server.service import Service, ServiceConfig
+    from slipstream.server.tool_formats import tool_format
 
     started = time.monotonic()
     uds, grpc_uds = check_socket_paths(args)  # before the slow load
@@ -250,7 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     max_requests_per_client=args.max_requests_per_client,
                                     priority_scheduling=args.scheduling_policy == "priority"),
                       lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser),
-                      fim=fim_format(tokenizer), images=image_inputs(args, engines[0], path))
+                      fim=fim_format(tokenizer), images=image_inputs(args, engines[0], path),
+                      tool_format=tool_format(tokenizer, args.tool_call_parser))
+    log.info("tool calls: %s (--tool-call-parser %s)", service.tool_format.describe(), args.tool_call_parser)
     if service.reasoning is not None:
         log.info("reasoning: chat replies' %s...%s returned as reasoning_content (--reasoning-parser %s)",
                  service.reasoning.open, service.reasoning.close, args.reasoning_parser)

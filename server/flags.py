@@ -11,6 +11,7 @@ from slipstream.models.registry import DEFAULT_MODEL, architecture_presets
 from slipstream.server.lora import add_lora_flags
 from slipstream.server.reasoning import PARSERS
 from slipstream.server.settings import flag_env
+from slipstream.server.tool_formats import PARSERS as TOOL_CALL_PARSERS
 from slipstream.server.unix_socket import parse_mode
 
 
@@ -151,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="chat replies' thinking (<think>...</think>) returned apart from the answer, as "
                             "reasoning_content and reasoning; auto: when the vocabulary has both tags as tokens "
                             "(Qwen3, QwQ, DeepSeek-R1 distills); deepseek_r1 and qwen3 are names for think")
+    serve.add_argument("--tool-call-parser", default=flag_env("tool-call-parser", "auto"), choices=TOOL_CALL_PARSERS,
+                       help="the syntax of chat tool calls, parsed into tool_calls and used by tool_choice required or "
+                            "a named function: hermes (<tool_call>, Qwen), llama3_json (Llama 3.x), mistral "
+                            "([TOOL_CALLS]), phi4_mini (functools[...]), pythonic ([f(a=1)]), or vLLM's names for them; auto: by the "
+                            "vocabulary's markers and the chat template (hermes when it takes no tools, which the "
+                            "system prompt then describes)")
     serve.add_argument("--shutdown-timeout", type=float, default=float(flag_env("shutdown-timeout", 30)),
                        help="seconds in-flight requests may run after SIGTERM (/ready answers 503 meanwhile)")
     serve.add_argument("--header-timeout", type=float, default=float(flag_env("header-timeout", 10)),

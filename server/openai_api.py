@@ -13,7 +13,8 @@ from slipstream.server.protocol import ChatCompletionRequest, ChatMessage, Compl
 from slipstream.server.generation import Prepared
 from slipstream.server.images import LoadedImage
 from slipstream.server.service import Service
-from slipstream.server.structured import Constraint, compile_constraint, request_constraint, tool_plan, with_tools
+from slipstream.server.structured import Constraint, compile_constraint, request_constraint
+from slipstream.server.tool_calls import template_input, tool_plan
 
 # ---- requests ------------------------------------------------------------------------------------
 
@@ -51,7 +52,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
     lora = service.check_model(req.model)
     priority = service.check_priority(req.priority)
-    plan = tool_plan(req.tools, req.tool_choice)
+    plan = tool_plan(req.tools, req.tool_choice, service.tool_format)
     constraint = request_constraint(req)
     forced = parse_input("tools", "tool definitions", plan.constraint) if plan is not None else None
     if forced is not None:
@@ -75,13 +76,15 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     # Validate the sampling fields before the template and the tokenizer run. Without a limit a
     # reply may fill the rest of the context (max_tokens None, resolved against the prompt at submit).
     params = _params(service, req, max_tokens=explicit, logprobs=logprobs, param_names=names, constraint=None)
-    rendered = with_tools(messages, plan)
+    messages, variables = template_input(messages, plan, service.tool_format)
     if service.images is not None:  # a vision-language model's template reads every message's content as parts
-        rendered = [{**m, "content": as_parts(m["content"])} for m in rendered]
-    prompt = truncated(_chat_prompt(service, req, rendered), keep)
+        messages = [{**m, "content": as_parts(m["content"])} for m in messages]
+    prompt = truncated(_chat_prompt(service, req, messages, variables), keep)
     image_inputs = ()
     if service.images is not None:  # each image's placeholder expanded to the rows it fills (and none without one)
         prompt, image_inputs = service.images.expand(prompt, images, "messages")
+    if plan is not None and service.tool_format.special:  # the call's marker is a special token: keep it in the text
+        params = service.sampling_params(base=params, skip_special_tokens=False)
     if constraint is not None:
         grammar = compile_constraint(service, _after_thinking(service, constraint, prompt))
         params = service.sampling_params(base=params, constraint=grammar)
@@ -89,14 +92,15 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
                     priority=priority, images=image_inputs)
 
 
-def _chat_prompt(service: Service, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
+def _chat_prompt(service: Service, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                 variables: dict[str, Any]) -> list[int]:
     """The rendered conversation's ids: a new assistant turn opened, none, or the final assistant message left open
-    (continue_final_message)."""
+    (continue_final_message). `variables`: the template's tools."""
     if req.continue_final_message and (req.add_generation_prompt or messages[-1]["role"] != "assistant"):
         raise ServiceError(400, "continue_final_message goes on with a final assistant message: it needs the last "
                            "message's role to be assistant and add_generation_prompt false",
                            param="continue_final_message", code="invalid_value")
-    return service.render_chat(messages, template_kwargs=template_kwargs(req.chat_template_kwargs),
+    return service.render_chat(messages, template_kwargs={**template_kwargs(req.chat_template_kwargs), **variables},
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final=req.continue_final_message)
 
@@ -224,6 +228,8 @@ def _message(message: ChatMessage, index: int, vision=None, images: list[LoadedI
         entry["name"] = message.name
     if message.tool_calls:
         entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
     thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
     if thinking is not None:
         entry["reasoning_content"] = thinking

@@ -18,7 +18,7 @@ from slipstream.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
 from slipstream.server.reasoning import ReasoningStream
 from slipstream.server.generation import Generation
 from slipstream.server.service import Service
-from slipstream.server.structured import ToolStream, parse_reply, tool_plan
+from slipstream.server.tool_calls import ToolStream, parse_reply, tool_plan
 
 
 def _reason(d: Delta) -> str | None:
@@ -175,7 +175,7 @@ class ChatFormat(_StreamEvents):
         self.created = int(time.time())
         self.top_logprobs = body.top_logprobs or 0
         self._options(body)
-        self.tools = tool_plan(body.tools, body.tool_choice)
+        self.tools = tool_plan(body.tools, body.tool_choice, service.tool_format) if body.tools else None
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
         # a reasoning model's choices: whether each starts inside the thinking, and its stream's split
         self.reasoning, self.include_reasoning = service.reasoning, body.include_reasoning

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from slipstream.server.structured import partial_tail
+from slipstream.server.tool_calls import partial_tail
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "think", "deepseek_r1", "qwen3", "none")  # vLLM's names select the same <think> parser

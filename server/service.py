@@ -23,6 +23,7 @@ from slipstream.server.fim import FimFormat
 from slipstream.server.generation import Generation, Prepared
 from slipstream.server.images import ImageInputs
 from slipstream.server.reasoning import ReasoningFormat
+from slipstream.server.tool_formats import FALLBACK, ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,11 @@ class Service:
 
     def __init__(self, scheduler: Scheduler, engine: Engine, tokenizer: Any, config: ServiceConfig,
                  lora: LoraRegistry | None = None, reasoning: ReasoningFormat | None = None,
-                 fim: FimFormat | None = None, images: ImageInputs | None = None) -> None:
+                 fim: FimFormat | None = None, images: ImageInputs | None = None,
+                 tool_format: ToolFormat = FALLBACK) -> None:
         self.scheduler = scheduler
         self.images = images  # a vision-language model's image inputs (None: a text-only model; image parts are a 400)
+        self.tool_format = tool_format  # how chat requests' tools reach the template and calls come back
         self.reasoning = reasoning  # how chat replies' thinking is told from their answer (None: it is not)
         self.fim = fim  # the model's fill-in-the-middle tags, for completions with a suffix (None: it has none)
         self.engine = engine

@@ -25,6 +25,7 @@ from slipstream.server.http_server import SlipstreamServer, make_server
 from slipstream.server.fim import fim_format
 from slipstream.server.reasoning import reasoning_format
 from slipstream.server.service import Service, ServiceConfig
+from slipstream.server.tool_formats import tool_format
 
 MODEL = "mock-model"
 BOS, EOS = 256, 257
@@ -170,7 +171,7 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
                body_timeout_s: float = 30.0, header_timeout_s: float = 10.0, max_connections: int | None = 1024,
                service_config: dict[str, Any] | None = None, replicas: int = 1, uds: str | None = None,
                uds_mode: int = 0o600, pooling: str = "last", tokenizer: Any = None,
-               reasoning_parser: str = "auto", **engine_kwargs: Any) -> LiveServer:
+               reasoning_parser: str = "auto", tool_call_parser: str = "auto", **engine_kwargs: Any) -> LiveServer:
     """`replicas` > 1: data parallel, a ReplicaSet over that many MockEngines and schedulers.
     `uds`: serve on this unix socket path (as `serve --uds`) instead of a loopback port.
     `tokenizer`: another than ByteTokenizer (the engine then takes its vocabulary and EOS)."""
@@ -184,7 +185,8 @@ def start_live(*, start: bool = True, api_key: str | None = None, max_body_bytes
     if start:
         scheduler.start()
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name=MODEL, **(service_config or {})),
-                      reasoning=reasoning_format(tokenizer, reasoning_parser), fim=fim_format(tokenizer))
+                      reasoning=reasoning_format(tokenizer, reasoning_parser), fim=fim_format(tokenizer),
+                      tool_format=tool_format(tokenizer, tool_call_parser))
     app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                      pooling=pooling)
     url, server, thread = run_http(app, shutdown_timeout_s=shutdown_timeout_s,

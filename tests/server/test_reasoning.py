@@ -219,10 +219,11 @@ def test_a_tool_call_after_the_thinking_is_parsed_from_the_answer_whole_and_stre
     from slipstream.engine.request_stream import Delta
     from slipstream.server.openai_formats import ChatFormat
     from slipstream.server.protocol import ChatCompletionRequest
+    from slipstream.server.tool_formats import FALLBACK
 
     reply = ('<think>\nMaybe <tool_call>{"name": "weather", "arguments": {}}</tool_call>? No, ask properly.\n</think>'
              '\n\nChecking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
-    service = types.SimpleNamespace(model_name="m", reasoning=FMT, token_text=str)
+    service = types.SimpleNamespace(model_name="m", reasoning=FMT, token_text=str, tool_format=FALLBACK)
     gen = types.SimpleNamespace(id="chatcmpl-1", num_choices=1, prompt_tokens=3, completion_tokens=9, cached_tokens=0,
                                 prompt_ids=lambda index: [1, 260])
     body = ChatCompletionRequest(messages=ASK, tools=[{"type": "function", "function": {

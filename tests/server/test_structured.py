@@ -8,7 +8,8 @@ import pytest
 
 from slipstream.server.errors import ServiceError
 from slipstream.server.protocol import ChatCompletionRequest, CompletionRequest
-from slipstream.server.structured import CLOSE, OPEN, ToolStream, parse_reply, request_constraint, tool_plan, with_tools
+from slipstream.server.structured import request_constraint
+from slipstream.server.tool_calls import CLOSE, OPEN, ToolStream, parse_reply, tool_plan, with_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -55,10 +56,10 @@ def test_malformed_or_several_constraints_are_400s_naming_the_field(fields, para
 def test_tool_choice_modes():
     assert tool_plan(None, None) is None and tool_plan([WEATHER], "none") is None
     assert tool_plan([WEATHER], None).mode == "auto" and tool_plan([WEATHER], "auto").constraint() is None
-    named = tool_plan([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_weather"}})
-    assert named.constraint().source == WEATHER["function"]["parameters"]
+    named = tool_plan([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_weather"}}).constraint()
+    assert named.kind == "grammar" and '"const": "get_weather"' in named.source and "get_time" not in named.source
     required = tool_plan([WEATHER, CLOCK], "required").constraint().source
-    assert [c["properties"]["name"]["const"] for c in required["anyOf"]] == ["get_weather", "get_time"]
+    assert '"const": "get_weather"' in required and '"const": "get_time"' in required
     for tools, choice, param in (([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
                                  (None, "required", "tool_choice"), ([{"type": "function"}], "auto", "tools")):
         with pytest.raises(ServiceError) as e:
@@ -95,12 +96,14 @@ def test_auto_reply_with_calls_and_text():
 
 def test_forced_replies_become_calls():
     named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    assert parse_reply(named, '{"city": "Rome"}')[1][0]["function"] == {"name": "get_weather",
-                                                                         "arguments": '{"city": "Rome"}'}
+    forced = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}\n{CLOSE}'
+    content, calls = parse_reply(named, forced)
+    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather",
+                                                                   "arguments": '{"city": "Rome"}'}]
     required = tool_plan([WEATHER, CLOCK], "required")
-    content, calls = parse_reply(required, '{"name": "get_time", "arguments": {}}')
+    content, calls = parse_reply(required, f'{OPEN}\n{{"name": "get_time", "arguments": {{}}}}\n{CLOSE}')
     assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
-    assert parse_reply(required, '{"name": "get_ti') == ('{"name": "get_ti', [])  # cut by max_tokens
+    assert parse_reply(required, f'{OPEN}\n{{"name": "get_ti') == (f'{OPEN}\n{{"name": "get_ti', [])  # max_tokens
 
 
 @pytest.mark.parametrize("cut", [1, 3, 7])
@@ -135,7 +138,8 @@ def test_malformed_tool_calls_in_history_are_a_400_not_a_500(live):
 
 def test_streamed_named_call_sends_id_and_name_first_then_argument_pieces():
     stream = ToolStream(tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}))
-    deltas = [d for piece in ('{"city"', ': "Ro', 'me"}') for d in stream.feed(piece)[1]]
+    pieces = (f'{OPEN}\n{{"name": "get_weather", ', '"arguments": ', '{"city"', ': "Ro', 'me"}', "}\n", CLOSE)
+    deltas = [d for piece in pieces for d in stream.feed(piece)[1]]
     assert stream.finish() == ("", [])
     assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
     assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
