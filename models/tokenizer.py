@@ -3,6 +3,7 @@ SentencePiece BPE), chat templates rendered in a sandboxed jinja2 environment, a
 detokenizer."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from typing import Any, Mapping, Sequence
@@ -247,6 +248,8 @@ def _compile_template(source: str) -> jinja2.Template:
                                         extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
+    # transformers' too: Mistral Small 3's and Llama 3.x's templates date their system prompt
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:

@@ -93,3 +93,18 @@ def test_incremental_detokenizer_never_splits_utf8(tokenizers):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert any(p == "" for p in pieces)  # some multi-token characters were held back
+
+
+def test_chat_template_dates_a_system_prompt_with_strftime_now():
+    """Mistral Small 3's and Llama 3.x's templates call transformers' strftime_now; without it they failed to render."""
+    import datetime
+
+    from tokenizers import Tokenizer as HF, models
+
+    from slipstream.models.tokenizer import Tokenizer
+
+    template = "{% set today = strftime_now('%Y-%m-%d') %}Today: {{ today }}\n{{ messages[0].content }}"
+    tok = Tokenizer(HF(models.BPE()), bos_token=None, eos_token=None, add_bos=False, chat_template=template)
+    before = datetime.date.today().isoformat()
+    text = tok.apply_chat_template([{"role": "user", "content": "x"}])
+    assert text in (f"Today: {before}\nx", f"Today: {datetime.date.today().isoformat()}\nx")
