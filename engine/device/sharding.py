@@ -205,12 +205,12 @@ class TensorParallel:
                 offset=None if value.offset is None else self._put(value.offset, s_spec),
                 logical=value.logical, q_spec=q_spec, s_spec=s_spec)
         if isinstance(value, (ExpertStack, PackedExperts, FusedExperts)):
-            return self._place_experts(value, axes)
+            return self.place_experts(value, axes)
         if isinstance(value, QuantizedTable):  # int8 rows and their scales, each split by its own shape
             return jax.tree.map(lambda a: self._put(a, self.spec(axes, a.shape)), value)
         return self._put(value, self.spec(axes, value.shape))
 
-    def _place_experts(self, value: Any, axes: tuple[str, ...]) -> Any:
+    def place_experts(self, value: Any, axes: tuple[str, ...]) -> Any:
         """An expert weight (logical axes layers, expert, in, out) split on its hidden dimension: a float or int8
         ExpertStack by its axes (a per-output-channel scale with its columns: gate's and up's split, down's
         whole), a PackedExperts on its leading axis of per-device packings (layer_packing.pack_experts' shards)."""

@@ -3,6 +3,7 @@ expert's output, int8 experts stay close to float, greedy generation through the
 decode of several sequences) equals transformers', and unsupported MoE configs are refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -244,8 +245,44 @@ def test_olmoe_clip_qkv_is_refused(olmoe_dir):
         ModelConfig.from_hf_dict({**raw, "clip_qkv": 8.0})
 
 
-def test_tensor_parallel_is_refused_for_moe(olmoe):
-    from slipstream.engine.device.sharding import TensorParallel
+def test_tensor_parallel_that_cannot_split_the_experts_is_refused_with_the_sizes(olmoe):
+    """Each device holds an equal slice of every expert's hidden dimension (OLMoE's tiny experts: 48 units); whole
+    experts per device (expert parallelism) is refused by name."""
+    from slipstream.engine.device.sharding import ShardingConfig, TensorParallel
 
-    with pytest.raises(ValueError, match="one device per replica"):
-        TensorParallel(olmoe[0], 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel 5 does not divide .*moe_intermediate_size 48.*2, 3, 4, 6"):
+        TensorParallel(olmoe[0], 5)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        ShardingConfig(expert="model")
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_experts_packed_per_shard_add_up_to_the_whole(shards):
+    """pack_experts(shards=n), as tensor parallelism packs them: shard s holds gate's and up's columns and down's
+    inputs of slice s of every expert's hidden dimension, fused per shard; the shards' MLPs, each through the
+    grouped kernel on its own packing, add up to the pairs' outputs. The whole packing is not multiplied."""
+    rng = np.random.default_rng(2)
+    e, d, f, top_k, tokens, layer = 4, 32, 16, 2, 12, 1
+    stacks = [ex.quantize_experts(ex.ExpertStack(jnp.asarray(rng.standard_normal((2, e, *shape)) / np.sqrt(shape[0]),
+                                                             jnp.float32)))
+              for shape in ((d, f), (d, f), (f, d))]
+    rounded = [np.asarray(s.w[layer], np.float32) * np.asarray(s.scale[layer])[:, None, :] for s in stacks]
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    chosen = rng.choice(e, size=tokens * top_k).astype(np.int32)
+    want = _pairs_reference(x, chosen, top_k, *rounded)
+    gate, up, down = pack_experts(*stacks, shards=shards)
+    assert gate.shards == down.shards == shards and gate.widths == (f // shards,) * 2 and down.widths == (d,)
+    entries = 2 * e
+    assert gate.packed.shape[0] == down.packed.shape[0] == shards * entries
+
+    def one(form, s):
+        return dataclasses.replace(form, packed=form.packed[s * entries:(s + 1) * entries],
+                                   scales=form.scales[s * entries:(s + 1) * entries],
+                                   colsum=form.colsum[s * entries:(s + 1) * entries], shards=1)
+
+    got = sum(np.asarray(moe.expert_rows(jnp.asarray(x), jnp.asarray(chosen), (
+        one(gate, s).pick(jnp.int32(layer)), up, one(down, s).pick(jnp.int32(layer))), top_k)) for s in range(shards))
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max())
+    with pytest.raises(ValueError, match="one shard per device"):
+        moe.expert_rows(jnp.asarray(x), jnp.asarray(chosen), (gate.pick(jnp.int32(layer)), up,
+                                                                down.pick(jnp.int32(layer))), top_k)
