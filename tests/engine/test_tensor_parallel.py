@@ -5,6 +5,7 @@ fresh Python process (this file's __main__), which reports what it saw as JSON: 
 setting for all its cases (each process costs seconds of start-up)."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -408,11 +409,65 @@ def test_tensor_parallel_moe_float_and_int8_stacks(tp_report):
             assert max(report["tp"][str(tp)]["collectives"]) <= 32 * 64
 
 
+def expert_kernel_worker() -> dict:
+    """The TPU's int8 expert path per device at TP=2, lowered for TPU as the engine's ShardedExperts run it (256
+    hidden units: 128 a device, whole lane tiles): what the step's program holds. (Run in Pallas' TPU interpreter,
+    the kernel under shard_map deadlocks on XLA:CPU's virtual devices, jax 0.10.2; tests/models/test_moe.py runs it
+    on each device's slice in turn.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from slipstream.engine.device.sharding import TensorParallel
+    from slipstream.models import moe
+    from slipstream.models.config import ModelConfig
+    from slipstream.quantization import experts as ex
+
+    e, d, f, top_k, tokens = 4, 256, 256, 2, 24
+    cfg = ModelConfig(num_layers=2, hidden_size=d, num_heads=2, num_kv_heads=2, head_dim=128, intermediate_size=f,
+                      vocab_size=256, num_experts=e, num_experts_per_tok=top_k, moe_intermediate_size=f)
+    stacks = [ex.ExpertStack(jnp.zeros((2, e, *shape), jnp.int8), jnp.ones((2, e, shape[1]), jnp.float32))
+              for shape in ((d, f), (d, f), (f, d))]
+    tp = TensorParallel(cfg, 2)
+    axes = (("layers", "expert", "embed", "mlp"),) * 2 + (("layers", "expert", "mlp", "embed"),)
+    placed = tuple(tp.place_experts(s, a) for s, a in zip(stacks, axes))
+
+    def per_device(x, chosen, weights, layer, placed):
+        picks = tuple(p.pick(layer) for p in placed)
+        return picks[0].per_device(functools.partial(moe.mixture, top_k=top_k), x, chosen, weights, picks)
+
+    args = (jnp.zeros((tokens, d), jnp.bfloat16), jnp.zeros((tokens * top_k,), jnp.int32),
+            jnp.zeros((tokens, top_k), jnp.float32), jnp.int32(1), placed)
+    text = jax.jit(tp.under_mesh(per_device)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    calls = [line for line in text.splitlines() if "@tpu_custom_call" in line]
+    return {"devices": len(jax.devices()), "loop": "stablehlo.while" in text, "ragged_dot": "ragged_dot" in text,
+            # each all-reduce's result type (its region spans lines: the first "-> tensor<...>" after it)
+            "all_reduces": [re.search(r"-> (tensor<[^>]*>)", text[m.end():]).group(1)
+                            for m in re.finditer(r"stablehlo\.all_reduce", text)],
+            "kernel_operands": [re.findall(r"tensor<([0-9x]+xi8)>", line.split(":")[-1]) for line in calls]}
+
+
+def test_tpu_expert_kernels_per_device_under_tensor_parallel():
+    """Lowered for TPU at TP=2, a layer's int8 experts are two kernel calls (gate and up together, then down) on
+    each device's slice (gate's and up's 128 of 256 columns, down's 128 of 256 inputs), one all-reduce of the
+    mixture [T, D], no loop and no grouped dot of a converted stack."""
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(2), "PYTHONPATH": _pythonpath()}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "expert-kernel"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 2 and not report["loop"] and not report["ragged_dot"]
+    assert report["kernel_operands"] == [["2x4x256x128xi8", "2x4x256x128xi8"], ["2x4x128x256xi8"]]
+    assert report["all_reduces"] == ["tensor<24x256xf32>"]
+
+
 if __name__ == "__main__":
     from tests.conftest import subprocess_compile_cache
 
     subprocess_compile_cache()
-    print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
+    if sys.argv[1] == "expert-kernel":
+        print(json.dumps(expert_kernel_worker()))
+    else:
+        print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
 
 
 @pytest.mark.parametrize("case", SCORED)

@@ -109,6 +109,41 @@ def test_tpu_kernel_path_gives_every_pair_its_experts_output(tokens, dtype):
     np.testing.assert_allclose(np.asarray(got), np.asarray(loop), rtol=0, atol=tol)
 
 
+def test_tpu_kernel_on_each_devices_slice_adds_up_to_the_whole():
+    """The TPU's int8 path as each device runs it under tensor parallelism (engine/device/sharding.py; Pallas'
+    interpreter, one slice after another): gate and up cut to 128 of their 256 columns with their scales, down to
+    128 of its 256 inputs with its scales whole; the slices' mixtures (models/moe.mixture's weighting) add up to
+    the whole experts' mixture."""
+    rng = np.random.default_rng(4)
+    e, d, f, top_k, tokens, layer, n = 4, 256, 256, 2, 24, 1, 2
+    gate, up, down = [ex.quantize_experts(ex.ExpertStack(jnp.asarray(rng.standard_normal((2, e, *shape))
+                                                                      / np.sqrt(shape[0]), jnp.float32)))
+                      for shape in ((d, f), (d, f), (f, d))]
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((tokens, e)) * 2), -1), top_k)
+    chosen = chosen.reshape(-1).astype(jnp.int32)
+    args = (x, chosen, jnp.argsort(chosen, stable=True), jnp.bincount(chosen, length=e).astype(jnp.int32))
+
+    @jax.jit
+    def mixture(stacks):
+        rows = moe.kernel_rows(*args, picks=tuple(s.pick(jnp.int32(layer)) for s in stacks), top_k=top_k, block=16,
+                               interpret=True)                                        # [T*k,D]
+        return jnp.sum((rows * weights.reshape(-1, 1)).reshape(tokens, top_k, d), axis=1)
+
+    whole = np.asarray(mixture((gate, up, down)))
+    cut = f // n
+    parts = []
+    for s in range(n):
+        cols = slice(s * cut, (s + 1) * cut)
+        stacks = (ex.ExpertStack(gate.w[..., cols], gate.scale[..., cols]),
+                  ex.ExpertStack(up.w[..., cols], up.scale[..., cols]), ex.ExpertStack(down.w[:, :, cols], down.scale))
+        assert ex.kernel_applies(tuple(st.pick(jnp.int32(layer)) for st in stacks), x)
+        parts.append(np.asarray(mixture(stacks)))
+    np.testing.assert_allclose(sum(parts), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    # each slice's share is its own: neither the whole nor nothing
+    assert all(0.1 * np.abs(whole).max() < np.abs(part - whole).max() for part in parts)
+
+
 def test_int8_experts_lower_to_the_kernel_only_for_tpu():
     """Lowered for TPU, a layer's int8 experts are two kernel calls (gate and up together, then down): no loop, no
     grouped dot of a converted stack; for CPU, no kernel."""
