@@ -5,7 +5,8 @@ group by group: with the CPU's packed int8 experts, one native call per projecti
 expert's) through kernels/tpu/expert_matmul.py, gate and up in one call; with float experts on TPU, one grouped matmul
 (ragged_dot) for steps of at least as many pairs as experts; elsewhere a loop over the same blocks that runs only
 the blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are
-quantization/experts.py's stacks [L, E, in, out]."""
+quantization/experts.py's stacks [L, E, in, out]; under tensor parallelism each device runs `mixture` on its slice of
+every expert's hidden dimension (engine/device/sharding.py's ShardedExperts)."""
 from __future__ import annotations
 
 import functools
@@ -72,7 +73,7 @@ def mixture(x: jax.Array, chosen: jax.Array, weights: jax.Array, picks: tuple, t
     runs this on its slice of it and the devices' results add up, as a dense MLP's row-parallel down projection."""
     t, d = x.shape
     y = expert_rows(x, chosen, picks, top_k)                                          # [T*k,D] f32
-    # HF weighs each expert's output in the activation dtype
+    # HF weighs each expert's output in the activation dtype (under tensor parallelism, each device's share of it)
     y = y.astype(x.dtype) * weights.reshape(-1, 1).astype(x.dtype)
     return jnp.sum(y.reshape(t, top_k, d).astype(jnp.float32), axis=1)
 

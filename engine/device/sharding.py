@@ -364,7 +364,6 @@ class ShardedExperts:
         return ShardedExpertPick(layer, self)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ShardedExpertPick:
     """Layer `layer` of a ShardedExperts, inside the scanned layer body (models/moe.py calls per_device)."""
