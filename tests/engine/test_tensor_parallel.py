@@ -229,13 +229,14 @@ def build_nine_heads(path: str) -> str:
 # case's, its repeated KV heads the reference f32 case's.
 # Sparse MoE (tiny Qwen3-MoE: experts of 32 hidden units; Mixtral: 48): int8 experts packed per device for the
 # native kernel at TP=2, 4 and as a data-parallel replica; float experts (Mixtral) at TP=2 and 4; the int8 stacks
-# the TPU multiplies, through the block loop here (reference kernels), at TP=2.
+# the TPU multiplies, through the block loop here (reference kernels), at TP=2; OLMoE (q/k norms over the whole
+# projection, whose heads the devices split) at TP=2.
 CASES = {
     "auto": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "int8", TPS),
              "qwen2": ("qwen2", "q8_0-a16", "auto", TPS), "gemma3": ("gemma3", "q8_0-a16", "auto", (1, 2)),
              "nine": ("nine", "q8_0-a16", "auto", (1, 3, "2x2")),
              "qwen3_moe": ("qwen3_moe", "q8_0-a16", "auto", (1, 2, 4, "2x2")),
-             "mixtral": ("mixtral", "none", "auto", TPS)},
+             "mixtral": ("mixtral", "none", "auto", TPS), "olmoe": ("olmoe", "q8_0-a16", "auto", (1, 2))},
     "reference": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "auto", (1, 2)),
                   "qwen3_moe": ("qwen3_moe", "q8_0-a16", "auto", (1, 2))},
 }
@@ -388,6 +389,14 @@ def test_tensor_parallel_moe_int8_experts_packed_per_device(tp_report):
         assert r["bytes"] < report["tp"]["1"]["bytes"]
         # one all-reduce of [T, D] per MoE layer, never the pairs' [T * k, D] or an expert stack
         assert r["collectives"] and max(r["collectives"]) <= 32 * 64
+
+
+def test_tensor_parallel_olmoe_norms_over_split_heads(tp_report):
+    """OLMoE normalises q and k over the whole projection, which TP=2 splits by head: greedy tokens as one
+    device's."""
+    report = tp_report("auto", "olmoe")
+    _assert_same_tokens_no_recompiles(report)
+    assert report["tp"]["2"]["kv_layout"] == "split"
 
 
 def test_tensor_parallel_moe_float_and_int8_stacks(tp_report):
