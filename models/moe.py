@@ -5,7 +5,8 @@ group by group: with the CPU's packed int8 experts, one native call per projecti
 expert's) through kernels/tpu/expert_matmul.py, gate and up in one call; with float experts on TPU, one grouped matmul
 (ragged_dot) for steps of at least as many pairs as experts; elsewhere a loop over the same blocks that runs only
 the blocks the step uses (XLA:CPU lowers ragged_dot to a dense product over every expert). Expert weights are
-quantization/experts.py's stacks [L, E, in, out]."""
+quantization/experts.py's stacks [L, E, in, out]; under tensor parallelism each device runs `mixture` on its slice of
+every expert's hidden dimension (engine/device/sharding.py's ShardedExperts)."""
 from __future__ import annotations
 
 import functools
@@ -52,7 +53,6 @@ class SparseMoE(nnx.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        t, d = x.shape
         router = self.router.get_value()                                              # [E,D]
         logits = jnp.einsum("td,ed->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)                                       # [T,E] f32
@@ -60,10 +60,22 @@ class SparseMoE(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         picks = tuple(m.get_value() for m in (self.w_gate, self.w_up, self.w_down))
-        y = expert_rows(x, chosen.reshape(-1).astype(jnp.int32), picks, self.top_k)   # [T*k,D] f32
-        # HF weighs each expert's output in the activation dtype
-        y = y.astype(x.dtype) * weights.reshape(-1, 1).astype(x.dtype)
-        return jnp.sum(y.reshape(t, self.top_k, d).astype(jnp.float32), axis=1).astype(x.dtype)
+        chosen = chosen.reshape(-1).astype(jnp.int32)                                 # [T*k]
+        if hasattr(picks[0], "per_device"):  # tensor parallel: each device its slice of the experts, summed
+            mix = functools.partial(mixture, top_k=self.top_k)
+            return picks[0].per_device(mix, x, chosen, weights, picks).astype(x.dtype)
+        return mixture(x, chosen, weights, picks, self.top_k).astype(x.dtype)
+
+
+def mixture(x: jax.Array, chosen: jax.Array, weights: jax.Array, picks: tuple, top_k: int) -> jax.Array:
+    """The experts' outputs weighted and summed per token: x [T, D], chosen [T*k], weights [T, k] -> f32 [T, D]. A
+    sum over the experts' hidden dimension, so under tensor parallelism (engine/device/sharding.py) each device
+    runs this on its slice of it and the devices' results add up, as a dense MLP's row-parallel down projection."""
+    t, d = x.shape
+    y = expert_rows(x, chosen, picks, top_k)                                          # [T*k,D] f32
+    # HF weighs each expert's output in the activation dtype (under tensor parallelism, each device's share of it)
+    y = y.astype(x.dtype) * weights.reshape(-1, 1).astype(x.dtype)
+    return jnp.sum(y.reshape(t, top_k, d).astype(jnp.float32), axis=1)
 
 
 def _stacked(shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:

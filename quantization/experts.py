@@ -74,13 +74,16 @@ class PackedExperts:
     l * experts + e of the stacks packed [L*E, Np/16, Kp*16], scales and colsum [L*E, Np], which the kernel reads
     where it lies. One weight, or a fused group of weights one input feeds (a gated MLP's gate and up): member j's
     output columns start at offsets[j] (whole 16-column tiles) and number widths[j]. Activations in two int8 parts
-    per row (~15 bits, as int8-channel-a16)."""
+    per row (~15 bits, as int8-channel-a16). shards > 1 (tensor parallelism, engine/device/sharding.py): the arrays
+    hold `shards` such packings one after another along the leading axis, each of a slice of every expert's hidden
+    dimension (widths: one slice's); each device multiplies only its own, a one-shard PackedExperts."""
 
     packed: jax.Array
     scales: jax.Array
     colsum: jax.Array
     experts: int = dataclasses.field(metadata=dict(static=True))
     widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -109,6 +112,9 @@ class PackedPick:
         """rows [P, in] sorted by expert (sizes [E] rows each) times their experts' weights -> each member's f32
         [P, width]."""
         s = self.stack
+        if s.shards != 1:
+            raise ValueError(f"experts packed in {s.shards} shards are multiplied one shard per device "
+                             "(engine/device/sharding.py), not whole")
         y = icm.grouped_matmul(rows, s.packed, s.scales, s.colsum, sizes, self.layer * s.experts, n=s.n, parts=2)
         return tuple(y[:, o:o + w] for o, w in zip(s.offsets, s.widths))
 
@@ -223,26 +229,41 @@ def round_numpy(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(wf * inv), -INT8_MAX, INT8_MAX).astype(np.int8), scale
 
 
-def pack_numpy(*stacks: ExpertStack) -> PackedExperts:
+def pack_numpy(*stacks: ExpertStack, shards: int = 1, split: str = "out") -> PackedExperts:
     """Int8 ExpertStacks [L, E, K, N_j] sharing L, E and K (one weight, or a group one input feeds) -> one
-    PackedExperts over their columns, one expert at a time on the host (load time, CPU)."""
+    PackedExperts over their columns, one expert at a time on the host (load time, CPU). shards > 1: each stack cut
+    in `shards` equal slices of its output columns (split "out": gate and up, so each slice holds its own gate and
+    up columns) or of its inputs ("in": down, whose scales every slice keeps whole), each slice packed after the
+    previous one (PackedExperts.shards)."""
     from slipstream.quantization.groupwise import host_empty
 
     qs, scales = [np.asarray(s.w) for s in stacks], [np.asarray(s.scale) for s in stacks]
     if len({q.shape[:3] for q in qs}) != 1:
         raise ValueError(f"experts packed as one group share L, E and K; got {[q.shape for q in qs]}")
+    if split not in ("out", "in"):
+        raise ValueError(f"split must be 'out' or 'in', got {split!r}")
     layers, experts, k = qs[0].shape[:3]
-    widths = tuple(int(q.shape[3]) for q in qs)
-    tiles = np.cumsum([0] + [icm.padded(k, n)[1] // icm.TILE for n in widths])
-    kp = icm.padded(k, 1)[0]
+    cut = [q.shape[3] if split == "out" else k for q in qs]
+    if any(c % shards for c in cut):
+        raise ValueError(f"experts of {'widths' if split == 'out' else 'inputs'} {cut} do not split in {shards} shards")
+    k_s = k if split == "out" else k // shards
+    widths = tuple(int(q.shape[3]) // shards if split == "out" else int(q.shape[3]) for q in qs)
+    tiles = np.cumsum([0] + [icm.padded(k_s, n)[1] // icm.TILE for n in widths])
+    kp = icm.padded(k_s, 1)[0]
+    entries = layers * experts
     # huge pages: the decode step streams the chosen experts
-    packed = host_empty((layers * experts, int(tiles[-1]), kp * icm.TILE), np.int8)
-    sc = np.zeros((layers * experts, int(tiles[-1]) * icm.TILE), np.float32)
-    cs = np.zeros((layers * experts, int(tiles[-1]) * icm.TILE), np.int32)
-    for j, (q, scale) in enumerate(zip(qs, scales)):
-        cols = slice(int(tiles[j]) * icm.TILE, int(tiles[j + 1]) * icm.TILE)
-        for i in range(layers):
-            for e in range(experts):
-                at = i * experts + e
-                packed[at, tiles[j]:tiles[j + 1]], sc[at, cols], cs[at, cols] = icm.pack(q[i, e], scale[i, e])
-    return PackedExperts(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), experts, widths)
+    packed = host_empty((shards * entries, int(tiles[-1]), kp * icm.TILE), np.int8)
+    sc = np.zeros((shards * entries, int(tiles[-1]) * icm.TILE), np.float32)
+    cs = np.zeros((shards * entries, int(tiles[-1]) * icm.TILE), np.int32)
+    for s in range(shards):
+        for j, (q, scale) in enumerate(zip(qs, scales)):
+            if split == "out":
+                q, scale = q[..., s * widths[j]:(s + 1) * widths[j]], scale[..., s * widths[j]:(s + 1) * widths[j]]
+            else:
+                q = q[:, :, s * k_s:(s + 1) * k_s]
+            cols = slice(int(tiles[j]) * icm.TILE, int(tiles[j + 1]) * icm.TILE)
+            for i in range(layers):
+                for e in range(experts):
+                    at = s * entries + i * experts + e
+                    packed[at, tiles[j]:tiles[j + 1]], sc[at, cols], cs[at, cols] = icm.pack(q[i, e], scale[i, e])
+    return PackedExperts(jax.device_put(packed), jax.device_put(sc), jax.device_put(cs), experts, widths, shards)

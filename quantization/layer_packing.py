@@ -61,11 +61,14 @@ def fuse_channel(weights: list[int8.Int8Weight]) -> StackedChannel:
                           residual)
 
 
-def pack_experts(gate: ExpertStack, up: ExpertStack, down: ExpertStack) -> tuple[PackedExperts, FusedExperts,
-                                                                                PackedExperts]:
+def pack_experts(gate: ExpertStack, up: ExpertStack, down: ExpertStack, *,
+                 shards: int = 1) -> tuple[PackedExperts, FusedExperts, PackedExperts]:
     """A sparse MoE layer's int8 expert stacks -> their forms for the per-channel kernel: gate and up fused into one
-    PackedExperts over their columns (one kernel call for both; up holds a FusedExperts marker), down alone."""
-    return pack_numpy(gate, up), FusedExperts(1), pack_numpy(down)
+    PackedExperts over their columns (one kernel call for both; up holds a FusedExperts marker), down alone.
+    shards > 1 (tensor parallelism): each device's slice of the experts' hidden dimension packed apart, gate's and
+    up's columns of a slice fused together, down's rows of it."""
+    return (pack_numpy(gate, up, shards=shards, split="out"), FusedExperts(1),
+            pack_numpy(down, shards=shards, split="in"))
 
 
 def stack_tiles(w: QuantizedWeight) -> jax.Array | None:

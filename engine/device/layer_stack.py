@@ -14,7 +14,8 @@ its dot (it cannot matmul a dynamic slice), ~2x the weight reads at batch 1. So 
   i's buffer with lax.switch (`LayerPick`); a group of weights read by one input shares one switch;
 - a per-channel int8 weight outside the stack (the LM head) is packed once for its kernel (`PackedChannel`);
 - a sparse MoE's int8 experts are packed for the per-channel kernel, which reads each expert at (layer, expert),
-  gate and up fused (quantization/experts.PackedExperts); float experts stay one stack picked by index;
+  gate and up fused (quantization/experts.PackedExperts), under tensor parallelism too (each device's slice of the
+  experts packed apart); float experts stay one stack picked by index;
 - with the hybrid weights (EngineConfig.prompt_w16) the group-wise stacks are `StackedHybrid`: the StackedQ8 and
   its int8-channel-w16 rounding, a step's prompt rows on the second (docs/kernels.md).
 On TPU (any backend but CPU, one device per replica), quantization/int8.py's stacks [L, in, out]
@@ -56,14 +57,16 @@ def _stackable_f32(value) -> bool:
 
 
 def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool | None = None,
-                  prompt_w16: bool = False) -> None:
+                  prompt_w16: bool = False, expert_shards: int = 1) -> None:
     """Put every per-layer linear weight of `model` in its XLA:CPU form (in place): group-wise int8 ones as
     StackedQ8 and per-channel ones as StackedChannel when `stack_int8`, f32 ones as StackedF32 when `stack_f32`
     (by default: as `stack_int8`, and only where kernels/f32_matmul's native kernel runs), FUSED groups fused;
     everything else as PerLayer. A per-channel int8 weight outside the stack (the LM head) becomes a
     PackedChannel when `stack_int8`. prompt_w16 (with `stack_int8`): the group-wise q8_0-a16 stacks become
     StackedHybrid, which also hold the weights as int8-channel-w16 for a step's prompt rows (the LM head and
-    weights outside the stack keep their one form)."""
+    weights outside the stack keep their one form). A sparse MoE's int8 experts are packed for the per-channel
+    kernel when `stack_int8` or under tensor parallelism (`expert_shards` > 1: each device's slice of the experts'
+    hidden dimension packed apart, engine/device/sharding.py)."""
     fuse_groupwise = fuse_hybrid if prompt_w16 and stack_int8 else fuse_q8
     if stack_f32 is None:
         stack_f32 = stack_int8
@@ -73,9 +76,10 @@ def split_linears(model: CausalLM, *, stack_int8: bool = True, stack_f32: bool |
     n = model.cfg.num_layers
     candidates: dict[tuple, object] = {}
     experts = [flat[key] for w in type(model).WEIGHTS if w.experts and (key := tuple(w.path.split("."))) in flat]
-    if (stack_int8 and experts and all(isinstance(v.get_value(), ExpertStack) and v.get_value().scale is not None
-                                       for v in experts) and icm.native_available()):  # gate, up, down: stacks the native per-channel kernel reads at (layer, expert)
-        for var, form in zip(experts, pack_experts(*(v.get_value() for v in experts))):
+    # gate, up, down: stacks the native per-channel kernel reads at (layer, expert)
+    if ((stack_int8 or expert_shards > 1) and experts and icm.native_available()
+            and all(isinstance(v.get_value(), ExpertStack) and v.get_value().scale is not None for v in experts)):
+        for var, form in zip(experts, pack_experts(*(v.get_value() for v in experts), shards=expert_shards)):
             var.set_value(form)
     for w in type(model).WEIGHTS:
         key = tuple(w.path.split("."))

@@ -78,11 +78,16 @@ class JaxEngine(Programs):
                                self.dtype, packed=packed) if config.max_loras else None)
         # prompt rows on a second weight form (int8-channel-w16), generated tokens' rows on q8_0-a16
         self.prompt_w16 = config.prompt_w16()
+        # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
+        # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
+        # (made first: it refuses a model it cannot split before the weights are rounded and packed)
+        self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
+                   if config.tensor_parallel > 1 or devices is not None else None)
         model = prepare_model(nnx.clone(model), self.weight_mode, self.dtype, progress=progress)
         model.cfg = model_cfg.for_context(config.max_seq_len)  # LongRoPE: the factors of the context served
         if jax.default_backend() == "cpu":  # XLA:CPU copies each weight out of a stack every step
             split_linears(model, stack_int8=config.tensor_parallel == 1,  # sharding splits PerLayer
-                          prompt_w16=self.prompt_w16)
+                          prompt_w16=self.prompt_w16, expert_shards=config.tensor_parallel)
         elif config.tensor_parallel == 1:  # TPU: the int8 kernel reads each layer of a stack where it lies
             index_int8_stacks(model)
         # the step is a pure function of the weights' state: split once, merged inside the programs
@@ -92,10 +97,6 @@ class JaxEngine(Programs):
         # summed hidden states
         self._forward = step_fn(self.graphdef, attention=paged_attention,
                                 score_top=min(MAX_TOP_LOGPROBS, model_cfg.vocab_size), num_pooled=config.max_slots)
-        # tensor parallel: weights and KV pages split over a mesh; None keeps one device and no mesh
-        # a data-parallel replica gets a mesh even on one device: it places the arrays on its device
-        self.tp = (TensorParallel(model_cfg, config.tensor_parallel, devices=None if devices is None else list(devices))
-                   if config.tensor_parallel > 1 or devices is not None else None)
         self._replicated = None  # the sharding of arrays every device holds whole (None: one device)
         cache_cfg = model_cfg
         if self.tp is not None:

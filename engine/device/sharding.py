@@ -23,6 +23,7 @@ from slipstream.engine.device.layer_stack import LayerPick, PerLayer
 from slipstream.kernels.q8_matmul import GROUP, TILE, q8_matmul
 from slipstream.models.config import ModelConfig
 from slipstream.quantization import QuantizedWeight
+from slipstream.quantization.experts import ExpertStack, FusedExperts, PackedExperts
 from slipstream.quantization.groupwise import QuantizedTable
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ShardingConfig:
     embed: str | None = None
     layers: str | None = None
     head_dim: str | None = None
+    expert: str | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -50,6 +52,10 @@ class ShardingConfig:
             if axis is not None and axis not in MESH_AXES:
                 raise ValueError(f"ShardingConfig.{field.name} = {axis!r}: the mesh axes are {MESH_AXES} "
                                  "(or None to replicate)")
+        if self.expert is not None:
+            raise ValueError("ShardingConfig.expert: expert parallelism (whole experts per device) is not "
+                             "supported; a sparse MoE's experts split with the MLP hidden dimension (`mlp`), "
+                             "every device a slice of every expert (docs/design.md)")
         if (self.q_heads is None) != (self.kv_heads is None):
             raise ValueError("ShardingConfig: q_heads and kv_heads must both be split or both replicated "
                              "(each device attends with its query heads' own KV heads)")
@@ -120,15 +126,17 @@ class TensorParallel:
     replicated and the cache holds n KV heads, KV head j // (n / KV) in slot j, so every device keeps
     only the one KV head its queries read (vLLM's replication of KV heads). Any other head count
     (e.g. 9 heads over 3 KV heads at n = 2) replicates attention whole: its weights and the cache.
+
+    A sparse MoE's experts split as the dense MLP does, each expert's hidden dimension over the devices
+    (ShardedExperts); the router is replicated, so every device routes and sorts the step's pairs alike.
     """
 
     def __init__(self, cfg: ModelConfig, n: int, config: ShardingConfig = ShardingConfig(),
                  devices: list[jax.Device] | None = None):
         if devices is not None and len(devices) != n:
             raise ValueError(f"tensor_parallel={n} was given {len(devices)} devices")
-        if cfg.num_experts and n > 1:  # no sharding rule for the expert stacks (quantization/experts.py) yet
-            raise ValueError(f"a sparse-MoE model ({cfg.num_experts} experts) runs on one device per replica: use "
-                             f"tensor_parallel 1 (data-parallel replicas serve more traffic), not {n}")
+        if cfg.num_experts and n > 1:
+            check_experts(cfg, n, config)
         self.mesh = make_mesh(n) if devices is None else Mesh(np.asarray(devices), MESH_AXES)
         self.n, self.config = n, config
         h, kv = cfg.num_heads, cfg.num_kv_heads
@@ -196,9 +204,30 @@ class TensorParallel:
                 q=self._put(value.q, q_spec), scale=self._put(value.scale, s_spec), mode=value.mode,
                 offset=None if value.offset is None else self._put(value.offset, s_spec),
                 logical=value.logical, q_spec=q_spec, s_spec=s_spec)
+        if isinstance(value, (ExpertStack, PackedExperts, FusedExperts)):
+            return self.place_experts(value, axes)
         if isinstance(value, QuantizedTable):  # int8 rows and their scales, each split by its own shape
             return jax.tree.map(lambda a: self._put(a, self.spec(axes, a.shape)), value)
         return self._put(value, self.spec(axes, value.shape))
+
+    def place_experts(self, value: Any, axes: tuple[str, ...]) -> Any:
+        """An expert weight (logical axes layers, expert, in, out) split on its hidden dimension: a float or int8
+        ExpertStack by its axes (a per-output-channel scale with its columns: gate's and up's split, down's
+        whole), a PackedExperts on its leading axis of per-device packings (layer_packing.pack_experts' shards)."""
+        if isinstance(value, FusedExperts):  # no arrays: its group's PackedExperts holds its columns
+            return value
+        if isinstance(value, PackedExperts):
+            if value.shards != self.n:
+                raise ValueError(f"experts packed in {value.shards} shards cannot split over {self.n} devices "
+                                 "(engine/device/layer_stack.split_linears' expert_shards)")
+            specs = tuple(P(MODEL_AXIS, *([None] * (a.ndim - 1))) for a in jax.tree.leaves(value))
+        else:
+            specs = (self.spec(axes, value.w.shape),)
+            if value.scale is not None:
+                specs += (self.spec((*axes[:-2], axes[-1]), value.scale.shape),)
+        leaves, tree = jax.tree.flatten(value)
+        placed = jax.tree.unflatten(tree, [self._put(a, spec) for a, spec in zip(leaves, specs)])
+        return ShardedExperts(placed, specs)
 
     def place_params(self, state: nnx.State) -> nnx.State:
         """The engine's weights (after rounding and per-layer splitting) on the mesh, each by its
@@ -304,6 +333,78 @@ class ShardedLayerPick(LayerPick):
 
 def _q8_linears(ws: tuple, x: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(q8_linear(x, w) for w in ws)
+
+
+# ---- sparse-MoE experts: each device its slice of every expert ------------------------------------
+
+def check_experts(cfg: ModelConfig, n: int, config: ShardingConfig) -> None:
+    """Refuses a sparse MoE that n devices cannot split: each holds moe_intermediate_size / n of every expert."""
+    if config.mlp is None:
+        raise ValueError("a sparse MoE's experts split with the MLP hidden dimension: ShardingConfig.mlp must be "
+                         "split under tensor parallelism")
+    f = cfg.moe_intermediate_size
+    if f % n:
+        fits = [d for d in range(2, min(f, 16) + 1) if f % d == 0]
+        raise ValueError(f"tensor_parallel {n} does not divide the experts' hidden size (moe_intermediate_size {f}): "
+                         f"each device holds an equal slice of every expert; use a tensor_parallel dividing {f} "
+                         f"({', '.join(map(str, fits)) or 'none up to 16'}) or 1 with data-parallel replicas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedExperts:
+    """An expert weight on the mesh, split on its hidden dimension: `form` (an ExpertStack, or PackedExperts of one
+    packing per device) with its arrays placed, `specs` their PartitionSpecs in tree order. Its pick runs the MoE
+    mixture per device (expert_mixture_per_device)."""
+
+    form: Any
+    specs: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def pick(self, layer: jax.Array) -> "ShardedExpertPick":
+        return ShardedExpertPick(layer, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedExpertPick:
+    """Layer `layer` of a ShardedExperts, inside the scanned layer body (models/moe.py calls per_device)."""
+
+    layer: jax.Array
+    stack: ShardedExperts
+
+    @property
+    def experts(self) -> int:
+        form = self.stack.form
+        return form.experts if isinstance(form, PackedExperts) else form.shape[1]
+
+    def per_device(self, mix: Callable, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                   picks: tuple) -> jax.Array:
+        return expert_mixture_per_device(mix, x, chosen, weights, picks)
+
+
+def expert_mixture_per_device(mix: Callable, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                              picks: tuple) -> jax.Array:
+    """mix(x, chosen, weights, picks) -> f32 [T, D] (models/moe.mixture) on each device with its slice of the
+    experts, the devices' results summed: x [T, D], the chosen experts [T*k] and their weights [T, k] are whole on
+    every device, which sorts the pairs alike; each device multiplies gate's and up's columns and down's inputs
+    of its slice (its kernels on its own arrays, as the dense int8 matmuls'), and one all-reduce of [T, D] per
+    layer adds the partial down products, as a dense MLP's row-parallel down projection."""
+    mesh = jax.sharding.get_abstract_mesh()
+    layer = picks[0].layer
+    forms = tuple(p.stack.form if isinstance(p, ShardedExpertPick) else p for p in picks)
+    specs = tuple(jax.tree.unflatten(jax.tree.structure(f), p.stack.specs) if isinstance(p, ShardedExpertPick)
+                  else f for f, p in zip(forms, picks))  # FusedExperts: no arrays
+
+    def local(x, chosen, weights, layer, *forms):
+        own = tuple(_own(f).pick(layer) if isinstance(p, ShardedExpertPick) else f for f, p in zip(forms, picks))
+        return jax.lax.psum(mix(x, chosen, weights, own), MODEL_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), *specs), out_specs=P(),
+                         check_vma=False)(x, chosen, weights, layer, *forms)
+
+
+def _own(form: Any) -> Any:
+    """An expert form as each device holds it (of a PackedExperts, the device's one packing)."""
+    return dataclasses.replace(form, shards=1) if isinstance(form, PackedExperts) else form
 
 
 def device_bytes(tree: Any) -> dict[str, int]:

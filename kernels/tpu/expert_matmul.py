@@ -116,11 +116,15 @@ def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, layer: jax.Array
         raise ValueError(f"x {tuple(x.shape)} must be whole blocks of rows ({rows}, a multiple of {ROW_ALIGN}) of "
                          f"{k} inputs")
     chosen = blocks(k, n)
-    if chosen is None:
+    if chosen is None and not (block_k and block_n):
         raise ValueError(f"no blocks for experts [{k}, {n}] (K and N multiples of {N_ALIGN})")
     bk, bn = block_k or chosen[0], block_n or chosen[1]
-    if k % bk or bk % N_ALIGN or n % bn or bn % N_ALIGN:
-        raise ValueError(f"blocks ({bk}, {bn}) do not tile [{k}, {n}] (multiples of {N_ALIGN})")
+    # a block a whole dimension wide need not be lane-aligned (Pallas' rule): e.g. a tensor-parallel device's slice
+    # of narrow experts (Qwen3-30B-A3B's 768 hidden units over 4 devices: 192); `blocks` does not choose such
+    # blocks until a TPU has compiled them (.devrun/expert_matmul_narrow.py)
+    if k % bk or n % bn or (bk % N_ALIGN and bk != k) or (bn % N_ALIGN and bn != n):
+        raise ValueError(f"blocks ({bk}, {bn}) do not tile [{k}, {n}] (multiples of {N_ALIGN}, or the whole "
+                         "dimension)")
     c, nn, nk = x.shape[0] // rows, n // bn, k // bk
 
     def live(i, j, kk, used):  # a dead block's indices: the last used block's last step (nothing new to fetch)

@@ -129,9 +129,7 @@ def worker(model_dir: str) -> dict:
 
     from slipstream.engine.device.runner import EngineConfig, JaxEngine
     from slipstream.engine.device.sharding import replica_devices
-    from slipstream.engine.request import Request, SamplingParams
     from slipstream.models.loader import load_model
-    from slipstream.server import cli
     from tests.conftest import TINY_ENGINE
     from tests.engine.test_kernel_paths import greedy
     from tests.engine.test_tensor_parallel import STEPS
@@ -159,13 +157,30 @@ def worker(model_dir: str) -> dict:
             "cache": devices(engine.cache), "params": devices(engine.params), "cache_shapes": cache_shapes(engine)}
         del engine
 
+    return {**report, **served(model_dir, prompts)}
+
+
+def served(model_dir: str, prompts: list[list[int]], tp: int = 2, dp: int = 2) -> dict:
+    """`slipstream serve`'s engines and replica set (by default TP=2 x DP=2) with int8 weights (q8_0-a16) serving
+    the first two prompts at once, one a replica: their greedy tokens, compiles, and where each replica's arrays
+    lie."""
+    import jax
+
+    from slipstream.engine.request import Request, SamplingParams
+    from slipstream.server import cli
+    from tests.engine.test_tensor_parallel import STEPS
+
+    def devices(tree) -> list[int]:
+        return sorted({d.id for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set})
+
     args = cli.build_parser().parse_args([
-        "serve", "--model", model_dir, "--tensor-parallel", "2", "--data-parallel", "2", "--quantize", "q8_0-a16",
+        "serve", "--model", model_dir, "--tensor-parallel", str(tp), "--data-parallel", str(dp), "--quantize", "q8_0-a16",
         "--max-slots", "1", "--max-num-batched-tokens", "2", "--page-size", "8", "--max-seq-len", "128",
         "--kv-cache-memory", "64KiB", "--compile-cache", os.environ.get("SLIPSTREAM_TEST_COMPILE_CACHE", "")])
     engines, tokenizer, _ = cli.build_engines(args, data_parallel=args.data_parallel)
     replicas = ReplicaSet([Scheduler(e, OutputProcessor(tokenizer), SchedulerConfig()) for e in engines])
     replicas.start()
+    report = {}
     try:
         before = engines[0].compile_count
         streams = [replicas.submit(Request(p, SamplingParams(temperature=0.0, max_tokens=STEPS))) for p in prompts[:2]]
@@ -174,29 +189,59 @@ def worker(model_dir: str) -> dict:
         report["served_prompt_tokens"] = [s.prompt_tokens for s in replicas.replica_stats()]
         report["served_cache"] = [devices(e.cache) for e in engines]
         report["served_params"] = [devices(e.params) for e in engines]
-        report["served_cache_shapes"] = [cache_shapes(e) for e in engines]
+        report["served_cache_shapes"] = [sorted({tuple(s.data.shape) for s in e.cache["k"].addressable_shards})
+                                         for e in engines]
     finally:
         replicas.shutdown(timeout=30)
     return report
 
 
-def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_factory):
+def moe_worker(model_dir: str) -> dict:
+    """A sparse MoE (tiny Qwen3-MoE): `served`'s tokens on one device, then at TP=2 x DP=2. (Served, not the
+    hand-built engines' batch of three: the tiny model's int8 greedy tokens meet near-ties that a step's other rows
+    tip through XLA's summation order, with or without tensor parallelism.)"""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (5, 9)]
+    report = {"devices": len(jax.devices()), "one_q8": served(model_dir, prompts, 1, 1)["served"]}
+    return {**report, **served(model_dir, prompts)}
+
+
+def _run_worker(model_dir: str, *mode: str) -> dict:
     import json
     import subprocess
     import sys
 
-    from tests.conftest import build_tiny_hf
-    from tests.engine.test_tensor_parallel import DEVICES, ROOT
-    from tests.server.test_serve_hf_models import _save_word_tokenizer
+    from tests.engine.test_tensor_parallel import DEVICES, ROOT, _pythonpath
 
-    model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("dp-llama")), "llama")
-    _save_word_tokenizer(model_dir)  # for the CLI's engines
-    env = {**os.environ, "XLA_FLAGS": virtual_devices(DEVICES), "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_dir], cwd=ROOT, env=env,
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(DEVICES), "PYTHONPATH": _pythonpath()}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), model_dir, *mode], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["devices"] == DEVICES
+    return report
+
+
+def _assert_served_on_own_devices(report: dict) -> None:
+    """The CLI's replica set at TP=2: one request per replica, both at once, precompiled (nothing compiles); each
+    replica's KV pages and weights on its own 2 devices only, one KV head each."""
+    assert report["served"] == report["one_q8"][:2]
+    assert report["served_prompt_tokens"] == [5, 9]
+    assert report["served_cache"] == report["served_params"] == [[0, 1], [2, 3]]
+    assert [[shape[1] for shape in shapes] for shapes in report["served_cache_shapes"]] == [[1], [1]]
+    assert report["served_compiles"] == 0
+
+
+def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_factory):
+    from tests.conftest import build_tiny_hf
+    from tests.server.test_serve_hf_models import _save_word_tokenizer
+
+    model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("dp-llama")), "llama")
+    _save_word_tokenizer(model_dir)  # for the CLI's engines
+    report = _run_worker(model_dir)
     one = report["one"]
     for r, devices in enumerate(([0], [1])):
         rep = report[f"tp1-r{r}"]
@@ -205,13 +250,18 @@ def test_replicas_on_disjoint_devices_give_the_single_device_tokens(tmp_path_fac
         # each replica's KV pages and weights on its own device only
         assert rep["cache"] == rep["params"] == devices, f"replica {r}"
         assert rep["cache_shapes"] == [[2, 2, 48, 8, 16]]
-    # the CLI's replica set at TP=2: one request per replica, both at once, precompiled (nothing compiles)
-    assert report["served"] == report["one_q8"][:2]
-    assert report["served_prompt_tokens"] == [5, 9]
-    # each replica's KV pages and weights on its own 2 devices only, one KV head each
-    assert report["served_cache"] == report["served_params"] == [[0, 1], [2, 3]]
-    assert [[shape[:2] for shape in shapes] for shapes in report["served_cache_shapes"]] == [[[2, 1]], [[2, 1]]]
-    assert report["served_compiles"] == 0
+    _assert_served_on_own_devices(report)
+
+
+def test_sparse_moe_served_at_tensor_parallel_gives_the_single_device_tokens(tmp_path_factory):
+    """A tiny Qwen3-MoE served by `slipstream serve`'s engines at TP=2 x DP=2 (each replica's experts split over
+    its two devices, packed per device): the single-device greedy tokens."""
+    from tests.conftest import build_tiny_hf
+    from tests.server.test_serve_hf_models import _save_word_tokenizer
+
+    model_dir = build_tiny_hf(str(tmp_path_factory.mktemp("dp-qwen3-moe")), "qwen3_moe")
+    _save_word_tokenizer(model_dir)
+    _assert_served_on_own_devices(_run_worker(model_dir, "moe"))
 
 
 def test_more_replicas_than_devices_is_refused_with_how_to_get_virtual_devices():
@@ -228,4 +278,4 @@ if __name__ == "__main__":
     from tests.conftest import subprocess_compile_cache
 
     subprocess_compile_cache()
-    print(json.dumps(worker(sys.argv[1])))
+    print(json.dumps((moe_worker if sys.argv[2:] == ["moe"] else worker)(sys.argv[1])))

@@ -5,6 +5,7 @@ fresh Python process (this file's __main__), which reports what it saw as JSON: 
 setting for all its cases (each process costs seconds of start-up)."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -33,13 +34,25 @@ def _weights(engine) -> dict:
     from flax import nnx
 
     from slipstream.engine.device.layer_stack import FusedMember, StackedF32, StackedQ8
+    from slipstream.engine.device.sharding import ShardedExperts
+    from slipstream.quantization.experts import ExpertStack, FusedExperts, PackedExperts
 
     out = {}
     for path, var in nnx.to_flat_state(engine.params):
         name = ".".join(map(str, path))
         value = var.get_value()
-        if isinstance(value, FusedMember):
+        if isinstance(value, (FusedMember, FusedExperts)):
             continue  # its int8 weight is in its group's stack (TP=1 on CPU: engine/layer_stack.py)
+        if isinstance(value, ShardedExperts):
+            value = value.form
+        if isinstance(value, PackedExperts):  # the experts packed for the CPU's kernel, one packing per device
+            out[name + ".packed"], out[name + ".scales"] = _shards(value.packed), _shards(value.scales)
+            continue
+        if isinstance(value, ExpertStack):
+            out[name + ".w"] = _shards(value.w)
+            if value.scale is not None:
+                out[name + ".scale"] = _shards(value.scale)
+            continue
         if isinstance(value, StackedQ8):
             value = value.weight  # [L, ...]: the whole stack, one buffer
         if isinstance(value, StackedF32):
@@ -171,10 +184,16 @@ def greedy_scoring(engine, prompts: list[list[int]]) -> tuple[list[list[int]], l
     return out, scores
 
 
+def _pythonpath() -> str:
+    """The subprocess's import path: the caller's first (a checkout that imports this tree's code under its own
+    name), then this tree."""
+    return os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)
+
+
 def _run(cases: list[dict], kernels: str) -> list[dict]:
     """Reports of worker(**case) for each case, in one process with SLIPSTREAM_KERNELS=kernels."""
     env = {**os.environ, "XLA_FLAGS": virtual_devices(DEVICES),
-           "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": ROOT}
+           "SLIPSTREAM_KERNELS": kernels, "PYTHONPATH": _pythonpath()}
     run = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -208,14 +227,22 @@ def build_nine_heads(path: str) -> str:
 # bf16 KV pages of int8 weights run with Qwen2, Gemma 3 and the nine-heads model. The pure-JAX int8
 # matmul runs at TP=2 only (~12 s a degree to compile on 2 cores): TP=4's layouts are the native
 # case's, its repeated KV heads the reference f32 case's.
+# Sparse MoE (tiny Qwen3-MoE: experts of 32 hidden units; Mixtral: 48): int8 experts packed per device for the
+# native kernel at TP=2, 4 and as a data-parallel replica; float experts (Mixtral) at TP=2 and 4; the int8 stacks
+# the TPU multiplies, through the block loop here (reference kernels), at TP=2; OLMoE (q/k norms over the whole
+# projection, whose heads the devices split) at TP=2.
 CASES = {
     "auto": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "int8", TPS),
              "qwen2": ("qwen2", "q8_0-a16", "auto", TPS), "gemma3": ("gemma3", "q8_0-a16", "auto", (1, 2)),
-             "nine": ("nine", "q8_0-a16", "auto", (1, 3, "2x2"))},
-    "reference": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "auto", (1, 2))},
+             "nine": ("nine", "q8_0-a16", "auto", (1, 3, "2x2")),
+             "qwen3_moe": ("qwen3_moe", "q8_0-a16", "auto", (1, 2, 4, "2x2")),
+             "mixtral": ("mixtral", "none", "auto", TPS), "olmoe": ("olmoe", "q8_0-a16", "auto", (1, 2))},
+    "reference": {"none": ("llama", "none", "auto", TPS), "q8_0-a16": ("llama", "q8_0-a16", "auto", (1, 2)),
+                  "qwen3_moe": ("qwen3_moe", "q8_0-a16", "auto", (1, 2))},
 }
 
-SCORED = ("none", "nine")  # the cases that also score a prompt (f32 Llama; the vocabulary-split tied embedding)
+# the cases that also score a prompt (f32 Llama; the vocabulary-split tied embedding; the MoE models)
+SCORED = ("none", "nine", "qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -340,11 +367,116 @@ def test_tensor_parallel_heads_that_do_not_divide(tp_report):
         assert r["weights"]["lm_head.w.q"]["shapes"] == [[480 // 16 // tp, 288 * 16]]
 
 
+def test_tensor_parallel_moe_int8_experts_packed_per_device(tp_report):
+    """Tiny Qwen3-MoE (4 experts of 32 hidden units, top 2), q8_0-a16: each device's slice of every expert packed
+    for the per-channel kernel (gate's and up's columns of the slice fused), at TP=2, 4 and as the second
+    data-parallel replica of TP=2; the router whole on every device; greedy tokens as one device's."""
+    report = tp_report("auto", "qwen3_moe")
+    if not report["native"]:
+        pytest.skip("native kernels not built: the reference case covers the rest")
+    _assert_same_tokens_no_recompiles(report)
+    assert report["tp"]["2x2"]["cache_devices"] == [2, 3]
+    # [L * E, tiles, K * 16]: gate and up each F / n columns, padded to whole 16-column tiles
+    assert report["tp"]["1"]["weights"]["blocks.mlp.w_gate.packed"]["shapes"] == [[12, 4, 64 * 16]]
+    for label, tp in (("2", 2), ("4", 4), ("2x2", 2)):
+        w = report["tp"][label]["weights"]
+        assert w["blocks.mlp.w_gate.packed"]["devices"] == tp
+        assert w["blocks.mlp.w_gate.packed"]["shapes"] == [[12, 2, 64 * 16]]
+        assert w["blocks.mlp.w_down.packed"]["shapes"] == [[12, 4, 64 * 16]]  # 32 / n inputs, padded to 64
+        assert w["blocks.mlp.router"]["shapes"] == [[3, 4, 64]] and w["blocks.mlp.router"]["devices"] == tp
+    for tp in (2, 4):
+        r = report["tp"][str(tp)]
+        assert r["bytes"] < report["tp"]["1"]["bytes"]
+        # one all-reduce of [T, D] per MoE layer, never the pairs' [T * k, D] or an expert stack
+        assert r["collectives"] and max(r["collectives"]) <= 32 * 64
+
+
+def test_tensor_parallel_olmoe_norms_over_split_heads(tp_report):
+    """OLMoE normalises q and k over the whole projection, which TP=2 splits by head: greedy tokens as one
+    device's."""
+    report = tp_report("auto", "olmoe")
+    _assert_same_tokens_no_recompiles(report)
+    assert report["tp"]["2"]["kv_layout"] == "split"
+
+
+def test_tensor_parallel_moe_float_and_int8_stacks(tp_report):
+    """Expert stacks [L, E, in, out] split on each expert's hidden dimension: Mixtral's float experts (48 hidden
+    units) at TP=2 and 4, Qwen3-MoE's int8 ones with their per-output-channel scales (gate's split with its
+    columns, down's whole) through the block loop; greedy tokens as one device's."""
+    for kernels, case, tps in (("auto", "mixtral", (2, 4)), ("reference", "qwen3_moe", (2,))):
+        report = tp_report(kernels, case)
+        _assert_same_tokens_no_recompiles(report)
+        f = 48 if case == "mixtral" else 32
+        for tp in tps:
+            w = report["tp"][str(tp)]["weights"]
+            assert w["blocks.mlp.w_gate.w"]["shapes"] == [[3, 4, 64, f // tp]]
+            assert w["blocks.mlp.w_down.w"]["shapes"] == [[3, 4, f // tp, 64]]
+            if case == "qwen3_moe":
+                assert w["blocks.mlp.w_gate.scale"]["shapes"] == [[3, 4, f // tp]]
+                assert w["blocks.mlp.w_down.scale"]["shapes"] == [[3, 4, 64]]
+                assert w["blocks.mlp.w_down.scale"]["devices"] == tp
+            assert max(report["tp"][str(tp)]["collectives"]) <= 32 * 64
+
+
+def expert_kernel_worker() -> dict:
+    """The TPU's int8 expert path per device at TP=2, lowered for TPU as the engine's ShardedExperts run it (256
+    hidden units: 128 a device, whole lane tiles): what the step's program holds. (Run in Pallas' TPU interpreter,
+    the kernel under shard_map deadlocks on XLA:CPU's virtual devices, jax 0.10.2; tests/models/test_moe.py runs it
+    on each device's slice in turn.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from slipstream.engine.device.sharding import TensorParallel
+    from slipstream.models import moe
+    from slipstream.models.config import ModelConfig
+    from slipstream.quantization import experts as ex
+
+    e, d, f, top_k, tokens = 4, 256, 256, 2, 24
+    cfg = ModelConfig(num_layers=2, hidden_size=d, num_heads=2, num_kv_heads=2, head_dim=128, intermediate_size=f,
+                      vocab_size=256, num_experts=e, num_experts_per_tok=top_k, moe_intermediate_size=f)
+    stacks = [ex.ExpertStack(jnp.zeros((2, e, *shape), jnp.int8), jnp.ones((2, e, shape[1]), jnp.float32))
+              for shape in ((d, f), (d, f), (f, d))]
+    tp = TensorParallel(cfg, 2)
+    axes = (("layers", "expert", "embed", "mlp"),) * 2 + (("layers", "expert", "mlp", "embed"),)
+    placed = tuple(tp.place_experts(s, a) for s, a in zip(stacks, axes))
+
+    def per_device(x, chosen, weights, layer, placed):
+        picks = tuple(p.pick(layer) for p in placed)
+        return picks[0].per_device(functools.partial(moe.mixture, top_k=top_k), x, chosen, weights, picks)
+
+    args = (jnp.zeros((tokens, d), jnp.bfloat16), jnp.zeros((tokens * top_k,), jnp.int32),
+            jnp.zeros((tokens, top_k), jnp.float32), jnp.int32(1), placed)
+    text = jax.jit(tp.under_mesh(per_device)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    calls = [line for line in text.splitlines() if "@tpu_custom_call" in line]
+    return {"devices": len(jax.devices()), "loop": "stablehlo.while" in text, "ragged_dot": "ragged_dot" in text,
+            # each all-reduce's result type (its region spans lines: the first "-> tensor<...>" after it)
+            "all_reduces": [re.search(r"-> (tensor<[^>]*>)", text[m.end():]).group(1)
+                            for m in re.finditer(r"stablehlo\.all_reduce", text)],
+            "kernel_operands": [re.findall(r"tensor<([0-9x]+xi8)>", line.split(":")[-1]) for line in calls]}
+
+
+def test_tpu_expert_kernels_per_device_under_tensor_parallel():
+    """Lowered for TPU at TP=2, a layer's int8 experts are two kernel calls (gate and up together, then down) on
+    each device's slice (gate's and up's 128 of 256 columns, down's 128 of 256 inputs), one all-reduce of the
+    mixture [T, D], no loop and no grouped dot of a converted stack."""
+    env = {**os.environ, "XLA_FLAGS": virtual_devices(2), "PYTHONPATH": _pythonpath()}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "expert-kernel"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 2 and not report["loop"] and not report["ragged_dot"]
+    assert report["kernel_operands"] == [["2x4x256x128xi8", "2x4x256x128xi8"], ["2x4x128x256xi8"]]
+    assert report["all_reduces"] == ["tensor<24x256xf32>"]
+
+
 if __name__ == "__main__":
     from tests.conftest import subprocess_compile_cache
 
     subprocess_compile_cache()
-    print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
+    if sys.argv[1] == "expert-kernel":
+        print(json.dumps(expert_kernel_worker()))
+    else:
+        print(json.dumps([worker(**case) for case in json.loads(sys.argv[1])]))
 
 
 @pytest.mark.parametrize("case", SCORED)
@@ -356,7 +488,8 @@ def test_tensor_parallel_prompt_scores_equal_one_device(tp_report, case):
     report = tp_report("auto", case)
     one = report["tp"]["1"]["scores"]
     assert one and len(one) == 13
-    # f32: summation order only; q8_0-a16 (nine) also rounds each device's activations per 32 inputs (~1e-4 seen)
+    # f32: summation order only; q8_0-a16 also rounds each device's activations per 32 inputs (nine, ~1e-4 seen)
+    # or, for the experts' down projection, per row of each device's slice (qwen3_moe)
     atol = 1e-4 if CASES["auto"][case][1] == "none" else 1e-3
     for tp, r in report["tp"].items():
         np.testing.assert_allclose([lp for lp, _ in r["scores"]], [lp for lp, _ in one], atol=atol, err_msg=f"TP={tp}")

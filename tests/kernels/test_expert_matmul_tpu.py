@@ -29,6 +29,9 @@ CASES = [  # rows, k, n, block_k, block_n, x dtype, gated
     (16, 384, 384, 128, 128, "float32", True),     # 3 x 3 blocks
     (32, 256, 256, 128, 256, "bfloat16", True),
     (16, 512, 256, 256, 128, "bfloat16", False),
+    # N whole and not lane-aligned, as a device's slice of Qwen3-30B-A3B's gate/up at TP=4 (192); K so, as its down
+    (16, 1024, 192, 512, 192, "bfloat16", True),
+    (16, 192, 256, 192, 128, "float32", False),
 ]
 
 
@@ -69,10 +72,14 @@ def test_default_blocks():
 @pytest.mark.parametrize("k,n", [(200, 128), (256, 200)])
 def test_shapes_that_do_not_tile_have_no_blocks(k, n):
     assert kernel.blocks(k, n) is None
+    args = (jnp.zeros((16, k), jnp.float32), jnp.zeros((1, 2, k, n), jnp.int8), jnp.ones((1, 2, n), jnp.float32),
+            jnp.int32(0), jnp.zeros((1,), jnp.int32), jnp.int32(1))
     with pytest.raises(ValueError, match="no blocks"):
-        kernel.expert_matmul(jnp.zeros((16, k), jnp.float32), jnp.zeros((1, 2, k, n), jnp.int8),
-                             jnp.ones((1, 2, n), jnp.float32), jnp.int32(0), jnp.zeros((1,), jnp.int32),
-                             jnp.int32(1), rows=16, interpret=True)
+        kernel.expert_matmul(*args, rows=16, interpret=True)
+    # given blocks: a whole dimension need not be lane-aligned, a part of one must
+    with pytest.raises(ValueError, match="do not tile"):
+        kernel.expert_matmul(*args, rows=16, block_k=k // 2 if k == 200 else k, block_n=n // 2 if n == 200 else n,
+                             interpret=True)
 
 
 def test_bad_inputs_raise():

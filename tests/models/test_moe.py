@@ -3,6 +3,7 @@ expert's output, int8 experts stay close to float, greedy generation through the
 decode of several sequences) equals transformers', and unsupported MoE configs are refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -106,6 +107,41 @@ def test_tpu_kernel_path_gives_every_pair_its_experts_output(tokens, dtype):
     tol = (1e-5 if dtype == "float32" else 2e-2) * np.abs(want).max()
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=tol)
     np.testing.assert_allclose(np.asarray(got), np.asarray(loop), rtol=0, atol=tol)
+
+
+def test_tpu_kernel_on_each_devices_slice_adds_up_to_the_whole():
+    """The TPU's int8 path as each device runs it under tensor parallelism (engine/device/sharding.py; Pallas'
+    interpreter, one slice after another): gate and up cut to 128 of their 256 columns with their scales, down to
+    128 of its 256 inputs with its scales whole; the slices' mixtures (models/moe.mixture's weighting) add up to
+    the whole experts' mixture."""
+    rng = np.random.default_rng(4)
+    e, d, f, top_k, tokens, layer, n = 4, 256, 256, 2, 24, 1, 2
+    gate, up, down = [ex.quantize_experts(ex.ExpertStack(jnp.asarray(rng.standard_normal((2, e, *shape))
+                                                                      / np.sqrt(shape[0]), jnp.float32)))
+                      for shape in ((d, f), (d, f), (f, d))]
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.standard_normal((tokens, e)) * 2), -1), top_k)
+    chosen = chosen.reshape(-1).astype(jnp.int32)
+    args = (x, chosen, jnp.argsort(chosen, stable=True), jnp.bincount(chosen, length=e).astype(jnp.int32))
+
+    @jax.jit
+    def mixture(stacks):
+        rows = moe.kernel_rows(*args, picks=tuple(s.pick(jnp.int32(layer)) for s in stacks), top_k=top_k, block=16,
+                               interpret=True)                                        # [T*k,D]
+        return jnp.sum((rows * weights.reshape(-1, 1)).reshape(tokens, top_k, d), axis=1)
+
+    whole = np.asarray(mixture((gate, up, down)))
+    cut = f // n
+    parts = []
+    for s in range(n):
+        cols = slice(s * cut, (s + 1) * cut)
+        stacks = (ex.ExpertStack(gate.w[..., cols], gate.scale[..., cols]),
+                  ex.ExpertStack(up.w[..., cols], up.scale[..., cols]), ex.ExpertStack(down.w[:, :, cols], down.scale))
+        assert ex.kernel_applies(tuple(st.pick(jnp.int32(layer)) for st in stacks), x)
+        parts.append(np.asarray(mixture(stacks)))
+    np.testing.assert_allclose(sum(parts), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    # each slice's share is its own: neither the whole nor nothing
+    assert all(0.1 * np.abs(whole).max() < np.abs(part - whole).max() for part in parts)
 
 
 def test_int8_experts_lower_to_the_kernel_only_for_tpu():
@@ -244,8 +280,44 @@ def test_olmoe_clip_qkv_is_refused(olmoe_dir):
         ModelConfig.from_hf_dict({**raw, "clip_qkv": 8.0})
 
 
-def test_tensor_parallel_is_refused_for_moe(olmoe):
-    from slipstream.engine.device.sharding import TensorParallel
+def test_tensor_parallel_that_cannot_split_the_experts_is_refused_with_the_sizes(olmoe):
+    """Each device holds an equal slice of every expert's hidden dimension (OLMoE's tiny experts: 48 units); whole
+    experts per device (expert parallelism) is refused by name."""
+    from slipstream.engine.device.sharding import ShardingConfig, TensorParallel
 
-    with pytest.raises(ValueError, match="one device per replica"):
-        TensorParallel(olmoe[0], 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel 5 does not divide .*moe_intermediate_size 48.*2, 3, 4, 6"):
+        TensorParallel(olmoe[0], 5)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        ShardingConfig(expert="model")
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_experts_packed_per_shard_add_up_to_the_whole(shards):
+    """pack_experts(shards=n), as tensor parallelism packs them: shard s holds gate's and up's columns and down's
+    inputs of slice s of every expert's hidden dimension, fused per shard; the shards' MLPs, each through the
+    grouped kernel on its own packing, add up to the pairs' outputs. The whole packing is not multiplied."""
+    rng = np.random.default_rng(2)
+    e, d, f, top_k, tokens, layer = 4, 32, 16, 2, 12, 1
+    stacks = [ex.quantize_experts(ex.ExpertStack(jnp.asarray(rng.standard_normal((2, e, *shape)) / np.sqrt(shape[0]),
+                                                             jnp.float32)))
+              for shape in ((d, f), (d, f), (f, d))]
+    rounded = [np.asarray(s.w[layer], np.float32) * np.asarray(s.scale[layer])[:, None, :] for s in stacks]
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    chosen = rng.choice(e, size=tokens * top_k).astype(np.int32)
+    want = _pairs_reference(x, chosen, top_k, *rounded)
+    gate, up, down = pack_experts(*stacks, shards=shards)
+    assert gate.shards == down.shards == shards and gate.widths == (f // shards,) * 2 and down.widths == (d,)
+    entries = 2 * e
+    assert gate.packed.shape[0] == down.packed.shape[0] == shards * entries
+
+    def one(form, s):
+        return dataclasses.replace(form, packed=form.packed[s * entries:(s + 1) * entries],
+                                   scales=form.scales[s * entries:(s + 1) * entries],
+                                   colsum=form.colsum[s * entries:(s + 1) * entries], shards=1)
+
+    got = sum(np.asarray(moe.expert_rows(jnp.asarray(x), jnp.asarray(chosen), (
+        one(gate, s).pick(jnp.int32(layer)), up, one(down, s).pick(jnp.int32(layer))), top_k)) for s in range(shards))
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max())
+    with pytest.raises(ValueError, match="one shard per device"):
+        moe.expert_rows(jnp.asarray(x), jnp.asarray(chosen), (gate.pick(jnp.int32(layer)), up,
+                                                                down.pick(jnp.int32(layer))), top_k)
