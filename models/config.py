@@ -187,7 +187,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # a vision-language model (architecture "llava" or "idefics3"): its tower and projector, and the prompt's image placeholder
+    # a vision-language model (architecture "llava" or "idefics3"): its tower and projector, and the prompt's image
+    # placeholder
     vision: VisionConfig | None = None
     image_token_id: int | None = None
 

@@ -53,7 +53,8 @@ class Idefics3ImageProcessor:
     def from_dict(cls, raw: dict) -> "Idefics3ImageProcessor":
         kind = raw.get("image_processor_type", "Idefics3ImageProcessor")
         if kind not in PROCESSORS:
-            raise ValueError(f"image processor {kind!r} is not supported for Idefics3; supported: {', '.join(PROCESSORS)}")
+            raise ValueError(f"image processor {kind!r} is not supported for Idefics3; supported: "
+                             f"{', '.join(PROCESSORS)}")
         tile = int((raw.get("max_image_size") or {}).get("longest_edge", 364))
         size = raw.get("size") or {"longest_edge": 4 * 364}
         if "longest_edge" not in size:

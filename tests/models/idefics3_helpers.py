@@ -63,3 +63,57 @@ def hf_greedy(model, ids: list[int], pixels: np.ndarray, n: int) -> list[int]:
     for _ in range(n):
         ids.append(int(hf_logits(model, ids, pixels)[-1].argmax()))
     return ids[-n:]
+
+
+# the tiny tokenizer's vocabulary: words, and Idefics3's tokens where SmolVLM's tokenizer has added tokens
+ROW_COL = {f"<row_{r}_col_{c}>": 250 + 6 * (r - 1) + (c - 1) for r in range(1, 7) for c in range(1, 7)}  # 250..285
+SPECIAL = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<end_of_utterance>": 288, "<fake_token_around_image>": 290,
+           "<global-img>": 291, "<image>": IMAGE_TOKEN, **ROW_COL}
+VOCAB = {**SPECIAL, "User:": 3, "Assistant:": 4, "\n": 286, "\n\n": 287,
+         **{f"w{i}": i for i in (*range(5, 250), 289, *range(292, 299))}}
+# SmolVLM-Instruct's chat template, spaces where its turns have none (the tiny tokenizer splits words at spaces)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}:{% for line in message['content'] %}"
+    "{% if line['type'] == 'text' %} {{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}<end_of_utterance> {% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+PREPROCESSOR = {"image_processor_type": "Idefics3ImageProcessor", "do_convert_rgb": True, "do_image_splitting": True,
+                "do_normalize": True, "do_pad": True, "do_rescale": True, "do_resize": True,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 32},
+                "resample": 1, "rescale_factor": 1 / 255, "size": {"longest_edge": 64}}
+
+
+def save_processor_files(path: str, *, splitting: bool = True) -> str:
+    """A word-level tokenizer with Idefics3's image tokens as special tokens (newlines kept as tokens), the chat
+    template, and Idefics3's preprocessor config (32x32 tiles, the longest edge 64: at most 2x2 tiles)."""
+    import json
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    assert len(set(VOCAB.values())) == len(VOCAB) == 300
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(" +"), behavior="removed")
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.save(f"{path}/tokenizer.json")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "<end_of_utterance>", "bos_token": "<bos>", "add_bos_token": False}, f)
+    with open(f"{path}/chat_template.json", "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE}, f)
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump({**PREPROCESSOR, "do_image_splitting": splitting}, f)
+    return path
+
+
+def hf_processor(path: str):
+    """transformers' Idefics3Processor over the directory's tokenizer and preprocessor config."""
+    import json
+
+    import transformers
+
+    with open(f"{path}/preprocessor_config.json") as f:
+        raw = json.load(f)
+    images = transformers.Idefics3ImageProcessorPil(**{k: v for k, v in raw.items() if k != "image_processor_type"})
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json", bos_token="<bos>",
+                                                     eos_token="<end_of_utterance>", pad_token="<pad>")
+    return transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_ROWS,
+                                          chat_template=CHAT_TEMPLATE)
