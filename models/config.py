@@ -114,9 +114,12 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"vision config {name} must be a positive integer, got {value!r}")
-        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
-            raise ValueError(f"vision config: image_size {self.image_size} must be a multiple of patch_size "
-                             f"{self.patch_size}, and hidden_size {self.hidden_size} of num_heads {self.num_heads}")
+        # an image_size that is not a multiple of patch_size leaves its last pixels out of every patch (a "valid"
+        # convolution: SmolVLM-Instruct's 384 px in 14 px patches are 27 a side)
+        if self.image_size < self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError(f"vision config: image_size {self.image_size} must be at least patch_size "
+                             f"{self.patch_size}, and hidden_size {self.hidden_size} a multiple of num_heads "
+                             f"{self.num_heads}")
         if not self.feature_layers or max(self.feature_layers) != self.num_layers or min(self.feature_layers) < 0:
             raise ValueError(f"vision config: feature_layers {self.feature_layers} must be hidden-state indices "
                              f"whose deepest is num_layers ({self.num_layers})")

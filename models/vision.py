@@ -95,9 +95,10 @@ class VisionTower(nnx.Module):
         (N: patches, plus the class token's row first where the tower has one; the last layer's post-normed where
         the tower has a post-norm)."""
         cfg = self.cfg
-        b, c, h, w = pixels.shape
         p = cfg.patch_size
-        patches = pixels.astype(dtype).reshape(b, c, h // p, p, w // p, p)
+        b, c, h, w = pixels.shape
+        h, w = h // p * p, w // p * p  # a "valid" convolution: pixels past the last whole patch are left out
+        patches = pixels[:, :, :h, :w].astype(dtype).reshape(b, c, h // p, p, w // p, p)
         patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), c * p * p)      # [B,N,3pp]
         weight = self.patch_w.get_value()
         x = _dense(patches, weight.reshape(weight.shape[0], -1),

@@ -9,7 +9,8 @@ IMAGE_TOKEN = 299     # <image>
 IMAGE_ROWS = 4        # (32 / 8)^2 patches / 2^2
 
 
-def build_tiny_idefics3(path: str, *, seed: int = 0, smolvlm: bool = False) -> str:
+def build_tiny_idefics3(path: str, *, seed: int = 0, smolvlm: bool = False, image_size: int = 32) -> str:
+    """image_size 36: 4 whole patches a side and 4 pixels left out, as SmolVLM-Instruct's 384 px in 14 px patches."""
     import torch
     import transformers
 
@@ -17,8 +18,8 @@ def build_tiny_idefics3(path: str, *, seed: int = 0, smolvlm: bool = False) -> s
     text = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                     rms_norm_eps=1e-5, bos_token_id=2, eos_token_id=1)
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                 patch_size=8)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 image_size=image_size, patch_size=8)
     if smolvlm:
         cfg = transformers.SmolVLMConfig(text_config=text, vision_config=transformers.SmolVLMVisionConfig(**sizes),
                                          image_token_id=IMAGE_TOKEN, scale_factor=2)

@@ -22,18 +22,18 @@ def idefics3_dir(tmp_path_factory) -> str:
     return build_tiny_idefics3(str(tmp_path_factory.mktemp("idefics3")))
 
 
-def _tiles(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
+def _tiles(seed: int, n: int, size: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 3, size, size)).astype(np.float32)
 
 
-@pytest.mark.parametrize("smolvlm", [False, True])
-def test_tile_rows_match_transformers(tmp_path, smolvlm):
+@pytest.mark.parametrize("smolvlm, image_size", [(False, 32), (True, 32), (False, 36)])
+def test_tile_rows_match_transformers(tmp_path, smolvlm, image_size):
     import torch
 
-    path = build_tiny_idefics3(str(tmp_path / "m"), smolvlm=smolvlm)
+    path = build_tiny_idefics3(str(tmp_path / "m"), smolvlm=smolvlm, image_size=image_size)
     cfg, model = load_hf_dir(path)
     assert (cfg.architecture, cfg.vision.num_image_tokens, cfg.vision.scale_factor) == ("idefics3", IMAGE_ROWS, 2)
-    tiles = _tiles(0, 3)
+    tiles = _tiles(0, 3, image_size)
     ours = np.asarray(nnx.jit(lambda m, p: m.encode_images(p))(model, tiles))
     with torch.no_grad():
         ref = hf_model(path).model.get_image_features(pixel_values=torch.tensor(tiles)[None]).pooler_output
