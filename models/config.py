@@ -562,7 +562,8 @@ def _vision_language(cfg: Mapping[str, Any]) -> ModelConfig:
 def _idefics3(cfg: Mapping[str, Any]) -> ModelConfig:
     """Idefics3 / SmolVLM: a Llama text model (SmolLM2's, Llama 3's) after a SigLIP tower with a post-norm, whose
     last layer is pixel-shuffled by scale_factor and projected by one linear."""
-    text = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, **(cfg.get("text_config") or {})}
+    # transformers' defaults: LlamaConfig's for what text_config leaves out, and rms_norm_eps 1e-5 without one
+    text = {**_LLAMA_DEFAULTS, **(cfg.get("text_config") or {"rms_norm_eps": 1e-5})}
     if text.get("model_type", "llama") != "llama":
         raise ValueError(f"Idefics3 text model {text['model_type']!r} is not supported; supported: llama")
     vision = {**_IDEFICS3_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}

@@ -56,6 +56,33 @@ def test_config_refuses_another_text_model(idefics3_dir):
         ModelConfig.from_hf_dict(raw)
 
 
+@pytest.mark.parametrize("raw", [{"vision_config": {"image_size": 256}}, {"text_config": {"model_type": "llama", "hidden_size": 64,
+                                                        "num_attention_heads": 4, "vocab_size": 300},
+                                        "vision_config": {"model_type": "idefics3", "hidden_size": 64},
+                                        "scale_factor": 7, "image_token_id": 299}])
+def test_a_config_reads_as_transformers_reads_it(raw):
+    """What a config.json leaves out takes transformers' defaults (LlamaConfig's, Idefics3VisionConfig's; without a
+    text_config, rms_norm_eps 1e-5 where LlamaConfig's is 1e-6)."""
+    import transformers
+
+    from slipstream.models.config import ModelConfig
+
+    ours = ModelConfig.from_hf_dict({"architectures": ["Idefics3ForConditionalGeneration"], **raw})
+    hf = transformers.Idefics3Config(**raw)
+    text, vision = hf.text_config, hf.vision_config
+    assert (ours.num_layers, ours.hidden_size, ours.num_heads, ours.intermediate_size, ours.vocab_size,
+            ours.rms_norm_eps, ours.max_position_embeddings, ours.rope_theta, ours.bos_token_id, ours.eos_token_ids,
+            ours.tie_embeddings, ours.image_token_id) == (
+        text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.intermediate_size, text.vocab_size,
+        text.rms_norm_eps, text.max_position_embeddings, text.rope_parameters["rope_theta"], text.bos_token_id,
+        (text.eos_token_id,), hf.tie_word_embeddings, hf.image_token_id)
+    v = ours.vision
+    assert (v.hidden_size, v.intermediate_size, v.num_layers, v.num_heads, v.image_size, v.patch_size,
+            v.layer_norm_eps, v.scale_factor) == (
+        vision.hidden_size, vision.intermediate_size, vision.num_hidden_layers, vision.num_attention_heads,
+        vision.image_size, vision.patch_size, vision.layer_norm_eps, hf.scale_factor)
+
+
 def _split_image_prompt() -> tuple[list[int], list[int]]:
     """Idefics3Processor's layout of an image split into 1x2 tiles plus the global image, between words: the ids and
     each tile's first row."""
