@@ -207,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def image_inputs(args: argparse.Namespace, engine, path: str, tokenizer=None):
+def image_inputs(args: argparse.Namespace, engine, path: str, tokenizer):
     """A vision-language model's image inputs (the processor its directory names, the limits the flags set; Idefics3
     needs the tokenizer); None for a text-only model."""
     from slipstream.server.images import ImageInputs, ImageLimits
