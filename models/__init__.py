@@ -21,8 +21,10 @@ Adding an architecture (Gemma 3 in models/gemma3.py is a complete example):
    the engine's ragged steps).
 The engine, loaders, quantization and kernels need no change.
 
-A vision-language model (models/llava.py) adds a tower and a projector as submodules (models/vision.py; their
-weights declared with `stacked_by` for the tower's own layer count, and HF_ALIASES for a checkpoint's other layouts),
-an `encode_images(pixels) -> [B, rows, hidden]` method, `ModelConfig.vision` / `image_token_id`, and its processor
-in models/image_processor.py; its prompt's image rows reach the text model through `CausalLM.hidden`'s `embeds`.
+A vision-language model (models/llava.py, models/idefics3.py) adds a tower and a projector as submodules
+(models/vision.py; their weights declared with `stacked_by` for the tower's own layer count, and HF_ALIASES for a
+checkpoint's other layouts), an `encode_images(pixels) -> [B, rows, hidden]` method, `ModelConfig.vision` /
+`image_token_id`, and its processor in models/image_processor.py (or its own: models/idefics3_processor.py, whose
+tiles server/images.py lays out in the prompt); its prompt's image rows reach the text model through
+`CausalLM.hidden`'s `embeds`.
 """

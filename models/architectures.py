@@ -6,6 +6,7 @@ from flax import nnx
 from slipstream.models.base import CausalLM
 from slipstream.models.config import ModelConfig
 from slipstream.models.gemma3 import Gemma3
+from slipstream.models.idefics3 import Idefics3
 from slipstream.models.llama import Llama
 from slipstream.models.llava import Llava
 from slipstream.models.mixtral import Mixtral
@@ -15,7 +16,7 @@ from slipstream.models.qwen3_moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": Llama, "qwen2": Llama, "qwen3": Qwen3, "gemma3": Gemma3,
                                             "qwen3_moe": Qwen3Moe, "mixtral": Mixtral, "olmoe": Qwen3Moe, "phi3": Phi3,
-                                            "llava": Llava}
+                                            "llava": Llava, "idefics3": Idefics3}
 
 
 def model_class(cfg: ModelConfig) -> type[CausalLM]:

@@ -65,8 +65,16 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwe
 # its converter writes none for these, and its graph fixes the choice per architecture
 GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 LAYER_KINDS = ("full", "sliding")
-# HF architectures that pair a vision tower with one of our text models (models/llava.py)
-VISION_LANGUAGE = {"LlavaForConditionalGeneration": "llava"}
+# HF architectures that pair a vision tower with one of our text models (models/llava.py, models/idefics3.py)
+VISION_LANGUAGE = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3",
+                   "SmolVLMForConditionalGeneration": "idefics3"}
+# Idefics3's and SmolVLM's model_type (a config.json without architectures)
+_IDEFICS3_TYPES = ("idefics3", "smolvlm")
+# their tower's model_type (a SigLIP with a post-norm) and Idefics3VisionConfig's defaults
+_IDEFICS3_TOWERS = ("idefics3_vision", "smolvlm_vision", "idefics3", "smolvlm")
+_IDEFICS3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12,
+                                 num_attention_heads=16, image_size=224, patch_size=32,
+                                 hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
 # vision towers: HF vision_config model_type -> ours
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 VISION_ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -80,7 +88,8 @@ _CLIP_DEFAULTS = dict(hidden_act="quick_gelu", layer_norm_eps=1e-5)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
     """A vision tower (a ViT: CLIP or SigLIP) and the projector that maps its features into the text model's
-    embedding space (LLaVA's two-layer MLP). Only the layers up to the deepest feature layer are built and run."""
+    embedding space (LLaVA's two-layer MLP; Idefics3's pixel shuffle and a linear when scale_factor > 1). Only the
+    layers up to the deepest feature layer are built and run."""
 
     kind: str                        # "clip" (a class token, a pre-norm) or "siglip"
     hidden_size: int
@@ -95,6 +104,8 @@ class VisionConfig:
     activation: str = "quick_gelu"   # of the tower's MLP: quick_gelu, gelu_tanh or gelu
     projector_activation: str = "gelu"
     projector_bias: bool = True
+    post_norm: bool = False          # the last layer's output through the tower's post_layernorm (Idefics3)
+    scale_factor: int = 1            # Idefics3's pixel shuffle: each s x s block of patches one row, s*s wider
 
     def __post_init__(self) -> None:
         if self.kind not in VISION_TOWERS.values():
@@ -103,9 +114,12 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"vision config {name} must be a positive integer, got {value!r}")
-        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
-            raise ValueError(f"vision config: image_size {self.image_size} must be a multiple of patch_size "
-                             f"{self.patch_size}, and hidden_size {self.hidden_size} of num_heads {self.num_heads}")
+        # an image_size that is not a multiple of patch_size leaves its last pixels out of every patch (a "valid"
+        # convolution: SmolVLM-Instruct's 384 px in 14 px patches are 27 a side)
+        if self.image_size < self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError(f"vision config: image_size {self.image_size} must be at least patch_size "
+                             f"{self.patch_size}, and hidden_size {self.hidden_size} a multiple of num_heads "
+                             f"{self.num_heads}")
         if not self.feature_layers or max(self.feature_layers) != self.num_layers or min(self.feature_layers) < 0:
             raise ValueError(f"vision config: feature_layers {self.feature_layers} must be hidden-state indices "
                              f"whose deepest is num_layers ({self.num_layers})")
@@ -113,6 +127,15 @@ class VisionConfig:
             if getattr(self, name) not in VISION_ACTIVATIONS.values():
                 raise ValueError(f"vision config {name} {getattr(self, name)!r} is not supported; supported: "
                                  f"{', '.join(VISION_ACTIVATIONS)}")
+        side = self.image_size // self.patch_size
+        if not isinstance(self.scale_factor, int) or self.scale_factor < 1 or side % self.scale_factor:
+            raise ValueError(f"vision config: scale_factor {self.scale_factor!r} must be a positive integer dividing "
+                             f"the {side} patches of an image's side")
+        if self.scale_factor > 1 and (self.class_token or self.feature_layers != (self.num_layers,)):
+            raise ValueError("vision config: a pixel shuffle (scale_factor > 1) takes a SigLIP tower's last layer")
+        if self.post_norm and self.feature_layers != (self.num_layers,):
+            raise ValueError("vision config: post_norm normalizes the last layer's output: feature_layers must be "
+                             f"({self.num_layers},)")
         if self.drop_cls and not self.class_token:
             raise ValueError("vision_feature_select_strategy 'default' drops the class token, which a SigLIP tower "
                              "does not have: use 'full'")
@@ -127,8 +150,8 @@ class VisionConfig:
 
     @property
     def num_image_tokens(self) -> int:
-        """Rows an image fills in the prompt: its features' rows."""
-        return self.num_patches + self.class_token - self.drop_cls
+        """Rows an image fills in the prompt: its features' rows (after the pixel shuffle)."""
+        return (self.num_patches + self.class_token - self.drop_cls) // self.scale_factor ** 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,7 +190,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # a vision-language model (architecture "llava"): its tower and projector, and the prompt's image placeholder
+    # a vision-language model (architecture "llava" or "idefics3"): its tower and projector, and the prompt's image
+    # placeholder
     vision: VisionConfig | None = None
     image_token_id: int | None = None
 
@@ -252,6 +276,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         names = cfg.get("architectures") or []
+        if any(VISION_LANGUAGE.get(n) == "idefics3" for n in names) or (
+                not names and cfg.get("model_type") in _IDEFICS3_TYPES):
+            return _idefics3(cfg)
         if any(n in VISION_LANGUAGE for n in names) or cfg.get("model_type") in VISION_LANGUAGE.values():
             return _vision_language(cfg)
         arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
@@ -530,6 +557,38 @@ def _vision_language(cfg: Mapping[str, Any]) -> ModelConfig:
     if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in text:
         fields["tie_embeddings"] = bool(cfg["tie_word_embeddings"])
     return ModelConfig(**{**fields, "architecture": "llava"}, vision=tower, image_token_id=int(image_token))
+
+
+def _idefics3(cfg: Mapping[str, Any]) -> ModelConfig:
+    """Idefics3 / SmolVLM: a Llama text model (SmolLM2's, Llama 3's) after a SigLIP tower with a post-norm, whose
+    last layer is pixel-shuffled by scale_factor and projected by one linear."""
+    # transformers' defaults: LlamaConfig's for what text_config leaves out, and rms_norm_eps 1e-5 without one
+    text = {**_LLAMA_DEFAULTS, **(cfg.get("text_config") or {"rms_norm_eps": 1e-5})}
+    if text.get("model_type", "llama") != "llama":
+        raise ValueError(f"Idefics3 text model {text['model_type']!r} is not supported; supported: llama")
+    vision = {**_IDEFICS3_VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
+    if vision.get("model_type", "idefics3_vision") not in _IDEFICS3_TOWERS:
+        raise ValueError(f"Idefics3 vision tower {vision['model_type']!r} is not supported; supported: "
+                         f"{', '.join(_IDEFICS3_TOWERS[:2])}")
+    activation = vision["hidden_act"]
+    if activation not in VISION_ACTIVATIONS:
+        raise ValueError(f"vision activation {activation!r} is not supported; supported: "
+                         f"{', '.join(VISION_ACTIVATIONS)}")
+    try:
+        depth = int(vision["num_hidden_layers"])
+        tower = VisionConfig(
+            kind="siglip", hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+            num_heads=int(vision["num_attention_heads"]), image_size=int(vision["image_size"]),
+            patch_size=int(vision["patch_size"]), num_layers=depth, feature_layers=(depth,), drop_cls=False,
+            layer_norm_eps=float(vision["layer_norm_eps"]), activation=VISION_ACTIVATIONS[activation],
+            projector_bias=False, post_norm=True, scale_factor=int(cfg.get("scale_factor", 2)))
+        fields = _hf_fields(text, "llama")
+    except KeyError as e:
+        raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+    if cfg.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in text:
+        fields["tie_embeddings"] = bool(cfg["tie_word_embeddings"])
+    return ModelConfig(**{**fields, "architecture": "idefics3"}, vision=tower,
+                       image_token_id=int(cfg.get("image_token_id", 128257)))
 
 
 def _moe_fields(cfg: Mapping[str, Any], arch: str) -> dict:

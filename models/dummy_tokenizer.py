@@ -1,7 +1,8 @@
 """A deterministic byte-level BPE tokenizer of exactly a config's vocabulary size, for models served
 with dummy weights: every text encodes (the 256 byte tokens cover it), the config's bos/eos/pad ids
 are special tokens, and a ChatML template makes /v1/chat/completions work (a vision-language model's image token is
-<image>, which the template renders for an image part)."""
+<image>, which the template renders for an image part; Idefics3's tokens around its tiles are special tokens too, as
+in SmolVLM's tokenizer, so an image fills as many positions as with the real one)."""
 from __future__ import annotations
 
 import itertools
@@ -21,6 +22,9 @@ CHAT_TEMPLATE = (
     "{{ m['content'] }}{% else %}{% for p in m['content'] %}{{ '<image>' if p['type'] == 'image' else p['text'] }}"
     "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# the text Idefics3's processor writes around an image's tiles (models/idefics3_processor.image_prompt)
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<global-img>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
 # merged tokens grow from these characters (GPT-2's byte alphabet writes a leading space as "Ġ")
 _WORD_START, _LETTERS = "Ġ", string.ascii_lowercase
 
@@ -68,15 +72,16 @@ def _special_ids(cfg: ModelConfig, pad_token_id: int | None) -> dict[int, str]:
 
 
 def synthetic_tokenizer(cfg: ModelConfig, *, pad_token_id: int | None = None) -> Tokenizer:
-    """vocab_size tokens: the config's specials at their ids, ChatML's <|im_start|> at the highest free
-    id, the 256 byte tokens at the lowest free ids, and merged tokens (a leading space and lowercase
+    """vocab_size tokens: the config's specials at their ids, ChatML's <|im_start|> (and Idefics3's tile tokens) at the
+    highest free ids, the 256 byte tokens at the lowest free ids, and merged tokens (a leading space and lowercase
     letters, grown one letter at a time, breadth first) in every id left."""
     specials = _special_ids(cfg, pad_token_id)
-    needed = len(specials) + 1 + 256
+    added = (IM_START, *(IDEFICS3_TOKENS if cfg.architecture == "idefics3" else ()))
+    needed = len(specials) + len(added) + 256
     if cfg.vocab_size < needed:
         raise ValueError(f"a synthetic byte-level tokenizer needs vocab_size >= {needed}, got {cfg.vocab_size}")
-    im_start_id = max(set(range(cfg.vocab_size)) - set(specials))
-    specials[im_start_id] = IM_START
+    for text in added:  # at the highest free ids
+        specials[max(set(range(cfg.vocab_size)) - set(specials))] = text
     free = [i for i in range(cfg.vocab_size) if i not in specials]
     vocab = {text: token_id for token_id, text in specials.items()}
     vocab.update(zip(_byte_alphabet(), free[:256]))

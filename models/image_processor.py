@@ -101,14 +101,7 @@ class ImageProcessor:
         x = x.transpose(2, 0, 1)                                                   # [3,H,W]
         if self.crop_size is not None:
             x = center_crop(x, *self.crop_size)
-        if self.rescale_factor is not None:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        x = x.astype(np.float32)
-        if self.mean is not None:
-            mean = np.asarray(self.mean, np.float32)[:, None, None]
-            std = np.asarray(self.std, np.float32)[:, None, None]
-            x = (x - mean) / std
-        return np.ascontiguousarray(x, np.float32)
+        return rescale_normalize(x, self.rescale_factor, self.mean, self.std)
 
     def _resized(self, height: int, width: int) -> tuple[int, int]:
         if not isinstance(self.size, int):
@@ -116,6 +109,17 @@ class ImageProcessor:
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(self.size * long / short)
         return (new_long, self.size) if width <= height else (self.size, new_long)
+
+
+def rescale_normalize(x: np.ndarray, factor: float | None, mean: tuple[float, ...] | None,
+                      std: tuple[float, ...] | None) -> np.ndarray:
+    """x [3, H, W] (uint8) -> f32, rescaled (in f64, as transformers does) then normalized per channel in f32."""
+    if factor is not None:
+        x = (x.astype(np.float64) * factor).astype(np.float32)
+    x = x.astype(np.float32)
+    if mean is not None:
+        x = (x - np.asarray(mean, np.float32)[:, None, None]) / np.asarray(std, np.float32)[:, None, None]
+    return np.ascontiguousarray(x, np.float32)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -1,4 +1,4 @@
-"""Vision towers (a ViT: CLIP's or SigLIP's) and LLaVA's projector, as NNX modules over plain weights.
+"""Vision towers (a ViT: CLIP's, SigLIP's or Idefics3's) and LLaVA's projector, as NNX modules over plain weights.
 
 The tower takes preprocessed pixels [B, 3, H, W] (models/image_processor.py) and returns the hidden states of its
 feature layers; the projector maps them into the text model's embedding space. Weights keep the checkpoint's
@@ -19,9 +19,18 @@ EMBED, WIDE = "embed", "head_dim"  # logical axes: replicated under tensor paral
 
 
 def vision_weights(tower: str, projector: str) -> tuple[Weight, ...]:
-    """The tower's and projector's weights, under the checkpoint prefixes `tower` (e.g. "vision_tower.vision_model.")
-    and `projector`; a weight the config leaves out (CLIP's class token and pre-norm, SigLIP's patch bias) is
-    skipped."""
+    """LLaVA's tower and projector weights, under the checkpoint prefixes `tower` (e.g. "vision_tower.vision_model.")
+    and `projector`."""
+    return (*tower_weights(tower),
+            Weight("projector.w1", projector + "linear_1.weight", None),
+            Weight("projector.b1", projector + "linear_1.bias", None),
+            Weight("projector.w2", projector + "linear_2.weight", None),
+            Weight("projector.b2", projector + "linear_2.bias", None))
+
+
+def tower_weights(tower: str) -> tuple[Weight, ...]:
+    """The tower's weights under the checkpoint prefix `tower`; a weight the config leaves out (CLIP's class token and
+    pre-norm, SigLIP's patch bias, Idefics3's post-norm) is skipped."""
     layer = tower + "encoder.layers.{i}."
     stacked = "vision.num_layers"
     return (
@@ -40,10 +49,8 @@ def vision_weights(tower: str, projector: str) -> tuple[Weight, ...]:
             ("wo", "self_attn.out_proj.weight"), ("bo", "self_attn.out_proj.bias"),
             ("fc1_w", "mlp.fc1.weight"), ("fc1_b", "mlp.fc1.bias"),
             ("fc2_w", "mlp.fc2.weight"), ("fc2_b", "mlp.fc2.bias"))),
-        Weight("projector.w1", projector + "linear_1.weight", None),
-        Weight("projector.b1", projector + "linear_1.bias", None),
-        Weight("projector.w2", projector + "linear_2.weight", None),
-        Weight("projector.b2", projector + "linear_2.bias", None),
+        Weight("vision.post_norm_w", tower + "post_layernorm.weight", None),
+        Weight("vision.post_norm_b", tower + "post_layernorm.bias", None),
     )
 
 
@@ -79,15 +86,19 @@ class VisionTower(nnx.Module):
         self.position_embedding = param((cfg.num_patches + cfg.class_token, d), (WIDE, EMBED))
         self.pre_norm_w = param((d,), (EMBED,)) if cfg.kind == "clip" else None
         self.pre_norm_b = param((d,), (EMBED,)) if cfg.kind == "clip" else None
+        self.post_norm_w = param((d,), (EMBED,)) if cfg.post_norm else None
+        self.post_norm_b = param((d,), (EMBED,)) if cfg.post_norm else None
         self.layers = VisionLayers(d, f, n)
 
     def __call__(self, pixels: jax.Array, dtype) -> jax.Array:
         """pixels f32[B, 3, H, W] -> the feature layers' hidden states concatenated, [B, N, D * len(feature_layers)]
-        (N: patches, plus the class token's row first where the tower has one)."""
+        (N: patches, plus the class token's row first where the tower has one; the last layer's post-normed where
+        the tower has a post-norm)."""
         cfg = self.cfg
-        b, c, h, w = pixels.shape
         p = cfg.patch_size
-        patches = pixels.astype(dtype).reshape(b, c, h // p, p, w // p, p)
+        b, c, h, w = pixels.shape
+        h, w = h // p * p, w // p * p  # a "valid" convolution: pixels past the last whole patch are left out
+        patches = pixels[:, :, :h, :w].astype(dtype).reshape(b, c, h // p, p, w // p, p)
         patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), c * p * p)      # [B,N,3pp]
         weight = self.patch_w.get_value()
         x = _dense(patches, weight.reshape(weight.shape[0], -1),
@@ -117,6 +128,8 @@ class VisionTower(nnx.Module):
 
         stacked = {name: getattr(self.layers, name).get_value() for name in VisionLayers.NAMES}
         x, every = jax.lax.scan(layer, x, stacked)                                            # every: [L,B,N,D]
+        if self.post_norm_w is not None:  # the only feature layer is the last (VisionConfig checks)
+            x = layer_norm(x, self.post_norm_w.get_value(), self.post_norm_b.get_value(), cfg.layer_norm_eps)
 
         def state(i: int) -> jax.Array:
             return first if i == 0 else x if i == cfg.num_layers else every[i - 1]

@@ -207,15 +207,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def image_inputs(args: argparse.Namespace, engine, path: str):
-    """A vision-language model's image inputs (the processor its directory names, the limits the flags set);
-    None for a text-only model."""
+def image_inputs(args: argparse.Namespace, engine, path: str, tokenizer):
+    """A vision-language model's image inputs (the processor its directory names, the limits the flags set; Idefics3
+    needs the tokenizer); None for a text-only model."""
     from slipstream.server.images import ImageInputs, ImageLimits
 
     limits = ImageLimits(max_images=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
                          fetch_timeout_s=args.image_fetch_timeout, fetch_urls=not args.no_image_urls)
     folder = path if os.path.isdir(path) else os.path.dirname(path) if path.endswith("config.json") else None
-    return ImageInputs.for_model(engine.model_cfg, folder, limits)
+    return ImageInputs.for_model(engine.model_cfg, folder, limits, tokenizer)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     max_requests_per_client=args.max_requests_per_client,
                                     priority_scheduling=args.scheduling_policy == "priority"),
                       lora=build_registry(args, engine), reasoning=reasoning_format(tokenizer, args.reasoning_parser),
-                      fim=fim_format(tokenizer), images=image_inputs(args, engines[0], path),
+                      fim=fim_format(tokenizer), images=image_inputs(args, engines[0], path, tokenizer),
                       tool_format=tool_format(tokenizer, args.tool_call_parser))
     log.info("tool calls: %s (--tool-call-parser %s)", service.tool_format.describe(), args.tool_call_parser)
     if service.reasoning is not None:

@@ -1,7 +1,8 @@
 """Image inputs for a vision-language model: an image part's source (a data URL, an http(s) URL the server fetches,
 or base64 bytes) read and checked against the limits, preprocessed as the model's processor says, and the rendered
-prompt's placeholder tokens expanded to the rows each image fills (as transformers' LlavaProcessor does). Every
-refusal is a 400 naming the request field. CPU only; runs on the worker thread that prepares a request."""
+prompt's placeholder tokens expanded to the rows each image fills (as transformers' LlavaProcessor does; Idefics3's
+processor writes each tile's rows between text tokens, and each tile is an ImageInput of its own). Every refusal is a
+400 naming the request field. CPU only; runs on the worker thread that prepares a request."""
 from __future__ import annotations
 
 import base64
@@ -16,6 +17,7 @@ import numpy as np
 
 from slipstream.engine.request import ImageInput
 from slipstream.models.config import ModelConfig
+from slipstream.models.idefics3_processor import Idefics3ImageProcessor, image_prompt
 from slipstream.models.image_processor import ImageError, ImageProcessor, decode_image
 from slipstream.server.errors import ServiceError
 
@@ -40,30 +42,64 @@ class ImageLimits:
 class LoadedImage:
     """An image part read and preprocessed: the tower's pixels and the field it came from."""
 
-    pixels: np.ndarray  # f32[3, H, W]
+    tiles: np.ndarray           # f32[n, 3, H, W]: one tower input per run of rows (LLaVA: 1; Idefics3: its tiles)
     param: str
+    grid: tuple[int, int] = (0, 0)  # Idefics3's rows x columns of split tiles ((0, 0): the global image alone)
+
+
+class TileLayout:
+    """Idefics3Processor's text in place of an image's <image> (models/idefics3_processor.image_prompt), tokenized as
+    transformers tokenizes it, and where each tile's run of image tokens starts in it."""
+
+    def __init__(self, tokenizer: Any, image_token_id: int, rows: int) -> None:
+        if tokenizer.encode("<image>", add_special_tokens=False) != [image_token_id]:
+            raise ValueError(f"the tokenizer does not read <image> as the model's image token {image_token_id}")
+        self._tokenizer, self._image, self._rows = tokenizer, image_token_id, rows
+        self._cache: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, grid: tuple[int, int]) -> tuple[list[int], list[int]]:
+        """(rows, cols) of tiles -> the replacement's ids and each tile's first position in them."""
+        if grid not in self._cache:
+            ids = self._tokenizer.encode(image_prompt(*grid, self._rows), add_special_tokens=False)
+            starts = [i for i, t in enumerate(ids) if t == self._image and (i == 0 or ids[i - 1] != self._image)]
+            if len(starts) != grid[0] * grid[1] + 1 or ids.count(self._image) != self._rows * len(starts):
+                raise ValueError(f"the tokenizer splits Idefics3's image prompt for {grid} tiles into "
+                                 f"{len(starts)} image runs, not one of {self._rows} per tile")
+            self._cache[grid] = (ids, starts)
+        return self._cache[grid]
 
 
 class ImageInputs:
     """What a vision-language model's requests need from the front ends."""
 
-    def __init__(self, processor: ImageProcessor, image_token_id: int, rows: int, limits: ImageLimits) -> None:
+    def __init__(self, processor: ImageProcessor | Idefics3ImageProcessor, image_token_id: int, rows: int,
+                 limits: ImageLimits, tiles: TileLayout | None = None) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
-        self.rows = rows  # prompt positions an image fills
+        self.rows = rows  # prompt positions an image (a tile) fills
         self.limits = limits
+        self.tiles = tiles  # Idefics3's layout of an image's tiles in the prompt; None: one run of `rows`
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, folder: str | None, limits: ImageLimits) -> "ImageInputs | None":
-        """None for a text-only model."""
+    def for_model(cls, cfg: ModelConfig, folder: str | None, limits: ImageLimits,
+                  tokenizer: Any = None) -> "ImageInputs | None":
+        """None for a text-only model. Idefics3 needs the tokenizer: its processor writes text between the tiles."""
         if cfg.vision is None:
             return None
+        size, rows = cfg.vision.image_size, cfg.vision.num_image_tokens
+        if cfg.architecture == "idefics3":
+            if tokenizer is None:
+                raise ValueError("an Idefics3 model's image inputs need its tokenizer (the text around its tiles)")
+            processor = Idefics3ImageProcessor.for_model(folder, cfg.vision)
+            if processor.tile != size:
+                raise ValueError(f"{folder}: preprocessor_config.json's max_image_size makes tiles of "
+                                 f"{processor.tile}x{processor.tile} pixels; the vision tower takes {size}x{size}")
+            return cls(processor, cfg.image_token_id, rows, limits, TileLayout(tokenizer, cfg.image_token_id, rows))
         processor = ImageProcessor.for_model(folder, cfg.vision)
-        size = cfg.vision.image_size
         if processor.output_size != (size, size):
             raise ValueError(f"{folder}: preprocessor_config.json makes images of {processor.output_size or 'varying'} "
                              f"pixels (height, width); the vision tower takes {size}x{size}")
-        return cls(processor, cfg.image_token_id, cfg.vision.num_image_tokens, limits)
+        return cls(processor, cfg.image_token_id, rows, limits)
 
     def check_count(self, count: int, param: str) -> None:
         """Before reading the count-th image (1-based) of a request."""
@@ -102,7 +138,8 @@ class ImageInputs:
         return self._decoded(data, param)
 
     def expand(self, ids: list[int], images: list[LoadedImage], param: str) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The rendered prompt with each image placeholder repeated for its image's rows, and the images' runs."""
+        """The rendered prompt with each image placeholder replaced by its image's rows (and, for Idefics3, the text
+        around its tiles), and each tile's run."""
         at = [i for i, token in enumerate(ids) if token == self.image_token_id]
         if len(at) != len(images):
             raise ServiceError(400, f"the prompt holds {len(at)} image placeholders for {len(images)} images (the "
@@ -113,10 +150,13 @@ class ImageInputs:
         last = 0
         for where, image in zip(at, images):
             out += ids[last:where]
-            digest = hashlib.blake2b(np.asarray(image.pixels.shape, np.int64).tobytes(), digest_size=16)
-            digest.update(image.pixels.tobytes())
-            inputs.append(ImageInput(image.pixels, len(out), self.rows, digest.digest()))
-            out += [self.image_token_id] * self.rows
+            replacement, starts = ([self.image_token_id] * self.rows, [0]) if self.tiles is None else (
+                self.tiles(image.grid))
+            for tile, start in zip(image.tiles, starts, strict=True):
+                digest = hashlib.blake2b(np.asarray(tile.shape, np.int64).tobytes(), digest_size=16)
+                digest.update(tile.tobytes())
+                inputs.append(ImageInput(tile, len(out) + start, self.rows, digest.digest()))
+            out += replacement
             last = where + 1
         return out + ids[last:], tuple(inputs)
 
@@ -127,7 +167,10 @@ class ImageInputs:
             image = decode_image(data)
         except ImageError as exc:
             raise ServiceError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
-        return LoadedImage(self.processor(image), param)
+        if self.tiles is None:
+            return LoadedImage(self.processor(image)[None], param)
+        tiles = self.processor(image)
+        return LoadedImage(tiles.pixels, param, (tiles.rows, tiles.cols))
 
     def _too_large(self, param: str) -> ServiceError:
         return ServiceError(400, f"{param}: the image is larger than {self.limits.max_image_bytes} bytes (this "

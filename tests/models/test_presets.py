@@ -33,6 +33,7 @@ PUBLIC = {
     "olmoe-1b-7b": ("olmoe", 16, 2048, 16, 16, 128, 1024, 50304, False, 16),
     "phi-4-mini": ("phi3", 32, 3072, 24, 8, 128, 8192, 200064, True, 32),
     "llava-1.5-7b": ("llava", 32, 4096, 32, 32, 128, 11008, 32064, False, 32),
+    "smolvlm-256m": ("idefics3", 30, 576, 9, 3, 64, 1536, 49280, False, 30),
 }
 # MoE presets: (experts, experts per token, expert width, top-k weights renormalised)
 EXPERTS = {"qwen3-30b-a3b": (128, 8, 768, True), "mixtral-8x7b": (8, 2, 14336, True), "olmoe-1b-7b": (64, 8, 1024, False)}
@@ -42,7 +43,7 @@ VOCAB = 1024
 PARAMS_BILLIONS = {"llama-3.1-8b": 8.03, "llama-3.2-1b": 1.24, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
                    "gemma-3-1b": 1.00, "gemma-3-4b": 3.88, "mistral-7b": 7.25, "qwen3-30b-a3b": 30.5,
                    "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.92, "phi-4-mini": 3.84,
-                   "llava-1.5-7b": 7.06}
+                   "llava-1.5-7b": 7.06, "smolvlm-256m": 0.256}
 
 
 def preset(name: str) -> ModelConfig:
@@ -55,10 +56,10 @@ def shrunk_dir(tmp_path, name: str, vocab_size: int | None = None) -> str:
     one of them global)."""
     with open(os.path.join(PRESET_DIR, f"{name}.json")) as f:
         top = cfg = json.load(f)
-    if "text_config" in cfg:  # a vision-language model: its text model shrunk, and a 2-layer tower on 28x28 images
-        cfg = top["text_config"]
+    if "text_config" in cfg:  # a vision-language model: its text model shrunk, and a 2-layer tower on small images
+        cfg = top["text_config"]  # (LLaVA's 28x28: 4 patches; SmolVLM's 64x64: 16 patches, one row after its shuffle)
         top["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    image_size=28)
+                                    image_size=64 if top["model_type"] == "idefics3" else 28)
     ratio = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
     if cfg["model_type"] == "phi3":  # its head_dim, whose rotated part LongRoPE's factors cover
         cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -120,11 +121,15 @@ def test_every_weight_shape_follows_from_the_config(name):
     state = _weights(model)
     params = sum(math.prod(leaf.shape) for leaf in state.values())
     seen = 0
-    if cfg.vision is not None:  # the tower's layers up to its feature layer (CLIP ViT-L/14 at 336 px: 23 of 24)
-        v = cfg.vision
+    v = cfg.vision
+    if cfg.architecture == "llava":  # the tower's layers up to its feature layer (CLIP ViT-L/14 at 336 px: 23 of 24)
         assert state["vision.layers.wq"].shape == (v.num_layers, v.hidden_size, v.hidden_size) and v.num_layers == 23
         assert state["vision.position_embedding"].shape == (577, v.hidden_size) and v.num_image_tokens == 576
         assert state["projector.w1"].shape == (d, v.hidden_size)
+    if cfg.architecture == "idefics3":  # SigLIP B/16 at 512 px, every layer and the post-norm; 4x4 shuffled: 64 rows
+        assert state["vision.layers.wq"].shape == (12, 768, 768) and state["vision.post_norm_w"].shape == (768,)
+        assert state["vision.position_embedding"].shape == (1024, 768) and v.num_image_tokens == 64
+        assert state["connector.w"].shape == (d, 768 * 16)
     for w in type(model).WEIGHTS:
         leaf = state.get(w.path)
         if leaf is None or not w.path.split(".")[0] in ("embed", "final_norm", "lm_head", "blocks"):
@@ -201,7 +206,8 @@ Q8_DRAWN = ("llama-3.1-8b", "llama-3.2-1b", "qwen3-0.6b", "qwen3-8b", "gemma-3-4
                                             ("llama-3.2-1b", "int8"), ("llama-3.1-8b", "int8"),
                                             ("qwen3-0.6b", "int8-channel"), ("olmoe-1b-7b", "q8_0-a16"),
                                             ("qwen3-30b-a3b", "int8"), ("mixtral-8x7b", "none"),
-                                            ("phi-4-mini", "q8_0-a16"), ("llava-1.5-7b", "q8_0-a16")])
+                                            ("phi-4-mini", "q8_0-a16"), ("llava-1.5-7b", "q8_0-a16"),
+                                            ("smolvlm-256m", "none")])
 def test_dummy_weights_have_the_declared_shapes_and_give_varied_logits(tmp_path, name, quantize):
     # one vocabulary for all (the presets' own are checked above and served in test_presets_serve.py): the
     # embedding's and LM head's draws and the logits' programs compile once for the file

@@ -4,6 +4,7 @@ requests over HTTP; `slipstream generate` runs a preset end to end in a subproce
 SLIPSTREAM_LOAD_FORMAT sets the flag."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -54,6 +55,7 @@ SERVED = {
     "gemma-3-4b": ("gemma3: sliding and global layers, linear RoPE scaling, two KV heads", ()),
     "olmoe-1b-7b": ("olmoe: 64 experts top-8, q/k norms over the whole projection", ()),
     "llava-1.5-7b": ("llava: a CLIP tower and projector over llama, an image in a chat request", ()),
+    "smolvlm-256m": ("idefics3: a SigLIP tower, pixel shuffle and linear over llama, an image's tiles in a chat", ()),
     "qwen3-30b-a3b": ("qwen3_moe: 128 experts top-8, renormalised", TPU_INT8),
     "mixtral-8x7b": ("mixtral: 8 experts top-2, no q/k norms", ()),
     "phi-4-mini": ("phi3: q/k/v and gate/up split from fused tensors, RoPE on 3/4 of head_dim, LongRoPE, tied", ()),
@@ -65,7 +67,7 @@ def serve_in_thread(args):
     engine, tokenizer, path = build_engine(args)
     scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy"),
-                      images=image_inputs(args, engine, path))
+                      images=image_inputs(args, engine, path, tokenizer))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))
     return url, server, thread, tokenizer
@@ -78,8 +80,13 @@ def test_served_presets_cover_every_family():
 
 @pytest.mark.parametrize("name", sorted(SERVED))
 def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
-    args = build_parser().parse_args(["serve", "--model", shrunk_dir(tmp_path, name), "--load-format", "dummy",
-                                      *SERVED[name][1], *SMALL, "--compile-cache", ""])
+    path = shrunk_dir(tmp_path, name)
+    if name.startswith("smolvlm"):  # its processor's config beside it: images to 128 pixels, tiles of 64
+        (tmp_path / name / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 128},
+            "max_image_size": {"longest_edge": 64}}))
+    args = build_parser().parse_args(["serve", "--model", path, "--load-format", "dummy", *SERVED[name][1], *SMALL,
+                                      "--compile-cache", ""])
     url, server, thread, tokenizer = serve_in_thread(args)
     try:
         assert tokenizer.vocab_size == PUBLIC[name][7]
@@ -102,6 +109,19 @@ def test_dummy_preset_serves_chat_and_completions(tmp_path, name):
             assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(
                 "<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n",
                 add_special_tokens=False)) + 3
+        if name.startswith("smolvlm"):  # 40x30 pixels -> 128x96 -> 128x128: 2x2 tiles of 64x64 and the global one
+            from slipstream.models.idefics3_processor import image_prompt
+
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "dummy", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _png_url()}}, {"type": "text", "text": "What is it?"}]}]})
+            assert r.status_code == 200, r.text
+            tile_tokens = len(tokenizer.encode(image_prompt(2, 2, 1), add_special_tokens=False))
+            # per tile <fake_token_around_image>, <row_r_col_c> and its one row; 3 newlines (bytes); the global image's 4
+            assert tile_tokens == 4 * 3 + 3 + 4
+            assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(
+                "<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n",
+                add_special_tokens=False)) - 1 + tile_tokens
     finally:
         server.should_exit = True
         thread.join(timeout=15)

@@ -58,7 +58,7 @@ def llava_server(tmp_path_factory):
     engine, tokenizer, resolved = build_engine(args)
     scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
     service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy", max_prompt_bytes=1 << 20),
-                      images=image_inputs(args, engine, resolved))
+                      images=image_inputs(args, engine, resolved, tokenizer))
     scheduler.start()
     url, server, thread = run_http(create_app(service, api_key=None))
     yield url, path
