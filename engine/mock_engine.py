@@ -55,6 +55,7 @@ class MockEngine:
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
+        self.model_cfg = None  # no model behind it: a text-only server (no image inputs)
         self.hidden_size = 3  # (token, position, 1.0) per row
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -215,6 +215,8 @@ def image_inputs(args: argparse.Namespace, engine, path: str, tokenizer):
     limits = ImageLimits(max_images=args.max_images_per_request, max_image_bytes=args.max_image_bytes,
                          fetch_timeout_s=args.image_fetch_timeout, fetch_urls=not args.no_image_urls)
     folder = path if os.path.isdir(path) else os.path.dirname(path) if path.endswith("config.json") else None
+    if engine.model_cfg is None:  # MockEngine's tests: no model
+        return None
     return ImageInputs.for_model(engine.model_cfg, folder, limits, tokenizer)
 
 
