@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 
 from slipstream.models.config import VisionConfig
-from slipstream.models.image_processor import HALF, rescale_normalize, to_rgb
+from slipstream.models.image_processor import HALF, pixel_fields, rescale_normalize, to_rgb
 
 PROCESSORS = tuple(f"{name}{suffix}" for name in ("Idefics3ImageProcessor", "SmolVLMImageProcessor")
                    for suffix in ("", "Fast", "Pil"))
@@ -59,14 +59,10 @@ class Idefics3ImageProcessor:
         size = raw.get("size") or {"longest_edge": 4 * 364}
         if "longest_edge" not in size:
             raise ValueError(f"image processor size {size} is not supported: Idefics3's is {{'longest_edge': N}}")
-        normalize = raw.get("do_normalize", True)
         return cls(longest_edge=int(size["longest_edge"]), tile=tile, do_resize=bool(raw.get("do_resize", True)),
                    do_image_splitting=bool(raw.get("do_image_splitting", True)),
                    resample=int(raw.get("resample", Image.Resampling.LANCZOS)),
-                   rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean") or HALF) if normalize else None,
-                   std=tuple(raw.get("image_std") or HALF) if normalize else None,
-                   do_convert_rgb=bool(raw.get("do_convert_rgb", True)))
+                   **pixel_fields(raw, HALF, HALF))
 
     @classmethod
     def for_model(cls, folder: str | None, vision: VisionConfig) -> "Idefics3ImageProcessor":

@@ -56,15 +56,11 @@ class ImageProcessor:
             crop = {"height": crop, "width": crop}
         do_crop = raw.get("do_center_crop", not siglip)
         default_mean, default_std = (HALF, HALF) if siglip else (CLIP_MEAN, CLIP_STD)
-        normalize = raw.get("do_normalize", True)
         return cls(size=out_size,
                    resample=int(raw.get("resample", Image.Resampling.BILINEAR if siglip else Image.Resampling.BICUBIC)),
                    do_resize=bool(raw.get("do_resize", True)),
                    crop_size=(int(crop["height"]), int(crop["width"])) if do_crop else None,
-                   rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean") or default_mean) if normalize else None,
-                   std=tuple(raw.get("image_std") or default_std) if normalize else None,
-                   do_convert_rgb=bool(raw.get("do_convert_rgb", True)))
+                   **pixel_fields(raw, default_mean, default_std))
 
     @classmethod
     def for_model(cls, folder: str | None, vision: VisionConfig) -> "ImageProcessor":
@@ -109,6 +105,16 @@ class ImageProcessor:
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(self.size * long / short)
         return (new_long, self.size) if width <= height else (self.size, new_long)
+
+
+def pixel_fields(raw: dict, default_mean: tuple[float, ...], default_std: tuple[float, ...]) -> dict:
+    """A preprocessor_config.json's rescale, normalize and RGB fields, as every transformers image processor reads
+    them."""
+    normalize = raw.get("do_normalize", True)
+    return dict(rescale_factor=float(raw.get("rescale_factor", 1 / 255)) if raw.get("do_rescale", True) else None,
+                mean=tuple(raw.get("image_mean") or default_mean) if normalize else None,
+                std=tuple(raw.get("image_std") or default_std) if normalize else None,
+                do_convert_rgb=bool(raw.get("do_convert_rgb", True)))
 
 
 def rescale_normalize(x: np.ndarray, factor: float | None, mean: tuple[float, ...] | None,

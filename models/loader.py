@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from slipstream.models.base import CausalLM, Weight
 from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_config import config_from_gguf
 
 
 class ModelLoadError(ValueError):
@@ -338,7 +339,7 @@ def load_gguf(path: str, *, dtype="float32", progress: bool = False, quantize: s
     meta = gguf_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     factors = [tensors.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")]
-    cfg = ModelConfig.from_gguf_metadata(meta, has_output_tensor="output.weight" in tensors, rope_factors=(
+    cfg = config_from_gguf(meta, has_output_tensor="output.weight" in tensors, rope_factors=(
         None if None in factors else tuple(np.asarray(t.data, np.float32).reshape(-1).tolist() for t in factors)))
     permute = meta.get("general.architecture") == "llama"
     # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added; the module adds it itself

@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from slipstream.models.base import dense_logits
-from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_config import config_from_gguf
 from slipstream.models.loader import load_gguf
 from slipstream.models.registry import load_tokenizer
 from tests.models.test_gguf_spm_tokenizer import WHITESPACE_PIECES, _train, llama_cpp_encode
@@ -111,17 +111,17 @@ def test_gemma3_metadata_as_llama_cpp_reads_it():
     meta = {"general.architecture": "gemma3", "gemma3.block_count": 62, "gemma3.embedding_length": 5376,
             "gemma3.attention.head_count": 32, "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128,
             "gemma3.feed_forward_length": 21504, "gemma3.attention.sliding_window": 1024, "gemma3.vocab_size": 262208}
-    big = ModelConfig.from_gguf_metadata(meta, has_output_tensor=False)
+    big = config_from_gguf(meta, has_output_tensor=False)
     assert big.query_pre_attn_scalar == 168 and big.head_dim == 128  # 27B: hidden / heads, as its checkpoint says
     assert big.layer_types.count("full") == 10 and big.layer_types[5] == "full" and big.rope_local_theta == 1e4
-    small = ModelConfig.from_gguf_metadata({**meta, "gemma3.block_count": 26, "gemma3.attention.sliding_window_pattern":
+    small = config_from_gguf({**meta, "gemma3.block_count": 26, "gemma3.attention.sliding_window_pattern":
                                             [True, False] * 13}, has_output_tensor=False)
     assert small.query_pre_attn_scalar == 128 and small.layer_types[:3] == ("sliding", "full", "sliding")
     with pytest.raises(ValueError, match="sliding_window_pattern lists 4 layers, expected 26"):
-        ModelConfig.from_gguf_metadata({**meta, "gemma3.block_count": 26,
+        config_from_gguf({**meta, "gemma3.block_count": 26,
                                         "gemma3.attention.sliding_window_pattern": [True] * 4}, has_output_tensor=False)
     with pytest.raises(ValueError, match="missing gemma3.attention.sliding_window"):
-        ModelConfig.from_gguf_metadata({k: v for k, v in meta.items() if "sliding" not in k}, has_output_tensor=False)
+        config_from_gguf({k: v for k, v in meta.items() if "sliding" not in k}, has_output_tensor=False)
 
 
 # ---- Gemma's tokenizer ----------------------------------------------------------------------------------------

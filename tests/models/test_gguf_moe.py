@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from slipstream.engine.device.params import prepare_model
 from slipstream.models.base import dense_logits
-from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_config import config_from_gguf
 from slipstream.models.loader import load_gguf
 from tests.conftest import build_tiny_hf
 
@@ -240,9 +240,9 @@ MOE_META = {"general.architecture": "qwen3moe", "qwen3moe.block_count": 2, "qwen
 def test_unsupported_moe_metadata_is_refused_by_name(change, message):
     meta = {k: v for k, v in {**MOE_META, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_gguf_metadata(meta, has_output_tensor=True)
+        config_from_gguf(meta, has_output_tensor=True)
 
 
 def test_expert_weights_norm_in_the_file_wins_over_the_architectures_default():
-    cfg = ModelConfig.from_gguf_metadata({**MOE_META, "qwen3moe.expert_weights_norm": False}, has_output_tensor=True)
+    cfg = config_from_gguf({**MOE_META, "qwen3moe.expert_weights_norm": False}, has_output_tensor=True)
     assert cfg.norm_topk_prob is False and cfg.moe_intermediate_size == 32 and cfg.intermediate_size == 32

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from slipstream.engine.device.params import prepare_model
 from slipstream.models.base import dense_logits
-from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_config import config_from_gguf
 from slipstream.models.loader import load_gguf
 from tests.conftest import build_tiny_hf
 
@@ -112,12 +112,12 @@ def test_phi3_metadata_without_factors_or_window():
             "phi3.attention.head_count": 32, "phi3.attention.head_count_kv": 32, "phi3.feed_forward_length": 8192,
             "phi3.context_length": 4096, "phi3.rope.dimension_count": 96, "phi3.attention.sliding_window": 2047,
             "phi3.vocab_size": 32064}
-    mini = ModelConfig.from_gguf_metadata(meta, has_output_tensor=True)  # Phi-3-mini-4k: its window of 2047
+    mini = config_from_gguf(meta, has_output_tensor=True)  # Phi-3-mini-4k: its window of 2047
     assert mini.rope_scaling is None and mini.sliding_window == 2047 and mini.rotary_dim == 96
     with pytest.raises(ValueError, match="missing phi3.rope.scaling.original_context_length"):
-        ModelConfig.from_gguf_metadata(meta, has_output_tensor=True, rope_factors=([1.0] * 48, [2.0] * 48))
+        config_from_gguf(meta, has_output_tensor=True, rope_factors=([1.0] * 48, [2.0] * 48))
     with pytest.raises(ValueError, match=r"one entry per rotated pair \(48\), got 4"):
-        ModelConfig.from_gguf_metadata({**meta, "phi3.rope.scaling.original_context_length": 4096},
+        config_from_gguf({**meta, "phi3.rope.scaling.original_context_length": 4096},
                                        has_output_tensor=True, rope_factors=([1.0] * 4, [2.0] * 4))
 
 

@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 from slipstream.models.base import dense_logits
 from slipstream.models.config import ModelConfig
+from slipstream.models.gguf_config import config_from_gguf
 from slipstream.models.loader import load_gguf
 from tests.conftest import build_tiny_hf
 
@@ -73,12 +74,12 @@ META = {"general.architecture": "qwen3", "qwen3.block_count": 2, "qwen3.embeddin
 
 
 def test_yarn_metadata_defaults_and_betas():
-    cfg = ModelConfig.from_gguf_metadata({**META, "qwen3.rope.scaling.yarn_beta_fast": 16.0,
+    cfg = config_from_gguf({**META, "qwen3.rope.scaling.yarn_beta_fast": 16.0,
                                           "qwen3.rope.scaling.yarn_ext_factor": -1.0}, has_output_tensor=True)
     # no original_context_length: llama.cpp takes the training context
     assert (cfg.rope_scaling.original_max_position, cfg.rope_scaling.beta_fast, cfg.rope_scaling.beta_slow) == (
         131072, 16.0, 1.0)
-    qwen = ModelConfig.from_gguf_metadata({**META, "qwen3.context_length": 40960,
+    qwen = config_from_gguf({**META, "qwen3.context_length": 40960,
                                            "qwen3.rope.scaling.original_context_length": 32768}, has_output_tensor=True)
     assert qwen.max_position_embeddings == 131072  # the context YaRN stretches 32k to
 
@@ -93,7 +94,7 @@ def test_yarn_metadata_defaults_and_betas():
 def test_unsupported_rope_metadata_is_refused_by_key(change, message):
     meta = {k: v for k, v in {**META, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_gguf_metadata(meta, has_output_tensor=True)
+        config_from_gguf(meta, has_output_tensor=True)
 
 
 def test_hf_rope_kinds_named_when_refused():
