@@ -7,9 +7,9 @@ sampling rows' logits). Each weight's logical axes sit on its `nnx.Param` (`shar
 engine splits the module once and merges it inside its jitted programs (`base.step_fn`).
 
 Adding an architecture (Gemma 3 in models/gemma3.py is a complete example):
-1. models/config.py: map its HF `architectures` name (and model_type; GGUF `general.architecture` if
-   it has one) to a new architecture name, and read any new config fields (a flag here, not an `if`
-   on the name inside layer code).
+1. models/config.py: map its HF `architectures` name (and model_type; GGUF `general.architecture` in
+   models/gguf_config.py if it has one) to a new architecture name, and read any new config fields (a flag here,
+   not an `if` on the name inside layer code).
 2. models/<name>.py: a `CausalLM` subclass with its block module built from models/layers.py
    (Attention, GatedMLP, RMSNorm, Linear; models/moe.py's SparseMoE and moe_weights for a mixture of experts,
    whose expert tensors are declared with Weight(experts=True); add a shared layer there if another model may use it),
