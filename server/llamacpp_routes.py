@@ -63,5 +63,5 @@ def add_llamacpp_routes(app: FastAPI, service: Service, model_path: str | None =
         return {"default_generation_settings": {"n_ctx": service.max_seq_len, "params": params},
                 "total_slots": service.engine.max_slots, "model_path": model_path or service.model_name,
                 "chat_template": getattr(service.tokenizer, "chat_template", None) or "",
-                "modalities": {"vision": False, "audio": False}, "infill": service.fim is not None,
+                "modalities": {"vision": service.images is not None, "audio": False}, "infill": service.fim is not None,
                 "build_info": "slipstream"}

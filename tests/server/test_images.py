@@ -115,6 +115,8 @@ def test_data_url_reply_equals_transformers(llava_server):
     pixels = transformers.CLIPImageProcessor.from_pretrained(path)(
         images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"]
     assert _reply_ids(body) == hf_greedy(hf_model(path), ids, pixels, 6)
+    # llama.cpp's clients (its web UI) offer image upload by /props
+    assert httpx.get(f"{url}/props", timeout=30).json()["modalities"]["vision"] is True
 
 
 def test_an_image_url_is_fetched_and_answers_as_its_data_url(llava_server, image_host):

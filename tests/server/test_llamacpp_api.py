@@ -175,4 +175,4 @@ def test_tokenize_detokenize_apply_template_and_props_in_llama_cpp_spellings(liv
             "prompt": "<user>hi\n<assistant>"}
         props = http.get("/props").json()
     assert props["default_generation_settings"]["n_ctx"] == live.service.max_seq_len
-    assert props["total_slots"] == 4 and props["infill"] is False
+    assert props["total_slots"] == 4 and props["infill"] is False and props["modalities"]["vision"] is False
