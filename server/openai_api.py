@@ -52,7 +52,7 @@ def prepare_chat(service: Service, req: ChatCompletionRequest) -> Prepared:
     """Render the chat template, tokenize, validate; thread-safe like prepare_completion."""
     lora = service.check_model(req.model)
     priority = service.check_priority(req.priority)
-    plan = tool_plan(req.tools, req.tool_choice, service.tool_format)
+    plan = tool_plan(req.tools, req.tool_choice, service.tool_format, req.parallel_tool_calls)
     constraint = request_constraint(req)
     forced = parse_input("tools", "tool definitions", plan.constraint) if plan is not None else None
     if forced is not None:

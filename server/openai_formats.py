@@ -175,7 +175,8 @@ class ChatFormat(_StreamEvents):
         self.created = int(time.time())
         self.top_logprobs = body.top_logprobs or 0
         self._options(body)
-        self.tools = tool_plan(body.tools, body.tool_choice, service.tool_format) if body.tools else None
+        self.tools = (tool_plan(body.tools, body.tool_choice, service.tool_format, body.parallel_tool_calls)
+                      if body.tools else None)
         self.tool_streams = [ToolStream(self.tools) for _ in range(gen.num_choices)] if self.tools else []
         # a reasoning model's choices: whether each starts inside the thinking, and its stream's split
         self.reasoning, self.include_reasoning = service.reasoning, body.include_reasoning

@@ -29,6 +29,7 @@ class ToolPlan:
     mode: str                   # "auto", "required" or "named"
     named: str | None = None    # the forced function's name ("named")
     fmt: ToolFormat = FALLBACK  # the served model's tool format
+    parallel: bool = True       # parallel_tool_calls: false keeps a reply's first call only
 
     @property
     def names(self) -> set[str]:
@@ -109,7 +110,8 @@ def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def tool_plan(tools: list[dict] | None, tool_choice: Any, fmt: ToolFormat = FALLBACK) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice: Any, fmt: ToolFormat = FALLBACK,
+              parallel_tool_calls: bool | None = None) -> ToolPlan | None:
     """None when the reply is plain text: no tools, or tool_choice "none"."""
     if tool_choice is not None and not tools:
         if tool_choice == "none":
@@ -127,10 +129,11 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, fmt: ToolFormat = FALL
             raise _bad("tools", f"tools[{i}].function.parameters must be a JSON schema object")
         _check_unicode(fn, f"tools.{i}.function")
         functions.append(fn)
+    parallel = parallel_tool_calls is not False
     if tool_choice in (None, "auto"):
-        return ToolPlan(functions, "auto", fmt=fmt)
+        return ToolPlan(functions, "auto", fmt=fmt, parallel=parallel)
     if tool_choice == "required":
-        return ToolPlan(functions, "required", fmt=fmt)
+        return ToolPlan(functions, "required", fmt=fmt, parallel=parallel)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -138,7 +141,7 @@ def tool_plan(tools: list[dict] | None, tool_choice: Any, fmt: ToolFormat = FALL
                                   "{'type': 'function', 'function': {'name': ...}}")
     if name not in {f["name"] for f in functions}:
         raise _bad("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
-    return ToolPlan(functions, "named", name, fmt)
+    return ToolPlan(functions, "named", name, fmt, parallel)
 
 
 def tools_prompt(plan: ToolPlan) -> str:
@@ -260,7 +263,8 @@ def _call(name: str, arguments: Any) -> dict:
 
 
 def _split(plan: ToolPlan, text: str) -> tuple[str, list[Call]]:
-    return plan.fmt.syntax.parse(text, plan.names)
+    content, calls = plan.fmt.syntax.parse(text, plan.names)
+    return content, calls if plan.parallel else calls[:1]  # as vLLM: the first call, the others dropped
 
 
 def parse_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:

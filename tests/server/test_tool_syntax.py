@@ -49,6 +49,22 @@ def test_each_syntax_parses_its_calls_and_keeps_the_text_before_them(syntax, rep
     assert (content.strip(), parsed) == ("", calls)
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed():
+    """OpenAI's parallel_tool_calls: false (and Anthropic's disable_parallel_tool_use): a reply of two calls comes
+    back as its first, as vLLM returns it."""
+    syntax, reply = Hermes(), CALLS[0][1]
+    plan = tool_plan([WEATHER, CLOCK], "auto", ToolFormat(syntax), parallel_tool_calls=False)
+    content, calls = parse_reply(plan, reply)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    stream = ToolStream(plan)
+    text = "".join(stream.feed(reply[i:i + 7])[0] for i in range(0, len(reply), 7))
+    rest, deltas = stream.finish()
+    assert (text + rest).strip() == "Let me check."
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_weather")]
+    both = tool_plan([WEATHER, CLOCK], "auto", ToolFormat(syntax), parallel_tool_calls=True)
+    assert len(parse_reply(both, reply)[1]) == 2
+
+
 MALFORMED = [  # (syntax, text that holds no complete call of the tools)
     (Hermes(), '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'),
     (Hermes(), '<tool_call>{"name": "get_weather", "arguments": {"city": "Os'),
