@@ -5,15 +5,13 @@ only: a decoded image in, the tiles' pixels out."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import numpy as np
 from PIL import Image
 
 from slipstream.models.config import VisionConfig
-from slipstream.models.image_processor import HALF, pixel_fields, rescale_normalize, to_rgb
+from slipstream.models.image_processor import HALF, pixel_fields, preprocessor_config, rescale_normalize, to_rgb
 
 PROCESSORS = tuple(f"{name}{suffix}" for name in ("Idefics3ImageProcessor", "SmolVLMImageProcessor")
                    for suffix in ("", "Fast", "Pil"))
@@ -68,13 +66,8 @@ class Idefics3ImageProcessor:
     def for_model(cls, folder: str | None, vision: VisionConfig) -> "Idefics3ImageProcessor":
         """The directory's preprocessor_config.json; without one (a preset's dummy weights), transformers' defaults
         at the tower's image size (tiles of image_size, the longest edge 4 tiles)."""
-        path = None if folder is None else os.path.join(folder, "preprocessor_config.json")
-        if path is not None and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    return cls.from_dict(json.load(f))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if (raw := preprocessor_config(folder)) is not None:
+            return cls.from_dict(raw)
         return cls(longest_edge=4 * vision.image_size, tile=vision.image_size)
 
     def __call__(self, image: Image.Image) -> Tiles:

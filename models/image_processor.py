@@ -66,13 +66,8 @@ class ImageProcessor:
     def for_model(cls, folder: str | None, vision: VisionConfig) -> "ImageProcessor":
         """The directory's preprocessor_config.json; without one (an architecture preset's dummy weights), the
         tower's own defaults at its image size."""
-        path = None if folder is None else os.path.join(folder, "preprocessor_config.json")
-        if path is not None and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    return cls.from_dict(json.load(f))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if (raw := preprocessor_config(folder)) is not None:
+            return cls.from_dict(raw)
         n = vision.image_size
         if vision.kind == "siglip":
             return cls(size=(n, n), resample=Image.Resampling.BILINEAR, mean=HALF, std=HALF)
@@ -105,6 +100,18 @@ class ImageProcessor:
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(self.size * long / short)
         return (new_long, self.size) if width <= height else (self.size, new_long)
+
+
+def preprocessor_config(folder: str | None) -> dict | None:
+    """The model directory's preprocessor_config.json, or None where it has none (a preset's dummy weights)."""
+    path = None if folder is None else os.path.join(folder, "preprocessor_config.json")
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def pixel_fields(raw: dict, default_mean: tuple[float, ...], default_std: tuple[float, ...]) -> dict:

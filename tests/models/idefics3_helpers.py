@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.models import llava_helpers
+
 IMAGE_TOKEN = 299     # <image>
 IMAGE_ROWS = 4        # (32 / 8)^2 patches / 2^2
 
@@ -49,21 +51,12 @@ def hf_model(path: str):
 
 def hf_logits(model, ids: list[int], pixels: np.ndarray | None) -> np.ndarray:
     """transformers' logits [T, V] of a prompt whose image rows are already expanded (pixels [tiles, 3, H, W], in the
-    order of their rows in the prompt)."""
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]),
-                    pixel_values=None if pixels is None else torch.tensor(pixels, dtype=torch.float32)[None])
-    return out.logits[0].numpy()
+    order of their rows in the prompt: one image of tiles)."""
+    return llava_helpers.hf_logits(model, ids, None if pixels is None else pixels[None])
 
 
 def hf_greedy(model, ids: list[int], pixels: np.ndarray, n: int) -> list[int]:
-    """transformers' greedy continuation (EOS not special: the engine's ignore_eos), a full forward per token."""
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(hf_logits(model, ids, pixels)[-1].argmax()))
-    return ids[-n:]
+    return llava_helpers.hf_greedy(model, ids, pixels[None], n)
 
 
 # the tiny tokenizer's vocabulary: words, and Idefics3's tokens where SmolVLM's tokenizer has added tokens

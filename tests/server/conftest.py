@@ -5,6 +5,7 @@ With ByteTokenizer and MockEngine every output is hand-computable: the prompt "a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -211,6 +212,30 @@ def run_http(app, *, shutdown_timeout_s: float = 5.0, uds: str | None = None,
     if not wait_for(lambda: server.started or not thread.is_alive(), timeout=10) or not server.started:
         raise RuntimeError("test server did not start within 10 s")
     return ("http://localhost" if uds else f"http://127.0.0.1:{port}"), server, thread
+
+
+@contextlib.contextmanager
+def serve_model_dir(path: str, flags: list[str]) -> Iterator[str]:
+    """`slipstream serve --model path *flags` as the CLI builds it (engine, image inputs), in this process on a free
+    port: its URL, stopped after the block."""
+    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
+    from slipstream.server.app import create_app
+    from slipstream.server.cli import build_engine, build_parser, image_inputs
+    from slipstream.server.service import Service, ServiceConfig
+
+    args = build_parser().parse_args(["serve", "--model", path, *flags])
+    engine, tokenizer, resolved = build_engine(args)
+    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
+    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy", max_prompt_bytes=1 << 20),
+                      images=image_inputs(args, engine, resolved, tokenizer))
+    scheduler.start()
+    url, server, thread = run_http(create_app(service, api_key=None))
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        scheduler.shutdown(timeout=5)
 
 
 @pytest.fixture

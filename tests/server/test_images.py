@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.models.llava_helpers import IMAGE_ROWS, IMAGE_TOKEN, build_tiny_llava, hf_greedy, hf_model
-from tests.server.conftest import run_http
+from tests.server.conftest import serve_model_dir
 
 WORD_IDS = {f"w{i}": i for i in range(5, 255)} | {"<pad>": 0, "<eos>": 1, "<bos>": 2, "USER:": 3, "ASSISTANT:": 4}
 FLAGS = ["--max-slots", "2", "--max-seq-len", "96", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
@@ -48,23 +48,9 @@ def _chat(parts):
 
 @pytest.fixture(scope="module")
 def llava_server(tmp_path_factory):
-    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-    from slipstream.server.app import create_app
-    from slipstream.server.cli import build_engine, build_parser, image_inputs
-    from slipstream.server.service import Service, ServiceConfig
-
     path = build_tiny_llava(str(tmp_path_factory.mktemp("llava")))
-    args = build_parser().parse_args(["serve", "--model", path, *FLAGS])
-    engine, tokenizer, resolved = build_engine(args)
-    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy", max_prompt_bytes=1 << 20),
-                      images=image_inputs(args, engine, resolved, tokenizer))
-    scheduler.start()
-    url, server, thread = run_http(create_app(service, api_key=None))
-    yield url, path
-    server.should_exit = True
-    thread.join(timeout=15)
-    scheduler.shutdown(timeout=5)
+    with serve_model_dir(path, FLAGS) as url:
+        yield url, path
 
 
 @pytest.fixture(scope="module")

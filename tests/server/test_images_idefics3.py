@@ -13,7 +13,7 @@ from PIL import Image
 
 from tests.models.idefics3_helpers import (IMAGE_ROWS, IMAGE_TOKEN, build_tiny_idefics3, hf_greedy, hf_model,
                                            hf_processor, save_processor_files)
-from tests.server.conftest import run_http
+from tests.server.conftest import serve_model_dir
 
 FLAGS = ["--max-slots", "2", "--max-seq-len", "128", "--kv-cache-memory", "1MiB", "--max-num-batched-tokens", "16",
          "--quantize", "none", "--max-images-per-request", "2", "--compile-cache", ""]
@@ -81,22 +81,8 @@ def test_expanded_prompt_and_tiles_equal_transformers_processor(tmp_path, splitt
 
 @pytest.fixture(scope="module")
 def idefics3_server(model_dir):
-    from slipstream.engine.scheduler import OutputProcessor, Scheduler, SchedulerConfig
-    from slipstream.server.app import create_app
-    from slipstream.server.cli import build_engine, build_parser, image_inputs
-    from slipstream.server.service import Service, ServiceConfig
-
-    args = build_parser().parse_args(["serve", "--model", model_dir, *FLAGS])
-    engine, tokenizer, resolved = build_engine(args)
-    scheduler = Scheduler(engine, OutputProcessor(tokenizer), SchedulerConfig(max_queue=8))
-    service = Service(scheduler, engine, tokenizer, ServiceConfig(model_name="dummy", max_prompt_bytes=1 << 20),
-                      images=image_inputs(args, engine, resolved, tokenizer))
-    scheduler.start()
-    url, server, thread = run_http(create_app(service, api_key=None))
-    yield url
-    server.should_exit = True
-    thread.join(timeout=15)
-    scheduler.shutdown(timeout=5)
+    with serve_model_dir(model_dir, FLAGS) as url:
+        yield url
 
 
 def test_chat_reply_equals_transformers_and_other_apis_answer_the_same(idefics3_server, model_dir):
